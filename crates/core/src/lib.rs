@@ -1,0 +1,19 @@
+//! The routing brain of kvroute: pure, synchronous selection over a snapshot.
+//!
+//! A routing decision is `policy.select(candidates, request, rng)`: the caller (the gateway)
+//! builds the [`Candidate`] list from its current snapshot of the workers that serve the
+//! request's model and are eligible, describes the request with a [`RouteRequest`], and
+//! passes a random source in. The policy returns a [`Decision`] naming one candidate.
+//!
+//! Owns: every policy ([`PolicyKind`] lists them), their parameters ([`PolicyConfig`]) and
+//! their small internal state (a round-robin counter, a cached hash ring, `manual`'s sticky
+//! map). Invariants: selection never blocks on I/O, never spawns, and reads time only from
+//! [`RouteRequest::now`]; with the same inputs and the same rng state a policy makes the
+//! same choice. Does not own: HTTP, metrics, health checks or load accounting's
+//! increments (the caller applies those from the decision).
+
+mod candidate;
+pub mod policy;
+
+pub use candidate::{Candidate, Decision, RouteRequest};
+pub use policy::{build_policy, Policy, PolicyConfig, PolicyKind, UnknownPolicy};

@@ -1,0 +1,238 @@
+//! The routing policies and the trait they share.
+//!
+//! | policy | choice |
+//! |---|---|
+//! | `random` | uniform over the candidates |
+//! | `round_robin` | the next candidate in turn (one counter per policy instance) |
+//! | `power_of_two` | two distinct random candidates; the one with fewer requests in flight |
+//! | `consistent_hash` | a ring of 160 virtual nodes per worker; the key is the session key, else the prompt text |
+//! | `rendezvous_hash` | the candidate with the highest `mix64(hash(key), hash(worker))`, same key |
+//! | `prefix_hash` | the first `prefix_token_count` characters of the prompt on the ring; a target loaded above `load_factor` x the mean goes to the least-loaded candidate |
+//! | `manual` | a sticky map from session key to worker; new keys and keyless requests go to the least-loaded candidate |
+//!
+//! "Least loaded" always breaks ties at random, so keyless serial traffic (every load zero)
+//! spreads instead of piling onto the first worker.
+
+mod hashing;
+mod load;
+mod manual;
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use rand::RngCore;
+
+use crate::{Candidate, Decision, RouteRequest};
+
+pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
+pub use load::{PowerOfTwo, Random, RoundRobin};
+pub use manual::{AssignmentMode, Manual};
+
+/// A routing policy. Implementations are cheap to call concurrently: any state they keep
+/// is behind atomics or a short, never-awaited lock.
+pub trait Policy: Send + Sync + fmt::Debug {
+    fn kind(&self) -> PolicyKind;
+
+    /// Chooses one of `candidates`, or `None` when the slice is empty.
+    fn select(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision>;
+}
+
+/// Every policy name kvroute accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    Random,
+    RoundRobin,
+    PowerOfTwo,
+    ConsistentHash,
+    RendezvousHash,
+    PrefixHash,
+    Manual,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 7] = [
+        PolicyKind::Random,
+        PolicyKind::RoundRobin,
+        PolicyKind::PowerOfTwo,
+        PolicyKind::ConsistentHash,
+        PolicyKind::RendezvousHash,
+        PolicyKind::PrefixHash,
+        PolicyKind::Manual,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Random => "random",
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::PowerOfTwo => "power_of_two",
+            PolicyKind::ConsistentHash => "consistent_hash",
+            PolicyKind::RendezvousHash => "rendezvous_hash",
+            PolicyKind::PrefixHash => "prefix_hash",
+            PolicyKind::Manual => "manual",
+        }
+    }
+
+    /// The valid names, comma-separated, for error messages.
+    pub fn valid_names() -> String {
+        Self::ALL.map(Self::name).join(", ")
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A policy name that is not one of [`PolicyKind::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownPolicy(pub String);
+
+impl fmt::Display for UnknownPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown policy '{}'; valid policies: {}",
+            self.0,
+            PolicyKind::valid_names()
+        )
+    }
+}
+
+impl std::error::Error for UnknownPolicy {}
+
+impl FromStr for PolicyKind {
+    type Err = UnknownPolicy;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // `consistent_hashing` is SGLang's spelling of the same policy.
+        let s = if s == "consistent_hashing" {
+            "consistent_hash"
+        } else {
+            s
+        };
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_owned()))
+    }
+}
+
+/// The parameters of every policy; each policy reads its own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyConfig {
+    /// Virtual nodes per worker on the hash ring (`consistent_hash`, `prefix_hash`).
+    pub virtual_nodes: u32,
+    /// Characters of the prompt `prefix_hash` keys on.
+    pub prefix_token_count: usize,
+    /// `prefix_hash` leaves its target when its load exceeds this multiple of the mean.
+    pub prefix_hash_load_factor: f64,
+    /// `manual` forgets a session key idle this long.
+    pub max_idle: Duration,
+    /// `manual` keeps at most this many session keys.
+    pub max_sessions: usize,
+    /// How `manual` places a new session key.
+    pub assignment_mode: AssignmentMode,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            virtual_nodes: 160,
+            prefix_token_count: 256,
+            prefix_hash_load_factor: 1.25,
+            max_idle: Duration::from_secs(4 * 3600),
+            max_sessions: 1 << 20,
+            assignment_mode: AssignmentMode::MinLoad,
+        }
+    }
+}
+
+/// Builds a fresh policy instance (with its own state) of `kind`.
+pub fn build_policy(kind: PolicyKind, config: &PolicyConfig) -> Box<dyn Policy> {
+    match kind {
+        PolicyKind::Random => Box::new(Random),
+        PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
+        PolicyKind::PowerOfTwo => Box::new(PowerOfTwo),
+        PolicyKind::ConsistentHash => Box::new(ConsistentHash::new(config.virtual_nodes)),
+        PolicyKind::RendezvousHash => Box::new(RendezvousHash),
+        PolicyKind::PrefixHash => Box::new(PrefixHash::new(
+            config.virtual_nodes,
+            config.prefix_token_count,
+            config.prefix_hash_load_factor,
+        )),
+        PolicyKind::Manual => Box::new(Manual::new(
+            config.max_idle,
+            config.max_sessions,
+            config.assignment_mode,
+        )),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::time::Instant;
+
+    use kvroute_protocol::WorkerId;
+
+    use crate::{Candidate, RouteRequest};
+
+    pub fn ids(n: usize) -> Vec<WorkerId> {
+        (0..n)
+            .map(|i| WorkerId::new(format!("http://w{i}:8000")))
+            .collect()
+    }
+
+    pub fn cands<'a>(ids: &'a [WorkerId], loads: &[u64]) -> Vec<Candidate<'a>> {
+        ids.iter()
+            .zip(loads)
+            .map(|(worker, &in_flight)| Candidate { worker, in_flight })
+            .collect()
+    }
+
+    pub fn req<'a>(key: Option<&'a str>, text: &'a str, now: Instant) -> RouteRequest<'a> {
+        RouteRequest {
+            session_key: key,
+            text,
+            now,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_lists_valid_names() {
+        for k in PolicyKind::ALL {
+            assert_eq!(k.name().parse::<PolicyKind>().unwrap(), k);
+        }
+        assert_eq!(
+            "consistent_hashing".parse::<PolicyKind>().unwrap(),
+            PolicyKind::ConsistentHash
+        );
+        let err = "nope".parse::<PolicyKind>().unwrap_err().to_string();
+        assert!(err.contains("'nope'"), "{err}");
+        for k in PolicyKind::ALL {
+            assert!(err.contains(k.name()), "{err}");
+        }
+    }
+
+    #[test]
+    fn every_policy_returns_none_on_no_candidates() {
+        let mut rng = <rand::rngs::SmallRng as rand::SeedableRng>::seed_from_u64(1);
+        let r = test_support::req(Some("k"), "t", std::time::Instant::now());
+        for k in PolicyKind::ALL {
+            let p = build_policy(k, &PolicyConfig::default());
+            assert_eq!(p.kind(), k);
+            assert!(p.select(&[], &r, &mut rng).is_none(), "{k}");
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! `manual`: a sticky map from session key to worker (SGLang's manual policy).
+//!
+//! A request with a session key goes to the worker its key is bound to, if that worker is
+//! still a candidate; otherwise (a new key, or its worker gone or unhealthy) the key is
+//! bound to a worker chosen by the [`AssignmentMode`] (least loaded by default) and the
+//! request goes there. A request without a key goes to the least-loaded candidate and
+//! binds nothing. Bindings idle for `max_idle` (4 h) are forgotten, swept at most once a
+//! minute; at most `max_sessions` are kept, and a new key that finds the map full is routed
+//! without being bound, so memory stays bounded whatever the traffic.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvroute_protocol::WorkerId;
+use rand::{Rng, RngCore};
+
+use super::load::least_loaded;
+use super::{Policy, PolicyKind};
+use crate::{Candidate, Decision, RouteRequest};
+
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// How a new session key is placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AssignmentMode {
+    /// The candidate with the fewest requests in flight (ties at random).
+    MinLoad,
+    /// A uniformly random candidate.
+    Random,
+}
+
+struct Binding {
+    worker: WorkerId,
+    last_used: Instant,
+}
+
+struct Sessions {
+    map: HashMap<Box<str>, Binding>,
+    last_sweep: Option<Instant>,
+}
+
+pub struct Manual {
+    max_idle: Duration,
+    max_sessions: usize,
+    mode: AssignmentMode,
+    sessions: Mutex<Sessions>,
+}
+
+impl Manual {
+    pub fn new(max_idle: Duration, max_sessions: usize, mode: AssignmentMode) -> Self {
+        Self {
+            max_idle,
+            max_sessions,
+            mode,
+            sessions: Mutex::new(Sessions {
+                map: HashMap::new(),
+                last_sweep: None,
+            }),
+        }
+    }
+
+    /// Number of session keys currently bound.
+    pub fn sessions(&self) -> usize {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).map.len()
+    }
+
+    fn assign(&self, candidates: &[Candidate<'_>], rng: &mut dyn RngCore) -> Option<usize> {
+        match self.mode {
+            AssignmentMode::MinLoad => least_loaded(candidates, rng),
+            AssignmentMode::Random => {
+                (!candidates.is_empty()).then(|| rng.random_range(0..candidates.len()))
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Manual {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Manual")
+            .field("max_idle_secs", &self.max_idle.as_secs())
+            .field("max_sessions", &self.max_sessions)
+            .field("assignment_mode", &self.mode)
+            .finish()
+    }
+}
+
+impl Policy for Manual {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Manual
+    }
+
+    fn select(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        let Some(key) = request.session_key else {
+            return least_loaded(candidates, rng).map(|index| Decision { index });
+        };
+        if candidates.is_empty() {
+            return None;
+        }
+        let now = request.now;
+        let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let due = s
+            .last_sweep
+            .is_none_or(|t| now.saturating_duration_since(t) >= SWEEP_EVERY);
+        if due {
+            let max_idle = self.max_idle;
+            s.map
+                .retain(|_, b| now.saturating_duration_since(b.last_used) < max_idle);
+            s.last_sweep = Some(now);
+        }
+        if let Some(b) = s.map.get_mut(key) {
+            let live = now.saturating_duration_since(b.last_used) < self.max_idle;
+            if live {
+                if let Some(index) = candidates.iter().position(|c| c.worker == &b.worker) {
+                    b.last_used = now;
+                    return Some(Decision { index });
+                }
+            }
+        }
+        let index = self.assign(candidates, rng)?;
+        let binding = Binding {
+            worker: candidates[index].worker.clone(),
+            last_used: now,
+        };
+        if let Some(b) = s.map.get_mut(key) {
+            *b = binding;
+        } else if s.map.len() < self.max_sessions {
+            s.map.insert(key.into(), binding);
+        }
+        Some(Decision { index })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::SmallRng;
+    use rand::SeedableRng;
+
+    use super::*;
+    use crate::policy::test_support::{cands, ids, req};
+
+    fn manual() -> Manual {
+        Manual::new(Duration::from_secs(4 * 3600), 1000, AssignmentMode::MinLoad)
+    }
+
+    #[test]
+    fn a_key_sticks_to_its_worker_whatever_the_load() {
+        let ids = ids(3);
+        let p = manual();
+        let mut rng = SmallRng::seed_from_u64(0);
+        let t0 = Instant::now();
+        let first = p
+            .select(&cands(&ids, &[1, 0, 1]), &req(Some("a"), "", t0), &mut rng)
+            .unwrap()
+            .index;
+        assert_eq!(first, 1, "a new key goes to the least loaded");
+        for i in 0..10 {
+            let c = cands(&ids, &[0, 50 + i, 0]);
+            let at = t0 + Duration::from_secs(60 * i);
+            assert_eq!(p.select(&c, &req(Some("a"), "", at), &mut rng).unwrap().index, 1);
+        }
+    }
+
+    #[test]
+    fn gone_worker_rebinds_and_idle_keys_expire() {
+        let ids = ids(2);
+        let p = manual();
+        let mut rng = SmallRng::seed_from_u64(0);
+        let t0 = Instant::now();
+        let both = cands(&ids, &[0, 5]);
+        assert_eq!(p.select(&both, &req(Some("k"), "", t0), &mut rng).unwrap().index, 0);
+        // Worker 0 leaves: the key moves to worker 1 and stays there after 0 returns.
+        let only1 = cands(&ids[1..], &[5]);
+        let d = p.select(&only1, &req(Some("k"), "", t0), &mut rng).unwrap();
+        assert_eq!(only1[d.index].worker, &ids[1]);
+        assert_eq!(p.select(&both, &req(Some("k"), "", t0), &mut rng).unwrap().index, 1);
+        // Idle past 4 h: forgotten, re-placed by load.
+        let later = t0 + Duration::from_secs(4 * 3600 + 1);
+        assert_eq!(p.select(&both, &req(Some("k"), "", later), &mut rng).unwrap().index, 0);
+        // The sweep drops other idle keys.
+        p.select(&both, &req(Some("old"), "", t0), &mut rng);
+        let much_later = later + Duration::from_secs(4 * 3600 + 60);
+        p.select(&both, &req(Some("new"), "", much_later), &mut rng);
+        assert_eq!(p.sessions(), 1);
+    }
+
+    #[test]
+    fn keyless_requests_spread_and_the_map_is_bounded() {
+        let ids = ids(2);
+        let p = Manual::new(Duration::from_secs(3600), 2, AssignmentMode::MinLoad);
+        let mut rng = SmallRng::seed_from_u64(9);
+        let t0 = Instant::now();
+        let c = cands(&ids, &[0, 0]);
+        let mut seen = [0; 2];
+        for _ in 0..40 {
+            seen[p.select(&c, &req(None, "", t0), &mut rng).unwrap().index] += 1;
+        }
+        assert!(seen[0] > 5 && seen[1] > 5, "{seen:?}");
+        for k in 0..10 {
+            let key = format!("k{k}");
+            assert!(p.select(&c, &req(Some(&key), "", t0), &mut rng).is_some());
+        }
+        assert_eq!(p.sessions(), 2);
+    }
+}

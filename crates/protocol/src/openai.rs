@@ -1,0 +1,346 @@
+//! The fields of an OpenAI-style request that routing reads, as a borrowing view.
+//!
+//! The router forwards the request body as the bytes that came in; it deserialises only
+//! [`RoutingFields`], whose strings borrow from the body wherever JSON escaping allows, and
+//! skips every other field without building it. The same view covers
+//! `/v1/chat/completions` (`messages`), `/v1/completions` (`prompt`), SGLang's `/generate`
+//! (`text`, `input_ids`) and `/v1/embeddings` or `/v1/responses` (`input`).
+//!
+//! [`RoutingFields::routing_text`] is the text the text-based policies key on: for a chat,
+//! the messages' text contents joined with single spaces (SGLang's router does the same);
+//! for a completion, the prompt (several prompts joined with spaces); token-id prompts
+//! become their decimal ids joined with spaces.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
+use serde::Deserialize;
+
+/// What routing reads from a request body. Unknown fields are skipped, not stored.
+#[derive(Debug, Default, Deserialize)]
+pub struct RoutingFields<'a> {
+    #[serde(borrow, default)]
+    pub model: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "null_as_false")]
+    pub stream: bool,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    #[serde(borrow, default)]
+    pub user: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub prompt: Option<Prompt<'a>>,
+    #[serde(borrow, default)]
+    pub messages: Option<Vec<Message<'a>>>,
+    /// SGLang `/generate`.
+    #[serde(borrow, default)]
+    pub text: Option<Prompt<'a>>,
+    /// SGLang `/generate`.
+    #[serde(default)]
+    pub input_ids: Option<Prompt<'a>>,
+    /// `/v1/embeddings`, `/v1/responses`.
+    #[serde(borrow, default)]
+    pub input: Option<Prompt<'a>>,
+}
+
+fn null_as_false<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
+impl<'a> RoutingFields<'a> {
+    /// Parses the routing view of a JSON body. The body must be a JSON object.
+    pub fn from_json(body: &'a [u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(body)
+    }
+
+    /// The text text-based policies key on (see the module docs). Borrows when the
+    /// request has a single plain-text prompt.
+    pub fn routing_text(&self) -> Cow<'_, str> {
+        if let Some(messages) = &self.messages {
+            let mut out = String::new();
+            for m in messages {
+                m.content.append_text(&mut out);
+            }
+            return Cow::Owned(out);
+        }
+        let prompt = self
+            .prompt
+            .as_ref()
+            .or(self.text.as_ref())
+            .or(self.input_ids.as_ref())
+            .or(self.input.as_ref());
+        match prompt {
+            Some(p) => p.text(),
+            None => Cow::Borrowed(""),
+        }
+    }
+}
+
+/// A prompt: a string, several strings, token ids, or several token-id lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt<'a> {
+    Text(Cow<'a, str>),
+    Texts(Vec<Cow<'a, str>>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+impl Prompt<'_> {
+    pub fn text(&self) -> Cow<'_, str> {
+        match self {
+            Prompt::Text(t) => Cow::Borrowed(t),
+            Prompt::Texts(ts) => Cow::Owned(ts.join(" ")),
+            Prompt::Tokens(ids) => Cow::Owned(join_ids(ids)),
+            Prompt::TokenBatches(bs) => Cow::Owned(
+                bs.iter()
+                    .map(|b| join_ids(b))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+        }
+    }
+}
+
+fn join_ids(ids: &[u32]) -> String {
+    let mut s = String::with_capacity(ids.len() * 4);
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(&id.to_string());
+    }
+    s
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Prompt<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PromptVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+/// One element of a prompt array: decides which array shape the prompt has.
+enum PromptItem<'a> {
+    Text(Cow<'a, str>),
+    Token(u32),
+    Tokens(Vec<u32>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for PromptItem<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ItemVisitor;
+        impl<'de> Visitor<'de> for ItemVisitor {
+            type Value = PromptItem<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, a token id or a list of token ids")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(PromptItem::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(PromptItem::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                u32::try_from(v)
+                    .map(PromptItem::Token)
+                    .map_err(|_| E::custom("token id out of range"))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                Ok(PromptItem::Tokens(ids))
+            }
+        }
+        d.deserialize_any(ItemVisitor)
+    }
+}
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = Prompt<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string, a list of strings, or token ids")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Prompt::Text(Cow::Borrowed(v)))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Prompt::Text(Cow::Owned(v.to_owned())))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let Some(first) = seq.next_element::<PromptItem<'de>>()? else {
+            return Ok(Prompt::Texts(Vec::new()));
+        };
+        let mismatch = || de::Error::custom("prompt array mixes strings and token ids");
+        match first {
+            PromptItem::Text(t) => {
+                let mut out = vec![t];
+                while let Some(item) = seq.next_element::<PromptItem<'de>>()? {
+                    match item {
+                        PromptItem::Text(t) => out.push(t),
+                        _ => return Err(mismatch()),
+                    }
+                }
+                Ok(Prompt::Texts(out))
+            }
+            PromptItem::Token(id) => {
+                let mut out = vec![id];
+                while let Some(id) = seq.next_element::<u32>()? {
+                    out.push(id);
+                }
+                Ok(Prompt::Tokens(out))
+            }
+            PromptItem::Tokens(ids) => {
+                let mut out = vec![ids];
+                while let Some(ids) = seq.next_element::<Vec<u32>>()? {
+                    out.push(ids);
+                }
+                Ok(Prompt::TokenBatches(out))
+            }
+        }
+    }
+}
+
+/// A chat message; only its content matters to routing.
+#[derive(Debug, Default, Deserialize)]
+pub struct Message<'a> {
+    #[serde(borrow, default)]
+    pub role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub content: Content<'a>,
+}
+
+/// A message's content: a string, or a list of parts of which the `text` ones count.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub enum Content<'a> {
+    #[default]
+    Empty,
+    Text(Cow<'a, str>),
+    Parts(Vec<Cow<'a, str>>),
+}
+
+impl Content<'_> {
+    /// Appends this content's text to `out`, space-separated from what is already there.
+    pub fn append_text(&self, out: &mut String) {
+        let mut push = |t: &str| {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(t);
+        };
+        match self {
+            Content::Empty => {}
+            Content::Text(t) => push(t),
+            Content::Parts(parts) => parts.iter().for_each(|t| push(t)),
+        }
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ContentVisitor;
+        impl<'de> Visitor<'de> for ContentVisitor {
+            type Value = Content<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string, a list of content parts, or null")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Content::Empty)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Content::Empty)
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(part) = seq.next_element::<Part<'de>>()? {
+                    if let Some(t) = part.text {
+                        parts.push(t);
+                    }
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        d.deserialize_any(ContentVisitor)
+    }
+}
+
+/// A content part (`{"type": "text", "text": ...}`, `{"type": "image_url", ...}`).
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(flatten)]
+    _rest: IgnoredRest,
+}
+
+/// Swallows the other keys of a part without storing them.
+#[derive(Default)]
+struct IgnoredRest;
+
+impl<'de> Deserialize<'de> for IgnoredRest {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        IgnoredAny::deserialize(d).map(|_| IgnoredRest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_text_joins_contents_and_skips_non_text_parts() {
+        let body = br#"{"model":"m","stream":true,"unknown":{"x":[1,2]},"messages":[
+            {"role":"system","content":"be brief"},
+            {"role":"user","content":[{"type":"text","text":"hello"},{"type":"image_url","image_url":{"url":"u"}}]},
+            {"role":"assistant","content":null}]}"#;
+        let f = RoutingFields::from_json(body).unwrap();
+        assert_eq!(f.model.as_deref(), Some("m"));
+        assert!(f.stream);
+        assert_eq!(f.routing_text(), "be brief hello");
+    }
+
+    #[test]
+    fn completion_prompt_shapes() {
+        let f = RoutingFields::from_json(br#"{"prompt":"abc"}"#).unwrap();
+        assert!(matches!(f.routing_text(), Cow::Borrowed("abc")));
+        let f = RoutingFields::from_json(br#"{"prompt":["a","b"]}"#).unwrap();
+        assert_eq!(f.routing_text(), "a b");
+        let f = RoutingFields::from_json(br#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(f.prompt, Some(Prompt::Tokens(vec![1, 2, 3])));
+        assert_eq!(f.routing_text(), "1 2 3");
+        let f = RoutingFields::from_json(br#"{"prompt":[[1],[2,3]]}"#).unwrap();
+        assert_eq!(f.prompt, Some(Prompt::TokenBatches(vec![vec![1], vec![2, 3]])));
+        assert!(RoutingFields::from_json(br#"{"prompt":["a",1]}"#).is_err());
+        let f = RoutingFields::from_json(br#"{"text":"gen","stream":null}"#).unwrap();
+        assert_eq!(f.routing_text(), "gen");
+        assert!(!f.stream);
+    }
+
+    #[test]
+    fn escaped_strings_are_decoded() {
+        let f = RoutingFields::from_json(br#"{"prompt":"a\"b\u00e9"}"#).unwrap();
+        assert_eq!(f.routing_text(), "a\"b\u{e9}");
+    }
+
+    #[test]
+    fn malformed_bodies_are_errors() {
+        assert!(RoutingFields::from_json(b"{").is_err());
+        assert!(RoutingFields::from_json(b"[1]").is_err());
+        assert!(RoutingFields::from_json(br#"{"model":3}"#).is_err());
+        assert!(RoutingFields::from_json(br#"{"messages":"x"}"#).is_err());
+    }
+}
