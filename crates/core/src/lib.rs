@@ -16,4 +16,4 @@ mod candidate;
 pub mod policy;
 
 pub use candidate::{Candidate, Decision, RouteRequest};
-pub use policy::{build_policy, Policy, PolicyConfig, PolicyKind, UnknownPolicy};
+pub use policy::{build_policy, AssignmentMode, Policy, PolicyConfig, PolicyKind, UnknownPolicy};

@@ -93,12 +93,9 @@ impl Prompt<'_> {
             Prompt::Text(t) => Cow::Borrowed(t),
             Prompt::Texts(ts) => Cow::Owned(ts.join(" ")),
             Prompt::Tokens(ids) => Cow::Owned(join_ids(ids)),
-            Prompt::TokenBatches(bs) => Cow::Owned(
-                bs.iter()
-                    .map(|b| join_ids(b))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            ),
+            Prompt::TokenBatches(bs) => {
+                Cow::Owned(bs.iter().map(|b| join_ids(b)).collect::<Vec<_>>().join(" "))
+            }
         }
     }
 }
@@ -323,7 +320,10 @@ mod tests {
         assert_eq!(f.prompt, Some(Prompt::Tokens(vec![1, 2, 3])));
         assert_eq!(f.routing_text(), "1 2 3");
         let f = RoutingFields::from_json(br#"{"prompt":[[1],[2,3]]}"#).unwrap();
-        assert_eq!(f.prompt, Some(Prompt::TokenBatches(vec![vec![1], vec![2, 3]])));
+        assert_eq!(
+            f.prompt,
+            Some(Prompt::TokenBatches(vec![vec![1], vec![2, 3]]))
+        );
         assert!(RoutingFields::from_json(br#"{"prompt":["a",1]}"#).is_err());
         let f = RoutingFields::from_json(br#"{"text":"gen","stream":null}"#).unwrap();
         assert_eq!(f.routing_text(), "gen");

@@ -54,9 +54,9 @@ impl Ring {
 }
 
 fn fingerprint(candidates: &[Candidate<'_>]) -> u64 {
-    candidates
-        .iter()
-        .fold(candidates.len() as u64, |acc, c| mix64(acc, c.worker.hash64()))
+    candidates.iter().fold(candidates.len() as u64, |acc, c| {
+        mix64(acc, c.worker.hash64())
+    })
 }
 
 /// A hash ring over the candidates, rebuilt when they change.
@@ -264,7 +264,11 @@ mod tests {
     fn removing_a_worker_moves_only_its_keys() {
         let ids = ids(4);
         let all = cands(&ids, &[0; 4]);
-        let fewer: Vec<_> = all.iter().copied().filter(|c| c.worker != &ids[2]).collect();
+        let fewer: Vec<_> = all
+            .iter()
+            .copied()
+            .filter(|c| c.worker != &ids[2])
+            .collect();
         for p in [
             &ConsistentHash::new(160) as &dyn Policy,
             &RendezvousHash as &dyn Policy,
@@ -302,7 +306,10 @@ mod tests {
         let system = "s".repeat(256);
         let c = cands(&ids, &[0; 4]);
         let target = pick(&p, &c, None, &format!("{system} question one"));
-        assert_eq!(pick(&p, &c, None, &format!("{system} question two")), target);
+        assert_eq!(
+            pick(&p, &c, None, &format!("{system} question two")),
+            target
+        );
         // Target loaded above 1.25 x the mean: go to the least loaded instead.
         let mut loads = [4u64; 4];
         loads[target] = 10;

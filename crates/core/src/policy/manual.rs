@@ -63,7 +63,11 @@ impl Manual {
 
     /// Number of session keys currently bound.
     pub fn sessions(&self) -> usize {
-        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).map.len()
+        self.sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map
+            .len()
     }
 
     fn assign(&self, candidates: &[Candidate<'_>], rng: &mut dyn RngCore) -> Option<usize> {
@@ -163,7 +167,12 @@ mod tests {
         for i in 0..10 {
             let c = cands(&ids, &[0, 50 + i, 0]);
             let at = t0 + Duration::from_secs(60 * i);
-            assert_eq!(p.select(&c, &req(Some("a"), "", at), &mut rng).unwrap().index, 1);
+            assert_eq!(
+                p.select(&c, &req(Some("a"), "", at), &mut rng)
+                    .unwrap()
+                    .index,
+                1
+            );
         }
     }
 
@@ -174,15 +183,30 @@ mod tests {
         let mut rng = SmallRng::seed_from_u64(0);
         let t0 = Instant::now();
         let both = cands(&ids, &[0, 5]);
-        assert_eq!(p.select(&both, &req(Some("k"), "", t0), &mut rng).unwrap().index, 0);
+        assert_eq!(
+            p.select(&both, &req(Some("k"), "", t0), &mut rng)
+                .unwrap()
+                .index,
+            0
+        );
         // Worker 0 leaves: the key moves to worker 1 and stays there after 0 returns.
         let only1 = cands(&ids[1..], &[5]);
         let d = p.select(&only1, &req(Some("k"), "", t0), &mut rng).unwrap();
         assert_eq!(only1[d.index].worker, &ids[1]);
-        assert_eq!(p.select(&both, &req(Some("k"), "", t0), &mut rng).unwrap().index, 1);
+        assert_eq!(
+            p.select(&both, &req(Some("k"), "", t0), &mut rng)
+                .unwrap()
+                .index,
+            1
+        );
         // Idle past 4 h: forgotten, re-placed by load.
         let later = t0 + Duration::from_secs(4 * 3600 + 1);
-        assert_eq!(p.select(&both, &req(Some("k"), "", later), &mut rng).unwrap().index, 0);
+        assert_eq!(
+            p.select(&both, &req(Some("k"), "", later), &mut rng)
+                .unwrap()
+                .index,
+            0
+        );
         // The sweep drops other idle keys.
         p.select(&both, &req(Some("old"), "", t0), &mut rng);
         let much_later = later + Duration::from_secs(4 * 3600 + 60);

@@ -1,0 +1,397 @@
+//! Configuration: one clap struct that is also the config file's schema, merged then
+//! validated once into [`Settings`].
+//!
+//! Every knob is a field of [`Args`], which both clap (flags, `--kebab-case`) and serde
+//! (the `--config` file, `snake_case`, YAML or JSON whatever the extension) read. The
+//! command line wins over the file; defaults are applied once, in [`Args::into_settings`].
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use kvroute_core::{AssignmentMode, PolicyConfig, PolicyKind};
+use serde::{Deserialize, Deserializer};
+
+/// Errors in the configuration; `kvroute` exits with status 2 on any of them.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_yaml_ng::Error,
+    },
+    #[error("invalid worker url '{url}': {reason}")]
+    WorkerUrl { url: String, reason: &'static str },
+    #[error("duplicate worker id '{0}'")]
+    DuplicateWorker(String),
+    #[error("invalid value for {name}: {reason}")]
+    Invalid {
+        name: &'static str,
+        reason: &'static str,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    #[value(alias = "warning")]
+    #[serde(alias = "warning")]
+    Warn,
+    Error,
+}
+
+impl LogLevel {
+    pub fn as_filter(self) -> &'static str {
+        match self {
+            LogLevel::Trace => "trace",
+            LogLevel::Debug => "debug",
+            LogLevel::Info => "info",
+            LogLevel::Warn => "warn",
+            LogLevel::Error => "error",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AssignmentModeArg {
+    MinLoad,
+    Random,
+}
+
+/// A worker as the config file describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    /// Defaults to the url.
+    #[serde(default)]
+    pub id: Option<String>,
+    pub url: String,
+    /// The model it serves; else read from its `GET /v1/models`.
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+/// The command line of `kvroute`, and the schema of its config file.
+#[derive(Debug, Default, Parser, Deserialize)]
+#[command(
+    name = "kvroute",
+    version,
+    about = "KV-cache-aware router for OpenAI-compatible LLM engines (vLLM, SGLang)"
+)]
+#[serde(default, deny_unknown_fields)]
+pub struct Args {
+    /// Config file (YAML or JSON); the command line wins over it.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+
+    /// Address to serve the API on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to serve the API on [default: 30000].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Address to serve Prometheus metrics on [default: the --host].
+    #[arg(long)]
+    pub prometheus_host: Option<String>,
+    /// Port to serve Prometheus metrics on [default: 29000].
+    #[arg(long)]
+    pub prometheus_port: Option<u16>,
+
+    /// Worker base URLs; each one's id is its URL, its models come from its /v1/models.
+    #[arg(long, num_args = 1.., value_name = "URL")]
+    pub worker_urls: Vec<String>,
+    /// Workers with an id and a model (config file only).
+    #[arg(skip)]
+    pub workers: Vec<WorkerSpec>,
+
+    /// Routing policy [default: round_robin].
+    #[arg(long, value_parser = parse_policy)]
+    #[serde(deserialize_with = "de_policy")]
+    pub policy: Option<PolicyKind>,
+    /// prefix_hash: characters of the prompt hashed [default: 256].
+    #[arg(long)]
+    pub prefix_token_count: Option<usize>,
+    /// prefix_hash: leave the hashed worker when its load exceeds this x the mean [default: 1.25].
+    #[arg(long)]
+    pub prefix_hash_load_factor: Option<f64>,
+    /// manual: forget a session key idle this long [default: 14400].
+    #[arg(long)]
+    pub max_idle_secs: Option<u64>,
+    /// manual: how a new session key is placed [default: min_load].
+    #[arg(long, value_enum)]
+    pub assignment_mode: Option<AssignmentModeArg>,
+
+    /// Largest request body accepted, in bytes [default: 536870912].
+    #[arg(long)]
+    pub max_payload_size: Option<usize>,
+    /// Longest wait for a worker's response headers [default: 1800].
+    #[arg(long)]
+    pub request_timeout_secs: Option<u64>,
+    /// Log level: trace, debug, info, warn (or warning), error [default: info].
+    #[arg(long, value_enum)]
+    pub log_level: Option<LogLevel>,
+}
+
+fn parse_policy(s: &str) -> Result<PolicyKind, String> {
+    s.parse::<PolicyKind>().map_err(|e| e.to_string())
+}
+
+fn de_policy<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PolicyKind>, D::Error> {
+    let Some(name) = Option::<String>::deserialize(d)? else {
+        return Ok(None);
+    };
+    name.parse().map(Some).map_err(serde::de::Error::custom)
+}
+
+/// The validated configuration the gateway runs with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub host: String,
+    pub port: u16,
+    pub prometheus_host: String,
+    pub prometheus_port: u16,
+    pub workers: Vec<WorkerSpec>,
+    pub policy: PolicyKind,
+    pub policy_config: PolicyConfig,
+    pub max_payload_size: usize,
+    pub request_timeout: Duration,
+    pub log_level: LogLevel,
+}
+
+impl Settings {
+    /// Settings with every default and the given workers: what tests start from.
+    pub fn with_workers(workers: Vec<WorkerSpec>) -> Result<Self, ConfigError> {
+        Args {
+            workers,
+            ..Args::default()
+        }
+        .into_settings()
+    }
+}
+
+impl Args {
+    /// Reads the `--config` file, if any, under the command line.
+    pub fn load(self) -> Result<Settings, ConfigError> {
+        match self.config.clone() {
+            Some(path) => self.merge(Args::from_file(&path)?).into_settings(),
+            None => self.into_settings(),
+        }
+    }
+
+    pub fn from_file(path: &Path) -> Result<Args, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Args::from_text(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Parses a config file's text. YAML is a superset of JSON, so one parser reads both.
+    pub fn from_text(text: &str) -> Result<Args, serde_yaml_ng::Error> {
+        if text.trim().is_empty() {
+            return Ok(Args::default());
+        }
+        serde_yaml_ng::from_str(text)
+    }
+
+    /// `self` (the command line) over `file`.
+    pub fn merge(self, file: Args) -> Args {
+        Args {
+            config: self.config,
+            host: self.host.or(file.host),
+            port: self.port.or(file.port),
+            prometheus_host: self.prometheus_host.or(file.prometheus_host),
+            prometheus_port: self.prometheus_port.or(file.prometheus_port),
+            worker_urls: if self.worker_urls.is_empty() {
+                file.worker_urls
+            } else {
+                self.worker_urls
+            },
+            workers: file.workers,
+            policy: self.policy.or(file.policy),
+            prefix_token_count: self.prefix_token_count.or(file.prefix_token_count),
+            prefix_hash_load_factor: self
+                .prefix_hash_load_factor
+                .or(file.prefix_hash_load_factor),
+            max_idle_secs: self.max_idle_secs.or(file.max_idle_secs),
+            assignment_mode: self.assignment_mode.or(file.assignment_mode),
+            max_payload_size: self.max_payload_size.or(file.max_payload_size),
+            request_timeout_secs: self.request_timeout_secs.or(file.request_timeout_secs),
+            log_level: self.log_level.or(file.log_level),
+        }
+    }
+
+    /// Applies the defaults and validates.
+    pub fn into_settings(self) -> Result<Settings, ConfigError> {
+        let defaults = PolicyConfig::default();
+        let mut workers: Vec<WorkerSpec> = self
+            .worker_urls
+            .into_iter()
+            .map(|url| WorkerSpec {
+                id: None,
+                url,
+                model: None,
+            })
+            .collect();
+        workers.extend(self.workers);
+        let mut seen = std::collections::HashSet::new();
+        for w in &mut workers {
+            w.url = normalize_url(&w.url)?;
+            let id = w.id.get_or_insert_with(|| w.url.clone());
+            if !seen.insert(id.clone()) {
+                return Err(ConfigError::DuplicateWorker(id.clone()));
+            }
+        }
+        let load_factor = self
+            .prefix_hash_load_factor
+            .unwrap_or(defaults.prefix_hash_load_factor);
+        if !(load_factor.is_finite() && load_factor > 0.0) {
+            return Err(ConfigError::Invalid {
+                name: "prefix_hash_load_factor",
+                reason: "must be a positive number",
+            });
+        }
+        let max_payload_size = self.max_payload_size.unwrap_or(512 * 1024 * 1024);
+        if max_payload_size == 0 {
+            return Err(ConfigError::Invalid {
+                name: "max_payload_size",
+                reason: "must be positive",
+            });
+        }
+        let request_timeout_secs = self.request_timeout_secs.unwrap_or(1800);
+        if request_timeout_secs == 0 {
+            return Err(ConfigError::Invalid {
+                name: "request_timeout_secs",
+                reason: "must be positive",
+            });
+        }
+        let host = self.host.unwrap_or_else(|| "127.0.0.1".to_owned());
+        Ok(Settings {
+            prometheus_host: self.prometheus_host.unwrap_or_else(|| host.clone()),
+            host,
+            port: self.port.unwrap_or(30000),
+            prometheus_port: self.prometheus_port.unwrap_or(29000),
+            workers,
+            policy: self.policy.unwrap_or(PolicyKind::RoundRobin),
+            policy_config: PolicyConfig {
+                prefix_token_count: self
+                    .prefix_token_count
+                    .unwrap_or(defaults.prefix_token_count),
+                prefix_hash_load_factor: load_factor,
+                max_idle: self
+                    .max_idle_secs
+                    .map_or(defaults.max_idle, Duration::from_secs),
+                assignment_mode: match self.assignment_mode {
+                    Some(AssignmentModeArg::Random) => AssignmentMode::Random,
+                    Some(AssignmentModeArg::MinLoad) | None => AssignmentMode::MinLoad,
+                },
+                ..defaults
+            },
+            max_payload_size,
+            request_timeout: Duration::from_secs(request_timeout_secs),
+            log_level: self.log_level.unwrap_or(LogLevel::Info),
+        })
+    }
+}
+
+/// Checks a worker base URL (`http://host:port[/prefix]`) and drops a trailing slash.
+fn normalize_url(url: &str) -> Result<String, ConfigError> {
+    let bad = |reason| ConfigError::WorkerUrl {
+        url: url.to_owned(),
+        reason,
+    };
+    let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => return Err(bad("https workers are not supported yet; use http")),
+        _ => return Err(bad("must start with http://")),
+    }
+    if uri.authority().is_none() {
+        return Err(bad("has no host"));
+    }
+    if uri.query().is_some() {
+        return Err(bad("must not have a query"));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_and_json_files_read_the_same() {
+        let yaml = "policy: consistent_hash\nport: 8080\nlog_level: warning\nworkers:\n  - id: a\n    url: http://10.0.0.1:8000/\n    model: llama\n  - url: http://10.0.0.2:8000\n";
+        let json = r#"{"policy":"consistent_hash","port":8080,"log_level":"warning","workers":[
+            {"id":"a","url":"http://10.0.0.1:8000/","model":"llama"},{"url":"http://10.0.0.2:8000"}]}"#;
+        for text in [yaml, json] {
+            let s = Args::from_text(text).unwrap().into_settings().unwrap();
+            assert_eq!(s.policy, PolicyKind::ConsistentHash);
+            assert_eq!(s.port, 8080);
+            assert_eq!(s.log_level, LogLevel::Warn);
+            assert_eq!(s.workers[0].id.as_deref(), Some("a"));
+            assert_eq!(s.workers[0].url, "http://10.0.0.1:8000");
+            assert_eq!(s.workers[0].model.as_deref(), Some("llama"));
+            assert_eq!(s.workers[1].id.as_deref(), Some("http://10.0.0.2:8000"));
+        }
+    }
+
+    #[test]
+    fn command_line_wins_over_file_and_defaults_apply() {
+        let cli = Args::try_parse_from(["kvroute", "--port", "9", "--policy", "random"]).unwrap();
+        let file = Args::from_text("port: 8\nhost: 0.0.0.0\npolicy: manual\n").unwrap();
+        let s = cli.merge(file).into_settings().unwrap();
+        assert_eq!(s.port, 9);
+        assert_eq!(s.host, "0.0.0.0");
+        assert_eq!(s.prometheus_host, "0.0.0.0");
+        assert_eq!(s.policy, PolicyKind::Random);
+        assert_eq!(s.prometheus_port, 29000);
+        assert_eq!(s.max_payload_size, 512 * 1024 * 1024);
+        let s = Args::default().into_settings().unwrap();
+        assert_eq!((s.host.as_str(), s.port), ("127.0.0.1", 30000));
+        assert_eq!(s.policy, PolicyKind::RoundRobin);
+    }
+
+    #[test]
+    fn bad_configs_are_clear_errors() {
+        let e = Args::from_text("policy: nope\n").unwrap_err().to_string();
+        assert!(
+            e.contains("valid policies") && e.contains("round_robin"),
+            "{e}"
+        );
+        let e = Args::from_text("polcy: random\n").unwrap_err().to_string();
+        assert!(e.contains("polcy"), "{e}");
+        assert!(Args::from_text("workers: [{id: a}]").is_err());
+        assert!(Args::from_text("port: [1]").is_err());
+        let dup = Args::from_text("workers: [{url: 'http://a:1'}, {url: 'http://a:1/'}]").unwrap();
+        assert!(matches!(
+            dup.into_settings(),
+            Err(ConfigError::DuplicateWorker(_))
+        ));
+        for url in ["a:1", "ftp://a:1", "https://a:1", "http://a:1/?x=1"] {
+            let e = Args {
+                worker_urls: vec![url.into()],
+                ..Args::default()
+            }
+            .into_settings();
+            assert!(matches!(e, Err(ConfigError::WorkerUrl { .. })), "{url}");
+        }
+        let e = Args::try_parse_from(["kvroute", "--policy", "nope"]).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("power_of_two"), "{e}");
+        assert!(Args::try_parse_from(["kvroute", "--log-level", "warning"]).is_ok());
+    }
+}

@@ -1,0 +1,120 @@
+//! The gateway's errors, and the one place they become HTTP responses.
+//!
+//! Each variant is one case of PRODUCT.md's error table, with its status and its distinct
+//! `code`; upstream failures keep their cause and the worker that failed, which is named in
+//! the response's `x-kvroute-worker` header.
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode};
+use kvroute_protocol::{ErrorBody, WorkerId};
+
+use crate::proxy::WORKER_HEADER;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("invalid JSON body: {0}")]
+    InvalidJson(#[source] serde_json::Error),
+    #[error("request body is larger than the limit of {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("cannot read request body: {0}")]
+    BodyRead(#[source] BoxError),
+    #[error("the model field is required: this router serves several models ({models})")]
+    ModelRequired { models: String },
+    #[error("model '{0}' is not served by any worker")]
+    UnknownModel(String),
+    #[error("no worker available: {0}")]
+    NoEndpoint(&'static str),
+    #[error("worker {worker} failed: {source}")]
+    Upstream {
+        worker: WorkerId,
+        #[source]
+        source: BoxError,
+    },
+    #[error("worker {worker} did not answer within {secs} s")]
+    UpstreamTimeout { worker: WorkerId, secs: u64 },
+    #[error("no route for {0}")]
+    NotFound(String),
+}
+
+impl GatewayError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            GatewayError::InvalidJson(_) | GatewayError::ModelRequired { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            GatewayError::BodyRead(_) => StatusCode::BAD_REQUEST,
+            GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::UnknownModel(_) | GatewayError::NotFound(_) => StatusCode::NOT_FOUND,
+            GatewayError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The distinct `code` of the error body.
+    pub fn code(&self) -> &'static str {
+        match self {
+            GatewayError::InvalidJson(_) => "invalid_json",
+            GatewayError::BodyRead(_) => "invalid_body",
+            GatewayError::PayloadTooLarge { .. } => "payload_too_large",
+            GatewayError::ModelRequired { .. } => "model_required",
+            GatewayError::UnknownModel(_) => "model_not_found",
+            GatewayError::NoEndpoint(_) => "no_endpoint",
+            GatewayError::Upstream { .. } => "upstream_error",
+            GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
+            GatewayError::NotFound(_) => "not_found",
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        if self.status().is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        }
+    }
+
+    fn worker(&self) -> Option<&WorkerId> {
+        match self {
+            GatewayError::Upstream { worker, .. }
+            | GatewayError::UpstreamTimeout { worker, .. } => Some(worker),
+            _ => None,
+        }
+    }
+
+    /// The message, with the cause chain of upstream errors (hyper's top-level message
+    /// alone says little).
+    fn message(&self) -> String {
+        let mut msg = self.to_string();
+        if self.worker().is_some() {
+            let mut cause = std::error::Error::source(self).and_then(|s| s.source());
+            while let Some(c) = cause {
+                msg.push_str(": ");
+                msg.push_str(&c.to_string());
+                cause = c.source();
+            }
+        }
+        msg
+    }
+}
+
+impl IntoResponse for GatewayError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::warn!(error = %self.message(), code = self.code(), "Request failed");
+        } else {
+            tracing::debug!(error = %self, code = self.code(), "Request rejected");
+        }
+        let body = ErrorBody::new(self.message(), self.kind(), self.code());
+        let mut response = (status, axum::Json(body)).into_response();
+        if let Some(worker) = self.worker() {
+            if let Ok(v) = HeaderValue::from_str(worker.as_str()) {
+                response.headers_mut().insert(WORKER_HEADER, v);
+            }
+        }
+        response
+    }
+}

@@ -1,0 +1,117 @@
+//! The gateway's Prometheus metrics, registered into a registry passed down from `main`.
+//!
+//! Names as exported (prometheus-client appends `_total` to counters):
+//! `kvroute_requests_total{route,status}`, `kvroute_processed_requests_total{worker}`,
+//! `kvroute_policy_decisions_total{policy,worker}`, `kvroute_worker_requests_active{worker}`,
+//! `kvroute_routing_seconds` (histogram of the time spent choosing a worker).
+//! Label values are bounded: routes are the fixed set of proxied paths, workers are
+//! configured ids.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub route: &'static str,
+    pub status: u32,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    pub worker: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    pub policy: &'static str,
+    pub worker: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct GatewayMetrics {
+    requests: Family<RequestLabels, Counter>,
+    processed: Family<WorkerLabels, Counter>,
+    decisions: Family<DecisionLabels, Counter>,
+    active: Family<WorkerLabels, Gauge>,
+    pub routing_seconds: Histogram,
+}
+
+/// One worker's series, looked up once when the worker is added so the request path only
+/// touches atomics.
+#[derive(Debug, Clone)]
+pub struct WorkerSeries {
+    pub processed: Counter,
+    pub decisions: Counter,
+    pub active: Gauge,
+}
+
+impl GatewayMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            requests: Family::default(),
+            processed: Family::default(),
+            decisions: Family::default(),
+            active: Family::default(),
+            // 1 µs .. ~16 ms in powers of two.
+            routing_seconds: Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(1e-6, 2.0, 15),
+            ),
+        };
+        registry.register(
+            "kvroute_requests",
+            "Requests answered, by route and HTTP status",
+            m.requests.clone(),
+        );
+        registry.register(
+            "kvroute_processed_requests",
+            "Requests sent to each worker",
+            m.processed.clone(),
+        );
+        registry.register(
+            "kvroute_policy_decisions",
+            "Routing decisions, by policy and chosen worker",
+            m.decisions.clone(),
+        );
+        registry.register(
+            "kvroute_worker_requests_active",
+            "Requests in flight on each worker",
+            m.active.clone(),
+        );
+        registry.register(
+            "kvroute_routing_seconds",
+            "Time spent choosing a worker",
+            m.routing_seconds.clone(),
+        );
+        m
+    }
+
+    pub fn request(&self, route: &'static str, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route,
+                status: status.into(),
+            })
+            .inc();
+    }
+
+    pub fn worker_series(&self, worker: &str, policy: &'static str) -> WorkerSeries {
+        let w = WorkerLabels {
+            worker: worker.to_owned(),
+        };
+        WorkerSeries {
+            processed: self.processed.get_or_create(&w).clone(),
+            active: self.active.get_or_create(&w).clone(),
+            decisions: self
+                .decisions
+                .get_or_create(&DecisionLabels {
+                    policy,
+                    worker: worker.to_owned(),
+                })
+                .clone(),
+        }
+    }
+}

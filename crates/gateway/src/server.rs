@@ -1,0 +1,345 @@
+//! The HTTP server: the axum app, its handlers, and the serve loop.
+//!
+//! [`Gateway::app`] is the whole API as a `Router` that tests drive with `oneshot`;
+//! [`Gateway::serve`] runs it on listeners the caller bound (tests bind port 0), with the
+//! metrics app on its own listener, until the shutdown token fires, and joins every
+//! background task it started.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use kvroute_core::{Candidate, Policy, RouteRequest};
+use kvroute_protocol::RoutingFields;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::config::Settings;
+use crate::error::GatewayError;
+use crate::metrics::GatewayMetrics;
+use crate::proxy::{self, Forward, HttpClient, InFlight, REQUEST_ID_HEADER};
+use crate::workers::WorkerSet;
+
+/// Routes whose requests are routed by the policy and forwarded to a worker.
+const ROUTED: [&str; 7] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/generate",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+];
+
+/// Session-key headers, in order of precedence (then the body's `user`).
+const SESSION_HEADERS: [&str; 3] = ["x-session-id", "x-smg-routing-key", "x-user-id"];
+
+#[derive(Debug)]
+struct AppState {
+    settings: Settings,
+    workers: Arc<WorkerSet>,
+    client: HttpClient,
+    metrics: GatewayMetrics,
+}
+
+/// The router: configuration, workers, the upstream client and the metrics.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    state: Arc<AppState>,
+}
+
+impl Gateway {
+    /// Builds the gateway and registers its metrics. Does no I/O and spawns nothing.
+    pub fn new(settings: Settings, registry: &mut Registry) -> Self {
+        let metrics = GatewayMetrics::register(registry);
+        let workers = Arc::new(WorkerSet::new(
+            &settings.workers,
+            settings.policy,
+            settings.policy_config.clone(),
+            &metrics,
+        ));
+        Self {
+            state: Arc::new(AppState {
+                settings,
+                workers,
+                client: proxy::build_client(),
+                metrics,
+            }),
+        }
+    }
+
+    /// The policy as the startup log names it, with its parameters.
+    pub fn policy_description(&self) -> String {
+        let s = &self.state.settings;
+        format!(
+            "{:?}",
+            kvroute_core::build_policy(s.policy, &s.policy_config)
+        )
+    }
+
+    pub fn workers(&self) -> &Arc<WorkerSet> {
+        &self.state.workers
+    }
+
+    /// Resolves once the router is ready (every worker probed, every model served).
+    pub async fn wait_ready(&self) {
+        let mut rx = self.state.workers.subscribe_ready();
+        // The sender lives in the worker set, which `self` keeps alive.
+        let _ = rx.wait_for(|ready| *ready).await;
+    }
+
+    /// The API, without a socket.
+    pub fn app(&self) -> Router {
+        let mut router = Router::new();
+        for route in ROUTED {
+            router = router.route(
+                route,
+                post(move |state: State<Arc<AppState>>, req: Request| routed(state, route, req)),
+            );
+        }
+        router
+            .route("/v1/models", get(models))
+            .route("/health", get(health))
+            .route("/readiness", get(readiness))
+            .route("/workers", get(workers))
+            .fallback(not_found)
+            .with_state(self.state.clone())
+    }
+
+    /// Serves the API on `listener` and the metrics on `metrics_listener` until `shutdown`,
+    /// then drains in-flight requests and joins the background tasks.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        metrics_listener: TcpListener,
+        registry: Arc<Registry>,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<()> {
+        let discovery = tokio::spawn(
+            self.state
+                .workers
+                .clone()
+                .discover(self.state.client.clone(), shutdown.child_token()),
+        );
+        let api = axum::serve(
+            axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            }),
+            self.app(),
+        )
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+        let metrics = axum::serve(metrics_listener, metrics_app(registry))
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+        let result = tokio::try_join!(async { api.await }, async { metrics.await });
+        shutdown.cancel();
+        let _ = discovery.await;
+        result.map(|_| ())
+    }
+}
+
+/// The metrics app: `GET /metrics` in the Prometheus text format.
+pub fn metrics_app(registry: Arc<Registry>) -> Router {
+    Router::new().route(
+        "/metrics",
+        get(move || {
+            let registry = registry.clone();
+            async move {
+                let mut text = String::new();
+                match prometheus_client::encoding::text::encode(&mut text, &registry) {
+                    Ok(()) => (
+                        [(
+                            http::header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        text,
+                    )
+                        .into_response(),
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                }
+            }
+        }),
+    )
+}
+
+fn new_request_id() -> HeaderValue {
+    let id: u128 = rand::random();
+    HeaderValue::from_str(&format!("{id:032x}")).expect("hex is a valid header value")
+}
+
+/// A proxied route: choose a worker, forward, answer with its response or our error.
+async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Request) -> Response {
+    let request_id = req
+        .headers()
+        .get(REQUEST_ID_HEADER)
+        .cloned()
+        .unwrap_or_else(new_request_id);
+    let span = tracing::debug_span!("request", route, request_id = ?request_id);
+    let mut response = match route_and_forward(&state, req, &request_id)
+        .instrument(span)
+        .await
+    {
+        Ok(response) => response,
+        Err(error) => error.into_response(),
+    };
+    response
+        .headers_mut()
+        .entry(REQUEST_ID_HEADER)
+        .or_insert(request_id);
+    state.metrics.request(route, response.status().as_u16());
+    response
+}
+
+async fn read_body(body: Body, limit: usize, headers: &HeaderMap) -> Result<Bytes, GatewayError> {
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(GatewayError::PayloadTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(GatewayError::PayloadTooLarge { limit })
+        }
+        Err(e) => Err(GatewayError::BodyRead(e)),
+    }
+}
+
+fn session_key<'a>(headers: &'a HeaderMap, fields: &'a RoutingFields<'a>) -> Option<&'a str> {
+    SESSION_HEADERS
+        .iter()
+        .find_map(|h| headers.get(*h).and_then(|v| v.to_str().ok()))
+        .filter(|k| !k.is_empty())
+        .or(fields.user.as_deref().filter(|u| !u.is_empty()))
+}
+
+async fn route_and_forward(
+    state: &AppState,
+    req: Request,
+    request_id: &HeaderValue,
+) -> Result<Response, GatewayError> {
+    let (parts, body) = req.into_parts();
+    let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
+    let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
+
+    let table = state.workers.table();
+    let pool = table.resolve(fields.model.as_deref())?;
+    let started = Instant::now();
+    let mut slots = Vec::with_capacity(pool.workers.len());
+    let mut candidates = Vec::with_capacity(pool.workers.len());
+    for (slot, w) in pool.workers.iter().enumerate() {
+        if w.is_healthy() {
+            slots.push(slot);
+            candidates.push(Candidate {
+                worker: &w.id,
+                in_flight: w.in_flight(),
+            });
+        }
+    }
+    if candidates.is_empty() {
+        return Err(GatewayError::NoEndpoint(
+            "no healthy worker serves this model",
+        ));
+    }
+    let key = session_key(&parts.headers, &fields);
+    let text = if needs_text(&*pool.policy, key) {
+        fields.routing_text()
+    } else {
+        std::borrow::Cow::Borrowed("")
+    };
+    let request = RouteRequest {
+        session_key: key,
+        text: &text,
+        now: started,
+    };
+    let decision = pool
+        .policy
+        .select(&candidates, &request, &mut rand::rng())
+        .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?;
+    state
+        .metrics
+        .routing_seconds
+        .observe(started.elapsed().as_secs_f64());
+    let worker = pool.workers[slots[decision.index]].clone();
+    drop(table);
+    tracing::debug!(worker = %worker.id, "Routed");
+    worker.series.decisions.inc();
+    worker.series.processed.inc();
+
+    let guard = InFlight::new(worker);
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |pq| pq.as_str());
+    let response = proxy::forward(
+        &state.client,
+        guard,
+        Forward {
+            method: parts.method,
+            path_and_query,
+            headers: &parts.headers,
+            body,
+            request_id,
+            timeout: state.settings.request_timeout,
+        },
+    )
+    .await?;
+    Ok(response.map(Body::new))
+}
+
+/// Whether the policy reads the prompt text for this request (text is built lazily: a
+/// chat's text is a join of its messages).
+fn needs_text(policy: &dyn Policy, session_key: Option<&str>) -> bool {
+    use kvroute_core::PolicyKind::*;
+    match policy.kind() {
+        ConsistentHash | RendezvousHash => session_key.is_none(),
+        PrefixHash => true,
+        Random | RoundRobin | PowerOfTwo | Manual => false,
+    }
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let table = state.workers.table();
+    let body = serde_json::json!({"object": "list", "data": table.model_cards()});
+    state.metrics.request("/v1/models", 200);
+    Json(body).into_response()
+}
+
+async fn health() -> &'static str {
+    "ok"
+}
+
+async fn readiness(State(state): State<Arc<AppState>>) -> Response {
+    let ready = state.workers.is_ready();
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let workers = state.workers.statuses();
+    let healthy = workers.iter().filter(|w| w.healthy).count();
+    let body = serde_json::json!({
+        "status": if ready { "ready" } else { "not_ready" },
+        "workers": workers.len(),
+        "healthy_workers": healthy,
+    });
+    (status, Json(body)).into_response()
+}
+
+async fn workers(State(state): State<Arc<AppState>>) -> Response {
+    Json(serde_json::json!({"workers": state.workers.statuses()})).into_response()
+}
+
+async fn not_found(req: Request) -> Response {
+    GatewayError::NotFound(format!("{} {}", req.method(), req.uri().path())).into_response()
+}

@@ -1,0 +1,398 @@
+//! The workers, and the routing table readers take as a snapshot.
+//!
+//! [`WorkerSet`] owns every configured [`Worker`] and publishes a [`RoutingTable`] (model ->
+//! [`Pool`] of workers plus that model's policy instance) through an `ArcSwap`: the request
+//! path loads it without a lock and never holds anything across an `.await`. The table is
+//! rebuilt when a worker's models or health change. Each model pool has its own policy
+//! instance, so a round-robin counter or a sticky map is per model.
+//!
+//! Discovery ([`WorkerSet::discover`], started by the server) probes each worker until it
+//! answers: `GET /v1/models` for a worker whose model is not configured (its models are what
+//! it lists, LoRA adapters included), `GET /health` for one whose model is. The router is
+//! ready when every worker has been probed at least once and every model has a healthy
+//! worker.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kvroute_core::{build_policy, Policy, PolicyConfig, PolicyKind};
+use kvroute_protocol::{ModelId, WorkerId};
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::WorkerSpec;
+use crate::error::GatewayError;
+use crate::metrics::{GatewayMetrics, WorkerSeries};
+use crate::proxy::HttpClient;
+
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+const PROBE_RETRY_MIN: Duration = Duration::from_millis(500);
+const PROBE_RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// One engine replica.
+#[derive(Debug)]
+pub struct Worker {
+    pub id: WorkerId,
+    /// Base URL, without a trailing slash.
+    pub url: String,
+    configured_model: Option<ModelId>,
+    /// The `/v1/models` entries it serves, once probed.
+    models: Mutex<Vec<(ModelId, serde_json::Value)>>,
+    probed: AtomicBool,
+    healthy: AtomicBool,
+    in_flight: AtomicU64,
+    pub(crate) series: WorkerSeries,
+}
+
+impl Worker {
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn begin_request(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.series.active.inc();
+    }
+
+    pub(crate) fn end_request(&self) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.series.active.dec();
+    }
+
+    fn model_ids(&self) -> Vec<ModelId> {
+        match &self.configured_model {
+            Some(m) => vec![m.clone()],
+            None => lock(&self.models).iter().map(|(m, _)| m.clone()).collect(),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The workers serving one model, and that model's policy.
+#[derive(Debug)]
+pub struct Pool {
+    pub model: ModelId,
+    pub workers: Vec<Arc<Worker>>,
+    pub policy: Arc<dyn Policy>,
+}
+
+/// Model -> pool, as of the last change.
+#[derive(Debug, Default)]
+pub struct RoutingTable {
+    pools: BTreeMap<ModelId, Pool>,
+    /// The union of the workers' `/v1/models` entries, one per model.
+    cards: Vec<serde_json::Value>,
+    /// Whether every worker had been probed when the table was built.
+    complete: bool,
+}
+
+impl RoutingTable {
+    /// The pool for the request's `model`: that model's, or the only one when the request
+    /// names none.
+    pub fn resolve(&self, model: Option<&str>) -> Result<&Pool, GatewayError> {
+        match model {
+            Some(name) => self.pools.get(name).ok_or_else(|| {
+                if self.complete {
+                    GatewayError::UnknownModel(name.to_owned())
+                } else {
+                    GatewayError::NoEndpoint("workers are still being probed for their models")
+                }
+            }),
+            None => {
+                let mut pools = self.pools.values();
+                match (pools.next(), pools.next()) {
+                    (Some(only), None) => Ok(only),
+                    (None, _) => Err(GatewayError::NoEndpoint("no worker serves any model yet")),
+                    (Some(_), Some(_)) => Err(GatewayError::ModelRequired {
+                        models: self
+                            .pools
+                            .keys()
+                            .map(ModelId::as_str)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    }),
+                }
+            }
+        }
+    }
+
+    pub fn model_cards(&self) -> &[serde_json::Value] {
+        &self.cards
+    }
+}
+
+/// A worker as `GET /workers` shows it.
+#[derive(Debug, Serialize)]
+pub struct WorkerStatus {
+    pub id: String,
+    pub url: String,
+    pub models: Vec<String>,
+    pub healthy: bool,
+    pub probed: bool,
+    pub in_flight: u64,
+}
+
+/// Every worker, and the routing table built from them.
+#[derive(Debug)]
+pub struct WorkerSet {
+    workers: Vec<Arc<Worker>>,
+    table: ArcSwap<RoutingTable>,
+    policy: PolicyKind,
+    policy_config: PolicyConfig,
+    policies: Mutex<HashMap<ModelId, Arc<dyn Policy>>>,
+    ready: watch::Sender<bool>,
+}
+
+impl WorkerSet {
+    pub fn new(
+        specs: &[WorkerSpec],
+        policy: PolicyKind,
+        policy_config: PolicyConfig,
+        metrics: &GatewayMetrics,
+    ) -> Self {
+        let workers = specs
+            .iter()
+            .map(|s| {
+                let id = s.id.clone().unwrap_or_else(|| s.url.clone());
+                Arc::new(Worker {
+                    series: metrics.worker_series(&id, policy.name()),
+                    id: WorkerId::new(id),
+                    url: s.url.clone(),
+                    configured_model: s.model.as_deref().map(ModelId::new),
+                    models: Mutex::new(Vec::new()),
+                    probed: AtomicBool::new(false),
+                    healthy: AtomicBool::new(false),
+                    in_flight: AtomicU64::new(0),
+                })
+            })
+            .collect();
+        let set = Self {
+            workers,
+            table: ArcSwap::from_pointee(RoutingTable::default()),
+            policy,
+            policy_config,
+            policies: Mutex::new(HashMap::new()),
+            ready: watch::channel(false).0,
+        };
+        set.rebuild();
+        set
+    }
+
+    /// The current routing table (lock-free).
+    pub fn table(&self) -> arc_swap::Guard<Arc<RoutingTable>> {
+        self.table.load()
+    }
+
+    pub fn statuses(&self) -> Vec<WorkerStatus> {
+        self.workers
+            .iter()
+            .map(|w| WorkerStatus {
+                id: w.id.to_string(),
+                url: w.url.clone(),
+                models: w.model_ids().iter().map(|m| m.to_string()).collect(),
+                healthy: w.is_healthy(),
+                probed: w.probed.load(Ordering::Relaxed),
+                in_flight: w.in_flight(),
+            })
+            .collect()
+    }
+
+    /// Receives `true` once the router is ready (see the module docs).
+    pub fn subscribe_ready(&self) -> watch::Receiver<bool> {
+        self.ready.subscribe()
+    }
+
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    fn rebuild(&self) {
+        let mut members: BTreeMap<ModelId, Vec<Arc<Worker>>> = BTreeMap::new();
+        let mut cards: BTreeMap<ModelId, serde_json::Value> = BTreeMap::new();
+        for w in &self.workers {
+            for m in w.model_ids() {
+                members.entry(m).or_default().push(w.clone());
+            }
+            if let Some(m) = &w.configured_model {
+                cards
+                    .entry(m.clone())
+                    .or_insert_with(|| default_card(m.as_str()));
+            }
+            for (m, card) in lock(&w.models).iter() {
+                cards.entry(m.clone()).or_insert_with(|| card.clone());
+            }
+        }
+        let mut policies = lock(&self.policies);
+        let pools: BTreeMap<ModelId, Pool> = members
+            .into_iter()
+            .map(|(model, workers)| {
+                let policy = policies
+                    .entry(model.clone())
+                    .or_insert_with(|| build_policy(self.policy, &self.policy_config).into())
+                    .clone();
+                let pool = Pool {
+                    model: model.clone(),
+                    workers,
+                    policy,
+                };
+                (model, pool)
+            })
+            .collect();
+        let complete = self
+            .workers
+            .iter()
+            .all(|w| w.probed.load(Ordering::Relaxed));
+        let ready = complete
+            && !pools.is_empty()
+            && pools
+                .values()
+                .all(|p| p.workers.iter().any(|w| w.is_healthy()));
+        self.table.store(Arc::new(RoutingTable {
+            pools,
+            cards: cards.into_values().collect(),
+            complete,
+        }));
+        self.ready.send_replace(ready);
+    }
+
+    /// Probes every worker until it answers once; started by the server, stops on `shutdown`.
+    pub async fn discover(self: Arc<Self>, client: HttpClient, shutdown: CancellationToken) {
+        let mut tasks = tokio::task::JoinSet::new();
+        for worker in self.workers.clone() {
+            let set = self.clone();
+            let client = client.clone();
+            let shutdown = shutdown.clone();
+            tasks.spawn(async move {
+                let mut delay = PROBE_RETRY_MIN;
+                loop {
+                    let outcome = probe(&client, &worker).await;
+                    let ok = outcome.is_ok();
+                    match outcome {
+                        Ok(models) => {
+                            tracing::info!(worker = %worker.id, models = ?models.iter().map(|m| m.0.as_str()).collect::<Vec<_>>(), "Worker ready");
+                            if worker.configured_model.is_none() {
+                                *lock(&worker.models) = models;
+                            }
+                            worker.healthy.store(true, Ordering::Relaxed);
+                        }
+                        Err(error) => {
+                            tracing::warn!(worker = %worker.id, %error, retry_in = ?delay, "Worker probe failed");
+                        }
+                    }
+                    worker.probed.store(true, Ordering::Relaxed);
+                    set.rebuild();
+                    if ok {
+                        return;
+                    }
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(PROBE_RETRY_MAX);
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+    }
+}
+
+fn default_card(model: &str) -> serde_json::Value {
+    serde_json::json!({"id": model, "object": "model", "created": 0, "owned_by": "kvroute"})
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ProbeError {
+    #[error("request failed: {0}")]
+    Http(#[from] hyper_util::client::legacy::Error),
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("answered HTTP {0}")]
+    Status(http::StatusCode),
+    #[error("cannot read the answer: {0}")]
+    Body(#[from] hyper::Error),
+    #[error("invalid /v1/models answer: {0}")]
+    Models(&'static str),
+}
+
+/// One probe: the worker's models (empty when its model is configured).
+async fn probe(
+    client: &HttpClient,
+    worker: &Worker,
+) -> Result<Vec<(ModelId, serde_json::Value)>, ProbeError> {
+    let path = if worker.configured_model.is_some() {
+        "/health"
+    } else {
+        "/v1/models"
+    };
+    let req = http::Request::get(format!("{}{}", worker.url, path))
+        .body(Full::new(Bytes::new()))
+        .map_err(|_| ProbeError::Models("bad url"))?;
+    let resp = tokio::time::timeout(PROBE_TIMEOUT, client.request(req))
+        .await
+        .map_err(|_| ProbeError::Timeout(PROBE_TIMEOUT))??;
+    if !resp.status().is_success() {
+        return Err(ProbeError::Status(resp.status()));
+    }
+    let body = tokio::time::timeout(PROBE_TIMEOUT, resp.into_body().collect())
+        .await
+        .map_err(|_| ProbeError::Timeout(PROBE_TIMEOUT))??
+        .to_bytes();
+    if worker.configured_model.is_some() {
+        return Ok(Vec::new());
+    }
+    parse_models(&body)
+}
+
+fn parse_models(body: &[u8]) -> Result<Vec<(ModelId, serde_json::Value)>, ProbeError> {
+    #[derive(serde::Deserialize)]
+    struct List {
+        data: Vec<serde_json::Value>,
+    }
+    let list: List = serde_json::from_slice(body)
+        .map_err(|_| ProbeError::Models("expected {\"data\": [...]}"))?;
+    let models: Vec<_> = list
+        .data
+        .into_iter()
+        .filter_map(|card| {
+            let id = card.get("id")?.as_str()?.to_owned();
+            Some((ModelId::new(id), card))
+        })
+        .collect();
+    if models.is_empty() {
+        return Err(ProbeError::Models("the worker lists no model"));
+    }
+    Ok(models)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn models_list_is_parsed_and_empty_lists_rejected() {
+        let m = parse_models(
+            br#"{"object":"list","data":[{"id":"a","parent":null},{"id":"lora1","parent":"a"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            m.iter().map(|x| x.0.as_str()).collect::<Vec<_>>(),
+            ["a", "lora1"]
+        );
+        assert_eq!(m[1].1["parent"], "a");
+        assert!(parse_models(br#"{"data":[]}"#).is_err());
+        assert!(parse_models(b"not json").is_err());
+    }
+}
