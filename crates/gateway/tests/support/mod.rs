@@ -1,0 +1,381 @@
+//! Test support: real HTTP workers on 127.0.0.1:0, a router serving on real sockets, and a
+//! small HTTP client. Nothing here sleeps to synchronise; `wait_until` polls a condition
+//! with a deadline, as a readiness probe would.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post as post_route};
+use axum::Router;
+use http::{HeaderMap, Method, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvroute_gateway::{Gateway, Settings, WorkerSpec};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+/// A fake OpenAI-compatible engine.
+///
+/// - `GET /v1/models` lists its models; `GET /health` answers ok.
+/// - A POST answers JSON echoing what it received: `{"worker", "path", "body",
+///   "request_id", "headers"}`.
+/// - A POST with `"stream": true` answers SSE: one chunk at once, then waits for a permit
+///   from `release`, then `max_tokens` more chunks 5 ms apart, then `data: [DONE]`.
+/// - A POST whose body contains `"hang"` never answers.
+#[derive(Clone)]
+pub struct MockWorker {
+    pub name: String,
+    pub url: String,
+    pub release: Arc<Semaphore>,
+    pub requests: Arc<AtomicUsize>,
+    pub streams_open: Arc<AtomicUsize>,
+    models: Arc<Vec<String>>,
+}
+
+impl MockWorker {
+    pub async fn start(name: &str, models: &[&str]) -> MockWorker {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mock = MockWorker {
+            name: name.to_owned(),
+            url: format!("http://{addr}"),
+            release: Arc::new(Semaphore::new(0)),
+            requests: Arc::new(AtomicUsize::new(0)),
+            streams_open: Arc::new(AtomicUsize::new(0)),
+            models: Arc::new(models.iter().map(|m| m.to_string()).collect()),
+        };
+        let app = Router::new()
+            .route("/v1/models", get(mock_models))
+            .route("/health", get(|| async { "ok" }))
+            .fallback(post_route(mock_post))
+            .with_state(mock.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        mock
+    }
+
+    pub fn spec(&self) -> WorkerSpec {
+        WorkerSpec {
+            id: None,
+            url: self.url.clone(),
+            model: None,
+        }
+    }
+}
+
+async fn mock_models(State(m): State<MockWorker>) -> Response {
+    let data: Vec<_> = m
+        .models
+        .iter()
+        .map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": m.name}))
+        .collect();
+    axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+struct StreamGuard(Arc<AtomicUsize>);
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn mock_post(State(m): State<MockWorker>, req: Request) -> Response {
+    m.requests.fetch_add(1, Ordering::SeqCst);
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&body).into_owned();
+    if text.contains("\"hang\"") {
+        std::future::pending::<()>().await;
+    }
+    let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if parsed["stream"] == true {
+        let more = parsed["max_tokens"].as_u64().unwrap_or(3);
+        let release = m.release.clone();
+        m.streams_open.fetch_add(1, Ordering::SeqCst);
+        let guard = StreamGuard(m.streams_open.clone());
+        let stream = async_stream(m.name.clone(), more, release, guard);
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("x-mock-worker", &m.name)
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    let headers: serde_json::Map<String, serde_json::Value> = parts
+        .headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").into()))
+        .collect();
+    let echo = serde_json::json!({
+        "worker": m.name,
+        "path": parts.uri.path(),
+        "body": text,
+        "request_id": parts.headers.get("x-request-id").and_then(|v| v.to_str().ok()),
+        "headers": headers,
+    });
+    ([("x-mock-worker", m.name.clone())], axum::Json(echo)).into_response()
+}
+
+fn async_stream(
+    name: String,
+    more: u64,
+    release: Arc<Semaphore>,
+    guard: StreamGuard,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
+    // The guard travels in the state, so it drops when the stream ends or is dropped.
+    futures_util::stream::unfold((0u64, guard), move |(i, guard)| {
+        let name = name.clone();
+        let release = release.clone();
+        async move {
+            let chunk = if i == 0 {
+                format!("data: {{\"worker\":\"{name}\",\"chunk\":0}}\n\n")
+            } else {
+                if i == 1 {
+                    release.acquire().await.unwrap().forget();
+                } else {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                match i.cmp(&(more + 1)) {
+                    std::cmp::Ordering::Less => format!("data: {{\"chunk\":{i}}}\n\n"),
+                    std::cmp::Ordering::Equal => "data: [DONE]\n\n".to_owned(),
+                    std::cmp::Ordering::Greater => return None,
+                }
+            };
+            Some((Ok(Bytes::from(chunk)), (i + 1, guard)))
+        }
+    })
+}
+
+/// A worker that lists a model, then closes the connection on every POST without answering.
+pub async fn broken_worker(model: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let models = format!(r#"{{"object":"list","data":[{{"id":"{model}"}}]}}"#);
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let models = models.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let mut seen = Vec::new();
+                loop {
+                    let n = match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    seen.extend_from_slice(&buf[..n]);
+                    if seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                if seen.starts_with(b"GET") {
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{}",
+                        models.len(),
+                        models
+                    );
+                    let _ = sock.write_all(resp.as_bytes()).await;
+                }
+                // POST: drop the socket without a response.
+            });
+        }
+    });
+    url
+}
+
+/// A URL where nothing listens.
+pub async fn closed_url() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    url
+}
+
+/// A router serving on real sockets.
+pub struct TestRouter {
+    pub url: String,
+    pub metrics_url: String,
+    pub gateway: Gateway,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl TestRouter {
+    pub async fn start(settings: Settings) -> TestRouter {
+        let router = Self::start_unready(settings).await;
+        tokio::time::timeout(Duration::from_secs(20), router.gateway.wait_ready())
+            .await
+            .expect("router ready");
+        router
+    }
+
+    pub async fn start_unready(settings: Settings) -> TestRouter {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let metrics_url = format!("http://{}", metrics_listener.local_addr().unwrap());
+        let mut registry = prometheus_client::registry::Registry::default();
+        let gateway = Gateway::new(settings, &mut registry);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(gateway.clone().serve(
+            listener,
+            metrics_listener,
+            Arc::new(registry),
+            shutdown.clone(),
+        ));
+        TestRouter {
+            url,
+            metrics_url,
+            gateway,
+            shutdown,
+            task,
+        }
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(20), self.task)
+            .await
+            .expect("router stops")
+            .unwrap()
+            .unwrap();
+    }
+
+    pub async fn metrics(&self) -> String {
+        let (status, _, body) = get_url(&format!("{}/metrics", self.metrics_url)).await;
+        assert_eq!(status, StatusCode::OK);
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+}
+
+pub fn settings(workers: &[&MockWorker]) -> Settings {
+    Settings::with_workers(workers.iter().map(|w| w.spec()).collect()).unwrap()
+}
+
+pub type TestClient = Client<HttpConnector, Full<Bytes>>;
+
+pub fn client() -> TestClient {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn worker(&self) -> &str {
+        self.headers
+            .get("x-kvroute-worker")
+            .expect("x-kvroute-worker header")
+            .to_str()
+            .unwrap()
+    }
+
+    pub fn error_code(&self) -> String {
+        self.json()["error"]["code"].as_str().unwrap().to_owned()
+    }
+}
+
+pub async fn send(
+    url: &str,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Reply {
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(format!("{url}{path}"))
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = client()
+        .request(req.body(Full::new(body.into())).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = resp.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+pub async fn post(url: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    send(url, Method::POST, path, headers, body.to_owned()).await
+}
+
+pub async fn get_url(url: &str) -> (StatusCode, HeaderMap, Bytes) {
+    let req = http::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    (
+        parts.status,
+        parts.headers,
+        body.collect().await.unwrap().to_bytes(),
+    )
+}
+
+pub fn chat(model: &str, content: &str) -> String {
+    serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}]})
+        .to_string()
+}
+
+/// Polls `cond` until it holds, failing after 20 s.
+pub async fn wait_until<F: FnMut() -> bool>(what: &str, mut cond: F) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The value of a metric line `name{labels} value` (labels matched as a substring).
+pub fn metric_value(text: &str, name: &str, labels: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| {
+            l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(labels)
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+pub fn in_flight(router: &TestRouter, worker_url: &str) -> u64 {
+    router
+        .gateway
+        .workers()
+        .statuses()
+        .into_iter()
+        .find(|w| w.url == worker_url)
+        .unwrap()
+        .in_flight
+}
+
+pub fn addr_of(url: &str) -> SocketAddr {
+    url.trim_start_matches("http://").parse().unwrap()
+}
