@@ -51,7 +51,10 @@ fn init_tracing(settings: &Settings) {
             settings.log_level.as_filter()
         ))
     });
-    tracing_subscriber::fmt().with_env_filter(filter).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 async fn run(settings: Settings) -> anyhow::Result<()> {

@@ -1,0 +1,176 @@
+//! Each policy's distribution, through the real router and real workers.
+
+mod support;
+
+use std::collections::HashMap;
+
+use kvroute_core::PolicyKind;
+use support::*;
+
+async fn two_workers(policy: PolicyKind) -> (MockWorker, MockWorker, TestRouter) {
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
+    let mut s = settings(&[&a, &b]);
+    s.policy = policy;
+    let r = TestRouter::start(s).await;
+    (a, b, r)
+}
+
+async fn worker_of(r: &TestRouter, headers: &[(&str, &str)], body: &str) -> String {
+    let reply = post(&r.url, "/v1/chat/completions", headers, body).await;
+    assert_eq!(reply.status, http::StatusCode::OK, "{:?}", reply.body);
+    reply.worker().to_owned()
+}
+
+fn count(v: &[String]) -> HashMap<&str, usize> {
+    let mut m = HashMap::new();
+    for w in v {
+        *m.entry(w.as_str()).or_default() += 1;
+    }
+    m
+}
+
+#[tokio::test]
+async fn round_robin_splits_evenly() {
+    let (a, b, r) = two_workers(PolicyKind::RoundRobin).await;
+    let mut seen = Vec::new();
+    for i in 0..20 {
+        seen.push(worker_of(&r, &[], &chat("m", &format!("{i}"))).await);
+    }
+    let c = count(&seen);
+    assert_eq!((c[a.url.as_str()], c[b.url.as_str()]), (10, 10));
+    // Strict alternation.
+    assert!(seen.windows(2).all(|w| w[0] != w[1]));
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn random_uses_every_worker() {
+    let (_, _, r) = two_workers(PolicyKind::Random).await;
+    let mut seen = Vec::new();
+    for i in 0..60 {
+        seen.push(worker_of(&r, &[], &chat("m", &format!("{i}"))).await);
+    }
+    // P(one worker gets none of 60) = 2^-59.
+    assert_eq!(count(&seen).len(), 2);
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn power_of_two_avoids_the_loaded_worker() {
+    let (a, b, r) = two_workers(PolicyKind::PowerOfTwo).await;
+    // Hold a stream open on one worker.
+    let body = r#"{"model":"m","stream":true,"max_tokens":1,"prompt":"hold"}"#;
+    let req = http::Request::post(format!("{}/v1/completions", r.url))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let busy = resp.headers()["x-kvroute-worker"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let idle = if busy == a.url { &b.url } else { &a.url };
+    for i in 0..10 {
+        assert_eq!(&worker_of(&r, &[], &chat("m", &format!("{i}"))).await, idle);
+    }
+    a.release.add_permits(1);
+    b.release.add_permits(1);
+    drop(resp);
+    r.stop().await;
+}
+
+async fn check_sticky_and_spread(policy: PolicyKind) {
+    let (_, _, r) = two_workers(policy).await;
+    // One session sticks to one worker, whatever the prompt.
+    let first = worker_of(&r, &[("x-session-id", "alice")], &chat("m", "p0")).await;
+    for i in 1..10 {
+        let w = worker_of(
+            &r,
+            &[("x-session-id", "alice")],
+            &chat("m", &format!("p{i}")),
+        )
+        .await;
+        assert_eq!(w, first, "{policy}");
+    }
+    // SGLang's routing key and the body's `user` are session keys too.
+    let k = worker_of(&r, &[("x-smg-routing-key", "bob")], &chat("m", "a")).await;
+    let body = serde_json::json!({"model": "m", "user": "carol", "messages": [{"role": "user", "content": "a"}]}).to_string();
+    let u = worker_of(&r, &[], &body).await;
+    for i in 0..5 {
+        assert_eq!(
+            worker_of(
+                &r,
+                &[("x-smg-routing-key", "bob")],
+                &chat("m", &format!("{i}"))
+            )
+            .await,
+            k
+        );
+        let body = serde_json::json!({"model": "m", "user": "carol", "messages": [{"role": "user", "content": format!("{i}")}]}).to_string();
+        assert_eq!(worker_of(&r, &[], &body).await, u);
+    }
+    // Many sessions use both workers.
+    let mut seen = Vec::new();
+    for s in 0..40 {
+        seen.push(worker_of(&r, &[("x-session-id", &format!("s{s}"))], &chat("m", "x")).await);
+    }
+    assert_eq!(count(&seen).len(), 2, "{policy}");
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn consistent_hash_keeps_sessions() {
+    check_sticky_and_spread(PolicyKind::ConsistentHash).await;
+}
+
+#[tokio::test]
+async fn rendezvous_hash_keeps_sessions() {
+    check_sticky_and_spread(PolicyKind::RendezvousHash).await;
+}
+
+#[tokio::test]
+async fn manual_keeps_sessions() {
+    check_sticky_and_spread(PolicyKind::Manual).await;
+}
+
+#[tokio::test]
+async fn keyless_traffic_spreads_under_every_policy() {
+    for policy in PolicyKind::ALL {
+        let (_, _, r) = two_workers(policy).await;
+        let mut seen = Vec::new();
+        for i in 0..40 {
+            let text = format!("{i} {}", "q".repeat(300));
+            let text = if policy == PolicyKind::PrefixHash {
+                format!("{i} {text}")
+            } else {
+                text
+            };
+            seen.push(worker_of(&r, &[], &chat("m", &text)).await);
+        }
+        assert_eq!(
+            count(&seen).len(),
+            2,
+            "{policy} sent all keyless traffic to one worker"
+        );
+        r.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn prefix_hash_groups_by_prefix() {
+    let (_, _, r) = two_workers(PolicyKind::PrefixHash).await;
+    let system = "You are a helpful assistant. ".repeat(10);
+    assert!(system.len() > 256);
+    let first = worker_of(&r, &[], &chat("m", &format!("{system} question 0"))).await;
+    for i in 1..10 {
+        let w = worker_of(&r, &[], &chat("m", &format!("{system} question {i}"))).await;
+        assert_eq!(w, first);
+    }
+    let mut seen = Vec::new();
+    for g in 0..30 {
+        seen.push(worker_of(&r, &[], &chat("m", &format!("group {g}: {system}"))).await);
+    }
+    assert_eq!(count(&seen).len(), 2);
+    r.stop().await;
+}
