@@ -61,11 +61,7 @@ async fn power_of_two_avoids_the_loaded_worker() {
     let (a, b, r) = two_workers(PolicyKind::PowerOfTwo).await;
     // Hold a stream open on one worker.
     let body = r#"{"model":"m","stream":true,"max_tokens":1,"prompt":"hold"}"#;
-    let req = http::Request::post(format!("{}/v1/completions", r.url))
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-        .unwrap();
-    let resp = client().request(req).await.unwrap();
+    let resp = open_stream(&r.url, "/v1/completions", body).await;
     let busy = resp.headers()["x-kvroute-worker"]
         .to_str()
         .unwrap()

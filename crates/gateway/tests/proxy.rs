@@ -309,11 +309,7 @@ async fn streams_pass_through_chunk_by_chunk() {
     let r = TestRouter::start(settings(&[&w])).await;
     let body =
         r#"{"model":"m","stream":true,"max_tokens":3,"messages":[{"role":"user","content":"s"}]}"#;
-    let req = http::Request::post(format!("{}/v1/chat/completions", r.url))
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-        .unwrap();
-    let resp = client().request(req).await.unwrap();
+    let resp = open_stream(&r.url, "/v1/chat/completions", body).await;
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     assert_eq!(resp.headers()["x-kvroute-worker"], w.url.as_str());
@@ -343,15 +339,7 @@ async fn streams_pass_through_chunk_by_chunk() {
         rest,
         "data: {\"chunk\":1}\n\ndata: {\"chunk\":2}\n\ndata: {\"chunk\":3}\n\ndata: [DONE]\n\n"
     );
-    let gw = r.gateway.clone();
-    let url = w.url.clone();
-    wait_until("in-flight back to 0", || {
-        gw.workers()
-            .statuses()
-            .iter()
-            .all(|s| s.url != url || s.in_flight == 0)
-    })
-    .await;
+    wait_idle(&r, &w.url).await;
     r.stop().await;
 }
 
@@ -361,26 +349,14 @@ async fn in_flight_returns_to_zero_when_the_client_drops_a_stream() {
     let r = TestRouter::start(settings(&[&w])).await;
     // A long stream: 100000 chunks after release, so only the disconnect can end it.
     let body = r#"{"model":"m","stream":true,"max_tokens":100000,"prompt":"s"}"#;
-    let req = http::Request::post(format!("{}/v1/completions", r.url))
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-        .unwrap();
-    let resp = client().request(req).await.unwrap();
+    let resp = open_stream(&r.url, "/v1/completions", body).await;
     let mut body = resp.into_body();
     body.frame().await.unwrap().unwrap();
     assert_eq!(in_flight(&r, &w.url), 1);
     w.release.add_permits(1);
     body.frame().await.unwrap().unwrap();
     drop(body);
-    let gw = r.gateway.clone();
-    let url = w.url.clone();
-    wait_until("in-flight back to 0", || {
-        gw.workers()
-            .statuses()
-            .iter()
-            .all(|s| s.url != url || s.in_flight == 0)
-    })
-    .await;
+    wait_idle(&r, &w.url).await;
     let streams = w.streams_open.clone();
     wait_until("the worker's stream closed", || {
         streams.load(Ordering::SeqCst) == 0

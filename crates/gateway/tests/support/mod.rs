@@ -379,3 +379,28 @@ pub fn in_flight(router: &TestRouter, worker_url: &str) -> u64 {
 pub fn addr_of(url: &str) -> SocketAddr {
     url.trim_start_matches("http://").parse().unwrap()
 }
+
+/// Posts `body` and returns the response with its body unread (for streams).
+pub async fn open_stream(
+    url: &str,
+    path: &str,
+    body: &str,
+) -> http::Response<hyper::body::Incoming> {
+    let req = http::Request::post(format!("{url}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .unwrap();
+    client().request(req).await.unwrap()
+}
+
+/// Waits until the router counts no request in flight on the worker at `worker_url`.
+pub async fn wait_idle(router: &TestRouter, worker_url: &str) {
+    let gw = router.gateway.clone();
+    wait_until("in-flight back to 0", || {
+        gw.workers()
+            .statuses()
+            .iter()
+            .all(|s| s.url != worker_url || s.in_flight == 0)
+    })
+    .await;
+}
