@@ -11,6 +11,7 @@
 //! because router replicas and engines must agree on them.
 
 mod error;
+pub mod fallback;
 mod hash;
 mod ids;
 mod openai;

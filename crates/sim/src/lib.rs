@@ -1,0 +1,1 @@
+//! kvroute-sim (being written).

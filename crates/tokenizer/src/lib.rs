@@ -1,0 +1,1 @@
+//! Tokenising like the engine (being written).
