@@ -1,0 +1,520 @@
+//! The engine core: a vLLM-like scheduler over a paged KV cache, in virtual time.
+//!
+//! [`EngineCore::step`] plans and "runs" one forward pass starting at `now` and returns
+//! what it produced and how long it took ([`StepOutput::duration`]); the caller makes the
+//! outputs visible at `now + duration` (the HTTP server sleeps, a virtual-time simulation
+//! advances its clock) and calls `step` again. Nothing here does I/O, reads a clock or uses
+//! a random source it was not given.
+//!
+//! **Scheduling** (vLLM v1, FCFS). Each step has a budget of `max_num_batched_tokens`.
+//! Running sequences come first, in admission order: a decoding sequence takes one token,
+//! a prefilling one the rest of its prompt, cut to what the budget allows (chunked
+//! prefill). A sequence that needs a new KV block when none is free preempts the newest
+//! running sequence (its blocks are freed, it goes back to the head of the queue and is
+//! recomputed later), as vLLM does. Then, if nothing was preempted, waiting sequences are
+//! admitted in order while fewer than `max_num_seqs` run, budget remains and their blocks
+//! fit.
+//!
+//! **Prefix cache.** A sequence's full blocks are hashed by prefix (each hash chains the
+//! previous one). At admission the longest run of leading blocks already cached is reused
+//! (a hit skips their prefill), capped so that at least one prompt token is computed (vLLM
+//! recomputes the last token of a fully cached prompt). Blocks become cached when their
+//! last token's KV is computed (a `Stored` event per sequence per step); cached blocks of
+//! finished sequences stay until evicted, least recently used first (a `Removed` event).
+//!
+//! **Outputs.** The step that completes a prompt samples the first token; every later step
+//! samples one token per decoding sequence; a sequence finishes after exactly `max_tokens`
+//! tokens.
+
+mod blocks;
+pub mod timing;
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use blocks::{BlockId, BlockPool};
+pub use timing::{StepWork, TimingModel};
+
+/// The engine's configuration (vLLM's defaults).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub num_gpu_blocks: usize,
+    pub block_size: usize,
+    pub timing: TimingModel,
+    /// Token ids sampled for outputs (uniformly).
+    pub output_tokens: Vec<u32>,
+    pub seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            num_gpu_blocks: 16384,
+            block_size: 16,
+            timing: TimingModel::default(),
+            // Lowercase letters and space: printable through the fallback tokenizer.
+            output_tokens: (b'a'..=b'z').chain([b' ']).map(u32::from).collect(),
+            seed: 0,
+        }
+    }
+}
+
+/// A request's id, unique within an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// A request to generate.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    /// Mixed into every block hash (LoRA name, cache salt): different salts never share
+    /// cached blocks.
+    pub salt: u64,
+}
+
+/// Why a request cannot be accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    NoOutput,
+    #[error("prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the KV cache capacity of {capacity} tokens")]
+    TooLong {
+        prompt: usize,
+        max_tokens: usize,
+        capacity: usize,
+    },
+    #[error("request id {0:?} is already in use")]
+    DuplicateId(RequestId),
+}
+
+/// A change of the prefix cache, for KV events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Full blocks now cached: their hashes, the hash of the block before the first (if
+    /// any) and their tokens, `block_size` per block.
+    Stored {
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        token_ids: Vec<u32>,
+    },
+    Removed {
+        hash: u64,
+    },
+    Cleared,
+}
+
+/// One token produced by a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenOutput {
+    pub id: RequestId,
+    pub token: u32,
+    /// 0 for the first token of the request.
+    pub index: usize,
+    pub finished: bool,
+    /// Prompt tokens found in the prefix cache when the request was first scheduled.
+    pub cached_tokens: usize,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    /// The step's compute time; its outputs exist at `now + duration`.
+    pub duration: Duration,
+    pub work: StepWork,
+    pub tokens: Vec<TokenOutput>,
+    pub events: Vec<CacheEvent>,
+    pub preempted: Vec<RequestId>,
+    /// Requests admitted for the first time in this step, with their cached tokens.
+    pub started: Vec<(RequestId, usize)>,
+}
+
+impl StepOutput {
+    pub fn is_idle(&self) -> bool {
+        self.work == StepWork::default()
+    }
+}
+
+/// Counters and gauges, as vLLM's `/metrics` exports them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_usage: f64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub preemptions: u64,
+    pub cached_blocks: usize,
+}
+
+#[derive(Debug)]
+struct Sequence {
+    id: RequestId,
+    /// Prompt, then generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    salt: u64,
+    /// Tokens whose KV is computed.
+    computed: usize,
+    blocks: Vec<BlockId>,
+    /// Hashes of the full blocks of `tokens` computed so far (a prefix of them).
+    hashes: Vec<u64>,
+    /// Leading blocks already registered in (or taken from) the prefix cache.
+    registered: usize,
+    cached_tokens: Option<usize>,
+}
+
+impl Sequence {
+    fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Extends `hashes` to cover the first `full` blocks of `tokens`.
+    fn hash_blocks(&mut self, full: usize, block_size: usize) {
+        while self.hashes.len() < full {
+            let i = self.hashes.len();
+            let parent = i.checked_sub(1).map(|p| self.hashes[p]);
+            let chunk = &self.tokens[i * block_size..(i + 1) * block_size];
+            self.hashes.push(block_hash(parent, chunk, self.salt));
+        }
+    }
+}
+
+/// The engine's block hash: XXH3 over the parent hash, the salt and the tokens.
+pub fn block_hash(parent: Option<u64>, tokens: &[u32], salt: u64) -> u64 {
+    let mut buf = Vec::with_capacity(16 + tokens.len() * 4);
+    buf.extend_from_slice(&parent.unwrap_or(0x6b76_726f_7574_6521).to_le_bytes());
+    buf.extend_from_slice(&salt.to_le_bytes());
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    kvroute_protocol::stable_hash(&buf)
+}
+
+/// One simulated engine (one data-parallel rank).
+#[derive(Debug)]
+pub struct EngineCore {
+    config: EngineConfig,
+    pool: BlockPool,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    rng: SmallRng,
+    stats: EngineStats,
+}
+
+impl EngineCore {
+    pub fn new(config: EngineConfig) -> Self {
+        Self {
+            pool: BlockPool::new(config.num_gpu_blocks),
+            rng: SmallRng::seed_from_u64(config.seed),
+            config,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats: EngineStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// KV capacity in tokens.
+    pub fn capacity_tokens(&self) -> usize {
+        self.config.num_gpu_blocks * self.config.block_size
+    }
+
+    pub fn add_request(&mut self, req: EngineRequest) -> Result<(), AddError> {
+        if req.prompt.is_empty() {
+            return Err(AddError::EmptyPrompt);
+        }
+        if req.max_tokens == 0 {
+            return Err(AddError::NoOutput);
+        }
+        let capacity = self.capacity_tokens();
+        if req.prompt.len() + req.max_tokens > capacity {
+            return Err(AddError::TooLong {
+                prompt: req.prompt.len(),
+                max_tokens: req.max_tokens,
+                capacity,
+            });
+        }
+        if self.contains(req.id) {
+            return Err(AddError::DuplicateId(req.id));
+        }
+        self.waiting.push_back(Sequence {
+            id: req.id,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            max_tokens: req.max_tokens,
+            salt: req.salt,
+            computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            registered: 0,
+            cached_tokens: None,
+        });
+        Ok(())
+    }
+
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .any(|s| s.id == id)
+    }
+
+    /// Drops a request (its client went away); frees its blocks. Returns whether it existed.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(i);
+            self.pool.release(&seq.blocks);
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let seq = self.waiting.remove(i).expect("index in range");
+            self.pool.release(&seq.blocks);
+            return true;
+        }
+        false
+    }
+
+    /// vLLM's `/reset_prefix_cache`: forgets every cached block, only when idle.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.clear_cache()
+    }
+
+    /// Whether a step would do anything.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Cache events not yet returned by a step (from `reset_prefix_cache`).
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.pool.take_events()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_usage: self.pool.num_used() as f64 / self.pool.num_blocks().max(1) as f64,
+            cached_blocks: self.pool.num_cached(),
+            ..self.stats.clone()
+        }
+    }
+
+    /// Runs one step starting at `now` (see the module docs). `now` is accepted for
+    /// symmetry with the callers' clocks; the model's outputs depend only on the work.
+    pub fn step(&mut self, _now: Duration) -> StepOutput {
+        let mut out = StepOutput::default();
+        let mut budget = self.config.max_num_batched_tokens;
+        // (index into running, new tokens) for this step.
+        let mut scheduled: Vec<(usize, usize)> = Vec::new();
+        let mut preempted_any = false;
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let need = self.running[i].tokens.len() - self.running[i].computed;
+            let n = need.min(budget);
+            let target = self.running[i].computed + n;
+            let mut scheduled_self = true;
+            while !self.ensure_blocks(i, target) {
+                // Preempt the newest running sequence; it may be this one.
+                let victim = self.running.len() - 1;
+                self.preempt(victim, &mut out);
+                preempted_any = true;
+                if victim == i {
+                    scheduled_self = false;
+                    break;
+                }
+            }
+            if !scheduled_self {
+                break;
+            }
+            scheduled.push((i, n));
+            budget -= n;
+            i += 1;
+        }
+
+        while !preempted_any
+            && budget > 0
+            && self.running.len() < self.config.max_num_seqs
+            && !self.waiting.is_empty()
+        {
+            match self.admit(budget) {
+                Some((n, first_cached)) => {
+                    let idx = self.running.len() - 1;
+                    if let Some(cached) = first_cached {
+                        out.started.push((self.running[idx].id, cached));
+                    }
+                    scheduled.push((idx, n));
+                    budget -= n;
+                }
+                None => break,
+            }
+        }
+
+        // The step's work and time.
+        let bs = self.config.block_size;
+        let mut work = StepWork::default();
+        for &(idx, n) in &scheduled {
+            let seq = &self.running[idx];
+            let decoding = seq.output_len() > 0 && seq.tokens.len() - seq.computed == 1;
+            if decoding {
+                work.decode_seqs += 1;
+            } else {
+                work.prefill_tokens += n;
+                work.context_pairs += (n * seq.computed) as u64;
+            }
+        }
+        work.kv_utilisation = self.pool.num_used() as f64 / self.pool.num_blocks().max(1) as f64;
+        out.duration = self.config.timing.step_time(&work);
+        out.work = work;
+
+        // Apply: KV computed, blocks cached, tokens sampled.
+        let mut finished = Vec::new();
+        for &(idx, n) in &scheduled {
+            let seq = &mut self.running[idx];
+            seq.computed += n;
+            let full = seq.computed / bs;
+            if full > seq.registered {
+                seq.hash_blocks(full, bs);
+                let mut stored: Option<CacheEvent> = None;
+                for b in seq.registered..full {
+                    if self.pool.register(seq.blocks[b], seq.hashes[b]) {
+                        match &mut stored {
+                            Some(CacheEvent::Stored {
+                                hashes, token_ids, ..
+                            }) => {
+                                hashes.push(seq.hashes[b]);
+                                token_ids.extend_from_slice(&seq.tokens[b * bs..(b + 1) * bs]);
+                            }
+                            _ => {
+                                if let Some(ev) = stored.take() {
+                                    self.pool.push_event(ev);
+                                }
+                                stored = Some(CacheEvent::Stored {
+                                    hashes: vec![seq.hashes[b]],
+                                    parent: b.checked_sub(1).map(|p| seq.hashes[p]),
+                                    token_ids: seq.tokens[b * bs..(b + 1) * bs].to_vec(),
+                                });
+                            }
+                        }
+                    } else if let Some(ev) = stored.take() {
+                        // A block already cached elsewhere breaks the run of new ones.
+                        self.pool.push_event(ev);
+                    }
+                }
+                if let Some(ev) = stored {
+                    self.pool.push_event(ev);
+                }
+                seq.registered = full;
+            }
+            if seq.computed == seq.tokens.len() {
+                let pick = self.rng.random_range(0..self.config.output_tokens.len());
+                let token = self.config.output_tokens[pick];
+                let index = seq.output_len();
+                seq.tokens.push(token);
+                let done = seq.output_len() == seq.max_tokens;
+                out.tokens.push(TokenOutput {
+                    id: seq.id,
+                    token,
+                    index,
+                    finished: done,
+                    cached_tokens: seq.cached_tokens.unwrap_or(0),
+                });
+                if done {
+                    finished.push(idx);
+                }
+            }
+        }
+        finished.sort_unstable();
+        for idx in finished.into_iter().rev() {
+            let seq = self.running.remove(idx);
+            self.pool.release(&seq.blocks);
+        }
+        out.events = self.pool.take_events();
+        out
+    }
+
+    /// Makes `running[i]` hold blocks for `tokens` tokens; false when no block is free.
+    fn ensure_blocks(&mut self, i: usize, tokens: usize) -> bool {
+        let needed = tokens.div_ceil(self.config.block_size);
+        while self.running[i].blocks.len() < needed {
+            match self.pool.allocate() {
+                Some(b) => self.running[i].blocks.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    fn preempt(&mut self, idx: usize, out: &mut StepOutput) {
+        let mut seq = self.running.remove(idx);
+        self.pool.release(&seq.blocks);
+        seq.blocks.clear();
+        seq.computed = 0;
+        seq.registered = 0;
+        self.stats.preemptions += 1;
+        out.preempted.push(seq.id);
+        self.waiting.push_front(seq);
+    }
+
+    /// Admits the head of the queue if its blocks fit: returns the tokens it computes this
+    /// step and, on its first admission, its cached tokens.
+    fn admit(&mut self, budget: usize) -> Option<(usize, Option<usize>)> {
+        let bs = self.config.block_size;
+        let seq = self.waiting.front_mut()?;
+        let len = seq.tokens.len();
+        seq.hash_blocks(len / bs, bs);
+        // The longest cached run of leading blocks, leaving at least one token to compute.
+        let max_hit_blocks = (len - 1) / bs;
+        let mut hit: Vec<BlockId> = Vec::new();
+        for &h in seq.hashes.iter().take(max_hit_blocks) {
+            match self.pool.lookup(h) {
+                Some(b) => hit.push(b),
+                None => break,
+            }
+        }
+        let hit_tokens = hit.len() * bs;
+        let n = (len - hit_tokens).min(budget);
+        let new_blocks = (hit_tokens + n).div_ceil(bs) - hit.len();
+        let hits_on_free = hit.iter().filter(|&&b| self.pool.is_free(b)).count();
+        if self.pool.num_free() < new_blocks + hits_on_free {
+            return None;
+        }
+        let mut seq = self.waiting.pop_front().expect("front exists");
+        for &b in &hit {
+            self.pool.touch(b);
+        }
+        seq.blocks = hit;
+        for _ in 0..new_blocks {
+            seq.blocks
+                .push(self.pool.allocate().expect("counted free blocks"));
+        }
+        seq.computed = hit_tokens;
+        seq.registered = seq.blocks.len().min(hit_tokens / bs);
+        let first = seq.cached_tokens.is_none();
+        if first {
+            seq.cached_tokens = Some(hit_tokens);
+            self.stats.prefix_cache_queries += seq.prompt_len as u64;
+            self.stats.prefix_cache_hits += hit_tokens as u64;
+        }
+        self.running.push(seq);
+        Some((n, first.then_some(hit_tokens)))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,370 @@
+use std::collections::HashMap;
+
+use super::*;
+
+fn config(num_gpu_blocks: usize) -> EngineConfig {
+    EngineConfig {
+        num_gpu_blocks,
+        ..EngineConfig::default()
+    }
+}
+
+fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
+    EngineRequest {
+        id: RequestId(id),
+        prompt,
+        max_tokens,
+        salt: 0,
+    }
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (seed * 7919 + i * 31) % 30000)
+        .collect()
+}
+
+/// Everything a run produced, per request.
+#[derive(Default)]
+struct Run {
+    tokens: HashMap<RequestId, Vec<TokenOutput>>,
+    first_token_at: HashMap<RequestId, Duration>,
+    events: Vec<CacheEvent>,
+    steps: Vec<StepOutput>,
+    end: Duration,
+}
+
+fn run(core: &mut EngineCore, mut now: Duration) -> Run {
+    let mut r = Run::default();
+    let mut guard = 0;
+    while core.has_work() {
+        let out = core.step(now);
+        assert!(!out.is_idle(), "a step with work must do some");
+        now += out.duration;
+        for t in &out.tokens {
+            r.first_token_at.entry(t.id).or_insert(now);
+            r.tokens.entry(t.id).or_default().push(t.clone());
+        }
+        r.events.extend(out.events.iter().cloned());
+        r.steps.push(out);
+        guard += 1;
+        assert!(guard < 1_000_000, "the engine does not converge");
+    }
+    r.end = now;
+    r
+}
+
+fn stored_hashes(events: &[CacheEvent]) -> Vec<u64> {
+    events
+        .iter()
+        .flat_map(|e| match e {
+            CacheEvent::Stored { hashes, .. } => hashes.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+#[test]
+fn every_request_produces_exactly_max_tokens() {
+    let mut core = EngineCore::new(EngineConfig::default());
+    for i in 0..20 {
+        core.add_request(req(
+            i,
+            prompt(i as u32, 50 + i as usize * 13),
+            1 + i as usize,
+        ))
+        .unwrap();
+    }
+    let r = run(&mut core, Duration::ZERO);
+    for i in 0..20 {
+        let toks = &r.tokens[&RequestId(i)];
+        assert_eq!(toks.len(), 1 + i as usize);
+        assert!(toks.iter().enumerate().all(|(k, t)| t.index == k));
+        assert!(toks.last().unwrap().finished);
+        assert_eq!(toks.iter().filter(|t| t.finished).count(), 1);
+    }
+    assert_eq!(core.stats().kv_usage, 0.0, "every block released");
+}
+
+#[test]
+fn repeated_prompt_hits_all_its_full_blocks() {
+    let mut core = EngineCore::new(EngineConfig::default());
+    let p = prompt(1, 100); // 6 full blocks of 16, 4 tokens over
+    core.add_request(req(1, p.clone(), 4)).unwrap();
+    let first = run(&mut core, Duration::ZERO);
+    assert_eq!(first.tokens[&RequestId(1)][0].cached_tokens, 0);
+    // Its 6 full prompt blocks were stored, chained by parent links.
+    let stored: Vec<_> = first
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            CacheEvent::Stored {
+                hashes,
+                parent,
+                token_ids,
+            } => Some((hashes, parent, token_ids)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored.len(), 1);
+    let (hashes, parent, token_ids) = stored[0];
+    assert_eq!(hashes.len(), 6);
+    assert_eq!(*parent, None);
+    assert_eq!(token_ids[..], p[..96]);
+
+    core.add_request(req(2, p.clone(), 4)).unwrap();
+    let second = run(&mut core, first.end);
+    assert_eq!(second.tokens[&RequestId(2)][0].cached_tokens, 96);
+    let s = core.stats();
+    assert_eq!(s.prefix_cache_queries, 200);
+    assert_eq!(s.prefix_cache_hits, 96);
+    assert!(
+        stored_hashes(&second.events).is_empty(),
+        "nothing new to store"
+    );
+
+    // A prompt of exactly 6 blocks reuses 5: the last token must be computed.
+    let mut core = EngineCore::new(EngineConfig::default());
+    let p = prompt(2, 96);
+    core.add_request(req(1, p.clone(), 1)).unwrap();
+    let r = run(&mut core, Duration::ZERO);
+    core.add_request(req(2, p, 1)).unwrap();
+    let r = run(&mut core, r.end);
+    assert_eq!(r.tokens[&RequestId(2)][0].cached_tokens, 80);
+}
+
+#[test]
+fn shared_prefix_is_reused_and_different_salt_is_not() {
+    let mut core = EngineCore::new(EngineConfig::default());
+    let system = prompt(3, 64);
+    let mut a = system.clone();
+    a.extend(prompt(4, 20));
+    let mut b = system.clone();
+    b.extend(prompt(5, 20));
+    core.add_request(req(1, a, 1)).unwrap();
+    let r = run(&mut core, Duration::ZERO);
+    core.add_request(req(2, b.clone(), 1)).unwrap();
+    let r = run(&mut core, r.end);
+    assert_eq!(r.tokens[&RequestId(2)][0].cached_tokens, 64);
+    // The new block's parent is the last shared block.
+    match &r.events[..] {
+        [CacheEvent::Stored { hashes, parent, .. }] => {
+            assert_eq!(hashes.len(), 1);
+            assert_eq!(
+                *parent,
+                Some(block_hash(
+                    Some(block_hash(
+                        Some(block_hash(
+                            Some(block_hash(None, &system[..16], 0)),
+                            &system[16..32],
+                            0
+                        )),
+                        &system[32..48],
+                        0
+                    )),
+                    &system[48..64],
+                    0
+                ))
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut salted = req(3, b, 1);
+    salted.salt = 42;
+    core.add_request(salted).unwrap();
+    let r = run(&mut core, r.end);
+    assert_eq!(r.tokens[&RequestId(3)][0].cached_tokens, 0);
+}
+
+#[test]
+fn a_small_cache_evicts_least_recently_used_blocks_and_says_so() {
+    // 12 blocks: room for two 4-block prompts at once, not three.
+    let mut core = EngineCore::new(config(12));
+    let prompts: Vec<_> = (0..3).map(|i| prompt(10 + i, 64 + 1)).collect();
+    let mut now = Duration::ZERO;
+    let mut events = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        core.add_request(req(i as u64, p.clone(), 1)).unwrap();
+        let r = run(&mut core, now);
+        now = r.end;
+        events.extend(r.events);
+    }
+    let removed: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            CacheEvent::Removed { hash } => Some(*hash),
+            _ => None,
+        })
+        .collect();
+    // Each prompt held 5 blocks (4 full and cached, 1 partial). The third took the 2
+    // never-used blocks, then the first prompt's freed blocks from the LRU head: its
+    // partial block (not cached) and its last two cached blocks, tail first.
+    let first_hashes: Vec<u64> = stored_hashes(&events[..1]);
+    assert_eq!(
+        removed,
+        vec![first_hashes[3], first_hashes[2]],
+        "{events:?}"
+    );
+    // The second prompt is still fully cached; the first only partly.
+    core.add_request(req(10, prompts[1].clone(), 1)).unwrap();
+    let r = run(&mut core, now);
+    assert_eq!(r.tokens[&RequestId(10)][0].cached_tokens, 64);
+    core.add_request(req(11, prompts[0].clone(), 1)).unwrap();
+    let r = run(&mut core, r.end);
+    assert!(r.tokens[&RequestId(11)][0].cached_tokens < 64);
+}
+
+#[test]
+fn ttft_grows_with_uncached_prompt_length() {
+    let mut ttft = Vec::new();
+    for len in [100, 1000, 4000, 8000] {
+        let mut core = EngineCore::new(EngineConfig::default());
+        core.add_request(req(1, prompt(9, len), 1)).unwrap();
+        let r = run(&mut core, Duration::ZERO);
+        ttft.push(r.first_token_at[&RequestId(1)]);
+    }
+    assert!(ttft.windows(2).all(|w| w[0] < w[1]), "{ttft:?}");
+    // Cached tokens are cheaper than new ones but not free.
+    let p = prompt(9, 4000);
+    let mut core = EngineCore::new(EngineConfig::default());
+    core.add_request(req(1, p.clone(), 1)).unwrap();
+    let r = run(&mut core, Duration::ZERO);
+    let cold = r.first_token_at[&RequestId(1)];
+    let mut tail = p.clone();
+    tail.extend(prompt(8, 100));
+    core.add_request(req(2, tail, 1)).unwrap();
+    let r2 = run(&mut core, r.end);
+    let warm = r2.first_token_at[&RequestId(2)] - r.end;
+    let mut core = EngineCore::new(EngineConfig::default());
+    core.add_request(req(3, prompt(8, 100), 1)).unwrap();
+    let bare = run(&mut core, Duration::ZERO).first_token_at[&RequestId(3)];
+    assert!(warm < cold, "{warm:?} < {cold:?}");
+    assert!(
+        warm > bare,
+        "attention over the cached context costs: {warm:?} > {bare:?}"
+    );
+}
+
+#[test]
+fn long_prompts_are_prefilled_in_chunks_within_the_budget() {
+    let mut core = EngineCore::new(EngineConfig {
+        max_num_batched_tokens: 1000,
+        ..EngineConfig::default()
+    });
+    core.add_request(req(1, prompt(1, 3500), 2)).unwrap();
+    let r = run(&mut core, Duration::ZERO);
+    let prefill: Vec<usize> = r.steps.iter().map(|s| s.work.prefill_tokens).collect();
+    assert_eq!(&prefill[..4], &[1000, 1000, 1000, 500]);
+    assert!(r
+        .steps
+        .iter()
+        .all(|s| s.work.prefill_tokens + s.work.decode_seqs <= 1000));
+    // The first token comes with the step that completes the prompt.
+    assert_eq!(r.steps[3].tokens.len(), 1);
+    assert!(r.steps[..3].iter().all(|s| s.tokens.is_empty()));
+}
+
+#[test]
+fn max_num_seqs_and_the_token_budget_bound_the_batch() {
+    let mut core = EngineCore::new(EngineConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 300,
+        ..EngineConfig::default()
+    });
+    for i in 0..10 {
+        core.add_request(req(i, prompt(i as u32, 100), 20)).unwrap();
+    }
+    let r = run(&mut core, Duration::ZERO);
+    for s in &r.steps {
+        assert!(s.work.prefill_tokens + s.work.decode_seqs <= 300);
+        assert!(s.work.decode_seqs <= 4);
+    }
+    // The first step admits three 100-token prompts: the budget, not max_num_seqs, binds.
+    assert_eq!(r.steps[0].started.len(), 3);
+    assert!(r.steps.iter().any(|s| s.work.decode_seqs == 4));
+    assert_eq!(r.tokens.len(), 10);
+}
+
+#[test]
+fn preemption_when_blocks_run_out_loses_nothing() {
+    // 40 blocks of 16 = 640 tokens; 8 requests of 100 + 100 tokens cannot all fit.
+    let mut core = EngineCore::new(config(40));
+    for i in 0..8 {
+        core.add_request(req(i, prompt(i as u32, 100), 100))
+            .unwrap();
+    }
+    let r = run(&mut core, Duration::ZERO);
+    assert!(
+        core.stats().preemptions > 0,
+        "the cache was too small: someone was preempted"
+    );
+    let preempted: usize = r.steps.iter().map(|s| s.preempted.len()).sum();
+    assert_eq!(preempted as u64, core.stats().preemptions);
+    for i in 0..8 {
+        let toks = &r.tokens[&RequestId(i)];
+        assert_eq!(toks.len(), 100, "request {i}");
+        assert!(toks.iter().enumerate().all(|(k, t)| t.index == k));
+    }
+    assert_eq!(core.stats().kv_usage, 0.0);
+}
+
+#[test]
+fn abort_frees_blocks_and_bad_requests_are_refused() {
+    let mut core = EngineCore::new(config(64));
+    core.add_request(req(1, prompt(1, 300), 50)).unwrap();
+    core.step(Duration::ZERO);
+    assert!(core.stats().kv_usage > 0.0);
+    assert!(core.abort(RequestId(1)));
+    assert!(!core.abort(RequestId(1)));
+    assert_eq!(core.stats().kv_usage, 0.0);
+    assert!(!core.has_work());
+    assert_eq!(
+        core.add_request(req(2, vec![], 1)),
+        Err(AddError::EmptyPrompt)
+    );
+    assert_eq!(
+        core.add_request(req(2, vec![1], 0)),
+        Err(AddError::NoOutput)
+    );
+    assert!(matches!(
+        core.add_request(req(2, prompt(1, 1000), 100)),
+        Err(AddError::TooLong { .. })
+    ));
+    core.add_request(req(3, vec![1], 1)).unwrap();
+    assert_eq!(
+        core.add_request(req(3, vec![1], 1)),
+        Err(AddError::DuplicateId(RequestId(3)))
+    );
+}
+
+#[test]
+fn reset_prefix_cache_clears_when_idle() {
+    let mut core = EngineCore::new(EngineConfig::default());
+    let p = prompt(5, 64);
+    core.add_request(req(1, p.clone(), 1)).unwrap();
+    let r = run(&mut core, Duration::ZERO);
+    assert!(core.stats().cached_blocks > 0);
+    assert!(core.reset_prefix_cache());
+    assert_eq!(core.take_events(), vec![CacheEvent::Cleared]);
+    core.add_request(req(2, p, 1)).unwrap();
+    let r = run(&mut core, r.end);
+    assert_eq!(r.tokens[&RequestId(2)][0].cached_tokens, 0);
+}
+
+#[test]
+fn same_seed_same_run() {
+    let go = || {
+        let mut core = EngineCore::new(EngineConfig {
+            seed: 7,
+            ..EngineConfig::default()
+        });
+        for i in 0..5 {
+            core.add_request(req(i, prompt(i as u32, 40), 8)).unwrap();
+        }
+        let r = run(&mut core, Duration::ZERO);
+        let mut v: Vec<_> = r.tokens.into_iter().collect();
+        v.sort_by_key(|(k, _)| *k);
+        (v, r.end)
+    };
+    assert_eq!(go(), go());
+}
