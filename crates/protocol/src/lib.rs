@@ -14,6 +14,7 @@ mod error;
 pub mod fallback;
 mod hash;
 mod ids;
+pub mod kv_events;
 mod openai;
 
 pub use error::{ErrorBody, ErrorDetail};

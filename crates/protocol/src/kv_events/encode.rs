@@ -1,0 +1,135 @@
+//! Encoding: the batch is laid out as an [`rmpv::ValueRef`] tree that borrows from it, then
+//! written out in one pass.
+
+use std::iter;
+
+use rmpv::ValueRef;
+
+use super::{BlockHashValue, BlockStored, KvEvent, KvEventBatch};
+
+/// How [`encode_batch`] lays out events. The batch itself is always the array
+/// `[ts, [event, ...], data_parallel_rank]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    /// Events as maps tagged with `"type"`, as vLLM 0.32 sends them. A `BlockStored` carries
+    /// `block_hashes`, `parent_block_hash`, `token_ids`, `block_size`, `lora_id`, `medium`,
+    /// `lora_name`, and `extra_keys` only when it has some; a `BlockRemoved` carries
+    /// `block_hashes` and `medium`.
+    Map,
+    /// Events as positional arrays, tag first, every field present (nil when unset), as older
+    /// vLLM versions and SGLang send them.
+    Array,
+}
+
+/// Encodes `batch` as a msgpack payload, the third frame of a message.
+///
+/// Block hashes are written as msgpack unsigned ints ([`BlockHashValue::U64`]) or bins
+/// ([`BlockHashValue::Bytes`]); `ts` as a float64. [`decode_batch`](super::decode_batch)
+/// reads the result back to an equal batch.
+pub fn encode_batch(batch: &KvEventBatch, encoding: Encoding) -> Vec<u8> {
+    let value = ValueRef::Array(vec![
+        ValueRef::F64(batch.ts),
+        ValueRef::Array(
+            batch
+                .events
+                .iter()
+                .map(|event| event_value(event, encoding))
+                .collect(),
+        ),
+        batch.dp_rank.map_or(ValueRef::Nil, ValueRef::from),
+    ]);
+    let mut payload = Vec::new();
+    rmpv::encode::write_value_ref(&mut payload, &value)
+        .expect("writing msgpack into a Vec cannot fail");
+    payload
+}
+
+fn event_value(event: &KvEvent, encoding: Encoding) -> ValueRef<'_> {
+    let (kind, fields) = match event {
+        KvEvent::BlockStored(stored) => ("BlockStored", block_stored_fields(stored, encoding)),
+        KvEvent::BlockRemoved(removed) => (
+            "BlockRemoved",
+            vec![
+                ("block_hashes", hashes(&removed.block_hashes)),
+                ("medium", optional_str(removed.medium.as_deref())),
+            ],
+        ),
+        KvEvent::AllBlocksCleared => ("AllBlocksCleared", Vec::new()),
+    };
+    match encoding {
+        Encoding::Map => ValueRef::Map(
+            iter::once(("type", ValueRef::from(kind)))
+                .chain(fields)
+                .map(|(name, value)| (ValueRef::from(name), value))
+                .collect(),
+        ),
+        Encoding::Array => ValueRef::Array(
+            iter::once(ValueRef::from(kind))
+                .chain(fields.into_iter().map(|(_, value)| value))
+                .collect(),
+        ),
+    }
+}
+
+/// The fields in wire order, named for the map form.
+fn block_stored_fields(
+    stored: &BlockStored,
+    encoding: Encoding,
+) -> Vec<(&'static str, ValueRef<'_>)> {
+    let mut fields = vec![
+        ("block_hashes", hashes(&stored.block_hashes)),
+        (
+            "parent_block_hash",
+            stored
+                .parent_block_hash
+                .as_ref()
+                .map_or(ValueRef::Nil, hash),
+        ),
+        (
+            "token_ids",
+            ValueRef::Array(
+                stored
+                    .token_ids
+                    .iter()
+                    .copied()
+                    .map(ValueRef::from)
+                    .collect(),
+            ),
+        ),
+        ("block_size", ValueRef::from(stored.block_size)),
+        (
+            "lora_id",
+            stored.lora_id.map_or(ValueRef::Nil, ValueRef::from),
+        ),
+        ("medium", optional_str(stored.medium.as_deref())),
+        ("lora_name", optional_str(stored.lora_name.as_deref())),
+    ];
+    let extra_keys = stored.extra_keys.as_ref().map(|keys| {
+        ValueRef::Array(
+            keys.iter()
+                .map(|key| key.as_ref().map_or(ValueRef::Nil, rmpv::Value::as_ref))
+                .collect(),
+        )
+    });
+    match (extra_keys, encoding) {
+        (Some(keys), _) => fields.push(("extra_keys", keys)),
+        (None, Encoding::Array) => fields.push(("extra_keys", ValueRef::Nil)),
+        (None, Encoding::Map) => {}
+    }
+    fields
+}
+
+fn hash(hash: &BlockHashValue) -> ValueRef<'_> {
+    match hash {
+        BlockHashValue::U64(hash) => ValueRef::from(*hash),
+        BlockHashValue::Bytes(bytes) => ValueRef::Binary(bytes),
+    }
+}
+
+fn hashes(hashes: &[BlockHashValue]) -> ValueRef<'_> {
+    ValueRef::Array(hashes.iter().map(hash).collect())
+}
+
+fn optional_str(s: Option<&str>) -> ValueRef<'_> {
+    s.map_or(ValueRef::Nil, ValueRef::from)
+}
