@@ -10,3 +10,8 @@
 //! it cannot see the router's internals.
 
 pub mod engine;
+pub mod config;
+pub mod server;
+
+pub use config::SimArgs;
+pub use server::SimServer;

@@ -1,1 +1,71 @@
-fn main() {}
+//! `kvroute-sim`: a simulated vLLM replica.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use kvroute_sim::{SimArgs, SimServer};
+use kvroute_tokenizer::Tokenizer;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    let args = SimArgs::parse();
+    if let Err(e) = args.validate() {
+        eprintln!("kvroute-sim: {e}");
+        return ExitCode::from(2);
+    }
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("kvroute_sim={},warn", args.log_level)));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let tokenizer = match &args.tokenizer {
+        Some(path) => match Tokenizer::load(path) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("kvroute-sim: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => Tokenizer::fallback(),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvroute-sim: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args, Arc::new(tokenizer))) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvroute-sim: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: SimArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    tracing::info!(
+        %addr,
+        model = %args.model,
+        ranks = args.data_parallel_size,
+        num_gpu_blocks = args.num_gpu_blocks,
+        block_size = args.block_size,
+        speedup = args.speedup,
+        "kvroute-sim listening"
+    );
+    let shutdown = CancellationToken::new();
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
+        let _ = tokio::signal::ctrl_c().await;
+        on_signal.cancel();
+    });
+    SimServer::new(args, tokenizer).serve(listener, shutdown).await
+}

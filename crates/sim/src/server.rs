@@ -1,0 +1,585 @@
+//! The HTTP face of the simulator: vLLM's API over one engine core per data-parallel rank.
+//!
+//! [`SimServer::new`] builds the state (no I/O); [`SimServer::serve`] binds the KV-event
+//! sockets, starts one [`driver::Driver`] per rank and a publisher per socket, serves the
+//! API on the listener it is given until the shutdown token fires, and joins them all.
+
+mod driver;
+mod kv_publisher;
+mod metrics;
+mod openai;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvroute_tokenizer::{ChatOptions, Tokenizer};
+use prometheus_client::registry::Registry;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SimArgs;
+use crate::engine::{EngineCore, EngineRequest, RequestId};
+use driver::{Command, Delivery, Driver};
+use openai::{Api, ResponseMeta};
+
+pub use kv_publisher::rank_endpoint;
+
+/// vLLM's header naming the data-parallel rank a request should run on.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+struct Pending {
+    cores: Vec<EngineCore>,
+    receivers: Vec<mpsc::UnboundedReceiver<Command>>,
+    series: Vec<metrics::EngineSeries>,
+}
+
+struct AppState {
+    args: SimArgs,
+    tokenizer: Arc<Tokenizer>,
+    ranks: Vec<mpsc::UnboundedSender<Command>>,
+    next_rank: AtomicUsize,
+    next_id: AtomicU64,
+    created: u64,
+    registry: Registry,
+}
+
+/// A simulated vLLM server.
+pub struct SimServer {
+    state: Arc<AppState>,
+    pending: Mutex<Option<Pending>>,
+}
+
+impl std::fmt::Debug for SimServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimServer")
+            .field("model", &self.state.args.model)
+            .field("ranks", &self.state.ranks.len())
+            .finish()
+    }
+}
+
+/// Token ids the engines sample outputs from: ids that decode to short plain text.
+fn output_tokens(tokenizer: &Tokenizer) -> Vec<u32> {
+    if tokenizer.is_fallback() {
+        return (b'a'..=b'z').chain([b' ']).map(u32::from).collect();
+    }
+    let ids: Vec<u32> = (0..tokenizer.vocab_size())
+        .filter(|&id| {
+            let s = tokenizer.decode(&[id]).unwrap_or_default();
+            !s.trim().is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == ' ')
+        })
+        .collect();
+    if ids.is_empty() {
+        (0..tokenizer.vocab_size().max(1)).collect()
+    } else {
+        ids
+    }
+}
+
+impl SimServer {
+    /// Builds the server and its engines. Does no I/O and spawns nothing.
+    pub fn new(args: SimArgs, tokenizer: Arc<Tokenizer>) -> Self {
+        let mut registry = Registry::default();
+        let ranks = args.data_parallel_size.max(1);
+        let series = metrics::register(
+            &mut registry,
+            &args.model,
+            ranks,
+            args.block_size,
+            args.num_gpu_blocks,
+        );
+        let outputs = output_tokens(&tokenizer);
+        let mut senders = Vec::new();
+        let mut receivers = Vec::new();
+        let mut cores = Vec::new();
+        for rank in 0..ranks {
+            let (tx, rx) = mpsc::unbounded_channel();
+            senders.push(tx);
+            receivers.push(rx);
+            cores.push(EngineCore::new(args.engine_config(rank, outputs.clone())));
+        }
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Self {
+            state: Arc::new(AppState {
+                args,
+                tokenizer,
+                ranks: senders,
+                next_rank: AtomicUsize::new(0),
+                next_id: AtomicU64::new(0),
+                created,
+                registry,
+            }),
+            pending: Mutex::new(Some(Pending {
+                cores,
+                receivers,
+                series,
+            })),
+        }
+    }
+
+    /// The API, without a socket.
+    pub fn app(&self) -> Router {
+        Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat))
+            .route("/v1/completions/render", post(render_completion))
+            .route("/v1/chat/completions/render", post(render_chat))
+            .route("/v1/models", get(models))
+            .route("/health", get(|| async { StatusCode::OK }))
+            .route("/tokenize", post(tokenize))
+            .route("/detokenize", post(detokenize))
+            .route("/reset_prefix_cache", post(reset_prefix_cache))
+            .route("/server_info", get(server_info))
+            .route("/get_server_info", get(server_info))
+            .route("/model_info", get(model_info))
+            .route("/get_model_info", get(model_info))
+            .route("/metrics", get(metrics_text))
+            .with_state(self.state.clone())
+    }
+
+    /// Runs the engines and serves the API until `shutdown`. Can be called once.
+    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("SimServer::serve called twice"))?;
+        let args = &self.state.args;
+        let mut tasks = tokio::task::JoinSet::new();
+        for (rank, ((core, commands), series)) in pending
+            .cores
+            .into_iter()
+            .zip(pending.receivers)
+            .zip(pending.series)
+            .enumerate()
+        {
+            let events = match &args.kv_events_endpoint {
+                Some(endpoint) => {
+                    let publisher = kv_publisher::Publisher::bind(
+                        endpoint,
+                        rank,
+                        &args.kv_events_topic,
+                        args.kv_events_format,
+                        args.block_size,
+                    )
+                    .await?;
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    tasks.spawn(publisher.run(rx, shutdown.clone()));
+                    Some(tx)
+                }
+                None => None,
+            };
+            let driver = Driver {
+                core,
+                commands,
+                series,
+                events,
+            };
+            tasks.spawn(driver.run(shutdown.clone()));
+        }
+        let app = self.app();
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+            .await;
+        shutdown.cancel();
+        while tasks.join_next().await.is_some() {}
+        served.map_err(Into::into)
+    }
+}
+
+fn error(status: StatusCode, kind: &str, message: impl AsRef<str>) -> Response {
+    let body = openai::error_body(status.as_u16(), kind, message.as_ref());
+    (status, Json(body)).into_response()
+}
+
+fn bad_request(message: impl AsRef<str>) -> Response {
+    error(StatusCode::BAD_REQUEST, "BadRequestError", message)
+}
+
+async fn json_body<T: serde::de::DeserializeOwned>(req: Request) -> Result<(HeaderMap, T), Response> {
+    let (parts, body) = req.into_parts();
+    let bytes = axum::body::to_bytes(body, 64 * 1024 * 1024)
+        .await
+        .map_err(|e| bad_request(format!("cannot read body: {e}")))?;
+    let value = serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("invalid request: {e}")))?;
+    Ok((parts.headers, value))
+}
+
+impl AppState {
+    fn check_model(&self, model: Option<&str>) -> Result<(), Response> {
+        match model {
+            Some(m) if m != self.args.model => Err(error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                format!("The model `{m}` does not exist."),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn rank(&self, headers: &HeaderMap) -> Result<usize, Response> {
+        match headers.get(DP_RANK_HEADER) {
+            Some(v) => {
+                let rank = v
+                    .to_str()
+                    .ok()
+                    .and_then(|s| s.trim().parse::<usize>().ok())
+                    .ok_or_else(|| bad_request(format!("invalid {DP_RANK_HEADER} header")))?;
+                if rank >= self.ranks.len() {
+                    return Err(bad_request(format!(
+                        "data parallel rank {rank} out of range (size {})",
+                        self.ranks.len()
+                    )));
+                }
+                Ok(rank)
+            }
+            None => Ok(self.next_rank.fetch_add(1, Ordering::Relaxed) % self.ranks.len()),
+        }
+    }
+
+    fn completion_tokens(&self, prompt: &Value) -> Result<Vec<u32>, Response> {
+        match prompt {
+            Value::String(s) => self.encode_prompt(s),
+            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+                self.encode_prompt(items[0].as_str().unwrap_or_default())
+            }
+            Value::Array(items) if items.iter().all(Value::is_u64) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|id| u32::try_from(id).ok())
+                        .ok_or_else(|| bad_request("token id out of range"))
+                })
+                .collect(),
+            Value::Array(_) => Err(bad_request(
+                "kvroute-sim takes one prompt per request (a string or token ids)",
+            )),
+            _ => Err(bad_request("prompt must be a string or a list of token ids")),
+        }
+    }
+
+    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, Response> {
+        self.tokenizer
+            .encode_prompt(text)
+            .map_err(|e| bad_request(format!("cannot tokenize the prompt: {e}")))
+    }
+
+    fn chat_tokens(&self, messages: &Value) -> Result<Vec<u32>, Response> {
+        if !messages.is_array() {
+            return Err(bad_request("messages must be a list"));
+        }
+        self.tokenizer
+            .encode_chat(messages, &ChatOptions::default())
+            .map_err(|e| bad_request(format!("cannot render the chat: {e}")))
+    }
+}
+
+fn salt_of(cache_salt: Option<&str>) -> u64 {
+    cache_salt.map_or(0, |s| kvroute_protocol::stable_hash(s.as_bytes()))
+}
+
+async fn completions(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let (headers, body) = match json_body::<openai::CompletionRequest>(req).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    if let Err(r) = state.check_model(body.model.as_deref()) {
+        return r;
+    }
+    let prompt = match state.completion_tokens(&body.prompt) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let max_tokens = body.max_tokens.unwrap_or(openai::DEFAULT_MAX_TOKENS);
+    generate(&state, &headers, Api::Completion, prompt, max_tokens, body.stream.unwrap_or(false), salt_of(body.cache_salt.as_deref())).await
+}
+
+async fn chat(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let (headers, body) = match json_body::<openai::ChatRequest>(req).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    if let Err(r) = state.check_model(body.model.as_deref()) {
+        return r;
+    }
+    let prompt = match state.chat_tokens(&body.messages) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let max_tokens = body
+        .max_completion_tokens
+        .or(body.max_tokens)
+        .unwrap_or(openai::DEFAULT_MAX_TOKENS);
+    generate(&state, &headers, Api::Chat, prompt, max_tokens, body.stream.unwrap_or(false), salt_of(body.cache_salt.as_deref())).await
+}
+
+/// Sends an abort to the engine if the request's answer is dropped before it finished.
+struct AbortOnDrop {
+    id: RequestId,
+    tx: mpsc::UnboundedSender<Command>,
+    done: bool,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(Command::Abort(self.id));
+        }
+    }
+}
+
+async fn generate(
+    state: &AppState,
+    headers: &HeaderMap,
+    api: Api,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    stream: bool,
+    salt: u64,
+) -> Response {
+    let rank = match state.rank(headers) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
+    let meta = ResponseMeta {
+        api,
+        id: format!(
+            "{}-{:016x}",
+            if api == Api::Chat { "chatcmpl" } else { "cmpl" },
+            rand::random::<u64>()
+        ),
+        created: state.created,
+        model: state.args.model.clone(),
+        prompt_tokens: prompt.len(),
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let request = EngineRequest {
+        id,
+        prompt,
+        max_tokens,
+        salt,
+    };
+    if state.ranks[rank].send(Command::Add { request, tx }).is_err() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", "engine stopped");
+    }
+    let mut guard = AbortOnDrop {
+        id,
+        tx: state.ranks[rank].clone(),
+        done: false,
+    };
+    // The first delivery says whether the engine took the request.
+    let first = match rx.recv().await {
+        Some(Delivery::Rejected(e)) => {
+            guard.done = true;
+            return bad_request(e.to_string());
+        }
+        Some(d) => d,
+        None => return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", "engine stopped"),
+    };
+    let tokenizer = state.tokenizer.clone();
+    if !stream {
+        let mut tokens = Vec::with_capacity(max_tokens);
+        let mut cached = 0;
+        let mut next = Some(first);
+        while let Some(Delivery::Token { token, finished, cached_tokens, .. }) = next {
+            tokens.push(token);
+            cached = cached_tokens;
+            if finished {
+                guard.done = true;
+                let text = tokenizer.decode(&tokens).unwrap_or_default();
+                return Json(openai::full_response(&meta, &text, tokens.len(), cached)).into_response();
+            }
+            next = rx.recv().await;
+        }
+        let _ = cached;
+        return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", "engine stopped");
+    }
+    // Streaming: one SSE event per token, then the usage chunk and [DONE].
+    let mut prelude = String::new();
+    if api == Api::Chat {
+        prelude.push_str(&openai::sse(&openai::role_chunk(&meta)));
+    }
+    struct StreamState {
+        rx: mpsc::UnboundedReceiver<Delivery>,
+        first: Option<Delivery>,
+        prelude: Option<String>,
+        guard: AbortOnDrop,
+        meta: ResponseMeta,
+        tokenizer: Arc<Tokenizer>,
+        count: usize,
+        ended: bool,
+    }
+    let st = StreamState {
+        rx,
+        first: Some(first),
+        prelude: Some(prelude),
+        guard,
+        meta,
+        tokenizer,
+        count: 0,
+        ended: false,
+    };
+    let body = futures_util::stream::unfold(st, |mut st| async move {
+        if st.ended {
+            return None;
+        }
+        let mut out = st.prelude.take().unwrap_or_default();
+        let next = match st.first.take() {
+            Some(d) => Some(d),
+            None => st.rx.recv().await,
+        };
+        match next {
+            Some(Delivery::Token { token, finished, cached_tokens, .. }) => {
+                st.count += 1;
+                let text = st.tokenizer.decode(&[token]).unwrap_or_default();
+                out.push_str(&openai::sse(&openai::token_chunk(&st.meta, &text, finished)));
+                if finished {
+                    st.guard.done = true;
+                    st.ended = true;
+                    out.push_str(&openai::sse(&openai::usage_chunk(&st.meta, st.count, cached_tokens)));
+                    out.push_str("data: [DONE]\n\n");
+                }
+                Some((Ok::<_, std::io::Error>(Bytes::from(out)), st))
+            }
+            _ => None,
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(Body::from_stream(body))
+        .expect("valid response")
+}
+
+async fn render_completion(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let (_, body) = match json_body::<openai::CompletionRequest>(req).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    match state.completion_tokens(&body.prompt) {
+        Ok(ids) => Json(json!({"token_ids": ids})).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn render_chat(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let (_, body) = match json_body::<openai::ChatRequest>(req).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    match state.chat_tokens(&body.messages) {
+        Ok(ids) => Json(json!({"token_ids": ids})).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn tokenize(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let (_, body) = match json_body::<Value>(req).await {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let tokens = if let Some(messages) = body.get("messages") {
+        state.chat_tokens(messages)
+    } else if let Some(prompt) = body.get("prompt") {
+        state.completion_tokens(prompt)
+    } else {
+        Err(bad_request("give prompt or messages"))
+    };
+    match tokens {
+        Ok(tokens) => Json(json!({
+            "count": tokens.len(),
+            "max_model_len": state.args.num_gpu_blocks * state.args.block_size,
+            "tokens": tokens,
+            "token_strs": null,
+        }))
+        .into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn detokenize(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    #[derive(serde::Deserialize)]
+    struct Detokenize {
+        tokens: Vec<u32>,
+    }
+    match json_body::<Detokenize>(req).await {
+        Ok((_, body)) => match state.tokenizer.decode(&body.tokens) {
+            Ok(text) => Json(json!({"prompt": text})).into_response(),
+            Err(e) => bad_request(format!("cannot detokenize: {e}")),
+        },
+        Err(r) => r,
+    }
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let a = &state.args;
+    Json(json!({"object": "list", "data": [{
+        "id": a.model, "object": "model", "created": state.created, "owned_by": "vllm",
+        "root": a.model, "parent": null, "max_model_len": a.num_gpu_blocks * a.block_size,
+    }]}))
+    .into_response()
+}
+
+async fn server_info(State(state): State<Arc<AppState>>) -> Response {
+    let a = &state.args;
+    Json(json!({
+        "model_path": a.model, "served_model_name": a.model, "tokenizer_path": a.tokenizer,
+        "is_generation": true, "tp_size": 1, "dp_size": state.ranks.len(),
+        "page_size": a.block_size, "max_total_num_tokens": a.num_gpu_blocks * a.block_size,
+        "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+        "engine": "kvroute-sim",
+    }))
+    .into_response()
+}
+
+async fn model_info(State(state): State<Arc<AppState>>) -> Response {
+    let a = &state.args;
+    Json(json!({"model_path": a.model, "tokenizer_path": a.tokenizer, "is_generation": true}))
+        .into_response()
+}
+
+async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
+    let mut all = true;
+    for tx in &state.ranks {
+        let (reply, rx) = oneshot::channel();
+        if tx.send(Command::Reset(reply)).is_err() {
+            all = false;
+            continue;
+        }
+        all &= rx.await.unwrap_or(false);
+    }
+    if all {
+        StatusCode::OK.into_response()
+    } else {
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailableError",
+            "the prefix cache can only be reset when no request is running",
+        )
+    }
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+    let mut text = String::new();
+    match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
+        Ok(()) => (
+            [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+            text,
+        )
+            .into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}

@@ -1,0 +1,129 @@
+//! vLLM's `/metrics` names, labelled `model_name` and `engine` (the data-parallel rank).
+//!
+//! Gauges and counters are read from each engine's stats when scraped (the driver
+//! publishes a copy after every step); the latency histograms are observed by the drivers
+//! as tokens are delivered.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::engine::EngineStats;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineLabels {
+    pub model_name: String,
+    pub engine: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CacheConfigLabels {
+    pub model_name: String,
+    pub engine: String,
+    pub block_size: String,
+    pub num_gpu_blocks: String,
+}
+
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+        10.0, 20.0, 40.0, 80.0,
+    ]
+    .into_iter()
+}
+
+/// One engine's series.
+#[derive(Debug, Clone)]
+pub struct EngineSeries {
+    running: Gauge,
+    waiting: Gauge,
+    kv_usage: Gauge<f64, AtomicU64>,
+    queries: Counter,
+    hits: Counter,
+    preemptions: Counter,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    /// The counters' values as last exported, to add only the difference.
+    exported: Arc<Mutex<EngineStats>>,
+}
+
+impl EngineSeries {
+    /// Brings the series up to `stats`.
+    pub fn update(&self, stats: &EngineStats) {
+        self.running.set(stats.running as i64);
+        self.waiting.set(stats.waiting as i64);
+        self.kv_usage.set(stats.kv_usage);
+        let mut last = self.exported.lock().unwrap_or_else(|e| e.into_inner());
+        self.queries
+            .inc_by(stats.prefix_cache_queries - last.prefix_cache_queries);
+        self.hits
+            .inc_by(stats.prefix_cache_hits - last.prefix_cache_hits);
+        self.preemptions.inc_by(stats.preemptions - last.preemptions);
+        *last = stats.clone();
+    }
+}
+
+/// Registers every engine's series.
+pub fn register(
+    registry: &mut Registry,
+    model: &str,
+    ranks: usize,
+    block_size: usize,
+    num_gpu_blocks: usize,
+) -> Vec<EngineSeries> {
+    let running = Family::<EngineLabels, Gauge>::default();
+    let waiting = Family::<EngineLabels, Gauge>::default();
+    let kv_usage = Family::<EngineLabels, Gauge<f64, AtomicU64>>::default();
+    let queries = Family::<EngineLabels, Counter>::default();
+    let hits = Family::<EngineLabels, Counter>::default();
+    let preemptions = Family::<EngineLabels, Counter>::default();
+    let cache_info = Family::<CacheConfigLabels, Gauge>::default();
+    let ttft = Family::<EngineLabels, Histogram>::new_with_constructor(
+        (|| Histogram::new(latency_buckets())) as fn() -> Histogram,
+    );
+    let itl = Family::<EngineLabels, Histogram>::new_with_constructor(
+        (|| Histogram::new(latency_buckets())) as fn() -> Histogram,
+    );
+    registry.register("vllm:num_requests_running", "Requests in the running batch", running.clone());
+    registry.register("vllm:num_requests_waiting", "Requests waiting to be scheduled", waiting.clone());
+    registry.register("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%)", kv_usage.clone());
+    registry.register("vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache", queries.clone());
+    registry.register("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits.clone());
+    registry.register("vllm:num_preemptions", "Preempted requests", preemptions.clone());
+    registry.register("vllm:cache_config_info", "KV cache configuration", cache_info.clone());
+    registry.register("vllm:time_to_first_token_seconds", "Time to first token", ttft.clone());
+    registry.register("vllm:inter_token_latency_seconds", "Time between output tokens", itl.clone());
+    (0..ranks)
+        .map(|rank| {
+            let l = EngineLabels {
+                model_name: model.to_owned(),
+                engine: rank.to_string(),
+            };
+            cache_info
+                .get_or_create(&CacheConfigLabels {
+                    model_name: model.to_owned(),
+                    engine: rank.to_string(),
+                    block_size: block_size.to_string(),
+                    num_gpu_blocks: num_gpu_blocks.to_string(),
+                })
+                .set(1);
+            EngineSeries {
+                running: running.get_or_create(&l).clone(),
+                waiting: waiting.get_or_create(&l).clone(),
+                kv_usage: kv_usage.get_or_create(&l).clone(),
+                queries: queries.get_or_create(&l).clone(),
+                hits: hits.get_or_create(&l).clone(),
+                preemptions: preemptions.get_or_create(&l).clone(),
+                ttft: ttft.get_or_create(&l).clone(),
+                itl: itl.get_or_create(&l).clone(),
+                exported: Arc::new(Mutex::new(EngineStats::default())),
+            }
+        })
+        .collect()
+}

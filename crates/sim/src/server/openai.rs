@@ -1,0 +1,138 @@
+//! vLLM's OpenAI-compatible request and response bodies, as far as the simulator needs.
+//!
+//! Differences from vLLM, on purpose: a request produces exactly `max_tokens` tokens (16
+//! when absent, for chats too: vLLM's chat default is the rest of the context), and every
+//! stream ends with a usage chunk (vLLM sends it only with `stream_options.include_usage`),
+//! so clients always see `usage.prompt_tokens_details.cached_tokens`.
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+pub const DEFAULT_MAX_TOKENS: usize = 16;
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: Value,
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Value,
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+}
+
+/// Which API a request came through: it decides the shape of every answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Completion,
+    Chat,
+}
+
+/// What the answers of one request share.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    pub api: Api,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub prompt_tokens: usize,
+}
+
+pub fn usage(meta: &ResponseMeta, completion_tokens: usize, cached_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": meta.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": meta.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    })
+}
+
+/// The whole answer of a non-streaming request.
+pub fn full_response(
+    meta: &ResponseMeta,
+    text: &str,
+    completion_tokens: usize,
+    cached_tokens: usize,
+) -> Value {
+    let choice = match meta.api {
+        Api::Completion => json!({
+            "index": 0, "text": text, "logprobs": null,
+            "finish_reason": "length", "stop_reason": null,
+        }),
+        Api::Chat => json!({
+            "index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": null, "finish_reason": "length", "stop_reason": null,
+        }),
+    };
+    json!({
+        "id": meta.id,
+        "object": match meta.api { Api::Completion => "text_completion", Api::Chat => "chat.completion" },
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [choice],
+        "usage": usage(meta, completion_tokens, cached_tokens),
+    })
+}
+
+fn chunk_object(api: Api) -> &'static str {
+    match api {
+        Api::Completion => "text_completion",
+        Api::Chat => "chat.completion.chunk",
+    }
+}
+
+/// One SSE event: `data: {json}\n\n`.
+pub fn sse(value: &Value) -> String {
+    format!("data: {value}\n\n")
+}
+
+/// The chat stream's opening chunk (the assistant role).
+pub fn role_chunk(meta: &ResponseMeta) -> Value {
+    json!({
+        "id": meta.id, "object": chunk_object(meta.api), "created": meta.created, "model": meta.model,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
+    })
+}
+
+/// A token's chunk.
+pub fn token_chunk(meta: &ResponseMeta, text: &str, finished: bool) -> Value {
+    let finish = if finished { json!("length") } else { Value::Null };
+    let choice = match meta.api {
+        Api::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
+        Api::Chat => json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
+    };
+    json!({
+        "id": meta.id, "object": chunk_object(meta.api), "created": meta.created, "model": meta.model,
+        "choices": [choice],
+    })
+}
+
+/// The stream's closing usage chunk.
+pub fn usage_chunk(meta: &ResponseMeta, completion_tokens: usize, cached_tokens: usize) -> Value {
+    json!({
+        "id": meta.id, "object": chunk_object(meta.api), "created": meta.created, "model": meta.model,
+        "choices": [], "usage": usage(meta, completion_tokens, cached_tokens),
+    })
+}
+
+/// vLLM's error body.
+pub fn error_body(status: u16, kind: &str, message: &str) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": null, "code": status}})
+}
