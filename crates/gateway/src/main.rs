@@ -18,12 +18,6 @@ fn main() -> ExitCode {
         }
     };
     init_tracing(&settings);
-    if settings.workers.is_empty() {
-        eprintln!(
-            "kvroute: no workers: give --worker-urls URL [URL ...] or a --config file with a workers: list"
-        );
-        return ExitCode::from(2);
-    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -54,10 +48,55 @@ fn init_tracing(settings: &Settings) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // A closed stderr must not bring the server down (eprintln! would panic).
+        .log_internal_errors(false)
         .init();
 }
 
-async fn run(settings: Settings) -> anyhow::Result<()> {
+/// Simulated engines started in-process when no worker is given.
+const EMBEDDED_ENGINES: usize = 4;
+
+/// Starts `EMBEDDED_ENGINES` kvroute-sim servers on loopback ports and returns their URLs.
+async fn start_embedded_engines(
+    shutdown: &CancellationToken,
+    tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+) -> anyhow::Result<Vec<String>> {
+    let tokenizer = Arc::new(kvroute_tokenizer::Tokenizer::fallback());
+    let mut urls = Vec::with_capacity(EMBEDDED_ENGINES);
+    for i in 0..EMBEDDED_ENGINES {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("cannot start an embedded engine")?;
+        urls.push(format!("http://{}", listener.local_addr()?));
+        let args = kvroute_sim::SimArgs {
+            seed: i as u64,
+            ..kvroute_sim::SimArgs::default()
+        };
+        let engine = kvroute_sim::SimServer::new(args, tokenizer.clone());
+        tasks.spawn(engine.serve(listener, shutdown.clone()));
+    }
+    Ok(urls)
+}
+
+async fn run(mut settings: Settings) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let mut engines = tokio::task::JoinSet::new();
+    if settings.workers.is_empty() {
+        let urls = start_embedded_engines(&shutdown, &mut engines).await?;
+        tracing::info!(
+            engines = EMBEDDED_ENGINES,
+            urls = ?urls,
+            "No worker given: serving from embedded simulated engines (kvroute-sim, model kvroute-sim)"
+        );
+        settings.workers = urls
+            .into_iter()
+            .map(|url| kvroute_gateway::WorkerSpec {
+                id: None,
+                url,
+                model: None,
+            })
+            .collect();
+    }
     let api_addr = format!("{}:{}", settings.host, settings.port);
     let metrics_addr = format!("{}:{}", settings.prometheus_host, settings.prometheus_port);
     let listener = tokio::net::TcpListener::bind(&api_addr)
@@ -72,17 +111,28 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     tracing::info!("policy: {}", gateway.policy_description());
     tracing::info!(addr = %api_addr, metrics = %metrics_addr, workers, "kvroute listening");
 
-    let shutdown = CancellationToken::new();
     let on_signal = shutdown.clone();
     tokio::spawn(async move {
         shutdown_signal().await;
         tracing::info!("Shutting down");
         on_signal.cancel();
     });
-    gateway
-        .serve(listener, metrics_listener, Arc::new(registry), shutdown)
+    let served = gateway
+        .serve(
+            listener,
+            metrics_listener,
+            Arc::new(registry),
+            shutdown.clone(),
+        )
         .await
-        .context("server failed")
+        .context("server failed");
+    shutdown.cancel();
+    while let Some(engine) = engines.join_next().await {
+        if let Ok(Err(e)) = engine {
+            tracing::warn!(error = format!("{e:#}"), "Embedded engine failed");
+        }
+    }
+    served
 }
 
 async fn shutdown_signal() {

@@ -47,11 +47,85 @@ fn unknown_policy_in_config_file_exits_2() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn no_workers_exits_2_with_a_hint() {
-    let out = kvroute().output().unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--worker-urls"));
+/// Kills the child when dropped, so a failing test leaves no process behind.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn with_no_worker_it_serves_from_embedded_simulated_engines() {
+    use http_body_util::BodyExt;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = Child(
+        kvroute()
+            .args(["--port", &port.to_string(), "--prometheus-port", "0"])
+            .env_remove("RUST_LOG")
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = BufReader::new(child.0.stderr.take().unwrap());
+    // Read stderr to its end (closing it early would break the child's pipe).
+    let said = std::thread::spawn(move || {
+        let mut found = None;
+        for line in stderr.lines().map_while(Result::ok) {
+            if found.is_none() && line.contains("embedded simulated engines") {
+                found = Some(line);
+            }
+        }
+        found
+    });
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let base = format!("http://127.0.0.1:{port}");
+    // Readiness probe: the router answers 200 once the engines are probed.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let req = http::Request::get(format!("{base}/readiness"))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let last = match client.request(req).await {
+            Ok(r) if r.status() == 200 => break,
+            Ok(r) => format!("status {}", r.status()),
+            Err(e) => format!("{e:?}"),
+        };
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never ready: {last}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let body =
+        r#"{"model":"kvroute-sim","max_tokens":3,"messages":[{"role":"user","content":"hi"}]}"#;
+    let req = http::Request::post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["x-kvroute-worker"]
+        .to_str()
+        .unwrap()
+        .starts_with("http://127.0.0.1:"));
+    let v: serde_json::Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    drop(child);
+    let line = said
+        .join()
+        .unwrap()
+        .expect("the log says engines were started");
+    assert!(line.contains("kvroute-sim"), "{line}");
 }
 
 #[test]

@@ -20,7 +20,9 @@ fn main() {
     });
     let mut next = 0u64;
     let mut add = |core: &mut EngineCore| {
-        let prompt: Vec<u32> = (0..1024u32).map(|i| (next as u32).wrapping_mul(2654435761) ^ i).collect();
+        let prompt: Vec<u32> = (0..1024u32)
+            .map(|i| (next as u32).wrapping_mul(2654435761) ^ i)
+            .collect();
         core.add_request(EngineRequest {
             id: RequestId(next),
             prompt,

@@ -46,8 +46,13 @@ fn model_rate(streams: usize, seconds: f64) -> f64 {
     let mut next = 0u64;
     let mut add = |core: &mut EngineCore| {
         let p = prompt(next).bytes().map(u32::from).collect();
-        core.add_request(EngineRequest { id: RequestId(next), prompt: p, max_tokens: MAX_TOKENS, salt: 0 })
-            .expect("fits");
+        core.add_request(EngineRequest {
+            id: RequestId(next),
+            prompt: p,
+            max_tokens: MAX_TOKENS,
+            salt: 0,
+        })
+        .expect("fits");
         next += 1;
     };
     for _ in 0..streams {
@@ -72,20 +77,32 @@ fn main() -> anyhow::Result<()> {
     let streams: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(64);
     let seconds: f64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(10.0);
 
-    let server_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let url = match url {
         Some(u) => u,
         None => {
             let listener = server_rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
             let url = format!("http://{}", listener.local_addr()?);
-            let args = SimArgs { speedup: SPEEDUP, ..SimArgs::default() };
-            let server = kvroute_sim::SimServer::new(args, Arc::new(kvroute_tokenizer::Tokenizer::fallback()));
+            let args = SimArgs {
+                speedup: SPEEDUP,
+                ..SimArgs::default()
+            };
+            let server = kvroute_sim::SimServer::new(
+                args,
+                Arc::new(kvroute_tokenizer::Tokenizer::fallback()),
+            );
             server_rt.spawn(server.serve(listener, tokio_util::sync::CancellationToken::new()));
             url
         }
     };
 
-    let client_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let client_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let tokens = Arc::new(AtomicU64::new(0));
     let requests = Arc::new(AtomicU64::new(0));
     let counter = Arc::new(AtomicU64::new(1_000_000));

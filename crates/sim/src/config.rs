@@ -18,7 +18,12 @@ pub enum KvEventsFormat {
 
 /// A simulated vLLM replica.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "kvroute-sim", version, args_override_self = true, about = "A simulated vLLM replica: continuous batching, paged prefix cache, KV events")]
+#[command(
+    name = "kvroute-sim",
+    version,
+    args_override_self = true,
+    about = "A simulated vLLM replica: continuous batching, paged prefix cache, KV events"
+)]
 pub struct SimArgs {
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -158,10 +163,20 @@ mod tests {
         assert_eq!(a.engine_config(0, vec![1]).timing, TimingModel::default());
         assert!(a.validate().is_ok());
         let bad = SimArgs::parse_from(["kvroute-sim", "--speedup", "0"]);
-        assert!(bad.validate().unwrap_err().to_string().contains("--speedup"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--speedup"));
         let bad = SimArgs::parse_from(["kvroute-sim", "--block-size", "0"]);
         assert!(bad.validate().is_err());
-        let a = SimArgs::parse_from(["kvroute-sim", "--decode-quadratic", "-3", "--served-model-name", "x"]);
+        let a = SimArgs::parse_from([
+            "kvroute-sim",
+            "--decode-quadratic",
+            "-3",
+            "--served-model-name",
+            "x",
+        ]);
         assert_eq!(a.decode_quadratic, -3.0);
         assert_eq!(a.model, "x");
     }

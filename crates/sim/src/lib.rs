@@ -9,8 +9,8 @@
 //! simulation. This crate depends on `kvroute-protocol` (and the shared tokenizer) only:
 //! it cannot see the router's internals.
 
-pub mod engine;
 pub mod config;
+pub mod engine;
 pub mod server;
 
 pub use config::SimArgs;

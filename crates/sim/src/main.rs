@@ -15,11 +15,14 @@ fn main() -> ExitCode {
         eprintln!("kvroute-sim: {e}");
         return ExitCode::from(2);
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("kvroute_sim={},warn", args.log_level)));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(format!("kvroute_sim={},warn", args.log_level))
+    });
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // A closed stderr must not bring the server down (eprintln! would panic).
+        .log_internal_errors(false)
         .init();
     let tokenizer = match &args.tokenizer {
         Some(path) => match Tokenizer::load(path) {
@@ -31,7 +34,10 @@ fn main() -> ExitCode {
         },
         None => Tokenizer::fallback(),
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kvroute-sim: cannot start the runtime: {e}");
@@ -67,5 +73,7 @@ async fn run(args: SimArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         let _ = tokio::signal::ctrl_c().await;
         on_signal.cancel();
     });
-    SimServer::new(args, tokenizer).serve(listener, shutdown).await
+    SimServer::new(args, tokenizer)
+        .serve(listener, shutdown)
+        .await
 }

@@ -149,7 +149,11 @@ impl SimServer {
     }
 
     /// Runs the engines and serves the API until `shutdown`. Can be called once.
-    pub async fn serve(self, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
         let pending = self
             .pending
             .lock()
@@ -208,12 +212,15 @@ fn bad_request(message: impl AsRef<str>) -> Response {
     error(StatusCode::BAD_REQUEST, "BadRequestError", message)
 }
 
-async fn json_body<T: serde::de::DeserializeOwned>(req: Request) -> Result<(HeaderMap, T), Response> {
+async fn json_body<T: serde::de::DeserializeOwned>(
+    req: Request,
+) -> Result<(HeaderMap, T), Response> {
     let (parts, body) = req.into_parts();
     let bytes = axum::body::to_bytes(body, 64 * 1024 * 1024)
         .await
         .map_err(|e| bad_request(format!("cannot read body: {e}")))?;
-    let value = serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("invalid request: {e}")))?;
+    let value =
+        serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("invalid request: {e}")))?;
     Ok((parts.headers, value))
 }
 
@@ -266,7 +273,9 @@ impl AppState {
             Value::Array(_) => Err(bad_request(
                 "kvroute-sim takes one prompt per request (a string or token ids)",
             )),
-            _ => Err(bad_request("prompt must be a string or a list of token ids")),
+            _ => Err(bad_request(
+                "prompt must be a string or a list of token ids",
+            )),
         }
     }
 
@@ -303,7 +312,16 @@ async fn completions(State(state): State<Arc<AppState>>, req: Request) -> Respon
         Err(r) => return r,
     };
     let max_tokens = body.max_tokens.unwrap_or(openai::DEFAULT_MAX_TOKENS);
-    generate(&state, &headers, Api::Completion, prompt, max_tokens, body.stream.unwrap_or(false), salt_of(body.cache_salt.as_deref())).await
+    generate(
+        &state,
+        &headers,
+        Api::Completion,
+        prompt,
+        max_tokens,
+        body.stream.unwrap_or(false),
+        salt_of(body.cache_salt.as_deref()),
+    )
+    .await
 }
 
 async fn chat(State(state): State<Arc<AppState>>, req: Request) -> Response {
@@ -322,7 +340,16 @@ async fn chat(State(state): State<Arc<AppState>>, req: Request) -> Response {
         .max_completion_tokens
         .or(body.max_tokens)
         .unwrap_or(openai::DEFAULT_MAX_TOKENS);
-    generate(&state, &headers, Api::Chat, prompt, max_tokens, body.stream.unwrap_or(false), salt_of(body.cache_salt.as_deref())).await
+    generate(
+        &state,
+        &headers,
+        Api::Chat,
+        prompt,
+        max_tokens,
+        body.stream.unwrap_or(false),
+        salt_of(body.cache_salt.as_deref()),
+    )
+    .await
 }
 
 /// Sends an abort to the engine if the request's answer is dropped before it finished.
@@ -372,8 +399,15 @@ async fn generate(
         max_tokens,
         salt,
     };
-    if state.ranks[rank].send(Command::Add { request, tx }).is_err() {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", "engine stopped");
+    if state.ranks[rank]
+        .send(Command::Add { request, tx })
+        .is_err()
+    {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailableError",
+            "engine stopped",
+        );
     }
     let mut guard = AbortOnDrop {
         id,
@@ -387,25 +421,42 @@ async fn generate(
             return bad_request(e.to_string());
         }
         Some(d) => d,
-        None => return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", "engine stopped"),
+        None => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailableError",
+                "engine stopped",
+            )
+        }
     };
     let tokenizer = state.tokenizer.clone();
     if !stream {
         let mut tokens = Vec::with_capacity(max_tokens);
         let mut cached = 0;
         let mut next = Some(first);
-        while let Some(Delivery::Token { token, finished, cached_tokens, .. }) = next {
+        while let Some(Delivery::Token {
+            token,
+            finished,
+            cached_tokens,
+            ..
+        }) = next
+        {
             tokens.push(token);
             cached = cached_tokens;
             if finished {
                 guard.done = true;
                 let text = tokenizer.decode(&tokens).unwrap_or_default();
-                return Json(openai::full_response(&meta, &text, tokens.len(), cached)).into_response();
+                return Json(openai::full_response(&meta, &text, tokens.len(), cached))
+                    .into_response();
             }
             next = rx.recv().await;
         }
         let _ = cached;
-        return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", "engine stopped");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailableError",
+            "engine stopped",
+        );
     }
     // Streaming: one SSE event per token, then the usage chunk and [DONE].
     let mut prelude = String::new();
@@ -442,14 +493,25 @@ async fn generate(
             None => st.rx.recv().await,
         };
         match next {
-            Some(Delivery::Token { token, finished, cached_tokens, .. }) => {
+            Some(Delivery::Token {
+                token,
+                finished,
+                cached_tokens,
+                ..
+            }) => {
                 st.count += 1;
                 let text = st.tokenizer.decode(&[token]).unwrap_or_default();
-                out.push_str(&openai::sse(&openai::token_chunk(&st.meta, &text, finished)));
+                out.push_str(&openai::sse(&openai::token_chunk(
+                    &st.meta, &text, finished,
+                )));
                 if finished {
                     st.guard.done = true;
                     st.ended = true;
-                    out.push_str(&openai::sse(&openai::usage_chunk(&st.meta, st.count, cached_tokens)));
+                    out.push_str(&openai::sse(&openai::usage_chunk(
+                        &st.meta,
+                        st.count,
+                        cached_tokens,
+                    )));
                     out.push_str("data: [DONE]\n\n");
                 }
                 Some((Ok::<_, std::io::Error>(Bytes::from(out)), st))

@@ -31,7 +31,11 @@ impl Sim {
         let shutdown = CancellationToken::new();
         let server = SimServer::new(args, Arc::new(Tokenizer::fallback()));
         let task = tokio::spawn(server.serve(listener, shutdown.clone()));
-        Sim { url, shutdown, task }
+        Sim {
+            url,
+            shutdown,
+            task,
+        }
     }
 
     async fn stop(self) {
@@ -49,7 +53,8 @@ fn client() -> Client<HttpConnector, Full<Bytes>> {
 }
 
 async fn call(url: &str, path: &str, headers: &[(&str, &str)], body: Value) -> (u16, Bytes) {
-    let mut req = http::Request::post(format!("{url}{path}")).header("content-type", "application/json");
+    let mut req =
+        http::Request::post(format!("{url}{path}")).header("content-type", "application/json");
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
@@ -63,25 +68,42 @@ async fn call(url: &str, path: &str, headers: &[(&str, &str)], body: Value) -> (
 
 async fn post_json(url: &str, path: &str, body: Value) -> (u16, Value) {
     let (status, bytes) = call(url, path, &[], body).await;
-    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
 }
 
 async fn get_text(url: &str) -> String {
-    let req = http::Request::get(url).body(Full::new(Bytes::new())).unwrap();
+    let req = http::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
     let resp = client().request(req).await.unwrap();
-    String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+    String::from_utf8(
+        resp.into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+    .unwrap()
 }
 
 fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(labels))
+        .find(|l| {
+            l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(labels)
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
 
 fn prompt_of(len: usize, seed: u8) -> String {
-    (0..len).map(|i| (b'a' + ((i * 7 + seed as usize) % 26) as u8) as char).collect()
+    (0..len)
+        .map(|i| (b'a' + ((i * 7 + seed as usize) % 26) as u8) as char)
+        .collect()
 }
 
 #[tokio::test]
@@ -98,21 +120,41 @@ async fn completions_report_cached_tokens_and_exact_lengths() {
     assert_eq!(first["choices"][0]["text"].as_str().unwrap().len(), 5);
     assert_eq!(first["choices"][0]["finish_reason"], "length");
     let (_, second) = post_json(&sim.url, "/v1/completions", body).await;
-    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96
+    );
     // Without max_tokens: 16, as vLLM's completions.
     let (_, third) = post_json(&sim.url, "/v1/completions", json!({"prompt": "short"})).await;
     assert_eq!(third["usage"]["completion_tokens"], 16);
     // Token-id prompts are taken as they are.
-    let (_, ids) = post_json(&sim.url, "/v1/completions", json!({"prompt": [1, 2, 3], "max_tokens": 1})).await;
+    let (_, ids) = post_json(
+        &sim.url,
+        "/v1/completions",
+        json!({"prompt": [1, 2, 3], "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(ids["usage"]["prompt_tokens"], 3);
 
     let m = get_text(&format!("{}/metrics", sim.url)).await;
     let l = r#"engine="0""#;
-    assert_eq!(metric(&m, "vllm:prefix_cache_queries_total", l), Some(208.0), "{m}");
-    assert_eq!(metric(&m, "vllm:prefix_cache_hits_total", l), Some(96.0), "{m}");
+    assert_eq!(
+        metric(&m, "vllm:prefix_cache_queries_total", l),
+        Some(208.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "vllm:prefix_cache_hits_total", l),
+        Some(96.0),
+        "{m}"
+    );
     assert_eq!(metric(&m, "vllm:num_requests_running", l), Some(0.0), "{m}");
     assert!(m.contains(r#"vllm:cache_config_info{model_name="kvroute-sim",engine="0",block_size="16",num_gpu_blocks="16384"} 1"#), "{m}");
-    assert_eq!(metric(&m, "vllm:time_to_first_token_seconds_count", l), Some(4.0), "{m}");
+    assert_eq!(
+        metric(&m, "vllm:time_to_first_token_seconds_count", l),
+        Some(4.0),
+        "{m}"
+    );
     assert!(metric(&m, "vllm:inter_token_latency_seconds_count", l).unwrap() > 0.0);
     sim.stop().await;
 }
@@ -127,7 +169,9 @@ async fn chat_streams_token_by_token_with_usage() {
     let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
     assert_eq!(events.len(), 1 + 4 + 1 + 1, "{text}");
     assert_eq!(*events.last().unwrap(), "data: [DONE]");
-    let chunk = |i: usize| -> Value { serde_json::from_str(events[i].strip_prefix("data: ").unwrap()).unwrap() };
+    let chunk = |i: usize| -> Value {
+        serde_json::from_str(events[i].strip_prefix("data: ").unwrap()).unwrap()
+    };
     assert_eq!(chunk(0)["choices"][0]["delta"]["role"], "assistant");
     assert_eq!(chunk(1)["object"], "chat.completion.chunk");
     assert_eq!(chunk(4)["choices"][0]["finish_reason"], "length");
@@ -143,22 +187,51 @@ async fn chat_streams_token_by_token_with_usage() {
 #[tokio::test]
 async fn bad_requests_get_vllm_errors() {
     let sim = Sim::start(&["--num-gpu-blocks", "8", "--data-parallel-size", "2"]).await;
-    let (status, body) = post_json(&sim.url, "/v1/completions", json!({"model": "other", "prompt": "x"})).await;
+    let (status, body) = post_json(
+        &sim.url,
+        "/v1/completions",
+        json!({"model": "other", "prompt": "x"}),
+    )
+    .await;
     assert_eq!(status, 404);
     assert!(body["error"]["message"].as_str().unwrap().contains("other"));
     let (status, _) = call(&sim.url, "/v1/completions", &[], json!("not an object")).await;
     assert_eq!(status, 400);
-    let (status, body) = post_json(&sim.url, "/v1/completions", json!({"prompt": prompt_of(200, 0)})).await;
+    let (status, body) = post_json(
+        &sim.url,
+        "/v1/completions",
+        json!({"prompt": prompt_of(200, 0)}),
+    )
+    .await;
     assert_eq!(status, 400, "128 tokens of KV cannot hold 200 + 16");
-    assert!(body["error"]["message"].as_str().unwrap().contains("exceeds"));
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("exceeds"));
     let (status, _) = post_json(&sim.url, "/v1/completions", json!({"prompt": ["a", "b"]})).await;
     assert_eq!(status, 400);
-    let (status, _) = call(&sim.url, "/v1/completions", &[("x-data-parallel-rank", "2")], json!({"prompt": "x"})).await;
+    let (status, _) = call(
+        &sim.url,
+        "/v1/completions",
+        &[("x-data-parallel-rank", "2")],
+        json!({"prompt": "x"}),
+    )
+    .await;
     assert_eq!(status, 400);
-    let (status, _) = call(&sim.url, "/v1/completions", &[("x-data-parallel-rank", "1")], json!({"prompt": "x", "max_tokens": 1})).await;
+    let (status, _) = call(
+        &sim.url,
+        "/v1/completions",
+        &[("x-data-parallel-rank", "1")],
+        json!({"prompt": "x", "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(status, 200);
     let m = get_text(&format!("{}/metrics", sim.url)).await;
-    assert_eq!(metric(&m, "vllm:prefix_cache_queries_total", r#"engine="1""#), Some(1.0), "{m}");
+    assert_eq!(
+        metric(&m, "vllm:prefix_cache_queries_total", r#"engine="1""#),
+        Some(1.0),
+        "{m}"
+    );
     sim.stop().await;
 }
 
@@ -174,7 +247,10 @@ async fn a_dropped_stream_is_aborted_and_frees_its_blocks() {
     let mut stream = resp.into_body();
     stream.frame().await.unwrap().unwrap();
     let m = get_text(&format!("{}/metrics", sim.url)).await;
-    assert_eq!(metric(&m, "vllm:num_requests_running", r#"engine="0""#), Some(1.0));
+    assert_eq!(
+        metric(&m, "vllm:num_requests_running", r#"engine="0""#),
+        Some(1.0)
+    );
     drop(stream);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
@@ -184,14 +260,21 @@ async fn a_dropped_stream_is_aborted_and_frees_its_blocks() {
         {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "the request was not aborted: {m}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the request was not aborted: {m}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     sim.stop().await;
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[tokio::test]
@@ -199,14 +282,27 @@ async fn kv_events_arrive_on_a_real_zmq_socket() {
     for format in ["map", "array"] {
         let port = free_port();
         let endpoint = format!("tcp://127.0.0.1:{port}");
-        let sim = Sim::start(&["--kv-events-endpoint", &endpoint, "--kv-events-format", format, "--kv-events-topic", "kv"]).await;
+        let sim = Sim::start(&[
+            "--kv-events-endpoint",
+            &endpoint,
+            "--kv-events-format",
+            format,
+            "--kv-events-topic",
+            "kv",
+        ])
+        .await;
         let mut sub = zeromq::SubSocket::new();
         sub.connect(&endpoint).await.unwrap();
         sub.subscribe("").await.unwrap();
         // A SUB socket joins asynchronously: send probes until one's events arrive.
         let mut probe = 0u8;
         let first = loop {
-            post_json(&sim.url, "/v1/completions", json!({"prompt": prompt_of(20, probe), "max_tokens": 1})).await;
+            post_json(
+                &sim.url,
+                "/v1/completions",
+                json!({"prompt": prompt_of(20, probe), "max_tokens": 1}),
+            )
+            .await;
             probe += 1;
             assert!(probe < 200, "no KV event arrived");
             if let Ok(msg) = tokio::time::timeout(Duration::from_millis(100), sub.recv()).await {
@@ -220,10 +316,18 @@ async fn kv_events_arrive_on_a_real_zmq_socket() {
         // Drain what the probes left, then a request of 3 full blocks + 2 tokens.
         post_json(&sim.url, "/reset_prefix_cache", json!({})).await;
         let prompt = prompt_of(50, 200);
-        post_json(&sim.url, "/v1/completions", json!({"prompt": prompt, "max_tokens": 1})).await;
+        post_json(
+            &sim.url,
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 1}),
+        )
+        .await;
         let mut cleared = false;
         let stored = loop {
-            let msg = tokio::time::timeout(Duration::from_secs(10), sub.recv()).await.expect("events").unwrap();
+            let msg = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+                .await
+                .expect("events")
+                .unwrap();
             let frames = msg.into_vec();
             let seq = decode_seq(&frames[1]).unwrap().unwrap();
             assert_eq!(seq, last_seq + 1, "sequence numbers increase by one");
@@ -244,8 +348,16 @@ async fn kv_events_arrive_on_a_real_zmq_socket() {
         assert_eq!(stored.token_ids, expected);
         // A longer prompt sharing the prefix stores one more block, chained to the third.
         let longer = format!("{}{}", &prompt[..48], prompt_of(20, 9));
-        post_json(&sim.url, "/v1/completions", json!({"prompt": longer, "max_tokens": 1})).await;
-        let msg = tokio::time::timeout(Duration::from_secs(10), sub.recv()).await.expect("events").unwrap();
+        post_json(
+            &sim.url,
+            "/v1/completions",
+            json!({"prompt": longer, "max_tokens": 1}),
+        )
+        .await;
+        let msg = tokio::time::timeout(Duration::from_secs(10), sub.recv())
+            .await
+            .expect("events")
+            .unwrap();
         let batch = decode_batch(&msg.into_vec()[2]).unwrap();
         match &batch.events[..] {
             [KvEvent::BlockStored(s)] => {

@@ -31,9 +31,15 @@ impl Policy for Random {
 
 /// The next candidate in turn. The counter is shared by all requests of the policy
 /// instance (one instance per model pool), so N requests over N candidates hit each once.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct RoundRobin {
     next: AtomicUsize,
+}
+
+impl std::fmt::Debug for RoundRobin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RoundRobin")
+    }
 }
 
 impl Policy for RoundRobin {

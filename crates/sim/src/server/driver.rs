@@ -80,7 +80,10 @@ impl Driver {
                     continue;
                 };
                 match stream.last_token {
-                    None => self.series.ttft.observe((now - stream.arrival).as_secs_f64()),
+                    None => self
+                        .series
+                        .ttft
+                        .observe((now - stream.arrival).as_secs_f64()),
                     Some(last) => self.series.itl.observe((now - last).as_secs_f64()),
                 }
                 stream.last_token = Some(now);
@@ -148,4 +151,3 @@ impl Driver {
         }
     }
 }
-

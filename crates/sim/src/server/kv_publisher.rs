@@ -148,8 +148,14 @@ mod tests {
 
     #[test]
     fn endpoints_are_offset_by_rank() {
-        assert_eq!(rank_endpoint("tcp://*:5557", 0).unwrap(), "tcp://0.0.0.0:5557");
-        assert_eq!(rank_endpoint("tcp://127.0.0.1:5557", 2).unwrap(), "tcp://127.0.0.1:5559");
+        assert_eq!(
+            rank_endpoint("tcp://*:5557", 0).unwrap(),
+            "tcp://0.0.0.0:5557"
+        );
+        assert_eq!(
+            rank_endpoint("tcp://127.0.0.1:5557", 2).unwrap(),
+            "tcp://127.0.0.1:5559"
+        );
         assert!(rank_endpoint("tcp://*", 0).is_err());
         assert!(rank_endpoint("ipc:///tmp/x:1", 0).is_err());
     }

@@ -32,8 +32,8 @@ pub struct CacheConfigLabels {
 
 fn latency_buckets() -> impl Iterator<Item = f64> {
     [
-        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-        10.0, 20.0, 40.0, 80.0,
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0,
     ]
     .into_iter()
 }
@@ -64,7 +64,8 @@ impl EngineSeries {
             .inc_by(stats.prefix_cache_queries - last.prefix_cache_queries);
         self.hits
             .inc_by(stats.prefix_cache_hits - last.prefix_cache_hits);
-        self.preemptions.inc_by(stats.preemptions - last.preemptions);
+        self.preemptions
+            .inc_by(stats.preemptions - last.preemptions);
         *last = stats.clone();
     }
 }
@@ -90,15 +91,51 @@ pub fn register(
     let itl = Family::<EngineLabels, Histogram>::new_with_constructor(
         (|| Histogram::new(latency_buckets())) as fn() -> Histogram,
     );
-    registry.register("vllm:num_requests_running", "Requests in the running batch", running.clone());
-    registry.register("vllm:num_requests_waiting", "Requests waiting to be scheduled", waiting.clone());
-    registry.register("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%)", kv_usage.clone());
-    registry.register("vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache", queries.clone());
-    registry.register("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits.clone());
-    registry.register("vllm:num_preemptions", "Preempted requests", preemptions.clone());
-    registry.register("vllm:cache_config_info", "KV cache configuration", cache_info.clone());
-    registry.register("vllm:time_to_first_token_seconds", "Time to first token", ttft.clone());
-    registry.register("vllm:inter_token_latency_seconds", "Time between output tokens", itl.clone());
+    registry.register(
+        "vllm:num_requests_running",
+        "Requests in the running batch",
+        running.clone(),
+    );
+    registry.register(
+        "vllm:num_requests_waiting",
+        "Requests waiting to be scheduled",
+        waiting.clone(),
+    );
+    registry.register(
+        "vllm:kv_cache_usage_perc",
+        "Fraction of KV blocks in use (1 = 100%)",
+        kv_usage.clone(),
+    );
+    registry.register(
+        "vllm:prefix_cache_queries",
+        "Prompt tokens queried in the prefix cache",
+        queries.clone(),
+    );
+    registry.register(
+        "vllm:prefix_cache_hits",
+        "Prompt tokens found in the prefix cache",
+        hits.clone(),
+    );
+    registry.register(
+        "vllm:num_preemptions",
+        "Preempted requests",
+        preemptions.clone(),
+    );
+    registry.register(
+        "vllm:cache_config_info",
+        "KV cache configuration",
+        cache_info.clone(),
+    );
+    registry.register(
+        "vllm:time_to_first_token_seconds",
+        "Time to first token",
+        ttft.clone(),
+    );
+    registry.register(
+        "vllm:inter_token_latency_seconds",
+        "Time between output tokens",
+        itl.clone(),
+    );
     (0..ranks)
         .map(|rank| {
             let l = EngineLabels {

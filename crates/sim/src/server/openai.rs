@@ -113,10 +113,18 @@ pub fn role_chunk(meta: &ResponseMeta) -> Value {
 
 /// A token's chunk.
 pub fn token_chunk(meta: &ResponseMeta, text: &str, finished: bool) -> Value {
-    let finish = if finished { json!("length") } else { Value::Null };
+    let finish = if finished {
+        json!("length")
+    } else {
+        Value::Null
+    };
     let choice = match meta.api {
-        Api::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
-        Api::Chat => json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish, "stop_reason": null}),
+        Api::Completion => {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null})
+        }
+        Api::Chat => {
+            json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish, "stop_reason": null})
+        }
     };
     json!({
         "id": meta.id, "object": chunk_object(meta.api), "created": meta.created, "model": meta.model,
