@@ -5,16 +5,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// `shared/data/tiny-llama-tokenizer`, beside the repository. Fails (never skips) when absent.
+/// `testdata/tiny-llama`: a copy of `shared/data/tiny-llama-tokenizer` kept in the
+/// repository. Fails (never skips) when absent.
 pub fn tiny_dir() -> PathBuf {
-    let dir = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/data/tiny-llama-tokenizer"
-    ));
+    let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/tiny-llama"));
     assert!(
         dir.join("tokenizer.json").is_file(),
-        "test data missing: {} should hold the tiny Llama tokenizer (the repository must sit \
-         next to `shared/`, as in CI; see shared/data/README.md)",
+        "test data missing: {} should hold the tiny Llama tokenizer (see testdata/README.md)",
         dir.display()
     );
     dir.to_path_buf()
