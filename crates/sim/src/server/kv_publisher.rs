@@ -54,7 +54,8 @@ pub fn to_batch(events: &[CacheEvent], block_size: usize, rank: usize) -> KvEven
                 lora_id: None,
                 medium: Some("GPU".to_owned()),
                 lora_name: None,
-                extra_keys: None,
+                // vLLM 0.32 sends one (empty) entry per block.
+                extra_keys: Some(vec![None; hashes.len()]),
             }),
             CacheEvent::Removed { hash } => KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![BlockHashValue::U64(*hash)],

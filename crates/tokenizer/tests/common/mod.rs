@@ -8,7 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// `testdata/tiny-llama`: a copy of `shared/data/tiny-llama-tokenizer` kept in the
 /// repository. Fails (never skips) when absent.
 pub fn tiny_dir() -> PathBuf {
-    let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/tiny-llama"));
+    let dir = Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../testdata/tiny-llama"
+    ));
     assert!(
         dir.join("tokenizer.json").is_file(),
         "test data missing: {} should hold the tiny Llama tokenizer (see testdata/README.md)",
