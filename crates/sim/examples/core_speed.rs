@@ -2,7 +2,7 @@
 //!
 //!     cargo run --release -p kvroute-sim --example core_speed [-- BATCH SIM_SECONDS]
 //!
-//! Keeps BATCH (default 256) sequences running (1024-token prompts, 256-token outputs, a
+//! Keeps BATCH (default 256) sequences running (512-token prompts, 256-token outputs, a
 //! finished one replaced at once) for SIM_SECONDS (default 600) of simulated time and
 //! prints simulated seconds per wall-clock second.
 
@@ -20,7 +20,7 @@ fn main() {
     });
     let mut next = 0u64;
     let mut add = |core: &mut EngineCore| {
-        let prompt: Vec<u32> = (0..1024u32)
+        let prompt: Vec<u32> = (0..512u32)
             .map(|i| (next as u32).wrapping_mul(2654435761) ^ i)
             .collect();
         core.add_request(EngineRequest {
@@ -37,12 +37,13 @@ fn main() {
     }
     let limit = Duration::from_secs_f64(sim_secs);
     let mut now = Duration::ZERO;
-    let (mut steps, mut tokens, mut full_steps) = (0u64, 0u64, 0u64);
+    let (mut steps, mut tokens, mut full_steps, mut decoded) = (0u64, 0u64, 0u64, 0u64);
     let wall = Instant::now();
     while now < limit {
         let out = core.step(now);
         now += out.duration;
         steps += 1;
+        decoded += out.work.decode_seqs as u64;
         tokens += out.tokens.len() as u64;
         if out.work.decode_seqs == batch {
             full_steps += 1;
@@ -55,9 +56,11 @@ fn main() {
     }
     let wall = wall.elapsed().as_secs_f64();
     println!(
-        "batch={batch} simulated={:.1}s wall={wall:.3}s speed={:.0}x real time steps={steps} ({:.1} us/step, {full_steps} with all {batch} decoding) tokens={tokens}",
+        "batch={batch} simulated={:.1}s wall={wall:.3}s speed={:.0}x real time steps={steps} ({:.1} us/step, mean decode batch {:.0}, {full_steps} steps with all {batch} decoding) tokens={tokens} preemptions={}",
         now.as_secs_f64(),
         now.as_secs_f64() / wall,
         wall * 1e6 / steps as f64,
+        decoded as f64 / steps as f64,
+        core.stats().preemptions,
     );
 }

@@ -203,18 +203,54 @@ impl SimServer {
     }
 }
 
-fn error(status: StatusCode, kind: &str, message: impl AsRef<str>) -> Response {
-    let body = openai::error_body(status.as_u16(), kind, message.as_ref());
-    (status, Json(body)).into_response()
+/// An error answer, in vLLM's shape; the one place errors become responses.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
 }
 
-fn bad_request(message: impl AsRef<str>) -> Response {
-    error(StatusCode::BAD_REQUEST, "BadRequestError", message)
+impl ApiError {
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "BadRequestError",
+            message: message.into(),
+        }
+    }
+
+    fn not_found(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError",
+            message: message.into(),
+        }
+    }
+
+    fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "ServiceUnavailableError",
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = openai::error_body(self.status.as_u16(), self.kind, &self.message);
+        (self.status, Json(body)).into_response()
+    }
+}
+
+fn bad_request(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request(message)
 }
 
 async fn json_body<T: serde::de::DeserializeOwned>(
     req: Request,
-) -> Result<(HeaderMap, T), Response> {
+) -> Result<(HeaderMap, T), ApiError> {
     let (parts, body) = req.into_parts();
     let bytes = axum::body::to_bytes(body, 64 * 1024 * 1024)
         .await
@@ -225,18 +261,16 @@ async fn json_body<T: serde::de::DeserializeOwned>(
 }
 
 impl AppState {
-    fn check_model(&self, model: Option<&str>) -> Result<(), Response> {
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
-            Some(m) if m != self.args.model => Err(error(
-                StatusCode::NOT_FOUND,
-                "NotFoundError",
-                format!("The model `{m}` does not exist."),
-            )),
+            Some(m) if m != self.args.model => Err(ApiError::not_found(format!(
+                "The model `{m}` does not exist."
+            ))),
             _ => Ok(()),
         }
     }
 
-    fn rank(&self, headers: &HeaderMap) -> Result<usize, Response> {
+    fn rank(&self, headers: &HeaderMap) -> Result<usize, ApiError> {
         match headers.get(DP_RANK_HEADER) {
             Some(v) => {
                 let rank = v
@@ -256,7 +290,7 @@ impl AppState {
         }
     }
 
-    fn completion_tokens(&self, prompt: &Value) -> Result<Vec<u32>, Response> {
+    fn completion_tokens(&self, prompt: &Value) -> Result<Vec<u32>, ApiError> {
         match prompt {
             Value::String(s) => self.encode_prompt(s),
             Value::Array(items) if items.len() == 1 && items[0].is_string() => {
@@ -279,13 +313,13 @@ impl AppState {
         }
     }
 
-    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, Response> {
+    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
         self.tokenizer
             .encode_prompt(text)
             .map_err(|e| bad_request(format!("cannot tokenize the prompt: {e}")))
     }
 
-    fn chat_tokens(&self, messages: &Value) -> Result<Vec<u32>, Response> {
+    fn chat_tokens(&self, messages: &Value) -> Result<Vec<u32>, ApiError> {
         if !messages.is_array() {
             return Err(bad_request("messages must be a list"));
         }
@@ -299,18 +333,13 @@ fn salt_of(cache_salt: Option<&str>) -> u64 {
     cache_salt.map_or(0, |s| kvroute_protocol::stable_hash(s.as_bytes()))
 }
 
-async fn completions(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let (headers, body) = match json_body::<openai::CompletionRequest>(req).await {
-        Ok(x) => x,
-        Err(r) => return r,
-    };
-    if let Err(r) = state.check_model(body.model.as_deref()) {
-        return r;
-    }
-    let prompt = match state.completion_tokens(&body.prompt) {
-        Ok(p) => p,
-        Err(r) => return r,
-    };
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let (headers, body) = json_body::<openai::CompletionRequest>(req).await?;
+    state.check_model(body.model.as_deref())?;
+    let prompt = state.completion_tokens(&body.prompt)?;
     let max_tokens = body.max_tokens.unwrap_or(openai::DEFAULT_MAX_TOKENS);
     generate(
         &state,
@@ -324,18 +353,10 @@ async fn completions(State(state): State<Arc<AppState>>, req: Request) -> Respon
     .await
 }
 
-async fn chat(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let (headers, body) = match json_body::<openai::ChatRequest>(req).await {
-        Ok(x) => x,
-        Err(r) => return r,
-    };
-    if let Err(r) = state.check_model(body.model.as_deref()) {
-        return r;
-    }
-    let prompt = match state.chat_tokens(&body.messages) {
-        Ok(p) => p,
-        Err(r) => return r,
-    };
+async fn chat(State(state): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
+    let (headers, body) = json_body::<openai::ChatRequest>(req).await?;
+    state.check_model(body.model.as_deref())?;
+    let prompt = state.chat_tokens(&body.messages)?;
     let max_tokens = body
         .max_completion_tokens
         .or(body.max_tokens)
@@ -375,11 +396,8 @@ async fn generate(
     max_tokens: usize,
     stream: bool,
     salt: u64,
-) -> Response {
-    let rank = match state.rank(headers) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
+) -> Result<Response, ApiError> {
+    let rank = state.rank(headers)?;
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let meta = ResponseMeta {
         api,
@@ -403,11 +421,7 @@ async fn generate(
         .send(Command::Add { request, tx })
         .is_err()
     {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "ServiceUnavailableError",
-            "engine stopped",
-        );
+        return Err(ApiError::unavailable("engine stopped"));
     }
     let mut guard = AbortOnDrop {
         id,
@@ -418,21 +432,16 @@ async fn generate(
     let first = match rx.recv().await {
         Some(Delivery::Rejected(e)) => {
             guard.done = true;
-            return bad_request(e.to_string());
+            return Err(bad_request(e.to_string()));
         }
         Some(d) => d,
         None => {
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "ServiceUnavailableError",
-                "engine stopped",
-            )
+            return Err(ApiError::unavailable("engine stopped"));
         }
     };
     let tokenizer = state.tokenizer.clone();
     if !stream {
         let mut tokens = Vec::with_capacity(max_tokens);
-        let mut cached = 0;
         let mut next = Some(first);
         while let Some(Delivery::Token {
             token,
@@ -442,21 +451,20 @@ async fn generate(
         }) = next
         {
             tokens.push(token);
-            cached = cached_tokens;
             if finished {
                 guard.done = true;
                 let text = tokenizer.decode(&tokens).unwrap_or_default();
-                return Json(openai::full_response(&meta, &text, tokens.len(), cached))
-                    .into_response();
+                return Ok(Json(openai::full_response(
+                    &meta,
+                    &text,
+                    tokens.len(),
+                    cached_tokens,
+                ))
+                .into_response());
             }
             next = rx.recv().await;
         }
-        let _ = cached;
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "ServiceUnavailableError",
-            "engine stopped",
-        );
+        return Err(ApiError::unavailable("engine stopped"));
     }
     // Streaming: one SSE event per token, then the usage chunk and [DONE].
     let mut prelude = String::new();
@@ -469,6 +477,7 @@ async fn generate(
         prelude: Option<String>,
         guard: AbortOnDrop,
         meta: ResponseMeta,
+        chunk: openai::ChunkTemplate,
         tokenizer: Arc<Tokenizer>,
         count: usize,
         ended: bool,
@@ -478,112 +487,107 @@ async fn generate(
         first: Some(first),
         prelude: Some(prelude),
         guard,
+        chunk: openai::ChunkTemplate::new(&meta),
         meta,
         tokenizer,
         count: 0,
         ended: false,
     };
+    // One body frame per wake-up: the tokens that arrived since the last one (one token when
+    // the client keeps pace, several in one write when it lags).
     let body = futures_util::stream::unfold(st, |mut st| async move {
         if st.ended {
             return None;
         }
         let mut out = st.prelude.take().unwrap_or_default();
-        let next = match st.first.take() {
+        let mut next = match st.first.take() {
             Some(d) => Some(d),
             None => st.rx.recv().await,
         };
-        match next {
-            Some(Delivery::Token {
-                token,
-                finished,
-                cached_tokens,
-                ..
-            }) => {
-                st.count += 1;
-                let text = st.tokenizer.decode(&[token]).unwrap_or_default();
-                out.push_str(&openai::sse(&openai::token_chunk(
-                    &st.meta, &text, finished,
+        let mut any = false;
+        while let Some(Delivery::Token {
+            token,
+            finished,
+            cached_tokens,
+            ..
+        }) = next
+        {
+            any = true;
+            st.count += 1;
+            let text = st.tokenizer.decode(&[token]).unwrap_or_default();
+            st.chunk.push(&mut out, &text, finished);
+            if finished {
+                st.guard.done = true;
+                st.ended = true;
+                out.push_str(&openai::sse(&openai::usage_chunk(
+                    &st.meta,
+                    st.count,
+                    cached_tokens,
                 )));
-                if finished {
-                    st.guard.done = true;
-                    st.ended = true;
-                    out.push_str(&openai::sse(&openai::usage_chunk(
-                        &st.meta,
-                        st.count,
-                        cached_tokens,
-                    )));
-                    out.push_str("data: [DONE]\n\n");
-                }
-                Some((Ok::<_, std::io::Error>(Bytes::from(out)), st))
+                out.push_str("data: [DONE]\n\n");
+                break;
             }
-            _ => None,
+            next = st.rx.try_recv().ok();
         }
+        any.then(|| (Ok::<_, std::io::Error>(Bytes::from(out)), st))
     });
-    Response::builder()
+    Ok(Response::builder()
         .header("content-type", "text/event-stream")
         .header("cache-control", "no-cache")
         .body(Body::from_stream(body))
-        .expect("valid response")
+        .expect("valid response"))
 }
 
-async fn render_completion(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let (_, body) = match json_body::<openai::CompletionRequest>(req).await {
-        Ok(x) => x,
-        Err(r) => return r,
-    };
-    match state.completion_tokens(&body.prompt) {
-        Ok(ids) => Json(json!({"token_ids": ids})).into_response(),
-        Err(r) => r,
-    }
+async fn render_completion(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let (_, body) = json_body::<openai::CompletionRequest>(req).await?;
+    let ids = state.completion_tokens(&body.prompt)?;
+    Ok(Json(json!({"token_ids": ids})).into_response())
 }
 
-async fn render_chat(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let (_, body) = match json_body::<openai::ChatRequest>(req).await {
-        Ok(x) => x,
-        Err(r) => return r,
-    };
-    match state.chat_tokens(&body.messages) {
-        Ok(ids) => Json(json!({"token_ids": ids})).into_response(),
-        Err(r) => r,
-    }
+async fn render_chat(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let (_, body) = json_body::<openai::ChatRequest>(req).await?;
+    let ids = state.chat_tokens(&body.messages)?;
+    Ok(Json(json!({"token_ids": ids})).into_response())
 }
 
-async fn tokenize(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    let (_, body) = match json_body::<Value>(req).await {
-        Ok(x) => x,
-        Err(r) => return r,
-    };
+async fn tokenize(State(state): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
+    let (_, body) = json_body::<Value>(req).await?;
     let tokens = if let Some(messages) = body.get("messages") {
-        state.chat_tokens(messages)
+        state.chat_tokens(messages)?
     } else if let Some(prompt) = body.get("prompt") {
-        state.completion_tokens(prompt)
+        state.completion_tokens(prompt)?
     } else {
-        Err(bad_request("give prompt or messages"))
+        return Err(bad_request("give prompt or messages"));
     };
-    match tokens {
-        Ok(tokens) => Json(json!({
-            "count": tokens.len(),
-            "max_model_len": state.args.num_gpu_blocks * state.args.block_size,
-            "tokens": tokens,
-            "token_strs": null,
-        }))
-        .into_response(),
-        Err(r) => r,
-    }
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": state.args.num_gpu_blocks * state.args.block_size,
+        "tokens": tokens,
+        "token_strs": null,
+    }))
+    .into_response())
 }
 
-async fn detokenize(State(state): State<Arc<AppState>>, req: Request) -> Response {
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+) -> Result<Response, ApiError> {
     #[derive(serde::Deserialize)]
     struct Detokenize {
         tokens: Vec<u32>,
     }
-    match json_body::<Detokenize>(req).await {
-        Ok((_, body)) => match state.tokenizer.decode(&body.tokens) {
-            Ok(text) => Json(json!({"prompt": text})).into_response(),
-            Err(e) => bad_request(format!("cannot detokenize: {e}")),
-        },
-        Err(r) => r,
-    }
+    let (_, body) = json_body::<Detokenize>(req).await?;
+    let text = state
+        .tokenizer
+        .decode(&body.tokens)
+        .map_err(|e| bad_request(format!("cannot detokenize: {e}")))?;
+    Ok(Json(json!({"prompt": text})).into_response())
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
@@ -613,7 +617,7 @@ async fn model_info(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
+async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
     let mut all = true;
     for tx in &state.ranks {
         let (reply, rx) = oneshot::channel();
@@ -624,13 +628,11 @@ async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
         all &= rx.await.unwrap_or(false);
     }
     if all {
-        StatusCode::OK.into_response()
+        Ok(StatusCode::OK)
     } else {
-        error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "ServiceUnavailableError",
+        Err(ApiError::unavailable(
             "the prefix cache can only be reset when no request is running",
-        )
+        ))
     }
 }
 

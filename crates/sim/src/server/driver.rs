@@ -1,8 +1,8 @@
 //! The engine driver: one task per data-parallel rank that owns an [`EngineCore`] and runs
 //! it in real time.
 //!
-//! Loop: take new commands; if the engine has work, `step(now)`, sleep until the step's
-//! simulated end, then deliver its tokens to the requests' channels and its cache events
+//! Loop: take new commands; if the engine has work, `step(now)`, wait until the step's
+//! simulated end (see `run` for sub-millisecond steps), then deliver its tokens to the requests' channels and its cache events
 //! to the publisher. A request whose receiver is gone (the client disconnected) is aborted
 //! and its blocks freed.
 
@@ -13,7 +13,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::metrics::EngineSeries;
-use crate::engine::{AddError, CacheEvent, EngineCore, EngineRequest, RequestId};
+use crate::engine::{AddError, CacheEvent, EngineCore, EngineRequest, RequestId, TokenOutput};
+
+/// Below this, a sleep would overshoot: tokio's timer counts whole milliseconds.
+const TIMER_RESOLUTION: std::time::Duration = std::time::Duration::from_millis(1);
+/// The most the engine's clock may trail the wall clock before the lag is forgiven.
+const MAX_LAG: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A token delivered to a request, or why it was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +58,13 @@ pub struct Driver {
 impl Driver {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let start = Instant::now();
+        // The engine's clock: the simulated end of the last step. While the engine is busy it
+        // advances by the steps' durations only; when it is ahead of the wall clock the
+        // driver sleeps, when behind (steps shorter than the timer's 1 ms resolution, or a
+        // busy machine) it runs steps back to back to catch up, so the engine keeps the
+        // model's pace on average at any speedup. A lag beyond `MAX_LAG` is forgiven rather
+        // than caught up in a burst.
+        let mut clock = start;
         let mut streams: HashMap<RequestId, Stream> = HashMap::new();
         loop {
             while let Ok(cmd) = self.commands.try_recv() {
@@ -66,47 +78,64 @@ impl Driver {
                     },
                     _ = shutdown.cancelled() => return,
                 }
+                clock = Instant::now();
                 continue;
             }
-            let step_start = Instant::now();
-            let out = self.core.step(step_start - start);
-            tokio::select! {
-                _ = tokio::time::sleep_until(step_start + out.duration) => {}
-                _ = shutdown.cancelled() => return,
-            }
             let now = Instant::now();
-            for t in &out.tokens {
-                let Some(stream) = streams.get_mut(&t.id) else {
-                    continue;
-                };
-                match stream.last_token {
-                    None => self
-                        .series
-                        .ttft
-                        .observe((now - stream.arrival).as_secs_f64()),
-                    Some(last) => self.series.itl.observe((now - last).as_secs_f64()),
-                }
-                stream.last_token = Some(now);
-                let delivered = stream
-                    .tx
-                    .send(Delivery::Token {
-                        token: t.token,
-                        index: t.index,
-                        finished: t.finished,
-                        cached_tokens: t.cached_tokens,
-                    })
-                    .is_ok();
-                if t.finished {
-                    streams.remove(&t.id);
-                } else if !delivered {
-                    streams.remove(&t.id);
-                    self.core.abort(t.id);
-                }
+            if clock + MAX_LAG < now {
+                self.series
+                    .lag_forgiven
+                    .inc_by((now - MAX_LAG - clock).as_secs_f64());
+                clock = now - MAX_LAG;
             }
+            let out = self.core.step(clock - start);
+            clock += out.duration;
+            if clock > Instant::now() + TIMER_RESOLUTION {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(clock) => {}
+                    _ = shutdown.cancelled() => return,
+                }
+            } else {
+                // Let the server's other tasks (new requests, streams) run.
+                tokio::task::yield_now().await;
+            }
+            self.deliver(&out.tokens, &mut streams);
             let mut events = out.events;
             events.extend(self.core.take_events());
             self.publish(events);
             self.series.update(&self.core.stats());
+        }
+    }
+
+    fn deliver(&mut self, tokens: &[TokenOutput], streams: &mut HashMap<RequestId, Stream>) {
+        let now = Instant::now();
+        for t in tokens {
+            let Some(stream) = streams.get_mut(&t.id) else {
+                continue;
+            };
+            match stream.last_token {
+                None => self
+                    .series
+                    .ttft
+                    .observe((now - stream.arrival).as_secs_f64()),
+                Some(last) => self.series.itl.observe((now - last).as_secs_f64()),
+            }
+            stream.last_token = Some(now);
+            let delivered = stream
+                .tx
+                .send(Delivery::Token {
+                    token: t.token,
+                    index: t.index,
+                    finished: t.finished,
+                    cached_tokens: t.cached_tokens,
+                })
+                .is_ok();
+            if t.finished {
+                streams.remove(&t.id);
+            } else if !delivered {
+                streams.remove(&t.id);
+                self.core.abort(t.id);
+            }
         }
     }
 

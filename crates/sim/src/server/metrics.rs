@@ -49,6 +49,8 @@ pub struct EngineSeries {
     preemptions: Counter,
     pub ttft: Histogram,
     pub itl: Histogram,
+    /// Seconds the engine fell behind the model's pace and skipped (0 while it keeps up).
+    pub lag_forgiven: Counter<f64, AtomicU64>,
     /// The counters' values as last exported, to add only the difference.
     exported: Arc<Mutex<EngineStats>>,
 }
@@ -85,6 +87,7 @@ pub fn register(
     let hits = Family::<EngineLabels, Counter>::default();
     let preemptions = Family::<EngineLabels, Counter>::default();
     let cache_info = Family::<CacheConfigLabels, Gauge>::default();
+    let lag = Family::<EngineLabels, Counter<f64, AtomicU64>>::default();
     let ttft = Family::<EngineLabels, Histogram>::new_with_constructor(
         (|| Histogram::new(latency_buckets())) as fn() -> Histogram,
     );
@@ -159,6 +162,7 @@ pub fn register(
                 preemptions: preemptions.get_or_create(&l).clone(),
                 ttft: ttft.get_or_create(&l).clone(),
                 itl: itl.get_or_create(&l).clone(),
+                lag_forgiven: lag.get_or_create(&l).clone(),
                 exported: Arc::new(Mutex::new(EngineStats::default())),
             }
         })

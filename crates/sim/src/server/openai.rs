@@ -144,3 +144,42 @@ pub fn usage_chunk(meta: &ResponseMeta, completion_tokens: usize, cached_tokens:
 pub fn error_body(status: u16, kind: &str, message: &str) -> Value {
     json!({"error": {"message": message, "type": kind, "param": null, "code": status}})
 }
+
+/// A token chunk's SSE text around the token's JSON string, computed once per request so a
+/// token costs one string escape and two copies.
+#[derive(Debug, Clone)]
+pub struct ChunkTemplate {
+    prefix: String,
+    suffix: String,
+    final_suffix: String,
+}
+
+impl ChunkTemplate {
+    pub fn new(meta: &ResponseMeta) -> Self {
+        const MARK: &str = "\u{1}kvroute-token\u{1}";
+        let quoted = serde_json::to_string(MARK).expect("a string serialises");
+        let split = |finished| {
+            let text = sse(&token_chunk(meta, MARK, finished));
+            let at = text.find(&quoted).expect("the mark is in the chunk");
+            (text[..at].to_owned(), text[at + quoted.len()..].to_owned())
+        };
+        let (prefix, suffix) = split(false);
+        let (_, final_suffix) = split(true);
+        Self {
+            prefix,
+            suffix,
+            final_suffix,
+        }
+    }
+
+    /// Appends the SSE event of one token to `out`.
+    pub fn push(&self, out: &mut String, text: &str, finished: bool) {
+        out.push_str(&self.prefix);
+        out.push_str(&serde_json::to_string(text).expect("a string serialises"));
+        out.push_str(if finished {
+            &self.final_suffix
+        } else {
+            &self.suffix
+        });
+    }
+}
