@@ -4,12 +4,59 @@ use std::time::Instant;
 
 use kvroute_protocol::WorkerId;
 
-/// One worker that may take the request, with the load the router has sent it.
+/// Leading blocks of the request a candidate already holds, per storage tier (each block
+/// counted once, in the best tier holding it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overlap {
+    pub device: u32,
+    pub host: u32,
+    pub disk: u32,
+    /// A shared, external cache (LMCache, a storage tier outside the engine).
+    pub external: u32,
+}
+
+impl Overlap {
+    pub fn total(&self) -> u32 {
+        self.device + self.host + self.disk + self.external
+    }
+}
+
+/// The KV terms of one candidate for one request (used by `kv_aware`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct KvTerms {
+    pub overlap: Overlap,
+    /// Prompt tokens routed to this (worker, rank) that have not produced a first token.
+    pub prefill_tokens: u64,
+    /// Distinct KV blocks of the requests still generating there.
+    pub decode_blocks: u64,
+    /// Blocks of this request not already among `decode_blocks`.
+    pub new_blocks: u64,
+    /// Requests in flight there.
+    pub active_requests: u64,
+    /// Sum of the weights of the request's preferred taints this worker has (0 for none).
+    pub preferred_taint_weight: f64,
+}
+
+/// One (worker, data-parallel rank) that may take the request, with what policies read.
 #[derive(Debug, Clone, Copy)]
 pub struct Candidate<'a> {
     pub worker: &'a WorkerId,
-    /// Requests the router has in flight on this worker.
+    /// The data-parallel rank, for workers that have ranks.
+    pub dp_rank: Option<u32>,
+    /// Requests the router has in flight on this candidate.
     pub in_flight: u64,
+    pub kv: KvTerms,
+}
+
+impl<'a> Candidate<'a> {
+    pub fn new(worker: &'a WorkerId, in_flight: u64) -> Self {
+        Self {
+            worker,
+            dp_rank: None,
+            in_flight,
+            kv: KvTerms::default(),
+        }
+    }
 }
 
 /// What policies may read about a request.
@@ -20,7 +67,27 @@ pub struct RouteRequest<'a> {
     pub session_key: Option<&'a str>,
     /// The prompt text (see `RoutingFields::routing_text`).
     pub text: &'a str,
+    /// Prompt length in tokens (0 when the router did not tokenise).
+    pub prompt_tokens: usize,
+    /// The router's KV block size.
+    pub block_size: usize,
+    /// Whether the request names preferred taints (only then is the taint factor applied).
+    pub has_preferred_taints: bool,
     pub now: Instant,
+}
+
+impl<'a> RouteRequest<'a> {
+    /// A request described by its key and text only.
+    pub fn simple(session_key: Option<&'a str>, text: &'a str, now: Instant) -> Self {
+        Self {
+            session_key,
+            text,
+            prompt_tokens: 0,
+            block_size: 16,
+            has_preferred_taints: false,
+            now,
+        }
+    }
 }
 
 /// The chosen candidate, as an index into the slice given to `select`.

@@ -13,7 +13,11 @@
 //! increments (the caller applies those from the decision).
 
 mod candidate;
+pub mod load;
 pub mod policy;
 
-pub use candidate::{Candidate, Decision, RouteRequest};
-pub use policy::{build_policy, AssignmentMode, Policy, PolicyConfig, PolicyKind, UnknownPolicy};
+pub use candidate::{Candidate, Decision, KvTerms, Overlap, RouteRequest};
+pub use load::{RankLoad, RequestLoad};
+pub use policy::{
+    build_policy, AssignmentMode, KvAwareConfig, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
+};

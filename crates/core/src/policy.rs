@@ -9,11 +9,13 @@
 //! | `rendezvous_hash` | the candidate with the highest `mix64(hash(key), hash(worker))`, same key |
 //! | `prefix_hash` | the first `prefix_token_count` characters of the prompt on the ring; a target loaded above `load_factor` x the mean goes to the least-loaded candidate |
 //! | `manual` | a sticky map from session key to worker; new keys and keyless requests go to the least-loaded candidate |
+//! | `kv_aware` | Dynamo's cost over KV overlap and load (see [`KvAware`]) |
 //!
 //! "Least loaded" always breaks ties at random, so keyless serial traffic (every load zero)
 //! spreads instead of piling onto the first worker.
 
 mod hashing;
+mod kv_aware;
 mod load;
 mod manual;
 
@@ -26,6 +28,7 @@ use rand::RngCore;
 use crate::{Candidate, Decision, RouteRequest};
 
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
+pub use kv_aware::{KvAware, KvAwareConfig};
 pub use load::{PowerOfTwo, Random, RoundRobin};
 pub use manual::{AssignmentMode, Manual};
 
@@ -41,6 +44,15 @@ pub trait Policy: Send + Sync + fmt::Debug {
         request: &RouteRequest<'_>,
         rng: &mut dyn RngCore,
     ) -> Option<Decision>;
+
+    /// Each candidate's cost, for policies that score (`kv_aware`); `None` otherwise.
+    fn costs(
+        &self,
+        _candidates: &[Candidate<'_>],
+        _request: &RouteRequest<'_>,
+    ) -> Option<Vec<f64>> {
+        None
+    }
 }
 
 /// Every policy name kvroute accepts.
@@ -53,10 +65,11 @@ pub enum PolicyKind {
     RendezvousHash,
     PrefixHash,
     Manual,
+    KvAware,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 7] = [
+    pub const ALL: [PolicyKind; 8] = [
         PolicyKind::Random,
         PolicyKind::RoundRobin,
         PolicyKind::PowerOfTwo,
@@ -64,6 +77,7 @@ impl PolicyKind {
         PolicyKind::RendezvousHash,
         PolicyKind::PrefixHash,
         PolicyKind::Manual,
+        PolicyKind::KvAware,
     ];
 
     pub fn name(self) -> &'static str {
@@ -75,6 +89,7 @@ impl PolicyKind {
             PolicyKind::RendezvousHash => "rendezvous_hash",
             PolicyKind::PrefixHash => "prefix_hash",
             PolicyKind::Manual => "manual",
+            PolicyKind::KvAware => "kv_aware",
         }
     }
 
@@ -139,6 +154,8 @@ pub struct PolicyConfig {
     pub max_sessions: usize,
     /// How `manual` places a new session key.
     pub assignment_mode: AssignmentMode,
+    /// `kv_aware`'s cost model.
+    pub kv_aware: KvAwareConfig,
 }
 
 impl Default for PolicyConfig {
@@ -150,6 +167,7 @@ impl Default for PolicyConfig {
             max_idle: Duration::from_secs(4 * 3600),
             max_sessions: 1 << 20,
             assignment_mode: AssignmentMode::MinLoad,
+            kv_aware: KvAwareConfig::default(),
         }
     }
 }
@@ -172,6 +190,7 @@ pub fn build_policy(kind: PolicyKind, config: &PolicyConfig) -> Box<dyn Policy> 
             config.max_sessions,
             config.assignment_mode,
         )),
+        PolicyKind::KvAware => Box::new(KvAware::new(config.kv_aware.clone())),
     }
 }
 
@@ -192,16 +211,12 @@ pub(crate) mod test_support {
     pub fn cands<'a>(ids: &'a [WorkerId], loads: &[u64]) -> Vec<Candidate<'a>> {
         ids.iter()
             .zip(loads)
-            .map(|(worker, &in_flight)| Candidate { worker, in_flight })
+            .map(|(worker, &in_flight)| Candidate::new(worker, in_flight))
             .collect()
     }
 
     pub fn req<'a>(key: Option<&'a str>, text: &'a str, now: Instant) -> RouteRequest<'a> {
-        RouteRequest {
-            session_key: key,
-            text,
-            now,
-        }
+        RouteRequest::simple(key, text, now)
     }
 }
 

@@ -1,0 +1,129 @@
+//! Active-load accounting per (worker, data-parallel rank), as `kv_aware` reads it.
+//!
+//! A routed request adds its uncached prompt tokens to the rank's *prefill tokens* until
+//! its first token, and its KV blocks to the rank's *decode blocks* until it finishes.
+//! Blocks are counted by hash, once however many in-flight requests share them (a shared
+//! system prompt occupies its blocks once); the request's partial last block is its own.
+//! The caller applies these changes from its decisions and releases them in every outcome.
+
+use std::collections::HashMap;
+
+/// What one request adds to its rank.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestLoad {
+    /// Prompt tokens the engine must compute (the prompt minus its cached prefix).
+    pub prefill_tokens: u64,
+    /// Hashes of the prompt's full blocks.
+    pub blocks: Vec<u64>,
+    /// Blocks only this request holds (its partial last block).
+    pub own_blocks: u64,
+}
+
+/// The active load of one (worker, rank).
+#[derive(Debug, Default, Clone)]
+pub struct RankLoad {
+    prefill_tokens: u64,
+    requests: u64,
+    shared: HashMap<u64, u32>,
+    own_blocks: u64,
+}
+
+impl RankLoad {
+    pub fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens
+    }
+
+    pub fn active_requests(&self) -> u64 {
+        self.requests
+    }
+
+    /// Distinct blocks held by the rank's active requests.
+    pub fn decode_blocks(&self) -> u64 {
+        self.shared.len() as u64 + self.own_blocks
+    }
+
+    /// Blocks of `load` the rank does not already hold for another request.
+    pub fn new_blocks(&self, load: &RequestLoad) -> u64 {
+        let fresh = load
+            .blocks
+            .iter()
+            .filter(|h| !self.shared.contains_key(h))
+            .count();
+        fresh as u64 + load.own_blocks
+    }
+
+    /// A request was routed here.
+    pub fn start(&mut self, load: &RequestLoad) {
+        self.requests += 1;
+        self.prefill_tokens += load.prefill_tokens;
+        self.own_blocks += load.own_blocks;
+        for &h in &load.blocks {
+            *self.shared.entry(h).or_insert(0) += 1;
+        }
+    }
+
+    /// The request produced its first token: its prefill is done.
+    pub fn first_token(&mut self, load: &RequestLoad) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(load.prefill_tokens);
+    }
+
+    /// The request ended (finished, failed or abandoned). `prefilling` says whether its
+    /// prefill tokens are still counted (no first token seen).
+    pub fn finish(&mut self, load: &RequestLoad, prefilling: bool) {
+        if prefilling {
+            self.first_token(load);
+        }
+        self.requests = self.requests.saturating_sub(1);
+        self.own_blocks = self.own_blocks.saturating_sub(load.own_blocks);
+        for h in &load.blocks {
+            if let Some(n) = self.shared.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.shared.remove(h);
+                }
+            }
+        }
+    }
+
+    /// Whether nothing is accounted (every request released).
+    pub fn is_idle(&self) -> bool {
+        self.requests == 0 && self.prefill_tokens == 0 && self.decode_blocks() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_blocks_count_once_and_everything_is_released() {
+        let mut r = RankLoad::default();
+        let a = RequestLoad {
+            prefill_tokens: 100,
+            blocks: vec![1, 2, 3],
+            own_blocks: 1,
+        };
+        let b = RequestLoad {
+            prefill_tokens: 40,
+            blocks: vec![1, 2, 9],
+            own_blocks: 1,
+        };
+        assert_eq!(r.new_blocks(&a), 4);
+        r.start(&a);
+        assert_eq!(r.new_blocks(&b), 2, "blocks 1 and 2 are already held");
+        r.start(&b);
+        assert_eq!(
+            (r.prefill_tokens(), r.decode_blocks(), r.active_requests()),
+            (140, 6, 2)
+        );
+        r.first_token(&a);
+        assert_eq!(r.prefill_tokens(), 40);
+        r.finish(&a, false);
+        assert_eq!(
+            (r.prefill_tokens(), r.decode_blocks(), r.active_requests()),
+            (40, 4, 1)
+        );
+        r.finish(&b, true);
+        assert!(r.is_idle());
+    }
+}
