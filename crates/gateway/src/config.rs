@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use kvroute_core::{AssignmentMode, PolicyConfig, PolicyKind};
+use kvroute_core::{AssignmentMode, KvAwareConfig, PolicyConfig, PolicyKind};
 use serde::{Deserialize, Deserializer};
 
 /// Errors in the configuration; `kvroute` exits with status 2 on any of them.
@@ -78,6 +78,53 @@ pub struct WorkerSpec {
     /// The model it serves; else read from its `GET /v1/models`.
     #[serde(default)]
     pub model: Option<String>,
+    /// The engine's KV-event publisher (vLLM `--kv-events-config` endpoint), `tcp://HOST:PORT`.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// The engine's KV-event replay socket, if it has one.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
+    /// Data-parallel ranks `[dp_start_rank, dp_start_rank + dp_size)`; none when absent.
+    #[serde(default)]
+    pub dp_size: Option<u32>,
+    #[serde(default)]
+    pub dp_start_rank: Option<u32>,
+}
+
+impl WorkerSpec {
+    /// A worker known by its URL only.
+    pub fn url(url: impl Into<String>) -> Self {
+        Self {
+            id: None,
+            url: url.into(),
+            model: None,
+            kv_events: None,
+            kv_events_replay: None,
+            dp_size: None,
+            dp_start_rank: None,
+        }
+    }
+
+    /// The worker's data-parallel ranks, or `[None]` when it has none.
+    pub fn ranks(&self) -> Vec<Option<u32>> {
+        match self.dp_size {
+            Some(n) => {
+                let start = self.dp_start_rank.unwrap_or(0);
+                (start..start + n.max(1)).map(Some).collect()
+            }
+            None => vec![None],
+        }
+    }
+}
+
+/// Where the router learns what each engine caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEventsMode {
+    /// From the engines' KV events, for workers that publish them (`kv_events`); the
+    /// others are approximated.
+    Events,
+    /// From the router's own decisions only (`--no-router-kv-events`).
+    Approximate,
 }
 
 /// The command line of `kvroute`, and the schema of its config file.
@@ -114,7 +161,7 @@ pub struct Args {
     #[arg(skip)]
     pub workers: Vec<WorkerSpec>,
 
-    /// Routing policy [default: round_robin].
+    /// Routing policy [default: kv_aware].
     #[arg(long, value_parser = parse_policy)]
     #[serde(deserialize_with = "de_policy")]
     pub policy: Option<PolicyKind>,
@@ -130,6 +177,42 @@ pub struct Args {
     /// manual: how a new session key is placed [default: min_load].
     #[arg(long, value_enum)]
     pub assignment_mode: Option<AssignmentModeArg>,
+
+    /// The router's KV block size in tokens [default: 16].
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// kv_aware: credit per prefix block cached on the device [default: 1.0].
+    #[arg(long)]
+    pub router_kv_overlap_score_credit: Option<f64>,
+    /// kv_aware: weight of the prefill term [default: 1.0].
+    #[arg(long)]
+    pub router_prefill_load_scale: Option<f64>,
+    /// kv_aware: weight of each active request [default: 0].
+    #[arg(long)]
+    pub router_decode_active_request_weight: Option<f64>,
+    /// kv_aware: sample from a softmax over costs at this temperature; 0 picks the cheapest [default: 0].
+    #[arg(long)]
+    pub router_temperature: Option<f64>,
+    /// kv_aware: credit per prefix block cached in host memory [default: 0.75].
+    #[arg(long)]
+    pub router_host_cache_hit_weight: Option<f64>,
+    /// kv_aware: credit per prefix block cached on disk [default: 0.25].
+    #[arg(long)]
+    pub router_disk_cache_hit_weight: Option<f64>,
+    /// kv_aware: credit per prefix block in a shared external cache [default: 0].
+    #[arg(long)]
+    pub shared_cache_multiplier: Option<f64>,
+    /// Ignore engines' KV events: approximate their caches from the router's own decisions.
+    #[arg(long)]
+    #[serde(default)]
+    pub no_router_kv_events: bool,
+    /// Approximate mode: how long a routed prefix is assumed cached [default: 120].
+    #[arg(long)]
+    pub router_ttl_secs: Option<u64>,
+    /// A model directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json, to
+    /// tokenise like the engines; without it, the fallback shared with kvroute-sim.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
 
     /// Largest request body accepted, in bytes [default: 536870912].
     #[arg(long)]
@@ -166,6 +249,10 @@ pub struct Settings {
     pub max_payload_size: usize,
     pub request_timeout: Duration,
     pub log_level: LogLevel,
+    pub block_size: usize,
+    pub kv_events: KvEventsMode,
+    pub router_ttl: Duration,
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl Settings {
@@ -228,6 +315,27 @@ impl Args {
                 .or(file.prefix_hash_load_factor),
             max_idle_secs: self.max_idle_secs.or(file.max_idle_secs),
             assignment_mode: self.assignment_mode.or(file.assignment_mode),
+            block_size: self.block_size.or(file.block_size),
+            router_kv_overlap_score_credit: self
+                .router_kv_overlap_score_credit
+                .or(file.router_kv_overlap_score_credit),
+            router_prefill_load_scale: self
+                .router_prefill_load_scale
+                .or(file.router_prefill_load_scale),
+            router_decode_active_request_weight: self
+                .router_decode_active_request_weight
+                .or(file.router_decode_active_request_weight),
+            router_temperature: self.router_temperature.or(file.router_temperature),
+            router_host_cache_hit_weight: self
+                .router_host_cache_hit_weight
+                .or(file.router_host_cache_hit_weight),
+            router_disk_cache_hit_weight: self
+                .router_disk_cache_hit_weight
+                .or(file.router_disk_cache_hit_weight),
+            shared_cache_multiplier: self.shared_cache_multiplier.or(file.shared_cache_multiplier),
+            no_router_kv_events: self.no_router_kv_events || file.no_router_kv_events,
+            router_ttl_secs: self.router_ttl_secs.or(file.router_ttl_secs),
+            tokenizer: self.tokenizer.or(file.tokenizer),
             max_payload_size: self.max_payload_size.or(file.max_payload_size),
             request_timeout_secs: self.request_timeout_secs.or(file.request_timeout_secs),
             log_level: self.log_level.or(file.log_level),
@@ -240,11 +348,7 @@ impl Args {
         let mut workers: Vec<WorkerSpec> = self
             .worker_urls
             .into_iter()
-            .map(|url| WorkerSpec {
-                id: None,
-                url,
-                model: None,
-            })
+            .map(WorkerSpec::url)
             .collect();
         workers.extend(self.workers);
         let mut seen = std::collections::HashSet::new();
@@ -279,13 +383,78 @@ impl Args {
             });
         }
         let host = self.host.unwrap_or_else(|| "127.0.0.1".to_owned());
+        let block_size = self.block_size.unwrap_or(16);
+        if block_size == 0 {
+            return Err(ConfigError::Invalid {
+                name: "block_size",
+                reason: "must be positive",
+            });
+        }
+        let kv = KvAwareConfig::default();
+        let weight = |name: &'static str, v: Option<f64>, default: f64| match v {
+            Some(x) if !(x.is_finite() && x >= 0.0) => Err(ConfigError::Invalid {
+                name,
+                reason: "must be a non-negative number",
+            }),
+            Some(x) => Ok(x),
+            None => Ok(default),
+        };
+        let kv_aware = KvAwareConfig {
+            overlap_score_credit: weight(
+                "router_kv_overlap_score_credit",
+                self.router_kv_overlap_score_credit,
+                kv.overlap_score_credit,
+            )?,
+            prefill_load_scale: weight(
+                "router_prefill_load_scale",
+                self.router_prefill_load_scale,
+                kv.prefill_load_scale,
+            )?,
+            decode_active_request_weight: weight(
+                "router_decode_active_request_weight",
+                self.router_decode_active_request_weight,
+                kv.decode_active_request_weight,
+            )?,
+            temperature: weight("router_temperature", self.router_temperature, kv.temperature)?,
+            host_cache_hit_weight: weight(
+                "router_host_cache_hit_weight",
+                self.router_host_cache_hit_weight,
+                kv.host_cache_hit_weight,
+            )?,
+            disk_cache_hit_weight: weight(
+                "router_disk_cache_hit_weight",
+                self.router_disk_cache_hit_weight,
+                kv.disk_cache_hit_weight,
+            )?,
+            shared_cache_multiplier: weight(
+                "shared_cache_multiplier",
+                self.shared_cache_multiplier,
+                kv.shared_cache_multiplier,
+            )?,
+        };
+        for w in &workers {
+            if w.dp_size == Some(0) {
+                return Err(ConfigError::Invalid {
+                    name: "dp_size",
+                    reason: "must be at least 1",
+                });
+            }
+            if let Some(endpoint) = w.kv_events.iter().chain(&w.kv_events_replay).next() {
+                if !endpoint.starts_with("tcp://") || endpoint.rsplit_once(':').is_none() {
+                    return Err(ConfigError::Invalid {
+                        name: "kv_events",
+                        reason: "must be tcp://HOST:PORT",
+                    });
+                }
+            }
+        }
         Ok(Settings {
             prometheus_host: self.prometheus_host.unwrap_or_else(|| host.clone()),
             host,
             port: self.port.unwrap_or(30000),
             prometheus_port: self.prometheus_port.unwrap_or(29000),
             workers,
-            policy: self.policy.unwrap_or(PolicyKind::RoundRobin),
+            policy: self.policy.unwrap_or(PolicyKind::KvAware),
             policy_config: PolicyConfig {
                 prefix_token_count: self
                     .prefix_token_count
@@ -298,11 +467,20 @@ impl Args {
                     Some(AssignmentModeArg::Random) => AssignmentMode::Random,
                     Some(AssignmentModeArg::MinLoad) | None => AssignmentMode::MinLoad,
                 },
+                kv_aware,
                 ..defaults
             },
             max_payload_size,
             request_timeout: Duration::from_secs(request_timeout_secs),
             log_level: self.log_level.unwrap_or(LogLevel::Info),
+            block_size,
+            kv_events: if self.no_router_kv_events {
+                KvEventsMode::Approximate
+            } else {
+                KvEventsMode::Events
+            },
+            router_ttl: Duration::from_secs(self.router_ttl_secs.unwrap_or(120)),
+            tokenizer: self.tokenizer,
         })
     }
 }
@@ -362,7 +540,37 @@ mod tests {
         assert_eq!(s.max_payload_size, 512 * 1024 * 1024);
         let s = Args::default().into_settings().unwrap();
         assert_eq!((s.host.as_str(), s.port), ("127.0.0.1", 30000));
-        assert_eq!(s.policy, PolicyKind::RoundRobin);
+        assert_eq!(s.policy, PolicyKind::KvAware);
+        assert_eq!(s.block_size, 16);
+        assert_eq!(s.kv_events, KvEventsMode::Events);
+        assert_eq!(s.policy_config.kv_aware, KvAwareConfig::default());
+        let s = Args::try_parse_from([
+            "kvroute",
+            "--no-router-kv-events",
+            "--router-temperature",
+            "0.5",
+            "--block-size",
+            "32",
+        ])
+        .unwrap()
+        .into_settings()
+        .unwrap();
+        assert_eq!(s.kv_events, KvEventsMode::Approximate);
+        assert_eq!(s.policy_config.kv_aware.temperature, 0.5);
+        assert_eq!(s.block_size, 32);
+        let w = Args::from_text(
+            "workers: [{url: 'http://a:1', kv_events: 'tcp://a:5557', dp_size: 2, dp_start_rank: 4}]",
+        )
+        .unwrap()
+        .into_settings()
+        .unwrap();
+        assert_eq!(w.workers[0].ranks(), vec![Some(4), Some(5)]);
+        assert_eq!(w.workers[0].kv_events.as_deref(), Some("tcp://a:5557"));
+        assert!(Args::from_text("router_temperature: -1").unwrap().into_settings().is_err());
+        assert!(Args::from_text("workers: [{url: 'http://a:1', kv_events: 'a:1'}]")
+            .unwrap()
+            .into_settings()
+            .is_err());
     }
 
     #[test]

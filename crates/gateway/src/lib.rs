@@ -12,8 +12,10 @@
 
 pub mod config;
 pub mod error;
+pub mod kv;
 pub mod metrics;
 pub mod proxy;
+pub mod routing;
 pub mod server;
 pub mod workers;
 

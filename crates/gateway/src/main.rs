@@ -90,11 +90,7 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
         );
         settings.workers = urls
             .into_iter()
-            .map(|url| kvroute_gateway::WorkerSpec {
-                id: None,
-                url,
-                model: None,
-            })
+            .map(kvroute_gateway::WorkerSpec::url)
             .collect();
     }
     let api_addr = format!("{}:{}", settings.host, settings.port);
@@ -105,9 +101,21 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     let metrics_listener = tokio::net::TcpListener::bind(&metrics_addr)
         .await
         .with_context(|| format!("cannot serve metrics on {metrics_addr}"))?;
+    let tokenizer = match &settings.tokenizer {
+        Some(path) => {
+            let t = kvroute_tokenizer::Tokenizer::load(path)
+                .with_context(|| format!("cannot load the tokenizer {}", path.display()))?;
+            tracing::info!(path = %path.display(), "Tokenizer loaded: requests are tokenised as the engines do");
+            t
+        }
+        None => {
+            tracing::info!("No --tokenizer: using the fallback tokenizer (bytes as tokens), as kvroute-sim does; KV overlap with real engines needs their tokenizer");
+            kvroute_tokenizer::Tokenizer::fallback()
+        }
+    };
     let mut registry = prometheus_client::registry::Registry::default();
     let workers = settings.workers.len();
-    let gateway = Gateway::new(settings, &mut registry);
+    let gateway = Gateway::with_tokenizer(settings, &mut registry, Arc::new(tokenizer));
     tracing::info!("policy: {}", gateway.policy_description());
     tracing::info!(addr = %api_addr, metrics = %metrics_addr, workers, "kvroute listening");
 

@@ -3,7 +3,10 @@
 //! Names as exported (prometheus-client appends `_total` to counters):
 //! `kvroute_requests_total{route,status}`, `kvroute_processed_requests_total{worker}`,
 //! `kvroute_policy_decisions_total{policy,worker}`, `kvroute_worker_requests_active{worker}`,
-//! `kvroute_routing_seconds` (histogram of the time spent choosing a worker).
+//! `kvroute_routing_seconds` (histogram of the time spent choosing a worker),
+//! `kvroute_worker_active_prefill_tokens{worker,dp_rank}`,
+//! `kvroute_worker_active_decode_blocks{worker,dp_rank}`, `kvroute_time_to_first_token_seconds`,
+//! `kvroute_kv_hit_ratio`.
 //! Label values are bounded: routes are the fixed set of proxied paths, workers are
 //! configured ids.
 
@@ -31,13 +34,32 @@ pub struct DecisionLabels {
     pub worker: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RankLabels {
+    pub worker: String,
+    pub dp_rank: String,
+}
+
 #[derive(Debug, Clone)]
 pub struct GatewayMetrics {
+    rank_prefill: Family<RankLabels, Gauge>,
+    rank_decode: Family<RankLabels, Gauge>,
+    /// Streaming requests: arrival to the first body frame.
+    pub ttft_seconds: Histogram,
+    /// Share of the prompt found cached on the chosen worker (kv_aware).
+    pub kv_hit_ratio: Histogram,
     requests: Family<RequestLabels, Counter>,
     processed: Family<WorkerLabels, Counter>,
     decisions: Family<DecisionLabels, Counter>,
     active: Family<WorkerLabels, Gauge>,
     pub routing_seconds: Histogram,
+}
+
+/// One (worker, rank)'s load gauges.
+#[derive(Debug, Clone)]
+pub struct RankSeries {
+    pub prefill_tokens: Gauge,
+    pub decode_blocks: Gauge,
 }
 
 /// One worker's series, looked up once when the worker is added so the request path only
@@ -52,6 +74,12 @@ pub struct WorkerSeries {
 impl GatewayMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self {
+            rank_prefill: Family::default(),
+            rank_decode: Family::default(),
+            ttft_seconds: Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 18),
+            ),
+            kv_hit_ratio: Histogram::new([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0].into_iter()),
             requests: Family::default(),
             processed: Family::default(),
             decisions: Family::default(),
@@ -82,6 +110,26 @@ impl GatewayMetrics {
             m.active.clone(),
         );
         registry.register(
+            "kvroute_worker_active_prefill_tokens",
+            "Prompt tokens routed to each (worker, rank) that have no first token yet",
+            m.rank_prefill.clone(),
+        );
+        registry.register(
+            "kvroute_worker_active_decode_blocks",
+            "Distinct KV blocks of the requests still generating on each (worker, rank)",
+            m.rank_decode.clone(),
+        );
+        registry.register(
+            "kvroute_time_to_first_token_seconds",
+            "Streaming requests: arrival at the router to the first body frame",
+            m.ttft_seconds.clone(),
+        );
+        registry.register(
+            "kvroute_kv_hit_ratio",
+            "Share of the prompt's blocks cached on the chosen worker (kv_aware)",
+            m.kv_hit_ratio.clone(),
+        );
+        registry.register(
             "kvroute_routing_seconds",
             "Time spent choosing a worker",
             m.routing_seconds.clone(),
@@ -96,6 +144,17 @@ impl GatewayMetrics {
                 status: status.into(),
             })
             .inc();
+    }
+
+    pub fn rank_series(&self, worker: &str, dp_rank: Option<u32>) -> RankSeries {
+        let l = RankLabels {
+            worker: worker.to_owned(),
+            dp_rank: dp_rank.unwrap_or(0).to_string(),
+        };
+        RankSeries {
+            prefill_tokens: self.rank_prefill.get_or_create(&l).clone(),
+            decode_blocks: self.rank_decode.get_or_create(&l).clone(),
+        }
     }
 
     pub fn worker_series(&self, worker: &str, policy: &'static str) -> WorkerSeries {

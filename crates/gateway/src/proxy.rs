@@ -2,14 +2,14 @@
 //!
 //! The request body is sent as the bytes that came in. The answer's body is passed through
 //! frame by frame as the worker produces it (an SSE stream is never buffered), wrapped in
-//! [`TrackedBody`], which owns the worker's in-flight guard: the count drops when the body
-//! ends, when the client goes away (hyper drops the body) and when the worker fails
-//! mid-stream.
+//! [`TrackedBody`], which owns the request's in-flight guard ([`InFlight`]): the worker's
+//! count and the rank's load drop when the body ends, when the client goes away (hyper
+//! drops the body) and when the worker fails mid-stream.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -21,11 +21,17 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
+use kvroute_core::RequestLoad;
+use prometheus_client::metrics::histogram::Histogram;
+
 use crate::error::GatewayError;
 use crate::workers::Worker;
 
 pub const WORKER_HEADER: HeaderName = HeaderName::from_static("x-kvroute-worker");
 pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
+pub const DP_RANK_HEADER: HeaderName = HeaderName::from_static("x-kvroute-dp-rank");
+/// vLLM's header choosing the data-parallel rank of a request.
+pub const ENGINE_DP_RANK_HEADER: HeaderName = HeaderName::from_static("x-data-parallel-rank");
 
 /// The one pooled keep-alive HTTP/1.1 client to the workers.
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -55,21 +61,52 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
         || name.as_str() == "proxy-connection"
 }
 
-/// Counts one request in flight on a worker for as long as it lives.
+/// Counts one request in flight on a worker and rank, with its prefill and decode load,
+/// for as long as it lives. The prefill load ends at the first body frame (for a
+/// non-streaming request, the whole answer: its prefill count is held until then).
 #[derive(Debug)]
 pub struct InFlight {
     worker: Arc<Worker>,
+    rank: usize,
+    load: RequestLoad,
+    first_frame_seen: bool,
+    /// For streaming requests: when the request arrived, and where its TTFT goes.
+    ttft: Option<(Instant, Histogram)>,
 }
 
 impl InFlight {
-    pub fn new(worker: Arc<Worker>) -> Self {
+    pub fn new(worker: Arc<Worker>, rank: usize, load: RequestLoad) -> Self {
         worker.begin_request();
-        Self { worker }
+        worker.ranks[rank].start(&load);
+        Self {
+            worker,
+            rank,
+            load,
+            first_frame_seen: false,
+            ttft: None,
+        }
+    }
+
+    /// Records the time to the first body frame of a streaming request.
+    pub fn with_ttft(mut self, arrived: Instant, histogram: Histogram) -> Self {
+        self.ttft = Some((arrived, histogram));
+        self
+    }
+
+    fn first_frame(&mut self) {
+        if !self.first_frame_seen {
+            self.first_frame_seen = true;
+            self.worker.ranks[self.rank].first_token(&self.load);
+            if let Some((arrived, histogram)) = &self.ttft {
+                histogram.observe(arrived.elapsed().as_secs_f64());
+            }
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.worker.ranks[self.rank].finish(&self.load, !self.first_frame_seen);
         self.worker.end_request();
     }
 }
@@ -78,7 +115,7 @@ impl Drop for InFlight {
 #[derive(Debug)]
 pub struct TrackedBody {
     inner: Incoming,
-    _guard: InFlight,
+    guard: InFlight,
 }
 
 impl Body for TrackedBody {
@@ -89,7 +126,13 @@ impl Body for TrackedBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if frame.is_data() {
+                self.guard.first_frame();
+            }
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -119,6 +162,7 @@ pub async fn forward(
     fwd: Forward<'_>,
 ) -> Result<Response<TrackedBody>, GatewayError> {
     let worker = &guard.worker;
+    let dp_rank = worker.ranks[guard.rank].dp_rank;
     let mut uri = String::with_capacity(worker.url.len() + fwd.path_and_query.len());
     uri.push_str(&worker.url);
     uri.push_str(fwd.path_and_query);
@@ -138,6 +182,9 @@ pub async fn forward(
         }
     }
     headers.insert(REQUEST_ID_HEADER, fwd.request_id.clone());
+    if let Some(rank) = dp_rank {
+        headers.insert(ENGINE_DP_RANK_HEADER, HeaderValue::from(rank));
+    }
 
     let response = match tokio::time::timeout(fwd.timeout, client.request(req)).await {
         Ok(Ok(response)) => response,
@@ -159,16 +206,16 @@ pub async fn forward(
     if let Ok(v) = HeaderValue::from_str(worker.id.as_str()) {
         parts.headers.insert(WORKER_HEADER, v);
     }
+    if let Some(rank) = dp_rank {
+        parts.headers.insert(DP_RANK_HEADER, HeaderValue::from(rank));
+    }
     parts
         .headers
         .entry(REQUEST_ID_HEADER)
         .or_insert_with(|| fwd.request_id.clone());
     Ok(Response::from_parts(
         parts,
-        TrackedBody {
-            inner: body,
-            _guard: guard,
-        },
+        TrackedBody { inner: body, guard },
     ))
 }
 

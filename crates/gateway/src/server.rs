@@ -16,7 +16,8 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use kvroute_core::{Candidate, Policy, RouteRequest};
+use kvroute_tokenizer::Tokenizer;
+use kvroute_core::PolicyKind;
 use kvroute_protocol::RoutingFields;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -26,7 +27,9 @@ use tracing::Instrument;
 use crate::config::Settings;
 use crate::error::GatewayError;
 use crate::metrics::GatewayMetrics;
+use crate::kv::KvState;
 use crate::proxy::{self, Forward, HttpClient, InFlight, REQUEST_ID_HEADER};
+use crate::routing;
 use crate::workers::WorkerSet;
 
 /// Routes whose requests are routed by the policy and forwarded to a worker.
@@ -40,12 +43,11 @@ const ROUTED: [&str; 7] = [
     "/detokenize",
 ];
 
-/// Session-key headers, in order of precedence (then the body's `user`).
-const SESSION_HEADERS: [&str; 3] = ["x-session-id", "x-smg-routing-key", "x-user-id"];
 
 #[derive(Debug)]
 struct AppState {
     settings: Settings,
+    kv: Arc<KvState>,
     workers: Arc<WorkerSet>,
     client: HttpClient,
     metrics: GatewayMetrics,
@@ -58,8 +60,14 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// Builds the gateway and registers its metrics. Does no I/O and spawns nothing.
+    /// Builds the gateway with the fallback tokenizer and registers its metrics. Does no
+    /// I/O and spawns nothing.
     pub fn new(settings: Settings, registry: &mut Registry) -> Self {
+        Self::with_tokenizer(settings, registry, Arc::new(Tokenizer::fallback()))
+    }
+
+    /// Builds the gateway with the tokenizer the engines use (loaded by the caller).
+    pub fn with_tokenizer(settings: Settings, registry: &mut Registry, tokenizer: Arc<Tokenizer>) -> Self {
         let metrics = GatewayMetrics::register(registry);
         let workers = Arc::new(WorkerSet::new(
             &settings.workers,
@@ -67,9 +75,11 @@ impl Gateway {
             settings.policy_config.clone(),
             &metrics,
         ));
+        let kv = Arc::new(KvState::new(&settings, tokenizer));
         Self {
             state: Arc::new(AppState {
                 settings,
+                kv,
                 workers,
                 client: proxy::build_client(),
                 metrics,
@@ -111,6 +121,7 @@ impl Gateway {
             .route("/health", get(health))
             .route("/readiness", get(readiness))
             .route("/workers", get(workers))
+            .route("/debug/route", post(debug_route))
             .fallback(not_found)
             .with_state(self.state.clone())
     }
@@ -215,19 +226,12 @@ async fn read_body(body: Body, limit: usize, headers: &HeaderMap) -> Result<Byte
     }
 }
 
-fn session_key<'a>(headers: &'a HeaderMap, fields: &'a RoutingFields<'a>) -> Option<&'a str> {
-    SESSION_HEADERS
-        .iter()
-        .find_map(|h| headers.get(*h).and_then(|v| v.to_str().ok()))
-        .filter(|k| !k.is_empty())
-        .or(fields.user.as_deref().filter(|u| !u.is_empty()))
-}
-
 async fn route_and_forward(
     state: &AppState,
     req: Request,
     request_id: &HeaderValue,
 ) -> Result<Response, GatewayError> {
+    let arrived = Instant::now();
     let (parts, body) = req.into_parts();
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
@@ -235,48 +239,35 @@ async fn route_and_forward(
     let table = state.workers.table();
     let pool = table.resolve(fields.model.as_deref())?;
     let started = Instant::now();
-    let mut slots = Vec::with_capacity(pool.workers.len());
-    let mut candidates = Vec::with_capacity(pool.workers.len());
-    for (slot, w) in pool.workers.iter().enumerate() {
-        if w.is_healthy() {
-            slots.push(slot);
-            candidates.push(Candidate {
-                worker: &w.id,
-                in_flight: w.in_flight(),
-            });
-        }
-    }
-    if candidates.is_empty() {
-        return Err(GatewayError::NoEndpoint(
-            "no healthy worker serves this model",
-        ));
-    }
-    let key = session_key(&parts.headers, &fields);
-    let text = if needs_text(&*pool.policy, key) {
-        fields.routing_text()
-    } else {
-        std::borrow::Cow::Borrowed("")
-    };
-    let request = RouteRequest {
-        session_key: key,
-        text: &text,
-        now: started,
-    };
-    let decision = pool
-        .policy
-        .select(&candidates, &request, &mut rand::rng())
-        .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?;
+    let plan = routing::plan(&state.kv, pool, &parts.headers, &body, &fields, started)?;
     state
         .metrics
         .routing_seconds
         .observe(started.elapsed().as_secs_f64());
-    let worker = pool.workers[slots[decision.index]].clone();
+    let choice = plan.choice().clone();
+    let rank = &choice.worker.ranks[choice.rank];
+    if plan.policy == PolicyKind::KvAware && plan.prompt_tokens > 0 {
+        let cached = choice.kv.overlap.total() as f64 * state.kv.block_size as f64;
+        state
+            .metrics
+            .kv_hit_ratio
+            .observe((cached / plan.prompt_tokens as f64).min(1.0));
+        if !state.kv.uses_events(&choice.worker) {
+            state.kv.record_routed(rank.replica, &plan.hashes, started);
+        }
+    }
+    let load = plan.request_load(state.kv.block_size);
+    let stream = fields.stream;
+    drop(fields);
     drop(table);
-    tracing::debug!(worker = %worker.id, "Routed");
-    worker.series.decisions.inc();
-    worker.series.processed.inc();
+    tracing::debug!(worker = %choice.worker.id, dp_rank = ?rank.dp_rank, "Routed");
+    choice.worker.series.decisions.inc();
+    choice.worker.series.processed.inc();
 
-    let guard = InFlight::new(worker);
+    let mut guard = InFlight::new(choice.worker.clone(), choice.rank, load);
+    if stream {
+        guard = guard.with_ttft(arrived, state.metrics.ttft_seconds.clone());
+    }
     let path_and_query = parts
         .uri
         .path_and_query()
@@ -297,14 +288,57 @@ async fn route_and_forward(
     Ok(response.map(Body::new))
 }
 
-/// Whether the policy reads the prompt text for this request (text is built lazily: a
-/// chat's text is a join of its messages).
-fn needs_text(policy: &dyn Policy, session_key: Option<&str>) -> bool {
-    use kvroute_core::PolicyKind::*;
-    match policy.kind() {
-        ConsistentHash | RendezvousHash => session_key.is_none(),
-        PrefixHash => true,
-        Random | RoundRobin | PowerOfTwo | Manual => false,
+/// `POST /debug/route`: the decision the router would make for this request, with every
+/// candidate's terms, without sending it or changing any state.
+async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let result = async {
+        let (parts, body) = req.into_parts();
+        let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
+        let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
+        let table = state.workers.table();
+        let pool = table.resolve(fields.model.as_deref())?;
+        let plan = routing::plan(&state.kv, pool, &parts.headers, &body, &fields, Instant::now())?;
+        let kv_aware = plan.policy == PolicyKind::KvAware;
+        let candidates: Vec<serde_json::Value> = plan
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = serde_json::json!({
+                    "worker": c.worker.id.as_str(),
+                    "dp_rank": c.worker.ranks[c.rank].dp_rank,
+                    "eligible": true,
+                    "active_requests": c.in_flight,
+                });
+                if kv_aware {
+                    let o = c.kv.overlap;
+                    v["overlap_blocks"] = serde_json::json!({
+                        "device": o.device, "host": o.host, "disk": o.disk, "external": o.external,
+                    });
+                    v["prefill_tokens"] = c.kv.prefill_tokens.into();
+                    v["decode_blocks"] = c.kv.decode_blocks.into();
+                    v["new_blocks"] = c.kv.new_blocks.into();
+                }
+                if let Some(costs) = &plan.costs {
+                    v["cost"] = costs[i].into();
+                }
+                v
+            })
+            .collect();
+        let chosen = plan.choice();
+        Ok::<_, GatewayError>(Json(serde_json::json!({
+            "policy": plan.policy.name(),
+            "worker": chosen.worker.id.as_str(),
+            "dp_rank": chosen.worker.ranks[chosen.rank].dp_rank,
+            "prompt_tokens": plan.prompt_tokens,
+            "block_size": state.kv.block_size,
+            "candidates": candidates,
+        })))
+    }
+    .await;
+    match result {
+        Ok(json) => json.into_response(),
+        Err(e) => e.into_response(),
     }
 }
 

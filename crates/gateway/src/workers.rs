@@ -20,7 +20,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use kvroute_core::{build_policy, Policy, PolicyConfig, PolicyKind};
+use kvroute_core::{build_policy, Policy, PolicyConfig, PolicyKind, RankLoad, RequestLoad};
+use kvroute_index::ReplicaId;
 use kvroute_protocol::{ModelId, WorkerId};
 use serde::Serialize;
 use tokio::sync::watch;
@@ -28,12 +29,57 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerSpec;
 use crate::error::GatewayError;
-use crate::metrics::{GatewayMetrics, WorkerSeries};
+use crate::metrics::{GatewayMetrics, RankSeries, WorkerSeries};
 use crate::proxy::HttpClient;
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 const PROBE_RETRY_MIN: Duration = Duration::from_millis(500);
 const PROBE_RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// One data-parallel rank of a worker (the whole worker when it has no ranks): the unit
+/// `kv_aware` scores, with its active load.
+#[derive(Debug)]
+pub struct Rank {
+    /// vLLM's data-parallel rank, sent as `X-data-parallel-rank`; `None` without ranks.
+    pub dp_rank: Option<u32>,
+    /// The rank's id in the KV indexes.
+    pub replica: ReplicaId,
+    in_flight: AtomicU64,
+    load: Mutex<RankLoad>,
+    series: RankSeries,
+}
+
+impl Rank {
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// A copy of the rank's load accounting.
+    pub fn load(&self) -> RankLoad {
+        lock(&self.load).clone()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut RankLoad)) {
+        let mut load = lock(&self.load);
+        f(&mut load);
+        self.series.prefill_tokens.set(load.prefill_tokens() as i64);
+        self.series.decode_blocks.set(load.decode_blocks() as i64);
+    }
+
+    pub(crate) fn start(&self, load: &RequestLoad) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.update(|l| l.start(load));
+    }
+
+    pub(crate) fn first_token(&self, load: &RequestLoad) {
+        self.update(|l| l.first_token(load));
+    }
+
+    pub(crate) fn finish(&self, load: &RequestLoad, prefilling: bool) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.update(|l| l.finish(load, prefilling));
+    }
+}
 
 /// One engine replica.
 #[derive(Debug)]
@@ -41,6 +87,11 @@ pub struct Worker {
     pub id: WorkerId,
     /// Base URL, without a trailing slash.
     pub url: String,
+    /// Its data-parallel ranks (one entry, rank `None`, when it has none).
+    pub ranks: Vec<Rank>,
+    /// Its KV-event publisher and replay socket, if configured.
+    pub kv_events: Option<String>,
+    pub kv_events_replay: Option<String>,
     configured_model: Option<ModelId>,
     /// The `/v1/models` entries it serves, once probed.
     models: Mutex<Vec<(ModelId, serde_json::Value)>>,
@@ -143,6 +194,16 @@ pub struct WorkerStatus {
     pub healthy: bool,
     pub probed: bool,
     pub in_flight: u64,
+    pub ranks: Vec<RankStatus>,
+}
+
+/// A rank as `GET /workers` shows it.
+#[derive(Debug, Serialize)]
+pub struct RankStatus {
+    pub dp_rank: Option<u32>,
+    pub in_flight: u64,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
 }
 
 /// Every worker, and the routing table built from them.
@@ -163,14 +224,32 @@ impl WorkerSet {
         policy_config: PolicyConfig,
         metrics: &GatewayMetrics,
     ) -> Self {
+        let mut next_replica = 0u32;
         let workers = specs
             .iter()
             .map(|s| {
                 let id = s.id.clone().unwrap_or_else(|| s.url.clone());
+                let ranks = s
+                    .ranks()
+                    .into_iter()
+                    .map(|dp_rank| {
+                        next_replica += 1;
+                        Rank {
+                            dp_rank,
+                            replica: ReplicaId(next_replica - 1),
+                            in_flight: AtomicU64::new(0),
+                            load: Mutex::new(RankLoad::default()),
+                            series: metrics.rank_series(&id, dp_rank),
+                        }
+                    })
+                    .collect();
                 Arc::new(Worker {
                     series: metrics.worker_series(&id, policy.name()),
                     id: WorkerId::new(id),
                     url: s.url.clone(),
+                    ranks,
+                    kv_events: s.kv_events.clone(),
+                    kv_events_replay: s.kv_events_replay.clone(),
                     configured_model: s.model.as_deref().map(ModelId::new),
                     models: Mutex::new(Vec::new()),
                     probed: AtomicBool::new(false),
@@ -196,6 +275,10 @@ impl WorkerSet {
         self.table.load()
     }
 
+    pub fn workers(&self) -> &[Arc<Worker>] {
+        &self.workers
+    }
+
     pub fn statuses(&self) -> Vec<WorkerStatus> {
         self.workers
             .iter()
@@ -206,6 +289,19 @@ impl WorkerSet {
                 healthy: w.is_healthy(),
                 probed: w.probed.load(Ordering::Relaxed),
                 in_flight: w.in_flight(),
+                ranks: w
+                    .ranks
+                    .iter()
+                    .map(|r| {
+                        let load = r.load();
+                        RankStatus {
+                            dp_rank: r.dp_rank,
+                            in_flight: r.in_flight(),
+                            active_prefill_tokens: load.prefill_tokens(),
+                            active_decode_blocks: load.decode_blocks(),
+                        }
+                    })
+                    .collect(),
             })
             .collect()
     }

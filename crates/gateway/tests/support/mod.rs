@@ -64,11 +64,7 @@ impl MockWorker {
     }
 
     pub fn spec(&self) -> WorkerSpec {
-        WorkerSpec {
-            id: None,
-            url: self.url.clone(),
-            model: None,
-        }
+        WorkerSpec::url(self.url.clone())
     }
 }
 
@@ -259,8 +255,11 @@ impl TestRouter {
     }
 }
 
+/// Settings for these workers with `round_robin` (tests of other policies set theirs).
 pub fn settings(workers: &[&MockWorker]) -> Settings {
-    Settings::with_workers(workers.iter().map(|w| w.spec()).collect()).unwrap()
+    let mut s = Settings::with_workers(workers.iter().map(|w| w.spec()).collect()).unwrap();
+    s.policy = kvroute_core::PolicyKind::RoundRobin;
+    s
 }
 
 pub type TestClient = Client<HttpConnector, Full<Bytes>>;

@@ -1,0 +1,107 @@
+//! What the router knows of the engines' KV caches: the event-fed index, the approximate
+//! index of its own decisions, and the tokenizer that turns requests into block hashes.
+//!
+//! A worker's blocks come from its KV events when it has `kv_events` configured and the
+//! router runs with events (the default); otherwise the router approximates: each routing
+//! decision records the request's blocks on the chosen rank for `--router-ttl-secs`.
+//! Both indexes are synchronous structures behind short locks that are never held across
+//! an `.await`.
+
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use kvroute_index::{
+    ApproxIndex, ApproxIndexer, BlockHash, EngineHash, IndexError, KvIndex, KvIndexer,
+    OverlapScores, ReplicaId, StorageTier, StoredBlocks,
+};
+use kvroute_tokenizer::Tokenizer;
+
+use crate::config::{KvEventsMode, Settings};
+use crate::workers::Worker;
+
+/// The router's view of every engine's KV cache.
+pub struct KvState {
+    pub block_size: usize,
+    pub mode: KvEventsMode,
+    pub tokenizer: Arc<Tokenizer>,
+    index: RwLock<KvIndex>,
+    approx: Mutex<ApproxIndex>,
+}
+
+impl std::fmt::Debug for KvState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvState")
+            .field("block_size", &self.block_size)
+            .field("mode", &self.mode)
+            .field("tokenizer", &!self.tokenizer.is_fallback())
+            .finish()
+    }
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl KvState {
+    pub fn new(settings: &Settings, tokenizer: Arc<Tokenizer>) -> Self {
+        Self {
+            block_size: settings.block_size,
+            mode: settings.kv_events,
+            tokenizer,
+            index: RwLock::new(KvIndex::new(settings.block_size)),
+            approx: Mutex::new(ApproxIndex::new(settings.router_ttl)),
+        }
+    }
+
+    /// Whether `worker`'s cache is learnt from its events (else approximated).
+    pub fn uses_events(&self, worker: &Worker) -> bool {
+        self.mode == KvEventsMode::Events && worker.kv_events.is_some()
+    }
+
+    /// The overlaps of a request's blocks: from events, and from the router's own decisions.
+    pub fn overlaps(&self, hashes: &[BlockHash], now: Instant) -> (OverlapScores, OverlapScores) {
+        if hashes.is_empty() {
+            return Default::default();
+        }
+        let events = read(&self.index).find_matches(hashes);
+        let approx = lock(&self.approx).find_matches(hashes, now);
+        (events, approx)
+    }
+
+    /// Approximate mode: the chosen rank now holds the request's blocks.
+    pub fn record_routed(&self, replica: ReplicaId, hashes: &[BlockHash], now: Instant) {
+        if !hashes.is_empty() {
+            let mut approx = lock(&self.approx);
+            approx.expire(now);
+            approx.record(replica, hashes, now);
+        }
+    }
+
+    pub fn stored(&self, replica: ReplicaId, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
+        write(&self.index).apply_stored(replica, event)
+    }
+
+    pub fn removed(&self, replica: ReplicaId, tier: StorageTier, hashes: &[EngineHash]) {
+        write(&self.index).apply_removed(replica, tier, hashes);
+    }
+
+    /// Forgets what a replica holds, in both indexes.
+    pub fn clear(&self, replica: ReplicaId) {
+        write(&self.index).clear_replica(replica);
+        lock(&self.approx).clear_replica(replica);
+    }
+
+    /// (indexed blocks, approximate bytes) of the event-fed index.
+    pub fn index_size(&self) -> (usize, usize) {
+        let index = read(&self.index);
+        (index.num_blocks(), index.memory_bytes())
+    }
+}

@@ -1,0 +1,231 @@
+//! Turning a request into a routing decision: tokens, block hashes, overlaps, candidates,
+//! and the policy's choice. Shared by the proxy path and `POST /debug/route`, so the debug
+//! answer is the decision the router would make.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::HeaderMap;
+use kvroute_core::{Candidate, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest};
+use kvroute_index::{block_hashes, BlockHash, OverlapScores, TierCounts};
+use kvroute_protocol::{Prompt, RoutingFields};
+use kvroute_tokenizer::{ChatOptions, Tokenizer};
+use serde::Deserialize;
+
+use crate::error::GatewayError;
+use crate::kv::KvState;
+use crate::workers::{Pool, Worker};
+
+/// Session-key headers, in order of precedence (then the body's `user`).
+const SESSION_HEADERS: [&str; 3] = ["x-session-id", "x-smg-routing-key", "x-user-id"];
+
+/// One (worker, rank) considered for a request.
+#[derive(Debug, Clone)]
+pub struct Choice {
+    pub worker: Arc<Worker>,
+    /// Index into `worker.ranks`.
+    pub rank: usize,
+    pub in_flight: u64,
+    pub kv: KvTerms,
+}
+
+/// A decision and everything it was made from.
+#[derive(Debug)]
+pub struct Plan {
+    pub policy: PolicyKind,
+    pub choices: Vec<Choice>,
+    pub costs: Option<Vec<f64>>,
+    pub chosen: usize,
+    /// Prompt tokens (0 when the policy does not tokenise).
+    pub prompt_tokens: usize,
+    pub hashes: Vec<BlockHash>,
+}
+
+impl Plan {
+    pub fn choice(&self) -> &Choice {
+        &self.choices[self.chosen]
+    }
+
+    /// What the chosen request adds to its rank's load.
+    pub fn request_load(&self, block_size: usize) -> RequestLoad {
+        let cached = self.choice().kv.overlap.device as usize * block_size;
+        RequestLoad {
+            prefill_tokens: self.prompt_tokens.saturating_sub(cached) as u64,
+            blocks: self.hashes.iter().map(|h| h.0).collect(),
+            own_blocks: u64::from(self.prompt_tokens % block_size.max(1) != 0),
+        }
+    }
+}
+
+pub fn session_key<'a>(headers: &'a HeaderMap, fields: &'a RoutingFields<'a>) -> Option<&'a str> {
+    SESSION_HEADERS
+        .iter()
+        .find_map(|h| headers.get(*h).and_then(|v| v.to_str().ok()))
+        .filter(|k| !k.is_empty())
+        .or(fields.user.as_deref().filter(|u| !u.is_empty()))
+}
+
+/// The chat fields a template reads, beside the messages.
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: serde_json::Value,
+    #[serde(default)]
+    tools: Option<serde_json::Value>,
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Value>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: Option<bool>,
+}
+
+/// The request's prompt token ids as the engine will see them, or `None` when it has no
+/// single prompt (batched prompts, embeddings of several inputs) or the tokenizer cannot
+/// render it (then routing goes on without KV overlap).
+pub fn prompt_tokens(tokenizer: &Tokenizer, body: &[u8], fields: &RoutingFields<'_>) -> Option<Vec<u32>> {
+    let result = if fields.messages.is_some() {
+        let chat: ChatBody = serde_json::from_slice(body).ok()?;
+        let options = ChatOptions {
+            add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
+            continue_final_message: chat.continue_final_message.unwrap_or(false),
+            tools: chat.tools.as_ref(),
+            chat_template_kwargs: chat.chat_template_kwargs.as_ref(),
+            ..ChatOptions::default()
+        };
+        tokenizer.encode_chat(&chat.messages, &options)
+    } else {
+        match fields.prompt.as_ref().or(fields.text.as_ref()).or(fields.input_ids.as_ref()) {
+            Some(Prompt::Text(text)) => tokenizer.encode_prompt(text),
+            Some(Prompt::Tokens(ids)) => Ok(ids.clone()),
+            Some(Prompt::Texts(texts)) if texts.len() == 1 => tokenizer.encode_prompt(&texts[0]),
+            Some(Prompt::TokenBatches(b)) if b.len() == 1 => Ok(b[0].clone()),
+            _ => return None,
+        }
+    };
+    match result {
+        Ok(tokens) => Some(tokens),
+        Err(error) => {
+            tracing::debug!(%error, "Cannot tokenise the request; routing without KV overlap");
+            None
+        }
+    }
+}
+
+fn overlap_of(counts: TierCounts) -> Overlap {
+    Overlap {
+        device: counts.device,
+        host: counts.host,
+        disk: counts.disk,
+        external: counts.external,
+    }
+}
+
+/// Builds the candidates of `pool` for the request and lets its policy choose.
+pub fn plan(
+    kv: &KvState,
+    pool: &Pool,
+    headers: &HeaderMap,
+    body: &[u8],
+    fields: &RoutingFields<'_>,
+    started: Instant,
+) -> Result<Plan, GatewayError> {
+    let policy = pool.policy.kind();
+    let key = session_key(headers, fields);
+    let (tokens, hashes, scores) = if policy == PolicyKind::KvAware {
+        let tokens = prompt_tokens(&kv.tokenizer, body, fields).unwrap_or_default();
+        let hashes = block_hashes(&tokens, kv.block_size, 0);
+        let scores = kv.overlaps(&hashes, started);
+        (tokens, hashes, scores)
+    } else {
+        Default::default()
+    };
+    let (events, approx): &(OverlapScores, OverlapScores) = &scores;
+
+    let mut choices = Vec::new();
+    for w in &pool.workers {
+        if !w.is_healthy() {
+            continue;
+        }
+        let from_events = kv.uses_events(w);
+        for (rank_index, rank) in w.ranks.iter().enumerate() {
+            let mut terms = KvTerms::default();
+            if policy == PolicyKind::KvAware {
+                let counts = if from_events {
+                    events.get(rank.replica)
+                } else {
+                    approx.get(rank.replica)
+                };
+                let load = rank.load();
+                let request = RequestLoad {
+                    prefill_tokens: 0,
+                    blocks: hashes.iter().map(|h| h.0).collect(),
+                    own_blocks: u64::from(tokens.len() % kv.block_size.max(1) != 0),
+                };
+                terms = KvTerms {
+                    overlap: overlap_of(counts),
+                    prefill_tokens: load.prefill_tokens(),
+                    decode_blocks: load.decode_blocks(),
+                    new_blocks: load.new_blocks(&request),
+                    active_requests: load.active_requests(),
+                    preferred_taint_weight: 0.0,
+                };
+            }
+            choices.push(Choice {
+                worker: w.clone(),
+                rank: rank_index,
+                in_flight: rank.in_flight(),
+                kv: terms,
+            });
+        }
+    }
+    if choices.is_empty() {
+        return Err(GatewayError::NoEndpoint("no healthy worker serves this model"));
+    }
+    let text = if needs_text(policy, key) {
+        fields.routing_text()
+    } else {
+        std::borrow::Cow::Borrowed("")
+    };
+    let request = RouteRequest {
+        session_key: key,
+        text: &text,
+        prompt_tokens: tokens.len(),
+        block_size: kv.block_size,
+        has_preferred_taints: false,
+        now: started,
+    };
+    let candidates: Vec<Candidate<'_>> = choices
+        .iter()
+        .map(|c| Candidate {
+            worker: &c.worker.id,
+            dp_rank: c.worker.ranks[c.rank].dp_rank,
+            in_flight: c.in_flight,
+            kv: c.kv,
+        })
+        .collect();
+    let costs = pool.policy.costs(&candidates, &request);
+    let decision = pool
+        .policy
+        .select(&candidates, &request, &mut rand::rng())
+        .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?;
+    drop(candidates);
+    Ok(Plan {
+        policy,
+        choices,
+        costs,
+        chosen: decision.index,
+        prompt_tokens: tokens.len(),
+        hashes,
+    })
+}
+
+/// Whether the policy reads the prompt text for this request (text is built lazily: a
+/// chat's text is a join of its messages).
+fn needs_text(policy: PolicyKind, session_key: Option<&str>) -> bool {
+    use PolicyKind::*;
+    match policy {
+        ConsistentHash | RendezvousHash => session_key.is_none(),
+        PrefixHash => true,
+        Random | RoundRobin | PowerOfTwo | Manual | KvAware => false,
+    }
+}
