@@ -332,7 +332,9 @@ impl Args {
             router_disk_cache_hit_weight: self
                 .router_disk_cache_hit_weight
                 .or(file.router_disk_cache_hit_weight),
-            shared_cache_multiplier: self.shared_cache_multiplier.or(file.shared_cache_multiplier),
+            shared_cache_multiplier: self
+                .shared_cache_multiplier
+                .or(file.shared_cache_multiplier),
             no_router_kv_events: self.no_router_kv_events || file.no_router_kv_events,
             router_ttl_secs: self.router_ttl_secs.or(file.router_ttl_secs),
             tokenizer: self.tokenizer.or(file.tokenizer),
@@ -345,11 +347,8 @@ impl Args {
     /// Applies the defaults and validates.
     pub fn into_settings(self) -> Result<Settings, ConfigError> {
         let defaults = PolicyConfig::default();
-        let mut workers: Vec<WorkerSpec> = self
-            .worker_urls
-            .into_iter()
-            .map(WorkerSpec::url)
-            .collect();
+        let mut workers: Vec<WorkerSpec> =
+            self.worker_urls.into_iter().map(WorkerSpec::url).collect();
         workers.extend(self.workers);
         let mut seen = std::collections::HashSet::new();
         for w in &mut workers {
@@ -415,7 +414,11 @@ impl Args {
                 self.router_decode_active_request_weight,
                 kv.decode_active_request_weight,
             )?,
-            temperature: weight("router_temperature", self.router_temperature, kv.temperature)?,
+            temperature: weight(
+                "router_temperature",
+                self.router_temperature,
+                kv.temperature,
+            )?,
             host_cache_hit_weight: weight(
                 "router_host_cache_hit_weight",
                 self.router_host_cache_hit_weight,
@@ -566,11 +569,16 @@ mod tests {
         .unwrap();
         assert_eq!(w.workers[0].ranks(), vec![Some(4), Some(5)]);
         assert_eq!(w.workers[0].kv_events.as_deref(), Some("tcp://a:5557"));
-        assert!(Args::from_text("router_temperature: -1").unwrap().into_settings().is_err());
-        assert!(Args::from_text("workers: [{url: 'http://a:1', kv_events: 'a:1'}]")
+        assert!(Args::from_text("router_temperature: -1")
             .unwrap()
             .into_settings()
             .is_err());
+        assert!(
+            Args::from_text("workers: [{url: 'http://a:1', kv_events: 'a:1'}]")
+                .unwrap()
+                .into_settings()
+                .is_err()
+        );
     }
 
     #[test]

@@ -105,3 +105,48 @@ impl KvState {
         (index.num_blocks(), index.memory_bytes())
     }
 }
+
+/// Feeds one worker's KV events into the index, mapping each event's data-parallel rank to
+/// that rank's replica (a worker without ranks takes every event itself).
+#[derive(Debug)]
+pub struct WorkerSink {
+    kv: Arc<KvState>,
+    worker: Arc<Worker>,
+}
+
+impl WorkerSink {
+    pub fn new(kv: Arc<KvState>, worker: Arc<Worker>) -> Self {
+        Self { kv, worker }
+    }
+
+    fn replica(&self, dp_rank: u32) -> Option<ReplicaId> {
+        match self.worker.ranks.as_slice() {
+            [only] if only.dp_rank.is_none() => Some(only.replica),
+            ranks => ranks
+                .iter()
+                .find(|r| r.dp_rank == Some(dp_rank))
+                .map(|r| r.replica),
+        }
+    }
+}
+
+impl crate::kv_events::EventSink for WorkerSink {
+    fn stored(&self, dp_rank: u32, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
+        match self.replica(dp_rank) {
+            Some(replica) => self.kv.stored(replica, event),
+            None => Ok(()),
+        }
+    }
+
+    fn removed(&self, dp_rank: u32, tier: StorageTier, hashes: &[EngineHash]) {
+        if let Some(replica) = self.replica(dp_rank) {
+            self.kv.removed(replica, tier, hashes);
+        }
+    }
+
+    fn cleared(&self, dp_rank: u32) {
+        if let Some(replica) = self.replica(dp_rank) {
+            self.kv.clear(replica);
+        }
+    }
+}

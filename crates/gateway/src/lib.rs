@@ -13,6 +13,7 @@
 pub mod config;
 pub mod error;
 pub mod kv;
+pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
 pub mod routing;

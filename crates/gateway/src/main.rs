@@ -56,42 +56,61 @@ fn init_tracing(settings: &Settings) {
 /// Simulated engines started in-process when no worker is given.
 const EMBEDDED_ENGINES: usize = 4;
 
-/// Starts `EMBEDDED_ENGINES` kvroute-sim servers on loopback ports and returns their URLs.
+/// Starts `EMBEDDED_ENGINES` kvroute-sim servers on loopback ports, each publishing KV
+/// events, and returns them as workers.
 async fn start_embedded_engines(
+    tokenizer: &Arc<kvroute_tokenizer::Tokenizer>,
     shutdown: &CancellationToken,
     tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
-) -> anyhow::Result<Vec<String>> {
-    let tokenizer = Arc::new(kvroute_tokenizer::Tokenizer::fallback());
-    let mut urls = Vec::with_capacity(EMBEDDED_ENGINES);
+) -> anyhow::Result<Vec<kvroute_gateway::WorkerSpec>> {
+    let mut workers = Vec::with_capacity(EMBEDDED_ENGINES);
     for i in 0..EMBEDDED_ENGINES {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("cannot start an embedded engine")?;
-        urls.push(format!("http://{}", listener.local_addr()?));
+        // A free port for the engine's KV-event socket.
+        let events_port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let events = format!("tcp://127.0.0.1:{events_port}");
         let args = kvroute_sim::SimArgs {
             seed: i as u64,
+            kv_events_endpoint: Some(events.clone()),
             ..kvroute_sim::SimArgs::default()
         };
+        workers.push(kvroute_gateway::WorkerSpec {
+            kv_events: Some(events),
+            ..kvroute_gateway::WorkerSpec::url(format!("http://{}", listener.local_addr()?))
+        });
         let engine = kvroute_sim::SimServer::new(args, tokenizer.clone());
         tasks.spawn(engine.serve(listener, shutdown.clone()));
     }
-    Ok(urls)
+    Ok(workers)
 }
 
 async fn run(mut settings: Settings) -> anyhow::Result<()> {
+    let tokenizer = match &settings.tokenizer {
+        Some(path) => {
+            let t = kvroute_tokenizer::Tokenizer::load(path)
+                .with_context(|| format!("cannot load the tokenizer {}", path.display()))?;
+            tracing::info!(path = %path.display(), "Tokenizer loaded: requests are tokenised as the engines do");
+            Arc::new(t)
+        }
+        None => {
+            tracing::info!("No --tokenizer: using the fallback tokenizer (bytes as tokens), as kvroute-sim does; KV overlap with real engines needs their tokenizer");
+            Arc::new(kvroute_tokenizer::Tokenizer::fallback())
+        }
+    };
     let shutdown = CancellationToken::new();
     let mut engines = tokio::task::JoinSet::new();
     if settings.workers.is_empty() {
-        let urls = start_embedded_engines(&shutdown, &mut engines).await?;
+        let workers = start_embedded_engines(&tokenizer, &shutdown, &mut engines).await?;
         tracing::info!(
             engines = EMBEDDED_ENGINES,
-            urls = ?urls,
-            "No worker given: serving from embedded simulated engines (kvroute-sim, model kvroute-sim)"
+            urls = ?workers.iter().map(|w| w.url.as_str()).collect::<Vec<_>>(),
+            "No worker given: serving from embedded simulated engines (kvroute-sim, model kvroute-sim, KV events on)"
         );
-        settings.workers = urls
-            .into_iter()
-            .map(kvroute_gateway::WorkerSpec::url)
-            .collect();
+        settings.workers = workers;
     }
     let api_addr = format!("{}:{}", settings.host, settings.port);
     let metrics_addr = format!("{}:{}", settings.prometheus_host, settings.prometheus_port);
@@ -101,21 +120,9 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     let metrics_listener = tokio::net::TcpListener::bind(&metrics_addr)
         .await
         .with_context(|| format!("cannot serve metrics on {metrics_addr}"))?;
-    let tokenizer = match &settings.tokenizer {
-        Some(path) => {
-            let t = kvroute_tokenizer::Tokenizer::load(path)
-                .with_context(|| format!("cannot load the tokenizer {}", path.display()))?;
-            tracing::info!(path = %path.display(), "Tokenizer loaded: requests are tokenised as the engines do");
-            t
-        }
-        None => {
-            tracing::info!("No --tokenizer: using the fallback tokenizer (bytes as tokens), as kvroute-sim does; KV overlap with real engines needs their tokenizer");
-            kvroute_tokenizer::Tokenizer::fallback()
-        }
-    };
     let mut registry = prometheus_client::registry::Registry::default();
     let workers = settings.workers.len();
-    let gateway = Gateway::with_tokenizer(settings, &mut registry, Arc::new(tokenizer));
+    let gateway = Gateway::with_tokenizer(settings, &mut registry, tokenizer);
     tracing::info!("policy: {}", gateway.policy_description());
     tracing::info!(addr = %api_addr, metrics = %metrics_addr, workers, "kvroute listening");
 

@@ -207,7 +207,9 @@ pub async fn forward(
         parts.headers.insert(WORKER_HEADER, v);
     }
     if let Some(rank) = dp_rank {
-        parts.headers.insert(DP_RANK_HEADER, HeaderValue::from(rank));
+        parts
+            .headers
+            .insert(DP_RANK_HEADER, HeaderValue::from(rank));
     }
     parts
         .headers

