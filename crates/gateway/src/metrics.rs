@@ -79,9 +79,7 @@ impl GatewayMetrics {
             ttft_seconds: Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 18),
             ),
-            kv_hit_ratio: Histogram::new(
-                [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0].into_iter(),
-            ),
+            kv_hit_ratio: Histogram::new([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
             requests: Family::default(),
             processed: Family::default(),
             decisions: Family::default(),

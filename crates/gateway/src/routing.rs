@@ -52,7 +52,7 @@ impl Plan {
         RequestLoad {
             prefill_tokens: self.prompt_tokens.saturating_sub(cached) as u64,
             blocks: self.hashes.iter().map(|h| h.0).collect(),
-            own_blocks: u64::from(self.prompt_tokens % block_size.max(1) != 0),
+            own_blocks: u64::from(!self.prompt_tokens.is_multiple_of(block_size.max(1))),
         }
     }
 }
@@ -143,19 +143,46 @@ fn overlap_of(counts: TierCounts, prompt_tokens: usize, block_size: usize) -> Ov
     }
 }
 
-/// Builds the candidates of `pool` for the request and lets its policy choose.
+/// Prompts longer than this (bytes of body) are tokenised on the blocking pool when a real
+/// tokenizer is configured: a BPE pass over an 8k-token prompt takes milliseconds.
+const BLOCKING_TOKENIZE_BYTES: usize = 16 * 1024;
+
+/// The request's prompt tokens when `policy` uses them (else empty), off the async threads
+/// when the work is long.
+pub async fn tokens_for(kv: &KvState, policy: PolicyKind, body: &bytes::Bytes) -> Vec<u32> {
+    if policy != PolicyKind::KvAware {
+        return Vec::new();
+    }
+    let work = {
+        let tokenizer = kv.tokenizer.clone();
+        let body = body.clone();
+        move || {
+            RoutingFields::from_json(&body)
+                .ok()
+                .and_then(|fields| prompt_tokens(&tokenizer, &body, &fields))
+                .unwrap_or_default()
+        }
+    };
+    if kv.tokenizer.is_fallback() || body.len() < BLOCKING_TOKENIZE_BYTES {
+        work()
+    } else {
+        tokio::task::spawn_blocking(work).await.unwrap_or_default()
+    }
+}
+
+/// Builds the candidates of `pool` for the request and lets its policy choose. `tokens` are
+/// the prompt's token ids (from [`tokens_for`]; empty for policies that do not use them).
 pub fn plan(
     kv: &KvState,
     pool: &Pool,
     headers: &HeaderMap,
-    body: &[u8],
     fields: &RoutingFields<'_>,
+    tokens: Vec<u32>,
     started: Instant,
 ) -> Result<Plan, GatewayError> {
     let policy = pool.policy.kind();
     let key = session_key(headers, fields);
     let (tokens, hashes, scores) = if policy == PolicyKind::KvAware {
-        let tokens = prompt_tokens(&kv.tokenizer, body, fields).unwrap_or_default();
         let hashes = block_hashes(&tokens, kv.block_size, 0);
         let scores = kv.overlaps(&hashes, started);
         (tokens, hashes, scores)
@@ -182,7 +209,7 @@ pub fn plan(
                 let request = RequestLoad {
                     prefill_tokens: 0,
                     blocks: hashes.iter().map(|h| h.0).collect(),
-                    own_blocks: u64::from(tokens.len() % kv.block_size.max(1) != 0),
+                    own_blocks: u64::from(!tokens.len().is_multiple_of(kv.block_size.max(1))),
                 };
                 terms = KvTerms {
                     overlap: overlap_of(counts, tokens.len(), kv.block_size),
@@ -244,6 +271,17 @@ pub fn plan(
     })
 }
 
+/// Whether the policy reads the prompt text for this request (text is built lazily: a
+/// chat's text is a join of its messages).
+fn needs_text(policy: PolicyKind, session_key: Option<&str>) -> bool {
+    use PolicyKind::*;
+    match policy {
+        ConsistentHash | RendezvousHash => session_key.is_none(),
+        PrefixHash => true,
+        Random | RoundRobin | PowerOfTwo | Manual | KvAware => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,16 +322,5 @@ mod tests {
             }
         );
         assert_eq!(overlap_of(c, 0, 16), Overlap::default());
-    }
-}
-
-/// Whether the policy reads the prompt text for this request (text is built lazily: a
-/// chat's text is a join of its messages).
-fn needs_text(policy: PolicyKind, session_key: Option<&str>) -> bool {
-    use PolicyKind::*;
-    match policy {
-        ConsistentHash | RendezvousHash => session_key.is_none(),
-        PrefixHash => true,
-        Random | RoundRobin | PowerOfTwo | Manual | KvAware => false,
     }
 }

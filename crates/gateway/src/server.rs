@@ -270,11 +270,12 @@ async fn route_and_forward(
     let (parts, body) = req.into_parts();
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
+    let started = Instant::now();
+    let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
 
     let table = state.workers.table();
     let pool = table.resolve(fields.model.as_deref())?;
-    let started = Instant::now();
-    let plan = routing::plan(&state.kv, pool, &parts.headers, &body, &fields, started)?;
+    let plan = routing::plan(&state.kv, pool, &parts.headers, &fields, tokens, started)?;
     state
         .metrics
         .routing_seconds
@@ -330,14 +331,15 @@ async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Respon
         let (parts, body) = req.into_parts();
         let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
         let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
+        let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
         let table = state.workers.table();
         let pool = table.resolve(fields.model.as_deref())?;
         let plan = routing::plan(
             &state.kv,
             pool,
             &parts.headers,
-            &body,
             &fields,
+            tokens,
             Instant::now(),
         )?;
         let kv_aware = plan.policy == PolicyKind::KvAware;

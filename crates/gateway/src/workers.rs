@@ -279,6 +279,15 @@ impl WorkerSet {
         &self.workers
     }
 
+    /// Marks a worker healthy or not (probes and health checks; benchmarks set it directly).
+    pub fn set_healthy(&self, id: &str, healthy: bool) {
+        for w in self.workers.iter().filter(|w| w.id.as_str() == id) {
+            w.healthy.store(healthy, Ordering::Relaxed);
+            w.probed.store(true, Ordering::Relaxed);
+        }
+        self.rebuild();
+    }
+
     pub fn statuses(&self) -> Vec<WorkerStatus> {
         self.workers
             .iter()

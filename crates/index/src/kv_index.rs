@@ -1,0 +1,304 @@
+//! [`KvIndex`]: the exact index, fed by engine KV events.
+//!
+//! # Layout
+//! - A block table keyed by the router block hash (already uniform, so hashed by identity)
+//!   holding, per storage tier, a 64-bit mask of the replicas holding the block (replicas get
+//!   dense internal slots; more than 64 replicas use one table entry per group of 64). A query
+//!   is one lookup per leading block, with the still-matching replicas as a mask.
+//! - Per replica, a map from engine hash to a record of the router blocks the engine block
+//!   maps to and the tiers holding it. Removal and `AllBlocksCleared` go through it, so
+//!   clearing a replica costs time proportional to what it holds.
+//!
+//! # Mapping engine blocks to router blocks (re-blocking)
+//! Let `B` be the router's block size and `E` the event's. The chain of router hashes of a
+//! stored block continues from the router chain of its parent (looked up by the parent's
+//! engine hash in the replica's map; no parent = a sequence's start; a parent the replica does
+//! not hold is [`IndexError::UnknownParent`]).
+//! - `E == B`: each engine block is one router block.
+//! - `E == k·B`: each engine block is `k` router blocks, hashed in order; a child continues
+//!   from the last. Removing the engine block removes all `k`.
+//! - `B == k·E` (SGLang's one-token pages): `k` consecutive engine blocks make one router
+//!   block, hashed when its last piece arrives, with the salt of that piece's event. Pieces of
+//!   a not yet complete router block are remembered (their tokens, their parent), so a later
+//!   event whose parent is the last piece continues it, and an event whose parent is any piece
+//!   (a branch inside a router block) starts a sibling router block from the same pieces. Each
+//!   piece maps to every router block completed through it; removing any piece removes those
+//!   router blocks (the prefix is broken there), while the other pieces stay until removed.
+//! - Otherwise, or `E == 0`, [`IndexError::BlockSizeMismatch`]; also when an event with
+//!   `E >= B` continues from a partial router block (a chain that changed block size).
+//!
+//! # Holdings
+//! A replica holds a router block in tier `t` as many times as engine blocks stored in `t`
+//! map to it as their own (two 64-token engine blocks sharing their first 16 tokens both
+//! hold the first router block). Storing an engine block the replica already holds in that
+//! tier changes nothing (a replayed event); storing it in another tier adds that tier
+//! (offloading); storing it with a different mapping replaces the old one. Removing an engine
+//! block from a tier takes one holding, in that tier, of every router block it maps to (its
+//! own, and for pieces those completed through it), never below zero; an engine block held
+//! in no tier is forgotten.
+//!
+//! # Bounded memory
+//! [`KvIndex::with_max_blocks`] bounds the engine blocks remembered, all replicas together
+//! (each maps to at most `E/B` router blocks, so the router blocks are bounded too). When a
+//! store goes over, the least recently stored engine blocks are removed from every tier, as if
+//! their engines had evicted them, until the bound holds. This keeps memory bounded when
+//! removal events are lost; with a bound that is never reached, nothing is ever evicted.
+
+mod record;
+mod store;
+mod table;
+
+use std::collections::VecDeque;
+
+use crate::hasher::{map_bytes, MixMap};
+use crate::slots::Slots;
+use crate::{
+    BlockHash, EngineHash, IndexError, KvIndexer, OverlapScores, ReplicaId, StorageTier,
+    StoredBlocks,
+};
+use record::{tier_bits, Record};
+use table::BlockTable;
+
+/// The exact KV-block index; see the [module docs](self) for its rules.
+pub struct KvIndex {
+    block_size: usize,
+    slots: Slots,
+    table: BlockTable,
+    /// Per slot, the replica's engine blocks.
+    replicas: Vec<MixMap<EngineHash, Record>>,
+    /// Engine blocks remembered, all replicas together.
+    records: usize,
+    /// Heap bytes behind the records (multi-block and piece records).
+    record_heap: usize,
+    next_stamp: u64,
+    max_blocks: Option<usize>,
+    /// (slot, engine block, stamp) in store order, when bounded; stale entries are skipped.
+    fifo: VecDeque<(u32, EngineHash, u64)>,
+    unknown_removals: u64,
+    evicted: u64,
+    scratch: store::Scratch,
+}
+
+impl std::fmt::Debug for KvIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvIndex")
+            .field("block_size", &self.block_size)
+            .field("blocks", &self.table.distinct())
+            .field("engine_blocks", &self.records)
+            .field("max_blocks", &self.max_blocks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvIndex {
+    /// An empty, unbounded index for router blocks of `block_size` tokens.
+    ///
+    /// # Panics
+    /// If `block_size` is 0.
+    pub fn new(block_size: usize) -> Self {
+        assert!(block_size > 0, "the router's block size must be positive");
+        Self {
+            block_size,
+            slots: Slots::default(),
+            table: BlockTable::default(),
+            replicas: Vec::new(),
+            records: 0,
+            record_heap: 0,
+            next_stamp: 0,
+            max_blocks: None,
+            fifo: VecDeque::new(),
+            unknown_removals: 0,
+            evicted: 0,
+            scratch: store::Scratch::default(),
+        }
+    }
+
+    /// An index that remembers at most `max_blocks` engine blocks, all replicas together,
+    /// evicting the least recently stored beyond that (see the module docs).
+    ///
+    /// # Panics
+    /// If `block_size` is 0.
+    pub fn with_max_blocks(block_size: usize, max_blocks: usize) -> Self {
+        Self {
+            max_blocks: Some(max_blocks),
+            ..Self::new(block_size)
+        }
+    }
+
+    /// Engine blocks remembered, all replicas together.
+    pub fn num_engine_blocks(&self) -> usize {
+        self.records
+    }
+
+    /// Replicas holding at least one engine block.
+    pub fn num_replicas(&self) -> usize {
+        self.replicas.iter().filter(|r| !r.is_empty()).count()
+    }
+
+    /// Engine hashes removed that the replica did not hold in that tier, since creation.
+    pub fn unknown_removals(&self) -> u64 {
+        self.unknown_removals
+    }
+
+    /// Engine blocks evicted by the capacity bound, since creation.
+    pub fn evicted_blocks(&self) -> u64 {
+        self.evicted
+    }
+
+    /// Removes `hash` from tier `tier` of `slot`; false when it was not held there.
+    fn remove_tier(&mut self, slot: u32, hash: EngineHash, tier: usize) -> bool {
+        let groups = self.slots.groups();
+        let engine = &mut self.replicas[slot as usize];
+        let Some(record) = engine.get_mut(&hash) else {
+            return false;
+        };
+        if record.tiers() & (1 << tier) == 0 {
+            return false;
+        }
+        record.set_tiers(record.tiers() & !(1 << tier));
+        for block in record.kind.covered() {
+            self.table.dec(block, slot, tier, groups);
+        }
+        if record.tiers() == 0 {
+            let record = engine.remove(&hash).expect("just found");
+            self.records -= 1;
+            self.record_heap -= record.kind.heap_bytes();
+        }
+        true
+    }
+
+    /// Removes `hash` of `slot` from every tier.
+    fn remove_record(&mut self, slot: u32, hash: EngineHash) {
+        let tiers = self.replicas[slot as usize]
+            .get(&hash)
+            .map_or(0, |record| record.tiers());
+        for tier in tier_bits(tiers) {
+            self.remove_tier(slot, hash, tier);
+        }
+    }
+
+    /// Evicts least recently stored engine blocks until the bound holds.
+    fn enforce_bound(&mut self) {
+        let Some(max) = self.max_blocks else {
+            return;
+        };
+        while self.records > max {
+            let Some((slot, hash, stamp)) = self.fifo.pop_front() else {
+                break;
+            };
+            let live = self.replicas[slot as usize]
+                .get(&hash)
+                .is_some_and(|record| record.stamp() == stamp);
+            if live {
+                self.remove_record(slot, hash);
+                self.evicted += 1;
+            }
+        }
+    }
+
+    /// Notes that `hash` of `slot` was stored with `stamp`.
+    fn push_fifo(&mut self, slot: u32, hash: EngineHash, stamp: u64) {
+        if self.max_blocks.is_none() {
+            return;
+        }
+        self.fifo.push_back((slot, hash, stamp));
+        if self.fifo.len() > 2 * self.records + 1024 {
+            let replicas = &self.replicas;
+            self.fifo.retain(|(slot, hash, stamp)| {
+                replicas[*slot as usize]
+                    .get(hash)
+                    .is_some_and(|record| record.stamp() == *stamp)
+            });
+        }
+    }
+
+    #[cfg(test)]
+    fn slot_is_clean(&self, slot: u32) -> bool {
+        !self.table.any_bit_of(slot)
+    }
+}
+
+pub(crate) fn tier_index(tier: StorageTier) -> usize {
+    match tier {
+        StorageTier::Device => 0,
+        StorageTier::Host => 1,
+        StorageTier::Disk => 2,
+        StorageTier::External => 3,
+    }
+}
+
+impl KvIndexer for KvIndex {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn apply_stored(
+        &mut self,
+        replica: ReplicaId,
+        event: &StoredBlocks<'_>,
+    ) -> Result<(), IndexError> {
+        self.store(replica, event)?;
+        self.enforce_bound();
+        Ok(())
+    }
+
+    fn apply_removed(
+        &mut self,
+        replica: ReplicaId,
+        tier: StorageTier,
+        engine_hashes: &[EngineHash],
+    ) {
+        let Some(slot) = self.slots.get(replica) else {
+            self.unknown_removals += engine_hashes.len() as u64;
+            return;
+        };
+        for &hash in engine_hashes {
+            if !self.remove_tier(slot, hash, tier_index(tier)) {
+                self.unknown_removals += 1;
+            }
+        }
+    }
+
+    fn clear_replica(&mut self, replica: ReplicaId) {
+        let Some(slot) = self.slots.get(replica) else {
+            return;
+        };
+        let groups = self.slots.groups();
+        let engine = std::mem::take(&mut self.replicas[slot as usize]);
+        self.records -= engine.len();
+        for record in engine.into_values() {
+            self.record_heap -= record.kind.heap_bytes();
+            for tier in tier_bits(record.tiers()) {
+                for block in record.kind.covered() {
+                    self.table.dec(block, slot, tier, groups);
+                }
+            }
+        }
+        self.slots.release(replica);
+    }
+
+    fn find_matches(&self, hashes: &[BlockHash]) -> OverlapScores {
+        self.table.find(hashes, &self.slots)
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.table.distinct()
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.table.memory_bytes()
+            + self.slots.memory_bytes()
+            + self.replicas.capacity() * std::mem::size_of::<MixMap<EngineHash, Record>>()
+            + self
+                .replicas
+                .iter()
+                .map(|engine| map_bytes::<EngineHash, Record>(engine.capacity()))
+                .sum::<usize>()
+            + self.record_heap
+            + self.fifo.capacity() * std::mem::size_of::<(u32, EngineHash, u64)>()
+            + self.scratch.memory_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests;

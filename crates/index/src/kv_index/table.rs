@@ -1,0 +1,187 @@
+//! The block table: for each (router block, group of 64 slots), one holder mask per tier.
+//!
+//! A bit set in `tiers[t]` means the slot holds the block in tier `t` at least once. Counts
+//! above one (several engine blocks covering one router block) live in a side map, `extra`,
+//! which stays empty in the common one-to-one case, so the table itself is 40 bytes a block.
+//!
+//! The query walks the request's blocks in order with a mask of the replicas still matching:
+//! one table lookup per block per group, and the per-replica work happens only when a replica
+//! drops out or holds a block outside the device tier. Counts per tier follow from
+//! `device = matched - host - disk - external`.
+
+use crate::hasher::{map_bytes, IdentityMap, MixMap};
+use crate::slots::{bits, group_key, split, Slots};
+use crate::{BlockHash, OverlapScores, TierCounts};
+
+/// Tier indices: device, host, disk, external.
+pub(crate) const TIERS: usize = 4;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Holders {
+    tiers: [u64; TIERS],
+}
+
+impl Holders {
+    fn any(&self) -> u64 {
+        self.tiers[0] | self.tiers[1] | self.tiers[2] | self.tiers[3]
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct BlockTable {
+    map: IdentityMap<u64, Holders>,
+    /// (table key, slot, tier) → holdings beyond the first.
+    extra: MixMap<(u64, u32, u8), u32>,
+    distinct: usize,
+}
+
+impl BlockTable {
+    /// Distinct router blocks held by some slot.
+    pub(crate) fn distinct(&self) -> usize {
+        self.distinct
+    }
+
+    /// One more holding of `block` by `slot` in `tier`; `groups` is the number of slot groups.
+    pub(crate) fn inc(&mut self, block: BlockHash, slot: u32, tier: usize, groups: u32) {
+        let (group, bit) = split(slot);
+        let key = group_key(block, group);
+        let mut created = false;
+        let holders = self.map.entry(key).or_insert_with(|| {
+            created = true;
+            Holders::default()
+        });
+        if holders.tiers[tier] & bit == 0 {
+            holders.tiers[tier] |= bit;
+        } else {
+            *self.extra.entry((key, slot, tier as u8)).or_insert(0) += 1;
+        }
+        if created && !self.in_other_group(block, group, groups) {
+            self.distinct += 1;
+        }
+    }
+
+    /// One holding fewer (saturating: nothing happens when the slot does not hold it).
+    pub(crate) fn dec(&mut self, block: BlockHash, slot: u32, tier: usize, groups: u32) {
+        let (group, bit) = split(slot);
+        let key = group_key(block, group);
+        let Some(holders) = self.map.get_mut(&key) else {
+            return;
+        };
+        if holders.tiers[tier] & bit == 0 {
+            return;
+        }
+        if !self.extra.is_empty() {
+            if let Some(more) = self.extra.get_mut(&(key, slot, tier as u8)) {
+                *more -= 1;
+                if *more == 0 {
+                    self.extra.remove(&(key, slot, tier as u8));
+                }
+                return;
+            }
+        }
+        holders.tiers[tier] &= !bit;
+        if holders.any() == 0 {
+            self.map.remove(&key);
+            if !self.in_other_group(block, group, groups) {
+                self.distinct -= 1;
+            }
+        }
+    }
+
+    fn in_other_group(&self, block: BlockHash, group: u32, groups: u32) -> bool {
+        groups > 1 && (0..groups).any(|g| g != group && self.map.contains_key(&group_key(block, g)))
+    }
+
+    /// Whether any bit of `slot` is set anywhere (for tests).
+    #[cfg(test)]
+    pub(crate) fn any_bit_of(&self, slot: u32) -> bool {
+        let (_, bit) = split(slot);
+        self.map.values().any(|h| h.any() & bit != 0)
+            || self.extra.keys().any(|(_, s, _)| *s == slot)
+    }
+
+    pub(crate) fn find(&self, hashes: &[BlockHash], slots: &Slots) -> OverlapScores {
+        let mut scores = Vec::new();
+        let Some(&first) = hashes.first() else {
+            return OverlapScores { scores };
+        };
+        for group in 0..slots.groups() {
+            if let Some(holders) = self.map.get(&group_key(first, group)) {
+                self.walk_group(hashes, group, *holders, slots, &mut scores);
+            }
+        }
+        if slots.groups() > 1 || scores.len() > 1 {
+            scores.sort_unstable_by_key(|(id, _)| *id);
+        }
+        OverlapScores { scores }
+    }
+
+    fn walk_group(
+        &self,
+        hashes: &[BlockHash],
+        group: u32,
+        first: Holders,
+        slots: &Slots,
+        scores: &mut Vec<(crate::ReplicaId, TierCounts)>,
+    ) {
+        // matched[b]: leading blocks of bit b; lower[b]: blocks counted host, disk, external.
+        // (Issuing the lookups of a window of blocks ahead of the walk was measured: no gain,
+        // the processor already overlaps the misses of consecutive iterations.)
+        let mut matched = [0u32; 64];
+        let mut lower = [[0u32; 3]; 64];
+        let holders_of_first = first.any();
+        let mut active = holders_of_first;
+        let mut current = first;
+        let mut i = 0;
+        loop {
+            let any = current.any();
+            for b in bits(active & !any, 0) {
+                matched[b as usize] = i as u32;
+            }
+            active &= any;
+            if active == 0 {
+                break;
+            }
+            let below_device = active & !current.tiers[0];
+            for b in bits(below_device, 0) {
+                let mask = 1u64 << b;
+                let tier = if current.tiers[1] & mask != 0 {
+                    0
+                } else if current.tiers[2] & mask != 0 {
+                    1
+                } else {
+                    2
+                };
+                lower[b as usize][tier] += 1;
+            }
+            i += 1;
+            let next = hashes
+                .get(i)
+                .and_then(|h| self.map.get(&group_key(*h, group)));
+            match next {
+                Some(holders) => current = *holders,
+                None => {
+                    for b in bits(active, 0) {
+                        matched[b as usize] = i as u32;
+                    }
+                    break;
+                }
+            }
+        }
+        for b in bits(holders_of_first, 0) {
+            let [host, disk, external] = lower[b as usize];
+            let counts = TierCounts {
+                device: matched[b as usize] - host - disk - external,
+                host,
+                disk,
+                external,
+            };
+            scores.push((slots.id(group * 64 + b), counts));
+        }
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        map_bytes::<u64, Holders>(self.map.capacity())
+            + map_bytes::<(u64, u32, u8), u32>(self.extra.capacity())
+    }
+}

@@ -1,0 +1,183 @@
+//! Tests of what only `KvIndex` has: the capacity bound, counters, slot bookkeeping.
+
+use super::*;
+use crate::{block_hashes, ReplicaId};
+
+const BS: usize = 16;
+
+fn engine(tokens: &[u32], engine_bs: usize) -> Vec<EngineHash> {
+    block_hashes(tokens, engine_bs, 0xE)
+        .into_iter()
+        .map(|h| EngineHash(h.0))
+        .collect()
+}
+
+fn store(index: &mut KvIndex, replica: u32, tokens: &[u32], engine_bs: usize, tier: StorageTier) {
+    let hashes = engine(tokens, engine_bs);
+    let event = StoredBlocks {
+        parent: None,
+        engine_hashes: &hashes,
+        token_ids: &tokens[..hashes.len() * engine_bs],
+        block_size: engine_bs,
+        tier,
+        salt: 0,
+    };
+    index.apply_stored(ReplicaId(replica), &event).unwrap();
+}
+
+fn prompt(start: u32, blocks: usize) -> Vec<u32> {
+    (start..start + (blocks * BS) as u32).collect()
+}
+
+fn held(index: &KvIndex, replica: u32, tokens: &[u32]) -> u32 {
+    index
+        .find_matches(&block_hashes(tokens, BS, 0))
+        .get(ReplicaId(replica))
+        .total()
+}
+
+#[test]
+fn the_bound_evicts_least_recently_stored_engine_blocks() {
+    let mut index = KvIndex::with_max_blocks(BS, 10);
+    let (a, b) = (prompt(0, 6), prompt(1000, 6));
+    store(&mut index, 0, &a, BS, StorageTier::Device);
+    store(&mut index, 1, &b[..4 * BS], BS, StorageTier::Device);
+    assert_eq!((index.num_engine_blocks(), index.evicted_blocks()), (10, 0));
+    // Storing a's first block again makes it the most recent; then two more of b evict a's
+    // blocks 1 and 2 (the oldest), breaking a's prefix after block 0.
+    store(&mut index, 0, &a[..BS], BS, StorageTier::Host);
+    store(&mut index, 1, &b, BS, StorageTier::Device);
+    assert_eq!((index.num_engine_blocks(), index.evicted_blocks()), (10, 2));
+    assert_eq!(held(&index, 0, &a), 1);
+    assert_eq!(held(&index, 1, &b), 6);
+}
+
+#[test]
+fn the_bound_keeps_memory_flat_under_unbounded_traffic() {
+    let mut index = KvIndex::with_max_blocks(BS, 2000);
+    let mut peak = 0;
+    for i in 0..400u32 {
+        store(
+            &mut index,
+            i % 8,
+            &prompt(i * 10_000, 20),
+            BS,
+            StorageTier::Device,
+        );
+        store(
+            &mut index,
+            i % 8,
+            &prompt(i * 10_000 + 5000, 5),
+            1,
+            StorageTier::Device,
+        );
+        assert!(index.num_engine_blocks() <= 2000);
+        if i == 200 {
+            peak = index.memory_bytes();
+        }
+    }
+    assert!(index.evicted_blocks() > 0);
+    assert!(
+        index.memory_bytes() <= peak * 5 / 4,
+        "{} > {peak}",
+        index.memory_bytes()
+    );
+    assert!(index.fifo.len() <= 2 * index.records + 1024);
+}
+
+#[test]
+fn cleared_slots_hold_no_bits_and_are_reused() {
+    let mut index = KvIndex::new(BS);
+    let shared = prompt(0, 8);
+    for r in 0..3 {
+        store(&mut index, r, &shared, BS, StorageTier::Device);
+        store(&mut index, r, &shared, 64, StorageTier::Host);
+        store(&mut index, r, &shared, 1, StorageTier::Disk);
+        store(&mut index, r, &shared[..5 * BS], 32, StorageTier::Device);
+    }
+    index.apply_removed(ReplicaId(1), StorageTier::Disk, &engine(&shared, 1)[7..9]);
+    let slot = index.slots.get(ReplicaId(1)).unwrap();
+    index.clear_replica(ReplicaId(1));
+    assert!(index.slot_is_clean(slot));
+    assert_eq!(index.num_replicas(), 2);
+    store(&mut index, 9, &shared[..BS], BS, StorageTier::Device);
+    assert_eq!(index.slots.get(ReplicaId(9)), Some(slot));
+    assert_eq!(held(&index, 9, &shared), 1);
+    assert_eq!(held(&index, 0, &shared), 8);
+    index.clear_replica(ReplicaId(0));
+    index.clear_replica(ReplicaId(2));
+    index.clear_replica(ReplicaId(9));
+    assert_eq!(
+        (index.num_blocks(), index.records, index.record_heap),
+        (0, 0, 0)
+    );
+    assert!(
+        index.table.memory_bytes() < 4096,
+        "the extra counts are gone"
+    );
+}
+
+#[test]
+fn storing_with_another_mapping_replaces_the_old_one() {
+    let mut index = KvIndex::new(BS);
+    let a = prompt(0, 2);
+    let hashes = engine(&a, BS);
+    fn stored<'a>(hashes: &'a [EngineHash], tokens: &'a [u32]) -> StoredBlocks<'a> {
+        StoredBlocks {
+            parent: None,
+            engine_hashes: &hashes[..1],
+            token_ids: &tokens[..BS],
+            block_size: BS,
+            tier: StorageTier::Device,
+            salt: 0,
+        }
+    }
+    index
+        .apply_stored(ReplicaId(0), &stored(&hashes, &a))
+        .unwrap();
+    let other = prompt(500, 1);
+    index
+        .apply_stored(ReplicaId(0), &stored(&hashes, &other))
+        .unwrap();
+    assert_eq!(held(&index, 0, &a), 0);
+    assert_eq!(held(&index, 0, &other), 1);
+    assert_eq!((index.num_blocks(), index.num_engine_blocks()), (1, 1));
+}
+
+#[test]
+fn unknown_removals_are_counted() {
+    let mut index = KvIndex::new(BS);
+    let a = prompt(0, 2);
+    store(&mut index, 0, &a, BS, StorageTier::Device);
+    let hashes = engine(&a, BS);
+    index.apply_removed(ReplicaId(0), StorageTier::Host, &hashes);
+    index.apply_removed(ReplicaId(5), StorageTier::Device, &hashes);
+    index.apply_removed(
+        ReplicaId(0),
+        StorageTier::Device,
+        &[hashes[0], EngineHash(3)],
+    );
+    assert_eq!(index.unknown_removals(), 5);
+    assert_eq!(
+        format!("{index:?}"),
+        "KvIndex { block_size: 16, blocks: 1, engine_blocks: 1, max_blocks: None, .. }"
+    );
+}
+
+#[test]
+fn memory_estimate_is_close_to_the_tables() {
+    let mut index = KvIndex::new(BS);
+    for r in 0..4 {
+        store(
+            &mut index,
+            r,
+            &prompt(r * 100_000, 5000),
+            BS,
+            StorageTier::Device,
+        );
+    }
+    let per_block = index.memory_bytes() / index.num_blocks();
+    // One table entry (40 bytes + control) and one engine record (48 bytes) a block, at
+    // hashbrown's load factor.
+    assert!((89..400).contains(&per_block), "{per_block}");
+}
