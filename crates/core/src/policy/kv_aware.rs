@@ -51,9 +51,24 @@ impl Default for KvAwareConfig {
 }
 
 /// The `kv_aware` policy.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct KvAware {
     pub config: KvAwareConfig,
+}
+
+impl std::fmt::Debug for KvAware {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let k = &self.config;
+        f.debug_struct("KvAware")
+            .field("overlap_score_credit", &k.overlap_score_credit)
+            .field("prefill_load_scale", &k.prefill_load_scale)
+            .field("decode_active_request_weight", &k.decode_active_request_weight)
+            .field("temperature", &k.temperature)
+            .field("host_cache_hit_weight", &k.host_cache_hit_weight)
+            .field("disk_cache_hit_weight", &k.disk_cache_hit_weight)
+            .field("shared_cache_multiplier", &k.shared_cache_multiplier)
+            .finish()
+    }
 }
 
 impl KvAware {
@@ -269,6 +284,14 @@ mod tests {
         assert!(seen[0] > seen[1] && seen[1] > 100, "{seen:?}");
         // Without temperature, always the cheapest.
         assert!((0..50).all(|_| p.select(&c, &req(100), &mut rng).unwrap().index == 0));
+    }
+
+    #[test]
+    fn debug_names_every_parameter() {
+        assert_eq!(
+            format!("{:?}", KvAware::default()),
+            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0 }"
+        );
     }
 
     #[test]
