@@ -66,7 +66,14 @@ fn main() {
     for i in 0..16 {
         set.set_healthy(&format!("w{i}"), true);
     }
-    let kv = KvState::new(&settings, tokenizer.clone());
+    let kv = KvState::new(
+        &settings,
+        tokenizer.clone(),
+        (
+            metrics.kv_index_blocks.clone(),
+            metrics.kv_index_bytes.clone(),
+        ),
+    );
 
     // Build the prompt until it is about 8k tokens.
     let mut n_words = 1000;

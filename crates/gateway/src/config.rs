@@ -206,6 +206,9 @@ pub struct Args {
     #[arg(long)]
     #[serde(default)]
     pub no_router_kv_events: bool,
+    /// The most KV blocks the router indexes; the least recently stored go first [default: 4194304].
+    #[arg(long)]
+    pub router_max_indexed_blocks: Option<usize>,
     /// Approximate mode: how long a routed prefix is assumed cached [default: 120].
     #[arg(long)]
     pub router_ttl_secs: Option<u64>,
@@ -252,6 +255,7 @@ pub struct Settings {
     pub block_size: usize,
     pub kv_events: KvEventsMode,
     pub router_ttl: Duration,
+    pub max_indexed_blocks: usize,
     pub tokenizer: Option<PathBuf>,
 }
 
@@ -337,6 +341,9 @@ impl Args {
                 .or(file.shared_cache_multiplier),
             no_router_kv_events: self.no_router_kv_events || file.no_router_kv_events,
             router_ttl_secs: self.router_ttl_secs.or(file.router_ttl_secs),
+            router_max_indexed_blocks: self
+                .router_max_indexed_blocks
+                .or(file.router_max_indexed_blocks),
             tokenizer: self.tokenizer.or(file.tokenizer),
             max_payload_size: self.max_payload_size.or(file.max_payload_size),
             request_timeout_secs: self.request_timeout_secs.or(file.request_timeout_secs),
@@ -483,6 +490,7 @@ impl Args {
                 KvEventsMode::Events
             },
             router_ttl: Duration::from_secs(self.router_ttl_secs.unwrap_or(120)),
+            max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
             tokenizer: self.tokenizer,
         })
     }

@@ -15,6 +15,7 @@ use kvroute_index::{
     OverlapScores, ReplicaId, StorageTier, StoredBlocks,
 };
 use kvroute_tokenizer::Tokenizer;
+use prometheus_client::metrics::gauge::Gauge;
 
 use crate::config::{KvEventsMode, Settings};
 use crate::workers::Worker;
@@ -26,6 +27,7 @@ pub struct KvState {
     pub tokenizer: Arc<Tokenizer>,
     index: RwLock<KvIndex>,
     approx: Mutex<ApproxIndex>,
+    size: (Gauge, Gauge),
 }
 
 impl std::fmt::Debug for KvState {
@@ -51,14 +53,27 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl KvState {
-    pub fn new(settings: &Settings, tokenizer: Arc<Tokenizer>) -> Self {
+    /// `size` receives the index's block count and heap bytes as they change.
+    pub fn new(settings: &Settings, tokenizer: Arc<Tokenizer>, size: (Gauge, Gauge)) -> Self {
         Self {
             block_size: settings.block_size,
             mode: settings.kv_events,
             tokenizer,
-            index: RwLock::new(KvIndex::new(settings.block_size)),
-            approx: Mutex::new(ApproxIndex::new(settings.router_ttl)),
+            index: RwLock::new(KvIndex::with_max_blocks(
+                settings.block_size,
+                settings.max_indexed_blocks,
+            )),
+            approx: Mutex::new(ApproxIndex::with_max_entries(
+                settings.router_ttl,
+                settings.max_indexed_blocks,
+            )),
+            size,
         }
+    }
+
+    fn report(&self, index: &KvIndex) {
+        self.size.0.set(index.num_blocks() as i64);
+        self.size.1.set(index.memory_bytes() as i64);
     }
 
     /// Whether `worker`'s cache is learnt from its events (else approximated).
@@ -86,16 +101,24 @@ impl KvState {
     }
 
     pub fn stored(&self, replica: ReplicaId, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
-        write(&self.index).apply_stored(replica, event)
+        let mut index = write(&self.index);
+        let result = index.apply_stored(replica, event);
+        self.report(&index);
+        result
     }
 
     pub fn removed(&self, replica: ReplicaId, tier: StorageTier, hashes: &[EngineHash]) {
-        write(&self.index).apply_removed(replica, tier, hashes);
+        let mut index = write(&self.index);
+        index.apply_removed(replica, tier, hashes);
+        self.report(&index);
     }
 
     /// Forgets what a replica holds, in both indexes.
     pub fn clear(&self, replica: ReplicaId) {
-        write(&self.index).clear_replica(replica);
+        let mut index = write(&self.index);
+        index.clear_replica(replica);
+        self.report(&index);
+        drop(index);
         lock(&self.approx).clear_replica(replica);
     }
 

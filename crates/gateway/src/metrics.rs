@@ -48,6 +48,9 @@ pub struct GatewayMetrics {
     pub ttft_seconds: Histogram,
     /// Share of the prompt found cached on the chosen worker (kv_aware).
     pub kv_hit_ratio: Histogram,
+    /// Distinct blocks in the event-fed KV index, and its approximate heap bytes.
+    pub kv_index_blocks: Gauge,
+    pub kv_index_bytes: Gauge,
     requests: Family<RequestLabels, Counter>,
     processed: Family<WorkerLabels, Counter>,
     decisions: Family<DecisionLabels, Counter>,
@@ -80,6 +83,8 @@ impl GatewayMetrics {
                 prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 18),
             ),
             kv_hit_ratio: Histogram::new([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
+            kv_index_blocks: Gauge::default(),
+            kv_index_bytes: Gauge::default(),
             requests: Family::default(),
             processed: Family::default(),
             decisions: Family::default(),
@@ -128,6 +133,16 @@ impl GatewayMetrics {
             "kvroute_kv_hit_ratio",
             "Share of the prompt's blocks cached on the chosen worker (kv_aware)",
             m.kv_hit_ratio.clone(),
+        );
+        registry.register(
+            "kvroute_kv_index_blocks",
+            "Distinct KV blocks in the event-fed index",
+            m.kv_index_blocks.clone(),
+        );
+        registry.register(
+            "kvroute_kv_index_bytes",
+            "Approximate heap bytes of the event-fed KV index (bounded by --router-max-indexed-blocks)",
+            m.kv_index_bytes.clone(),
         );
         registry.register(
             "kvroute_routing_seconds",

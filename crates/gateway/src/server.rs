@@ -80,7 +80,14 @@ impl Gateway {
             settings.policy_config.clone(),
             &metrics,
         ));
-        let kv = Arc::new(KvState::new(&settings, tokenizer));
+        let kv = Arc::new(KvState::new(
+            &settings,
+            tokenizer,
+            (
+                metrics.kv_index_blocks.clone(),
+                metrics.kv_index_bytes.clone(),
+            ),
+        ));
         let kv_event_metrics = KvEventMetrics::register(registry);
         Self {
             state: Arc::new(AppState {

@@ -221,6 +221,20 @@ async fn a_shared_prefix_goes_where_it_is_cached_and_is_credited_exactly() {
             .unwrap()
     };
     assert!(cost(&home) < cost(other["worker"].as_str().unwrap()));
+    let m = r.metrics().await;
+    assert!(
+        metric_value(&m, "kvroute_kv_index_blocks", "").unwrap() >= 100.0,
+        "{m}"
+    );
+    assert!(
+        metric_value(&m, "kvroute_kv_index_bytes", "").unwrap() > 0.0,
+        "{m}"
+    );
+    let stored = format!(r#"worker="{home}",event="stored",status="ok""#);
+    assert!(
+        metric_value(&m, "kvroute_kv_events_total", &stored).unwrap() >= 1.0,
+        "{m}"
+    );
     r.stop().await;
 }
 

@@ -62,7 +62,10 @@ impl std::fmt::Debug for KvAware {
         f.debug_struct("KvAware")
             .field("overlap_score_credit", &k.overlap_score_credit)
             .field("prefill_load_scale", &k.prefill_load_scale)
-            .field("decode_active_request_weight", &k.decode_active_request_weight)
+            .field(
+                "decode_active_request_weight",
+                &k.decode_active_request_weight,
+            )
             .field("temperature", &k.temperature)
             .field("host_cache_hit_weight", &k.host_cache_hit_weight)
             .field("disk_cache_hit_weight", &k.disk_cache_hit_weight)
