@@ -37,6 +37,20 @@ pub struct KvTerms {
     pub preferred_taint_weight: f64,
 }
 
+/// What the engine itself reports (its `/metrics`, scraped by the gateway); `None` when
+/// unknown or stale.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineLoad {
+    /// `vllm:num_requests_waiting`.
+    pub waiting: Option<f64>,
+    /// `vllm:num_requests_running`.
+    pub running: Option<f64>,
+    /// `vllm:kv_cache_usage_perc`, in [0, 1].
+    pub kv_usage: Option<f64>,
+    /// KV blocks of the engine (`vllm:cache_config_info`, or the worker's config).
+    pub num_gpu_blocks: Option<u64>,
+}
+
 /// One (worker, data-parallel rank) that may take the request, with what policies read.
 #[derive(Debug, Clone, Copy)]
 pub struct Candidate<'a> {
@@ -46,6 +60,7 @@ pub struct Candidate<'a> {
     /// Requests the router has in flight on this candidate.
     pub in_flight: u64,
     pub kv: KvTerms,
+    pub engine: EngineLoad,
 }
 
 impl<'a> Candidate<'a> {
@@ -55,6 +70,7 @@ impl<'a> Candidate<'a> {
             dp_rank: None,
             in_flight,
             kv: KvTerms::default(),
+            engine: EngineLoad::default(),
         }
     }
 }
@@ -69,6 +85,8 @@ pub struct RouteRequest<'a> {
     pub text: &'a str,
     /// Prompt length in tokens (0 when the router did not tokenise).
     pub prompt_tokens: usize,
+    /// The prompt's token ids, for policies that hash them (empty when not tokenised).
+    pub tokens: &'a [u32],
     /// The router's KV block size.
     pub block_size: usize,
     /// Whether the request names preferred taints (only then is the taint factor applied).
@@ -83,6 +101,7 @@ impl<'a> RouteRequest<'a> {
             session_key,
             text,
             prompt_tokens: 0,
+            tokens: &[],
             block_size: 16,
             has_preferred_taints: false,
             now,

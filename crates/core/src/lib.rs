@@ -16,8 +16,9 @@ mod candidate;
 pub mod load;
 pub mod policy;
 
-pub use candidate::{Candidate, Decision, KvTerms, Overlap, RouteRequest};
+pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
 pub use policy::{
-    build_policy, AssignmentMode, KvAwareConfig, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
+    build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, Policy,
+    PolicyConfig, PolicyKind, UnknownPolicy,
 };

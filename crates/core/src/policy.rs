@@ -9,13 +9,17 @@
 //! | `rendezvous_hash` | the candidate with the highest `mix64(hash(key), hash(worker))`, same key |
 //! | `prefix_hash` | the first `prefix_token_count` characters of the prompt on the ring; a target loaded above `load_factor` x the mean goes to the least-loaded candidate |
 //! | `manual` | a sticky map from session key to worker; new keys and keyless requests go to the least-loaded candidate |
+//! | `cache_aware` | SGLang's approximate radix tree over request text (see [`CacheAware`]) |
+//! | `llm_d` | llm-d's weighted scorers: prefix cache, queue, KV utilisation (see [`LlmD`]) |
 //! | `kv_aware` | Dynamo's cost over KV overlap and load (see [`KvAware`]) |
 //!
 //! "Least loaded" always breaks ties at random, so keyless serial traffic (every load zero)
 //! spreads instead of piling onto the first worker.
 
+mod cache_aware;
 mod hashing;
 mod kv_aware;
+mod llm_d;
 mod load;
 mod manual;
 
@@ -27,8 +31,10 @@ use rand::RngCore;
 
 use crate::{Candidate, Decision, RouteRequest};
 
+pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
 pub use kv_aware::{KvAware, KvAwareConfig};
+pub use llm_d::{LlmD, LlmDConfig};
 pub use load::{PowerOfTwo, Random, RoundRobin};
 pub use manual::{AssignmentMode, Manual};
 
@@ -65,11 +71,13 @@ pub enum PolicyKind {
     RendezvousHash,
     PrefixHash,
     Manual,
+    CacheAware,
+    LlmD,
     KvAware,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 8] = [
+    pub const ALL: [PolicyKind; 10] = [
         PolicyKind::Random,
         PolicyKind::RoundRobin,
         PolicyKind::PowerOfTwo,
@@ -77,6 +85,8 @@ impl PolicyKind {
         PolicyKind::RendezvousHash,
         PolicyKind::PrefixHash,
         PolicyKind::Manual,
+        PolicyKind::CacheAware,
+        PolicyKind::LlmD,
         PolicyKind::KvAware,
     ];
 
@@ -89,6 +99,8 @@ impl PolicyKind {
             PolicyKind::RendezvousHash => "rendezvous_hash",
             PolicyKind::PrefixHash => "prefix_hash",
             PolicyKind::Manual => "manual",
+            PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::LlmD => "llm_d",
             PolicyKind::KvAware => "kv_aware",
         }
     }
@@ -156,6 +168,8 @@ pub struct PolicyConfig {
     pub assignment_mode: AssignmentMode,
     /// `kv_aware`'s cost model.
     pub kv_aware: KvAwareConfig,
+    pub cache_aware: CacheAwareConfig,
+    pub llm_d: LlmDConfig,
 }
 
 impl Default for PolicyConfig {
@@ -168,6 +182,8 @@ impl Default for PolicyConfig {
             max_sessions: 1 << 20,
             assignment_mode: AssignmentMode::MinLoad,
             kv_aware: KvAwareConfig::default(),
+            cache_aware: CacheAwareConfig::default(),
+            llm_d: LlmDConfig::default(),
         }
     }
 }
@@ -191,6 +207,8 @@ pub fn build_policy(kind: PolicyKind, config: &PolicyConfig) -> Box<dyn Policy> 
             config.assignment_mode,
         )),
         PolicyKind::KvAware => Box::new(KvAware::new(config.kv_aware.clone())),
+        PolicyKind::CacheAware => Box::new(CacheAware::new(config.cache_aware.clone())),
+        PolicyKind::LlmD => Box::new(LlmD::new(config.llm_d.clone())),
     }
 }
 

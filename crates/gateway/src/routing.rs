@@ -242,6 +242,7 @@ pub fn plan(
         session_key: key,
         text: &text,
         prompt_tokens: tokens.len(),
+        tokens: &tokens,
         block_size: kv.block_size,
         has_preferred_taints: false,
         now: started,
@@ -253,6 +254,7 @@ pub fn plan(
             dp_rank: c.worker.ranks[c.rank].dp_rank,
             in_flight: c.in_flight,
             kv: c.kv,
+            engine: Default::default(),
         })
         .collect();
     let costs = pool.policy.costs(&candidates, &request);
@@ -277,8 +279,8 @@ fn needs_text(policy: PolicyKind, session_key: Option<&str>) -> bool {
     use PolicyKind::*;
     match policy {
         ConsistentHash | RendezvousHash => session_key.is_none(),
-        PrefixHash => true,
-        Random | RoundRobin | PowerOfTwo | Manual | KvAware => false,
+        PrefixHash | CacheAware => true,
+        Random | RoundRobin | PowerOfTwo | Manual | LlmD | KvAware => false,
     }
 }
 
