@@ -59,6 +59,12 @@ pub trait Policy: Send + Sync + fmt::Debug {
     ) -> Option<Vec<f64>> {
         None
     }
+
+    /// Periodic upkeep (eviction), called by the gateway every second with the time.
+    fn maintain(&self, _now: std::time::Instant) {}
+
+    /// A worker left the pool: forget what the policy keeps about it.
+    fn forget_worker(&self, _worker: &kvroute_protocol::WorkerId) {}
 }
 
 /// Every policy name kvroute accepts.
