@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use kvroute_core::{AssignmentMode, KvAwareConfig, PolicyConfig, PolicyKind};
+use kvroute_core::{
+    AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, PolicyConfig, PolicyKind,
+};
 use serde::{Deserialize, Deserializer};
 
 /// Errors in the configuration; `kvroute` exits with status 2 on any of them.
@@ -89,6 +91,9 @@ pub struct WorkerSpec {
     pub dp_size: Option<u32>,
     #[serde(default)]
     pub dp_start_rank: Option<u32>,
+    /// The engine's KV blocks (vLLM does not always export them); else from its metrics.
+    #[serde(default)]
+    pub num_gpu_blocks: Option<u64>,
 }
 
 impl WorkerSpec {
@@ -102,6 +107,7 @@ impl WorkerSpec {
             kv_events_replay: None,
             dp_size: None,
             dp_start_rank: None,
+            num_gpu_blocks: None,
         }
     }
 
@@ -178,6 +184,34 @@ pub struct Args {
     #[arg(long, value_enum)]
     pub assignment_mode: Option<AssignmentModeArg>,
 
+    /// cache_aware: route by the tree when the matched share of the prompt exceeds this [default: 0.3].
+    #[arg(long)]
+    pub cache_threshold: Option<f64>,
+    /// cache_aware: the load is imbalanced when max - min exceeds this... [default: 64].
+    #[arg(long)]
+    pub balance_abs_threshold: Option<u64>,
+    /// cache_aware: ...and max exceeds this times min [default: 1.5].
+    #[arg(long)]
+    pub balance_rel_threshold: Option<f64>,
+    /// cache_aware: seconds between tree evictions [default: 120].
+    #[arg(long, alias = "eviction-interval")]
+    #[serde(alias = "eviction_interval")]
+    pub eviction_interval_secs: Option<u64>,
+    /// cache_aware: characters each worker's tree may hold [default: 67108864].
+    #[arg(long)]
+    pub max_tree_size: Option<usize>,
+    /// llm_d: weight of the prefix-cache scorer [default: 3].
+    #[arg(long)]
+    pub llm_d_prefix_weight: Option<f64>,
+    /// llm_d: weight of the queue scorer [default: 2].
+    #[arg(long)]
+    pub llm_d_queue_weight: Option<f64>,
+    /// llm_d: weight of the KV-cache utilisation scorer [default: 2].
+    #[arg(long)]
+    pub llm_d_kv_weight: Option<f64>,
+    /// How often each engine's /metrics is read, when the policy uses engine metrics [default: 50].
+    #[arg(long)]
+    pub metrics_refresh_ms: Option<u64>,
     /// The router's KV block size in tokens [default: 16].
     #[arg(long)]
     pub block_size: Option<usize>,
@@ -256,6 +290,8 @@ pub struct Settings {
     pub kv_events: KvEventsMode,
     pub router_ttl: Duration,
     pub max_indexed_blocks: usize,
+    /// How often engine metrics are scraped (when the policy uses them).
+    pub metrics_refresh: Duration,
     pub tokenizer: Option<PathBuf>,
 }
 
@@ -319,6 +355,15 @@ impl Args {
                 .or(file.prefix_hash_load_factor),
             max_idle_secs: self.max_idle_secs.or(file.max_idle_secs),
             assignment_mode: self.assignment_mode.or(file.assignment_mode),
+            cache_threshold: self.cache_threshold.or(file.cache_threshold),
+            balance_abs_threshold: self.balance_abs_threshold.or(file.balance_abs_threshold),
+            balance_rel_threshold: self.balance_rel_threshold.or(file.balance_rel_threshold),
+            eviction_interval_secs: self.eviction_interval_secs.or(file.eviction_interval_secs),
+            max_tree_size: self.max_tree_size.or(file.max_tree_size),
+            llm_d_prefix_weight: self.llm_d_prefix_weight.or(file.llm_d_prefix_weight),
+            llm_d_queue_weight: self.llm_d_queue_weight.or(file.llm_d_queue_weight),
+            llm_d_kv_weight: self.llm_d_kv_weight.or(file.llm_d_kv_weight),
+            metrics_refresh_ms: self.metrics_refresh_ms.or(file.metrics_refresh_ms),
             block_size: self.block_size.or(file.block_size),
             router_kv_overlap_score_credit: self
                 .router_kv_overlap_score_credit
@@ -442,6 +487,46 @@ impl Args {
                 kv.shared_cache_multiplier,
             )?,
         };
+        let ca = CacheAwareConfig::default();
+        let cache_aware = CacheAwareConfig {
+            cache_threshold: match self.cache_threshold {
+                Some(t) if !(0.0..=1.0).contains(&t) => {
+                    return Err(ConfigError::Invalid {
+                        name: "cache_threshold",
+                        reason: "must be between 0 and 1",
+                    })
+                }
+                Some(t) => t,
+                None => ca.cache_threshold,
+            },
+            balance_abs_threshold: self
+                .balance_abs_threshold
+                .unwrap_or(ca.balance_abs_threshold),
+            balance_rel_threshold: weight(
+                "balance_rel_threshold",
+                self.balance_rel_threshold,
+                ca.balance_rel_threshold,
+            )?,
+            eviction_interval_secs: self
+                .eviction_interval_secs
+                .unwrap_or(ca.eviction_interval_secs),
+            max_tree_size: self.max_tree_size.unwrap_or(ca.max_tree_size),
+        };
+        let ld = LlmDConfig::default();
+        let llm_d = LlmDConfig {
+            prefix_weight: weight(
+                "llm_d_prefix_weight",
+                self.llm_d_prefix_weight,
+                ld.prefix_weight,
+            )?,
+            queue_weight: weight(
+                "llm_d_queue_weight",
+                self.llm_d_queue_weight,
+                ld.queue_weight,
+            )?,
+            kv_weight: weight("llm_d_kv_weight", self.llm_d_kv_weight, ld.kv_weight)?,
+            block_size: ld.block_size.max(block_size),
+        };
         for w in &workers {
             if w.dp_size == Some(0) {
                 return Err(ConfigError::Invalid {
@@ -478,6 +563,8 @@ impl Args {
                     Some(AssignmentModeArg::MinLoad) | None => AssignmentMode::MinLoad,
                 },
                 kv_aware,
+                cache_aware,
+                llm_d,
                 ..defaults
             },
             max_payload_size,
@@ -491,6 +578,7 @@ impl Args {
             },
             router_ttl: Duration::from_secs(self.router_ttl_secs.unwrap_or(120)),
             max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
+            metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
             tokenizer: self.tokenizer,
         })
     }

@@ -150,7 +150,7 @@ const BLOCKING_TOKENIZE_BYTES: usize = 16 * 1024;
 /// The request's prompt tokens when `policy` uses them (else empty), off the async threads
 /// when the work is long.
 pub async fn tokens_for(kv: &KvState, policy: PolicyKind, body: &bytes::Bytes) -> Vec<u32> {
-    if policy != PolicyKind::KvAware {
+    if !matches!(policy, PolicyKind::KvAware | PolicyKind::LlmD) {
         return Vec::new();
     }
     let work = {
@@ -182,10 +182,10 @@ pub fn plan(
 ) -> Result<Plan, GatewayError> {
     let policy = pool.policy.kind();
     let key = session_key(headers, fields);
-    let (tokens, hashes, scores) = if policy == PolicyKind::KvAware {
+    let (hashes, scores) = if policy == PolicyKind::KvAware {
         let hashes = block_hashes(&tokens, kv.block_size, 0);
         let scores = kv.overlaps(&hashes, started);
-        (tokens, hashes, scores)
+        (hashes, scores)
     } else {
         Default::default()
     };

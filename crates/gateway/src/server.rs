@@ -155,6 +155,19 @@ impl Gateway {
                 .clone()
                 .discover(self.state.client.clone(), shutdown.child_token()),
         );
+        let upkeep = {
+            let workers = self.state.workers.clone();
+            let shutdown = shutdown.child_token();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+                loop {
+                    tokio::select! {
+                        _ = tick.tick() => workers.maintain(Instant::now()),
+                        _ = shutdown.cancelled() => return,
+                    }
+                }
+            })
+        };
         let mut subscribers = tokio::task::JoinSet::new();
         for worker in self.state.workers.workers() {
             if !self.state.kv.uses_events(worker) {
@@ -194,6 +207,7 @@ impl Gateway {
         let result = tokio::try_join!(async { api.await }, async { metrics.await });
         shutdown.cancel();
         let _ = discovery.await;
+        let _ = upkeep.await;
         while subscribers.join_next().await.is_some() {}
         result.map(|_| ())
     }

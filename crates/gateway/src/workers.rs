@@ -279,6 +279,14 @@ impl WorkerSet {
         &self.workers
     }
 
+    /// Periodic upkeep of every model's policy (cache_aware's eviction).
+    pub fn maintain(&self, now: std::time::Instant) {
+        let policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
+        for p in policies {
+            p.maintain(now);
+        }
+    }
+
     /// Marks a worker healthy or not (probes and health checks; benchmarks set it directly).
     pub fn set_healthy(&self, id: &str, healthy: bool) {
         for w in self.workers.iter().filter(|w| w.id.as_str() == id) {

@@ -34,6 +34,10 @@ pub struct SimArgs {
     pub model: String,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Names this replica in every response's `system_fingerprint` (to tell replicas apart
+    /// behind a router that does not say which it chose).
+    #[arg(long, default_value = "kvroute-sim")]
+    pub instance_id: String,
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 8192)]

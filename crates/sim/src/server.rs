@@ -408,6 +408,7 @@ async fn generate(
         ),
         created: state.created,
         model: state.args.model.clone(),
+        fingerprint: state.args.instance_id.clone(),
         prompt_tokens: prompt.len(),
     };
     let (tx, mut rx) = mpsc::unbounded_channel();

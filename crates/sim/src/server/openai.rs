@@ -49,6 +49,8 @@ pub enum Api {
 #[derive(Debug, Clone)]
 pub struct ResponseMeta {
     pub api: Api,
+    /// The replica's `--instance-id`.
+    pub fingerprint: String,
     pub id: String,
     pub created: u64,
     pub model: String,
@@ -86,6 +88,7 @@ pub fn full_response(
         "object": match meta.api { Api::Completion => "text_completion", Api::Chat => "chat.completion" },
         "created": meta.created,
         "model": meta.model,
+        "system_fingerprint": meta.fingerprint,
         "choices": [choice],
         "usage": usage(meta, completion_tokens, cached_tokens),
     })
@@ -136,6 +139,7 @@ pub fn token_chunk(meta: &ResponseMeta, text: &str, finished: bool) -> Value {
 pub fn usage_chunk(meta: &ResponseMeta, completion_tokens: usize, cached_tokens: usize) -> Value {
     json!({
         "id": meta.id, "object": chunk_object(meta.api), "created": meta.created, "model": meta.model,
+        "system_fingerprint": meta.fingerprint,
         "choices": [], "usage": usage(meta, completion_tokens, cached_tokens),
     })
 }
