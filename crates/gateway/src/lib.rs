@@ -11,6 +11,7 @@
 //! background task is started by [`Gateway::serve`] and joined on shutdown.
 
 pub mod config;
+pub mod engine_metrics;
 pub mod error;
 pub mod kv;
 pub mod kv_events;

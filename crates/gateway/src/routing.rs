@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use http::HeaderMap;
-use kvroute_core::{Candidate, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest};
+use kvroute_core::{
+    Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
+};
 use kvroute_index::{block_hashes, BlockHash, OverlapScores, TierCounts};
 use kvroute_protocol::{Prompt, RoutingFields};
 use kvroute_tokenizer::{ChatOptions, Tokenizer};
@@ -27,6 +29,7 @@ pub struct Choice {
     pub rank: usize,
     pub in_flight: u64,
     pub kv: KvTerms,
+    pub engine: EngineLoad,
 }
 
 /// A decision and everything it was made from.
@@ -225,6 +228,7 @@ pub fn plan(
                 rank: rank_index,
                 in_flight: rank.in_flight(),
                 kv: terms,
+                engine: rank.engine.load(started),
             });
         }
     }
@@ -254,7 +258,7 @@ pub fn plan(
             dp_rank: c.worker.ranks[c.rank].dp_rank,
             in_flight: c.in_flight,
             kv: c.kv,
-            engine: Default::default(),
+            engine: c.engine,
         })
         .collect();
     let costs = pool.policy.costs(&candidates, &request);

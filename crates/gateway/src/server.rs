@@ -16,7 +16,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use kvroute_core::PolicyKind;
+use kvroute_core::{EngineLoad, PolicyKind};
 use kvroute_protocol::RoutingFields;
 use kvroute_tokenizer::Tokenizer;
 use prometheus_client::registry::Registry;
@@ -27,6 +27,7 @@ use tracing::Instrument;
 use crate::config::Settings;
 use crate::error::GatewayError;
 use crate::kv::{KvState, WorkerSink};
+use crate::engine_metrics::{EngineMetricsScraper, ScrapeTiming};
 use crate::kv_events::{KvEventMetrics, KvEventSubscriber, SubscriberConfig};
 use crate::metrics::GatewayMetrics;
 use crate::proxy::{self, Forward, HttpClient, InFlight, REQUEST_ID_HEADER};
@@ -169,6 +170,29 @@ impl Gateway {
             })
         };
         let mut subscribers = tokio::task::JoinSet::new();
+        // Engine metrics, only for policies that read them.
+        if self.state.settings.policy == PolicyKind::LlmD {
+            let timing = ScrapeTiming {
+                interval: self.state.settings.metrics_refresh,
+                ..ScrapeTiming::default()
+            };
+            for worker in self.state.workers.workers() {
+                let ranks = worker
+                    .ranks
+                    .iter()
+                    .map(|r| (r.dp_rank, r.engine.clone()))
+                    .collect();
+                match EngineMetricsScraper::new(worker.id.to_string(), &worker.url, ranks, timing) {
+                    Ok(scraper) => {
+                        let client = self.state.client.clone();
+                        subscribers.spawn(scraper.run(client, shutdown.child_token()));
+                    }
+                    Err(error) => {
+                        tracing::error!(worker = %worker.id, %error, "Cannot scrape engine metrics")
+                    }
+                }
+            }
+        }
         for worker in self.state.workers.workers() {
             if !self.state.kv.uses_events(worker) {
                 continue;
@@ -386,6 +410,13 @@ async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Respon
                 }
                 if let Some(costs) = &plan.costs {
                     v["cost"] = costs[i].into();
+                }
+                let e = c.engine;
+                if e != EngineLoad::default() {
+                    v["engine"] = serde_json::json!({
+                        "waiting": e.waiting, "running": e.running, "kv_usage": e.kv_usage,
+                        "num_gpu_blocks": e.num_gpu_blocks,
+                    });
                 }
                 v
             })

@@ -28,6 +28,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerSpec;
+use crate::engine_metrics::EngineGauges;
 use crate::error::GatewayError;
 use crate::metrics::{GatewayMetrics, RankSeries, WorkerSeries};
 use crate::proxy::HttpClient;
@@ -47,6 +48,8 @@ pub struct Rank {
     in_flight: AtomicU64,
     load: Mutex<RankLoad>,
     series: RankSeries,
+    /// What the engine reports of this rank (scraped when the policy needs it).
+    pub engine: Arc<EngineGauges>,
 }
 
 impl Rank {
@@ -234,12 +237,15 @@ impl WorkerSet {
                     .into_iter()
                     .map(|dp_rank| {
                         next_replica += 1;
+                        let engine = Arc::new(EngineGauges::new());
+                        engine.set_num_gpu_blocks(s.num_gpu_blocks);
                         Rank {
                             dp_rank,
                             replica: ReplicaId(next_replica - 1),
                             in_flight: AtomicU64::new(0),
                             load: Mutex::new(RankLoad::default()),
                             series: metrics.rank_series(&id, dp_rank),
+                            engine,
                         }
                     })
                     .collect();

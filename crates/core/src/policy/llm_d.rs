@@ -1,10 +1,75 @@
-//! `llm_d`: llm-d's default scoring profile (skeleton; being written).
+//! `llm_d`: llm-d's default scoring profile (its endpoint picker's prefix-cache, queue and
+//! KV-cache-utilisation scorers, with the max-score picker).
+//!
+//! Each candidate gets a weighted sum of three scorers, each in [0, 1]:
+//!
+//! ```text
+//! total = prefix_weight * prefix + queue_weight * queue + kv_weight * kv
+//! prefix = leading blocks of the prompt found in the candidate's LRU / full blocks of the prompt
+//! queue  = (max_q - q) / (max_q - min_q)       (1 when every known q is equal)
+//! kv     = 1 - kv_usage
+//! ```
+//!
+//! and the highest total wins, ties broken uniformly at random.
+//!
+//! - **Prefix cache** (weight 3). The prompt's token ids ([`RouteRequest::tokens`]) are cut
+//!   into blocks of `max(block_size, 64)` tokens (a trailing partial block is ignored), at
+//!   most [`MAX_PREFIX_BLOCKS`] of them (llm-d's `maxPrefixBlocksToMatch`: longer prompts
+//!   are truncated), and hashed in a chain: `h_i = stable_hash(h_{i-1} as LE bytes ++
+//!   tokens of block i as LE u32 bytes)`, with `h_{-1} = 0`. llm-d hashes the prompt's
+//!   characters instead; kvroute has the token ids, which is what the engine caches. A
+//!   candidate's score is the number of *leading* blocks found in its LRU (the count stops
+//!   at the first block it lacks, as an engine's prefix cache would) over the number of
+//!   blocks; 0 for a prompt with no full block (or not tokenised). The LRUs hold no more
+//!   than what the policy itself decided: after each choice the request's block hashes are
+//!   recorded for the chosen candidate (llm-d's `PreRequest`), leading blocks most recent,
+//!   so that under pressure a prompt's tail is forgotten before its head, as an engine
+//!   evicts. Lookups do not refresh entries (llm-d's do not either).
+//! - **Queue** (weight 2), over the candidates' `EngineLoad::waiting`
+//!   (`vllm:num_requests_waiting`). A candidate whose value is unknown or stale scores 0.5
+//!   (neutral: llm-d would read a stale value instead; kvroute has none) and is left out of
+//!   `min_q`/`max_q`.
+//! - **KV-cache utilisation** (weight 2): `1 - EngineLoad::kv_usage`, clamped to [0, 1];
+//!   0.5 when unknown.
+//!
+//! # Capacity and memory
+//!
+//! One LRU per (worker, data-parallel rank), created when the candidate is first chosen.
+//! Its capacity, in blocks of the policy's size, is `num_gpu_blocks * 16 / block_size`
+//! when the engine reports `num_gpu_blocks` (the router does not know the engine's block
+//! size, so vLLM's default of 16 tokens per block is assumed), else
+//! [`DEFAULT_LRU_CAPACITY`] (llm-d's default per pod, 31250 entries), and at most
+//! 2^24; it follows the engine's value as that changes. Memory is thus bounded by the
+//! capacities of the candidates seen; [`LlmD::forget_worker`] drops a removed worker's.
 
-use rand::RngCore;
+mod lru;
+#[cfg(test)]
+mod tests;
 
-use super::load::least_loaded;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Mutex;
+
+use kvroute_protocol::{stable_hash, WorkerId};
+use rand::{Rng, RngCore};
+
+use self::lru::{BlockHashState, BlockLru};
 use super::{Policy, PolicyKind};
-use crate::{Candidate, Decision, RouteRequest};
+use crate::{Candidate, Decision, EngineLoad, RouteRequest};
+
+/// The smallest block the prefix scorer uses, in tokens (llm-d's default hash block size).
+pub const MIN_BLOCK_SIZE: usize = 64;
+/// The most leading blocks of a prompt the prefix scorer hashes (llm-d's default).
+pub const MAX_PREFIX_BLOCKS: usize = 256;
+/// LRU capacity, in blocks, of a candidate whose engine has not reported `num_gpu_blocks`
+/// (llm-d's `DefaultLRUCapacityPerServer`).
+pub const DEFAULT_LRU_CAPACITY: usize = 31_250;
+/// Tokens per engine KV block assumed when sizing an LRU from `num_gpu_blocks` (vLLM's
+/// default; the engine's own block size is not among the scraped values).
+pub const ASSUMED_ENGINE_BLOCK_SIZE: u64 = 16;
+
+/// Totals closer than this are a tie.
+const TIE_EPSILON: f64 = 1e-9;
 
 /// `llm_d`'s scorer weights and prefix-cache parameters (llm-d's defaults).
 #[derive(Debug, Clone, PartialEq)]
@@ -27,15 +92,123 @@ impl Default for LlmDConfig {
     }
 }
 
+/// The LRUs of one worker, one per data-parallel rank it was chosen on.
+type WorkerLrus = Vec<(Option<u32>, BlockLru)>;
+
 /// The `llm_d` policy.
-#[derive(Debug)]
 pub struct LlmD {
     config: LlmDConfig,
+    /// `max(config.block_size, MIN_BLOCK_SIZE)`.
+    block_size: usize,
+    hasher: BlockHashState,
+    lrus: Mutex<HashMap<WorkerId, WorkerLrus>>,
 }
 
 impl LlmD {
     pub fn new(config: LlmDConfig) -> Self {
-        Self { config }
+        Self {
+            block_size: config.block_size.max(MIN_BLOCK_SIZE),
+            config,
+            hasher: BlockHashState::new(),
+            lrus: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Each candidate's scorer values `(prefix, queue, kv)`, each in [0, 1], unweighted.
+    pub fn scores(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+    ) -> Vec<(f64, f64, f64)> {
+        let hashes = block_hashes(request.tokens, self.block_size);
+        self.scores_of(candidates, &hashes)
+    }
+
+    /// Drops the LRUs of `worker` (all its ranks): it left the pool.
+    pub fn forget_worker(&self, worker: &WorkerId) {
+        self.lock().remove(worker);
+    }
+
+    /// Blocks recorded for (`worker`, `dp_rank`).
+    pub fn cached_blocks(&self, worker: &WorkerId, dp_rank: Option<u32>) -> usize {
+        self.lock()
+            .get(worker)
+            .and_then(|ranks| ranks.iter().find(|(r, _)| *r == dp_rank))
+            .map_or(0, |(_, lru)| lru.len())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<WorkerId, WorkerLrus>> {
+        self.lrus.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn scores_of(&self, candidates: &[Candidate<'_>], hashes: &[u64]) -> Vec<(f64, f64, f64)> {
+        let prefix = self.prefix_scores(candidates, hashes);
+        let queue = queue_scores(candidates);
+        candidates
+            .iter()
+            .zip(prefix.into_iter().zip(queue))
+            .map(|(c, (p, q))| (p, q, kv_score(&c.engine)))
+            .collect()
+    }
+
+    fn prefix_scores(&self, candidates: &[Candidate<'_>], hashes: &[u64]) -> Vec<f64> {
+        if hashes.is_empty() {
+            return vec![0.0; candidates.len()];
+        }
+        let lrus = self.lock();
+        candidates
+            .iter()
+            .map(|c| {
+                let Some(lru) = lrus
+                    .get(c.worker)
+                    .and_then(|ranks| ranks.iter().find(|(r, _)| *r == c.dp_rank))
+                    .map(|(_, lru)| lru)
+                else {
+                    return 0.0;
+                };
+                let leading = hashes.iter().take_while(|&&h| lru.contains(h)).count();
+                leading as f64 / hashes.len() as f64
+            })
+            .collect()
+    }
+
+    fn total(&self, (prefix, queue, kv): (f64, f64, f64)) -> f64 {
+        let c = &self.config;
+        c.prefix_weight * prefix + c.queue_weight * queue + c.kv_weight * kv
+    }
+
+    /// Records the request's blocks for the chosen candidate, leading blocks most recent.
+    fn record(&self, chosen: &Candidate<'_>, hashes: &[u64]) {
+        if hashes.is_empty() {
+            return;
+        }
+        let capacity = lru_capacity(chosen.engine.num_gpu_blocks, self.block_size);
+        let mut lrus = self.lock();
+        let ranks = lrus.entry(chosen.worker.clone()).or_default();
+        let lru = match ranks.iter().position(|(r, _)| *r == chosen.dp_rank) {
+            Some(i) => &mut ranks[i].1,
+            None => {
+                ranks.push((chosen.dp_rank, BlockLru::new(capacity, self.hasher)));
+                &mut ranks.last_mut().expect("just pushed").1
+            }
+        };
+        if lru.capacity() != capacity {
+            lru.set_capacity(capacity);
+        }
+        for &h in hashes.iter().rev() {
+            lru.insert(h);
+        }
+    }
+}
+
+impl fmt::Debug for LlmD {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LlmD")
+            .field("prefix_weight", &self.config.prefix_weight)
+            .field("queue_weight", &self.config.queue_weight)
+            .field("kv_weight", &self.config.kv_weight)
+            .field("block_size", &self.block_size)
+            .finish()
     }
 }
 
@@ -47,10 +220,110 @@ impl Policy for LlmD {
     fn select(
         &self,
         candidates: &[Candidate<'_>],
-        _request: &RouteRequest<'_>,
+        request: &RouteRequest<'_>,
         rng: &mut dyn RngCore,
     ) -> Option<Decision> {
-        let _ = &self.config;
-        least_loaded(candidates, rng).map(|index| Decision { index })
+        if candidates.is_empty() {
+            return None;
+        }
+        let hashes = block_hashes(request.tokens, self.block_size);
+        let scores = self.scores_of(candidates, &hashes);
+        let index = best(scores.into_iter().map(|s| self.total(s)), rng)?;
+        self.record(&candidates[index], &hashes);
+        Some(Decision { index })
     }
+
+    /// The negated totals (the lowest cost is the highest score).
+    fn costs(&self, candidates: &[Candidate<'_>], request: &RouteRequest<'_>) -> Option<Vec<f64>> {
+        let scores = self.scores(candidates, request);
+        Some(scores.into_iter().map(|s| -self.total(s)).collect())
+    }
+}
+
+/// The chained hashes of the prompt's full blocks of `block_size` tokens, at most
+/// [`MAX_PREFIX_BLOCKS`].
+pub(crate) fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let block_size = block_size.max(1);
+    let blocks = (tokens.len() / block_size).min(MAX_PREFIX_BLOCKS);
+    let mut hashes = Vec::with_capacity(blocks);
+    let mut buf = Vec::with_capacity(8 + 4 * block_size);
+    let mut prev = 0u64;
+    for block in tokens.chunks_exact(block_size).take(blocks) {
+        buf.clear();
+        buf.extend_from_slice(&prev.to_le_bytes());
+        for t in block {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        prev = stable_hash(&buf);
+        hashes.push(prev);
+    }
+    hashes
+}
+
+/// The queue scorer: `(max_q - q) / (max_q - min_q)` over the known waiting counts, 1 when
+/// they are all equal, 0.5 for a candidate whose count is unknown.
+pub(crate) fn queue_scores(candidates: &[Candidate<'_>]) -> Vec<f64> {
+    let known = |c: &Candidate<'_>| c.engine.waiting.filter(|q| q.is_finite());
+    let (min, max) = candidates
+        .iter()
+        .filter_map(known)
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), q| {
+            (lo.min(q), hi.max(q))
+        });
+    candidates
+        .iter()
+        .map(|c| match known(c) {
+            None => 0.5,
+            Some(_) if max - min <= 0.0 => 1.0,
+            Some(q) => ((max - q) / (max - min)).clamp(0.0, 1.0),
+        })
+        .collect()
+}
+
+/// The KV-cache utilisation scorer: `1 - kv_usage`, 0.5 when unknown.
+pub(crate) fn kv_score(engine: &EngineLoad) -> f64 {
+    engine
+        .kv_usage
+        .filter(|u| u.is_finite())
+        .map_or(0.5, |u| (1.0 - u).clamp(0.0, 1.0))
+}
+
+/// LRU capacity, in policy blocks, for an engine with `num_gpu_blocks` blocks of
+/// [`ASSUMED_ENGINE_BLOCK_SIZE`] tokens.
+pub(crate) fn lru_capacity(num_gpu_blocks: Option<u64>, block_size: usize) -> usize {
+    match num_gpu_blocks {
+        Some(n) if n > 0 => {
+            let tokens = n.saturating_mul(ASSUMED_ENGINE_BLOCK_SIZE);
+            let blocks = tokens / block_size.max(1) as u64;
+            blocks.clamp(1, lru::MAX_CAPACITY as u64) as usize
+        }
+        _ => DEFAULT_LRU_CAPACITY,
+    }
+}
+
+/// The index of the highest total, ties (within [`TIE_EPSILON`]) broken uniformly at
+/// random; a NaN total never wins over a number.
+fn best(totals: impl Iterator<Item = f64>, rng: &mut dyn RngCore) -> Option<usize> {
+    let mut chosen = None;
+    let mut top = f64::NEG_INFINITY;
+    let mut ties = 0u32;
+    for (i, total) in totals.enumerate() {
+        let total = if total.is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            total
+        };
+        if chosen.is_none() || total > top + TIE_EPSILON {
+            chosen = Some(i);
+            top = total;
+            ties = 1;
+        } else if total >= top - TIE_EPSILON {
+            ties += 1;
+            // Reservoir sampling: the k-th tie replaces the choice with probability 1/k.
+            if rng.random_range(0..ties) == 0 {
+                chosen = Some(i);
+            }
+        }
+    }
+    chosen
 }

@@ -1,0 +1,447 @@
+//! A small Prometheus text-format parser, reading only what the router needs from an
+//! engine's `/metrics`.
+//!
+//! Every line is checked, as Prometheus itself does when it scrapes: a body with one line
+//! that is neither a comment (`# HELP`, `# TYPE`, `# EOF`, any `#` line), a blank line nor a
+//! well-formed sample is rejected as a whole, so HTML, JSON or a truncated line never pass
+//! for readings. A sample is
+//!
+//! ```text
+//! name [ "{" label="value" { "," label="value" } [ "," ] "}" ] value [ timestamp ] [ "#" exemplar ]
+//! ```
+//!
+//! with `name` in `[a-zA-Z_:][a-zA-Z0-9_:]*`, label values escaped with `\\`, `\"` and `\n`,
+//! values any float Rust reads (`NaN`, `+Inf`, `-Inf`, exponents), blanks (spaces, tabs)
+//! between tokens and `\r\n` line ends tolerated.
+//!
+//! Of the samples, these are kept, per engine rank (label `engine` in vLLM, `dp_rank` in
+//! SGLang, rank 0 without either); when a series appears twice for a rank, the last wins:
+//!
+//! | reading | vLLM | SGLang |
+//! |---|---|---|
+//! | waiting | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` |
+//! | running | `vllm:num_requests_running` | `sglang:num_running_reqs` |
+//! | kv_usage | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
+//! | num_gpu_blocks, block_size | labels of `vllm:cache_config_info` | |
+
+use std::borrow::Cow;
+
+/// Why a body is not Prometheus text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("line {line}: {reason}")]
+pub struct ParseError {
+    /// 1-based.
+    pub line: usize,
+    pub reason: &'static str,
+}
+
+/// What one engine rank reported; `None` for a series the body did not have.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RankReading {
+    pub waiting: Option<f64>,
+    pub running: Option<f64>,
+    pub kv_usage: Option<f64>,
+    pub num_gpu_blocks: Option<u64>,
+    /// Tokens per engine KV block (`block_size` label of `vllm:cache_config_info`).
+    pub block_size: Option<u64>,
+}
+
+/// The readings of every rank found in one body, by rank.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineReadings {
+    ranks: Vec<(u32, RankReading)>,
+}
+
+impl EngineReadings {
+    pub fn rank(&self, rank: u32) -> Option<&RankReading> {
+        self.ranks.iter().find(|(r, _)| *r == rank).map(|(_, v)| v)
+    }
+
+    /// The ranks found, in order of first appearance.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &RankReading)> {
+        self.ranks.iter().map(|(r, v)| (*r, v))
+    }
+
+    pub fn len(&self) -> usize {
+        self.ranks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranks.is_empty()
+    }
+
+    fn rank_mut(&mut self, rank: u32) -> &mut RankReading {
+        let i = match self.ranks.iter().position(|(r, _)| *r == rank) {
+            Some(i) => i,
+            None => {
+                self.ranks.push((rank, RankReading::default()));
+                self.ranks.len() - 1
+            }
+        };
+        &mut self.ranks[i].1
+    }
+
+    /// Keeps what `sample` says, if it is a series the router reads.
+    fn absorb(&mut self, sample: &Sample<'_>) {
+        let rank = || {
+            let label = sample.label("engine").or_else(|| sample.label("dp_rank"))?;
+            label.trim().parse::<u32>().ok()
+        };
+        let v = sample.value;
+        match sample.name {
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                self.rank_mut(rank().unwrap_or(0)).waiting = Some(v);
+            }
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+                self.rank_mut(rank().unwrap_or(0)).running = Some(v);
+            }
+            "vllm:kv_cache_usage_perc" | "sglang:token_usage" => {
+                self.rank_mut(rank().unwrap_or(0)).kv_usage = Some(v);
+            }
+            "vllm:gpu_cache_usage_perc" => {
+                // The older name, used only where the newer is absent.
+                let r = self.rank_mut(rank().unwrap_or(0));
+                r.kv_usage.get_or_insert(v);
+            }
+            "vllm:cache_config_info" => {
+                let int = |name| sample.label(name)?.trim().parse::<u64>().ok();
+                let (blocks, block_size) = (int("num_gpu_blocks"), int("block_size"));
+                let r = self.rank_mut(rank().unwrap_or(0));
+                r.num_gpu_blocks = blocks.filter(|&n| n > 0).or(r.num_gpu_blocks);
+                r.block_size = block_size.filter(|&n| n > 0).or(r.block_size);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Parses a `/metrics` body.
+pub fn parse(body: &str) -> Result<EngineReadings, ParseError> {
+    let mut readings = EngineReadings::default();
+    let mut sample = Sample::default();
+    for (i, line) in body.lines().enumerate() {
+        let line = line.trim_start_matches([' ', '\t', '\r']);
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        sample.parse(line).map_err(|reason| ParseError {
+            line: i + 1,
+            reason,
+        })?;
+        readings.absorb(&sample);
+    }
+    Ok(readings)
+}
+
+/// One sample line, borrowed from the body (label values are owned only when escaped).
+#[derive(Debug, Default)]
+struct Sample<'a> {
+    name: &'a str,
+    labels: Vec<(&'a str, Cow<'a, str>)>,
+    value: f64,
+}
+
+impl<'a> Sample<'a> {
+    fn label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .rev()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_ref())
+    }
+
+    fn parse(&mut self, line: &'a str) -> Result<(), &'static str> {
+        self.labels.clear();
+        let mut c = Cursor { rest: line };
+        self.name = c
+            .take_while(|b, first| is_name_byte(b, first, true))
+            .ok_or("expected a metric name")?;
+        c.skip_blanks();
+        if c.eat(b'{') {
+            self.parse_labels(&mut c)?;
+            c.skip_blanks();
+        }
+        let value = c.token().ok_or("expected a value")?;
+        self.value = parse_float(value).ok_or("the value is not a number")?;
+        c.skip_blanks();
+        if !c.rest.starts_with('#') {
+            if let Some(ts) = c.token() {
+                parse_float(ts)
+                    .filter(|t| t.is_finite())
+                    .ok_or("the timestamp is not a number")?;
+                c.skip_blanks();
+            }
+        }
+        // An OpenMetrics exemplar (`# {...} value`) may follow; nothing else may.
+        if c.rest.is_empty() || c.rest.starts_with('#') {
+            Ok(())
+        } else {
+            Err("unexpected text after the value")
+        }
+    }
+
+    fn parse_labels(&mut self, c: &mut Cursor<'a>) -> Result<(), &'static str> {
+        loop {
+            c.skip_blanks();
+            if c.eat(b'}') {
+                return Ok(());
+            }
+            let name = c
+                .take_while(|b, first| is_name_byte(b, first, false))
+                .ok_or("expected a label name")?;
+            c.skip_blanks();
+            if !c.eat(b'=') {
+                return Err("expected '=' after a label name");
+            }
+            c.skip_blanks();
+            let value = c.quoted()?;
+            self.labels.push((name, value));
+            c.skip_blanks();
+            if c.eat(b',') {
+                continue;
+            }
+            if c.eat(b'}') {
+                return Ok(());
+            }
+            return Err("expected ',' or '}' in the labels");
+        }
+    }
+}
+
+fn is_name_byte(b: u8, first: bool, colon: bool) -> bool {
+    b.is_ascii_alphabetic() || b == b'_' || (colon && b == b':') || (!first && b.is_ascii_digit())
+}
+
+fn parse_float(s: &str) -> Option<f64> {
+    // Rust's parser reads `NaN`, `+Inf`, `-Inf` and `Infinity` in any case, as Go's does.
+    s.parse::<f64>().ok()
+}
+
+struct Cursor<'a> {
+    rest: &'a str,
+}
+
+impl<'a> Cursor<'a> {
+    fn eat(&mut self, b: u8) -> bool {
+        match self.rest.as_bytes().first() {
+            Some(&x) if x == b => {
+                self.rest = &self.rest[1..];
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn skip_blanks(&mut self) {
+        self.rest = self.rest.trim_start_matches([' ', '\t', '\r']);
+    }
+
+    /// The longest non-empty prefix of ASCII bytes accepted by `ok(byte, is_first)`.
+    fn take_while(&mut self, ok: impl Fn(u8, bool) -> bool) -> Option<&'a str> {
+        let n = self
+            .rest
+            .bytes()
+            .enumerate()
+            .take_while(|&(i, b)| ok(b, i == 0))
+            .count();
+        (n > 0).then(|| {
+            let (head, tail) = self.rest.split_at(n);
+            self.rest = tail;
+            head
+        })
+    }
+
+    /// The next run of non-blank characters.
+    fn token(&mut self) -> Option<&'a str> {
+        let n = self.rest.find([' ', '\t', '\r']).unwrap_or(self.rest.len());
+        (n > 0).then(|| {
+            let (head, tail) = self.rest.split_at(n);
+            self.rest = tail;
+            head
+        })
+    }
+
+    /// A double-quoted label value, unescaped.
+    fn quoted(&mut self) -> Result<Cow<'a, str>, &'static str> {
+        if !self.eat(b'"') {
+            return Err("expected a quoted label value");
+        }
+        let bytes = self.rest.as_bytes();
+        let mut owned: Option<String> = None;
+        let mut start = 0;
+        let mut i = 0;
+        while i < bytes.len() {
+            match bytes[i] {
+                b'"' => {
+                    let value = match owned {
+                        Some(mut s) => {
+                            s.push_str(&self.rest[start..i]);
+                            Cow::Owned(s)
+                        }
+                        None => Cow::Borrowed(&self.rest[..i]),
+                    };
+                    self.rest = &self.rest[i + 1..];
+                    return Ok(value);
+                }
+                b'\\' => {
+                    let unescaped = match bytes.get(i + 1) {
+                        Some(b'\\') => '\\',
+                        Some(b'"') => '"',
+                        Some(b'n') => '\n',
+                        _ => return Err("invalid escape in a label value"),
+                    };
+                    let s = owned.get_or_insert_with(String::new);
+                    s.push_str(&self.rest[start..i]);
+                    s.push(unescaped);
+                    i += 2;
+                    start = i;
+                }
+                _ => i += 1,
+            }
+        }
+        Err("unterminated label value")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 1e-2
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="16384",num_cpu_blocks="None"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="16384",num_cpu_blocks="None"} 1.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} NaN
+# EOF
+"#;
+
+    #[test]
+    fn reads_vllm_per_engine() {
+        let r = parse(VLLM).unwrap();
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            r.rank(0),
+            Some(&RankReading {
+                waiting: Some(7.0),
+                running: Some(3.0),
+                kv_usage: Some(0.25),
+                num_gpu_blocks: Some(16384),
+                block_size: Some(16),
+            })
+        );
+        let one = r.rank(1).unwrap();
+        assert_eq!(
+            (one.waiting, one.running, one.kv_usage),
+            (Some(0.0), Some(1.0), Some(0.01))
+        );
+        assert!(r.rank(2).is_none());
+    }
+
+    #[test]
+    fn reads_sglang_and_the_older_vllm_name() {
+        let sglang = "sglang:num_queue_reqs{model_name=\"m\"} 4\n\
+                      sglang:num_running_reqs{model_name=\"m\"} 2\n\
+                      sglang:token_usage{model_name=\"m\"} 0.5\n";
+        let r = parse(sglang).unwrap();
+        let z = r.rank(0).unwrap();
+        assert_eq!(
+            (z.waiting, z.running, z.kv_usage),
+            (Some(4.0), Some(2.0), Some(0.5))
+        );
+        let dp = "sglang:num_queue_reqs{dp_rank=\"3\"} 1\n";
+        assert_eq!(parse(dp).unwrap().rank(3).unwrap().waiting, Some(1.0));
+        // The older name fills kv_usage only where the newer is absent, in either order.
+        let old = "vllm:gpu_cache_usage_perc 0.75\n";
+        assert_eq!(parse(old).unwrap().rank(0).unwrap().kv_usage, Some(0.75));
+        let both = "vllm:kv_cache_usage_perc 0.5\nvllm:gpu_cache_usage_perc 0.75\n";
+        assert_eq!(parse(both).unwrap().rank(0).unwrap().kv_usage, Some(0.5));
+        let both = "vllm:gpu_cache_usage_perc 0.75\nvllm:kv_cache_usage_perc 0.5\n";
+        assert_eq!(parse(both).unwrap().rank(0).unwrap().kv_usage, Some(0.5));
+    }
+
+    #[test]
+    fn tolerates_the_format_s_variations() {
+        let text = "  vllm:num_requests_waiting{engine=\"0\",} +Inf 1700000000000\r\n\
+                    vllm:num_requests_running { engine = \"0\" , model_name=\"a \\\"q\\\" \\\\ \\n\" }\t-Inf\n\
+                    vllm:kv_cache_usage_perc{engine=\"0\"} NaN # {trace_id=\"x\"} 1\n\
+                    \n   \t\n\
+                    other_metric 12\n\
+                    # any comment at all\n";
+        let r = parse(text).unwrap();
+        let z = r.rank(0).unwrap();
+        assert_eq!(z.waiting, Some(f64::INFINITY));
+        assert_eq!(z.running, Some(f64::NEG_INFINITY));
+        assert!(z.kv_usage.unwrap().is_nan());
+        assert_eq!(parse("").unwrap(), EngineReadings::default());
+    }
+
+    #[test]
+    fn escaped_label_values_are_unescaped() {
+        let mut s = Sample::default();
+        s.parse(r#"m{a="x\"y\\z\nw",b="plain"} 1"#).unwrap();
+        assert_eq!(s.label("a"), Some("x\"y\\z\nw"));
+        assert!(matches!(s.labels[1].1, Cow::Borrowed("plain")));
+    }
+
+    #[test]
+    fn rejects_what_is_not_prometheus_text() {
+        for body in [
+            "<!DOCTYPE html>\n<html><body>Not Found</body></html>\n",
+            "{\"error\": \"not found\"}",
+            "OK",
+            "vllm:num_requests_waiting",
+            "vllm:num_requests_waiting{engine=\"0\"}",
+            "vllm:num_requests_waiting{engine=\"0} 1",
+            "vllm:num_requests_waiting{engine=0} 1",
+            "vllm:num_requests_waiting{engine=\"0\" 1",
+            "vllm:num_requests_waiting{engine=\"\\x\"} 1",
+            "vllm:num_requests_waiting 1 2 3",
+            "vllm:num_requests_waiting one",
+            "vllm:num_requests_waiting 1 soon",
+            "1abc 2",
+            "vllm:num_requests_waiting 1\ngarbage here\n",
+        ] {
+            assert!(parse(body).is_err(), "accepted {body:?}");
+        }
+        let err = parse("# ok\nm 1\n<html>\n").unwrap_err();
+        assert_eq!(err.line, 3);
+    }
+
+    #[test]
+    fn never_panics_on_random_or_truncated_input() {
+        let mut rng = SmallRng::seed_from_u64(11);
+        let alphabet = b"{}\",=\\ \t\r\n#:_aZ09.+-eInfNa\xc3\xa9";
+        for n in 0..VLLM.len() {
+            let _ = parse(&VLLM[..n]);
+        }
+        for _ in 0..20_000 {
+            let len = rng.random_range(0..120);
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| alphabet[rng.random_range(0..alphabet.len())])
+                .collect();
+            let _ = parse(&String::from_utf8_lossy(&bytes));
+            // Mutations of a valid body.
+            let mut body = VLLM.as_bytes().to_vec();
+            for _ in 0..rng.random_range(1..6) {
+                let at = rng.random_range(0..body.len());
+                body[at] = alphabet[rng.random_range(0..alphabet.len())];
+            }
+            let _ = parse(&String::from_utf8_lossy(&body));
+        }
+    }
+}
