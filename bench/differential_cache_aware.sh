@@ -2,11 +2,11 @@
 # cache_aware, kvroute against sglang-router, on the same request sequence and the same two
 # kvroute-sim replicas: which replica each router picks, request by request.
 #   ../shared/peers/setup_peers.sh sgl      # once
-#   bench/differential_cache_aware.sh       # GROUPS=4 PER_GROUP=10
+#   bench/differential_cache_aware.sh       # NGROUPS=4 PER_GROUP=10
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PEERS_DIR=${PEERS_DIR:-/tmp/kvroute-peers}
-GROUPS=${GROUPS:-4}; PER_GROUP=${PER_GROUP:-10}
+NGROUPS=${NGROUPS:-4}; PER_GROUP=${PER_GROUP:-10}
 LOGS=$(mktemp -d)
 (cd "$ROOT" && cargo build --release -q -p kvroute-sim -p kvroute-gateway) || exit 1
 pids=()
@@ -21,14 +21,14 @@ run() { # name cmd...
   local name=$1; shift
   "$@" > "$LOGS/$name.log" 2>&1 & local pid=$!
   wait_ready http://127.0.0.1:19110/v1/models || { tail -5 "$LOGS/$name.log"; kill $pid; return 1; }
-  python3 "$ROOT/bench/differential_cache_aware.py" http://127.0.0.1:19110 "$GROUPS" "$PER_GROUP" > "$LOGS/$name.choices"
+  python3 "$ROOT/bench/differential_cache_aware.py" http://127.0.0.1:19110 "$NGROUPS" "$PER_GROUP" > "$LOGS/$name.choices"
   kill $pid; wait $pid 2>/dev/null; sleep 1
 }
 W="http://127.0.0.1:19100 http://127.0.0.1:19101"
 run kvroute "$ROOT/target/release/kvroute" --port 19110 --prometheus-port 19111 --worker-urls $W --policy cache_aware --log-level warn
 run sglang "$PEERS_DIR/venv-sgl/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port 19110 \
     --prometheus-port 19111 --worker-urls $W --policy cache_aware --log-level warn
-python3 - "$LOGS/kvroute.choices" "$LOGS/sglang.choices" "$GROUPS" <<'PY'
+python3 - "$LOGS/kvroute.choices" "$LOGS/sglang.choices" "$NGROUPS" <<'PY'
 import sys, collections
 k = [l.split() for l in open(sys.argv[1])]
 s = [l.split() for l in open(sys.argv[2])]

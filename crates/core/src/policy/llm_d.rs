@@ -217,6 +217,10 @@ impl Policy for LlmD {
         PolicyKind::LlmD
     }
 
+    fn forget_worker(&self, worker: &kvroute_protocol::WorkerId) {
+        LlmD::forget_worker(self, worker);
+    }
+
     fn select(
         &self,
         candidates: &[Candidate<'_>],
