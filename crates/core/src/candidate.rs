@@ -91,6 +91,9 @@ pub struct RouteRequest<'a> {
     pub block_size: usize,
     /// Whether the request names preferred taints (only then is the taint factor applied).
     pub has_preferred_taints: bool,
+    /// A decision asked for without sending the request (`/debug/route`): policies must
+    /// not change their state (trees, sticky maps, counters).
+    pub dry_run: bool,
     pub now: Instant,
 }
 
@@ -104,6 +107,7 @@ impl<'a> RouteRequest<'a> {
             tokens: &[],
             block_size: 16,
             has_preferred_taints: false,
+            dry_run: false,
             now,
         }
     }

@@ -129,7 +129,8 @@ fn main() {
         let fields = RoutingFields::from_json(body.as_bytes()).unwrap();
         let t = Instant::now();
         let toks = routing::prompt_tokens(&tokenizer, body.as_bytes(), &fields).unwrap();
-        let plan = routing::plan(&kv, pool, &headers, &fields, toks, Instant::now()).unwrap();
+        let plan =
+            routing::plan(&kv, pool, &headers, &fields, toks, Instant::now(), false).unwrap();
         plan_t.push(t.elapsed());
         chosen = plan.choice().worker.id.to_string();
         let t = Instant::now();
@@ -149,7 +150,16 @@ fn main() {
     for _ in 0..iters {
         let fields = RoutingFields::from_json(body.as_bytes()).unwrap();
         let t = Instant::now();
-        let _ = routing::plan(&kv, pool, &headers, &fields, toks.clone(), Instant::now()).unwrap();
+        let _ = routing::plan(
+            &kv,
+            pool,
+            &headers,
+            &fields,
+            toks.clone(),
+            Instant::now(),
+            false,
+        )
+        .unwrap();
         score_t.push(t.elapsed());
     }
     println!(

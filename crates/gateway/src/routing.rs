@@ -175,6 +175,7 @@ pub async fn tokens_for(kv: &KvState, policy: PolicyKind, body: &bytes::Bytes) -
 
 /// Builds the candidates of `pool` for the request and lets its policy choose. `tokens` are
 /// the prompt's token ids (from [`tokens_for`]; empty for policies that do not use them).
+/// A `dry_run` (`/debug/route`) leaves every policy's state as it was.
 pub fn plan(
     kv: &KvState,
     pool: &Pool,
@@ -182,6 +183,7 @@ pub fn plan(
     fields: &RoutingFields<'_>,
     tokens: Vec<u32>,
     started: Instant,
+    dry_run: bool,
 ) -> Result<Plan, GatewayError> {
     let policy = pool.policy.kind();
     let key = session_key(headers, fields);
@@ -249,6 +251,7 @@ pub fn plan(
         tokens: &tokens,
         block_size: kv.block_size,
         has_preferred_taints: false,
+        dry_run,
         now: started,
     };
     let candidates: Vec<Candidate<'_>> = choices

@@ -25,9 +25,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::config::Settings;
+use crate::engine_metrics::{EngineMetricsScraper, ScrapeTiming};
 use crate::error::GatewayError;
 use crate::kv::{KvState, WorkerSink};
-use crate::engine_metrics::{EngineMetricsScraper, ScrapeTiming};
 use crate::kv_events::{KvEventMetrics, KvEventSubscriber, SubscriberConfig};
 use crate::metrics::GatewayMetrics;
 use crate::proxy::{self, Forward, HttpClient, InFlight, REQUEST_ID_HEADER};
@@ -320,7 +320,15 @@ async fn route_and_forward(
 
     let table = state.workers.table();
     let pool = table.resolve(fields.model.as_deref())?;
-    let plan = routing::plan(&state.kv, pool, &parts.headers, &fields, tokens, started)?;
+    let plan = routing::plan(
+        &state.kv,
+        pool,
+        &parts.headers,
+        &fields,
+        tokens,
+        started,
+        false,
+    )?;
     state
         .metrics
         .routing_seconds
@@ -386,6 +394,7 @@ async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Respon
             &fields,
             tokens,
             Instant::now(),
+            true,
         )?;
         let kv_aware = plan.policy == PolicyKind::KvAware;
         let candidates: Vec<serde_json::Value> = plan

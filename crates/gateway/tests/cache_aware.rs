@@ -148,14 +148,25 @@ async fn llm_d_learns_its_prefixes_and_reads_engine_metrics() {
     // The engines' /metrics are scraped: every candidate carries their readings.
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
-        let d = post(&r.url, "/debug/route", &[], &json!({"model": "kvroute-sim", "prompt": "x"}).to_string()).await.json();
-        let read = d["candidates"].as_array().unwrap().iter().all(|c| {
-            c["engine"]["kv_usage"].is_number() && c["engine"]["num_gpu_blocks"] == 16384
-        });
+        let d = post(
+            &r.url,
+            "/debug/route",
+            &[],
+            &json!({"model": "kvroute-sim", "prompt": "x"}).to_string(),
+        )
+        .await
+        .json();
+        let read =
+            d["candidates"].as_array().unwrap().iter().all(|c| {
+                c["engine"]["kv_usage"].is_number() && c["engine"]["num_gpu_blocks"] == 16384
+            });
         if read {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "engine metrics never read: {d}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "engine metrics never read: {d}"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     r.stop().await;

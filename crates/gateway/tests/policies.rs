@@ -170,3 +170,36 @@ async fn prefix_hash_groups_by_prefix() {
     assert_eq!(count(&seen).len(), 2);
     r.stop().await;
 }
+
+#[tokio::test]
+async fn debug_route_changes_no_policy_state() {
+    for policy in [
+        PolicyKind::RoundRobin,
+        PolicyKind::CacheAware,
+        PolicyKind::Manual,
+    ] {
+        let (_, _, r) = two_workers(policy).await;
+        // A first real request, so that the next decision is not a coin toss (cache_aware's
+        // empty trees tie); then a longer, unrelated prompt: a dry run that inserted it
+        // would make its worker's tree the larger one and flip the next answer.
+        worker_of(&r, &[("x-session-id", "s")], &chat("m", "a short seed")).await;
+        let body = chat("m", &"an unrelated longer prompt ".repeat(40));
+        let ask = || async {
+            let d = post(&r.url, "/debug/route", &[("x-session-id", "s")], &body)
+                .await
+                .json();
+            d["worker"].as_str().unwrap().to_owned()
+        };
+        let first = ask().await;
+        for _ in 0..5 {
+            assert_eq!(ask().await, first, "{policy}: a dry run moved the policy");
+        }
+        // The real request goes where the dry run said.
+        assert_eq!(
+            worker_of(&r, &[("x-session-id", "s")], &body).await,
+            first,
+            "{policy}"
+        );
+        r.stop().await;
+    }
+}

@@ -43,6 +43,12 @@
 //! [`Policy::forget_worker`] drops every rank of a removed worker.
 //!
 //! All state sits behind one mutex, held for a match and an insert (no I/O, no threads).
+//!
+//! # Cost
+//! Measured by `benches/cache_aware.rs` (8 workers holding 1M characters each, 8,000-
+//! character prompts): a match takes 0.2-0.5 us, a whole `select` (match and insert) 2-4 us;
+//! the tree takes about 1.05 bytes per stored character for long prompts, and about 25 for
+//! short, densely branching texts (each node costs ~100 bytes besides its text).
 
 mod tenants;
 mod tree;
@@ -296,13 +302,15 @@ impl Policy for CacheAware {
             self.by_cache(&s, candidates, request.text, rng)?
         };
         let chosen = &candidates[index];
-        self.insert_locked(
-            &mut s,
-            chosen.worker,
-            chosen.dp_rank,
-            request.text,
-            request.now,
-        );
+        if !request.dry_run {
+            self.insert_locked(
+                &mut s,
+                chosen.worker,
+                chosen.dp_rank,
+                request.text,
+                request.now,
+            );
+        }
         Some(Decision { index })
     }
 

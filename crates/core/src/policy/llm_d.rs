@@ -233,7 +233,9 @@ impl Policy for LlmD {
         let hashes = block_hashes(request.tokens, self.block_size);
         let scores = self.scores_of(candidates, &hashes);
         let index = best(scores.into_iter().map(|s| self.total(s)), rng)?;
-        self.record(&candidates[index], &hashes);
+        if !request.dry_run {
+            self.record(&candidates[index], &hashes);
+        }
         Some(Decision { index })
     }
 

@@ -50,13 +50,17 @@ impl Policy for RoundRobin {
     fn select(
         &self,
         candidates: &[Candidate<'_>],
-        _: &RouteRequest<'_>,
+        request: &RouteRequest<'_>,
         _: &mut dyn RngCore,
     ) -> Option<Decision> {
         if candidates.is_empty() {
             return None;
         }
-        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        let turn = if request.dry_run {
+            self.next.load(Ordering::Relaxed)
+        } else {
+            self.next.fetch_add(1, Ordering::Relaxed)
+        };
         Some(Decision {
             index: turn % candidates.len(),
         })

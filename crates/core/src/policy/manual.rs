@@ -122,12 +122,17 @@ impl Policy for Manual {
             let live = now.saturating_duration_since(b.last_used) < self.max_idle;
             if live {
                 if let Some(index) = candidates.iter().position(|c| c.worker == &b.worker) {
-                    b.last_used = now;
+                    if !request.dry_run {
+                        b.last_used = now;
+                    }
                     return Some(Decision { index });
                 }
             }
         }
         let index = self.assign(candidates, rng)?;
+        if request.dry_run {
+            return Some(Decision { index });
+        }
         let binding = Binding {
             worker: candidates[index].worker.clone(),
             last_used: now,

@@ -338,3 +338,19 @@ fn ranks_of_one_worker_are_distinct_tenants() {
     assert_eq!(choose(&p, &c, "rank one's prompt again", t0, &mut rng), 1);
     assert_eq!(choose(&p, &c, "an unrelated prompt", t0, &mut rng), 0);
 }
+
+#[test]
+fn a_dry_run_inserts_nothing() {
+    let ids = crate::policy::test_support::ids(2);
+    let p = CacheAware::new(CacheAwareConfig::default());
+    let c = crate::policy::test_support::cands(&ids, &[0, 0]);
+    let mut rng = <rand::rngs::SmallRng as rand::SeedableRng>::seed_from_u64(3);
+    let mut r =
+        crate::policy::test_support::req(None, "a prompt to remember", std::time::Instant::now());
+    r.dry_run = true;
+    p.select(&c, &r, &mut rng).unwrap();
+    assert_eq!(p.total_chars(), 0);
+    r.dry_run = false;
+    p.select(&c, &r, &mut rng).unwrap();
+    assert_eq!(p.total_chars(), 20);
+}
