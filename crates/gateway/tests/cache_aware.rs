@@ -53,18 +53,6 @@ impl Drop for Engines {
     }
 }
 
-fn text(len: usize, seed: u64) -> String {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (b'a' + (x % 26) as u8) as char
-        })
-        .collect()
-}
-
 /// 120 serial chats opening with the same ~500 characters, each ending in its own question.
 async fn shared_prefix_run(r: &TestRouter) -> HashMap<String, usize> {
     let system = format!("You are a helpful assistant. {}", text(470, 42));

@@ -67,18 +67,6 @@ impl Drop for Engine {
     }
 }
 
-fn text(len: usize, seed: u64) -> String {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (b'a' + (x % 26) as u8) as char
-        })
-        .collect()
-}
-
 async fn debug_route(r: &TestRouter, prompt: &str) -> Value {
     let reply = post(
         &r.url,
