@@ -15,6 +15,7 @@
 mod candidate;
 pub mod load;
 pub mod policy;
+pub mod queue;
 
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
