@@ -13,6 +13,7 @@
 //! increments (the caller applies those from the decision).
 
 mod candidate;
+pub mod eligibility;
 pub mod load;
 pub mod policy;
 pub mod queue;
