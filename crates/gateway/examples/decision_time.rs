@@ -129,8 +129,18 @@ fn main() {
         let fields = RoutingFields::from_json(body.as_bytes()).unwrap();
         let t = Instant::now();
         let toks = routing::prompt_tokens(&tokenizer, body.as_bytes(), &fields).unwrap();
-        let plan =
-            routing::plan(&kv, pool, &headers, &fields, toks, Instant::now(), false).unwrap();
+        let plan = routing::plan(
+            &kv,
+            pool,
+            &headers,
+            &Default::default(),
+            &Default::default(),
+            &fields,
+            toks,
+            Instant::now(),
+            false,
+        )
+        .unwrap();
         plan_t.push(t.elapsed());
         chosen = plan.choice().worker.id.to_string();
         let t = Instant::now();
@@ -154,6 +164,8 @@ fn main() {
             &kv,
             pool,
             &headers,
+            &Default::default(),
+            &Default::default(),
             &fields,
             toks.clone(),
             Instant::now(),

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::{
     AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, PolicyConfig, PolicyKind,
 };
@@ -94,6 +95,13 @@ pub struct WorkerSpec {
     /// The engine's KV blocks (vLLM does not always export them); else from its metrics.
     #[serde(default)]
     pub num_gpu_blocks: Option<u64>,
+    /// The engine's `--max-num-batched-tokens` (vLLM does not export it); without it the
+    /// `-frac` prefill threshold skips this worker.
+    #[serde(default)]
+    pub max_num_batched_tokens: Option<u64>,
+    /// Labels requests can require (`x-kvroute-required-taints`) or prefer.
+    #[serde(default)]
+    pub taints: Vec<String>,
 }
 
 impl WorkerSpec {
@@ -108,6 +116,8 @@ impl WorkerSpec {
             dp_size: None,
             dp_start_rank: None,
             num_gpu_blocks: None,
+            max_num_batched_tokens: None,
+            taints: Vec::new(),
         }
     }
 
@@ -251,6 +261,22 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
 
+    /// A rank is busy with more active prefill tokens than this.
+    #[arg(long)]
+    pub active_prefill_tokens_threshold: Option<u64>,
+    /// A rank is busy with more active prefill tokens than this fraction of its engine's
+    /// max_num_batched_tokens (workers without it in the config are skipped).
+    #[arg(long)]
+    pub active_prefill_tokens_threshold_frac: Option<f64>,
+    /// A rank is busy with more active decode blocks (or engine KV use) than this fraction of
+    /// its KV blocks, in [0, 1].
+    #[arg(long)]
+    pub active_decode_blocks_threshold: Option<f64>,
+    /// The key admin calls must carry (`Authorization: Bearer KEY`); without it, changes
+    /// through the admin API are accepted from loopback only.
+    #[arg(long, env = "KVROUTE_ADMIN_API_KEY", hide_env_values = true)]
+    pub admin_api_key: Option<String>,
+
     /// Largest request body accepted, in bytes [default: 536870912].
     #[arg(long)]
     pub max_payload_size: Option<usize>,
@@ -292,6 +318,9 @@ pub struct Settings {
     pub max_indexed_blocks: usize,
     /// How often engine metrics are scraped (when the policy uses them).
     pub metrics_refresh: Duration,
+    /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).
+    pub busy: BusyThresholds,
+    pub admin_api_key: Option<String>,
     pub tokenizer: Option<PathBuf>,
 }
 
@@ -390,6 +419,16 @@ impl Args {
                 .router_max_indexed_blocks
                 .or(file.router_max_indexed_blocks),
             tokenizer: self.tokenizer.or(file.tokenizer),
+            active_prefill_tokens_threshold: self
+                .active_prefill_tokens_threshold
+                .or(file.active_prefill_tokens_threshold),
+            active_prefill_tokens_threshold_frac: self
+                .active_prefill_tokens_threshold_frac
+                .or(file.active_prefill_tokens_threshold_frac),
+            active_decode_blocks_threshold: self
+                .active_decode_blocks_threshold
+                .or(file.active_decode_blocks_threshold),
+            admin_api_key: self.admin_api_key.or(file.admin_api_key),
             max_payload_size: self.max_payload_size.or(file.max_payload_size),
             request_timeout_secs: self.request_timeout_secs.or(file.request_timeout_secs),
             log_level: self.log_level.or(file.log_level),
@@ -512,6 +551,22 @@ impl Args {
                 .unwrap_or(ca.eviction_interval_secs),
             max_tree_size: self.max_tree_size.unwrap_or(ca.max_tree_size),
         };
+        let busy = BusyThresholds {
+            active_prefill_tokens: self.active_prefill_tokens_threshold,
+            active_prefill_tokens_frac: self
+                .active_prefill_tokens_threshold_frac
+                .map(|f| weight("active_prefill_tokens_threshold_frac", Some(f), 0.0))
+                .transpose()?,
+            active_decode_blocks: match self.active_decode_blocks_threshold {
+                Some(f) if !(0.0..=1.0).contains(&f) => {
+                    return Err(ConfigError::Invalid {
+                        name: "active_decode_blocks_threshold",
+                        reason: "must be between 0 and 1",
+                    })
+                }
+                other => other,
+            },
+        };
         let ld = LlmDConfig::default();
         let llm_d = LlmDConfig {
             prefix_weight: weight(
@@ -579,6 +634,8 @@ impl Args {
             router_ttl: Duration::from_secs(self.router_ttl_secs.unwrap_or(120)),
             max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
+            busy,
+            admin_api_key: self.admin_api_key.filter(|k| !k.is_empty()),
             tokenizer: self.tokenizer,
         })
     }

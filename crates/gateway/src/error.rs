@@ -36,6 +36,21 @@ pub enum GatewayError {
     UpstreamTimeout { worker: WorkerId, secs: u64 },
     #[error("no route for {0}")]
     NotFound(String),
+    #[error("invalid {header} header: {reason}")]
+    InvalidHint {
+        header: &'static str,
+        reason: String,
+    },
+    #[error("invalid pin: {0}")]
+    InvalidPin(String),
+    #[error("every compatible worker is overloaded")]
+    AllWorkersOverloaded,
+    #[error("the pinned worker is overloaded")]
+    PinnedWorkerOverloaded,
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    #[error("invalid admin request: {0}")]
+    InvalidAdmin(String),
 }
 
 impl GatewayError {
@@ -44,7 +59,14 @@ impl GatewayError {
             GatewayError::InvalidJson(_) | GatewayError::ModelRequired { .. } => {
                 StatusCode::BAD_REQUEST
             }
-            GatewayError::BodyRead(_) => StatusCode::BAD_REQUEST,
+            GatewayError::BodyRead(_)
+            | GatewayError::InvalidHint { .. }
+            | GatewayError::InvalidPin(_)
+            | GatewayError::InvalidAdmin(_) => StatusCode::BAD_REQUEST,
+            GatewayError::AllWorkersOverloaded | GatewayError::PinnedWorkerOverloaded => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            GatewayError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::UnknownModel(_) | GatewayError::NotFound(_) => StatusCode::NOT_FOUND,
             GatewayError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -65,6 +87,12 @@ impl GatewayError {
             GatewayError::Upstream { .. } => "upstream_error",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::NotFound(_) => "not_found",
+            GatewayError::InvalidHint { .. } => "invalid_hint",
+            GatewayError::InvalidPin(_) => "invalid_pin",
+            GatewayError::AllWorkersOverloaded => "all_workers_overloaded",
+            GatewayError::PinnedWorkerOverloaded => "pinned_worker_overloaded",
+            GatewayError::Unauthorized(_) => "unauthorized",
+            GatewayError::InvalidAdmin(_) => "invalid_request",
         }
     }
 
@@ -109,7 +137,13 @@ impl IntoResponse for GatewayError {
             tracing::debug!(error = %self, code = self.code(), "Request rejected");
         }
         let body = ErrorBody::new(self.message(), self.kind(), self.code());
+        let retry = matches!(self, GatewayError::AllWorkersOverloaded);
         let mut response = (status, axum::Json(body)).into_response();
+        if retry {
+            response
+                .headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
         if let Some(worker) = self.worker() {
             if let Ok(v) = HeaderValue::from_str(worker.as_str()) {
                 response.headers_mut().insert(WORKER_HEADER, v);

@@ -10,6 +10,7 @@
 //! HTTP responses in one place ([`error::GatewayError`]); constructors do no I/O and every
 //! background task is started by [`Gateway::serve`] and joined on shutdown.
 
+pub mod busy;
 pub mod config;
 pub mod engine_metrics;
 pub mod error;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use http::HeaderMap;
+use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
 use kvroute_core::{
     Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };
@@ -66,6 +67,89 @@ pub fn session_key<'a>(headers: &'a HeaderMap, fields: &'a RoutingFields<'a>) ->
         .find_map(|h| headers.get(*h).and_then(|v| v.to_str().ok()))
         .filter(|k| !k.is_empty())
         .or(fields.user.as_deref().filter(|u| !u.is_empty()))
+}
+
+/// The routing hints of a request's headers; a malformed one is a 400 naming the header.
+pub fn parse_hints(headers: &HeaderMap) -> Result<Hints, GatewayError> {
+    fn text<'a>(
+        headers: &'a HeaderMap,
+        name: &'static str,
+    ) -> Result<Option<&'a str>, GatewayError> {
+        match headers.get(name) {
+            None => Ok(None),
+            Some(v) => v
+                .to_str()
+                .map(|s| Some(s.trim()))
+                .map_err(|_| GatewayError::InvalidHint {
+                    header: name,
+                    reason: "not visible ASCII".into(),
+                }),
+        }
+    }
+    fn list(headers: &HeaderMap, name: &'static str) -> Result<Option<Vec<String>>, GatewayError> {
+        let Some(v) = text(headers, name)? else {
+            return Ok(None);
+        };
+        let items: Vec<String> = v.split(',').map(|s| s.trim().to_owned()).collect();
+        if items.iter().any(String::is_empty) {
+            return Err(GatewayError::InvalidHint {
+                header: name,
+                reason: "empty entry in the comma-separated list".into(),
+            });
+        }
+        Ok(Some(items))
+    }
+    let mut hints = Hints {
+        allowed_workers: list(headers, "x-kvroute-allowed-workers")?
+            .map(|v| v.into_iter().collect()),
+        required_taints: list(headers, "x-kvroute-required-taints")?.unwrap_or_default(),
+        ..Hints::default()
+    };
+    if let Some(w) = text(headers, "x-kvroute-worker")? {
+        if w.is_empty() {
+            return Err(GatewayError::InvalidHint {
+                header: "x-kvroute-worker",
+                reason: "empty".into(),
+            });
+        }
+        hints.pinned_worker = Some(w.to_owned());
+    }
+    if let Some(r) = text(headers, "x-kvroute-dp-rank")? {
+        hints.pinned_rank = Some(r.parse().map_err(|_| GatewayError::InvalidHint {
+            header: "x-kvroute-dp-rank",
+            reason: format!("'{r}' is not a rank number"),
+        })?);
+    }
+    for item in list(headers, "x-kvroute-preferred-taints")?.unwrap_or_default() {
+        let (taint, weight) = match item.split_once('=') {
+            Some((t, w)) => {
+                let w: f64 = w
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|w: &f64| w.is_finite() && *w >= 0.0)
+                    .ok_or_else(|| GatewayError::InvalidHint {
+                        header: "x-kvroute-preferred-taints",
+                        reason: format!("weight of '{t}' is not a non-negative number"),
+                    })?;
+                (t.trim().to_owned(), w)
+            }
+            None => (item, 1.0),
+        };
+        hints.preferred_taints.push((taint, weight));
+    }
+    Ok(hints)
+}
+
+fn ineligible(e: Ineligible) -> GatewayError {
+    match e {
+        Ineligible::InvalidPin(why) => GatewayError::InvalidPin(why),
+        Ineligible::NoEndpoint => {
+            GatewayError::NoEndpoint("no healthy worker compatible with the request's hints")
+        }
+        Ineligible::AllOverloaded => GatewayError::AllWorkersOverloaded,
+        Ineligible::PinnedOverloaded => GatewayError::PinnedWorkerOverloaded,
+    }
 }
 
 /// The chat fields a template reads, beside the messages.
@@ -176,10 +260,13 @@ pub async fn tokens_for(kv: &KvState, policy: PolicyKind, body: &bytes::Bytes) -
 /// Builds the candidates of `pool` for the request and lets its policy choose. `tokens` are
 /// the prompt's token ids (from [`tokens_for`]; empty for policies that do not use them).
 /// A `dry_run` (`/debug/route`) leaves every policy's state as it was.
+#[allow(clippy::too_many_arguments)]
 pub fn plan(
     kv: &KvState,
     pool: &Pool,
     headers: &HeaderMap,
+    hints: &Hints,
+    busy: &BusyThresholds,
     fields: &RoutingFields<'_>,
     tokens: Vec<u32>,
     started: Instant,
@@ -196,13 +283,42 @@ pub fn plan(
     };
     let (events, approx): &(OverlapScores, OverlapScores) = &scores;
 
+    // Eligibility first: hints, health, taints, busy thresholds.
+    let rank_lists: Vec<Vec<Option<u32>>> = pool
+        .workers
+        .iter()
+        .map(|w| w.ranks.iter().map(|r| r.dp_rank).collect())
+        .collect();
+    let overloaded: Vec<Vec<bool>> = pool
+        .workers
+        .iter()
+        .map(|w| {
+            w.ranks
+                .iter()
+                .map(|r| r.overloaded(busy, w.max_num_batched_tokens, started))
+                .collect()
+        })
+        .collect();
+    let views: Vec<WorkerView<'_>> = pool
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| WorkerView {
+            id: w.id.as_str(),
+            ranks: &rank_lists[i],
+            overloaded: &overloaded[i],
+            healthy: w.is_healthy(),
+            taints: &w.taints,
+        })
+        .collect();
+    let eligible_pairs = eligible(&views, hints).map_err(ineligible)?;
+
     let mut choices = Vec::new();
-    for w in &pool.workers {
-        if !w.is_healthy() {
-            continue;
-        }
+    for (wi, rank_index) in eligible_pairs {
+        let w = &pool.workers[wi];
         let from_events = kv.uses_events(w);
-        for (rank_index, rank) in w.ranks.iter().enumerate() {
+        {
+            let rank = &w.ranks[rank_index];
             let mut terms = KvTerms::default();
             if policy == PolicyKind::KvAware {
                 let counts = if from_events {
@@ -222,7 +338,7 @@ pub fn plan(
                     decode_blocks: load.decode_blocks(),
                     new_blocks: load.new_blocks(&request),
                     active_requests: load.active_requests(),
-                    preferred_taint_weight: 0.0,
+                    preferred_taint_weight: hints.preferred_weight(&w.taints),
                 };
             }
             choices.push(Choice {
@@ -250,7 +366,7 @@ pub fn plan(
         prompt_tokens: tokens.len(),
         tokens: &tokens,
         block_size: kv.block_size,
-        has_preferred_taints: false,
+        has_preferred_taints: !hints.preferred_taints.is_empty(),
         dry_run,
         now: started,
     };

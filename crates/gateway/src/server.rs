@@ -24,6 +24,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::busy::{BusyControl, ThresholdsBody};
 use crate::config::Settings;
 use crate::engine_metrics::{EngineMetricsScraper, ScrapeTiming};
 use crate::error::GatewayError;
@@ -47,6 +48,7 @@ const ROUTED: [&str; 7] = [
 
 #[derive(Debug)]
 struct AppState {
+    busy: BusyControl,
     settings: Settings,
     kv: Arc<KvState>,
     kv_event_metrics: KvEventMetrics,
@@ -92,6 +94,7 @@ impl Gateway {
         let kv_event_metrics = KvEventMetrics::register(registry);
         Self {
             state: Arc::new(AppState {
+                busy: BusyControl::new(settings.busy),
                 settings,
                 kv,
                 kv_event_metrics,
@@ -137,6 +140,7 @@ impl Gateway {
             .route("/readiness", get(readiness))
             .route("/workers", get(workers))
             .route("/debug/route", post(debug_route))
+            .route("/busy_threshold", get(get_busy).post(set_busy))
             .fallback(not_found)
             .with_state(self.state.clone())
     }
@@ -171,7 +175,9 @@ impl Gateway {
         };
         let mut subscribers = tokio::task::JoinSet::new();
         // Engine metrics, only for policies that read them.
-        if self.state.settings.policy == PolicyKind::LlmD {
+        if self.state.settings.policy == PolicyKind::LlmD
+            || self.state.settings.busy.active_decode_blocks.is_some()
+        {
             let timing = ScrapeTiming {
                 interval: self.state.settings.metrics_refresh,
                 ..ScrapeTiming::default()
@@ -223,7 +229,8 @@ impl Gateway {
             axum::serve::ListenerExt::tap_io(listener, |tcp| {
                 let _ = tcp.set_nodelay(true);
             }),
-            self.app(),
+            self.app()
+                .into_make_service_with_connect_info::<std::net::SocketAddr>(),
         )
         .with_graceful_shutdown(shutdown.clone().cancelled_owned());
         let metrics = axum::serve(metrics_listener, metrics_app(registry))
@@ -318,12 +325,16 @@ async fn route_and_forward(
     let started = Instant::now();
     let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
 
+    let hints = routing::parse_hints(&parts.headers)?;
     let table = state.workers.table();
     let pool = table.resolve(fields.model.as_deref())?;
+    let busy = state.busy.get(pool.model.as_str());
     let plan = routing::plan(
         &state.kv,
         pool,
         &parts.headers,
+        &hints,
+        &busy,
         &fields,
         tokens,
         started,
@@ -385,12 +396,16 @@ async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Respon
         let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
         let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
         let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
+        let hints = routing::parse_hints(&parts.headers)?;
         let table = state.workers.table();
         let pool = table.resolve(fields.model.as_deref())?;
+        let busy = state.busy.get(pool.model.as_str());
         let plan = routing::plan(
             &state.kv,
             pool,
             &parts.headers,
+            &hints,
+            &busy,
             &fields,
             tokens,
             Instant::now(),
@@ -452,6 +467,92 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     let body = serde_json::json!({"object": "list", "data": table.model_cards()});
     state.metrics.request("/v1/models", 200);
     Json(body).into_response()
+}
+
+/// Admin calls: with `--admin-api-key`, the key as a bearer token; without, changes only
+/// from loopback (reads from anywhere).
+fn check_admin(state: &AppState, req: &Request, mutating: bool) -> Result<(), GatewayError> {
+    match &state.settings.admin_api_key {
+        Some(key) => {
+            let given = req
+                .headers()
+                .get(http::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if given == Some(key.as_str()) {
+                Ok(())
+            } else {
+                Err(GatewayError::Unauthorized(
+                    "admin calls need Authorization: Bearer <admin key>",
+                ))
+            }
+        }
+        None if !mutating => Ok(()),
+        None => {
+            let peer = req
+                .extensions()
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|c| c.0.ip());
+            if peer.is_some_and(|ip| ip.is_loopback()) {
+                Ok(())
+            } else {
+                Err(GatewayError::Unauthorized(
+                    "without --admin-api-key, admin changes are accepted from loopback only",
+                ))
+            }
+        }
+    }
+}
+
+/// `GET /busy_threshold`: the thresholds in force for every model.
+async fn get_busy(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    if let Err(e) = check_admin(&state, &req, false) {
+        return e.into_response();
+    }
+    let table = state.workers.table();
+    let thresholds: Vec<_> = table
+        .models()
+        .map(|m| BusyControl::body(m, &state.busy.get(m)))
+        .collect();
+    Json(serde_json::json!({"thresholds": thresholds})).into_response()
+}
+
+/// `POST /busy_threshold`: sets the given fields for one model; omitted fields are a read.
+async fn set_busy(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let result = async {
+        check_admin(&state, &req, true)?;
+        let (parts, body) = req.into_parts();
+        let body = read_body(body, 1 << 20, &parts.headers).await?;
+        let update: ThresholdsBody =
+            serde_json::from_slice(&body).map_err(|e| GatewayError::InvalidAdmin(e.to_string()))?;
+        if update
+            .active_decode_blocks_threshold
+            .is_some_and(|f| !(0.0..=1.0).contains(&f))
+        {
+            return Err(GatewayError::InvalidAdmin(
+                "active_decode_blocks_threshold must be between 0 and 1".into(),
+            ));
+        }
+        if update
+            .active_prefill_tokens_threshold_frac
+            .is_some_and(|f| !(f.is_finite() && f >= 0.0))
+        {
+            return Err(GatewayError::InvalidAdmin(
+                "active_prefill_tokens_threshold_frac must be a non-negative number".into(),
+            ));
+        }
+        if !state.workers.table().models().any(|m| m == update.model) {
+            return Err(GatewayError::UnknownModel(update.model));
+        }
+        let now = state.busy.set(&update);
+        tracing::info!(model = %update.model, thresholds = ?now, "Busy thresholds set");
+        Ok(Json(BusyControl::body(&update.model, &now)))
+    }
+    .await;
+    match result {
+        Ok(json) => json.into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn health() -> &'static str {

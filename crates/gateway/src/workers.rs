@@ -20,6 +20,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use kvroute_core::eligibility::{BusyThresholds, RankPressure};
 use kvroute_core::{build_policy, Policy, PolicyConfig, PolicyKind, RankLoad, RequestLoad};
 use kvroute_index::ReplicaId;
 use kvroute_protocol::{ModelId, WorkerId};
@@ -50,6 +51,8 @@ pub struct Rank {
     series: RankSeries,
     /// What the engine reports of this rank (scraped when the policy needs it).
     pub engine: Arc<EngineGauges>,
+    /// The decode busy threshold's latch (see `BusyThresholds::overloaded`).
+    busy_latch: AtomicBool,
 }
 
 impl Rank {
@@ -67,6 +70,31 @@ impl Rank {
         f(&mut load);
         self.series.prefill_tokens.set(load.prefill_tokens() as i64);
         self.series.decode_blocks.set(load.decode_blocks() as i64);
+    }
+
+    /// Whether `thresholds` call this rank overloaded now (updates the decode latch).
+    pub fn overloaded(
+        &self,
+        thresholds: &BusyThresholds,
+        max_num_batched_tokens: Option<u64>,
+        now: std::time::Instant,
+    ) -> bool {
+        if *thresholds == BusyThresholds::default() {
+            return false;
+        }
+        let load = self.load();
+        let engine = self.engine.load(now);
+        let pressure = RankPressure {
+            prefill_tokens: load.prefill_tokens(),
+            decode_blocks: load.decode_blocks(),
+            engine_kv_usage: engine.kv_usage,
+            num_gpu_blocks: engine.num_gpu_blocks,
+            max_num_batched_tokens,
+        };
+        let mut latch = self.busy_latch.load(Ordering::Relaxed);
+        let overloaded = thresholds.overloaded(&pressure, &mut latch);
+        self.busy_latch.store(latch, Ordering::Relaxed);
+        overloaded
     }
 
     pub(crate) fn start(&self, load: &RequestLoad) {
@@ -92,6 +120,10 @@ pub struct Worker {
     pub url: String,
     /// Its data-parallel ranks (one entry, rank `None`, when it has none).
     pub ranks: Vec<Rank>,
+    /// Labels requests can require or prefer.
+    pub taints: Vec<String>,
+    /// The engine's max_num_batched_tokens, when configured.
+    pub max_num_batched_tokens: Option<u64>,
     /// Its KV-event publisher and replay socket, if configured.
     pub kv_events: Option<String>,
     pub kv_events_replay: Option<String>,
@@ -183,6 +215,11 @@ impl RoutingTable {
         }
     }
 
+    /// The models served.
+    pub fn models(&self) -> impl Iterator<Item = &str> {
+        self.pools.keys().map(ModelId::as_str)
+    }
+
     pub fn model_cards(&self) -> &[serde_json::Value] {
         &self.cards
     }
@@ -246,6 +283,7 @@ impl WorkerSet {
                             load: Mutex::new(RankLoad::default()),
                             series: metrics.rank_series(&id, dp_rank),
                             engine,
+                            busy_latch: AtomicBool::new(false),
                         }
                     })
                     .collect();
@@ -254,6 +292,8 @@ impl WorkerSet {
                     id: WorkerId::new(id),
                     url: s.url.clone(),
                     ranks,
+                    taints: s.taints.clone(),
+                    max_num_batched_tokens: s.max_num_batched_tokens,
                     kv_events: s.kv_events.clone(),
                     kv_events_replay: s.kv_events_replay.clone(),
                     configured_model: s.model.as_deref().map(ModelId::new),
