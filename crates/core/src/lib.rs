@@ -12,6 +12,7 @@
 //! same choice. Does not own: HTTP, metrics, health checks or load accounting's
 //! increments (the caller applies those from the decision).
 
+pub mod affinity;
 mod candidate;
 pub mod eligibility;
 pub mod load;

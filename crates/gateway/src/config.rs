@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use kvroute_core::affinity::AffinityMode;
 use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::{
     AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, PolicyConfig, PolicyKind,
@@ -68,6 +69,13 @@ impl LogLevel {
 pub enum AssignmentModeArg {
     MinLoad,
     Random,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AffinityModeArg {
+    Hard,
+    Soft,
 }
 
 /// A worker as the config file describes it.
@@ -272,6 +280,14 @@ pub struct Args {
     /// its KV blocks, in [0, 1].
     #[arg(long)]
     pub active_decode_blocks_threshold: Option<f64>,
+    /// Session affinity: a session's requests go to the (worker, rank) it used last, if
+    /// within this many seconds (off when absent).
+    #[arg(long)]
+    pub session_affinity_ttl_secs: Option<u64>,
+    /// hard: the binding is a pin; soft: the policy may choose another when the bound worker
+    /// is ineligible or overloaded [default: soft].
+    #[arg(long, value_enum)]
+    pub session_affinity_mode: Option<AffinityModeArg>,
     /// The key admin calls must carry (`Authorization: Bearer KEY`); without it, changes
     /// through the admin API are accepted from loopback only.
     #[arg(long, env = "KVROUTE_ADMIN_API_KEY", hide_env_values = true)]
@@ -321,6 +337,8 @@ pub struct Settings {
     /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).
     pub busy: BusyThresholds,
     pub admin_api_key: Option<String>,
+    /// Session affinity's mode and TTL, when on.
+    pub session_affinity: Option<(AffinityMode, Duration)>,
     pub tokenizer: Option<PathBuf>,
 }
 
@@ -429,6 +447,10 @@ impl Args {
                 .active_decode_blocks_threshold
                 .or(file.active_decode_blocks_threshold),
             admin_api_key: self.admin_api_key.or(file.admin_api_key),
+            session_affinity_ttl_secs: self
+                .session_affinity_ttl_secs
+                .or(file.session_affinity_ttl_secs),
+            session_affinity_mode: self.session_affinity_mode.or(file.session_affinity_mode),
             max_payload_size: self.max_payload_size.or(file.max_payload_size),
             request_timeout_secs: self.request_timeout_secs.or(file.request_timeout_secs),
             log_level: self.log_level.or(file.log_level),
@@ -636,6 +658,13 @@ impl Args {
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
             busy,
             admin_api_key: self.admin_api_key.filter(|k| !k.is_empty()),
+            session_affinity: self.session_affinity_ttl_secs.map(|secs| {
+                let mode = match self.session_affinity_mode {
+                    Some(AffinityModeArg::Hard) => AffinityMode::Hard,
+                    Some(AffinityModeArg::Soft) | None => AffinityMode::Soft,
+                };
+                (mode, Duration::from_secs(secs))
+            }),
             tokenizer: self.tokenizer,
         })
     }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use http::HeaderMap;
+use kvroute_core::affinity::{Affinity, AffinityMode};
 use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
 use kvroute_core::{
     Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
@@ -267,6 +268,7 @@ pub fn plan(
     headers: &HeaderMap,
     hints: &Hints,
     busy: &BusyThresholds,
+    affinity: Option<&Affinity>,
     fields: &RoutingFields<'_>,
     tokens: Vec<u32>,
     started: Instant,
@@ -274,6 +276,24 @@ pub fn plan(
 ) -> Result<Plan, GatewayError> {
     let policy = pool.policy.kind();
     let key = session_key(headers, fields);
+    // Session affinity: the (worker, rank) the session used last, as a pin (hard) or a
+    // preference (soft).
+    let bound = match (affinity, key) {
+        (Some(a), Some(k)) => a.get(k, started),
+        _ => None,
+    };
+    let pinned_hints;
+    let hints = match (&bound, affinity.map(|a| a.mode)) {
+        (Some((worker, rank)), Some(AffinityMode::Hard)) if hints.pinned_worker.is_none() => {
+            pinned_hints = Hints {
+                pinned_worker: Some(worker.clone()),
+                pinned_rank: *rank,
+                ..hints.clone()
+            };
+            &pinned_hints
+        }
+        _ => hints,
+    };
     let (hashes, scores) = if policy == PolicyKind::KvAware {
         let hashes = block_hashes(&tokens, kv.block_size, 0);
         let scores = kv.overlaps(&hashes, started);
@@ -381,11 +401,29 @@ pub fn plan(
         })
         .collect();
     let costs = pool.policy.costs(&candidates, &request);
-    let decision = pool
-        .policy
-        .select(&candidates, &request, &mut rand::rng())
-        .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?;
+    let soft_bound = match (&bound, affinity.map(|a| a.mode)) {
+        (Some((worker, rank)), Some(AffinityMode::Soft)) => candidates
+            .iter()
+            .position(|c| c.worker.as_str() == worker && c.dp_rank == *rank),
+        _ => None,
+    };
+    let decision = match soft_bound {
+        Some(index) => kvroute_core::Decision { index },
+        None => pool
+            .policy
+            .select(&candidates, &request, &mut rand::rng())
+            .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?,
+    };
     drop(candidates);
+    if let (Some(a), Some(k), false) = (affinity, key, dry_run) {
+        let c = &choices[decision.index];
+        a.bind(
+            k,
+            c.worker.id.as_str(),
+            c.worker.ranks[c.rank].dp_rank,
+            started,
+        );
+    }
     Ok(Plan {
         policy,
         choices,

@@ -34,6 +34,7 @@ use crate::metrics::GatewayMetrics;
 use crate::proxy::{self, Forward, HttpClient, InFlight, REQUEST_ID_HEADER};
 use crate::routing;
 use crate::workers::WorkerSet;
+use kvroute_core::affinity::Affinity;
 
 /// Routes whose requests are routed by the policy and forwarded to a worker.
 const ROUTED: [&str; 7] = [
@@ -49,6 +50,7 @@ const ROUTED: [&str; 7] = [
 #[derive(Debug)]
 struct AppState {
     busy: BusyControl,
+    affinity: Option<Affinity>,
     settings: Settings,
     kv: Arc<KvState>,
     kv_event_metrics: KvEventMetrics,
@@ -95,6 +97,9 @@ impl Gateway {
         Self {
             state: Arc::new(AppState {
                 busy: BusyControl::new(settings.busy),
+                affinity: settings
+                    .session_affinity
+                    .map(|(mode, ttl)| Affinity::new(mode, ttl, 1 << 20)),
                 settings,
                 kv,
                 kv_event_metrics,
@@ -335,6 +340,7 @@ async fn route_and_forward(
         &parts.headers,
         &hints,
         &busy,
+        state.affinity.as_ref(),
         &fields,
         tokens,
         started,
@@ -406,6 +412,7 @@ async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Respon
             &parts.headers,
             &hints,
             &busy,
+            state.affinity.as_ref(),
             &fields,
             tokens,
             Instant::now(),

@@ -338,3 +338,110 @@ async fn admin_changes_need_the_admin_key_when_one_is_set() {
     assert_eq!(ok.status, 200);
     r.stop().await;
 }
+
+#[tokio::test]
+async fn soft_affinity_keeps_a_session_unless_its_worker_is_overloaded() {
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
+    let r = router(&a, &b, |s| {
+        s.session_affinity = Some((
+            kvroute_core::affinity::AffinityMode::Soft,
+            Duration::from_secs(600),
+        ));
+        s.busy.active_prefill_tokens = Some(100);
+        s.request_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let session = [("x-session-id", "alice")];
+    let home = post(&r.url, "/v1/completions", &session, &body("first"))
+        .await
+        .worker()
+        .to_owned();
+    for i in 0..10 {
+        let reply = post(
+            &r.url,
+            "/v1/completions",
+            &session,
+            &body(&format!("unrelated {i}")),
+        )
+        .await;
+        assert_eq!(reply.worker(), home, "the session stays");
+    }
+    // Its worker is overloaded: soft affinity lets the policy choose another, and rebinds.
+    let held = hold(&r, &home).await;
+    let gw = r.gateway.clone();
+    let h = home.clone();
+    wait_until("home busy", || {
+        gw.workers()
+            .statuses()
+            .iter()
+            .any(|w| w.id == h && w.in_flight == 1)
+    })
+    .await;
+    let moved = post(&r.url, "/v1/completions", &session, &body("while busy"))
+        .await
+        .worker()
+        .to_owned();
+    assert_ne!(moved, home);
+    held.abort();
+    let gw = r.gateway.clone();
+    wait_until("home idle", || {
+        gw.workers().statuses().iter().all(|w| w.in_flight == 0)
+    })
+    .await;
+    assert_eq!(
+        post(&r.url, "/v1/completions", &session, &body("after"))
+            .await
+            .worker(),
+        moved,
+        "rebound"
+    );
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn hard_affinity_is_a_pin() {
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
+    let r = router(&a, &b, |s| {
+        s.session_affinity = Some((
+            kvroute_core::affinity::AffinityMode::Hard,
+            Duration::from_secs(600),
+        ));
+        s.busy.active_prefill_tokens = Some(100);
+        s.request_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let session = [("x-session-id", "bob")];
+    let home = post(&r.url, "/v1/completions", &session, &body("first"))
+        .await
+        .worker()
+        .to_owned();
+    let held = hold(&r, &home).await;
+    let gw = r.gateway.clone();
+    let h = home.clone();
+    wait_until("home busy", || {
+        gw.workers()
+            .statuses()
+            .iter()
+            .any(|w| w.id == h && w.in_flight == 1)
+    })
+    .await;
+    let reply = post(&r.url, "/v1/completions", &session, &body("while busy")).await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.error_code().as_str()),
+        (503, "pinned_worker_overloaded")
+    );
+    // Other sessions are unaffected.
+    let other = post(
+        &r.url,
+        "/v1/completions",
+        &[("x-session-id", "carol")],
+        &body("x"),
+    )
+    .await;
+    assert_eq!(other.status, 200);
+    assert_ne!(other.worker(), home);
+    held.abort();
+    r.stop().await;
+}
