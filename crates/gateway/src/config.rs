@@ -11,6 +11,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use kvroute_core::affinity::AffinityMode;
 use kvroute_core::eligibility::BusyThresholds;
+use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::{
     AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, PolicyConfig, PolicyKind,
 };
@@ -69,6 +70,32 @@ impl LogLevel {
 pub enum AssignmentModeArg {
     MinLoad,
     Random,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueOrderArg {
+    Fcfs,
+    Wspt,
+}
+
+/// A policy class as the config file describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyClassSpec {
+    pub name: String,
+    pub weight: u64,
+    #[serde(default)]
+    pub max_queued: Option<usize>,
+}
+
+/// The queue's configuration, when it is on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueSettings {
+    pub threshold: f64,
+    pub order: QueueOrder,
+    pub timeout: Duration,
+    pub classes: Vec<PolicyClass>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
@@ -280,6 +307,20 @@ pub struct Args {
     /// its KV blocks, in [0, 1].
     #[arg(long)]
     pub active_decode_blocks_threshold: Option<f64>,
+    /// Queue a request while every eligible rank has active prefill tokens above this
+    /// fraction of its max_num_batched_tokens (off when absent).
+    #[arg(long)]
+    pub router_queue_threshold: Option<f64>,
+    /// Order within a policy class: fcfs (arrival) or wspt (fewest uncached tokens first).
+    #[arg(long, value_enum)]
+    pub router_queue_policy: Option<QueueOrderArg>,
+    /// The longest a request may wait in the queue [default: 60].
+    #[arg(long)]
+    pub router_queue_timeout_secs: Option<u64>,
+    /// Policy classes of the queue (config file only): name, weight (a quantum in uncached
+    /// tokens), optional max_queued.
+    #[arg(skip)]
+    pub policy_classes: Vec<PolicyClassSpec>,
     /// Session affinity: a session's requests go to the (worker, rank) it used last, if
     /// within this many seconds (off when absent).
     #[arg(long)]
@@ -339,6 +380,8 @@ pub struct Settings {
     pub admin_api_key: Option<String>,
     /// Session affinity's mode and TTL, when on.
     pub session_affinity: Option<(AffinityMode, Duration)>,
+    /// The admission queue, when `--router-queue-threshold` is set.
+    pub queue: Option<QueueSettings>,
     pub tokenizer: Option<PathBuf>,
 }
 
@@ -447,6 +490,12 @@ impl Args {
                 .active_decode_blocks_threshold
                 .or(file.active_decode_blocks_threshold),
             admin_api_key: self.admin_api_key.or(file.admin_api_key),
+            router_queue_threshold: self.router_queue_threshold.or(file.router_queue_threshold),
+            router_queue_policy: self.router_queue_policy.or(file.router_queue_policy),
+            router_queue_timeout_secs: self
+                .router_queue_timeout_secs
+                .or(file.router_queue_timeout_secs),
+            policy_classes: file.policy_classes,
             session_affinity_ttl_secs: self
                 .session_affinity_ttl_secs
                 .or(file.session_affinity_ttl_secs),
@@ -658,6 +707,53 @@ impl Args {
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
             busy,
             admin_api_key: self.admin_api_key.filter(|k| !k.is_empty()),
+            queue: match self.router_queue_threshold {
+                None => None,
+                Some(t) if !(t.is_finite() && t > 0.0) => {
+                    return Err(ConfigError::Invalid {
+                        name: "router_queue_threshold",
+                        reason: "must be a positive number",
+                    })
+                }
+                Some(threshold) => {
+                    let mut classes: Vec<PolicyClass> = self
+                        .policy_classes
+                        .into_iter()
+                        .map(|c| PolicyClass {
+                            name: c.name,
+                            weight: c.weight,
+                            max_queued: c.max_queued,
+                        })
+                        .collect();
+                    if classes.is_empty() {
+                        classes.push(PolicyClass {
+                            name: "default".into(),
+                            weight: 1,
+                            max_queued: None,
+                        });
+                    }
+                    let order = match self.router_queue_policy {
+                        Some(QueueOrderArg::Wspt) => QueueOrder::Wspt,
+                        Some(QueueOrderArg::Fcfs) | None => QueueOrder::Fcfs,
+                    };
+                    if let Err(e) = kvroute_core::queue::DrrQueue::<()>::new(classes.clone(), order)
+                    {
+                        tracing::error!(error = %e, "invalid policy classes");
+                        return Err(ConfigError::Invalid {
+                            name: "policy_classes",
+                            reason: "need distinct names and positive weights",
+                        });
+                    }
+                    Some(QueueSettings {
+                        threshold,
+                        order,
+                        timeout: Duration::from_secs(
+                            self.router_queue_timeout_secs.unwrap_or(60).max(1),
+                        ),
+                        classes,
+                    })
+                }
+            },
             session_affinity: self.session_affinity_ttl_secs.map(|secs| {
                 let mode = match self.session_affinity_mode {
                     Some(AffinityModeArg::Hard) => AffinityMode::Hard,

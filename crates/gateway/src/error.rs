@@ -51,6 +51,10 @@ pub enum GatewayError {
     Unauthorized(&'static str),
     #[error("invalid admin request: {0}")]
     InvalidAdmin(String),
+    #[error("policy class '{0}' has no room in the queue")]
+    QueueFull(String),
+    #[error("waited longer than {0} s in the queue")]
+    QueueTimeout(u64),
 }
 
 impl GatewayError {
@@ -67,6 +71,8 @@ impl GatewayError {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             GatewayError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            GatewayError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::QueueTimeout(_) => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::UnknownModel(_) | GatewayError::NotFound(_) => StatusCode::NOT_FOUND,
             GatewayError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -93,6 +99,8 @@ impl GatewayError {
             GatewayError::PinnedWorkerOverloaded => "pinned_worker_overloaded",
             GatewayError::Unauthorized(_) => "unauthorized",
             GatewayError::InvalidAdmin(_) => "invalid_request",
+            GatewayError::QueueFull(_) => "queue_full",
+            GatewayError::QueueTimeout(_) => "queue_timeout",
         }
     }
 

@@ -18,6 +18,7 @@ pub mod kv;
 pub mod kv_events;
 pub mod metrics;
 pub mod proxy;
+pub mod queue;
 pub mod routing;
 pub mod server;
 pub mod workers;

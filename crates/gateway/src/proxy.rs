@@ -25,6 +25,7 @@ use kvroute_core::RequestLoad;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::error::GatewayError;
+use crate::queue::AdmissionQueue;
 use crate::workers::Worker;
 
 pub const WORKER_HEADER: HeaderName = HeaderName::from_static("x-kvroute-worker");
@@ -72,10 +73,17 @@ pub struct InFlight {
     first_frame_seen: bool,
     /// For streaming requests: when the request arrived, and where its TTFT goes.
     ttft: Option<(Instant, Histogram)>,
+    /// Told when this request frees capacity (first token, end).
+    queue: Option<Arc<AdmissionQueue>>,
 }
 
 impl InFlight {
-    pub fn new(worker: Arc<Worker>, rank: usize, load: RequestLoad) -> Self {
+    pub fn new(
+        worker: Arc<Worker>,
+        rank: usize,
+        load: RequestLoad,
+        queue: Option<Arc<AdmissionQueue>>,
+    ) -> Self {
         worker.begin_request();
         worker.ranks[rank].start(&load);
         Self {
@@ -84,6 +92,7 @@ impl InFlight {
             load,
             first_frame_seen: false,
             ttft: None,
+            queue,
         }
     }
 
@@ -100,6 +109,9 @@ impl InFlight {
             if let Some((arrived, histogram)) = &self.ttft {
                 histogram.observe(arrived.elapsed().as_secs_f64());
             }
+            if let Some(q) = &self.queue {
+                q.dispatch();
+            }
         }
     }
 }
@@ -108,6 +120,9 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.worker.ranks[self.rank].finish(&self.load, !self.first_frame_seen);
         self.worker.end_request();
+        if let Some(q) = &self.queue {
+            q.dispatch();
+        }
     }
 }
 

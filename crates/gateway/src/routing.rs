@@ -258,6 +258,57 @@ pub async fn tokens_for(kv: &KvState, policy: PolicyKind, body: &bytes::Bytes) -
     }
 }
 
+/// The (worker, rank) indexes of `pool` eligible for a request (see `core::eligibility`).
+fn eligible_pairs(
+    pool: &Pool,
+    hints: &Hints,
+    busy: &BusyThresholds,
+    started: Instant,
+) -> Result<Vec<(usize, usize)>, GatewayError> {
+    // Eligibility first: hints, health, taints, busy thresholds.
+    let rank_lists: Vec<Vec<Option<u32>>> = pool
+        .workers
+        .iter()
+        .map(|w| w.ranks.iter().map(|r| r.dp_rank).collect())
+        .collect();
+    let overloaded: Vec<Vec<bool>> = pool
+        .workers
+        .iter()
+        .map(|w| {
+            w.ranks
+                .iter()
+                .map(|r| r.overloaded(busy, w.max_num_batched_tokens, started))
+                .collect()
+        })
+        .collect();
+    let views: Vec<WorkerView<'_>> = pool
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| WorkerView {
+            id: w.id.as_str(),
+            ranks: &rank_lists[i],
+            overloaded: &overloaded[i],
+            healthy: w.is_healthy(),
+            taints: &w.taints,
+        })
+        .collect();
+    eligible(&views, hints).map_err(ineligible)
+}
+
+/// The ranks a request may go to, for queue admission.
+pub fn eligible_ranks(
+    pool: &Pool,
+    hints: &Hints,
+    busy: &BusyThresholds,
+    now: Instant,
+) -> Result<Vec<(Arc<Worker>, usize)>, GatewayError> {
+    Ok(eligible_pairs(pool, hints, busy, now)?
+        .into_iter()
+        .map(|(w, r)| (pool.workers[w].clone(), r))
+        .collect())
+}
+
 /// Builds the candidates of `pool` for the request and lets its policy choose. `tokens` are
 /// the prompt's token ids (from [`tokens_for`]; empty for policies that do not use them).
 /// A `dry_run` (`/debug/route`) leaves every policy's state as it was.
@@ -303,35 +354,7 @@ pub fn plan(
     };
     let (events, approx): &(OverlapScores, OverlapScores) = &scores;
 
-    // Eligibility first: hints, health, taints, busy thresholds.
-    let rank_lists: Vec<Vec<Option<u32>>> = pool
-        .workers
-        .iter()
-        .map(|w| w.ranks.iter().map(|r| r.dp_rank).collect())
-        .collect();
-    let overloaded: Vec<Vec<bool>> = pool
-        .workers
-        .iter()
-        .map(|w| {
-            w.ranks
-                .iter()
-                .map(|r| r.overloaded(busy, w.max_num_batched_tokens, started))
-                .collect()
-        })
-        .collect();
-    let views: Vec<WorkerView<'_>> = pool
-        .workers
-        .iter()
-        .enumerate()
-        .map(|(i, w)| WorkerView {
-            id: w.id.as_str(),
-            ranks: &rank_lists[i],
-            overloaded: &overloaded[i],
-            healthy: w.is_healthy(),
-            taints: &w.taints,
-        })
-        .collect();
-    let eligible_pairs = eligible(&views, hints).map_err(ineligible)?;
+    let eligible_pairs = eligible_pairs(pool, hints, busy, started)?;
 
     let mut choices = Vec::new();
     for (wi, rank_index) in eligible_pairs {

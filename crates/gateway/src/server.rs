@@ -32,6 +32,7 @@ use crate::kv::{KvState, WorkerSink};
 use crate::kv_events::{KvEventMetrics, KvEventSubscriber, SubscriberConfig};
 use crate::metrics::GatewayMetrics;
 use crate::proxy::{self, Forward, HttpClient, InFlight, REQUEST_ID_HEADER};
+use crate::queue::AdmissionQueue;
 use crate::routing;
 use crate::workers::WorkerSet;
 use kvroute_core::affinity::Affinity;
@@ -49,6 +50,7 @@ const ROUTED: [&str; 7] = [
 
 #[derive(Debug)]
 struct AppState {
+    queue: Option<Arc<AdmissionQueue>>,
     busy: BusyControl,
     affinity: Option<Affinity>,
     settings: Settings,
@@ -96,6 +98,18 @@ impl Gateway {
         let kv_event_metrics = KvEventMetrics::register(registry);
         Self {
             state: Arc::new(AppState {
+                queue: settings.queue.as_ref().map(|q| {
+                    Arc::new(
+                        AdmissionQueue::new(
+                            q.threshold,
+                            q.timeout,
+                            q.classes.clone(),
+                            q.order,
+                            registry,
+                        )
+                        .expect("classes validated with the settings"),
+                    )
+                }),
                 busy: BusyControl::new(settings.busy),
                 affinity: settings
                     .session_affinity
@@ -167,12 +181,24 @@ impl Gateway {
         );
         let upkeep = {
             let workers = self.state.workers.clone();
+            let queue = self.state.queue.clone();
             let shutdown = shutdown.child_token();
             tokio::spawn(async move {
-                let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+                // Policy upkeep every second; the queue re-examined every 100 ms (thresholds
+                // may change at run time).
+                let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
+                let mut n = 0u32;
                 loop {
                     tokio::select! {
-                        _ = tick.tick() => workers.maintain(Instant::now()),
+                        _ = tick.tick() => {
+                            n = n.wrapping_add(1);
+                            if n % 10 == 0 {
+                                workers.maintain(Instant::now());
+                            }
+                            if let Some(q) = &queue {
+                                q.dispatch();
+                            }
+                        }
                         _ = shutdown.cancelled() => return,
                     }
                 }
@@ -331,6 +357,24 @@ async fn route_and_forward(
     let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
 
     let hints = routing::parse_hints(&parts.headers)?;
+    if let Some(queue) = &state.queue {
+        // Admission: wait while every eligible rank is saturated with prefill. Requests
+        // with no eligible worker fail at once.
+        let class = queue.class_of(
+            parts
+                .headers
+                .get("x-kvroute-class")
+                .and_then(|v| v.to_str().ok()),
+        )?;
+        let (ranks, cost) = {
+            let table = state.workers.table();
+            let pool = table.resolve(fields.model.as_deref())?;
+            let busy = state.busy.get(pool.model.as_str());
+            let ranks = routing::eligible_ranks(pool, &hints, &busy, started)?;
+            (ranks, tokens.len() as u64)
+        };
+        queue.admit(class, ranks, cost).await?;
+    }
     let table = state.workers.table();
     let pool = table.resolve(fields.model.as_deref())?;
     let busy = state.busy.get(pool.model.as_str());
@@ -370,7 +414,12 @@ async fn route_and_forward(
     choice.worker.series.decisions.inc();
     choice.worker.series.processed.inc();
 
-    let mut guard = InFlight::new(choice.worker.clone(), choice.rank, load);
+    let mut guard = InFlight::new(
+        choice.worker.clone(),
+        choice.rank,
+        load,
+        state.queue.clone(),
+    );
     if stream {
         guard = guard.with_ttft(arrived, state.metrics.ttft_seconds.clone());
     }

@@ -1,0 +1,218 @@
+//! Queue backpressure: a request whose eligible ranks are all saturated with prefill waits
+//! in the router, in its policy class, until capacity frees; it is scored only when it
+//! leaves the queue, on fresh load and cache state.
+//!
+//! A rank is saturated when its active prefill tokens exceed `--router-queue-threshold` x its
+//! engine's `max_num_batched_tokens` (from the worker's config, else vLLM's default 8192).
+//! Which class's head goes next is `kvroute_core::queue::DrrQueue`'s weighted deficit round
+//! robin, in uncached tokens. Capacity is re-examined whenever a request produces its first
+//! token or ends, and every 100 ms. A full class answers `queue_full`; a request waiting
+//! longer than `--router-queue-timeout-secs` gets `queue_timeout`; a client that goes away
+//! leaves the queue.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvroute_core::queue::{DrrQueue, PolicyClass, QueueError, QueueOrder, Ticket};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio::sync::oneshot;
+
+use crate::error::GatewayError;
+use crate::workers::Worker;
+
+/// vLLM's default `max_num_batched_tokens`, for workers whose config does not say.
+pub const DEFAULT_BATCH_TOKENS: u64 = 8192;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClassLabel {
+    class: String,
+}
+
+/// A waiting request: the ranks it may go to, and how to wake it.
+struct Waiter {
+    ranks: Vec<(Arc<Worker>, usize)>,
+    wake: oneshot::Sender<()>,
+}
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("ranks", &self.ranks.len())
+            .finish()
+    }
+}
+
+/// The router's admission queue.
+#[derive(Debug)]
+pub struct AdmissionQueue {
+    threshold: f64,
+    timeout: Duration,
+    classes: Vec<PolicyClass>,
+    default_class: usize,
+    queue: Mutex<DrrQueue<Waiter>>,
+    pending: Vec<Gauge>,
+    waited: Histogram,
+}
+
+/// Whether the rank is saturated with prefill at `threshold`.
+fn saturated(worker: &Worker, rank: usize, threshold: f64) -> bool {
+    let budget = worker
+        .max_num_batched_tokens
+        .unwrap_or(DEFAULT_BATCH_TOKENS) as f64;
+    worker.ranks[rank].load().prefill_tokens() as f64 > threshold * budget
+}
+
+impl AdmissionQueue {
+    pub fn new(
+        threshold: f64,
+        timeout: Duration,
+        classes: Vec<PolicyClass>,
+        order: QueueOrder,
+        registry: &mut Registry,
+    ) -> Result<Self, kvroute_core::queue::QueueConfigError> {
+        let queue = DrrQueue::new(classes.clone(), order)?;
+        let family = Family::<ClassLabel, Gauge>::default();
+        registry.register(
+            "kvroute_queue_pending",
+            "Requests waiting in the router's queue, by policy class",
+            family.clone(),
+        );
+        let waited = Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+            0.001, 2.0, 16,
+        ));
+        registry.register(
+            "kvroute_queue_wait_seconds",
+            "Time requests spent in the router's queue",
+            waited.clone(),
+        );
+        let pending = classes
+            .iter()
+            .map(|c| {
+                family
+                    .get_or_create(&ClassLabel {
+                        class: c.name.clone(),
+                    })
+                    .clone()
+            })
+            .collect();
+        let default_class = classes
+            .iter()
+            .position(|c| c.name == "default")
+            .unwrap_or(0);
+        Ok(Self {
+            threshold,
+            timeout,
+            classes,
+            default_class,
+            queue: Mutex::new(queue),
+            pending,
+            waited,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, DrrQueue<Waiter>> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The class named by `x-kvroute-class`, else the default one.
+    pub fn class_of(&self, name: Option<&str>) -> Result<usize, GatewayError> {
+        match name {
+            None => Ok(self.default_class),
+            Some(n) => self
+                .classes
+                .iter()
+                .position(|c| c.name == n)
+                .ok_or_else(|| GatewayError::InvalidHint {
+                    header: "x-kvroute-class",
+                    reason: format!("no policy class '{n}'"),
+                }),
+        }
+    }
+
+    /// Waits, if every one of `ranks` is saturated, until the queue lets the request go.
+    pub async fn admit(
+        &self,
+        class: usize,
+        ranks: Vec<(Arc<Worker>, usize)>,
+        cost: u64,
+    ) -> Result<(), GatewayError> {
+        let full = ranks.iter().all(|(w, r)| saturated(w, *r, self.threshold));
+        if !full && self.lock().class_len(class) == 0 {
+            return Ok(());
+        }
+        let (wake, woken) = oneshot::channel();
+        let ticket = {
+            let mut q = self.lock();
+            match q.push(class, Waiter { ranks, wake }, cost) {
+                Ok(t) => t,
+                Err(QueueError::Full { .. }) => {
+                    return Err(GatewayError::QueueFull(self.classes[class].name.clone()))
+                }
+                Err(QueueError::UnknownClass { .. }) => {
+                    return Err(GatewayError::NoEndpoint("unknown policy class"))
+                }
+            }
+        };
+        self.pending[class].inc();
+        let mut leave = Leave {
+            queue: self,
+            ticket: Some(ticket),
+            class,
+        };
+        self.dispatch();
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(self.timeout, woken).await;
+        self.waited.observe(started.elapsed().as_secs_f64());
+        match outcome {
+            Ok(Ok(())) => {
+                leave.ticket = None;
+                Ok(())
+            }
+            _ => Err(GatewayError::QueueTimeout(self.timeout.as_secs())),
+        }
+    }
+
+    /// Lets go every head whose ranks have capacity now, class by class (weighted DRR).
+    pub fn dispatch(&self) {
+        let threshold = self.threshold;
+        let mut q = self.lock();
+        while let Some((class, waiter)) = q.pop(|_, w| {
+            !w.ranks
+                .iter()
+                .all(|(worker, r)| saturated(worker, *r, threshold))
+        }) {
+            self.pending[class].dec();
+            // A waiter whose client left is dropped here; nothing to wake.
+            let _ = waiter.wake.send(());
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Takes a request out of the queue if it leaves before being let go (timeout, client gone).
+struct Leave<'a> {
+    queue: &'a AdmissionQueue,
+    ticket: Option<Ticket>,
+    class: usize,
+}
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            if self.queue.lock().remove(ticket).is_some() {
+                self.queue.pending[self.class].dec();
+            }
+        }
+    }
+}
