@@ -192,7 +192,7 @@ impl Gateway {
                     tokio::select! {
                         _ = tick.tick() => {
                             n = n.wrapping_add(1);
-                            if n % 10 == 0 {
+                            if n.is_multiple_of(10) {
                                 workers.maintain(Instant::now());
                             }
                             if let Some(q) = &queue {

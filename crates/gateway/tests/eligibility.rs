@@ -140,21 +140,36 @@ async fn hints_filter_in_order_and_bad_ones_are_400() {
 
 /// Holds a request on `worker` (the mock never answers a prompt containing "hang").
 async fn hold(r: &TestRouter, worker: &str) -> tokio::task::JoinHandle<Reply> {
+    hold_rank(r, worker, None).await
+}
+
+/// Holds a request on `worker`'s `rank` (any rank when `None`).
+async fn hold_rank(
+    r: &TestRouter,
+    worker: &str,
+    rank: Option<String>,
+) -> tokio::task::JoinHandle<Reply> {
     let url = r.url.clone();
     let worker = worker.to_owned();
-    let held = tokio::spawn(async move {
+    tokio::spawn(async move {
         let b =
             json!({"model": "m", "prompt": format!("{} hang", "x".repeat(500)), "mode": "hang"})
                 .to_string();
-        post(
-            &url,
-            "/v1/completions",
-            &[("x-kvroute-worker", worker.as_str())],
-            &b,
-        )
-        .await
-    });
-    held
+        let mut headers = vec![("x-kvroute-worker", worker.as_str())];
+        if let Some(rank) = &rank {
+            headers.push(("x-kvroute-dp-rank", rank.as_str()));
+        }
+        post(&url, "/v1/completions", &headers, &b).await
+    })
+}
+
+/// The worker and rank a reply names.
+fn placed(reply: &Reply) -> (String, Option<String>) {
+    let rank = reply
+        .headers
+        .get("x-kvroute-dp-rank")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (reply.worker().to_owned(), rank)
 }
 
 #[tokio::test]
@@ -353,10 +368,7 @@ async fn soft_affinity_keeps_a_session_unless_its_worker_is_overloaded() {
     })
     .await;
     let session = [("x-session-id", "alice")];
-    let home = post(&r.url, "/v1/completions", &session, &body("first"))
-        .await
-        .worker()
-        .to_owned();
+    let (home, rank) = placed(&post(&r.url, "/v1/completions", &session, &body("first")).await);
     for i in 0..10 {
         let reply = post(
             &r.url,
@@ -365,24 +377,25 @@ async fn soft_affinity_keeps_a_session_unless_its_worker_is_overloaded() {
             &body(&format!("unrelated {i}")),
         )
         .await;
-        assert_eq!(reply.worker(), home, "the session stays");
+        assert_eq!(
+            placed(&reply),
+            (home.clone(), rank.clone()),
+            "the session stays"
+        );
     }
-    // Its worker is overloaded: soft affinity lets the policy choose another, and rebinds.
-    let held = hold(&r, &home).await;
+    // Its rank is overloaded: soft affinity lets the policy choose another, and rebinds.
+    let held = hold_rank(&r, &home, rank.clone()).await;
     let gw = r.gateway.clone();
     let h = home.clone();
     wait_until("home busy", || {
         gw.workers()
             .statuses()
             .iter()
-            .any(|w| w.id == h && w.in_flight == 1)
+            .any(|w| w.id == h && w.in_flight >= 1)
     })
     .await;
-    let moved = post(&r.url, "/v1/completions", &session, &body("while busy"))
-        .await
-        .worker()
-        .to_owned();
-    assert_ne!(moved, home);
+    let moved = placed(&post(&r.url, "/v1/completions", &session, &body("while busy")).await);
+    assert_ne!(moved, (home.clone(), rank.clone()));
     held.abort();
     let gw = r.gateway.clone();
     wait_until("home idle", || {
@@ -390,9 +403,7 @@ async fn soft_affinity_keeps_a_session_unless_its_worker_is_overloaded() {
     })
     .await;
     assert_eq!(
-        post(&r.url, "/v1/completions", &session, &body("after"))
-            .await
-            .worker(),
+        placed(&post(&r.url, "/v1/completions", &session, &body("after")).await),
         moved,
         "rebound"
     );
@@ -413,11 +424,8 @@ async fn hard_affinity_is_a_pin() {
     })
     .await;
     let session = [("x-session-id", "bob")];
-    let home = post(&r.url, "/v1/completions", &session, &body("first"))
-        .await
-        .worker()
-        .to_owned();
-    let held = hold(&r, &home).await;
+    let (home, rank) = placed(&post(&r.url, "/v1/completions", &session, &body("first")).await);
+    let held = hold_rank(&r, &home, rank.clone()).await;
     let gw = r.gateway.clone();
     let h = home.clone();
     wait_until("home busy", || {
@@ -429,10 +437,13 @@ async fn hard_affinity_is_a_pin() {
     .await;
     let reply = post(&r.url, "/v1/completions", &session, &body("while busy")).await;
     assert_eq!(
-        (reply.status.as_u16(), reply.error_code().as_str()),
-        (503, "pinned_worker_overloaded")
+        reply.status.as_u16(),
+        503,
+        "{:?} home {home} {rank:?}",
+        String::from_utf8_lossy(&reply.body)
     );
-    // Other sessions are unaffected.
+    assert_eq!(reply.error_code(), "pinned_worker_overloaded");
+    // Other sessions are unaffected: they go to the ranks that are not busy.
     let other = post(
         &r.url,
         "/v1/completions",
@@ -441,7 +452,7 @@ async fn hard_affinity_is_a_pin() {
     )
     .await;
     assert_eq!(other.status, 200);
-    assert_ne!(other.worker(), home);
+    assert_ne!(placed(&other), (home.clone(), rank.clone()));
     held.abort();
     r.stop().await;
 }
