@@ -10,6 +10,7 @@
 //! longer than `--router-queue-timeout-secs` gets `queue_timeout`; a client that goes away
 //! leaves the queue.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,8 +55,27 @@ pub struct AdmissionQueue {
     classes: Vec<PolicyClass>,
     default_class: usize,
     queue: Mutex<DrrQueue<Waiter>>,
+    /// A request let go that has not started yet (its load is not counted): no other is
+    /// let go until it has, so each decision sees the load of the previous one.
+    in_transit: AtomicBool,
     pending: Vec<Gauge>,
     waited: Histogram,
+}
+
+/// Held by a request the queue let go, until its load is counted (or it failed); dropping
+/// it lets the next one be considered.
+#[derive(Debug)]
+pub struct Released<'a> {
+    queue: Option<&'a AdmissionQueue>,
+}
+
+impl Drop for Released<'_> {
+    fn drop(&mut self) {
+        if let Some(q) = self.queue {
+            q.in_transit.store(false, Ordering::Release);
+            q.dispatch();
+        }
+    }
 }
 
 /// Whether the rank is saturated with prefill at `threshold`.
@@ -109,6 +129,7 @@ impl AdmissionQueue {
             classes,
             default_class,
             queue: Mutex::new(queue),
+            in_transit: AtomicBool::new(false),
             pending,
             waited,
         })
@@ -134,15 +155,16 @@ impl AdmissionQueue {
     }
 
     /// Waits, if every one of `ranks` is saturated, until the queue lets the request go.
+    /// Keep the returned token until the request's load is counted.
     pub async fn admit(
         &self,
         class: usize,
         ranks: Vec<(Arc<Worker>, usize)>,
         cost: u64,
-    ) -> Result<(), GatewayError> {
+    ) -> Result<Released<'_>, GatewayError> {
         let full = ranks.iter().all(|(w, r)| saturated(w, *r, self.threshold));
-        if !full && self.lock().class_len(class) == 0 {
-            return Ok(());
+        if !full && self.is_empty() && !self.in_transit.load(Ordering::Acquire) {
+            return Ok(Released { queue: None });
         }
         let (wake, woken) = oneshot::channel();
         let ticket = {
@@ -170,7 +192,7 @@ impl AdmissionQueue {
         match outcome {
             Ok(Ok(())) => {
                 leave.ticket = None;
-                Ok(())
+                Ok(Released { queue: Some(self) })
             }
             _ => Err(GatewayError::QueueTimeout(self.timeout.as_secs())),
         }

@@ -357,6 +357,7 @@ async fn route_and_forward(
     let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
 
     let hints = routing::parse_hints(&parts.headers)?;
+    let mut released = None;
     if let Some(queue) = &state.queue {
         // Admission: wait while every eligible rank is saturated with prefill. Requests
         // with no eligible worker fail at once.
@@ -373,7 +374,7 @@ async fn route_and_forward(
             let ranks = routing::eligible_ranks(pool, &hints, &busy, started)?;
             (ranks, tokens.len() as u64)
         };
-        queue.admit(class, ranks, cost).await?;
+        released = Some(queue.admit(class, ranks, cost).await?);
     }
     let table = state.workers.table();
     let pool = table.resolve(fields.model.as_deref())?;
@@ -420,6 +421,8 @@ async fn route_and_forward(
         load,
         state.queue.clone(),
     );
+    // Its load is counted: the queue may consider the next request.
+    drop(released);
     if stream {
         guard = guard.with_ttft(arrived, state.metrics.ttft_seconds.clone());
     }
