@@ -139,6 +139,7 @@ async fn main() {
                 threshold: 1.0,
                 order: QueueOrder::Fcfs,
                 timeout: Duration::from_secs(600),
+                class_thresholds: vec![Default::default()],
                 classes: default_class.clone(),
             }),
         ),
@@ -148,6 +149,7 @@ async fn main() {
                 threshold: 1.0,
                 order: QueueOrder::Wspt,
                 timeout: Duration::from_secs(600),
+                class_thresholds: vec![Default::default()],
                 classes: default_class.clone(),
             }),
         ),
@@ -184,6 +186,7 @@ async fn main() {
             threshold: 1.0,
             order: QueueOrder::Fcfs,
             timeout: Duration::from_secs(600),
+            class_thresholds: vec![Default::default(); 2],
             classes,
         }),
     )

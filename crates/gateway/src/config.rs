@@ -80,13 +80,20 @@ pub enum QueueOrderArg {
 }
 
 /// A policy class as the config file describes it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyClassSpec {
     pub name: String,
     pub weight: u64,
     #[serde(default)]
     pub max_queued: Option<usize>,
+    /// The class's own busy thresholds, over the model's where set.
+    #[serde(default)]
+    pub active_prefill_tokens_threshold: Option<u64>,
+    #[serde(default)]
+    pub active_prefill_tokens_threshold_frac: Option<f64>,
+    #[serde(default)]
+    pub active_decode_blocks_threshold: Option<f64>,
 }
 
 /// The queue's configuration, when it is on.
@@ -96,6 +103,8 @@ pub struct QueueSettings {
     pub order: QueueOrder,
     pub timeout: Duration,
     pub classes: Vec<PolicyClass>,
+    /// Per class (same order), its own busy thresholds; unset fields follow the model's.
+    pub class_thresholds: Vec<BusyThresholds>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
@@ -716,21 +725,35 @@ impl Args {
                     })
                 }
                 Some(threshold) => {
-                    let mut classes: Vec<PolicyClass> = self
-                        .policy_classes
-                        .into_iter()
-                        .map(|c| PolicyClass {
+                    let mut class_thresholds = Vec::new();
+                    let mut classes: Vec<PolicyClass> = Vec::new();
+                    for c in self.policy_classes {
+                        if c.active_decode_blocks_threshold
+                            .is_some_and(|f| !(0.0..=1.0).contains(&f))
+                        {
+                            return Err(ConfigError::Invalid {
+                                name: "policy_classes.active_decode_blocks_threshold",
+                                reason: "must be between 0 and 1",
+                            });
+                        }
+                        class_thresholds.push(BusyThresholds {
+                            active_prefill_tokens: c.active_prefill_tokens_threshold,
+                            active_prefill_tokens_frac: c.active_prefill_tokens_threshold_frac,
+                            active_decode_blocks: c.active_decode_blocks_threshold,
+                        });
+                        classes.push(PolicyClass {
                             name: c.name,
                             weight: c.weight,
                             max_queued: c.max_queued,
-                        })
-                        .collect();
+                        });
+                    }
                     if classes.is_empty() {
                         classes.push(PolicyClass {
                             name: "default".into(),
                             weight: 1,
                             max_queued: None,
                         });
+                        class_thresholds.push(BusyThresholds::default());
                     }
                     let order = match self.router_queue_policy {
                         Some(QueueOrderArg::Wspt) => QueueOrder::Wspt,
@@ -751,6 +774,7 @@ impl Args {
                             self.router_queue_timeout_secs.unwrap_or(60).max(1),
                         ),
                         classes,
+                        class_thresholds,
                     })
                 }
             },

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::queue::{DrrQueue, PolicyClass, QueueError, QueueOrder, Ticket};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
@@ -53,6 +54,7 @@ pub struct AdmissionQueue {
     threshold: f64,
     timeout: Duration,
     classes: Vec<PolicyClass>,
+    class_thresholds: Vec<BusyThresholds>,
     default_class: usize,
     queue: Mutex<DrrQueue<Waiter>>,
     /// A request let go that has not started yet (its load is not counted): no other is
@@ -91,6 +93,7 @@ impl AdmissionQueue {
         threshold: f64,
         timeout: Duration,
         classes: Vec<PolicyClass>,
+        class_thresholds: Vec<BusyThresholds>,
         order: QueueOrder,
         registry: &mut Registry,
     ) -> Result<Self, kvroute_core::queue::QueueConfigError> {
@@ -127,6 +130,7 @@ impl AdmissionQueue {
             threshold,
             timeout,
             classes,
+            class_thresholds,
             default_class,
             queue: Mutex::new(queue),
             in_transit: AtomicBool::new(false),
@@ -151,6 +155,22 @@ impl AdmissionQueue {
                     header: "x-kvroute-class",
                     reason: format!("no policy class '{n}'"),
                 }),
+        }
+    }
+
+    /// The busy thresholds of requests of `class`: the class's own fields over `model`'s.
+    pub fn thresholds(&self, class: usize, model: BusyThresholds) -> BusyThresholds {
+        let own = self
+            .class_thresholds
+            .get(class)
+            .copied()
+            .unwrap_or_default();
+        BusyThresholds {
+            active_prefill_tokens: own.active_prefill_tokens.or(model.active_prefill_tokens),
+            active_prefill_tokens_frac: own
+                .active_prefill_tokens_frac
+                .or(model.active_prefill_tokens_frac),
+            active_decode_blocks: own.active_decode_blocks.or(model.active_decode_blocks),
         }
     }
 

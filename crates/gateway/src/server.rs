@@ -104,6 +104,7 @@ impl Gateway {
                             q.threshold,
                             q.timeout,
                             q.classes.clone(),
+                            q.class_thresholds.clone(),
                             q.order,
                             registry,
                         )
@@ -358,27 +359,32 @@ async fn route_and_forward(
 
     let hints = routing::parse_hints(&parts.headers)?;
     let mut released = None;
+    let mut class = None;
     if let Some(queue) = &state.queue {
         // Admission: wait while every eligible rank is saturated with prefill. Requests
         // with no eligible worker fail at once.
-        let class = queue.class_of(
+        let c = queue.class_of(
             parts
                 .headers
                 .get("x-kvroute-class")
                 .and_then(|v| v.to_str().ok()),
         )?;
+        class = Some(c);
         let (ranks, cost) = {
             let table = state.workers.table();
             let pool = table.resolve(fields.model.as_deref())?;
-            let busy = state.busy.get(pool.model.as_str());
+            let busy = queue.thresholds(c, state.busy.get(pool.model.as_str()));
             let ranks = routing::eligible_ranks(pool, &hints, &busy, started)?;
             (ranks, tokens.len() as u64)
         };
-        released = Some(queue.admit(class, ranks, cost).await?);
+        released = Some(queue.admit(c, ranks, cost).await?);
     }
     let table = state.workers.table();
     let pool = table.resolve(fields.model.as_deref())?;
-    let busy = state.busy.get(pool.model.as_str());
+    let mut busy = state.busy.get(pool.model.as_str());
+    if let (Some(queue), Some(c)) = (&state.queue, class) {
+        busy = queue.thresholds(c, busy);
+    }
     let plan = routing::plan(
         &state.kv,
         pool,

@@ -19,6 +19,7 @@ fn queue(threshold: f64, classes: Vec<PolicyClass>, timeout: Duration) -> Option
         threshold,
         order: QueueOrder::Fcfs,
         timeout,
+        class_thresholds: vec![Default::default(); classes.len()],
         classes,
     })
 }
@@ -179,6 +180,58 @@ async fn a_full_class_and_a_long_wait_are_errors() {
         metric_value(&m, "kvroute_queue_pending", r#"class="small""#),
         Some(0.0)
     );
+    held.abort();
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_class_may_have_its_own_busy_thresholds() {
+    let file = "router_queue_threshold: 100\npolicy_classes:\n  - {name: default, weight: 1}\n  - {name: strict, weight: 1, active_prefill_tokens_threshold: 100}\n";
+    let parsed = kvroute_gateway::Args::from_text(file).unwrap();
+    let w = MockWorker::start("w", &["m"]).await;
+    let mut s = kvroute_gateway::Args {
+        worker_urls: vec![w.url.clone()],
+        ..parsed
+    }
+    .into_settings()
+    .unwrap();
+    s.request_timeout = Duration::from_secs(60);
+    assert_eq!(
+        s.queue.as_ref().unwrap().class_thresholds[1].active_prefill_tokens,
+        Some(100)
+    );
+    let r = TestRouter::start(s).await;
+    let url = r.url.clone();
+    let held = tokio::spawn(async move {
+        post(
+            &url,
+            "/v1/completions",
+            &[],
+            &json!({"model": "m", "prompt": "x".repeat(500), "mode": "hang"}).to_string(),
+        )
+        .await
+    });
+    let gw = r.gateway.clone();
+    wait_until("busy", || gw.workers().statuses()[0].in_flight == 1).await;
+    let strict = post(
+        &r.url,
+        "/v1/completions",
+        &[("x-kvroute-class", "strict")],
+        &json!({"model": "m", "prompt": "a"}).to_string(),
+    )
+    .await;
+    assert_eq!(
+        (strict.status.as_u16(), strict.error_code().as_str()),
+        (503, "all_workers_overloaded")
+    );
+    let default = post(
+        &r.url,
+        "/v1/completions",
+        &[],
+        &json!({"model": "m", "prompt": "a"}).to_string(),
+    )
+    .await;
+    assert_eq!(default.status, 200);
     held.abort();
     r.stop().await;
 }
