@@ -206,6 +206,19 @@ impl Gateway {
             })
         };
         let mut subscribers = tokio::task::JoinSet::new();
+        if self
+            .state
+            .settings
+            .busy
+            .active_prefill_tokens_frac
+            .is_some()
+        {
+            for w in self.state.workers.workers() {
+                if w.max_num_batched_tokens.is_none() {
+                    tracing::warn!(worker = %w.id, "No max_num_batched_tokens in the config: --active-prefill-tokens-threshold-frac skips this worker");
+                }
+            }
+        }
         // Engine metrics, only for policies that read them.
         if self.state.settings.policy == PolicyKind::LlmD
             || self.state.settings.busy.active_decode_blocks.is_some()
@@ -375,7 +388,23 @@ async fn route_and_forward(
             let pool = table.resolve(fields.model.as_deref())?;
             let busy = queue.thresholds(c, state.busy.get(pool.model.as_str()));
             let ranks = routing::eligible_ranks(pool, &hints, &busy, started)?;
-            (ranks, tokens.len() as u64)
+            // The cost for ordering and DRR: uncached tokens as the index sees them now.
+            let hashes = kvroute_index::block_hashes(&tokens, state.kv.block_size, 0);
+            let (events, approx) = state.kv.overlaps(&hashes, started);
+            let best = ranks
+                .iter()
+                .map(|(w, r)| {
+                    let replica = w.ranks[*r].replica;
+                    if state.kv.uses_events(w) {
+                        events.get(replica).total()
+                    } else {
+                        approx.get(replica).total()
+                    }
+                })
+                .max()
+                .unwrap_or(0) as usize;
+            let cached = best * state.kv.block_size;
+            (ranks, tokens.len().saturating_sub(cached) as u64)
         };
         released = Some(queue.admit(c, ranks, cost).await?);
     }

@@ -1,0 +1,295 @@
+//! Eligibility, busy thresholds and session affinity against kvroute-sim replicas: load is
+//! held by real streams (a replica overloaded by the decode-blocks threshold).
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::affinity::AffinityMode;
+use kvroute_core::PolicyKind;
+use kvroute_gateway::{Settings, WorkerSpec};
+use kvroute_tokenizer::Tokenizer;
+use serde_json::json;
+use support::*;
+use tokio_util::sync::CancellationToken;
+
+/// Replica "a" (one rank) and "b" (two ranks, taint gpu), both kvroute-sim at real speed.
+/// The router believes each rank has 100 KV blocks, so a stream of a 640-token prompt (41
+/// blocks) overloads its rank at a decode threshold of 0.2.
+async fn cluster(tweak: impl FnOnce(&mut Settings)) -> (TestRouter, CancellationToken) {
+    let shutdown = CancellationToken::new();
+    let mut specs = Vec::new();
+    for (id, dp) in [("a", 1), ("b", 2)] {
+        let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from([
+            "kvroute-sim",
+            "--data-parallel-size",
+            &dp.to_string(),
+        ]);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(
+            kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()))
+                .serve(listener, shutdown.clone()),
+        );
+        specs.push(WorkerSpec {
+            id: Some(id.into()),
+            num_gpu_blocks: Some(100),
+            dp_size: (dp > 1).then_some(dp),
+            taints: if id == "b" {
+                vec!["gpu".into()]
+            } else {
+                vec![]
+            },
+            ..WorkerSpec::url(url)
+        });
+    }
+    let mut s = Settings::with_workers(specs).unwrap();
+    s.policy = PolicyKind::KvAware;
+    s.busy.active_decode_blocks = Some(0.2);
+    tweak(&mut s);
+    (TestRouter::start(s).await, shutdown)
+}
+
+fn body(prompt: &str) -> String {
+    json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 1}).to_string()
+}
+
+/// Holds a long stream on (worker, rank) and returns it (dropping it releases the load).
+async fn hold(
+    r: &TestRouter,
+    worker: &str,
+    rank: Option<u32>,
+) -> http::Response<hyper::body::Incoming> {
+    let b = json!({"model": "kvroute-sim", "prompt": text(640, 77), "max_tokens": 100000, "stream": true}).to_string();
+    let mut req = http::Request::post(format!("{}/v1/completions", r.url))
+        .header("content-type", "application/json")
+        .header("x-kvroute-worker", worker);
+    if let Some(k) = rank {
+        req = req.header("x-kvroute-dp-rank", k.to_string());
+    }
+    let resp = client()
+        .request(
+            req.body(http_body_util::Full::new(bytes::Bytes::from(b)))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp
+}
+
+fn placed(reply: &Reply) -> (String, Option<String>) {
+    (
+        reply.worker().to_owned(),
+        reply
+            .headers
+            .get("x-kvroute-dp-rank")
+            .map(|v| v.to_str().unwrap().to_owned()),
+    )
+}
+
+#[tokio::test]
+async fn every_filter_and_error_class_on_simulated_replicas() {
+    let (r, stop) = cluster(|_| {}).await;
+    // Allow-list, pin with rank, required taints.
+    for i in 0..4 {
+        assert_eq!(
+            post(
+                &r.url,
+                "/v1/completions",
+                &[("x-kvroute-allowed-workers", "a")],
+                &body(&format!("{i}"))
+            )
+            .await
+            .worker(),
+            "a"
+        );
+        let reply = post(
+            &r.url,
+            "/v1/completions",
+            &[("x-kvroute-required-taints", "gpu")],
+            &body(&format!("t{i}")),
+        )
+        .await;
+        assert_eq!(reply.worker(), "b");
+    }
+    let reply = post(
+        &r.url,
+        "/v1/completions",
+        &[("x-kvroute-worker", "b"), ("x-kvroute-dp-rank", "1")],
+        &body("pinned"),
+    )
+    .await;
+    assert_eq!(placed(&reply), ("b".to_owned(), Some("1".to_owned())));
+    for (headers, status, code) in [
+        (vec![("x-kvroute-worker", "c")], 400, "invalid_pin"),
+        (
+            vec![("x-kvroute-worker", "b"), ("x-kvroute-dp-rank", "2")],
+            400,
+            "invalid_pin",
+        ),
+        (
+            vec![
+                ("x-kvroute-worker", "a"),
+                ("x-kvroute-allowed-workers", "b"),
+            ],
+            400,
+            "invalid_pin",
+        ),
+        (
+            vec![("x-kvroute-required-taints", "tpu")],
+            503,
+            "no_endpoint",
+        ),
+        (
+            vec![("x-kvroute-preferred-taints", "gpu=x")],
+            400,
+            "invalid_hint",
+        ),
+    ] {
+        let reply = post(&r.url, "/v1/completions", &headers, &body("x")).await;
+        assert_eq!(
+            (reply.status.as_u16(), reply.error_code().as_str()),
+            (status, code),
+            "{headers:?}"
+        );
+    }
+    // Overload: a's only rank busy -> everything to b; a pinned -> pinned_worker_overloaded.
+    let held_a = hold(&r, "a", None).await;
+    for i in 0..4 {
+        assert_eq!(
+            post(&r.url, "/v1/completions", &[], &body(&format!("o{i}")))
+                .await
+                .worker(),
+            "b"
+        );
+    }
+    let reply = post(
+        &r.url,
+        "/v1/completions",
+        &[("x-kvroute-worker", "a")],
+        &body("x"),
+    )
+    .await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.error_code().as_str()),
+        (503, "pinned_worker_overloaded")
+    );
+    // b stays eligible while one of its ranks is free; with both busy, all are overloaded.
+    let held_b0 = hold(&r, "b", Some(0)).await;
+    let reply = post(&r.url, "/v1/completions", &[], &body("y")).await;
+    assert_eq!(placed(&reply), ("b".to_owned(), Some("1".to_owned())));
+    let held_b1 = hold(&r, "b", Some(1)).await;
+    let reply = post(&r.url, "/v1/completions", &[], &body("z")).await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.error_code().as_str()),
+        (503, "all_workers_overloaded")
+    );
+    assert_eq!(reply.headers["retry-after"], "1");
+    // Releasing a's stream makes it eligible again.
+    drop(held_a);
+    let gw = r.gateway.clone();
+    wait_until("a released", || {
+        gw.workers()
+            .statuses()
+            .iter()
+            .any(|w| w.id == "a" && w.in_flight == 0)
+    })
+    .await;
+    assert_eq!(
+        post(&r.url, "/v1/completions", &[], &body("free again"))
+            .await
+            .worker(),
+        "a"
+    );
+    drop((held_b0, held_b1));
+    r.stop().await;
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn busy_thresholds_change_at_run_time() {
+    let (r, stop) = cluster(|s| s.busy.active_decode_blocks = None).await;
+    let held = hold(&r, "a", None).await;
+    // No threshold: a stays a candidate (its cost may still lose to b's; send a pinned one).
+    assert_eq!(
+        post(
+            &r.url,
+            "/v1/completions",
+            &[("x-kvroute-worker", "a")],
+            &body("p")
+        )
+        .await
+        .status,
+        200
+    );
+    let set = post(
+        &r.url,
+        "/busy_threshold",
+        &[],
+        &json!({"model": "kvroute-sim", "active_decode_blocks_threshold": 0.2}).to_string(),
+    )
+    .await;
+    assert_eq!(set.status, 200, "{:?}", set.body);
+    let reply = post(
+        &r.url,
+        "/v1/completions",
+        &[("x-kvroute-worker", "a")],
+        &body("p2"),
+    )
+    .await;
+    assert_eq!(
+        (reply.status.as_u16(), reply.error_code().as_str()),
+        (503, "pinned_worker_overloaded")
+    );
+    for i in 0..4 {
+        assert_eq!(
+            post(&r.url, "/v1/completions", &[], &body(&format!("q{i}")))
+                .await
+                .worker(),
+            "b"
+        );
+    }
+    drop(held);
+    r.stop().await;
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn session_affinity_soft_and_hard() {
+    for mode in [AffinityMode::Soft, AffinityMode::Hard] {
+        let (r, stop) =
+            cluster(|s| s.session_affinity = Some((mode, Duration::from_secs(600)))).await;
+        let session = [("x-session-id", "s1")];
+        let (home, rank) = placed(&post(&r.url, "/v1/completions", &session, &body("first")).await);
+        for i in 0..6 {
+            assert_eq!(
+                placed(&post(&r.url, "/v1/completions", &session, &body(&format!("n{i}"))).await),
+                (home.clone(), rank.clone()),
+                "{mode:?}"
+            );
+        }
+        let held = hold(&r, &home, rank.as_deref().map(|k| k.parse().unwrap())).await;
+        let reply = post(&r.url, "/v1/completions", &session, &body("while busy")).await;
+        match mode {
+            AffinityMode::Soft => {
+                assert_eq!(reply.status, 200);
+                assert_ne!(
+                    placed(&reply),
+                    (home.clone(), rank.clone()),
+                    "soft: another rank"
+                );
+            }
+            AffinityMode::Hard => {
+                assert_eq!(
+                    (reply.status.as_u16(), reply.error_code().as_str()),
+                    (503, "pinned_worker_overloaded")
+                );
+            }
+        }
+        drop(held);
+        r.stop().await;
+        stop.cancel();
+    }
+}
