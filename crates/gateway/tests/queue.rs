@@ -235,3 +235,71 @@ async fn a_class_may_have_its_own_busy_thresholds() {
     held.abort();
     r.stop().await;
 }
+
+#[tokio::test]
+async fn a_client_that_leaves_leaves_the_queue() {
+    let w = MockWorker::start("w", &["m"]).await;
+    let mut s = settings(&[&w]);
+    s.policy = PolicyKind::KvAware;
+    s.request_timeout = Duration::from_secs(120);
+    s.queue = queue(
+        0.01,
+        vec![class("default", 1, None)],
+        Duration::from_secs(120),
+    );
+    let r = TestRouter::start(s).await;
+    let url = r.url.clone();
+    let held = tokio::spawn(async move {
+        post(
+            &url,
+            "/v1/completions",
+            &[],
+            &json!({"model": "m", "prompt": "x".repeat(500), "mode": "hang"}).to_string(),
+        )
+        .await
+    });
+    let gw = r.gateway.clone();
+    wait_until("saturated", || gw.workers().statuses()[0].in_flight == 1).await;
+    let url = r.url.clone();
+    let waiting = tokio::spawn(async move {
+        post(
+            &url,
+            "/v1/completions",
+            &[],
+            &json!({"model": "m", "prompt": "a"}).to_string(),
+        )
+        .await
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while metric_value(
+        &r.metrics().await,
+        "kvroute_queue_pending",
+        r#"class="default""#,
+    ) != Some(1.0)
+    {
+        assert!(tokio::time::Instant::now() < deadline, "never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The client gives up: its connection closes, and the router drops the request.
+    waiting.abort();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while metric_value(
+        &r.metrics().await,
+        "kvroute_queue_pending",
+        r#"class="default""#,
+    ) != Some(0.0)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the abandoned request stayed queued"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        w.requests.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "it never reached the worker"
+    );
+    held.abort();
+    r.stop().await;
+}
