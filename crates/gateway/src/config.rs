@@ -146,6 +146,19 @@ pub struct WorkerSpec {
     /// Labels requests can require (`x-kvroute-required-taints`) or prefer.
     #[serde(default)]
     pub taints: Vec<String>,
+    /// Its part in prefill/decode disaggregation [default: both].
+    #[serde(default)]
+    pub role: WorkerRole,
+}
+
+/// A worker's part in prefill/decode disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerRole {
+    Prefill,
+    Decode,
+    #[default]
+    Both,
 }
 
 impl WorkerSpec {
@@ -162,6 +175,7 @@ impl WorkerSpec {
             num_gpu_blocks: None,
             max_num_batched_tokens: None,
             taints: Vec::new(),
+            role: WorkerRole::Both,
         }
     }
 
@@ -871,6 +885,20 @@ mod tests {
         .unwrap();
         assert_eq!(w.workers[0].ranks(), vec![Some(4), Some(5)]);
         assert_eq!(w.workers[0].kv_events.as_deref(), Some("tcp://a:5557"));
+        assert_eq!(w.workers[0].role, WorkerRole::Both);
+        let full = Args::from_text(
+            "workers:\n  - {id: a, url: 'http://a:1', model: m, taints: [gpu-h100, zone-a], role: decode, max_num_batched_tokens: 8192, num_gpu_blocks: 16384}",
+        )
+        .unwrap()
+        .into_settings()
+        .unwrap();
+        let a = &full.workers[0];
+        assert_eq!(
+            (a.role, a.max_num_batched_tokens, a.num_gpu_blocks),
+            (WorkerRole::Decode, Some(8192), Some(16384))
+        );
+        assert_eq!(a.taints, ["gpu-h100", "zone-a"]);
+        assert!(Args::from_text("workers: [{url: 'http://a:1', role: sideways}]").is_err());
         assert!(Args::from_text("router_temperature: -1")
             .unwrap()
             .into_settings()
