@@ -1,0 +1,174 @@
+//! Traces: Mooncake JSONL, and turning a request's hash ids into prompt tokens.
+//!
+//! A Mooncake line is `{"timestamp": ms, "input_length": n, "output_length": m,
+//! "hash_ids": [...]}`, one hash id per `hash_block_size` (512) tokens of the prompt; equal ids
+//! at the start of two prompts mean an equal prefix. Each id becomes a fixed pseudo-random
+//! block of tokens (seeded by the id), so equal ids give equal token prefixes.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// One request of a trace.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct TraceRequest {
+    /// Arrival, in milliseconds from the start.
+    pub timestamp: u64,
+    pub input_length: usize,
+    pub output_length: usize,
+    pub hash_ids: Vec<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("line {line}: {reason}")]
+    Line { line: usize, reason: String },
+}
+
+/// Parses Mooncake JSONL text; blank lines are skipped, anything else malformed is an error
+/// naming its line.
+pub fn parse(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r: TraceRequest = serde_json::from_str(line).map_err(|e| TraceError::Line {
+            line: i + 1,
+            reason: e.to_string(),
+        })?;
+        if r.input_length == 0 {
+            return Err(TraceError::Line {
+                line: i + 1,
+                reason: "input_length is 0".into(),
+            });
+        }
+        out.push(r);
+    }
+    out.sort_by_key(|r| r.timestamp);
+    Ok(out)
+}
+
+pub fn load(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
+    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    parse(&text)
+}
+
+/// The prompt of `r`: each hash id's block of `block` tokens (ids below `vocab`), cut to
+/// `input_length` (the last block may be partial; missing ids extend with fresh blocks).
+pub fn prompt_tokens(r: &TraceRequest, block: usize, vocab: u32) -> Vec<u32> {
+    let mut out = Vec::with_capacity(r.input_length);
+    let mut i = 0;
+    while out.len() < r.input_length {
+        // Ids past the list: a block unique to this request.
+        let id = r
+            .hash_ids
+            .get(i)
+            .copied()
+            .unwrap_or(u64::MAX - (r.timestamp << 16) - i as u64);
+        let mut x = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+        for _ in 0..block {
+            if out.len() == r.input_length {
+                break;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            out.push((x % u64::from(vocab)) as u32);
+        }
+        i += 1;
+    }
+    out
+}
+
+/// The share of prompt tokens an unbounded cache that has seen every earlier request would
+/// reuse (the trace's upper bound on prefix reuse), counting whole hash blocks.
+pub fn hit_bound(trace: &[TraceRequest], block: usize) -> f64 {
+    let mut seen = std::collections::HashSet::new();
+    let (mut reused, mut total) = (0usize, 0usize);
+    for r in trace {
+        total += r.input_length;
+        let mut prefix = Vec::new();
+        let mut hit = true;
+        for (i, id) in r.hash_ids.iter().enumerate() {
+            prefix.push(*id);
+            let len = block.min(r.input_length.saturating_sub(i * block));
+            if hit && seen.contains(&prefix) {
+                reused += len;
+            } else {
+                hit = false;
+            }
+            seen.insert(prefix.clone());
+        }
+    }
+    reused as f64 / total.max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_lines_name_their_line() {
+        let text = "{\"timestamp\": 5, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}\n\n{\"timestamp\": 1}\n";
+        let e = parse(text).unwrap_err().to_string();
+        assert!(e.starts_with("line 3:"), "{e}");
+        assert!(parse("not json")
+            .unwrap_err()
+            .to_string()
+            .starts_with("line 1:"));
+        let ok = parse("{\"timestamp\": 5, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}\n{\"timestamp\": 1, \"input_length\": 3, \"output_length\": 1, \"hash_ids\": [2]}").unwrap();
+        assert_eq!(
+            ok.iter().map(|r| r.timestamp).collect::<Vec<_>>(),
+            [1, 5],
+            "sorted by arrival"
+        );
+    }
+
+    #[test]
+    fn equal_hash_ids_give_equal_token_prefixes() {
+        let a = TraceRequest {
+            timestamp: 0,
+            input_length: 1200,
+            output_length: 1,
+            hash_ids: vec![7, 8, 9],
+        };
+        let b = TraceRequest {
+            timestamp: 9,
+            input_length: 1100,
+            output_length: 1,
+            hash_ids: vec![7, 8, 4],
+        };
+        let (ta, tb) = (prompt_tokens(&a, 512, 32000), prompt_tokens(&b, 512, 32000));
+        assert_eq!((ta.len(), tb.len()), (1200, 1100));
+        assert_eq!(ta[..1024], tb[..1024]);
+        assert_ne!(ta[1024..1100], tb[1024..1100]);
+        assert!(ta.iter().all(|&t| t < 32000));
+    }
+
+    #[test]
+    fn the_hit_bound_counts_reused_leading_blocks() {
+        let t = |ts, len, ids: Vec<u64>| TraceRequest {
+            timestamp: ts,
+            input_length: len,
+            output_length: 1,
+            hash_ids: ids,
+        };
+        let trace = vec![
+            t(0, 1024, vec![1, 2]),
+            t(1, 1024, vec![1, 3]),
+            t(2, 600, vec![1, 2]),
+        ];
+        // Reused: 512 (second request's first block) + 600 (third: 512 + 88).
+        let expected = (512.0 + 600.0) / (1024.0 + 1024.0 + 600.0);
+        assert!((hit_bound(&trace, 512) - expected).abs() < 1e-12);
+    }
+}
