@@ -168,9 +168,9 @@ pub fn simulate(trace: &[TraceRequest], cfg: &SimConfig) -> PolicyResult {
             (None, Some(e)) => e,
         };
         // Steps ending now take effect first.
-        for e in 0..n {
-            if pending[e].as_ref().is_some_and(|(end, _)| *end <= now) {
-                let (end, out) = pending[e].take().expect("checked");
+        for (e, slot) in pending.iter_mut().enumerate() {
+            if slot.as_ref().is_some_and(|(end, _)| *end <= now) {
+                let (end, out) = slot.take().expect("checked");
                 apply_events(&mut index, ReplicaId(e as u32), &out.events, bs);
                 for t in &out.tokens {
                     let Some(l) = live.get_mut(&t.id) else {
@@ -290,11 +290,11 @@ pub fn simulate(trace: &[TraceRequest], cfg: &SimConfig) -> PolicyResult {
             );
         }
         // Idle engines with work start a step.
-        for e in 0..n {
-            if pending[e].is_none() && engines[e].has_work() {
-                let out = engines[e].step(now);
+        for (slot, engine) in pending.iter_mut().zip(engines.iter_mut()) {
+            if slot.is_none() && engine.has_work() {
+                let out = engine.step(now);
                 if !out.is_idle() {
-                    pending[e] = Some((now + out.duration, out));
+                    *slot = Some((now + out.duration, out));
                 }
             }
         }
