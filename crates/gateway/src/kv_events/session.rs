@@ -1,9 +1,9 @@
 //! The sockets of one rank: connect (with backoff), receive, probe an idle connection,
 //! reconnect, and run replays.
 //!
-//! The `zeromq` crate (0.4) has `todo!()`s on some peer misbehaviour (a DEALER whose
-//! connection errors, a ZMTP command frame), so each connection and each replay runs under
-//! `catch_unwind`: a panic there ends that connection or replay, never the subscriber.
+//! The `zeromq` crate (0.4) panics on some peer misbehaviour it leaves unfinished (a DEALER
+//! whose connection errors, a ZMTP command frame), so each connection and each replay runs
+//! under `catch_unwind`: a panic there ends that connection or replay, never the subscriber.
 
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
