@@ -2,8 +2,9 @@
 //!
 //! Owns trace parsing and prompt synthesis ([`trace`]) and the virtual-time cluster
 //! simulation ([`simulate`]): the real routing core and kvroute-sim's engine core in one
-//! process, deterministic for a seed. (Real-time replay against an HTTP endpoint is still to
-//! come.)
+//! process, deterministic for a seed, and real-time replay against any OpenAI-compatible
+//! endpoint ([`replay`]).
 
+pub mod replay;
 pub mod simulate;
 pub mod trace;

@@ -22,6 +22,29 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// A trace replayed in real time against an OpenAI-compatible endpoint, streaming.
+    Replay {
+        #[arg(long)]
+        trace: PathBuf,
+        #[arg(long)]
+        url: String,
+        /// The `model` field to send (omit for a router serving one model).
+        #[arg(long)]
+        model: Option<String>,
+        #[arg(long, default_value_t = 512)]
+        hash_block_size: usize,
+        #[arg(long, default_value_t = 1.0)]
+        rate_scale: f64,
+        #[arg(long)]
+        max_requests: Option<usize>,
+        #[arg(long, default_value_t = 256)]
+        max_concurrency: usize,
+        /// Stop sending after this many seconds.
+        #[arg(long)]
+        duration: Option<f64>,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// A trace through the real routing core and N simulated engines, in virtual time.
     Simulate {
         #[arg(long)]
@@ -56,6 +79,46 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Replay {
+            trace: path,
+            url,
+            model,
+            hash_block_size,
+            rate_scale,
+            max_requests,
+            max_concurrency,
+            duration,
+            json,
+        } => {
+            let mut requests = trace::load(&path)?;
+            if let Some(m) = max_requests {
+                requests.truncate(m);
+            }
+            let cfg = kvroute_bench::replay::ReplayConfig {
+                url: url.trim_end_matches('/').to_owned(),
+                model,
+                hash_block: hash_block_size,
+                rate_scale,
+                max_concurrency,
+                duration: duration.map(std::time::Duration::from_secs_f64),
+                progress: true,
+            };
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            let r = runtime.block_on(kvroute_bench::replay::replay(&requests, &cfg));
+            println!(
+                "{} requests, {} errors; TTFT ms p50/p90/p99 {:.0}/{:.0}/{:.0}; ITL ms {:.1}/{:.1}/{:.1}; E2E ms {:.0}/{:.0}/{:.0}; {:.2} req/s, {:.0} out tok/s; cached {:.1}% of prompt tokens; per worker {:?}",
+                r.requests, r.errors, r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99, r.itl_ms.p50, r.itl_ms.p90,
+                r.itl_ms.p99, r.e2e_ms.p50, r.e2e_ms.p90, r.e2e_ms.p99, r.throughput_rps, r.output_tokens_per_s,
+                r.hit_share * 100.0, r.requests_per_worker
+            );
+            if let Some(out) = json {
+                let doc = serde_json::json!({"trace": path.display().to_string(), "url": cfg.url, "policies": [r]});
+                std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
+                    .with_context(|| format!("cannot write {}", out.display()))?;
+            }
+        }
         Command::Simulate {
             trace: path,
             workers,

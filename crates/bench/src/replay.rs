@@ -1,0 +1,268 @@
+//! Real-time replay: a trace sent at its own pace (scaled) to any OpenAI-compatible endpoint,
+//! streaming, with per-request timings.
+//!
+//! Each hash id becomes a fixed pseudo-random block of `hash_block_size` lowercase letters
+//! (one token each through kvroute-sim's fallback tokenizer; fewer through a BPE tokenizer,
+//! but equal ids still mean equal prefixes through any tokenizer), cut to the request's
+//! input length. Requests are streamed completions with usage, so the engine-reported
+//! `cached_tokens` comes back; the worker that served each one is read from
+//! `x-kvroute-worker` when the endpoint is kvroute.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+use tokio::sync::Semaphore;
+
+use crate::simulate::{percentiles, Percentiles};
+use crate::trace::TraceRequest;
+
+/// What a replay sends.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    pub url: String,
+    pub model: Option<String>,
+    pub hash_block: usize,
+    pub rate_scale: f64,
+    pub max_concurrency: usize,
+    /// Stop sending new requests after this long.
+    pub duration: Option<Duration>,
+    /// Print progress to stderr every second.
+    pub progress: bool,
+}
+
+/// The figures of a replay.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayResult {
+    pub requests: usize,
+    pub errors: usize,
+    pub ttft_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    pub throughput_rps: f64,
+    pub output_tokens_per_s: f64,
+    /// Engine-reported cached prompt tokens over prompt tokens.
+    pub hit_share: f64,
+    pub requests_per_worker: BTreeMap<String, usize>,
+}
+
+/// The prompt text of `r` (see the module docs).
+pub fn prompt_text(r: &TraceRequest, block: usize) -> String {
+    let mut out = String::with_capacity(r.input_length);
+    let mut i = 0;
+    while out.len() < r.input_length {
+        let id = r
+            .hash_ids
+            .get(i)
+            .copied()
+            .unwrap_or(u64::MAX - (r.timestamp << 16) - i as u64);
+        let mut x = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+        for _ in 0..block {
+            if out.len() == r.input_length {
+                break;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            out.push((b'a' + (x % 26) as u8) as char);
+        }
+        i += 1;
+    }
+    out
+}
+
+#[derive(Default)]
+struct Outcome {
+    ok: bool,
+    ttft: Option<f64>,
+    itl: Vec<f64>,
+    e2e: f64,
+    output_tokens: u64,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    worker: Option<String>,
+}
+
+async fn one(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    cfg: &ReplayConfig,
+    r: &TraceRequest,
+) -> Outcome {
+    let mut body = serde_json::json!({
+        "prompt": prompt_text(r, cfg.hash_block),
+        "max_tokens": r.output_length.max(1),
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if let Some(m) = &cfg.model {
+        body["model"] = m.clone().into();
+    }
+    let req = match http::Request::post(format!("{}/v1/completions", cfg.url))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+    {
+        Ok(r) => r,
+        Err(_) => return Outcome::default(),
+    };
+    let start = Instant::now();
+    let Ok(resp) = client.request(req).await else {
+        return Outcome::default();
+    };
+    let mut out = Outcome {
+        worker: resp
+            .headers()
+            .get("x-kvroute-worker")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
+        ..Outcome::default()
+    };
+    if !resp.status().is_success() {
+        return out;
+    }
+    let mut body = resp.into_body();
+    let mut last: Option<Instant> = None;
+    let mut buf = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else { return out };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        buf.extend_from_slice(&data);
+        // Complete SSE events only.
+        while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..end + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            let Some(json) = text.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if json == "[DONE]" {
+                continue;
+            }
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(json) else {
+                continue;
+            };
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
+            }
+            if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+                let now = Instant::now();
+                match last {
+                    None => out.ttft = Some(now.duration_since(start).as_secs_f64() * 1e3),
+                    Some(l) => out.itl.push(now.duration_since(l).as_secs_f64() * 1e3),
+                }
+                last = Some(now);
+                out.output_tokens += 1;
+            }
+        }
+    }
+    out.e2e = start.elapsed().as_secs_f64() * 1e3;
+    out.ok = out.ttft.is_some();
+    out
+}
+
+/// Replays `trace` against `cfg.url` in real time.
+pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let limit = Arc::new(Semaphore::new(cfg.max_concurrency.max(1)));
+    let start = Instant::now();
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let progress = cfg.progress.then(|| {
+        let done = done.clone();
+        let total = trace.len();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                eprint!(
+                    "\r{} / {total} requests done",
+                    done.load(std::sync::atomic::Ordering::Relaxed)
+                );
+            }
+        })
+    });
+    let mut tasks = Vec::new();
+    for r in trace {
+        let at = start + Duration::from_secs_f64(r.timestamp as f64 / 1000.0 / cfg.rate_scale);
+        if cfg.duration.is_some_and(|d| at > start + d) {
+            break;
+        }
+        tokio::time::sleep_until(at.into()).await;
+        let Ok(permit) = limit.clone().acquire_owned().await else {
+            break;
+        };
+        let (client, cfg2, r2, done) = (client.clone(), cfg.clone(), r.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let o = one(&client, &cfg2, &r2).await;
+            drop(permit);
+            done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            o
+        }));
+    }
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.unwrap_or_default());
+    }
+    if let Some(p) = progress {
+        p.abort();
+        eprintln!();
+    }
+    let elapsed = start.elapsed().as_secs_f64().max(1e-9);
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
+    let mut per_worker = BTreeMap::new();
+    for o in &ok {
+        *per_worker
+            .entry(o.worker.clone().unwrap_or_else(|| "?".into()))
+            .or_insert(0) += 1;
+    }
+    let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+    ReplayResult {
+        requests: outcomes.len(),
+        errors: outcomes.len() - ok.len(),
+        ttft_ms: percentiles(&mut ok.iter().filter_map(|o| o.ttft).collect::<Vec<_>>()),
+        itl_ms: percentiles(
+            &mut ok
+                .iter()
+                .flat_map(|o| o.itl.iter().copied())
+                .collect::<Vec<_>>(),
+        ),
+        e2e_ms: percentiles(&mut ok.iter().map(|o| o.e2e).collect::<Vec<_>>()),
+        throughput_rps: ok.len() as f64 / elapsed,
+        output_tokens_per_s: ok.iter().map(|o| o.output_tokens).sum::<u64>() as f64 / elapsed,
+        hit_share: ok.iter().map(|o| o.cached_tokens).sum::<u64>() as f64 / prompt.max(1) as f64,
+        requests_per_worker: per_worker,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_hash_ids_give_equal_text_prefixes() {
+        let a = TraceRequest {
+            timestamp: 0,
+            input_length: 1200,
+            output_length: 1,
+            hash_ids: vec![7, 8, 9],
+        };
+        let b = TraceRequest {
+            timestamp: 9,
+            input_length: 1100,
+            output_length: 1,
+            hash_ids: vec![7, 8, 4],
+        };
+        let (ta, tb) = (prompt_text(&a, 512), prompt_text(&b, 512));
+        assert_eq!((ta.len(), tb.len()), (1200, 1100));
+        assert_eq!(ta[..1024], tb[..1024]);
+        assert_ne!(ta[1024..1100], tb[1024..1100]);
+    }
+}

@@ -1,0 +1,85 @@
+//! Replay through a real kvroute in front of real kvroute-sim replicas.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_bench::replay::{replay, ReplayConfig};
+use kvroute_bench::trace::TraceRequest;
+use kvroute_gateway::{Gateway, Settings, WorkerSpec};
+use kvroute_tokenizer::Tokenizer;
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
+    let shutdown = CancellationToken::new();
+    let mut workers = Vec::new();
+    for i in 0..2 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let events = format!("tcp://127.0.0.1:{port}");
+        let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from([
+            "kvroute-sim",
+            "--speedup",
+            "50",
+            "--kv-events-endpoint",
+            &events,
+        ]);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        workers.push(WorkerSpec {
+            id: Some(format!("w{i}")),
+            kv_events: Some(events),
+            ..WorkerSpec::url(format!("http://{}", listener.local_addr().unwrap()))
+        });
+        tokio::spawn(
+            kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()))
+                .serve(listener, shutdown.clone()),
+        );
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let mut registry = prometheus_client::registry::Registry::default();
+    let gw = Gateway::new(Settings::with_workers(workers).unwrap(), &mut registry);
+    tokio::spawn(
+        gw.clone()
+            .serve(listener, metrics, Arc::new(registry), shutdown.clone()),
+    );
+    tokio::time::timeout(Duration::from_secs(30), gw.wait_ready())
+        .await
+        .unwrap();
+
+    // 30 requests in 3 conversations that grow turn by turn (shared leading hash ids).
+    let trace: Vec<TraceRequest> = (0..30u64)
+        .map(|i| TraceRequest {
+            timestamp: i * 30,
+            input_length: 512 * (2 + i as usize / 3) - 100,
+            output_length: 4,
+            hash_ids: (0..(2 + i / 3)).map(|k| (i % 3) * 1000 + k).collect(),
+        })
+        .collect();
+    let r = replay(
+        &trace,
+        &ReplayConfig {
+            url,
+            model: None,
+            hash_block: 512,
+            rate_scale: 1.0,
+            max_concurrency: 16,
+            duration: None,
+            progress: false,
+        },
+    )
+    .await;
+    assert_eq!((r.requests, r.errors), (30, 0), "{r:?}");
+    assert_eq!(r.requests_per_worker.values().sum::<usize>(), 30);
+    assert!(r.ttft_ms.p50 > 0.0 && r.e2e_ms.p99 >= r.ttft_ms.p99);
+    assert!(
+        r.hit_share > 0.2,
+        "conversations reuse their prefixes: {r:?}"
+    );
+    assert!(r.output_tokens_per_s > 0.0);
+    shutdown.cancel();
+}
