@@ -51,10 +51,11 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
         .await
         .unwrap();
 
-    // 30 requests in 3 conversations that grow turn by turn (shared leading hash ids).
+    // 30 requests in 3 conversations that grow turn by turn (shared leading hash ids), far
+    // enough apart that each is served before the next arrives.
     let trace: Vec<TraceRequest> = (0..30u64)
         .map(|i| TraceRequest {
-            timestamp: i * 30,
+            timestamp: i * 150,
             input_length: 512 * (2 + i as usize / 3) - 100,
             output_length: 4,
             hash_ids: (0..(2 + i / 3)).map(|k| (i % 3) * 1000 + k).collect(),
@@ -81,5 +82,27 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
         "conversations reuse their prefixes: {r:?}"
     );
     assert!(r.output_tokens_per_s > 0.0);
+
+    // The virtual-time path agrees: the same trace and engines (the replicas run 50x fast,
+    // so in engine time the requests arrive 50x further apart).
+    let sim = kvroute_bench::simulate::simulate(
+        &trace,
+        &kvroute_bench::simulate::SimConfig {
+            workers: 2,
+            engine: kvroute_sim::engine::EngineConfig::default(),
+            policy: kvroute_core::PolicyKind::KvAware,
+            policy_config: kvroute_core::PolicyConfig::default(),
+            hash_block: 512,
+            vocab: 26,
+            rate_scale: 1.0 / 50.0,
+            seed: 0,
+        },
+    );
+    assert!(
+        (sim.hit_share - r.hit_share).abs() < 0.05,
+        "virtual {:.3} vs real {:.3}",
+        sim.hit_share,
+        r.hit_share
+    );
     shutdown.cancel();
 }
