@@ -9,10 +9,26 @@ use kvroute_gateway::{Gateway, Settings, WorkerSpec};
 use kvroute_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
+async fn post(base: &str, path: &str, body: &serde_json::Value) -> serde_json::Value {
+    use http_body_util::BodyExt;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let req = http::Request::post(format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes())
+        .unwrap_or_default()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
     let shutdown = CancellationToken::new();
     let mut workers = Vec::new();
+    let mut sims: Vec<String> = Vec::new();
     for i in 0..2 {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -28,6 +44,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             &events,
         ]);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        sims.push(format!("http://{}", listener.local_addr().unwrap()));
         workers.push(WorkerSpec {
             id: Some(format!("w{i}")),
             kv_events: Some(events),
