@@ -67,6 +67,39 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
     tokio::time::timeout(Duration::from_secs(30), gw.wait_ready())
         .await
         .unwrap();
+    // ZMQ subscribers join asynchronously: probe each replica until the router's index
+    // credits it, so no event of the trace is lost.
+    for (i, w) in sims.iter().enumerate() {
+        let id = format!("w{i}");
+        let mut joined = false;
+        for k in 0..400 {
+            let probe = format!("probe {i} {k} ").repeat(8);
+            post(
+                w,
+                "/v1/completions",
+                &serde_json::json!({"prompt": probe, "max_tokens": 1}),
+            )
+            .await;
+            for _ in 0..10 {
+                let d = post(&url, "/debug/route", &serde_json::json!({"prompt": probe})).await;
+                let credited = d["candidates"].as_array().is_some_and(|c| {
+                    c.iter().any(|c| {
+                        c["worker"] == id.as_str()
+                            && c["overlap_blocks"]["device"].as_u64().unwrap_or(0) > 0
+                    })
+                });
+                if credited {
+                    joined = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if joined {
+                break;
+            }
+        }
+        assert!(joined, "the router never received {id}'s events");
+    }
 
     // 30 requests in 3 conversations that grow turn by turn (shared leading hash ids), far
     // enough apart that each is served before the next arrives.
