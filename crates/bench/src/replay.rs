@@ -21,7 +21,7 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 
 use crate::simulate::{percentiles, Percentiles};
-use crate::trace::TraceRequest;
+use crate::trace::{prompt_text, TraceRequest};
 
 /// What a replay sends.
 #[derive(Debug, Clone)]
@@ -50,31 +50,6 @@ pub struct ReplayResult {
     /// Engine-reported cached prompt tokens over prompt tokens.
     pub hit_share: f64,
     pub requests_per_worker: BTreeMap<String, usize>,
-}
-
-/// The prompt text of `r` (see the module docs).
-pub fn prompt_text(r: &TraceRequest, block: usize) -> String {
-    let mut out = String::with_capacity(r.input_length);
-    let mut i = 0;
-    while out.len() < r.input_length {
-        let id = r
-            .hash_ids
-            .get(i)
-            .copied()
-            .unwrap_or(u64::MAX - (r.timestamp << 16) - i as u64);
-        let mut x = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-        for _ in 0..block {
-            if out.len() == r.input_length {
-                break;
-            }
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            out.push((b'a' + (x % 26) as u8) as char);
-        }
-        i += 1;
-    }
-    out
 }
 
 #[derive(Default)]

@@ -62,31 +62,39 @@ pub fn load(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
     parse(&text)
 }
 
-/// The prompt of `r`: each hash id's block of `block` tokens (ids below `vocab`), cut to
-/// `input_length` (the last block may be partial; missing ids extend with fresh blocks).
-pub fn prompt_tokens(r: &TraceRequest, block: usize, vocab: u32) -> Vec<u32> {
-    let mut out = Vec::with_capacity(r.input_length);
-    let mut i = 0;
-    while out.len() < r.input_length {
-        // Ids past the list: a block unique to this request.
-        let id = r
-            .hash_ids
-            .get(i)
-            .copied()
-            .unwrap_or(u64::MAX - (r.timestamp << 16) - i as u64);
-        let mut x = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-        for _ in 0..block {
-            if out.len() == r.input_length {
-                break;
-            }
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            out.push((x % u64::from(vocab)) as u32);
+/// The prompt of `r` as `input_length` pseudo-random values: each hash id seeds a block of
+/// `block` values (ids past the list: blocks unique to the request), the last block cut.
+pub fn prompt_values(r: &TraceRequest, block: usize) -> impl Iterator<Item = u64> + '_ {
+    (0..r.input_length).scan((usize::MAX, 0u64), move |(blk, x), pos| {
+        if pos / block != *blk {
+            *blk = pos / block;
+            let id = r
+                .hash_ids
+                .get(*blk)
+                .copied()
+                .unwrap_or(u64::MAX - (r.timestamp << 16) - *blk as u64);
+            *x = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
         }
-        i += 1;
-    }
-    out
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        Some(*x)
+    })
+}
+
+/// The prompt of `r` as token ids below `vocab` (see [`prompt_values`]).
+pub fn prompt_tokens(r: &TraceRequest, block: usize, vocab: u32) -> Vec<u32> {
+    prompt_values(r, block)
+        .map(|x| (x % u64::from(vocab)) as u32)
+        .collect()
+}
+
+/// The prompt of `r` as lowercase letters, one per value (one token each through the
+/// fallback tokenizer).
+pub fn prompt_text(r: &TraceRequest, block: usize) -> String {
+    prompt_values(r, block)
+        .map(|x| (b'a' + (x % 26) as u8) as char)
+        .collect()
 }
 
 /// The share of prompt tokens an unbounded cache that has seen every earlier request would

@@ -24,36 +24,62 @@ async fn post(base: &str, path: &str, body: &serde_json::Value) -> serde_json::V
         .unwrap_or_default()
 }
 
+/// Whether the server at `base` answers `GET /health` with 200.
+async fn answers(base: &str) -> bool {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let req = http::Request::get(format!("{base}/health"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    matches!(client.request(req).await, Ok(r) if r.status() == 200)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
     let shutdown = CancellationToken::new();
     let mut workers = Vec::new();
     let mut sims: Vec<String> = Vec::new();
     for i in 0..2 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let events = format!("tcp://127.0.0.1:{port}");
-        let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from([
-            "kvroute-sim",
-            "--speedup",
-            "50",
-            "--kv-events-endpoint",
-            &events,
-        ]);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        sims.push(format!("http://{}", listener.local_addr().unwrap()));
-        workers.push(WorkerSpec {
-            id: Some(format!("w{i}")),
-            kv_events: Some(events),
-            ..WorkerSpec::url(format!("http://{}", listener.local_addr().unwrap()))
-        });
-        tokio::spawn(
-            kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()))
-                .serve(listener, shutdown.clone()),
-        );
+        // The sim binds its KV-event port itself: retry when another test took it meanwhile.
+        let mut started = false;
+        for _ in 0..20 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let events = format!("tcp://127.0.0.1:{port}");
+            let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from([
+                "kvroute-sim",
+                "--speedup",
+                "50",
+                "--kv-events-endpoint",
+                &events,
+            ]);
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let sim = format!("http://{}", listener.local_addr().unwrap());
+            let task = tokio::spawn(
+                kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()))
+                    .serve(listener, shutdown.clone()),
+            );
+            while !task.is_finished() {
+                if answers(&sim).await {
+                    started = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if started {
+                workers.push(WorkerSpec {
+                    id: Some(format!("w{i}")),
+                    kv_events: Some(events),
+                    ..WorkerSpec::url(sim.clone())
+                });
+                sims.push(sim);
+                break;
+            }
+        }
+        assert!(started, "no sim could bind a KV-event port");
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

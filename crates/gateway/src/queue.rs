@@ -85,7 +85,7 @@ fn saturated(worker: &Worker, rank: usize, threshold: f64) -> bool {
     let budget = worker
         .max_num_batched_tokens
         .unwrap_or(DEFAULT_BATCH_TOKENS) as f64;
-    worker.ranks[rank].load().prefill_tokens() as f64 > threshold * budget
+    worker.ranks[rank].with_load(|l| l.prefill_tokens()) as f64 > threshold * budget
 }
 
 impl AdmissionQueue {

@@ -356,6 +356,12 @@ pub fn plan(
 
     let eligible_pairs = eligible_pairs(pool, hints, busy, started)?;
 
+    // The request's blocks, once, for the new-blocks term of every candidate.
+    let request_blocks = RequestLoad {
+        prefill_tokens: 0,
+        blocks: hashes.iter().map(|h| h.0).collect(),
+        own_blocks: u64::from(!tokens.len().is_multiple_of(kv.block_size.max(1))),
+    };
     let mut choices = Vec::new();
     for (wi, rank_index) in eligible_pairs {
         let w = &pool.workers[wi];
@@ -369,20 +375,14 @@ pub fn plan(
                 } else {
                     approx.get(rank.replica)
                 };
-                let load = rank.load();
-                let request = RequestLoad {
-                    prefill_tokens: 0,
-                    blocks: hashes.iter().map(|h| h.0).collect(),
-                    own_blocks: u64::from(!tokens.len().is_multiple_of(kv.block_size.max(1))),
-                };
-                terms = KvTerms {
+                terms = rank.with_load(|load| KvTerms {
                     overlap: overlap_of(counts, tokens.len(), kv.block_size),
                     prefill_tokens: load.prefill_tokens(),
                     decode_blocks: load.decode_blocks(),
-                    new_blocks: load.new_blocks(&request),
+                    new_blocks: load.new_blocks(&request_blocks),
                     active_requests: load.active_requests(),
                     preferred_taint_weight: hints.preferred_weight(&w.taints),
-                };
+                });
             }
             choices.push(Choice {
                 worker: w.clone(),

@@ -60,9 +60,9 @@ impl Rank {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// A copy of the rank's load accounting.
-    pub fn load(&self) -> RankLoad {
-        lock(&self.load).clone()
+    /// Reads the rank's load accounting under its lock (no copy: the block map can be large).
+    pub fn with_load<R>(&self, f: impl FnOnce(&RankLoad) -> R) -> R {
+        f(&lock(&self.load))
     }
 
     fn update(&self, f: impl FnOnce(&mut RankLoad)) {
@@ -82,11 +82,12 @@ impl Rank {
         if *thresholds == BusyThresholds::default() {
             return false;
         }
-        let load = self.load();
+        let (prefill_tokens, decode_blocks) =
+            self.with_load(|l| (l.prefill_tokens(), l.decode_blocks()));
         let engine = self.engine.load(now);
         let pressure = RankPressure {
-            prefill_tokens: load.prefill_tokens(),
-            decode_blocks: load.decode_blocks(),
+            prefill_tokens,
+            decode_blocks,
             engine_kv_usage: engine.kv_usage,
             num_gpu_blocks: engine.num_gpu_blocks,
             max_num_batched_tokens,
@@ -356,12 +357,13 @@ impl WorkerSet {
                     .ranks
                     .iter()
                     .map(|r| {
-                        let load = r.load();
+                        let (prefill, decode) =
+                            r.with_load(|l| (l.prefill_tokens(), l.decode_blocks()));
                         RankStatus {
                             dp_rank: r.dp_rank,
                             in_flight: r.in_flight(),
-                            active_prefill_tokens: load.prefill_tokens(),
-                            active_decode_blocks: load.decode_blocks(),
+                            active_prefill_tokens: prefill,
+                            active_decode_blocks: decode,
                         }
                     })
                     .collect(),

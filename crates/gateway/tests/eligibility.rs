@@ -163,15 +163,6 @@ async fn hold_rank(
     })
 }
 
-/// The worker and rank a reply names.
-fn placed(reply: &Reply) -> (String, Option<String>) {
-    let rank = reply
-        .headers
-        .get("x-kvroute-dp-rank")
-        .map(|v| v.to_str().unwrap().to_owned());
-    (reply.worker().to_owned(), rank)
-}
-
 #[tokio::test]
 async fn busy_thresholds_filter_and_name_the_overload() {
     let a = MockWorker::start("a", &["m"]).await;
@@ -368,7 +359,9 @@ async fn soft_affinity_keeps_a_session_unless_its_worker_is_overloaded() {
     })
     .await;
     let session = [("x-session-id", "alice")];
-    let (home, rank) = placed(&post(&r.url, "/v1/completions", &session, &body("first")).await);
+    let (home, rank) = post(&r.url, "/v1/completions", &session, &body("first"))
+        .await
+        .placed();
     for i in 0..10 {
         let reply = post(
             &r.url,
@@ -378,7 +371,7 @@ async fn soft_affinity_keeps_a_session_unless_its_worker_is_overloaded() {
         )
         .await;
         assert_eq!(
-            placed(&reply),
+            reply.placed(),
             (home.clone(), rank.clone()),
             "the session stays"
         );
@@ -394,7 +387,9 @@ async fn soft_affinity_keeps_a_session_unless_its_worker_is_overloaded() {
             .any(|w| w.id == h && w.in_flight >= 1)
     })
     .await;
-    let moved = placed(&post(&r.url, "/v1/completions", &session, &body("while busy")).await);
+    let moved = post(&r.url, "/v1/completions", &session, &body("while busy"))
+        .await
+        .placed();
     assert_ne!(moved, (home.clone(), rank.clone()));
     held.abort();
     let gw = r.gateway.clone();
@@ -403,7 +398,9 @@ async fn soft_affinity_keeps_a_session_unless_its_worker_is_overloaded() {
     })
     .await;
     assert_eq!(
-        placed(&post(&r.url, "/v1/completions", &session, &body("after")).await),
+        post(&r.url, "/v1/completions", &session, &body("after"))
+            .await
+            .placed(),
         moved,
         "rebound"
     );
@@ -424,7 +421,9 @@ async fn hard_affinity_is_a_pin() {
     })
     .await;
     let session = [("x-session-id", "bob")];
-    let (home, rank) = placed(&post(&r.url, "/v1/completions", &session, &body("first")).await);
+    let (home, rank) = post(&r.url, "/v1/completions", &session, &body("first"))
+        .await
+        .placed();
     let held = hold_rank(&r, &home, rank.clone()).await;
     let gw = r.gateway.clone();
     let h = home.clone();
@@ -452,7 +451,7 @@ async fn hard_affinity_is_a_pin() {
     )
     .await;
     assert_eq!(other.status, 200);
-    assert_ne!(placed(&other), (home.clone(), rank.clone()));
+    assert_ne!(other.placed(), (home.clone(), rank.clone()));
     held.abort();
     r.stop().await;
 }

@@ -79,16 +79,6 @@ async fn hold(
     resp
 }
 
-fn placed(reply: &Reply) -> (String, Option<String>) {
-    (
-        reply.worker().to_owned(),
-        reply
-            .headers
-            .get("x-kvroute-dp-rank")
-            .map(|v| v.to_str().unwrap().to_owned()),
-    )
-}
-
 #[tokio::test]
 async fn every_filter_and_error_class_on_simulated_replicas() {
     let (r, stop) = cluster(|_| {}).await;
@@ -121,7 +111,7 @@ async fn every_filter_and_error_class_on_simulated_replicas() {
         &body("pinned"),
     )
     .await;
-    assert_eq!(placed(&reply), ("b".to_owned(), Some("1".to_owned())));
+    assert_eq!(reply.placed(), ("b".to_owned(), Some("1".to_owned())));
     for (headers, status, code) in [
         (vec![("x-kvroute-worker", "c")], 400, "invalid_pin"),
         (
@@ -179,7 +169,7 @@ async fn every_filter_and_error_class_on_simulated_replicas() {
     // b stays eligible while one of its ranks is free; with both busy, all are overloaded.
     let held_b0 = hold(&r, "b", Some(0)).await;
     let reply = post(&r.url, "/v1/completions", &[], &body("y")).await;
-    assert_eq!(placed(&reply), ("b".to_owned(), Some("1".to_owned())));
+    assert_eq!(reply.placed(), ("b".to_owned(), Some("1".to_owned())));
     let held_b1 = hold(&r, "b", Some(1)).await;
     let reply = post(&r.url, "/v1/completions", &[], &body("z")).await;
     assert_eq!(
@@ -262,10 +252,14 @@ async fn session_affinity_soft_and_hard() {
         let (r, stop) =
             cluster(|s| s.session_affinity = Some((mode, Duration::from_secs(600)))).await;
         let session = [("x-session-id", "s1")];
-        let (home, rank) = placed(&post(&r.url, "/v1/completions", &session, &body("first")).await);
+        let (home, rank) = post(&r.url, "/v1/completions", &session, &body("first"))
+            .await
+            .placed();
         for i in 0..6 {
             assert_eq!(
-                placed(&post(&r.url, "/v1/completions", &session, &body(&format!("n{i}"))).await),
+                post(&r.url, "/v1/completions", &session, &body(&format!("n{i}")))
+                    .await
+                    .placed(),
                 (home.clone(), rank.clone()),
                 "{mode:?}"
             );
@@ -276,7 +270,7 @@ async fn session_affinity_soft_and_hard() {
             AffinityMode::Soft => {
                 assert_eq!(reply.status, 200);
                 assert_ne!(
-                    placed(&reply),
+                    reply.placed(),
                     (home.clone(), rank.clone()),
                     "soft: another rank"
                 );

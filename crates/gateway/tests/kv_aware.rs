@@ -30,26 +30,35 @@ fn free_port() -> u16 {
 }
 
 impl Engine {
+    /// Starts an engine; a KV-event port another test took meanwhile is retried with a
+    /// fresh one (the engine binds it itself, so picking a free port can race).
     async fn start(extra: &[&str]) -> Engine {
-        let events = format!("tcp://127.0.0.1:{}", free_port());
-        let mut argv = vec!["kvroute-sim", "--kv-events-endpoint", &events];
-        argv.extend_from_slice(extra);
-        let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from(argv);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let shutdown = CancellationToken::new();
-        let shutdown_for_task = shutdown.clone();
-        let server = kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()));
-        tokio::spawn(async move {
-            if let Err(e) = server.serve(listener, shutdown_for_task).await {
-                panic!("engine failed: {e:#}");
+        for _ in 0..20 {
+            let events = format!("tcp://127.0.0.1:{}", free_port());
+            let mut argv = vec!["kvroute-sim", "--kv-events-endpoint", &events];
+            argv.extend_from_slice(extra);
+            let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from(argv);
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}", listener.local_addr().unwrap());
+            let shutdown = CancellationToken::new();
+            let server = kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()));
+            let task = tokio::spawn(server.serve(listener, shutdown.clone()));
+            // Ready when it answers; failed (its event port was taken) when its task ended.
+            loop {
+                if task.is_finished() {
+                    break;
+                }
+                if answers(&format!("{url}/health")).await {
+                    return Engine {
+                        url,
+                        events,
+                        shutdown,
+                    };
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-        });
-        Engine {
-            url,
-            events,
-            shutdown,
         }
+        panic!("no engine could bind a KV-event port");
     }
 
     fn spec(&self, id: &str) -> WorkerSpec {

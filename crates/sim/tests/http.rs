@@ -38,6 +38,30 @@ impl Sim {
         }
     }
 
+    /// Starts a sim publishing KV events on a free port, retrying when another test took the
+    /// port between picking and binding (the sim binds it itself). Ready when it answers.
+    async fn start_publishing(extra: &[&str]) -> (Sim, String) {
+        for _ in 0..20 {
+            let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+            let mut argv = vec!["--kv-events-endpoint", endpoint.as_str()];
+            argv.extend_from_slice(extra);
+            let sim = Sim::start(&argv).await;
+            loop {
+                if sim.task.is_finished() {
+                    break;
+                }
+                let req = http::Request::get(format!("{}/health", sim.url))
+                    .body(Full::new(Bytes::new()))
+                    .unwrap();
+                if client().request(req).await.is_ok_and(|r| r.status() == 200) {
+                    return (sim, endpoint);
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        panic!("no sim could bind a KV-event port");
+    }
+
     async fn stop(self) {
         self.shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(20), self.task)
@@ -280,17 +304,8 @@ fn free_port() -> u16 {
 #[tokio::test]
 async fn kv_events_arrive_on_a_real_zmq_socket() {
     for format in ["map", "array"] {
-        let port = free_port();
-        let endpoint = format!("tcp://127.0.0.1:{port}");
-        let sim = Sim::start(&[
-            "--kv-events-endpoint",
-            &endpoint,
-            "--kv-events-format",
-            format,
-            "--kv-events-topic",
-            "kv",
-        ])
-        .await;
+        let (sim, endpoint) =
+            Sim::start_publishing(&["--kv-events-format", format, "--kv-events-topic", "kv"]).await;
         let mut sub = zeromq::SubSocket::new();
         sub.connect(&endpoint).await.unwrap();
         sub.subscribe("").await.unwrap();

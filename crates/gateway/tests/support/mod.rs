@@ -288,6 +288,15 @@ impl Reply {
             .unwrap()
     }
 
+    /// The worker and data-parallel rank the router named.
+    pub fn placed(&self) -> (String, Option<String>) {
+        let rank = self
+            .headers
+            .get("x-kvroute-dp-rank")
+            .map(|v| v.to_str().unwrap().to_owned());
+        (self.worker().to_owned(), rank)
+    }
+
     pub fn error_code(&self) -> String {
         self.json()["error"]["code"].as_str().unwrap().to_owned()
     }
@@ -416,4 +425,12 @@ pub fn text(len: usize, seed: u64) -> String {
             (b'a' + (x % 26) as u8) as char
         })
         .collect()
+}
+
+/// Whether a GET of `url` answers 200 (false while nothing listens there).
+pub async fn answers(url: &str) -> bool {
+    let req = http::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    matches!(client().request(req).await, Ok(resp) if resp.status() == StatusCode::OK)
 }
