@@ -57,12 +57,7 @@ fn main() {
     settings.policy = PolicyKind::KvAware;
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = kvroute_gateway::metrics::GatewayMetrics::register(&mut registry);
-    let set = WorkerSet::new(
-        &settings.workers,
-        settings.policy,
-        settings.policy_config.clone(),
-        &metrics,
-    );
+    let set = WorkerSet::new(&settings, &metrics);
     for i in 0..16 {
         set.set_healthy(&format!("w{i}"), true);
     }

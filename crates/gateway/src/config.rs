@@ -17,6 +17,8 @@ use kvroute_core::{
 };
 use serde::{Deserialize, Deserializer};
 
+use crate::auth::Secret;
+
 /// Errors in the configuration; `kvroute` exits with status 2 on any of them.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -191,6 +193,44 @@ impl WorkerSpec {
     }
 }
 
+/// Active health checks of the workers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthSettings {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub failure_threshold: u32,
+    pub success_threshold: u32,
+    pub endpoint: String,
+}
+
+/// Retries of requests that failed before their first response byte.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetrySettings {
+    pub max_retries: u32,
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    pub multiplier: f64,
+    pub jitter: f64,
+}
+
+impl RetrySettings {
+    /// The wait before retry `n` (1-based), jittered by `unit` in [-1, 1].
+    pub fn backoff(&self, n: u32, unit: f64) -> Duration {
+        let base =
+            self.initial_backoff.as_secs_f64() * self.multiplier.powi(n.saturating_sub(1) as i32);
+        let capped = base.min(self.max_backoff.as_secs_f64());
+        Duration::from_secs_f64((capped * (1.0 + self.jitter * unit.clamp(-1.0, 1.0))).max(0.0))
+    }
+}
+
+/// The per-worker circuit breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CircuitSettings {
+    pub failure_threshold: u32,
+    pub success_threshold: u32,
+    pub timeout: Duration,
+}
+
 /// Where the router learns what each engine caches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvEventsMode {
@@ -356,6 +396,72 @@ pub struct Args {
     /// through the admin API are accepted from loopback only.
     #[arg(long, env = "KVROUTE_ADMIN_API_KEY", hide_env_values = true)]
     pub admin_api_key: Option<String>,
+    /// The key clients must present (`Authorization: Bearer KEY`) on inference and model
+    /// calls; 401 otherwise (off when absent).
+    #[arg(long, env = "KVROUTE_CLIENT_API_KEY", hide_env_values = true)]
+    pub client_api_key: Option<String>,
+    /// The key sent to the workers as `Authorization: Bearer KEY`, as the peers' --api-key.
+    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Seconds between health checks of each worker [default: 60].
+    #[arg(long)]
+    pub health_check_interval_secs: Option<u64>,
+    /// A health check's timeout [default: 5].
+    #[arg(long)]
+    pub health_check_timeout_secs: Option<u64>,
+    /// Consecutive failed checks that make a worker unhealthy [default: 3].
+    #[arg(long)]
+    pub health_failure_threshold: Option<u32>,
+    /// Consecutive passed checks that make it healthy again [default: 2].
+    #[arg(long)]
+    pub health_success_threshold: Option<u32>,
+    /// The path checked [default: /health].
+    #[arg(long)]
+    pub health_check_endpoint: Option<String>,
+
+    /// Retries of a request that failed before its first response byte, each on another
+    /// worker [default: 5].
+    #[arg(long)]
+    pub retry_max_retries: Option<u32>,
+    /// First backoff between attempts [default: 50].
+    #[arg(long)]
+    pub retry_initial_backoff_ms: Option<u64>,
+    /// Longest backoff [default: 30000].
+    #[arg(long)]
+    pub retry_max_backoff_ms: Option<u64>,
+    /// Backoff growth per attempt [default: 1.5].
+    #[arg(long)]
+    pub retry_backoff_multiplier: Option<f64>,
+    /// Random share of each backoff, up or down [default: 0.2].
+    #[arg(long)]
+    pub retry_jitter_factor: Option<f64>,
+    /// No retries: a failed attempt is the client's answer.
+    #[arg(long)]
+    pub disable_retries: bool,
+
+    /// Consecutive failures that open a worker's circuit [default: 10].
+    #[arg(long)]
+    pub cb_failure_threshold: Option<u32>,
+    /// Successes of the half-open circuit that close it again [default: 3].
+    #[arg(long)]
+    pub cb_success_threshold: Option<u32>,
+    /// Seconds an open circuit waits before letting a probe request through [default: 60].
+    #[arg(long)]
+    pub cb_timeout_duration_secs: Option<u64>,
+    /// No circuit breaker.
+    #[arg(long)]
+    pub disable_circuit_breaker: bool,
+
+    /// Requests in the router at once; more are refused with 429 [default: unlimited].
+    #[arg(long)]
+    pub max_concurrent_requests: Option<usize>,
+    /// On SIGTERM, how long in-flight requests may take to finish [default: 180].
+    #[arg(long)]
+    pub shutdown_grace_period_secs: Option<u64>,
+    /// Longest a client may take to send its request headers [default: 30].
+    #[arg(long)]
+    pub header_read_timeout_secs: Option<u64>,
 
     /// Largest request body accepted, in bytes [default: 536870912].
     #[arg(long)]
@@ -400,7 +506,22 @@ pub struct Settings {
     pub metrics_refresh: Duration,
     /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).
     pub busy: BusyThresholds,
-    pub admin_api_key: Option<String>,
+    pub admin_api_key: Option<Secret>,
+    pub client_api_key: Option<Secret>,
+    /// The key sent to the workers.
+    pub api_key: Option<Secret>,
+    pub health: HealthSettings,
+    /// Retries; `max_retries` 0 when disabled.
+    pub retry: RetrySettings,
+    /// The circuit breaker, unless disabled.
+    pub circuit: Option<CircuitSettings>,
+    pub max_concurrent_requests: Option<usize>,
+    pub shutdown_grace: Duration,
+    pub header_read_timeout: Duration,
+    /// The config file, re-read on SIGHUP.
+    pub config_path: Option<PathBuf>,
+    /// `--worker-urls` as given on the command line (they stay across reloads).
+    pub cli_worker_urls: Vec<String>,
     /// Session affinity's mode and TTL, when on.
     pub session_affinity: Option<(AffinityMode, Duration)>,
     /// The admission queue, when `--router-queue-threshold` is set.
@@ -422,10 +543,13 @@ impl Settings {
 impl Args {
     /// Reads the `--config` file, if any, under the command line.
     pub fn load(self) -> Result<Settings, ConfigError> {
-        match self.config.clone() {
+        let cli_worker_urls = self.worker_urls.clone();
+        let mut settings = match self.config.clone() {
             Some(path) => self.merge(Args::from_file(&path)?).into_settings(),
             None => self.into_settings(),
-        }
+        }?;
+        settings.cli_worker_urls = cli_worker_urls;
+        Ok(settings)
     }
 
     pub fn from_file(path: &Path) -> Result<Args, ConfigError> {
@@ -513,6 +637,46 @@ impl Args {
                 .active_decode_blocks_threshold
                 .or(file.active_decode_blocks_threshold),
             admin_api_key: self.admin_api_key.or(file.admin_api_key),
+            client_api_key: self.client_api_key.or(file.client_api_key),
+            api_key: self.api_key.or(file.api_key),
+            health_check_interval_secs: self
+                .health_check_interval_secs
+                .or(file.health_check_interval_secs),
+            health_check_timeout_secs: self
+                .health_check_timeout_secs
+                .or(file.health_check_timeout_secs),
+            health_failure_threshold: self
+                .health_failure_threshold
+                .or(file.health_failure_threshold),
+            health_success_threshold: self
+                .health_success_threshold
+                .or(file.health_success_threshold),
+            health_check_endpoint: self.health_check_endpoint.or(file.health_check_endpoint),
+            retry_max_retries: self.retry_max_retries.or(file.retry_max_retries),
+            retry_initial_backoff_ms: self
+                .retry_initial_backoff_ms
+                .or(file.retry_initial_backoff_ms),
+            retry_max_backoff_ms: self.retry_max_backoff_ms.or(file.retry_max_backoff_ms),
+            retry_backoff_multiplier: self
+                .retry_backoff_multiplier
+                .or(file.retry_backoff_multiplier),
+            retry_jitter_factor: self.retry_jitter_factor.or(file.retry_jitter_factor),
+            disable_retries: self.disable_retries || file.disable_retries,
+            cb_failure_threshold: self.cb_failure_threshold.or(file.cb_failure_threshold),
+            cb_success_threshold: self.cb_success_threshold.or(file.cb_success_threshold),
+            cb_timeout_duration_secs: self
+                .cb_timeout_duration_secs
+                .or(file.cb_timeout_duration_secs),
+            disable_circuit_breaker: self.disable_circuit_breaker || file.disable_circuit_breaker,
+            max_concurrent_requests: self
+                .max_concurrent_requests
+                .or(file.max_concurrent_requests),
+            shutdown_grace_period_secs: self
+                .shutdown_grace_period_secs
+                .or(file.shutdown_grace_period_secs),
+            header_read_timeout_secs: self
+                .header_read_timeout_secs
+                .or(file.header_read_timeout_secs),
             router_queue_threshold: self.router_queue_threshold.or(file.router_queue_threshold),
             router_queue_policy: self.router_queue_policy.or(file.router_queue_policy),
             router_queue_timeout_secs: self
@@ -676,6 +840,92 @@ impl Args {
             kv_weight: weight("llm_d_kv_weight", self.llm_d_kv_weight, ld.kv_weight)?,
             block_size: ld.block_size.max(block_size),
         };
+        let positive = |name: &'static str, v: Option<u64>, default: u64| match v {
+            Some(0) => Err(ConfigError::Invalid {
+                name,
+                reason: "must be positive",
+            }),
+            Some(x) => Ok(x),
+            None => Ok(default),
+        };
+        let health = HealthSettings {
+            interval: Duration::from_secs(positive(
+                "health_check_interval_secs",
+                self.health_check_interval_secs,
+                60,
+            )?),
+            timeout: Duration::from_secs(positive(
+                "health_check_timeout_secs",
+                self.health_check_timeout_secs,
+                5,
+            )?),
+            failure_threshold: positive(
+                "health_failure_threshold",
+                self.health_failure_threshold.map(u64::from),
+                3,
+            )? as u32,
+            success_threshold: positive(
+                "health_success_threshold",
+                self.health_success_threshold.map(u64::from),
+                2,
+            )? as u32,
+            endpoint: match self.health_check_endpoint {
+                Some(p) if !p.starts_with('/') => {
+                    return Err(ConfigError::Invalid {
+                        name: "health_check_endpoint",
+                        reason: "must be a path starting with /",
+                    })
+                }
+                Some(p) => p,
+                None => "/health".to_owned(),
+            },
+        };
+        let multiplier = self.retry_backoff_multiplier.unwrap_or(1.5);
+        if !(multiplier.is_finite() && multiplier >= 1.0) {
+            return Err(ConfigError::Invalid {
+                name: "retry_backoff_multiplier",
+                reason: "must be a number of at least 1",
+            });
+        }
+        let jitter = self.retry_jitter_factor.unwrap_or(0.2);
+        if !(0.0..=1.0).contains(&jitter) {
+            return Err(ConfigError::Invalid {
+                name: "retry_jitter_factor",
+                reason: "must be between 0 and 1",
+            });
+        }
+        let retry = RetrySettings {
+            max_retries: if self.disable_retries {
+                0
+            } else {
+                self.retry_max_retries.unwrap_or(5)
+            },
+            initial_backoff: Duration::from_millis(self.retry_initial_backoff_ms.unwrap_or(50)),
+            max_backoff: Duration::from_millis(self.retry_max_backoff_ms.unwrap_or(30_000)),
+            multiplier,
+            jitter,
+        };
+        let circuit = (!self.disable_circuit_breaker)
+            .then(|| -> Result<CircuitSettings, ConfigError> {
+                Ok(CircuitSettings {
+                    failure_threshold: positive(
+                        "cb_failure_threshold",
+                        self.cb_failure_threshold.map(u64::from),
+                        10,
+                    )? as u32,
+                    success_threshold: positive(
+                        "cb_success_threshold",
+                        self.cb_success_threshold.map(u64::from),
+                        3,
+                    )? as u32,
+                    timeout: Duration::from_secs(positive(
+                        "cb_timeout_duration_secs",
+                        self.cb_timeout_duration_secs,
+                        60,
+                    )?),
+                })
+            })
+            .transpose()?;
         for w in &workers {
             if w.dp_size == Some(0) {
                 return Err(ConfigError::Invalid {
@@ -729,7 +979,27 @@ impl Args {
             max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
             busy,
-            admin_api_key: self.admin_api_key.filter(|k| !k.is_empty()),
+            admin_api_key: self.admin_api_key.and_then(Secret::new),
+            client_api_key: self.client_api_key.and_then(Secret::new),
+            api_key: self.api_key.and_then(Secret::new),
+            health,
+            retry,
+            circuit,
+            max_concurrent_requests: match self.max_concurrent_requests {
+                Some(0) => {
+                    return Err(ConfigError::Invalid {
+                        name: "max_concurrent_requests",
+                        reason: "must be positive",
+                    })
+                }
+                n => n,
+            },
+            shutdown_grace: Duration::from_secs(self.shutdown_grace_period_secs.unwrap_or(180)),
+            header_read_timeout: Duration::from_secs(
+                self.header_read_timeout_secs.unwrap_or(30).max(1),
+            ),
+            config_path: self.config,
+            cli_worker_urls: Vec::new(),
             queue: match self.router_queue_threshold {
                 None => None,
                 Some(t) if !(t.is_finite() && t > 0.0) => {

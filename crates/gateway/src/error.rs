@@ -34,6 +34,8 @@ pub enum GatewayError {
     },
     #[error("worker {worker} did not answer within {secs} s")]
     UpstreamTimeout { worker: WorkerId, secs: u64 },
+    #[error("worker {worker} answered HTTP {status}")]
+    UpstreamStatus { worker: WorkerId, status: u16 },
     #[error("no route for {0}")]
     NotFound(String),
     #[error("invalid {header} header: {reason}")]
@@ -55,6 +57,14 @@ pub enum GatewayError {
     QueueFull(String),
     #[error("waited longer than {0} s in the queue")]
     QueueTimeout(u64),
+    #[error("the router is at its limit of {0} concurrent requests")]
+    TooManyRequests(usize),
+    #[error("no worker with id '{0}'")]
+    UnknownWorker(String),
+    #[error("a worker with id '{0}' exists already")]
+    WorkerExists(String),
+    #[error("the router is shutting down")]
+    ShuttingDown,
 }
 
 impl GatewayError {
@@ -71,12 +81,19 @@ impl GatewayError {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             GatewayError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            GatewayError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::QueueFull(_) | GatewayError::TooManyRequests(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            GatewayError::UnknownWorker(_) => StatusCode::NOT_FOUND,
+            GatewayError::WorkerExists(_) => StatusCode::CONFLICT,
+            GatewayError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::QueueTimeout(_) => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::UnknownModel(_) | GatewayError::NotFound(_) => StatusCode::NOT_FOUND,
             GatewayError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
-            GatewayError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            GatewayError::Upstream { .. } | GatewayError::UpstreamStatus { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
             GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -90,7 +107,7 @@ impl GatewayError {
             GatewayError::ModelRequired { .. } => "model_required",
             GatewayError::UnknownModel(_) => "model_not_found",
             GatewayError::NoEndpoint(_) => "no_endpoint",
-            GatewayError::Upstream { .. } => "upstream_error",
+            GatewayError::Upstream { .. } | GatewayError::UpstreamStatus { .. } => "upstream_error",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::NotFound(_) => "not_found",
             GatewayError::InvalidHint { .. } => "invalid_hint",
@@ -101,6 +118,10 @@ impl GatewayError {
             GatewayError::InvalidAdmin(_) => "invalid_request",
             GatewayError::QueueFull(_) => "queue_full",
             GatewayError::QueueTimeout(_) => "queue_timeout",
+            GatewayError::TooManyRequests(_) => "too_many_requests",
+            GatewayError::UnknownWorker(_) => "worker_not_found",
+            GatewayError::WorkerExists(_) => "worker_exists",
+            GatewayError::ShuttingDown => "shutting_down",
         }
     }
 
@@ -115,7 +136,8 @@ impl GatewayError {
     fn worker(&self) -> Option<&WorkerId> {
         match self {
             GatewayError::Upstream { worker, .. }
-            | GatewayError::UpstreamTimeout { worker, .. } => Some(worker),
+            | GatewayError::UpstreamTimeout { worker, .. }
+            | GatewayError::UpstreamStatus { worker, .. } => Some(worker),
             _ => None,
         }
     }
@@ -145,7 +167,12 @@ impl IntoResponse for GatewayError {
             tracing::debug!(error = %self, code = self.code(), "Request rejected");
         }
         let body = ErrorBody::new(self.message(), self.kind(), self.code());
-        let retry = matches!(self, GatewayError::AllWorkersOverloaded);
+        let retry = matches!(
+            self,
+            GatewayError::AllWorkersOverloaded
+                | GatewayError::TooManyRequests(_)
+                | GatewayError::ShuttingDown
+        );
         let mut response = (status, axum::Json(body)).into_response();
         if retry {
             response

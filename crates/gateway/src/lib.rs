@@ -10,10 +10,12 @@
 //! HTTP responses in one place ([`error::GatewayError`]); constructors do no I/O and every
 //! background task is started by [`Gateway::serve`] and joined on shutdown.
 
+pub mod auth;
 pub mod busy;
 pub mod config;
 pub mod engine_metrics;
 pub mod error;
+pub mod health;
 pub mod kv;
 pub mod kv_events;
 pub mod metrics;

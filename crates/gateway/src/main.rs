@@ -102,9 +102,11 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
         }
     };
     let shutdown = CancellationToken::new();
+    // Embedded engines stop after the router drained its in-flight requests.
+    let engines_stop = CancellationToken::new();
     let mut engines = tokio::task::JoinSet::new();
     if settings.workers.is_empty() {
-        let workers = start_embedded_engines(&tokenizer, &shutdown, &mut engines).await?;
+        let workers = start_embedded_engines(&tokenizer, &engines_stop, &mut engines).await?;
         tracing::info!(
             engines = EMBEDDED_ENGINES,
             urls = ?workers.iter().map(|w| w.url.as_str()).collect::<Vec<_>>(),
@@ -142,6 +144,7 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
         .await
         .context("server failed");
     shutdown.cancel();
+    engines_stop.cancel();
     while let Some(engine) = engines.join_next().await {
         if let Ok(Err(e)) = engine {
             tracing::warn!(error = format!("{e:#}"), "Embedded engine failed");

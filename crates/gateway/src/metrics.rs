@@ -6,7 +6,10 @@
 //! `kvroute_routing_seconds` (histogram of the time spent choosing a worker),
 //! `kvroute_worker_active_prefill_tokens{worker,dp_rank}`,
 //! `kvroute_worker_active_decode_blocks{worker,dp_rank}`, `kvroute_time_to_first_token_seconds`,
-//! `kvroute_kv_hit_ratio`.
+//! `kvroute_kv_hit_ratio`, `kvroute_worker_circuit_state{worker}` (0 closed, 1 open, 2
+//! half-open), `kvroute_worker_healthy{worker}`, `kvroute_upstream_attempts_total{worker,outcome}`
+//! (every attempt, retries included), `kvroute_request_retries_total`,
+//! `kvroute_requests_in_router`.
 //! Label values are bounded: routes are the fixed set of proxied paths, workers are
 //! configured ids.
 
@@ -40,8 +43,52 @@ pub struct RankLabels {
     pub dp_rank: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AttemptLabels {
+    pub worker: String,
+    pub outcome: &'static str,
+}
+
+/// How an attempt to a worker ended (before the response body).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A response that is not a server error.
+    Ok,
+    /// Connection refused, reset, or closed before the response.
+    ConnectError,
+    /// No response headers within the request timeout.
+    Timeout,
+    /// A 5xx response from the engine.
+    ServerError,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 4] = [
+        Outcome::Ok,
+        Outcome::ConnectError,
+        Outcome::Timeout,
+        Outcome::ServerError,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::ConnectError => "connect_error",
+            Outcome::Timeout => "timeout",
+            Outcome::ServerError => "server_error",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct GatewayMetrics {
+    circuit: Family<WorkerLabels, Gauge>,
+    healthy: Family<WorkerLabels, Gauge>,
+    attempts: Family<AttemptLabels, Counter>,
+    /// Attempts after the first, over all requests.
+    pub retries: Counter,
+    /// Requests inside the router (admitted, not yet answered in full).
+    pub in_router: Gauge,
     rank_prefill: Family<RankLabels, Gauge>,
     rank_decode: Family<RankLabels, Gauge>,
     /// Streaming requests: arrival to the first body frame.
@@ -69,6 +116,10 @@ pub struct RankSeries {
 /// touches atomics.
 #[derive(Debug, Clone)]
 pub struct WorkerSeries {
+    pub circuit: Gauge,
+    pub healthy: Gauge,
+    /// One counter per [`Outcome`], in `Outcome::ALL`'s order.
+    pub attempts: [Counter; 4],
     pub processed: Counter,
     pub decisions: Counter,
     pub active: Gauge,
@@ -77,6 +128,11 @@ pub struct WorkerSeries {
 impl GatewayMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self {
+            circuit: Family::default(),
+            healthy: Family::default(),
+            attempts: Family::default(),
+            retries: Counter::default(),
+            in_router: Gauge::default(),
             rank_prefill: Family::default(),
             rank_decode: Family::default(),
             ttft_seconds: Histogram::new(
@@ -149,7 +205,61 @@ impl GatewayMetrics {
             "Time spent choosing a worker",
             m.routing_seconds.clone(),
         );
+        registry.register(
+            "kvroute_worker_circuit_state",
+            "Each worker's circuit breaker: 0 closed, 1 open, 2 half-open",
+            m.circuit.clone(),
+        );
+        registry.register(
+            "kvroute_worker_healthy",
+            "Whether each worker passes its health checks (1) or not (0)",
+            m.healthy.clone(),
+        );
+        registry.register(
+            "kvroute_upstream_attempts",
+            "Attempts to send a request to a worker, retries included, by outcome",
+            m.attempts.clone(),
+        );
+        registry.register(
+            "kvroute_request_retries",
+            "Attempts after a request's first (each on another worker)",
+            m.retries.clone(),
+        );
+        registry.register(
+            "kvroute_requests_in_router",
+            "Requests inside the router (admitted and not yet answered in full)",
+            m.in_router.clone(),
+        );
         m
+    }
+
+    /// Drops a removed worker's series (label values stay bounded as workers come and go).
+    pub fn forget_worker(&self, worker: &str, policy: &'static str, dp_ranks: &[Option<u32>]) {
+        let w = WorkerLabels {
+            worker: worker.to_owned(),
+        };
+        self.circuit.remove(&w);
+        self.healthy.remove(&w);
+        self.processed.remove(&w);
+        self.active.remove(&w);
+        self.decisions.remove(&DecisionLabels {
+            policy,
+            worker: worker.to_owned(),
+        });
+        for outcome in Outcome::ALL {
+            self.attempts.remove(&AttemptLabels {
+                worker: worker.to_owned(),
+                outcome: outcome.label(),
+            });
+        }
+        for r in dp_ranks {
+            let l = RankLabels {
+                worker: worker.to_owned(),
+                dp_rank: r.unwrap_or(0).to_string(),
+            };
+            self.rank_prefill.remove(&l);
+            self.rank_decode.remove(&l);
+        }
     }
 
     pub fn request(&self, route: &'static str, status: u16) {
@@ -177,6 +287,16 @@ impl GatewayMetrics {
             worker: worker.to_owned(),
         };
         WorkerSeries {
+            circuit: self.circuit.get_or_create(&w).clone(),
+            healthy: self.healthy.get_or_create(&w).clone(),
+            attempts: Outcome::ALL.map(|outcome| {
+                self.attempts
+                    .get_or_create(&AttemptLabels {
+                        worker: worker.to_owned(),
+                        outcome: outcome.label(),
+                    })
+                    .clone()
+            }),
             processed: self.processed.get_or_create(&w).clone(),
             active: self.active.get_or_create(&w).clone(),
             decisions: self

@@ -22,7 +22,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use kvroute_core::RequestLoad;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::error::GatewayError;
 use crate::queue::AdmissionQueue;
@@ -126,11 +128,54 @@ impl Drop for InFlight {
     }
 }
 
+/// A request admitted into the router: its place under `--max-concurrent-requests` and
+/// its count in `kvroute_requests_in_router`, until its answer is complete.
+#[derive(Debug)]
+pub struct Admitted {
+    _permit: Option<OwnedSemaphorePermit>,
+    gauge: Gauge,
+}
+
+impl Admitted {
+    pub fn new(permit: Option<OwnedSemaphorePermit>, gauge: Gauge) -> Self {
+        gauge.inc();
+        Self {
+            _permit: permit,
+            gauge,
+        }
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+/// What the workers are sent as `Authorization`.
+#[derive(Debug, Clone)]
+pub enum WorkerAuth {
+    /// The client's header, as it came (no keys configured).
+    PassThrough,
+    /// Nothing: the client's header carries the router's client key.
+    Strip,
+    /// `Bearer <--api-key>`.
+    Set(HeaderValue),
+}
+
 /// A worker's response body, carrying the request's in-flight guard.
 #[derive(Debug)]
 pub struct TrackedBody {
     inner: Incoming,
     guard: InFlight,
+    admitted: Option<Admitted>,
+}
+
+impl TrackedBody {
+    /// Keeps the request's admission until the body ends.
+    pub fn hold(&mut self, admitted: Admitted) {
+        self.admitted = Some(admitted);
+    }
 }
 
 impl Body for TrackedBody {
@@ -168,6 +213,7 @@ pub struct Forward<'a> {
     pub body: Bytes,
     pub request_id: &'a HeaderValue,
     pub timeout: Duration,
+    pub auth: &'a WorkerAuth,
 }
 
 /// Sends `fwd` to `guard`'s worker; the answer's body keeps the guard.
@@ -191,10 +237,17 @@ pub async fn forward(
         })?;
     let headers = req.headers_mut();
     headers.reserve(fwd.headers.len() + 1);
+    let pass_auth = matches!(fwd.auth, WorkerAuth::PassThrough);
     for (name, value) in fwd.headers {
-        if !is_hop_by_hop(name) && name != REQUEST_ID_HEADER {
+        if !is_hop_by_hop(name)
+            && name != REQUEST_ID_HEADER
+            && (pass_auth || name != header::AUTHORIZATION)
+        {
             headers.append(name.clone(), value.clone());
         }
+    }
+    if let WorkerAuth::Set(key) = fwd.auth {
+        headers.insert(header::AUTHORIZATION, key.clone());
     }
     headers.insert(REQUEST_ID_HEADER, fwd.request_id.clone());
     if let Some(rank) = dp_rank {
@@ -232,7 +285,11 @@ pub async fn forward(
         .or_insert_with(|| fwd.request_id.clone());
     Ok(Response::from_parts(
         parts,
-        TrackedBody { inner: body, guard },
+        TrackedBody {
+            inner: body,
+            guard,
+            admitted: None,
+        },
     ))
 }
 

@@ -289,7 +289,7 @@ fn eligible_pairs(
             id: w.id.as_str(),
             ranks: &rank_lists[i],
             overloaded: &overloaded[i],
-            healthy: w.is_healthy(),
+            healthy: w.available(started),
             taints: &w.taints,
         })
         .collect();

@@ -6,14 +6,20 @@
 //! rebuilt when a worker's models or health change. Each model pool has its own policy
 //! instance, so a round-robin counter or a sticky map is per model.
 //!
-//! Discovery ([`WorkerSet::discover`], started by the server) probes each worker until it
-//! answers: `GET /v1/models` for a worker whose model is not configured (its models are what
-//! it lists, LoRA adapters included), `GET /health` for one whose model is. The router is
-//! ready when every worker has been probed at least once and every model has a healthy
-//! worker.
+//! Each worker is watched by [`WorkerSet::watch`] (started by the server for each worker,
+//! also for workers added at run time): it probes the worker until it answers once (`GET
+//! /v1/models` for a worker whose model is not configured: its models are what it lists,
+//! LoRA adapters included; `GET /health` for one whose model is), then checks its health
+//! endpoint every interval (see `health`). The router is ready when every worker has been
+//! probed at least once and every model has a healthy worker.
+//!
+//! Workers come and go at run time ([`WorkerSet::add`], [`WorkerSet::remove`]): a removed
+//! worker leaves the table at once, its in-flight requests finish (their guards hold it),
+//! its background tasks stop, and its policy state is forgotten. Replica ids are never
+//! reused, so nothing learnt about a removed worker can be credited to a new one.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,13 +34,14 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::WorkerSpec;
+use crate::auth::Secret;
+use crate::config::{CircuitSettings, HealthSettings, Settings, WorkerSpec};
 use crate::engine_metrics::EngineGauges;
 use crate::error::GatewayError;
+use crate::health::{jittered, Circuit, HealthCounter};
 use crate::metrics::{GatewayMetrics, RankSeries, WorkerSeries};
 use crate::proxy::HttpClient;
 
-const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 const PROBE_RETRY_MIN: Duration = Duration::from_millis(500);
 const PROBE_RETRY_MAX: Duration = Duration::from_secs(10);
 
@@ -132,9 +139,14 @@ pub struct Worker {
     /// The `/v1/models` entries it serves, once probed.
     models: Mutex<Vec<(ModelId, serde_json::Value)>>,
     probed: AtomicBool,
-    healthy: AtomicBool,
+    /// Passes its health checks (sends on change: the KV-event subscription follows it).
+    healthy: watch::Sender<bool>,
     in_flight: AtomicU64,
     pub(crate) series: WorkerSeries,
+    /// Opened by failed requests.
+    pub circuit: Circuit,
+    /// Cancelled when the worker is removed: stops its health checks and subscriptions.
+    pub tasks: CancellationToken,
 }
 
 impl Worker {
@@ -143,7 +155,33 @@ impl Worker {
     }
 
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+        *self.healthy.borrow()
+    }
+
+    /// Changes of its health (the current value first).
+    pub fn subscribe_health(&self) -> watch::Receiver<bool> {
+        self.healthy.subscribe()
+    }
+
+    fn set_health(&self, healthy: bool) {
+        self.series.healthy.set(i64::from(healthy));
+        if self.healthy.send_replace(healthy) != healthy && healthy {
+            self.circuit.reset();
+        }
+    }
+
+    /// Whether it may take a request now: healthy, and its circuit lets one through.
+    pub fn available(&self, now: std::time::Instant) -> bool {
+        self.is_healthy() && self.circuit.allows(now)
+    }
+
+    /// The spec it was built from, as `GET /workers` and the config reload compare it.
+    pub fn same_spec(&self, spec: &WorkerSpec) -> bool {
+        self.url == spec.url
+            && self.configured_model.as_ref().map(ModelId::as_str) == spec.model.as_deref()
+            && self.kv_events == spec.kv_events
+            && self.taints == spec.taints
+            && self.ranks.iter().map(|r| r.dp_rank).collect::<Vec<_>>() == spec.ranks()
     }
 
     pub(crate) fn begin_request(&self) {
@@ -233,6 +271,8 @@ pub struct WorkerStatus {
     pub url: String,
     pub models: Vec<String>,
     pub healthy: bool,
+    /// The circuit breaker: closed, open or half_open.
+    pub circuit: &'static str,
     pub probed: bool,
     pub in_flight: u64,
     pub ranks: Vec<RankStatus>,
@@ -250,71 +290,125 @@ pub struct RankStatus {
 /// Every worker, and the routing table built from them.
 #[derive(Debug)]
 pub struct WorkerSet {
-    workers: Vec<Arc<Worker>>,
+    workers: ArcSwap<Vec<Arc<Worker>>>,
+    /// Serialises changes of the worker list.
+    changes: Mutex<()>,
+    next_replica: AtomicU32,
     table: ArcSwap<RoutingTable>,
     policy: PolicyKind,
     policy_config: PolicyConfig,
     policies: Mutex<HashMap<ModelId, Arc<dyn Policy>>>,
     ready: watch::Sender<bool>,
+    metrics: GatewayMetrics,
+    circuit: Option<CircuitSettings>,
+    health: HealthSettings,
+    api_key: Option<Secret>,
 }
 
 impl WorkerSet {
-    pub fn new(
-        specs: &[WorkerSpec],
-        policy: PolicyKind,
-        policy_config: PolicyConfig,
-        metrics: &GatewayMetrics,
-    ) -> Self {
-        let mut next_replica = 0u32;
-        let workers = specs
-            .iter()
-            .map(|s| {
-                let id = s.id.clone().unwrap_or_else(|| s.url.clone());
-                let ranks = s
-                    .ranks()
-                    .into_iter()
-                    .map(|dp_rank| {
-                        next_replica += 1;
-                        let engine = Arc::new(EngineGauges::new());
-                        engine.set_num_gpu_blocks(s.num_gpu_blocks);
-                        Rank {
-                            dp_rank,
-                            replica: ReplicaId(next_replica - 1),
-                            in_flight: AtomicU64::new(0),
-                            load: Mutex::new(RankLoad::default()),
-                            series: metrics.rank_series(&id, dp_rank),
-                            engine,
-                            busy_latch: AtomicBool::new(false),
-                        }
-                    })
-                    .collect();
-                Arc::new(Worker {
-                    series: metrics.worker_series(&id, policy.name()),
-                    id: WorkerId::new(id),
-                    url: s.url.clone(),
-                    ranks,
-                    taints: s.taints.clone(),
-                    max_num_batched_tokens: s.max_num_batched_tokens,
-                    kv_events: s.kv_events.clone(),
-                    kv_events_replay: s.kv_events_replay.clone(),
-                    configured_model: s.model.as_deref().map(ModelId::new),
-                    models: Mutex::new(Vec::new()),
-                    probed: AtomicBool::new(false),
-                    healthy: AtomicBool::new(false),
-                    in_flight: AtomicU64::new(0),
-                })
-            })
-            .collect();
+    pub fn new(settings: &Settings, metrics: &GatewayMetrics) -> Self {
         let set = Self {
-            workers,
+            workers: ArcSwap::from_pointee(Vec::new()),
+            changes: Mutex::new(()),
+            next_replica: AtomicU32::new(0),
             table: ArcSwap::from_pointee(RoutingTable::default()),
-            policy,
-            policy_config,
+            policy: settings.policy,
+            policy_config: settings.policy_config.clone(),
             policies: Mutex::new(HashMap::new()),
             ready: watch::channel(false).0,
+            metrics: metrics.clone(),
+            circuit: settings.circuit,
+            health: settings.health.clone(),
+            api_key: settings.api_key.clone(),
         };
+        let workers = settings.workers.iter().map(|s| set.build(s)).collect();
+        set.workers.store(Arc::new(workers));
         set.rebuild();
         set
+    }
+
+    fn build(&self, s: &WorkerSpec) -> Arc<Worker> {
+        let id = s.id.clone().unwrap_or_else(|| s.url.clone());
+        let ranks = s
+            .ranks()
+            .into_iter()
+            .map(|dp_rank| {
+                let engine = Arc::new(EngineGauges::new());
+                engine.set_num_gpu_blocks(s.num_gpu_blocks);
+                Rank {
+                    dp_rank,
+                    replica: ReplicaId(self.next_replica.fetch_add(1, Ordering::Relaxed)),
+                    in_flight: AtomicU64::new(0),
+                    load: Mutex::new(RankLoad::default()),
+                    series: self.metrics.rank_series(&id, dp_rank),
+                    engine,
+                    busy_latch: AtomicBool::new(false),
+                }
+            })
+            .collect();
+        let series = self.metrics.worker_series(&id, self.policy.name());
+        series.healthy.set(0);
+        Arc::new(Worker {
+            circuit: Circuit::new(self.circuit, series.circuit.clone()),
+            series,
+            id: WorkerId::new(id),
+            url: s.url.clone(),
+            ranks,
+            taints: s.taints.clone(),
+            max_num_batched_tokens: s.max_num_batched_tokens,
+            kv_events: s.kv_events.clone(),
+            kv_events_replay: s.kv_events_replay.clone(),
+            configured_model: s.model.as_deref().map(ModelId::new),
+            models: Mutex::new(Vec::new()),
+            probed: AtomicBool::new(false),
+            healthy: watch::channel(false).0,
+            in_flight: AtomicU64::new(0),
+            tasks: CancellationToken::new(),
+        })
+    }
+
+    /// Adds a worker (its spec validated by the caller); the caller starts its tasks.
+    pub fn add(&self, spec: &WorkerSpec) -> Result<Arc<Worker>, GatewayError> {
+        let _change = lock(&self.changes);
+        let id = spec.id.clone().unwrap_or_else(|| spec.url.clone());
+        let current = self.workers.load_full();
+        if current.iter().any(|w| w.id.as_str() == id) {
+            return Err(GatewayError::WorkerExists(id));
+        }
+        let worker = self.build(spec);
+        let mut next = current.as_ref().clone();
+        next.push(worker.clone());
+        self.workers.store(Arc::new(next));
+        self.rebuild();
+        tracing::info!(worker = %worker.id, url = %worker.url, "Worker added");
+        Ok(worker)
+    }
+
+    /// Removes a worker: out of the table at once, its tasks stopped, its policy state
+    /// forgotten. Its in-flight requests finish; the caller forgets its KV blocks.
+    pub fn remove(&self, id: &str) -> Result<Arc<Worker>, GatewayError> {
+        let _change = lock(&self.changes);
+        let current = self.workers.load_full();
+        let Some(worker) = current.iter().find(|w| w.id.as_str() == id).cloned() else {
+            return Err(GatewayError::UnknownWorker(id.to_owned()));
+        };
+        let next: Vec<Arc<Worker>> = current
+            .iter()
+            .filter(|w| w.id.as_str() != id)
+            .cloned()
+            .collect();
+        self.workers.store(Arc::new(next));
+        worker.tasks.cancel();
+        self.rebuild();
+        let policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
+        for p in policies {
+            p.forget_worker(&worker.id);
+        }
+        let ranks: Vec<Option<u32>> = worker.ranks.iter().map(|r| r.dp_rank).collect();
+        self.metrics
+            .forget_worker(worker.id.as_str(), self.policy.name(), &ranks);
+        tracing::info!(worker = %worker.id, in_flight = worker.in_flight(), "Worker removed; its in-flight requests finish");
+        Ok(worker)
     }
 
     /// The current routing table (lock-free).
@@ -322,8 +416,17 @@ impl WorkerSet {
         self.table.load()
     }
 
-    pub fn workers(&self) -> &[Arc<Worker>] {
-        &self.workers
+    /// The current workers (a snapshot).
+    pub fn workers(&self) -> Arc<Vec<Arc<Worker>>> {
+        self.workers.load_full()
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Worker>> {
+        self.workers
+            .load()
+            .iter()
+            .find(|w| w.id.as_str() == id)
+            .cloned()
     }
 
     /// Periodic upkeep of every model's policy (cache_aware's eviction).
@@ -336,8 +439,8 @@ impl WorkerSet {
 
     /// Marks a worker healthy or not (probes and health checks; benchmarks set it directly).
     pub fn set_healthy(&self, id: &str, healthy: bool) {
-        for w in self.workers.iter().filter(|w| w.id.as_str() == id) {
-            w.healthy.store(healthy, Ordering::Relaxed);
+        for w in self.workers.load().iter().filter(|w| w.id.as_str() == id) {
+            w.set_health(healthy);
             w.probed.store(true, Ordering::Relaxed);
         }
         self.rebuild();
@@ -345,12 +448,18 @@ impl WorkerSet {
 
     pub fn statuses(&self) -> Vec<WorkerStatus> {
         self.workers
+            .load()
             .iter()
             .map(|w| WorkerStatus {
                 id: w.id.to_string(),
                 url: w.url.clone(),
                 models: w.model_ids().iter().map(|m| m.to_string()).collect(),
                 healthy: w.is_healthy(),
+                circuit: match w.circuit.state() {
+                    crate::health::CircuitState::Closed => "closed",
+                    crate::health::CircuitState::Open => "open",
+                    crate::health::CircuitState::HalfOpen => "half_open",
+                },
                 probed: w.probed.load(Ordering::Relaxed),
                 in_flight: w.in_flight(),
                 ranks: w
@@ -381,9 +490,10 @@ impl WorkerSet {
     }
 
     fn rebuild(&self) {
+        let workers = self.workers.load_full();
         let mut members: BTreeMap<ModelId, Vec<Arc<Worker>>> = BTreeMap::new();
         let mut cards: BTreeMap<ModelId, serde_json::Value> = BTreeMap::new();
-        for w in &self.workers {
+        for w in workers.iter() {
             for m in w.model_ids() {
                 members.entry(m).or_default().push(w.clone());
             }
@@ -412,10 +522,7 @@ impl WorkerSet {
                 (model, pool)
             })
             .collect();
-        let complete = self
-            .workers
-            .iter()
-            .all(|w| w.probed.load(Ordering::Relaxed));
+        let complete = workers.iter().all(|w| w.probed.load(Ordering::Relaxed));
         let ready = complete
             && !pools.is_empty()
             && pools
@@ -429,44 +536,73 @@ impl WorkerSet {
         self.ready.send_replace(ready);
     }
 
-    /// Probes every worker until it answers once; started by the server, stops on `shutdown`.
-    pub async fn discover(self: Arc<Self>, client: HttpClient, shutdown: CancellationToken) {
-        let mut tasks = tokio::task::JoinSet::new();
-        for worker in self.workers.clone() {
-            let set = self.clone();
-            let client = client.clone();
+    /// Watches one worker until it is removed or `shutdown`: probes it until it answers
+    /// once (with backoff), then checks its health every interval.
+    pub async fn watch(
+        self: Arc<Self>,
+        worker: Arc<Worker>,
+        client: HttpClient,
+        shutdown: CancellationToken,
+    ) {
+        let stop = worker.tasks.clone();
+        let sleep = |d: Duration| {
+            let stop = stop.clone();
             let shutdown = shutdown.clone();
-            tasks.spawn(async move {
-                let mut delay = PROBE_RETRY_MIN;
-                loop {
-                    let outcome = probe(&client, &worker).await;
-                    let ok = outcome.is_ok();
-                    match outcome {
-                        Ok(models) => {
-                            tracing::info!(worker = %worker.id, models = ?models.iter().map(|m| m.0.as_str()).collect::<Vec<_>>(), "Worker ready");
-                            if worker.configured_model.is_none() {
-                                *lock(&worker.models) = models;
-                            }
-                            worker.healthy.store(true, Ordering::Relaxed);
-                        }
-                        Err(error) => {
-                            tracing::warn!(worker = %worker.id, %error, retry_in = ?delay, "Worker probe failed");
-                        }
+            async move {
+                tokio::select! {
+                    _ = shutdown.cancelled() => false,
+                    _ = stop.cancelled() => false,
+                    _ = tokio::time::sleep(d) => true,
+                }
+            }
+        };
+        let key = self.api_key.as_ref();
+        let timeout = self.health.timeout;
+        let mut delay = PROBE_RETRY_MIN;
+        loop {
+            match probe(&client, &worker, None, key, timeout).await {
+                Ok(models) => {
+                    tracing::info!(worker = %worker.id, models = ?models.iter().map(|m| m.0.as_str()).collect::<Vec<_>>(), "Worker ready");
+                    if worker.configured_model.is_none() {
+                        *lock(&worker.models) = models;
                     }
                     worker.probed.store(true, Ordering::Relaxed);
-                    set.rebuild();
-                    if ok {
-                        return;
-                    }
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                    delay = (delay * 2).min(PROBE_RETRY_MAX);
+                    worker.set_health(true);
+                    self.rebuild();
+                    break;
                 }
-            });
+                Err(error) => {
+                    tracing::warn!(worker = %worker.id, %error, retry_in = ?delay, "Worker probe failed");
+                    worker.probed.store(true, Ordering::Relaxed);
+                    self.rebuild();
+                }
+            }
+            if !sleep(delay).await {
+                return;
+            }
+            delay = (delay * 2).min(PROBE_RETRY_MAX);
         }
-        while tasks.join_next().await.is_some() {}
+        let mut counter =
+            HealthCounter::new(self.health.failure_threshold, self.health.success_threshold);
+        let endpoint = self.health.endpoint.as_str();
+        loop {
+            if !sleep(jittered(self.health.interval, 0.1)).await {
+                return;
+            }
+            let result = probe(&client, &worker, Some(endpoint), key, timeout).await;
+            if let Err(error) = &result {
+                tracing::debug!(worker = %worker.id, %error, "Health check failed");
+            }
+            if let Some(healthy) = counter.observe(worker.is_healthy(), result.is_ok()) {
+                if healthy {
+                    tracing::info!(worker = %worker.id, "Worker healthy again");
+                } else {
+                    tracing::warn!(worker = %worker.id, failures = self.health.failure_threshold, "Worker unhealthy: no longer a candidate");
+                }
+                worker.set_health(healthy);
+                self.rebuild();
+            }
+        }
     }
 }
 
@@ -488,30 +624,38 @@ enum ProbeError {
     Models(&'static str),
 }
 
-/// One probe: the worker's models (empty when its model is configured).
+/// One probe of `path`, or of the discovery path (`/v1/models` when the worker's model is
+/// not configured, else `/health`): the worker's models when it was `/v1/models`.
 async fn probe(
     client: &HttpClient,
     worker: &Worker,
+    path: Option<&str>,
+    api_key: Option<&Secret>,
+    timeout: Duration,
 ) -> Result<Vec<(ModelId, serde_json::Value)>, ProbeError> {
-    let path = if worker.configured_model.is_some() {
-        "/health"
-    } else {
-        "/v1/models"
-    };
-    let req = http::Request::get(format!("{}{}", worker.url, path))
+    let models = path.is_none() && worker.configured_model.is_none();
+    let path = path.unwrap_or(if models { "/v1/models" } else { "/health" });
+    let mut req = http::Request::get(format!("{}{}", worker.url, path));
+    if let Some(key) = api_key {
+        req = req.header(
+            http::header::AUTHORIZATION,
+            format!("Bearer {}", key.expose()),
+        );
+    }
+    let req = req
         .body(Full::new(Bytes::new()))
         .map_err(|_| ProbeError::Models("bad url"))?;
-    let resp = tokio::time::timeout(PROBE_TIMEOUT, client.request(req))
+    let resp = tokio::time::timeout(timeout, client.request(req))
         .await
-        .map_err(|_| ProbeError::Timeout(PROBE_TIMEOUT))??;
+        .map_err(|_| ProbeError::Timeout(timeout))??;
     if !resp.status().is_success() {
         return Err(ProbeError::Status(resp.status()));
     }
-    let body = tokio::time::timeout(PROBE_TIMEOUT, resp.into_body().collect())
+    let body = tokio::time::timeout(timeout, resp.into_body().collect())
         .await
-        .map_err(|_| ProbeError::Timeout(PROBE_TIMEOUT))??
+        .map_err(|_| ProbeError::Timeout(timeout))??
         .to_bytes();
-    if worker.configured_model.is_some() {
+    if !models {
         return Ok(Vec::new());
     }
     parse_models(&body)

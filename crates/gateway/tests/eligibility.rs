@@ -319,7 +319,10 @@ async fn post_busy_threshold_changes_routing_at_once() {
 async fn admin_changes_need_the_admin_key_when_one_is_set() {
     let a = MockWorker::start("a", &["m"]).await;
     let b = MockWorker::start("b", &["m"]).await;
-    let r = router(&a, &b, |s| s.admin_api_key = Some("s3cret".into())).await;
+    let r = router(&a, &b, |s| {
+        s.admin_api_key = kvroute_gateway::auth::Secret::new("s3cret".into())
+    })
+    .await;
     let update = json!({"model": "m", "active_prefill_tokens_threshold": 5}).to_string();
     let denied = post(&r.url, "/busy_threshold", &[], &update).await;
     assert_eq!(

@@ -1,0 +1,189 @@
+//! Keys: the client key inference calls must carry, the admin key, and the key sent to the
+//! workers. A key is a [`Secret`]: its `Debug` and `Display` never show it, so no log line or
+//! error can leak it, and it is compared in constant time.
+
+use std::net::IpAddr;
+
+use http::HeaderMap;
+
+/// A key. Printing it prints `***`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// `None` for an empty key (an unset environment variable is often set to "").
+    pub fn new(key: String) -> Option<Self> {
+        (!key.is_empty()).then_some(Self(key))
+    }
+
+    /// The key itself, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `given` is this key, in time that depends only on the lengths.
+    pub fn matches(&self, given: &[u8]) -> bool {
+        constant_time_eq(self.0.as_bytes(), given)
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// Byte equality whose time does not depend on where the inputs differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= x ^ y;
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// The bearer token of `Authorization: Bearer TOKEN` (the scheme is case-insensitive).
+pub fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(http::header::AUTHORIZATION)?.as_bytes();
+    let (scheme, token) = value.split_at_checked(7)?;
+    scheme
+        .eq_ignore_ascii_case(b"bearer ")
+        .then(|| token.trim_ascii())
+}
+
+/// Why a call was refused (the message a client sees; never the key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    MissingKey,
+    WrongKey,
+    NotLoopback,
+}
+
+impl Refusal {
+    pub fn message(self, admin: bool) -> &'static str {
+        match (self, admin) {
+            (Refusal::MissingKey, false) => "this router needs Authorization: Bearer <API key>",
+            (Refusal::WrongKey, false) => "the API key is not valid",
+            (Refusal::MissingKey, true) => "admin calls need Authorization: Bearer <admin key>",
+            (Refusal::WrongKey, true) => "the admin key is not valid",
+            (Refusal::NotLoopback, _) => {
+                "without --admin-api-key, admin changes are accepted from loopback only"
+            }
+        }
+    }
+}
+
+/// An inference call: allowed without a client key, else only with it.
+pub fn check_client(key: Option<&Secret>, headers: &HeaderMap) -> Result<(), Refusal> {
+    let Some(key) = key else { return Ok(()) };
+    match bearer(headers) {
+        None => Err(Refusal::MissingKey),
+        Some(given) if key.matches(given) => Ok(()),
+        Some(_) => Err(Refusal::WrongKey),
+    }
+}
+
+/// An admin call: with an admin key, only with it (from anywhere); without one, reads from
+/// anywhere and changes from loopback only. `peer` is the connection's address, when known.
+pub fn check_admin(
+    key: Option<&Secret>,
+    headers: &HeaderMap,
+    peer: Option<IpAddr>,
+    mutating: bool,
+) -> Result<(), Refusal> {
+    match key {
+        Some(key) => match bearer(headers) {
+            None => Err(Refusal::MissingKey),
+            Some(given) if key.matches(given) => Ok(()),
+            Some(_) => Err(Refusal::WrongKey),
+        },
+        None if !mutating => Ok(()),
+        None if peer.is_some_and(|ip| ip.is_loopback()) => Ok(()),
+        None => Err(Refusal::NotLoopback),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn auth(value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::AUTHORIZATION, value.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn keys_compare_exactly() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(!constant_time_eq(b"", b"a"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn secrets_never_print() {
+        let s = Secret::new("hunter2".into()).unwrap();
+        assert!(!format!("{s:?} {s}").contains("hunter2"));
+        assert!(Secret::new(String::new()).is_none());
+    }
+
+    #[test]
+    fn client_key_is_checked_as_a_bearer_token() {
+        let key = Secret::new("k1".into());
+        assert_eq!(check_client(None, &HeaderMap::new()), Ok(()));
+        assert_eq!(
+            check_client(key.as_ref(), &HeaderMap::new()),
+            Err(Refusal::MissingKey)
+        );
+        assert_eq!(check_client(key.as_ref(), &auth("Bearer k1")), Ok(()));
+        assert_eq!(check_client(key.as_ref(), &auth("bearer k1")), Ok(()));
+        assert_eq!(
+            check_client(key.as_ref(), &auth("Bearer k2")),
+            Err(Refusal::WrongKey)
+        );
+        assert_eq!(
+            check_client(key.as_ref(), &auth("Basic k1")),
+            Err(Refusal::MissingKey)
+        );
+    }
+
+    #[test]
+    fn admin_without_a_key_is_loopback_only_for_changes() {
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let far: IpAddr = "10.1.2.3".parse().unwrap();
+        let none = HeaderMap::new();
+        assert_eq!(check_admin(None, &none, Some(lo), true), Ok(()));
+        assert_eq!(
+            check_admin(None, &none, Some(far), true),
+            Err(Refusal::NotLoopback)
+        );
+        assert_eq!(
+            check_admin(None, &none, None, true),
+            Err(Refusal::NotLoopback)
+        );
+        assert_eq!(check_admin(None, &none, Some(far), false), Ok(()));
+        let key = Secret::new("adm".into());
+        assert_eq!(
+            check_admin(key.as_ref(), &none, Some(lo), false),
+            Err(Refusal::MissingKey)
+        );
+        assert_eq!(
+            check_admin(key.as_ref(), &auth("Bearer nope"), Some(lo), true),
+            Err(Refusal::WrongKey)
+        );
+        assert_eq!(
+            check_admin(key.as_ref(), &auth("Bearer adm"), Some(far), true),
+            Ok(())
+        );
+    }
+}

@@ -1,0 +1,515 @@
+//! Reliability and security against real HTTP workers: retries, the circuit breaker,
+//! health checks, workers added and removed at run time, the concurrency limit, client and
+//! worker keys, admin access. Every test ends with nothing in flight.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use http::{Method, StatusCode};
+use http_body_util::BodyExt;
+use kvroute_gateway::{Settings, WorkerSpec};
+use support::*;
+use tokio::net::TcpListener;
+
+/// An engine whose answers and health the test controls.
+#[derive(Clone)]
+struct Flaky {
+    name: String,
+    url: String,
+    /// 0: answer 200 with an echo; else answer this status.
+    status: Arc<AtomicU16>,
+    healthy: Arc<AtomicBool>,
+    requests: Arc<AtomicUsize>,
+}
+
+impl Flaky {
+    async fn start(name: &str) -> Flaky {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let f = Flaky {
+            name: name.to_owned(),
+            url: format!("http://{}", listener.local_addr().unwrap()),
+            status: Arc::new(AtomicU16::new(0)),
+            healthy: Arc::new(AtomicBool::new(true)),
+            requests: Arc::new(AtomicUsize::new(0)),
+        };
+        let app = Router::new()
+            .route("/health", get(flaky_health))
+            .fallback(flaky_post)
+            .with_state(f.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        f
+    }
+
+    fn spec(&self) -> WorkerSpec {
+        WorkerSpec {
+            id: Some(self.name.clone()),
+            model: Some("m".into()),
+            ..WorkerSpec::url(self.url.clone())
+        }
+    }
+
+    fn requests(&self) -> usize {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+async fn flaky_health(State(f): State<Flaky>) -> StatusCode {
+    if f.healthy.load(Ordering::SeqCst) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn flaky_post(State(f): State<Flaky>, req: Request) -> Response {
+    f.requests.fetch_add(1, Ordering::SeqCst);
+    let auth = req
+        .headers()
+        .get("authorization")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let _ = req.into_body().collect().await;
+    match f.status.load(Ordering::SeqCst) {
+        0 => {
+            axum::Json(serde_json::json!({"worker": f.name, "authorization": auth})).into_response()
+        }
+        s => (
+            StatusCode::from_u16(s).unwrap(),
+            axum::Json(serde_json::json!({"error": {"message": "injected", "code": s}})),
+        )
+            .into_response(),
+    }
+}
+
+fn flaky_settings(workers: &[&Flaky]) -> Settings {
+    let mut s = Settings::with_workers(workers.iter().map(|w| w.spec()).collect()).unwrap();
+    s.policy = kvroute_core::PolicyKind::RoundRobin;
+    s.retry.initial_backoff = std::time::Duration::from_millis(1);
+    s
+}
+
+const BODY: &str = r#"{"model":"m","prompt":"hello"}"#;
+
+async fn assert_idle(router: &TestRouter) {
+    let gw = router.gateway.clone();
+    wait_until("nothing in flight", || {
+        gw.workers().statuses().iter().all(|w| w.in_flight == 0)
+    })
+    .await;
+    let m = router.metrics().await;
+    assert_eq!(
+        metric_value(&m, "kvroute_requests_in_router", ""),
+        Some(0.0)
+    );
+}
+
+#[tokio::test]
+async fn a_failed_attempt_is_retried_on_another_worker() {
+    let bad = Flaky::start("bad").await;
+    let good = Flaky::start("good").await;
+    bad.status.store(503, Ordering::SeqCst);
+    let router = TestRouter::start(flaky_settings(&[&bad, &good])).await;
+    for _ in 0..6 {
+        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+        assert_eq!(r.json()["worker"], "good");
+    }
+    assert!(
+        bad.requests() >= 1,
+        "round robin sent some to the bad worker"
+    );
+    let m = router.metrics().await;
+    let retries = metric_value(&m, "kvroute_request_retries_total", "").unwrap();
+    assert_eq!(retries as usize, bad.requests());
+    assert_eq!(
+        metric_value(
+            &m,
+            "kvroute_upstream_attempts_total",
+            "worker=\"bad\",outcome=\"server_error\""
+        ),
+        Some(bad.requests() as f64)
+    );
+    assert_idle(&router).await;
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn a_dropped_connection_is_retried_and_a_4xx_is_not() {
+    let broken = broken_worker("m").await;
+    let good = Flaky::start("good").await;
+    let mut settings = flaky_settings(&[&good]);
+    settings.workers.push(WorkerSpec {
+        id: Some("broken".into()),
+        model: Some("m".into()),
+        ..WorkerSpec::url(broken)
+    });
+    let router = TestRouter::start(settings).await;
+    for _ in 0..4 {
+        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.json()["worker"], "good");
+    }
+    // A client error is the answer: not retried.
+    good.status.store(400, Ordering::SeqCst);
+    let before = good.requests();
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        &[("x-kvroute-allowed-workers", "good,broken")],
+        BODY,
+    )
+    .await;
+    if r.headers["x-kvroute-worker"] == "good" {
+        assert_eq!(r.status, StatusCode::BAD_REQUEST);
+        assert_eq!(good.requests(), before + 1);
+    }
+    assert_idle(&router).await;
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn a_pinned_request_is_never_moved_and_retries_give_up() {
+    let a = Flaky::start("a").await;
+    let b = Flaky::start("b").await;
+    a.status.store(503, Ordering::SeqCst);
+    let mut settings = flaky_settings(&[&a, &b]);
+    settings.retry.max_retries = 1;
+    let router = TestRouter::start(settings).await;
+    // Pinned to the failing worker: its answer, once, nowhere else.
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        &[("x-kvroute-worker", "a")],
+        BODY,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.worker(), "a");
+    assert_eq!((a.requests(), b.requests()), (1, 0));
+    // Both failing, one retry allowed: two attempts, then the last answer.
+    b.status.store(502, Ordering::SeqCst);
+    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    assert!(r.status.is_server_error(), "{}", r.status);
+    assert_eq!(a.requests() + b.requests(), 3);
+    assert_idle(&router).await;
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn the_circuit_opens_on_failures_and_closes_after_a_probe() {
+    let a = Flaky::start("a").await;
+    let b = Flaky::start("b").await;
+    a.status.store(500, Ordering::SeqCst);
+    let mut settings = flaky_settings(&[&a, &b]);
+    settings.retry.max_retries = 0;
+    settings.circuit = Some(kvroute_gateway::config::CircuitSettings {
+        failure_threshold: 3,
+        success_threshold: 1,
+        timeout: std::time::Duration::from_secs(1),
+    });
+    let router = TestRouter::start(settings).await;
+    while a.requests() < 3 {
+        post(&router.url, "/v1/completions", &[], BODY).await;
+    }
+    let m = router.metrics().await;
+    assert_eq!(
+        metric_value(&m, "kvroute_worker_circuit_state", "worker=\"a\""),
+        Some(1.0)
+    );
+    // Open: everything goes to b (until the timeout lets a probe through).
+    let gw = router.gateway.clone();
+    let status = |id: &str| {
+        gw.workers()
+            .statuses()
+            .into_iter()
+            .find(|w| w.id == id)
+            .unwrap()
+            .circuit
+    };
+    assert_eq!(status("a"), "open");
+    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    assert_eq!(r.json()["worker"], "b");
+    // a recovers; after the timeout one probe goes to it and closes the circuit.
+    a.status.store(0, Ordering::SeqCst);
+    let mut seen_a = false;
+    for _ in 0..400 {
+        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        assert_eq!(r.status, StatusCode::OK);
+        if r.json()["worker"] == "a" {
+            seen_a = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(seen_a, "the probe reached the recovered worker");
+    assert_eq!(status("a"), "closed");
+    assert_idle(&router).await;
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn an_unhealthy_worker_leaves_and_returns() {
+    let a = Flaky::start("a").await;
+    let b = Flaky::start("b").await;
+    let mut settings = flaky_settings(&[&a, &b]);
+    settings.health.interval = std::time::Duration::from_millis(50);
+    settings.health.failure_threshold = 2;
+    settings.health.success_threshold = 2;
+    let router = TestRouter::start(settings).await;
+    let gw = router.gateway.clone();
+    let healthy = move |id: &str| {
+        gw.workers()
+            .statuses()
+            .into_iter()
+            .find(|w| w.id == id)
+            .unwrap()
+            .healthy
+    };
+    a.healthy.store(false, Ordering::SeqCst);
+    wait_until("a unhealthy", || !healthy("a")).await;
+    let before = a.requests();
+    for _ in 0..6 {
+        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        assert_eq!(r.json()["worker"], "b");
+    }
+    assert_eq!(a.requests(), before);
+    let m = router.metrics().await;
+    assert_eq!(
+        metric_value(&m, "kvroute_worker_healthy", "worker=\"a\""),
+        Some(0.0)
+    );
+    a.healthy.store(true, Ordering::SeqCst);
+    wait_until("a healthy again", || healthy("a")).await;
+    let mut workers = std::collections::HashSet::new();
+    for _ in 0..4 {
+        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        workers.insert(r.json()["worker"].as_str().unwrap().to_owned());
+    }
+    assert!(workers.contains("a"), "{workers:?}");
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn beyond_the_concurrency_limit_requests_get_429() {
+    let w = MockWorker::start("w", &["m"]).await;
+    let mut settings = settings(&[&w]);
+    settings.max_concurrent_requests = Some(1);
+    let router = TestRouter::start(settings).await;
+    let stream = open_stream(
+        &router.url,
+        "/v1/completions",
+        r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#,
+    )
+    .await;
+    assert_eq!(stream.status(), StatusCode::OK);
+    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.error_code(), "too_many_requests");
+    assert!(r.headers.contains_key("retry-after"));
+    // The stream finishes; its place is free again.
+    w.release.add_permits(1);
+    let body = stream.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("[DONE]"));
+    wait_idle(&router, &w.url).await;
+    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_idle(&router).await;
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn the_client_key_guards_inference_and_the_worker_key_replaces_it() {
+    let w = Flaky::start("w").await;
+    let mut settings = flaky_settings(&[&w]);
+    settings.client_api_key = kvroute_gateway::auth::Secret::new("client-key".into());
+    let router = TestRouter::start(settings).await;
+    for headers in [vec![], vec![("authorization", "Bearer nope")]] {
+        let r = post(&router.url, "/v1/completions", &headers, BODY).await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(r.error_code(), "unauthorized");
+        assert!(!String::from_utf8_lossy(&r.body).contains("client-key"));
+    }
+    let (status, _, _) = get_url(&format!("{}/v1/models", router.url)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _, _) = get_url(&format!("{}/health", router.url)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(w.requests(), 0);
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        &[("authorization", "Bearer client-key")],
+        BODY,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    // The client's key is not the workers' business.
+    assert_eq!(r.json()["authorization"], serde_json::Value::Null);
+    router.stop().await;
+
+    let mut settings = flaky_settings(&[&w]);
+    settings.client_api_key = kvroute_gateway::auth::Secret::new("client-key".into());
+    settings.api_key = kvroute_gateway::auth::Secret::new("worker-key".into());
+    let router = TestRouter::start(settings).await;
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        &[("authorization", "Bearer client-key")],
+        BODY,
+    )
+    .await;
+    assert_eq!(r.json()["authorization"], "Bearer worker-key");
+    let m = router.metrics().await;
+    assert!(!m.contains("worker-key") && !m.contains("client-key"));
+    router.stop().await;
+}
+
+/// Drives the app directly with a chosen peer address.
+async fn admin_call(
+    gateway: &kvroute_gateway::Gateway,
+    method: Method,
+    path: &str,
+    peer: &str,
+    key: Option<&str>,
+    body: &str,
+) -> StatusCode {
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let mut req = req.body(Body::from(body.to_owned())).unwrap();
+    req.extensions_mut()
+        .insert(axum::extract::ConnectInfo::<std::net::SocketAddr>(
+            peer.parse().unwrap(),
+        ));
+    let mut app = gateway.app();
+    tower_service::Service::call(&mut app, req)
+        .await
+        .unwrap()
+        .status()
+}
+
+#[tokio::test]
+async fn admin_changes_need_loopback_or_the_admin_key() {
+    let w = Flaky::start("w").await;
+    let extra = Flaky::start("extra").await;
+    let router = TestRouter::start(flaky_settings(&[&w])).await;
+    let gw = &router.gateway;
+    let add = serde_json::json!({"id": "extra", "url": extra.url, "model": "m"}).to_string();
+    let far = "10.1.2.3:5000";
+    let near = "127.0.0.1:5000";
+    assert_eq!(
+        admin_call(gw, Method::POST, "/workers", far, None, &add).await,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        admin_call(gw, Method::DELETE, "/workers/w", far, None, "").await,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        admin_call(gw, Method::GET, "/workers", far, None, "").await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        admin_call(gw, Method::POST, "/workers", near, None, &add).await,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        admin_call(gw, Method::POST, "/workers", near, None, &add).await,
+        StatusCode::CONFLICT
+    );
+    router.stop().await;
+
+    let mut settings = flaky_settings(&[&w]);
+    settings.admin_api_key = kvroute_gateway::auth::Secret::new("adm".into());
+    let router = TestRouter::start(settings).await;
+    let gw = &router.gateway;
+    for key in [None, Some("wrong")] {
+        for peer in [near, far] {
+            assert_eq!(
+                admin_call(gw, Method::POST, "/workers", peer, key, &add).await,
+                StatusCode::UNAUTHORIZED
+            );
+            assert_eq!(
+                admin_call(gw, Method::GET, "/workers", peer, key, "").await,
+                StatusCode::UNAUTHORIZED
+            );
+        }
+    }
+    assert_eq!(
+        admin_call(gw, Method::POST, "/workers", far, Some("adm"), &add).await,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        admin_call(gw, Method::DELETE, "/workers/extra", far, Some("adm"), "").await,
+        StatusCode::OK
+    );
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn workers_come_and_go_at_run_time_without_losing_requests() {
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
+    let router = TestRouter::start(settings(&[&a])).await;
+    let add = serde_json::json!({"id": "b", "url": b.url}).to_string();
+    let r = post(&router.url, "/workers", &[], &add).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let gw = router.gateway.clone();
+    wait_until("b healthy", || {
+        gw.workers()
+            .statuses()
+            .iter()
+            .any(|w| w.id == "b" && w.healthy)
+    })
+    .await;
+    // A stream on b, open while b is removed.
+    let mut stream = None;
+    for _ in 0..4 {
+        let s = open_stream(
+            &router.url,
+            "/v1/completions",
+            r#"{"model":"m","prompt":"x","stream":true,"max_tokens":2}"#,
+        )
+        .await;
+        if s.headers()["x-kvroute-worker"] == "b" {
+            stream = Some(s);
+            break;
+        }
+        a.release.add_permits(1);
+        s.into_body().collect().await.unwrap();
+    }
+    let stream = stream.expect("round robin reaches b");
+    let r = send(&router.url, Method::DELETE, "/workers/b", &[], "").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json()["draining"], 1);
+    // No new request goes to b; the open stream completes.
+    for _ in 0..4 {
+        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        assert_eq!(r.worker(), a.url);
+    }
+    b.release.add_permits(1);
+    let body = stream.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("[DONE]"));
+    assert!(gw.workers().statuses().iter().all(|w| w.id != "b"));
+    let m = router.metrics().await;
+    assert!(
+        !m.contains("worker=\"b\""),
+        "series of a removed worker stay"
+    );
+    let r = send(&router.url, Method::DELETE, "/workers/b", &[], "").await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.error_code(), "worker_not_found");
+    let r = post(&router.url, "/workers", &[], r#"{"url":"ftp://x"}"#).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_idle(&router).await;
+    router.stop().await;
+}
