@@ -1,0 +1,181 @@
+//! The `kvroute` process's lifecycle, with real signals: SIGTERM drains in-flight requests
+//! (up to the grace period) and exits 0; SIGHUP re-reads the config's workers; a client that
+//! never finishes its headers is cut off.
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Child {
+    fn signal(&self, name: &str) {
+        let ok = Command::new("kill")
+            .args([format!("-{name}"), self.0.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{name}");
+    }
+
+    /// Waits for the process to exit (20 s at most) and returns its status code.
+    async fn exit_code(&mut self) -> Option<i32> {
+        for _ in 0..2000 {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return status.code();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("kvroute did not exit");
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn start(args: &[&str]) -> (Child, String) {
+    let port = free_port();
+    let child = Child(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["--port", &port.to_string(), "--prometheus-port", "0"])
+            .args(args)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let url = format!("http://127.0.0.1:{port}");
+    for _ in 0..2000 {
+        if answers(&format!("{url}/readiness")).await {
+            return (child, url);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("kvroute never became ready");
+}
+
+const STREAM: &str = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":2}"#;
+
+#[tokio::test]
+async fn sigterm_finishes_in_flight_requests_then_exits_0() {
+    let w = MockWorker::start("w", &["m"]).await;
+    let (mut child, url) = start(&["--worker-urls", &w.url]).await;
+    let stream = open_stream(&url, "/v1/completions", STREAM).await;
+    assert_eq!(stream.status(), 200);
+    child.signal("TERM");
+    // It stops accepting...
+    wait_until_async("new connections refused", || {
+        let u = url.clone();
+        async move { tokio::net::TcpStream::connect(addr_of(&u)).await.is_err() }
+    })
+    .await;
+    // ...and the open stream still completes.
+    w.release.add_permits(1);
+    let body = stream.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("[DONE]"));
+    assert_eq!(child.exit_code().await, Some(0));
+}
+
+#[tokio::test]
+async fn sigterm_gives_up_on_requests_after_the_grace_period() {
+    let w = MockWorker::start("w", &["m"]).await;
+    let (mut child, url) =
+        start(&["--worker-urls", &w.url, "--shutdown-grace-period-secs", "1"]).await;
+    let stream = open_stream(&url, "/v1/completions", STREAM).await;
+    child.signal("TERM");
+    // Never released: the grace period ends it.
+    assert_eq!(child.exit_code().await, Some(0));
+    assert!(stream.into_body().collect().await.is_err());
+}
+
+#[tokio::test]
+async fn sighup_rereads_the_workers_of_the_config_file() {
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
+    let dir = std::env::temp_dir().join(format!("kvroute-hup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("router.yaml");
+    let config = |id: &str, url: &str| format!("workers:\n  - id: {id}\n    url: {url}\n");
+    std::fs::write(&path, config("a", &a.url)).unwrap();
+    let (child, url) = start(&["--config", path.to_str().unwrap()]).await;
+    let ids = || async {
+        let (_, _, body) = get_url(&format!("{url}/workers")).await;
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["id"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids().await, ["a"]);
+    std::fs::write(&path, config("b", &b.url)).unwrap();
+    child.signal("HUP");
+    wait_until_async("b replaced a", || async { ids().await == ["b"] }).await;
+    // b serves once probed.
+    wait_until_async("b serves", || async {
+        let r = post(
+            &url,
+            "/v1/completions",
+            &[],
+            r#"{"model":"m","prompt":"x"}"#,
+        )
+        .await;
+        r.status == 200 && r.worker() == "b"
+    })
+    .await;
+    // A broken file changes nothing, and the router lives on.
+    std::fs::write(&path, "workers: [").unwrap();
+    child.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(ids().await, ["b"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_headers_is_cut_off() {
+    let w = MockWorker::start("w", &["m"]).await;
+    let (_child, url) = start(&["--worker-urls", &w.url, "--header-read-timeout-secs", "1"]).await;
+    let mut sock = tokio::net::TcpStream::connect(addr_of(&url)).await.unwrap();
+    sock.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), sock.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the connection stayed open");
+    // The router itself still serves.
+    assert!(answers(&format!("{url}/health")).await);
+}
+
+async fn wait_until_async<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !cond().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
