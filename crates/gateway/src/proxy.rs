@@ -164,11 +164,17 @@ pub enum WorkerAuth {
 }
 
 /// A worker's response body, carrying the request's in-flight guard.
+///
+/// When the worker fails in the middle of an event stream (`text/event-stream`), the client
+/// gets a last `data: {"error": ...}` event and a clean end of stream instead of a cut
+/// connection, and the failure counts against the worker's circuit. Other bodies are cut.
 #[derive(Debug)]
 pub struct TrackedBody {
     inner: Incoming,
     guard: InFlight,
     admitted: Option<Admitted>,
+    sse: bool,
+    ended: bool,
 }
 
 impl TrackedBody {
@@ -186,17 +192,35 @@ impl Body for TrackedBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled {
-            if frame.is_data() {
-                self.guard.first_frame();
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) if frame.is_data() => self.guard.first_frame(),
+            Poll::Ready(Some(Err(error))) => {
+                let worker = self.guard.worker.clone();
+                worker.circuit.record(false, Instant::now());
+                tracing::warn!(worker = %worker.id, %error, "Worker failed mid-response");
+                if self.sse {
+                    self.ended = true;
+                    let event = serde_json::json!({"error": {
+                        "message": format!("worker {} failed mid-stream: {error}", worker.id),
+                        "type": "server_error",
+                        "code": "upstream_error",
+                    }});
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
+                        "data: {event}\n\n"
+                    ))))));
+                }
             }
+            _ => {}
         }
         polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -271,6 +295,10 @@ pub async fn forward(
     };
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     if let Ok(v) = HeaderValue::from_str(worker.id.as_str()) {
         parts.headers.insert(WORKER_HEADER, v);
     }
@@ -289,6 +317,8 @@ pub async fn forward(
             inner: body,
             guard,
             admitted: None,
+            sse,
+            ended: false,
         },
     ))
 }

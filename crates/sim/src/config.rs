@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
 
 use crate::engine::{EngineConfig, TimingModel};
 
@@ -89,6 +90,81 @@ pub struct SimArgs {
     /// Log level (trace, debug, info, warn, error).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+    #[command(flatten)]
+    pub faults: FaultSettings,
+}
+
+/// The status a request failed by `--fail-rate` gets unless `--fail-status` says otherwise.
+pub const DEFAULT_FAIL_STATUS: u16 = 503;
+
+/// Injected faults, for the router's reliability tests: the flags set them at start, and
+/// `POST /fault` (or [`crate::FaultHandle::set`]) changes them while the engine runs. The
+/// same names are the flags (`--fail-rate`) and the keys of `/fault`'s JSON (`fail_rate`).
+///
+/// Only inference requests (`/v1/completions`, `/v1/chat/completions`) are faulted; health,
+/// metrics, models and the admin endpoints never are.
+#[derive(Debug, Clone, Copy, PartialEq, Args, Serialize, Deserialize)]
+#[command(next_help_heading = "Fault injection")]
+#[serde(deny_unknown_fields)]
+pub struct FaultSettings {
+    /// Share (0 to 1) of inference requests answered at once with --fail-status and an
+    /// OpenAI-style error body; drawn from a generator seeded with --seed.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// The HTTP status (400 to 599) of the requests failed by --fail-rate.
+    #[arg(long, default_value_t = DEFAULT_FAIL_STATUS)]
+    pub fail_status: u16,
+    /// Milliseconds every inference request waits before its response starts (no header
+    /// is sent meanwhile).
+    #[arg(long, default_value_t = 0)]
+    pub stall_ms: u64,
+    /// Crash once this many inference requests have been taken by the engine (counted from
+    /// its start): the last one's stream is cut after its first token, every connection
+    /// is closed, the port refuses connections, KV events stop, and the binary exits with
+    /// a non-zero code.
+    #[arg(long)]
+    pub crash_after_requests: Option<u64>,
+    /// Withhold KV events (sequence numbers still advance, so subscribers see a gap when
+    /// they resume).
+    #[arg(long)]
+    pub drop_kv_events: bool,
+}
+
+impl Default for FaultSettings {
+    /// No fault.
+    fn default() -> Self {
+        Self {
+            fail_rate: 0.0,
+            fail_status: DEFAULT_FAIL_STATUS,
+            stall_ms: 0,
+            crash_after_requests: None,
+            drop_kv_events: false,
+        }
+    }
+}
+
+impl FaultSettings {
+    pub fn validate(&self) -> Result<(), SimConfigError> {
+        if !(0.0..=1.0).contains(&self.fail_rate) {
+            return Err(SimConfigError {
+                flag: "fail-rate",
+                reason: "must be between 0 and 1",
+            });
+        }
+        if !(400..=599).contains(&self.fail_status) {
+            return Err(SimConfigError {
+                flag: "fail-status",
+                reason: "must be an HTTP error status (400 to 599)",
+            });
+        }
+        if self.crash_after_requests == Some(0) {
+            return Err(SimConfigError {
+                flag: "crash-after-requests",
+                reason: "must be at least 1",
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for SimArgs {
@@ -128,7 +204,7 @@ impl SimArgs {
                 reason: "must be a positive number",
             });
         }
-        Ok(())
+        self.faults.validate()
     }
 
     /// The engine configuration of data-parallel rank `rank`.
@@ -183,5 +259,48 @@ mod tests {
         ]);
         assert_eq!(a.decode_quadratic, -3.0);
         assert_eq!(a.model, "x");
+    }
+
+    #[test]
+    fn fault_flags_parse_and_validate() {
+        assert_eq!(SimArgs::default().faults, FaultSettings::default());
+        let a = SimArgs::parse_from([
+            "kvroute-sim",
+            "--fail-rate",
+            "0.5",
+            "--fail-status",
+            "500",
+            "--stall-ms",
+            "20",
+            "--crash-after-requests",
+            "3",
+            "--drop-kv-events",
+        ]);
+        let expected = FaultSettings {
+            fail_rate: 0.5,
+            fail_status: 500,
+            stall_ms: 20,
+            crash_after_requests: Some(3),
+            drop_kv_events: true,
+        };
+        assert_eq!(a.faults, expected);
+        assert!(a.validate().is_ok());
+        for bad in [
+            ["--fail-rate", "1.5"],
+            ["--fail-rate", "NaN"],
+            ["--fail-status", "200"],
+            ["--crash-after-requests", "0"],
+        ] {
+            let a = SimArgs::parse_from(["kvroute-sim", bad[0], bad[1]]);
+            let e = a.validate().unwrap_err().to_string();
+            assert!(e.contains(bad[0]), "{e}");
+        }
+        // The JSON of `/fault` is the same struct.
+        let json = serde_json::to_value(expected).unwrap();
+        assert_eq!(json["crash_after_requests"], 3);
+        assert_eq!(
+            serde_json::from_value::<FaultSettings>(json).unwrap(),
+            expected
+        );
     }
 }

@@ -5,9 +5,12 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use kvroute_sim::{SimArgs, SimServer};
+use kvroute_sim::{Crashed, SimArgs, SimServer};
 use kvroute_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
+
+/// The exit code after an injected crash (`--crash-after-requests`).
+const CRASH_EXIT_CODE: u8 = 3;
 
 fn main() -> ExitCode {
     let args = SimArgs::parse();
@@ -46,6 +49,10 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(args, Arc::new(tokenizer))) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<Crashed>() => {
+            eprintln!("kvroute-sim: {e}");
+            ExitCode::from(CRASH_EXIT_CODE)
+        }
         Err(e) => {
             eprintln!("kvroute-sim: {e:#}");
             ExitCode::FAILURE

@@ -2,9 +2,13 @@
 //!
 //! [`SimServer::new`] builds the state (no I/O); [`SimServer::serve`] binds the KV-event
 //! sockets, starts one [`driver::Driver`] per rank and a publisher per socket, serves the
-//! API on the listener it is given until the shutdown token fires, and joins them all.
+//! API on the listener it is given until the shutdown token fires (or the engine crashes,
+//! see [`faults`]), and joins them all. [`SimInstance`] runs one on a task, for tests that
+//! crash and restart engines.
 
 mod driver;
+mod faults;
+mod instance;
 mod kv_publisher;
 mod metrics;
 mod openai;
@@ -29,8 +33,11 @@ use tokio_util::sync::CancellationToken;
 use crate::config::SimArgs;
 use crate::engine::{EngineCore, EngineRequest, RequestId};
 use driver::{Command, Delivery, Driver};
+use faults::{CrashListener, Faults};
 use openai::{Api, ResponseMeta};
 
+pub use faults::{Crashed, FaultHandle};
+pub use instance::SimInstance;
 pub use kv_publisher::rank_endpoint;
 
 /// vLLM's header naming the data-parallel rank a request should run on.
@@ -50,6 +57,9 @@ struct AppState {
     next_id: AtomicU64,
     created: u64,
     registry: Registry,
+    faults: Arc<Faults>,
+    /// Cancelled when the server stops or crashes (a child of the crash token).
+    stopping: CancellationToken,
 }
 
 /// A simulated vLLM server.
@@ -97,6 +107,8 @@ impl SimServer {
             args.block_size,
             args.num_gpu_blocks,
         );
+        let faults = Arc::new(Faults::new(args.faults, args.seed, &mut registry));
+        let stopping = faults.crash_token().child_token();
         let outputs = output_tokens(&tokenizer);
         let mut senders = Vec::new();
         let mut receivers = Vec::new();
@@ -119,6 +131,8 @@ impl SimServer {
                 next_id: AtomicU64::new(0),
                 created,
                 registry,
+                faults,
+                stopping,
             }),
             pending: Mutex::new(Some(Pending {
                 cores,
@@ -126,6 +140,11 @@ impl SimServer {
                 series,
             })),
         }
+    }
+
+    /// Controls this engine's faults, and crashes it; valid before and after `serve`.
+    pub fn faults(&self) -> FaultHandle {
+        FaultHandle(self.state.faults.clone())
     }
 
     /// The API, without a socket.
@@ -145,15 +164,24 @@ impl SimServer {
             .route("/model_info", get(model_info))
             .route("/get_model_info", get(model_info))
             .route("/metrics", get(metrics_text))
+            .route("/fault", get(faults::get_faults).post(faults::post_faults))
             .with_state(self.state.clone())
     }
 
     /// Runs the engines and serves the API until `shutdown`. Can be called once.
+    ///
+    /// Returns an error holding [`Crashed`] when the engine crashed (fault injection), once
+    /// its listener and KV-event sockets are closed: a restart may bind the same ports.
     pub async fn serve(
         self,
         listener: TcpListener,
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
+        self.bind().await?.run(listener, shutdown).await
+    }
+
+    /// Binds the KV-event sockets: what can fail before the engine runs.
+    async fn bind(self) -> anyhow::Result<Bound> {
         let pending = self
             .pending
             .lock()
@@ -161,44 +189,82 @@ impl SimServer {
             .take()
             .ok_or_else(|| anyhow::anyhow!("SimServer::serve called twice"))?;
         let args = &self.state.args;
-        let mut tasks = tokio::task::JoinSet::new();
-        for (rank, ((core, commands), series)) in pending
-            .cores
-            .into_iter()
-            .zip(pending.receivers)
-            .zip(pending.series)
-            .enumerate()
-        {
-            let events = match &args.kv_events_endpoint {
-                Some(endpoint) => {
-                    let publisher = kv_publisher::Publisher::bind(
+        let mut publishers = Vec::with_capacity(pending.cores.len());
+        for rank in 0..pending.cores.len() {
+            publishers.push(match &args.kv_events_endpoint {
+                Some(endpoint) => Some(
+                    kv_publisher::Publisher::bind(
                         endpoint,
                         rank,
                         &args.kv_events_topic,
                         args.kv_events_format,
                         args.block_size,
                     )
-                    .await?;
-                    let (tx, rx) = mpsc::unbounded_channel();
-                    tasks.spawn(publisher.run(rx, shutdown.clone()));
-                    Some(tx)
-                }
+                    .await?,
+                ),
                 None => None,
-            };
+            });
+        }
+        Ok(Bound {
+            server: self,
+            pending,
+            publishers,
+        })
+    }
+}
+
+/// A server with its KV-event sockets bound.
+struct Bound {
+    server: SimServer,
+    pending: Pending,
+    publishers: Vec<Option<kv_publisher::Publisher>>,
+}
+
+impl Bound {
+    async fn run(self, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let state = self.server.state.clone();
+        let stopping = state.stopping.clone();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (((core, commands), series), publisher) in self
+            .pending
+            .cores
+            .into_iter()
+            .zip(self.pending.receivers)
+            .zip(self.pending.series)
+            .zip(self.publishers)
+        {
+            let events = publisher.map(|publisher| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tasks.spawn(publisher.run(rx, state.faults.clone(), stopping.clone()));
+                tx
+            });
             let driver = Driver {
                 core,
                 commands,
                 series,
                 events,
             };
-            tasks.spawn(driver.run(shutdown.clone()));
+            tasks.spawn(driver.run(stopping.clone()));
         }
-        let app = self.app();
+        let app = self.server.app();
+        let listener = CrashListener::new(listener, state.faults.clone());
+        let signal = {
+            let stopping = stopping.clone();
+            async move {
+                tokio::select! {
+                    _ = shutdown.cancelled() => stopping.cancel(),
+                    _ = stopping.cancelled() => {}
+                }
+            }
+        };
         let served = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+            .with_graceful_shutdown(signal)
             .await;
-        shutdown.cancel();
+        stopping.cancel();
         while tasks.join_next().await.is_some() {}
+        if state.faults.is_crashed() {
+            return Err(Crashed.into());
+        }
         served.map_err(Into::into)
     }
 }
@@ -233,6 +299,15 @@ impl ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
             kind: "ServiceUnavailableError",
             message: message.into(),
+        }
+    }
+
+    /// A failure injected by `fail_rate`.
+    fn injected(status: StatusCode) -> Self {
+        Self {
+            status,
+            kind: faults::error_type(status),
+            message: "injected fault (kvroute-sim fail_rate)".to_owned(),
         }
     }
 }
@@ -337,6 +412,7 @@ async fn completions(
     State(state): State<Arc<AppState>>,
     req: Request,
 ) -> Result<Response, ApiError> {
+    state.faults.before_inference(&state.stopping).await?;
     let (headers, body) = json_body::<openai::CompletionRequest>(req).await?;
     state.check_model(body.model.as_deref())?;
     let prompt = state.completion_tokens(&body.prompt)?;
@@ -354,6 +430,7 @@ async fn completions(
 }
 
 async fn chat(State(state): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
+    state.faults.before_inference(&state.stopping).await?;
     let (headers, body) = json_body::<openai::ChatRequest>(req).await?;
     state.check_model(body.model.as_deref())?;
     let prompt = state.chat_tokens(&body.messages)?;
@@ -440,6 +517,12 @@ async fn generate(
             return Err(ApiError::unavailable("engine stopped"));
         }
     };
+    // The request that `crash_after_requests` makes the last: it dies after its first token.
+    let last = state.faults.accept();
+    if last && !stream {
+        state.faults.crash();
+        return Err(ApiError::unavailable("engine crashed"));
+    }
     let tokenizer = state.tokenizer.clone();
     if !stream {
         let mut tokens = Vec::with_capacity(max_tokens);
@@ -482,6 +565,8 @@ async fn generate(
         tokenizer: Arc<Tokenizer>,
         count: usize,
         ended: bool,
+        /// Crash the engine once the first token is sent (`crash_after_requests`).
+        crash: Option<Arc<Faults>>,
     }
     let st = StreamState {
         rx,
@@ -493,12 +578,24 @@ async fn generate(
         tokenizer,
         count: 0,
         ended: false,
+        crash: last.then(|| state.faults.clone()),
     };
     // One body frame per wake-up: the tokens that arrived since the last one (one token when
-    // the client keeps pace, several in one write when it lags).
+    // the client keeps pace, several in one write when it lags). A stream whose engine stops
+    // before its end fails, so the connection is cut without the final chunk: a truncated
+    // answer never looks complete.
     let body = futures_util::stream::unfold(st, |mut st| async move {
         if st.ended {
             return None;
+        }
+        if st.count > 0 {
+            if let Some(faults) = st.crash.take() {
+                // Yield once so hyper writes the first token out, then die.
+                tokio::task::yield_now().await;
+                faults.crash();
+                st.ended = true;
+                return Some((Err(std::io::Error::other("engine crashed")), st));
+            }
         }
         let mut out = st.prelude.take().unwrap_or_default();
         let mut next = match st.first.take() {
@@ -516,6 +613,11 @@ async fn generate(
             any = true;
             st.count += 1;
             let text = st.tokenizer.decode(&[token]).unwrap_or_default();
+            if st.crash.is_some() {
+                // The first token only, never the end.
+                st.chunk.push(&mut out, &text, false);
+                break;
+            }
             st.chunk.push(&mut out, &text, finished);
             if finished {
                 st.guard.done = true;
@@ -530,7 +632,11 @@ async fn generate(
             }
             next = st.rx.try_recv().ok();
         }
-        any.then(|| (Ok::<_, std::io::Error>(Bytes::from(out)), st))
+        if !any {
+            st.ended = true;
+            return Some((Err(std::io::Error::other("engine stopped")), st));
+        }
+        Some((Ok(Bytes::from(out)), st))
     });
     Ok(Response::builder()
         .header("content-type", "text/event-stream")

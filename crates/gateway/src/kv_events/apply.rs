@@ -179,7 +179,11 @@ impl RankState {
         }
     }
 
-    pub(super) fn reconnected(&mut self) {
+    /// The connection was lost: forget the rank (an engine that restarted has lost its
+    /// cache; one that did not has published events the router missed), and treat the next
+    /// gap as unreplayable.
+    pub(super) fn reconnected(&mut self, applier: &Applier) {
+        applier.clear(self.applied_rank, Status::Disconnected);
         self.seq.reconnected();
     }
 

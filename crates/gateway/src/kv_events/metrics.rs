@@ -84,10 +84,13 @@ pub(super) enum Status {
     Restart,
     /// A batch recovered from the engine's replay socket after a gap.
     Replayed,
+    /// The connection to the publisher was lost: the rank was cleared (what happened
+    /// meanwhile, an engine restart included, cannot be known).
+    Disconnected,
 }
 
 impl Status {
-    const ALL: usize = 8;
+    const ALL: usize = 9;
 
     fn as_str(self) -> &'static str {
         match self {
@@ -99,6 +102,7 @@ impl Status {
             Self::Gap => "gap",
             Self::Restart => "restart",
             Self::Replayed => "replayed",
+            Self::Disconnected => "disconnected",
         }
     }
 }

@@ -50,9 +50,9 @@ pub(super) async fn run_rank(
             worker = %applier.worker(),
             rank = endpoints.rank,
             %reason,
-            "KV-event connection lost; reconnecting"
+            "KV-event connection lost: rank cleared; reconnecting"
         );
-        state.reconnected();
+        state.reconnected(applier);
     }
 }
 

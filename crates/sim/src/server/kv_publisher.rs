@@ -4,7 +4,11 @@
 //! one multipart message per step that changed the cache: `[topic, seq (u64 big-endian,
 //! +1 per message from 0), msgpack batch [ts, [events], rank]]`, with the events in the map
 //! encoding of vLLM 0.32 or the positional one.
+//!
+//! While the faults say `drop_kv_events`, messages are withheld but still numbered, so a
+//! subscriber sees the gap in `seq` when they resume, as it would after lost messages.
 
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -16,6 +20,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
+use super::faults::Faults;
 use crate::config::KvEventsFormat;
 use crate::engine::CacheEvent;
 
@@ -116,16 +121,23 @@ impl Publisher {
     pub async fn run(
         mut self,
         mut rx: mpsc::UnboundedReceiver<Vec<CacheEvent>>,
+        faults: Arc<Faults>,
         shutdown: CancellationToken,
     ) {
         loop {
+            // Stopping first: nothing is published after a crash.
             let events = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
                 events = rx.recv() => match events {
                     Some(events) => events,
                     None => break,
                 },
-                _ = shutdown.cancelled() => break,
             };
+            if faults.drop_kv_message() {
+                self.seq += 1;
+                continue;
+            }
             let batch = to_batch(&events, self.block_size, self.rank);
             let payload = encode_batch(&batch, self.encoding);
             let frames = vec![

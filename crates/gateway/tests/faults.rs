@@ -1,0 +1,342 @@
+//! Faults against kvroute-sim replicas: an engine killed mid-stream, one that refuses
+//! connections, one that stalls, one restarted, and a KV-event stream cut with a gap. Each
+//! test checks that every accepted request completed or got a clear error, and that nothing
+//! is left in flight.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use kvroute_core::PolicyKind;
+use kvroute_gateway::{Settings, WorkerSpec};
+use kvroute_sim::{FaultSettings, SimArgs, SimInstance};
+use kvroute_tokenizer::Tokenizer;
+use serde_json::{json, Value};
+use support::*;
+
+/// A kvroute-sim replica publishing KV events, on ports of its own (retried when another
+/// test took the KV-event port first).
+async fn sim(seed: u64) -> (SimInstance, String) {
+    for _ in 0..20 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let events = format!("tcp://127.0.0.1:{port}");
+        let args = SimArgs {
+            seed,
+            kv_events_endpoint: Some(events.clone()),
+            ..SimArgs::default()
+        };
+        if let Ok(instance) =
+            SimInstance::start(args, Arc::new(Tokenizer::fallback()), listener).await
+        {
+            return (instance, events);
+        }
+    }
+    panic!("no engine could bind a KV-event port");
+}
+
+fn spec(id: &str, sim: &SimInstance, events: &str) -> WorkerSpec {
+    WorkerSpec {
+        id: Some(id.to_owned()),
+        kv_events: Some(events.to_owned()),
+        ..WorkerSpec::url(sim.url())
+    }
+}
+
+async fn cluster(
+    policy: PolicyKind,
+    tweak: impl FnOnce(&mut Settings),
+) -> (SimInstance, SimInstance, TestRouter) {
+    let (a, ea) = sim(1).await;
+    let (b, eb) = sim(2).await;
+    let mut s = Settings::with_workers(vec![spec("a", &a, &ea), spec("b", &b, &eb)]).unwrap();
+    s.policy = policy;
+    s.retry.initial_backoff = Duration::from_millis(1);
+    tweak(&mut s);
+    let r = TestRouter::start(s).await;
+    (a, b, r)
+}
+
+fn completion(prompt: &str) -> String {
+    json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 2}).to_string()
+}
+
+async fn assert_nothing_in_flight(r: &TestRouter) {
+    let gw = r.gateway.clone();
+    wait_until("in-flight back to 0", || {
+        gw.workers().statuses().iter().all(|w| {
+            w.in_flight == 0
+                && w.ranks
+                    .iter()
+                    .all(|k| k.active_prefill_tokens == 0 && k.active_decode_blocks == 0)
+        })
+    })
+    .await;
+    let m = r.metrics().await;
+    assert_eq!(
+        metric_value(&m, "kvroute_requests_in_router", ""),
+        Some(0.0)
+    );
+    for w in ["a", "b"] {
+        let active = metric_value(
+            &m,
+            "kvroute_worker_requests_active",
+            &format!("worker=\"{w}\""),
+        );
+        assert!(matches!(active, Some(0.0) | None), "{w}: {active:?}");
+    }
+}
+
+fn device_overlap(r: &Value, worker: &str) -> u64 {
+    r["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["worker"] == worker)
+        .map_or(0, |c| c["overlap_blocks"]["device"].as_u64().unwrap_or(0))
+}
+
+async fn overlap(r: &TestRouter, prompt: &str, worker: &str) -> u64 {
+    let reply = post(
+        &r.url,
+        "/debug/route",
+        &[],
+        &json!({"prompt": prompt}).to_string(),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    device_overlap(&reply.json(), worker)
+}
+
+/// Waits until `worker`'s credit for `prompt` satisfies `cond`.
+async fn wait_credit(r: &TestRouter, prompt: &str, worker: &str, cond: impl Fn(u64) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = overlap(r, prompt, worker).await;
+        if cond(o) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{worker}'s credit for the prompt stayed at {o}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends `prompt` to `worker` through the router (allow-list hint) and expects success.
+async fn on(r: &TestRouter, worker: &str, prompt: &str) {
+    let reply = post(
+        &r.url,
+        "/v1/completions",
+        &[("x-kvroute-allowed-workers", worker)],
+        &completion(prompt),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{:?}", reply.body);
+    assert_eq!(reply.worker(), worker);
+}
+
+/// Waits until the router hears `worker`'s events (the subscriber joins asynchronously).
+async fn joined(r: &TestRouter, worker: &str) {
+    for i in 0..400u64 {
+        let probe = format!("join {worker} {i} {}", text(96, 500 + i));
+        on(r, worker, &probe).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(200);
+        while tokio::time::Instant::now() < deadline {
+            if overlap(r, &probe, worker).await > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    panic!("the router never heard {worker}'s KV events");
+}
+
+#[tokio::test]
+async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_not_retried() {
+    let (a, b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
+    let body = json!({"model": "kvroute-sim", "prompt": text(200, 1), "max_tokens": 100000, "stream": true})
+        .to_string();
+    let resp = open_stream(&r.url, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let on_a = resp.headers()["x-kvroute-worker"] == "a";
+    let (victim, other) = if on_a { (&a, &b) } else { (&b, &a) };
+    let other_before = other.faults().requests_accepted();
+    let mut body = resp.into_body();
+    let mut seen = String::new();
+    // At least one token, then the engine dies.
+    while !seen.contains("\"text\"") {
+        let frame = body.frame().await.expect("a frame").expect("no error yet");
+        if let Ok(data) = frame.into_data() {
+            seen.push_str(&String::from_utf8_lossy(&data));
+        }
+    }
+    victim.crash();
+    let rest = body
+        .collect()
+        .await
+        .expect("the stream ends cleanly")
+        .to_bytes();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("\"code\":\"upstream_error\""), "{rest}");
+    assert!(!rest.contains("[DONE]"), "{rest}");
+    // The broken stream was not replayed elsewhere.
+    assert_eq!(other.faults().requests_accepted(), other_before);
+    // Later requests find the live engine.
+    for i in 0..6 {
+        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+    }
+    assert_nothing_in_flight(&r).await;
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn an_engine_that_refuses_connections_loses_no_request() {
+    let (a, _b, r) = cluster(PolicyKind::RoundRobin, |_| {}).await;
+    a.crash();
+    for i in 0..8 {
+        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.worker(), "b");
+    }
+    let m = r.metrics().await;
+    let refused = metric_value(
+        &m,
+        "kvroute_upstream_attempts_total",
+        "worker=\"a\",outcome=\"connect_error\"",
+    )
+    .unwrap();
+    assert!(refused >= 1.0, "round robin tried a");
+    assert_eq!(
+        metric_value(&m, "kvroute_request_retries_total", ""),
+        Some(refused)
+    );
+    assert_nothing_in_flight(&r).await;
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn an_engine_that_stalls_times_out_and_the_request_goes_elsewhere() {
+    let (a, _b, r) = cluster(PolicyKind::RoundRobin, |s| {
+        s.request_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let f = a.faults();
+    f.set(FaultSettings {
+        stall_ms: 60_000,
+        ..f.settings()
+    })
+    .unwrap();
+    for i in 0..4 {
+        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.worker(), "b");
+    }
+    let m = r.metrics().await;
+    assert!(
+        metric_value(
+            &m,
+            "kvroute_upstream_attempts_total",
+            "worker=\"a\",outcome=\"timeout\""
+        )
+        .unwrap()
+            >= 1.0
+    );
+    // Pinned to the stalled engine: a clear timeout, not a hang.
+    let reply = post(
+        &r.url,
+        "/v1/completions",
+        &[("x-kvroute-worker", "a")],
+        &completion("pinned"),
+    )
+    .await;
+    assert_eq!(reply.status, 504);
+    assert_eq!(reply.error_code(), "upstream_timeout");
+    assert_nothing_in_flight(&r).await;
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_restarted_engine_resumes_its_events_without_stale_credit() {
+    let (a, _b, r) = cluster(PolicyKind::KvAware, |s| {
+        s.health.interval = Duration::from_millis(100);
+        s.health.failure_threshold = 1;
+        s.health.success_threshold = 1;
+    })
+    .await;
+    joined(&r, "a").await;
+    let before = text(400, 42);
+    on(&r, "a", &before).await;
+    wait_credit(&r, &before, "a", |o| o > 0).await;
+    // Restarted with an empty cache: the router must not credit it with what it lost.
+    let _a = a.restart().await.unwrap();
+    wait_credit(&r, &before, "a", |o| o == 0).await;
+    // Its new events reach the index again.
+    joined(&r, "a").await;
+    let after = text(400, 43);
+    on(&r, "a", &after).await;
+    wait_credit(&r, &after, "a", |o| o > 0).await;
+    assert_eq!(overlap(&r, &before, "a").await, 0);
+    assert_nothing_in_flight(&r).await;
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_gap_in_the_kv_event_stream_is_detected_and_recovered() {
+    let (a, _b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
+    joined(&r, "a").await;
+    let first = text(400, 7);
+    on(&r, "a", &first).await;
+    wait_credit(&r, &first, "a", |o| o > 0).await;
+    let f = a.faults();
+    f.set(FaultSettings {
+        drop_kv_events: true,
+        ..f.settings()
+    })
+    .unwrap();
+    let unseen = text(400, 8);
+    on(&r, "a", &unseen).await;
+    f.set(FaultSettings {
+        drop_kv_events: false,
+        ..f.settings()
+    })
+    .unwrap();
+    let last = text(400, 9);
+    on(&r, "a", &last).await;
+    // The gap is noticed: what the router knew of a is dropped (it cannot know what it
+    // missed), and the events after the gap are applied.
+    wait_until_metric(&r, "status=\"gap\"").await;
+    wait_credit(&r, &last, "a", |o| o > 0).await;
+    assert_eq!(overlap(&r, &first, "a").await, 0);
+    assert_eq!(overlap(&r, &unseen, "a").await, 0);
+    assert_nothing_in_flight(&r).await;
+    r.stop().await;
+}
+
+async fn wait_until_metric(r: &TestRouter, labels: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let m = r.metrics().await;
+        if m.lines().any(|l| {
+            l.starts_with("kvroute_kv_events_total")
+                && l.contains(labels)
+                && l.contains("worker=\"a\"")
+                && !l.ends_with(" 0")
+        }) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no {labels} in the KV-event metrics"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
