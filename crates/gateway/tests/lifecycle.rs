@@ -179,3 +179,58 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn keys_never_reach_the_logs_even_at_debug_level() {
+    let w = MockWorker::start("w", &["m"]).await;
+    let port = free_port();
+    let mut child = Child(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["--port", &port.to_string(), "--prometheus-port", "0"])
+            .args(["--worker-urls", &w.url, "--log-level", "debug"])
+            .args([
+                "--client-api-key",
+                "client-s3cret",
+                "--api-key",
+                "worker-s3cret",
+            ])
+            .args(["--admin-api-key", "admin-s3cret"])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = child.0.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut { stderr }, &mut s);
+        s
+    });
+    let url = format!("http://127.0.0.1:{port}");
+    let ready = format!("{url}/readiness");
+    wait_until_async("ready", || answers(&ready)).await;
+    for key in ["client-s3cret", "wrong-s3cret"] {
+        let auth = format!("Bearer {key}");
+        post(
+            &url,
+            "/v1/completions",
+            &[("authorization", &auth)],
+            r#"{"model":"m","prompt":"x"}"#,
+        )
+        .await;
+        post(&url, "/workers", &[("authorization", &auth)], "{}").await;
+    }
+    child.signal("TERM");
+    assert_eq!(child.exit_code().await, Some(0));
+    let log = log.join().unwrap();
+    assert!(log.contains("DEBUG"), "debug logging was on");
+    for key in [
+        "client-s3cret",
+        "worker-s3cret",
+        "admin-s3cret",
+        "wrong-s3cret",
+    ] {
+        assert!(!log.contains(key), "{key} in the log");
+    }
+}
