@@ -1,11 +1,13 @@
 //! `kvroute-bench`: trace replay tools.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
+use kvroute_bench::plot::{self, Series};
 use kvroute_bench::simulate::{simulate, SimConfig};
-use kvroute_bench::trace;
+use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
+use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::{PolicyConfig, PolicyKind};
 use kvroute_sim::engine::EngineConfig;
 
@@ -20,23 +22,102 @@ struct Cli {
     command: Command,
 }
 
+/// Where the requests come from: exactly one of a trace and a generator.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+struct Source {
+    /// A Mooncake JSONL trace.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// A generated workload instead of a trace (its flags are listed below).
+    #[arg(long, value_enum)]
+    synthetic: Option<SyntheticKind>,
+}
+
+/// The requests to send.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Workload")]
+struct Workload {
+    #[command(flatten)]
+    source: Source,
+    /// Tokens per trace hash id.
+    #[arg(long, default_value_t = 512)]
+    hash_block_size: usize,
+    /// Only the first N requests.
+    #[arg(long, value_name = "N")]
+    max_requests: Option<usize>,
+    /// Seeds the synthetic workload (and in `simulate` the engines and the policies).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[command(flatten)]
+    generator: SyntheticArgs,
+}
+
+impl Workload {
+    /// A name for the workload (for titles) and its requests; a generator flag that does not
+    /// fit ends the program with a usage error of `command`.
+    fn load(&self, command: &str) -> anyhow::Result<(String, Vec<TraceRequest>)> {
+        let (name, mut requests) = match (&self.source.trace, self.source.synthetic) {
+            (Some(path), _) => (
+                path.file_name()
+                    .unwrap_or(path.as_os_str())
+                    .to_string_lossy()
+                    .into_owned(),
+                trace::load(path)?,
+            ),
+            (None, Some(kind)) => {
+                let spec = self.generator.resolve(kind).unwrap_or_else(|e| {
+                    let mut cli = Cli::command();
+                    cli.build();
+                    let mut sub = cli.find_subcommand(command).cloned().unwrap_or(cli);
+                    sub.error(clap::error::ErrorKind::ArgumentConflict, e)
+                        .exit()
+                });
+                if let Synthetic::SharedPrefix(s) = &spec {
+                    let shared = s.shared_len(self.hash_block_size);
+                    if shared < s.system_prompt_len {
+                        eprintln!(
+                            "note: a group shares {shared} of its {} system prompt tokens (whole hash blocks); a --hash-block-size dividing {} shares them all",
+                            s.system_prompt_len, s.system_prompt_len
+                        );
+                    }
+                }
+                let requests = spec.generate(self.hash_block_size, self.seed);
+                (spec.to_string(), requests)
+            }
+            (None, None) => unreachable!("clap requires --trace or --synthetic"),
+        };
+        if let Some(m) = self.max_requests {
+            requests.truncate(m);
+        }
+        Ok((format!("{name}, {} requests", requests.len()), requests))
+    }
+}
+
+/// Writes the TTFT figure, saying where.
+fn write_plot(
+    path: &Path,
+    title: &str,
+    subtitle: &str,
+    series: &[Series<'_>],
+) -> anyhow::Result<()> {
+    plot::write_ttft_cdf(path, title, subtitle, series)?;
+    eprintln!("TTFT CDF written to {}", path.display());
+    Ok(())
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// A trace replayed in real time against an OpenAI-compatible endpoint, streaming.
+    /// A trace or a synthetic workload replayed in real time against an OpenAI-compatible
+    /// endpoint, streaming.
     Replay {
-        #[arg(long)]
-        trace: PathBuf,
         #[arg(long)]
         url: String,
         /// The `model` field to send (omit for a router serving one model).
         #[arg(long)]
         model: Option<String>,
-        #[arg(long, default_value_t = 512)]
-        hash_block_size: usize,
         #[arg(long, default_value_t = 1.0)]
         rate_scale: f64,
-        #[arg(long)]
-        max_requests: Option<usize>,
         #[arg(long, default_value_t = 256)]
         max_concurrency: usize,
         /// Stop sending after this many seconds.
@@ -44,23 +125,25 @@ enum Command {
         duration: Option<f64>,
         #[arg(long)]
         json: Option<PathBuf>,
-    },
-    /// A trace through the real routing core and N simulated engines, in virtual time.
-    Simulate {
+        /// Draw the TTFT CDF as SVG.
+        #[arg(long, value_name = "FILE.svg")]
+        plot: Option<PathBuf>,
+        /// Names the line in --plot [default: the URL].
         #[arg(long)]
-        trace: PathBuf,
+        label: Option<String>,
+        #[command(flatten)]
+        workload: Workload,
+    },
+    /// A trace or a synthetic workload through the real routing core and N simulated engines,
+    /// in virtual time.
+    Simulate {
         #[arg(long, default_value_t = 8)]
         workers: usize,
         /// Comma-separated policy names.
         #[arg(long, default_value = "kv_aware,round_robin")]
         policies: String,
-        /// Tokens per trace hash id.
-        #[arg(long, default_value_t = 512)]
-        hash_block_size: usize,
         #[arg(long, default_value_t = 1.0)]
         rate_scale: f64,
-        #[arg(long)]
-        max_requests: Option<usize>,
         #[arg(long, default_value_t = 16384)]
         num_gpu_blocks: usize,
         #[arg(long, default_value_t = 16)]
@@ -69,35 +152,35 @@ enum Command {
         max_num_seqs: usize,
         #[arg(long, default_value_t = 8192)]
         max_num_batched_tokens: usize,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
         /// Write the figures as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Draw the TTFT CDFs, one line per policy, as SVG.
+        #[arg(long, value_name = "FILE.svg")]
+        plot: Option<PathBuf>,
+        #[command(flatten)]
+        workload: Workload,
     },
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Replay {
-            trace: path,
+            workload,
             url,
             model,
-            hash_block_size,
             rate_scale,
-            max_requests,
             max_concurrency,
             duration,
             json,
+            plot,
+            label,
         } => {
-            let mut requests = trace::load(&path)?;
-            if let Some(m) = max_requests {
-                requests.truncate(m);
-            }
+            let (name, requests) = workload.load("replay")?;
             let cfg = kvroute_bench::replay::ReplayConfig {
                 url: url.trim_end_matches('/').to_owned(),
                 model,
-                hash_block: hash_block_size,
+                hash_block: workload.hash_block_size,
                 rate_scale,
                 max_concurrency,
                 duration: duration.map(std::time::Duration::from_secs_f64),
@@ -114,38 +197,41 @@ fn main() -> anyhow::Result<()> {
                 r.hit_share * 100.0, r.requests_per_worker
             );
             if let Some(out) = json {
-                let doc = serde_json::json!({"trace": path.display().to_string(), "url": cfg.url, "policies": [r]});
+                let doc = serde_json::json!({"trace": name, "url": cfg.url, "policies": [r]});
                 std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
                     .with_context(|| format!("cannot write {}", out.display()))?;
             }
+            if let Some(out) = plot {
+                let label = label.as_deref().unwrap_or(&cfg.url);
+                let series = Series {
+                    label,
+                    ttft_ms: &r.ttft_sorted_ms,
+                };
+                let subtitle = format!("real time via {}, rate x{rate_scale}", cfg.url);
+                write_plot(&out, &format!("TTFT: {name}"), &subtitle, &[series])?;
+            }
         }
         Command::Simulate {
-            trace: path,
+            workload,
             workers,
             policies,
-            hash_block_size,
             rate_scale,
-            max_requests,
             num_gpu_blocks,
             block_size,
             max_num_seqs,
             max_num_batched_tokens,
-            seed,
             json,
+            plot,
         } => {
-            let mut requests = trace::load(&path)?;
-            if let Some(m) = max_requests {
-                requests.truncate(m);
-            }
+            let (name, requests) = workload.load("simulate")?;
+            let (hash_block_size, seed) = (workload.hash_block_size, workload.seed);
             let kinds: Vec<PolicyKind> = policies
                 .split(',')
                 .map(|p| p.trim().parse::<PolicyKind>())
                 .collect::<Result<_, _>>()?;
             let bound = trace::hit_bound(&requests, hash_block_size);
             println!(
-                "trace {} ({} requests), {workers} workers x {num_gpu_blocks} blocks of {block_size}, rate x{rate_scale}; unbounded-cache hit bound {:.1}%",
-                path.display(),
-                requests.len(),
+                "{name}; {workers} workers x {num_gpu_blocks} blocks of {block_size}, rate x{rate_scale}; unbounded-cache hit bound {:.1}%",
                 bound * 100.0
             );
             println!(
@@ -196,7 +282,7 @@ fn main() -> anyhow::Result<()> {
             }
             if let Some(out) = json {
                 let doc = serde_json::json!({
-                    "trace": path.display().to_string(),
+                    "trace": name,
                     "workers": workers,
                     "hit_bound": bound,
                     "policies": results,
@@ -204,7 +290,57 @@ fn main() -> anyhow::Result<()> {
                 std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
                     .with_context(|| format!("cannot write {}", out.display()))?;
             }
+            if let Some(out) = plot {
+                let subtitle = format!(
+                    "virtual time, {workers} simulated workers x {num_gpu_blocks} blocks of {block_size} tokens, rate x{rate_scale}"
+                );
+                let series: Vec<Series<'_>> = results
+                    .iter()
+                    .map(|r| Series {
+                        label: &r.policy,
+                        ttft_ms: &r.ttft_sorted_ms,
+                    })
+                    .collect();
+                write_plot(&out, &format!("TTFT: {name}"), &subtitle, &series)?;
+            }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+
+    use super::*;
+
+    fn parse(args: &str) -> Result<Cli, ErrorKind> {
+        Cli::try_parse_from(args.split_whitespace()).map_err(|e| e.kind())
+    }
+
+    #[test]
+    fn the_cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn exactly_one_of_trace_and_synthetic() {
+        for command in ["simulate", "replay --url http://x"] {
+            assert_eq!(
+                parse(&format!("b {command}")).err(),
+                Some(ErrorKind::MissingRequiredArgument)
+            );
+            assert_eq!(
+                parse(&format!("b {command} --trace t --synthetic multi-turn")).err(),
+                Some(ErrorKind::ArgumentConflict)
+            );
+            assert_eq!(
+                parse(&format!("b {command} --trace t --turns 3")).err(),
+                Some(ErrorKind::ArgumentConflict),
+                "generator flags need --synthetic"
+            );
+            assert!(parse(&format!("b {command} --trace t")).is_ok());
+            assert!(parse(&format!("b {command} --synthetic shared-prefix --groups 3")).is_ok());
+        }
+    }
 }

@@ -43,6 +43,9 @@ pub struct ReplayResult {
     pub requests: usize,
     pub errors: usize,
     pub ttft_ms: Percentiles,
+    /// Every served request's TTFT in milliseconds, ascending (for the plot; not in the JSON).
+    #[serde(skip)]
+    pub ttft_sorted_ms: Vec<f64>,
     pub itl_ms: Percentiles,
     pub e2e_ms: Percentiles,
     pub throughput_rps: f64,
@@ -199,10 +202,12 @@ pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult 
             .or_insert(0) += 1;
     }
     let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft).collect();
     ReplayResult {
         requests: outcomes.len(),
         errors: outcomes.len() - ok.len(),
-        ttft_ms: percentiles(&mut ok.iter().filter_map(|o| o.ttft).collect::<Vec<_>>()),
+        ttft_ms: percentiles(&mut ttft),
+        ttft_sorted_ms: ttft,
         itl_ms: percentiles(
             &mut ok
                 .iter()

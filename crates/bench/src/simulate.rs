@@ -75,6 +75,9 @@ pub struct PolicyResult {
     pub requests: usize,
     pub rejected: usize,
     pub ttft_ms: Percentiles,
+    /// Every served request's TTFT in milliseconds, ascending (for the plot; not in the JSON).
+    #[serde(skip)]
+    pub ttft_sorted_ms: Vec<f64>,
     pub e2e_ms: Percentiles,
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
@@ -300,11 +303,13 @@ pub fn simulate(trace: &[TraceRequest], cfg: &SimConfig) -> PolicyResult {
         }
     }
     let makespan = now.as_secs_f64().max(1e-9);
+    let ttft_ms = percentiles(&mut ttft);
     PolicyResult {
         policy: cfg.policy.name().to_owned(),
         requests: per_worker.iter().sum(),
         rejected,
-        ttft_ms: percentiles(&mut ttft),
+        ttft_ms,
+        ttft_sorted_ms: ttft,
         e2e_ms: percentiles(&mut e2e),
         throughput_rps: e2e.len() as f64 / makespan,
         output_tokens_per_s: output_total as f64 / makespan,

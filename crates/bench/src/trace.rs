@@ -98,9 +98,13 @@ pub fn prompt_text(r: &TraceRequest, block: usize) -> String {
 }
 
 /// The share of prompt tokens an unbounded cache that has seen every earlier request would
-/// reuse (the trace's upper bound on prefix reuse), counting whole hash blocks.
+/// reuse (the trace's upper bound on prefix reuse), counting hash blocks: a reused block counts
+/// as far as an earlier request had it (a partial last block that a later prompt extends, as
+/// in a multi-turn chat, counts its earlier length), and the reuse stops after a block counted
+/// short.
 pub fn hit_bound(trace: &[TraceRequest], block: usize) -> f64 {
-    let mut seen = std::collections::HashSet::new();
+    // Each prefix of hash ids seen, with the most tokens of its last block seen.
+    let mut seen: std::collections::HashMap<Vec<u64>, usize> = std::collections::HashMap::new();
     let (mut reused, mut total) = (0usize, 0usize);
     for r in trace {
         total += r.input_length;
@@ -109,12 +113,14 @@ pub fn hit_bound(trace: &[TraceRequest], block: usize) -> f64 {
         for (i, id) in r.hash_ids.iter().enumerate() {
             prefix.push(*id);
             let len = block.min(r.input_length.saturating_sub(i * block));
-            if hit && seen.contains(&prefix) {
-                reused += len;
-            } else {
-                hit = false;
+            let had = seen.get(&prefix).copied().unwrap_or(0);
+            if hit {
+                reused += len.min(had);
+                hit = had >= len;
             }
-            seen.insert(prefix.clone());
+            if had < len {
+                seen.insert(prefix.clone(), len);
+            }
         }
     }
     reused as f64 / total.max(1) as f64
@@ -177,6 +183,24 @@ mod tests {
         ];
         // Reused: 512 (second request's first block) + 600 (third: 512 + 88).
         let expected = (512.0 + 600.0) / (1024.0 + 1024.0 + 600.0);
+        assert!((hit_bound(&trace, 512) - expected).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_hit_bound_counts_a_partial_block_as_far_as_it_was_seen() {
+        let t = |ts, len, ids: Vec<u64>| TraceRequest {
+            timestamp: ts,
+            input_length: len,
+            output_length: 1,
+            hash_ids: ids,
+        };
+        // A chat: 700 tokens, then 1100 extending them (block 2 grows from 188 to 512 tokens).
+        let trace = vec![
+            t(0, 700, vec![1, 2]),
+            t(1, 1100, vec![1, 2, 3]),
+            t(2, 1100, vec![1, 2, 3]),
+        ];
+        let expected = (700.0 + 1100.0) / (700.0 + 1100.0 + 1100.0);
         assert!((hit_bound(&trace, 512) - expected).abs() < 1e-12);
     }
 }
