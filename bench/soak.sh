@@ -3,6 +3,7 @@
 # in front of 4 kvroute-sim replicas (KV events on), for each policy in POLICIES; prints the
 # router's resident memory every 5 s, then lost requests and what is left in flight.
 #   bench/soak.sh                                  # CLIENTS=1000 REQUESTS=200000 POLICIES="kv_aware cache_aware"
+#   EXTRA="--max-tree-size 2000000 --eviction-interval-secs 5" POLICIES=cache_aware bench/soak.sh   # flags for kvroute
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CLIENTS=${CLIENTS:-1000}; REQUESTS=${REQUESTS:-200000}; MAX_SECONDS=${MAX_SECONDS:-1800}
@@ -28,7 +29,7 @@ for policy in $POLICIES; do
   done
   for i in 0 1 2 3; do wait_ready http://127.0.0.1:$((19400 + i))/health || exit 1; done
   "$BIN/kvroute" --port 19410 --prometheus-port 19411 --config "$LOGS/kvroute.yaml" --policy "$policy" \
-    --log-level warn > "$LOGS/kvroute-$policy.log" 2>&1 & router=$!; pids+=($router)
+    --log-level warn ${EXTRA:-} > "$LOGS/kvroute-$policy.log" 2>&1 & router=$!; pids+=($router)
   wait_ready http://127.0.0.1:19410/readiness || { tail -5 "$LOGS/kvroute-$policy.log"; exit 1; }
   echo "--- $policy"
   "$BIN/examples/soak" http://127.0.0.1:19410 http://127.0.0.1:19411 "$router" "$CLIENTS" "$REQUESTS" "$MAX_SECONDS"
