@@ -8,7 +8,7 @@ use kvroute_bench::plot::{self, Series};
 use kvroute_bench::simulate::{simulate, SimConfig};
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
-use kvroute_core::{PolicyConfig, PolicyKind};
+use kvroute_core::{KvAwareConfig, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::EngineConfig;
 
 #[derive(Debug, Parser)]
@@ -32,6 +32,57 @@ struct Source {
     /// A generated workload instead of a trace (its flags are listed below).
     #[arg(long, value_enum)]
     synthetic: Option<SyntheticKind>,
+}
+
+/// `kv_aware`'s cost weights, with the gateway's flag names; unset ones keep the gateway's
+/// defaults.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "kv_aware (as the gateway's flags)")]
+struct KvAwareArgs {
+    /// Credit per prefix block cached on the device [default: 1.0].
+    #[arg(long)]
+    router_kv_overlap_score_credit: Option<f64>,
+    /// Weight of the prefill term [default: 1.0].
+    #[arg(long)]
+    router_prefill_load_scale: Option<f64>,
+    /// Weight of each active request [default: 0].
+    #[arg(long)]
+    router_decode_active_request_weight: Option<f64>,
+    /// Sample from a softmax over costs at this temperature; 0 picks the cheapest [default: 0].
+    #[arg(long)]
+    router_temperature: Option<f64>,
+}
+
+impl KvAwareArgs {
+    fn config(&self) -> anyhow::Result<KvAwareConfig> {
+        let d = KvAwareConfig::default();
+        let weight = |name: &str, v: Option<f64>, default: f64| match v {
+            Some(x) if !x.is_finite() || x < 0.0 => {
+                anyhow::bail!("--{name} must be a finite number >= 0, got {x}")
+            }
+            Some(x) => Ok(x),
+            None => Ok(default),
+        };
+        Ok(KvAwareConfig {
+            overlap_score_credit: weight(
+                "router-kv-overlap-score-credit",
+                self.router_kv_overlap_score_credit,
+                d.overlap_score_credit,
+            )?,
+            prefill_load_scale: weight(
+                "router-prefill-load-scale",
+                self.router_prefill_load_scale,
+                d.prefill_load_scale,
+            )?,
+            decode_active_request_weight: weight(
+                "router-decode-active-request-weight",
+                self.router_decode_active_request_weight,
+                d.decode_active_request_weight,
+            )?,
+            temperature: weight("router-temperature", self.router_temperature, d.temperature)?,
+            ..d
+        })
+    }
 }
 
 /// The requests to send.
@@ -160,6 +211,8 @@ enum Command {
         plot: Option<PathBuf>,
         #[command(flatten)]
         workload: Workload,
+        #[command(flatten)]
+        kv_aware: KvAwareArgs,
     },
 }
 
@@ -222,7 +275,12 @@ fn main() -> anyhow::Result<()> {
             max_num_batched_tokens,
             json,
             plot,
+            kv_aware,
         } => {
+            let policy_config = PolicyConfig {
+                kv_aware: kv_aware.config()?,
+                ..PolicyConfig::default()
+            };
             let (name, requests) = workload.load("simulate")?;
             let (hash_block_size, seed) = (workload.hash_block_size, workload.seed);
             let kinds: Vec<PolicyKind> = policies
@@ -259,7 +317,7 @@ fn main() -> anyhow::Result<()> {
                             ..EngineConfig::default()
                         },
                         policy: kind,
-                        policy_config: PolicyConfig::default(),
+                        policy_config: policy_config.clone(),
                         hash_block: hash_block_size,
                         vocab: 32000,
                         rate_scale,
@@ -342,5 +400,28 @@ mod tests {
             assert!(parse(&format!("b {command} --trace t")).is_ok());
             assert!(parse(&format!("b {command} --synthetic shared-prefix --groups 3")).is_ok());
         }
+    }
+
+    #[test]
+    fn simulate_passes_kv_aware_weights_through() {
+        let cli = Cli::try_parse_from(
+            "b simulate --trace t --router-kv-overlap-score-credit 2 --router-prefill-load-scale 4"
+                .split_whitespace(),
+        )
+        .unwrap();
+        let Command::Simulate { kv_aware, .. } = cli.command else {
+            panic!("not simulate");
+        };
+        let c = kv_aware.config().unwrap();
+        assert_eq!((c.overlap_score_credit, c.prefill_load_scale), (2.0, 4.0));
+        assert_eq!(
+            c.decode_active_request_weight,
+            KvAwareConfig::default().decode_active_request_weight
+        );
+        let bad = KvAwareArgs {
+            router_temperature: Some(-1.0),
+            ..kv_aware
+        };
+        assert!(bad.config().is_err());
     }
 }

@@ -151,6 +151,9 @@ pub struct WorkerSpec {
     /// Its part in prefill/decode disaggregation [default: both].
     #[serde(default)]
     pub role: WorkerRole,
+    /// A prefill worker's bootstrap port (SGLang's disaggregation protocol).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A worker's part in prefill/decode disaggregation.
@@ -161,6 +164,41 @@ pub enum WorkerRole {
     Decode,
     #[default]
     Both,
+}
+
+impl WorkerRole {
+    pub fn prefills(self) -> bool {
+        self != WorkerRole::Decode
+    }
+
+    pub fn decodes(self) -> bool {
+        self != WorkerRole::Prefill
+    }
+}
+
+/// How the two halves of a disaggregated request reach the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PdProtocol {
+    /// vLLM (NIXL): prefill with `max_tokens` 1 and `kv_transfer_params`, then decode with
+    /// the parameters the prefill returned.
+    #[default]
+    Vllm,
+    /// SGLang: `bootstrap_host`, `bootstrap_port`, `bootstrap_room` sent to both at once.
+    Sglang,
+}
+
+/// Prefill/decode disaggregation, when on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PdSettings {
+    pub protocol: PdProtocol,
+    pub prefill_policy: PolicyKind,
+    pub prefill_config: PolicyConfig,
+    pub decode_policy: PolicyKind,
+    pub decode_config: PolicyConfig,
+    /// Below this many uncached prompt tokens on the chosen decode worker, skip the remote
+    /// prefill (0: always disaggregate).
+    pub min_uncached_tokens: u64,
 }
 
 impl WorkerSpec {
@@ -178,6 +216,7 @@ impl WorkerSpec {
             max_num_batched_tokens: None,
             taints: Vec::new(),
             role: WorkerRole::Both,
+            bootstrap_port: None,
         }
     }
 
@@ -274,6 +313,34 @@ pub struct Args {
     /// Workers with an id and a model (config file only).
     #[arg(skip)]
     pub workers: Vec<WorkerSpec>,
+
+    /// Prefill/decode disaggregation: requests are prefilled on a prefill worker and
+    /// decoded on a decode worker (on by itself when workers have roles).
+    #[arg(long, alias = "vllm-pd-disaggregation")]
+    pub pd_disaggregation: bool,
+    /// A prefill worker, with its bootstrap port for SGLang's protocol (repeatable).
+    #[arg(long, num_args = 1..=2, value_names = ["URL", "BOOTSTRAP_PORT"], action = clap::ArgAction::Append)]
+    pub prefill: Vec<String>,
+    /// A decode worker (repeatable).
+    #[arg(long, value_name = "URL", action = clap::ArgAction::Append)]
+    pub decode: Vec<String>,
+    /// Policy choosing the prefill worker [default: kv_aware].
+    #[arg(long, value_parser = parse_policy)]
+    #[serde(deserialize_with = "de_policy")]
+    pub prefill_policy: Option<PolicyKind>,
+    /// Policy choosing the decode worker [default: kv_aware with overlap credit 0, i.e. by
+    /// load only].
+    #[arg(long, value_parser = parse_policy)]
+    #[serde(deserialize_with = "de_policy")]
+    pub decode_policy: Option<PolicyKind>,
+    /// How the halves reach the engines: vllm (NIXL kv_transfer_params) or sglang
+    /// (bootstrap) [default: vllm].
+    #[arg(long, value_enum)]
+    pub pd_protocol: Option<PdProtocol>,
+    /// Skip the remote prefill when the chosen decode worker already holds all but fewer
+    /// than this many prompt tokens [default: 0, always disaggregate].
+    #[arg(long)]
+    pub pd_min_uncached_tokens: Option<u64>,
 
     /// Routing policy [default: kv_aware].
     #[arg(long, value_parser = parse_policy)]
@@ -518,6 +585,8 @@ pub struct Settings {
     pub max_concurrent_requests: Option<usize>,
     pub shutdown_grace: Duration,
     pub header_read_timeout: Duration,
+    /// Prefill/decode disaggregation, when on.
+    pub pd: Option<PdSettings>,
     /// The config file, re-read on SIGHUP.
     pub config_path: Option<PathBuf>,
     /// `--worker-urls` as given on the command line (they stay across reloads).
@@ -585,6 +654,21 @@ impl Args {
                 self.worker_urls
             },
             workers: file.workers,
+            pd_disaggregation: self.pd_disaggregation || file.pd_disaggregation,
+            prefill: if self.prefill.is_empty() {
+                file.prefill
+            } else {
+                self.prefill
+            },
+            decode: if self.decode.is_empty() {
+                file.decode
+            } else {
+                self.decode
+            },
+            prefill_policy: self.prefill_policy.or(file.prefill_policy),
+            decode_policy: self.decode_policy.or(file.decode_policy),
+            pd_protocol: self.pd_protocol.or(file.pd_protocol),
+            pd_min_uncached_tokens: self.pd_min_uncached_tokens.or(file.pd_min_uncached_tokens),
             policy: self.policy.or(file.policy),
             prefix_token_count: self.prefix_token_count.or(file.prefix_token_count),
             prefix_hash_load_factor: self
@@ -698,6 +782,33 @@ impl Args {
         let defaults = PolicyConfig::default();
         let mut workers: Vec<WorkerSpec> =
             self.worker_urls.into_iter().map(WorkerSpec::url).collect();
+        // `--prefill URL [PORT]` occurrences arrive flattened: a number is the bootstrap port
+        // of the URL before it.
+        for value in &self.prefill {
+            match value.parse::<u16>() {
+                Ok(port) => match workers.last_mut() {
+                    Some(w) if w.role == WorkerRole::Prefill && w.bootstrap_port.is_none() => {
+                        w.bootstrap_port = Some(port)
+                    }
+                    _ => {
+                        return Err(ConfigError::Invalid {
+                            name: "prefill",
+                            reason: "expected URL [BOOTSTRAP_PORT]",
+                        })
+                    }
+                },
+                Err(_) => workers.push(WorkerSpec {
+                    role: WorkerRole::Prefill,
+                    ..WorkerSpec::url(value.clone())
+                }),
+            }
+        }
+        for url in &self.decode {
+            workers.push(WorkerSpec {
+                role: WorkerRole::Decode,
+                ..WorkerSpec::url(url.clone())
+            });
+        }
         workers.extend(self.workers);
         let mut seen = std::collections::HashSet::new();
         for w in &mut workers {
@@ -926,6 +1037,39 @@ impl Args {
                 })
             })
             .transpose()?;
+        let pd_on = self.pd_disaggregation || workers.iter().any(|w| w.role != WorkerRole::Both);
+        let pd = if pd_on {
+            let complete = workers.iter().any(|w| w.role.prefills())
+                && workers.iter().any(|w| w.role.decodes());
+            if !workers.is_empty() && !complete {
+                return Err(ConfigError::Invalid {
+                    name: "pd_disaggregation",
+                    reason: "needs at least one prefill and one decode worker",
+                });
+            }
+            let base = PolicyConfig {
+                kv_aware: kv_aware.clone(),
+                cache_aware: cache_aware.clone(),
+                llm_d: llm_d.clone(),
+                ..PolicyConfig::default()
+            };
+            let decode_policy = self.decode_policy.unwrap_or(PolicyKind::KvAware);
+            let mut decode_config = base.clone();
+            if self.decode_policy.is_none() {
+                // Dynamo's decode half: load only.
+                decode_config.kv_aware.overlap_score_credit = 0.0;
+            }
+            Some(PdSettings {
+                protocol: self.pd_protocol.unwrap_or_default(),
+                prefill_policy: self.prefill_policy.unwrap_or(PolicyKind::KvAware),
+                prefill_config: base,
+                decode_policy,
+                decode_config,
+                min_uncached_tokens: self.pd_min_uncached_tokens.unwrap_or(0),
+            })
+        } else {
+            None
+        };
         for w in &workers {
             if w.dp_size == Some(0) {
                 return Err(ConfigError::Invalid {
@@ -998,6 +1142,7 @@ impl Args {
             header_read_timeout: Duration::from_secs(
                 self.header_read_timeout_secs.unwrap_or(30).max(1),
             ),
+            pd,
             config_path: self.config,
             cli_worker_urls: Vec::new(),
             queue: match self.router_queue_threshold {

@@ -19,6 +19,7 @@ pub mod health;
 pub mod kv;
 pub mod kv_events;
 pub mod metrics;
+pub mod pd;
 pub mod proxy;
 pub mod queue;
 pub mod routing;

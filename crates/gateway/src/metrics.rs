@@ -80,8 +80,18 @@ impl Outcome {
     }
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DisaggLabels {
+    pub decision_type: &'static str,
+}
+
 #[derive(Debug, Clone)]
 pub struct GatewayMetrics {
+    pd_prefill: Family<WorkerLabels, Counter>,
+    pd_decode: Family<WorkerLabels, Counter>,
+    /// Disaggregated requests: "prefill-decode" (remote prefill) and "decode-only".
+    pub disagg_remote: Counter,
+    pub disagg_decode_only: Counter,
     circuit: Family<WorkerLabels, Gauge>,
     healthy: Family<WorkerLabels, Gauge>,
     attempts: Family<AttemptLabels, Counter>,
@@ -116,6 +126,9 @@ pub struct RankSeries {
 /// touches atomics.
 #[derive(Debug, Clone)]
 pub struct WorkerSeries {
+    /// Prefill and decode halves of disaggregated requests sent to it.
+    pub pd_prefill: Counter,
+    pub pd_decode: Counter,
     pub circuit: Gauge,
     pub healthy: Gauge,
     /// One counter per [`Outcome`], in `Outcome::ALL`'s order.
@@ -127,7 +140,23 @@ pub struct WorkerSeries {
 
 impl GatewayMetrics {
     pub fn register(registry: &mut Registry) -> Self {
+        // One statement per series: a family's guard lives to the end of its statement.
+        let disagg: Family<DisaggLabels, Counter> = Family::default();
+        let disagg_remote = disagg
+            .get_or_create(&DisaggLabels {
+                decision_type: "prefill-decode",
+            })
+            .clone();
+        let disagg_decode_only = disagg
+            .get_or_create(&DisaggLabels {
+                decision_type: "decode-only",
+            })
+            .clone();
         let m = Self {
+            pd_prefill: Family::default(),
+            pd_decode: Family::default(),
+            disagg_remote,
+            disagg_decode_only,
             circuit: Family::default(),
             healthy: Family::default(),
             attempts: Family::default(),
@@ -206,6 +235,21 @@ impl GatewayMetrics {
             m.routing_seconds.clone(),
         );
         registry.register(
+            "kvroute_pd_prefill_requests",
+            "Prefill halves of disaggregated requests sent to each worker",
+            m.pd_prefill.clone(),
+        );
+        registry.register(
+            "kvroute_pd_decode_requests",
+            "Decode halves of disaggregated requests sent to each worker (decode-only ones included)",
+            m.pd_decode.clone(),
+        );
+        registry.register(
+            "kvroute_disagg_decision",
+            "Disaggregation decisions: prefill-decode (remote prefill) or decode-only",
+            disagg,
+        );
+        registry.register(
             "kvroute_worker_circuit_state",
             "Each worker's circuit breaker: 0 closed, 1 open, 2 half-open",
             m.circuit.clone(),
@@ -239,6 +283,8 @@ impl GatewayMetrics {
             worker: worker.to_owned(),
         };
         self.circuit.remove(&w);
+        self.pd_prefill.remove(&w);
+        self.pd_decode.remove(&w);
         self.healthy.remove(&w);
         self.processed.remove(&w);
         self.active.remove(&w);
@@ -287,6 +333,8 @@ impl GatewayMetrics {
             worker: worker.to_owned(),
         };
         WorkerSeries {
+            pd_prefill: self.pd_prefill.get_or_create(&w).clone(),
+            pd_decode: self.pd_decode.get_or_create(&w).clone(),
             circuit: self.circuit.get_or_create(&w).clone(),
             healthy: self.healthy.get_or_create(&w).clone(),
             attempts: Outcome::ALL.map(|outcome| {

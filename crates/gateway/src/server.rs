@@ -62,23 +62,23 @@ const ROUTED: [&str; 7] = [
 ];
 
 #[derive(Debug)]
-struct AppState {
-    queue: Option<Arc<AdmissionQueue>>,
-    busy: BusyControl,
-    affinity: Option<Affinity>,
-    settings: Settings,
-    kv: Arc<KvState>,
-    kv_event_metrics: KvEventMetrics,
-    workers: Arc<WorkerSet>,
-    client: HttpClient,
-    metrics: GatewayMetrics,
+pub(crate) struct AppState {
+    pub(crate) queue: Option<Arc<AdmissionQueue>>,
+    pub(crate) busy: BusyControl,
+    pub(crate) affinity: Option<Affinity>,
+    pub(crate) settings: Settings,
+    pub(crate) kv: Arc<KvState>,
+    pub(crate) kv_event_metrics: KvEventMetrics,
+    pub(crate) workers: Arc<WorkerSet>,
+    pub(crate) client: HttpClient,
+    pub(crate) metrics: GatewayMetrics,
     /// `--max-concurrent-requests`.
-    limit: Option<Arc<Semaphore>>,
-    worker_auth: WorkerAuth,
+    pub(crate) limit: Option<Arc<Semaphore>>,
+    pub(crate) worker_auth: WorkerAuth,
     /// Background tasks (per worker, upkeep); joined when serving ends.
-    tasks: TaskTracker,
+    pub(crate) tasks: TaskTracker,
     /// Cancelled when serving ends: stops every background task.
-    shutdown: CancellationToken,
+    pub(crate) shutdown: CancellationToken,
 }
 
 /// The router: configuration, workers, the upstream client and the metrics.
@@ -581,7 +581,7 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
         .cloned()
         .unwrap_or_else(new_request_id);
     let span = tracing::debug_span!("request", route, request_id = ?request_id);
-    let mut response = match route_and_forward(&state, req, &request_id)
+    let mut response = match route_and_forward(&state, route, req, &request_id)
         .instrument(span)
         .await
     {
@@ -624,8 +624,12 @@ fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
     Ok(Admitted::new(permit, state.metrics.in_router.clone()))
 }
 
+/// Routes that are disaggregated when prefill/decode disaggregation is on.
+const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
+
 async fn route_and_forward(
     state: &AppState,
+    route: &'static str,
     req: Request,
     request_id: &HeaderValue,
 ) -> Result<Response, GatewayError> {
@@ -637,9 +641,38 @@ async fn route_and_forward(
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
     let started = Instant::now();
-    let mut tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
+    let pd = state
+        .settings
+        .pd
+        .as_ref()
+        .filter(|_| PD_ROUTES.contains(&route));
+    let tokenize_as = match pd {
+        // The decode-only decision needs the prompt's tokens whatever the policies.
+        Some(pd) if pd.min_uncached_tokens > 0 => PolicyKind::KvAware,
+        Some(pd) if pd.decode_policy == PolicyKind::KvAware => PolicyKind::KvAware,
+        Some(pd) => pd.prefill_policy,
+        None => state.settings.policy,
+    };
+    let mut tokens = routing::tokens_for(&state.kv, tokenize_as, &body).await;
 
     let hints = routing::parse_hints(&parts.headers)?;
+    if pd.is_some() {
+        let arrived_at = arrived;
+        return crate::pd::route(
+            state,
+            crate::pd::PdRequest {
+                parts: &parts,
+                body: body.clone(),
+                fields: &fields,
+                tokens,
+                hints: &hints,
+                request_id,
+                arrived: arrived_at,
+            },
+            admitted,
+        )
+        .await;
+    }
     let mut released = None;
     let mut class = None;
     if let Some(queue) = &state.queue {

@@ -35,7 +35,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::Secret;
-use crate::config::{CircuitSettings, HealthSettings, Settings, WorkerSpec};
+use crate::config::{
+    CircuitSettings, HealthSettings, PdSettings, Settings, WorkerRole, WorkerSpec,
+};
 use crate::engine_metrics::EngineGauges;
 use crate::error::GatewayError;
 use crate::health::{jittered, Circuit, HealthCounter};
@@ -132,6 +134,10 @@ pub struct Worker {
     pub taints: Vec<String>,
     /// The engine's max_num_batched_tokens, when configured.
     pub max_num_batched_tokens: Option<u64>,
+    /// Its part in prefill/decode disaggregation.
+    pub role: WorkerRole,
+    /// Its bootstrap port (SGLang's disaggregation), when a prefill worker has one.
+    pub bootstrap_port: Option<u16>,
     /// Its KV-event publisher and replay socket, if configured.
     pub kv_events: Option<String>,
     pub kv_events_replay: Option<String>,
@@ -181,6 +187,8 @@ impl Worker {
             && self.configured_model.as_ref().map(ModelId::as_str) == spec.model.as_deref()
             && self.kv_events == spec.kv_events
             && self.taints == spec.taints
+            && self.role == spec.role
+            && self.bootstrap_port == spec.bootstrap_port
             && self.ranks.iter().map(|r| r.dp_rank).collect::<Vec<_>>() == spec.ranks()
     }
 
@@ -214,10 +222,20 @@ pub struct Pool {
     pub policy: Arc<dyn Policy>,
 }
 
+/// One half of a disaggregated request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Half {
+    Prefill,
+    Decode,
+}
+
 /// Model -> pool, as of the last change.
 #[derive(Debug, Default)]
 pub struct RoutingTable {
     pools: BTreeMap<ModelId, Pool>,
+    /// With disaggregation: each model's prefill and decode workers, with their policies.
+    prefill: BTreeMap<ModelId, Pool>,
+    decode: BTreeMap<ModelId, Pool>,
     /// The union of the workers' `/v1/models` entries, one per model.
     cards: Vec<serde_json::Value>,
     /// Whether every worker had been probed when the table was built.
@@ -228,8 +246,31 @@ impl RoutingTable {
     /// The pool for the request's `model`: that model's, or the only one when the request
     /// names none.
     pub fn resolve(&self, model: Option<&str>) -> Result<&Pool, GatewayError> {
+        self.resolve_in(&self.pools, model)
+    }
+
+    /// The prefill or decode pool of the request's model (disaggregation).
+    pub fn resolve_half(&self, half: Half, model: Option<&str>) -> Result<&Pool, GatewayError> {
+        let pools = match half {
+            Half::Prefill => &self.prefill,
+            Half::Decode => &self.decode,
+        };
+        let pool = self.resolve(model)?;
+        pools
+            .get(&pool.model)
+            .ok_or(GatewayError::NoEndpoint(match half {
+                Half::Prefill => "no prefill worker serves this model",
+                Half::Decode => "no decode worker serves this model",
+            }))
+    }
+
+    fn resolve_in<'a>(
+        &'a self,
+        pools: &'a BTreeMap<ModelId, Pool>,
+        model: Option<&str>,
+    ) -> Result<&'a Pool, GatewayError> {
         match model {
-            Some(name) => self.pools.get(name).ok_or_else(|| {
+            Some(name) => pools.get(name).ok_or_else(|| {
                 if self.complete {
                     GatewayError::UnknownModel(name.to_owned())
                 } else {
@@ -237,7 +278,7 @@ impl RoutingTable {
                 }
             }),
             None => {
-                let mut pools = self.pools.values();
+                let mut pools = pools.values();
                 match (pools.next(), pools.next()) {
                     (Some(only), None) => Ok(only),
                     (None, _) => Err(GatewayError::NoEndpoint("no worker serves any model yet")),
@@ -298,6 +339,9 @@ pub struct WorkerSet {
     policy: PolicyKind,
     policy_config: PolicyConfig,
     policies: Mutex<HashMap<ModelId, Arc<dyn Policy>>>,
+    /// With disaggregation: each model's prefill and decode policies.
+    pd: Option<PdSettings>,
+    pd_policies: Mutex<HashMap<(ModelId, Half), Arc<dyn Policy>>>,
     ready: watch::Sender<bool>,
     metrics: GatewayMetrics,
     circuit: Option<CircuitSettings>,
@@ -315,6 +359,8 @@ impl WorkerSet {
             policy: settings.policy,
             policy_config: settings.policy_config.clone(),
             policies: Mutex::new(HashMap::new()),
+            pd: settings.pd.clone(),
+            pd_policies: Mutex::new(HashMap::new()),
             ready: watch::channel(false).0,
             metrics: metrics.clone(),
             circuit: settings.circuit,
@@ -356,6 +402,8 @@ impl WorkerSet {
             ranks,
             taints: s.taints.clone(),
             max_num_batched_tokens: s.max_num_batched_tokens,
+            role: s.role,
+            bootstrap_port: s.bootstrap_port,
             kv_events: s.kv_events.clone(),
             kv_events_replay: s.kv_events_replay.clone(),
             configured_model: s.model.as_deref().map(ModelId::new),
@@ -400,7 +448,8 @@ impl WorkerSet {
         self.workers.store(Arc::new(next));
         worker.tasks.cancel();
         self.rebuild();
-        let policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
+        let mut policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
+        policies.extend(lock(&self.pd_policies).values().cloned());
         for p in policies {
             p.forget_worker(&worker.id);
         }
@@ -431,7 +480,8 @@ impl WorkerSet {
 
     /// Periodic upkeep of every model's policy (cache_aware's eviction).
     pub fn maintain(&self, now: std::time::Instant) {
-        let policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
+        let mut policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
+        policies.extend(lock(&self.pd_policies).values().cloned());
         for p in policies {
             p.maintain(now);
         }
@@ -522,6 +572,52 @@ impl WorkerSet {
                 (model, pool)
             })
             .collect();
+        drop(policies);
+        let (mut prefill, mut decode) = (BTreeMap::new(), BTreeMap::new());
+        if let Some(pd) = &self.pd {
+            let mut pd_policies = lock(&self.pd_policies);
+            for (model, pool) in &pools {
+                for (half, kind, config, out) in [
+                    (
+                        Half::Prefill,
+                        pd.prefill_policy,
+                        &pd.prefill_config,
+                        &mut prefill,
+                    ),
+                    (
+                        Half::Decode,
+                        pd.decode_policy,
+                        &pd.decode_config,
+                        &mut decode,
+                    ),
+                ] {
+                    let members: Vec<Arc<Worker>> = pool
+                        .workers
+                        .iter()
+                        .filter(|w| match half {
+                            Half::Prefill => w.role.prefills(),
+                            Half::Decode => w.role.decodes(),
+                        })
+                        .cloned()
+                        .collect();
+                    if members.is_empty() {
+                        continue;
+                    }
+                    let policy = pd_policies
+                        .entry((model.clone(), half))
+                        .or_insert_with(|| build_policy(kind, config).into())
+                        .clone();
+                    out.insert(
+                        model.clone(),
+                        Pool {
+                            model: model.clone(),
+                            workers: members,
+                            policy,
+                        },
+                    );
+                }
+            }
+        }
         let complete = workers.iter().all(|w| w.probed.load(Ordering::Relaxed));
         let ready = complete
             && !pools.is_empty()
@@ -530,6 +626,8 @@ impl WorkerSet {
                 .all(|p| p.workers.iter().any(|w| w.is_healthy()));
         self.table.store(Arc::new(RoutingTable {
             pools,
+            prefill,
+            decode,
             cards: cards.into_values().collect(),
             complete,
         }));

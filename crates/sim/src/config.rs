@@ -17,6 +17,30 @@ pub enum KvEventsFormat {
     Array,
 }
 
+/// This engine's part in prefill/decode disaggregation (see `server::pd`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum Role {
+    /// Computes prompts for decode engines: answers `kv_transfer_params` asking for a remote
+    /// decode with the blocks it holds, and completes the bootstrap rooms it is given.
+    Prefill,
+    /// Decodes prompts computed by prefill engines: takes their KV (`kv_transfer_params`
+    /// or bootstrap fields) after a transfer time instead of computing it.
+    Decode,
+    /// An aggregated engine: computes every request itself, ignoring disaggregation fields.
+    #[default]
+    Both,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+}
+
 /// A simulated vLLM replica.
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -87,6 +111,21 @@ pub struct SimArgs {
     pub kv_events_format: KvEventsFormat,
     #[arg(long, default_value = "")]
     pub kv_events_topic: String,
+    /// This engine's part in prefill/decode disaggregation.
+    #[arg(long, value_enum, default_value_t = Role::Both, help_heading = "Disaggregation")]
+    pub role: Role,
+    /// Bytes of KV per token, for the transfer time of a decode engine: 2 (K and V) x layers
+    /// x KV heads x head dim x bytes per value; the default is Llama-3-8B in fp16
+    /// (2 x 32 x 8 x 128 x 2).
+    #[arg(long, default_value_t = 131_072, help_heading = "Disaggregation")]
+    pub kv_bytes_per_token: u64,
+    /// The KV transfer link between prefill and decode engines, in gigabits per second.
+    #[arg(long, default_value_t = 100.0, help_heading = "Disaggregation")]
+    pub kv_transfer_gbps: f64,
+    /// A prefill engine tells decode engines when a bootstrap room's prefill is done on this
+    /// TCP port (on --host); without it, decode engines do not wait for the prefill.
+    #[arg(long, help_heading = "Disaggregation")]
+    pub bootstrap_port: Option<u16>,
     /// Log level (trace, debug, info, warn, error).
     #[arg(long, default_value = "info")]
     pub log_level: String,
@@ -204,6 +243,18 @@ impl SimArgs {
                 reason: "must be a positive number",
             });
         }
+        if !(self.kv_transfer_gbps.is_finite() && self.kv_transfer_gbps > 0.0) {
+            return Err(SimConfigError {
+                flag: "kv-transfer-gbps",
+                reason: "must be a positive number",
+            });
+        }
+        if self.bootstrap_port.is_some() && self.role != Role::Prefill {
+            return Err(SimConfigError {
+                flag: "bootstrap-port",
+                reason: "only a prefill engine (--role prefill) serves bootstrap rooms",
+            });
+        }
         self.faults.validate()
     }
 
@@ -223,6 +274,8 @@ impl SimArgs {
                 decode_linear: self.decode_linear,
                 decode_constant: self.decode_constant,
                 decode_per_seq: self.decode_per_seq,
+                kv_bytes_per_token: self.kv_bytes_per_token,
+                kv_transfer_gbps: self.kv_transfer_gbps,
                 speedup: self.speedup,
             },
             output_tokens,
@@ -259,6 +312,41 @@ mod tests {
         ]);
         assert_eq!(a.decode_quadratic, -3.0);
         assert_eq!(a.model, "x");
+    }
+
+    #[test]
+    fn disaggregation_flags_parse_and_validate() {
+        let a = SimArgs::default();
+        assert_eq!(a.role, Role::Both);
+        assert_eq!((a.kv_bytes_per_token, a.kv_transfer_gbps), (131_072, 100.0));
+        assert_eq!(a.bootstrap_port, None);
+        let a = SimArgs::parse_from([
+            "kvroute-sim",
+            "--role",
+            "prefill",
+            "--bootstrap-port",
+            "8998",
+            "--kv-bytes-per-token",
+            "65536",
+            "--kv-transfer-gbps",
+            "400",
+        ]);
+        assert_eq!((a.role, a.bootstrap_port), (Role::Prefill, Some(8998)));
+        assert_eq!(a.engine_config(0, vec![1]).timing.kv_bytes_per_token, 65536);
+        assert!(a.validate().is_ok());
+        for bad in [
+            &["--kv-transfer-gbps", "0"][..],
+            &["--role", "decode", "--bootstrap-port", "8998"],
+            &["--bootstrap-port", "8998"],
+        ] {
+            let a = SimArgs::parse_from(["kvroute-sim"].iter().chain(bad));
+            let e = a.validate().unwrap_err().to_string();
+            assert!(
+                e.contains("--kv-transfer-gbps") || e.contains("--bootstrap-port"),
+                "{e}"
+            );
+        }
+        assert!(SimArgs::try_parse_from(["kvroute-sim", "--role", "router"]).is_err());
     }
 
     #[test]

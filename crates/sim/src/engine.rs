@@ -25,9 +25,21 @@
 //! **Outputs.** The step that completes a prompt samples the first token; every later step
 //! samples one token per decoding sequence; a sequence finishes after exactly `max_tokens`
 //! tokens.
+//!
+//! **KV transfer** (prefill/decode disaggregation, [`PromptKv::Transfer`]): a request whose
+//! prompt KV a prefill engine computed is admitted in its FCFS turn like any other (the same
+//! prefix-cache lookup, then blocks for its whole prompt), but computes nothing: it waits,
+//! holding its blocks and counted as waiting, while the KV its cache lacks crosses the link
+//! ([`TimingModel::transfer_time`]; transfers overlap the steps of other requests). When it
+//! has landed the blocks are cached (`Stored` events) as if computed, and the request is
+//! scheduled with every prompt token but the last computed, as vLLM's scheduler does after a
+//! NIXL transfer: that last token, run as a decode, samples the first output token. A
+//! preempted request recomputes its prompt locally. See the `transfer` module.
 
 mod blocks;
+mod sequence;
 pub mod timing;
+mod transfer;
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -35,8 +47,12 @@ use std::time::Duration;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use blocks::{BlockId, BlockPool};
+pub use blocks::BlockId;
+use blocks::BlockPool;
+pub use sequence::block_hash;
+use sequence::Sequence;
 pub use timing::{StepWork, TimingModel};
+use transfer::Receiving;
 
 /// The engine's configuration (vLLM's defaults).
 #[derive(Debug, Clone, PartialEq)]
@@ -79,6 +95,17 @@ pub struct EngineRequest {
     /// Mixed into every block hash (LoRA name, cache salt): different salts never share
     /// cached blocks.
     pub salt: u64,
+}
+
+/// Where a request's prompt KV comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptKv {
+    /// Computed here, less what the prefix cache holds.
+    #[default]
+    Compute,
+    /// Received from a prefill engine, less what the prefix cache holds (see the module
+    /// docs).
+    Transfer,
 }
 
 /// Why a request cannot be accepted.
@@ -124,6 +151,10 @@ pub struct TokenOutput {
     pub finished: bool,
     /// Prompt tokens found in the prefix cache when the request was first scheduled.
     pub cached_tokens: usize,
+    /// On the last token only: the blocks that held the prompt's KV (vLLM's block ids, as
+    /// a prefill engine names them to its decode engine). They are released, their full
+    /// blocks stay cached until evicted.
+    pub prompt_blocks: Vec<BlockId>,
 }
 
 /// What one step did.
@@ -140,8 +171,9 @@ pub struct StepOutput {
 }
 
 impl StepOutput {
+    /// Whether it computed nothing (KV transfers may be in flight).
     pub fn is_idle(&self) -> bool {
-        self.work == StepWork::default()
+        self.work.prefill_tokens == 0 && self.work.decode_seqs == 0
     }
 }
 
@@ -155,51 +187,13 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     pub preemptions: u64,
     pub cached_blocks: usize,
-}
-
-#[derive(Debug)]
-struct Sequence {
-    id: RequestId,
-    /// Prompt, then generated tokens.
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    max_tokens: usize,
-    salt: u64,
-    /// Tokens whose KV is computed.
-    computed: usize,
-    blocks: Vec<BlockId>,
-    /// Hashes of the full blocks of `tokens` computed so far (a prefix of them).
-    hashes: Vec<u64>,
-    /// Leading blocks already registered in (or taken from) the prefix cache.
-    registered: usize,
-    cached_tokens: Option<usize>,
-}
-
-impl Sequence {
-    fn output_len(&self) -> usize {
-        self.tokens.len() - self.prompt_len
-    }
-
-    /// Extends `hashes` to cover the first `full` blocks of `tokens`.
-    fn hash_blocks(&mut self, full: usize, block_size: usize) {
-        while self.hashes.len() < full {
-            let i = self.hashes.len();
-            let parent = i.checked_sub(1).map(|p| self.hashes[p]);
-            let chunk = &self.tokens[i * block_size..(i + 1) * block_size];
-            self.hashes.push(block_hash(parent, chunk, self.salt));
-        }
-    }
-}
-
-/// The engine's block hash: XXH3 over the parent hash, the salt and the tokens.
-pub fn block_hash(parent: Option<u64>, tokens: &[u32], salt: u64) -> u64 {
-    let mut buf = Vec::with_capacity(16 + tokens.len() * 4);
-    buf.extend_from_slice(&parent.unwrap_or(0x6b76_726f_7574_6521).to_le_bytes());
-    buf.extend_from_slice(&salt.to_le_bytes());
-    for t in tokens {
-        buf.extend_from_slice(&t.to_le_bytes());
-    }
-    kvroute_protocol::stable_hash(&buf)
+    /// Tokens whose KV a prefill (or a chunk of one) computed: prompt tokens neither found in
+    /// the prefix cache nor received, and the tokens a preempted sequence recomputes.
+    pub prefill_tokens_computed: u64,
+    /// Requests whose prompt KV has arrived by transfer.
+    pub kv_transfers_received: u64,
+    /// Tokens of KV those transfers carried (their prompts less the local cache hits).
+    pub kv_transfer_tokens_received: u64,
 }
 
 /// One simulated engine (one data-parallel rank).
@@ -209,6 +203,8 @@ pub struct EngineCore {
     pool: BlockPool,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
+    /// Admitted requests waiting for their prompt KV, in admission order.
+    receiving: Vec<Receiving>,
     rng: SmallRng,
     stats: EngineStats,
 }
@@ -221,6 +217,7 @@ impl EngineCore {
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            receiving: Vec::new(),
             stats: EngineStats::default(),
         }
     }
@@ -234,7 +231,17 @@ impl EngineCore {
         self.config.num_gpu_blocks * self.config.block_size
     }
 
+    /// Queues a request whose prompt KV is computed here.
     pub fn add_request(&mut self, req: EngineRequest) -> Result<(), AddError> {
+        self.add_request_from(req, PromptKv::Compute)
+    }
+
+    /// Queues a request whose prompt KV comes from `prompt_kv`.
+    pub fn add_request_from(
+        &mut self,
+        req: EngineRequest,
+        prompt_kv: PromptKv,
+    ) -> Result<(), AddError> {
         if req.prompt.is_empty() {
             return Err(AddError::EmptyPrompt);
         }
@@ -263,6 +270,8 @@ impl EngineCore {
             hashes: Vec::new(),
             registered: 0,
             cached_tokens: None,
+            prompt_kv,
+            received: false,
         });
         Ok(())
     }
@@ -271,6 +280,7 @@ impl EngineCore {
         self.running
             .iter()
             .chain(self.waiting.iter())
+            .chain(self.receiving.iter().map(|r| &r.seq))
             .any(|s| s.id == id)
     }
 
@@ -286,6 +296,11 @@ impl EngineCore {
             self.pool.release(&seq.blocks);
             return true;
         }
+        if let Some(i) = self.receiving.iter().position(|r| r.seq.id == id) {
+            let r = self.receiving.remove(i);
+            self.pool.release(&r.seq.blocks);
+            return true;
+        }
         false
     }
 
@@ -296,7 +311,7 @@ impl EngineCore {
 
     /// Whether a step would do anything.
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.receiving.is_empty()
     }
 
     /// Cache events not yet returned by a step (from `reset_prefix_cache`).
@@ -307,16 +322,21 @@ impl EngineCore {
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             running: self.running.len(),
-            waiting: self.waiting.len(),
+            // As vLLM counts requests waiting for remote KV: in its waiting queue.
+            waiting: self.waiting.len() + self.receiving.len(),
             kv_usage: self.pool.num_used() as f64 / self.pool.num_blocks().max(1) as f64,
             cached_blocks: self.pool.num_cached(),
             ..self.stats.clone()
         }
     }
 
-    /// Runs one step starting at `now` (see the module docs). `now` is accepted for
-    /// symmetry with the callers' clocks; the model's outputs depend only on the work.
-    pub fn step(&mut self, _now: Duration) -> StepOutput {
+    /// Runs one step starting at `now` (see the module docs): lands the KV transfers done
+    /// by `now`, then schedules. Apart from transfers, the outputs depend only on the work.
+    ///
+    /// A step can be idle while transfers are in flight and nothing else can run; the
+    /// caller then steps again at [`Self::next_transfer_done`].
+    pub fn step(&mut self, now: Duration) -> StepOutput {
+        self.land_transfers(now);
         let mut out = StepOutput::default();
         let mut budget = self.config.max_num_batched_tokens;
         // (index into running, new tokens) for this step.
@@ -352,16 +372,20 @@ impl EngineCore {
             && self.running.len() < self.config.max_num_seqs
             && !self.waiting.is_empty()
         {
-            match self.admit(budget) {
-                Some((n, first_cached)) => {
+            match self.admit(budget, now) {
+                Admitted::Running {
+                    tokens,
+                    first_cached,
+                } => {
                     let idx = self.running.len() - 1;
                     if let Some(cached) = first_cached {
                         out.started.push((self.running[idx].id, cached));
                     }
-                    scheduled.push((idx, n));
-                    budget -= n;
+                    scheduled.push((idx, tokens));
+                    budget -= tokens;
                 }
-                None => break,
+                Admitted::Receiving { id, cached } => out.started.push((id, cached)),
+                Admitted::Blocked => break,
             }
         }
 
@@ -370,8 +394,7 @@ impl EngineCore {
         let mut work = StepWork::default();
         for &(idx, n) in &scheduled {
             let seq = &self.running[idx];
-            let decoding = seq.output_len() > 0 && seq.tokens.len() - seq.computed == 1;
-            if decoding {
+            if seq.is_decoding() {
                 work.decode_seqs += 1;
             } else {
                 work.prefill_tokens += n;
@@ -379,6 +402,7 @@ impl EngineCore {
             }
         }
         work.kv_utilisation = self.pool.num_used() as f64 / self.pool.num_blocks().max(1) as f64;
+        self.stats.prefill_tokens_computed += work.prefill_tokens as u64;
         out.duration = self.config.timing.step_time(&work);
         out.work = work;
 
@@ -387,40 +411,7 @@ impl EngineCore {
         for &(idx, n) in &scheduled {
             let seq = &mut self.running[idx];
             seq.computed += n;
-            let full = seq.computed / bs;
-            if full > seq.registered {
-                seq.hash_blocks(full, bs);
-                let mut stored: Option<CacheEvent> = None;
-                for b in seq.registered..full {
-                    if self.pool.register(seq.blocks[b], seq.hashes[b]) {
-                        match &mut stored {
-                            Some(CacheEvent::Stored {
-                                hashes, token_ids, ..
-                            }) => {
-                                hashes.push(seq.hashes[b]);
-                                token_ids.extend_from_slice(&seq.tokens[b * bs..(b + 1) * bs]);
-                            }
-                            _ => {
-                                if let Some(ev) = stored.take() {
-                                    self.pool.push_event(ev);
-                                }
-                                stored = Some(CacheEvent::Stored {
-                                    hashes: vec![seq.hashes[b]],
-                                    parent: b.checked_sub(1).map(|p| seq.hashes[p]),
-                                    token_ids: seq.tokens[b * bs..(b + 1) * bs].to_vec(),
-                                });
-                            }
-                        }
-                    } else if let Some(ev) = stored.take() {
-                        // A block already cached elsewhere breaks the run of new ones.
-                        self.pool.push_event(ev);
-                    }
-                }
-                if let Some(ev) = stored {
-                    self.pool.push_event(ev);
-                }
-                seq.registered = full;
-            }
+            seq.cache_computed_blocks(&mut self.pool, bs);
             if seq.computed == seq.tokens.len() {
                 let pick = self.rng.random_range(0..self.config.output_tokens.len());
                 let token = self.config.output_tokens[pick];
@@ -433,6 +424,11 @@ impl EngineCore {
                     index,
                     finished: done,
                     cached_tokens: seq.cached_tokens.unwrap_or(0),
+                    prompt_blocks: if done {
+                        seq.blocks[..seq.prompt_len.div_ceil(bs).min(seq.blocks.len())].to_vec()
+                    } else {
+                        Vec::new()
+                    },
                 });
                 if done {
                     finished.push(idx);
@@ -466,16 +462,41 @@ impl EngineCore {
         seq.blocks.clear();
         seq.computed = 0;
         seq.registered = 0;
+        // Recomputed here, as vLLM does: the prefill engine's KV is gone.
+        seq.prompt_kv = PromptKv::Compute;
+        seq.received = false;
         self.stats.preemptions += 1;
         out.preempted.push(seq.id);
         self.waiting.push_front(seq);
     }
 
-    /// Admits the head of the queue if its blocks fit: returns the tokens it computes this
-    /// step and, on its first admission, its cached tokens.
-    fn admit(&mut self, budget: usize) -> Option<(usize, Option<usize>)> {
+    /// Admits the head of the queue if its blocks fit: into the running batch, or, for a
+    /// request whose prompt KV is to be received, into the transfers in flight.
+    fn admit(&mut self, budget: usize, now: Duration) -> Admitted {
         let bs = self.config.block_size;
-        let seq = self.waiting.front_mut()?;
+        let Some(seq) = self.waiting.front_mut() else {
+            return Admitted::Blocked;
+        };
+        if seq.received {
+            // Its KV has landed (blocks held, all but the last prompt token computed).
+            let n = (seq.tokens.len() - seq.computed).min(budget);
+            let target = seq.computed + n;
+            let mut seq = self.waiting.pop_front().expect("front exists");
+            let needed = target.div_ceil(bs);
+            if self.pool.num_free() < needed.saturating_sub(seq.blocks.len()) {
+                self.waiting.push_front(seq);
+                return Admitted::Blocked;
+            }
+            while seq.blocks.len() < needed {
+                seq.blocks
+                    .push(self.pool.allocate().expect("counted free blocks"));
+            }
+            self.running.push(seq);
+            return Admitted::Running {
+                tokens: n,
+                first_cached: None,
+            };
+        }
         let len = seq.tokens.len();
         seq.hash_blocks(len / bs, bs);
         // The longest cached run of leading blocks, leaving at least one token to compute.
@@ -488,11 +509,17 @@ impl EngineCore {
             }
         }
         let hit_tokens = hit.len() * bs;
-        let n = (len - hit_tokens).min(budget);
+        let transfer = seq.prompt_kv == PromptKv::Transfer;
+        // A transfer needs blocks for the whole prompt at once; a prefill for this step's chunk.
+        let n = if transfer {
+            len - hit_tokens
+        } else {
+            (len - hit_tokens).min(budget)
+        };
         let new_blocks = (hit_tokens + n).div_ceil(bs) - hit.len();
         let hits_on_free = hit.iter().filter(|&&b| self.pool.is_free(b)).count();
         if self.pool.num_free() < new_blocks + hits_on_free {
-            return None;
+            return Admitted::Blocked;
         }
         let mut seq = self.waiting.pop_front().expect("front exists");
         for &b in &hit {
@@ -511,9 +538,34 @@ impl EngineCore {
             self.stats.prefix_cache_queries += seq.prompt_len as u64;
             self.stats.prefix_cache_hits += hit_tokens as u64;
         }
+        if transfer {
+            let id = seq.id;
+            self.start_transfer(seq, n, now);
+            return Admitted::Receiving {
+                id,
+                cached: hit_tokens,
+            };
+        }
         self.running.push(seq);
-        Some((n, first.then_some(hit_tokens)))
+        Admitted::Running {
+            tokens: n,
+            first_cached: first.then_some(hit_tokens),
+        }
     }
+}
+
+/// What [`EngineCore::admit`] did with the head of the queue.
+enum Admitted {
+    /// Into the running batch, computing `tokens` this step; with its cached tokens on its
+    /// first admission.
+    Running {
+        tokens: usize,
+        first_cached: Option<usize>,
+    },
+    /// Into the transfers in flight, with its cached tokens.
+    Receiving { id: RequestId, cached: usize },
+    /// Its blocks do not fit (or the queue is empty).
+    Blocked,
 }
 
 #[cfg(test)]

@@ -9,6 +9,11 @@
 //! simulation. This crate depends on `kvroute-protocol` (and the shared tokenizer) only:
 //! it cannot see the router's internals.
 //!
+//! Prefill/decode disaggregation (`--role prefill|decode`, [`Role`]): a prefill engine answers
+//! vLLM's `kv_transfer_params` and serves SGLang-style bootstrap rooms; a decode engine
+//! receives a prompt's KV after a transfer time instead of computing it
+//! ([`engine::PromptKv::Transfer`]); each publishes the KV events of the blocks it holds.
+//!
 //! Fault injection ([`FaultSettings`]: failed requests, stalls, a crash, lost KV events),
 //! set by flags and changed at runtime by `POST /fault` or a [`FaultHandle`], serves the
 //! router's reliability tests; [`SimInstance`] runs an engine that a test can crash and
@@ -18,5 +23,5 @@ pub mod config;
 pub mod engine;
 pub mod server;
 
-pub use config::{FaultSettings, SimArgs};
+pub use config::{FaultSettings, Role, SimArgs};
 pub use server::{Crashed, FaultHandle, SimInstance, SimServer};

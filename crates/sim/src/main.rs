@@ -68,6 +68,7 @@ async fn run(args: SimArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
     tracing::info!(
         %addr,
         model = %args.model,
+        role = args.role.as_str(),
         ranks = args.data_parallel_size,
         num_gpu_blocks = args.num_gpu_blocks,
         block_size = args.block_size,

@@ -1,23 +1,27 @@
 //! The HTTP face of the simulator: vLLM's API over one engine core per data-parallel rank.
 //!
 //! [`SimServer::new`] builds the state (no I/O); [`SimServer::serve`] binds the KV-event
-//! sockets, starts one [`driver::Driver`] per rank and a publisher per socket, serves the
-//! API on the listener it is given until the shutdown token fires (or the engine crashes,
-//! see [`faults`]), and joins them all. [`SimInstance`] runs one on a task, for tests that
-//! crash and restart engines.
+//! sockets (and a prefill engine's bootstrap port), starts one `driver::Driver` per rank, a
+//! publisher per socket and the bootstrap server, serves the API on the listener it is
+//! given until the shutdown token fires (or the engine crashes, see the `faults` module), and joins
+//! them all. [`SimInstance`] runs one on a task, for tests that crash and restart engines.
+//! Prefill/decode disaggregation (`--role`) is in the `pd` module.
 
+mod bootstrap;
 mod driver;
 mod faults;
+mod generate;
 mod instance;
 mod kv_publisher;
 mod metrics;
 mod openai;
+mod pd;
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -30,11 +34,12 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::SimArgs;
-use crate::engine::{EngineCore, EngineRequest, RequestId};
-use driver::{Command, Delivery, Driver};
+use crate::config::{Role, SimArgs};
+use crate::engine::EngineCore;
+use driver::{Command, Driver};
 use faults::{CrashListener, Faults};
-use openai::{Api, ResponseMeta};
+use generate::{generate, Generate};
+use openai::Api;
 
 pub use faults::{Crashed, FaultHandle};
 pub use instance::SimInstance;
@@ -60,6 +65,12 @@ struct AppState {
     faults: Arc<Faults>,
     /// Cancelled when the server stops or crashes (a child of the crash token).
     stopping: CancellationToken,
+    /// A prefill engine's bootstrap rooms.
+    rooms: Arc<bootstrap::Rooms>,
+    /// Per rank: the prefills served for decode engines.
+    sent: Vec<metrics::TransferCounters>,
+    /// The HTTP listener's address, once serving.
+    http_addr: OnceLock<SocketAddr>,
 }
 
 /// A simulated vLLM server.
@@ -103,10 +114,12 @@ impl SimServer {
         let series = metrics::register(
             &mut registry,
             &args.model,
+            args.role,
             ranks,
             args.block_size,
             args.num_gpu_blocks,
         );
+        let sent = series.iter().map(|s| s.sent.clone()).collect();
         let faults = Arc::new(Faults::new(args.faults, args.seed, &mut registry));
         let stopping = faults.crash_token().child_token();
         let outputs = output_tokens(&tokenizer);
@@ -133,6 +146,9 @@ impl SimServer {
                 registry,
                 faults,
                 stopping,
+                rooms: Arc::new(bootstrap::Rooms::default()),
+                sent,
+                http_addr: OnceLock::new(),
             }),
             pending: Mutex::new(Some(Pending {
                 cores,
@@ -180,7 +196,8 @@ impl SimServer {
         self.bind().await?.run(listener, shutdown).await
     }
 
-    /// Binds the KV-event sockets: what can fail before the engine runs.
+    /// Binds the KV-event sockets and the bootstrap port: what can fail before the engine
+    /// runs.
     async fn bind(self) -> anyhow::Result<Bound> {
         let pending = self
             .pending
@@ -205,26 +222,50 @@ impl SimServer {
                 None => None,
             });
         }
+        let bootstrap = match (args.role, args.bootstrap_port) {
+            (Role::Prefill, Some(port)) => {
+                let listener = TcpListener::bind((args.host.as_str(), port))
+                    .await
+                    .map_err(|e| {
+                        anyhow::anyhow!("cannot bind the bootstrap port {}:{port}: {e}", args.host)
+                    })?;
+                tracing::info!(host = %args.host, port, "Serving bootstrap rooms");
+                Some(listener)
+            }
+            _ => None,
+        };
         Ok(Bound {
             server: self,
             pending,
             publishers,
+            bootstrap,
         })
     }
 }
 
-/// A server with its KV-event sockets bound.
+/// A server with its KV-event sockets and bootstrap port bound.
 struct Bound {
     server: SimServer,
     pending: Pending,
     publishers: Vec<Option<kv_publisher::Publisher>>,
+    bootstrap: Option<TcpListener>,
 }
 
 impl Bound {
     async fn run(self, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
         let state = self.server.state.clone();
         let stopping = state.stopping.clone();
+        if let Ok(addr) = listener.local_addr() {
+            let _ = state.http_addr.set(addr);
+        }
         let mut tasks = tokio::task::JoinSet::new();
+        if let Some(bootstrap) = self.bootstrap {
+            tasks.spawn(bootstrap::serve(
+                bootstrap,
+                state.rooms.clone(),
+                stopping.clone(),
+            ));
+        }
         for (((core, commands), series), publisher) in self
             .pending
             .cores
@@ -420,11 +461,14 @@ async fn completions(
     generate(
         &state,
         &headers,
-        Api::Completion,
-        prompt,
-        max_tokens,
-        body.stream.unwrap_or(false),
-        salt_of(body.cache_salt.as_deref()),
+        Generate {
+            api: Api::Completion,
+            prompt,
+            max_tokens,
+            stream: body.stream.unwrap_or(false),
+            salt: salt_of(body.cache_salt.as_deref()),
+            disagg: body.disagg,
+        },
     )
     .await
 }
@@ -441,208 +485,16 @@ async fn chat(State(state): State<Arc<AppState>>, req: Request) -> Result<Respon
     generate(
         &state,
         &headers,
-        Api::Chat,
-        prompt,
-        max_tokens,
-        body.stream.unwrap_or(false),
-        salt_of(body.cache_salt.as_deref()),
+        Generate {
+            api: Api::Chat,
+            prompt,
+            max_tokens,
+            stream: body.stream.unwrap_or(false),
+            salt: salt_of(body.cache_salt.as_deref()),
+            disagg: body.disagg,
+        },
     )
     .await
-}
-
-/// Sends an abort to the engine if the request's answer is dropped before it finished.
-struct AbortOnDrop {
-    id: RequestId,
-    tx: mpsc::UnboundedSender<Command>,
-    done: bool,
-}
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if !self.done {
-            let _ = self.tx.send(Command::Abort(self.id));
-        }
-    }
-}
-
-async fn generate(
-    state: &AppState,
-    headers: &HeaderMap,
-    api: Api,
-    prompt: Vec<u32>,
-    max_tokens: usize,
-    stream: bool,
-    salt: u64,
-) -> Result<Response, ApiError> {
-    let rank = state.rank(headers)?;
-    let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
-    let meta = ResponseMeta {
-        api,
-        id: format!(
-            "{}-{:016x}",
-            if api == Api::Chat { "chatcmpl" } else { "cmpl" },
-            rand::random::<u64>()
-        ),
-        created: state.created,
-        model: state.args.model.clone(),
-        fingerprint: state.args.instance_id.clone(),
-        prompt_tokens: prompt.len(),
-    };
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let request = EngineRequest {
-        id,
-        prompt,
-        max_tokens,
-        salt,
-    };
-    if state.ranks[rank]
-        .send(Command::Add { request, tx })
-        .is_err()
-    {
-        return Err(ApiError::unavailable("engine stopped"));
-    }
-    let mut guard = AbortOnDrop {
-        id,
-        tx: state.ranks[rank].clone(),
-        done: false,
-    };
-    // The first delivery says whether the engine took the request.
-    let first = match rx.recv().await {
-        Some(Delivery::Rejected(e)) => {
-            guard.done = true;
-            return Err(bad_request(e.to_string()));
-        }
-        Some(d) => d,
-        None => {
-            return Err(ApiError::unavailable("engine stopped"));
-        }
-    };
-    // The request that `crash_after_requests` makes the last: it dies after its first token.
-    let last = state.faults.accept();
-    if last && !stream {
-        state.faults.crash();
-        return Err(ApiError::unavailable("engine crashed"));
-    }
-    let tokenizer = state.tokenizer.clone();
-    if !stream {
-        let mut tokens = Vec::with_capacity(max_tokens);
-        let mut next = Some(first);
-        while let Some(Delivery::Token {
-            token,
-            finished,
-            cached_tokens,
-            ..
-        }) = next
-        {
-            tokens.push(token);
-            if finished {
-                guard.done = true;
-                let text = tokenizer.decode(&tokens).unwrap_or_default();
-                return Ok(Json(openai::full_response(
-                    &meta,
-                    &text,
-                    tokens.len(),
-                    cached_tokens,
-                ))
-                .into_response());
-            }
-            next = rx.recv().await;
-        }
-        return Err(ApiError::unavailable("engine stopped"));
-    }
-    // Streaming: one SSE event per token, then the usage chunk and [DONE].
-    let mut prelude = String::new();
-    if api == Api::Chat {
-        prelude.push_str(&openai::sse(&openai::role_chunk(&meta)));
-    }
-    struct StreamState {
-        rx: mpsc::UnboundedReceiver<Delivery>,
-        first: Option<Delivery>,
-        prelude: Option<String>,
-        guard: AbortOnDrop,
-        meta: ResponseMeta,
-        chunk: openai::ChunkTemplate,
-        tokenizer: Arc<Tokenizer>,
-        count: usize,
-        ended: bool,
-        /// Crash the engine once the first token is sent (`crash_after_requests`).
-        crash: Option<Arc<Faults>>,
-    }
-    let st = StreamState {
-        rx,
-        first: Some(first),
-        prelude: Some(prelude),
-        guard,
-        chunk: openai::ChunkTemplate::new(&meta),
-        meta,
-        tokenizer,
-        count: 0,
-        ended: false,
-        crash: last.then(|| state.faults.clone()),
-    };
-    // One body frame per wake-up: the tokens that arrived since the last one (one token when
-    // the client keeps pace, several in one write when it lags). A stream whose engine stops
-    // before its end fails, so the connection is cut without the final chunk: a truncated
-    // answer never looks complete.
-    let body = futures_util::stream::unfold(st, |mut st| async move {
-        if st.ended {
-            return None;
-        }
-        if st.count > 0 {
-            if let Some(faults) = st.crash.take() {
-                // Yield once so hyper writes the first token out, then die.
-                tokio::task::yield_now().await;
-                faults.crash();
-                st.ended = true;
-                return Some((Err(std::io::Error::other("engine crashed")), st));
-            }
-        }
-        let mut out = st.prelude.take().unwrap_or_default();
-        let mut next = match st.first.take() {
-            Some(d) => Some(d),
-            None => st.rx.recv().await,
-        };
-        let mut any = false;
-        while let Some(Delivery::Token {
-            token,
-            finished,
-            cached_tokens,
-            ..
-        }) = next
-        {
-            any = true;
-            st.count += 1;
-            let text = st.tokenizer.decode(&[token]).unwrap_or_default();
-            if st.crash.is_some() {
-                // The first token only, never the end.
-                st.chunk.push(&mut out, &text, false);
-                break;
-            }
-            st.chunk.push(&mut out, &text, finished);
-            if finished {
-                st.guard.done = true;
-                st.ended = true;
-                out.push_str(&openai::sse(&openai::usage_chunk(
-                    &st.meta,
-                    st.count,
-                    cached_tokens,
-                )));
-                out.push_str("data: [DONE]\n\n");
-                break;
-            }
-            next = st.rx.try_recv().ok();
-        }
-        if !any {
-            st.ended = true;
-            return Some((Err(std::io::Error::other("engine stopped")), st));
-        }
-        Some((Ok(Bytes::from(out)), st))
-    });
-    Ok(Response::builder()
-        .header("content-type", "text/event-stream")
-        .header("cache-control", "no-cache")
-        .body(Body::from_stream(body))
-        .expect("valid response"))
 }
 
 async fn render_completion(
@@ -714,6 +566,13 @@ async fn server_info(State(state): State<Arc<AppState>>) -> Response {
         "page_size": a.block_size, "max_total_num_tokens": a.num_gpu_blocks * a.block_size,
         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
         "engine": "kvroute-sim",
+        // SGLang's names for the role ("null": aggregated) and the bootstrap port.
+        "disaggregation_mode": match a.role {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "null",
+        },
+        "disaggregation_bootstrap_port": a.bootstrap_port,
     }))
     .into_response()
 }

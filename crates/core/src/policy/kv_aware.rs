@@ -7,7 +7,7 @@
 //! credit = overlap_score_credit * device + host_cache_hit_weight * host
 //!        + disk_cache_hit_weight * disk + shared_cache_multiplier * external
 //! cost   = prefill_load_scale * max(0, (P + ISL) / B - credit)
-//!        + (decode_blocks + new_blocks)
+//!        + (decode_blocks + min(new_blocks, ceil(ISL / B) - device))
 //!        + decode_active_request_weight * active_requests
 //! ```
 //!
@@ -18,6 +18,20 @@
 //! preferred taints, the cost is multiplied by `exp(-tanh(w))`, `w` the summed weights of
 //! those the worker has. Exact ties are broken uniformly at random. With `temperature > 0`
 //! the choice is sampled from `softmax(-(cost - min) / ((max - min) * temperature))`.
+//!
+//! The two terms estimate what the request adds to the rank: compute (the prefill term:
+//! the work queued ahead of it plus its own uncached prompt) and KV memory (the load term:
+//! the blocks its active requests hold plus the blocks this request would add). A block is
+//! added only if the rank does not already hold it, either for another active request (a
+//! shared prefix) or in its device prefix cache (`device`): a prefix-cache hit pins a block
+//! that is already resident instead of allocating, filling and later evicting a copy. So
+//! `min(new_blocks, ceil(ISL / B) - device)` (the two sets are both leading runs of the
+//! prompt's hash chain, so the resident blocks are the longer of the two). Counting the
+//! cached prefix as new memory, as Dynamo's formula does, charges the warm rank for memory
+//! it does not spend; on decode-heavy traffic, where the ranks' `decode_blocks` differ by
+//! more than a whole prompt, it made the load term drown the overlap and spread
+//! conversations over every rank (half the prefix reuse of `cache_aware` on multi-turn
+//! chats). Host, disk and external hits still allocate device blocks and are counted.
 
 use rand::{Rng, RngCore};
 
@@ -87,11 +101,16 @@ impl KvAware {
             + k.host_cache_hit_weight * f64::from(o.host)
             + k.disk_cache_hit_weight * f64::from(o.disk)
             + k.shared_cache_multiplier * f64::from(o.external);
-        let block_size = request.block_size.max(1) as f64;
+        let block_size = request.block_size.max(1);
         let prefill_blocks =
-            (c.kv.prefill_tokens as f64 + request.prompt_tokens as f64) / block_size;
+            (c.kv.prefill_tokens as f64 + request.prompt_tokens as f64) / block_size as f64;
+        // The request's blocks not resident on the rank (see the module docs).
+        let prompt_blocks = request.prompt_tokens.div_ceil(block_size) as u64;
+        let new_blocks =
+            c.kv.new_blocks
+                .min(prompt_blocks.saturating_sub(u64::from(o.device)));
         let mut cost = k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
-            + (c.kv.decode_blocks + c.kv.new_blocks) as f64
+            + (c.kv.decode_blocks + new_blocks) as f64
             + k.decode_active_request_weight * c.kv.active_requests as f64;
         if request.has_preferred_taints {
             cost *= (-c.kv.preferred_taint_weight.tanh()).exp();
@@ -249,6 +268,86 @@ mod tests {
         };
         let c = [cand(&ids[0], cold), cand(&ids[1], busy)];
         assert_eq!(p.select(&c, &req(1024), &mut rng).unwrap().index, 0);
+    }
+
+    #[test]
+    fn blocks_cached_on_the_device_are_not_new_memory() {
+        let ids = ids(2);
+        let p = KvAware::default();
+        // 1000 tokens: 63 blocks, the last partial; 40 of them cached on the device.
+        let r = req(1000);
+        let warm = KvTerms {
+            overlap: Overlap {
+                device: 40,
+                ..Overlap::default()
+            },
+            new_blocks: 63,
+            ..KvTerms::default()
+        };
+        // Prefill 62.5 - 40; new memory 63 - 40.
+        assert!((p.cost(&cand(&ids[0], warm), &r) - 45.5).abs() < 1e-9);
+        // Blocks shared with an active request count once, whichever set is larger.
+        let shared = KvTerms {
+            decode_blocks: 50,
+            new_blocks: 13,
+            ..warm
+        };
+        assert!((p.cost(&cand(&ids[0], shared), &r) - (22.5 + 50.0 + 13.0)).abs() < 1e-9);
+        // Host hits are loaded into fresh device blocks: still new memory.
+        let host = KvTerms {
+            overlap: Overlap {
+                host: 40,
+                ..Overlap::default()
+            },
+            new_blocks: 63,
+            ..KvTerms::default()
+        };
+        assert!((p.cost(&cand(&ids[1], host), &r) - (32.5 + 63.0)).abs() < 1e-9);
+        // Never below zero, even for inconsistent inputs.
+        let over = KvTerms {
+            overlap: Overlap {
+                device: 100,
+                ..Overlap::default()
+            },
+            new_blocks: 63,
+            ..KvTerms::default()
+        };
+        assert_eq!(p.cost(&cand(&ids[1], over), &r), 0.0);
+    }
+
+    #[test]
+    fn a_conversation_stays_where_its_prefix_is_despite_a_little_more_decode_load() {
+        // A later turn: 75 blocks, 31 cached on the warm rank, which decodes 35 blocks more
+        // than the cold one. Warm: 44 to prefill, 260 + 44 blocks held (348); cold: 75 +
+        // 225 + 75 (375). Counting the cached prefix as new memory (44 + 260 + 75 = 379)
+        // would move the conversation.
+        let ids = ids(2);
+        let p = KvAware::default();
+        let r = req(75 * 16);
+        let warm = KvTerms {
+            overlap: Overlap {
+                device: 31,
+                ..Overlap::default()
+            },
+            decode_blocks: 260,
+            new_blocks: 75,
+            ..KvTerms::default()
+        };
+        let cold = KvTerms {
+            decode_blocks: 225,
+            new_blocks: 75,
+            ..KvTerms::default()
+        };
+        let c = [cand(&ids[0], cold), cand(&ids[1], warm)];
+        let mut rng = SmallRng::seed_from_u64(4);
+        assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 1);
+        // A much busier warm rank still loses.
+        let busy = KvTerms {
+            decode_blocks: 400,
+            ..warm
+        };
+        let c = [cand(&ids[0], cold), cand(&ids[1], busy)];
+        assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 0);
     }
 
     #[test]

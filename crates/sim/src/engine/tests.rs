@@ -368,3 +368,172 @@ fn same_seed_same_run() {
     };
     assert_eq!(go(), go());
 }
+
+/// Steps a core holding only transfers until the first lands; returns that step.
+fn step_until_landed(core: &mut EngineCore, now: &mut Duration) -> StepOutput {
+    loop {
+        let out = core.step(*now);
+        if !out.is_idle() {
+            *now += out.duration;
+            return out;
+        }
+        *now = core.next_transfer_done().expect("a transfer in flight");
+    }
+}
+
+#[test]
+fn a_transferred_prompt_is_received_not_computed() {
+    let p = prompt(1, 100); // 6 full blocks of 16, 4 tokens over
+    let mut core = EngineCore::new(EngineConfig::default());
+    core.add_request_from(req(1, p.clone(), 4), PromptKv::Transfer)
+        .unwrap();
+    // Admitted, holding blocks for the whole prompt, computing nothing.
+    let out = core.step(Duration::ZERO);
+    assert!(out.is_idle());
+    assert_eq!(out.started, vec![(RequestId(1), 0)]);
+    let done = core.config().timing.transfer_time(100);
+    assert_eq!(core.next_transfer_done(), Some(done));
+    let s = core.stats();
+    assert_eq!(
+        (s.running, s.waiting),
+        (0, 1),
+        "counted as waiting, as vLLM does"
+    );
+    assert!(s.kv_usage > 0.0);
+    assert!(core.step(done / 2).is_idle(), "not landed yet");
+    // Landed: the prompt's blocks are cached (all but the last token's), and the last
+    // prompt token runs as a decode that samples the first token.
+    let mut now = done;
+    let landed = step_until_landed(&mut core, &mut now);
+    assert_eq!(
+        (landed.work.prefill_tokens, landed.work.decode_seqs),
+        (0, 1)
+    );
+    assert_eq!(landed.tokens.len(), 1);
+    assert_eq!(landed.tokens[0].cached_tokens, 0);
+    let rest = run(&mut core, now);
+    assert_eq!(rest.tokens[&RequestId(1)].len(), 3);
+    assert!(rest.tokens[&RequestId(1)].last().unwrap().finished);
+    let s = core.stats();
+    assert_eq!(s.prefill_tokens_computed, 0);
+    assert_eq!(
+        (s.kv_transfers_received, s.kv_transfer_tokens_received),
+        (1, 100)
+    );
+    assert_eq!(s.kv_usage, 0.0);
+    // The blocks stored are those a local prefill of the prompt stores.
+    let mut local = EngineCore::new(EngineConfig::default());
+    local.add_request(req(1, p, 1)).unwrap();
+    let computed = run(&mut local, Duration::ZERO);
+    assert_eq!(
+        stored_hashes(&landed.events),
+        stored_hashes(&computed.events)
+    );
+    assert_eq!(stored_hashes(&landed.events).len(), 6);
+    assert_eq!(local.stats().prefill_tokens_computed, 100);
+}
+
+#[test]
+fn local_cache_hits_shorten_a_transfer_and_whole_blocks_are_all_stored() {
+    let mut core = EngineCore::new(EngineConfig::default());
+    let head = prompt(2, 96);
+    core.add_request(req(1, head.clone(), 1)).unwrap();
+    let r = run(&mut core, Duration::ZERO);
+    assert_eq!(stored_hashes(&r.events).len(), 6);
+    // 96 cached tokens + 64 new (4 whole blocks): only the 64 cross the link.
+    let mut p = head;
+    p.extend(prompt(3, 64));
+    core.add_request_from(req(2, p, 2), PromptKv::Transfer)
+        .unwrap();
+    let out = core.step(r.end);
+    assert_eq!(out.started, vec![(RequestId(2), 96)]);
+    assert_eq!(
+        core.next_transfer_done(),
+        Some(r.end + core.config().timing.transfer_time(64))
+    );
+    let mut now = r.end;
+    let landed = step_until_landed(&mut core, &mut now);
+    // Landing stores the 3 new blocks whose tokens are all received; the step that
+    // computes the last prompt token stores the 4th.
+    assert_eq!(stored_hashes(&landed.events).len(), 4);
+    match &landed.events[..] {
+        [CacheEvent::Stored { hashes: a, .. }, CacheEvent::Stored { hashes: b, .. }] => {
+            assert_eq!((a.len(), b.len()), (3, 1));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(landed.tokens[0].cached_tokens, 96);
+    run(&mut core, now);
+    let s = core.stats();
+    assert_eq!(s.kv_transfer_tokens_received, 64);
+    assert_eq!(
+        s.prefill_tokens_computed, 96,
+        "the first request's prompt only"
+    );
+}
+
+#[test]
+fn transfers_hold_their_blocks_until_landed_or_aborted() {
+    // 8 blocks: a 100-token transfer holds 7, so a 20-token prompt (2 blocks) waits.
+    let mut core = EngineCore::new(config(8));
+    core.add_request_from(req(1, prompt(4, 100), 1), PromptKv::Transfer)
+        .unwrap();
+    core.add_request(req(2, prompt(5, 20), 1)).unwrap();
+    let out = core.step(Duration::ZERO);
+    assert!(out.is_idle() && out.started.len() == 1);
+    assert!(core.contains(RequestId(1)) && core.has_work());
+    assert!(
+        core.step(Duration::ZERO).is_idle(),
+        "blocked behind the transfer"
+    );
+    assert!(core.abort(RequestId(1)));
+    assert_eq!(core.next_transfer_done(), None);
+    let r = run(&mut core, Duration::ZERO);
+    assert_eq!(r.tokens[&RequestId(2)].len(), 1);
+    assert_eq!(core.stats().kv_usage, 0.0);
+    assert_eq!(core.stats().kv_transfers_received, 0);
+}
+
+#[test]
+fn received_requests_preempted_for_blocks_recompute_and_lose_nothing() {
+    // As `preemption_when_blocks_run_out_loses_nothing`, with every prompt received.
+    let mut core = EngineCore::new(config(40));
+    for i in 0..8 {
+        core.add_request_from(req(i, prompt(i as u32, 100), 100), PromptKv::Transfer)
+            .unwrap();
+    }
+    let mut now = Duration::ZERO;
+    let mut tokens: HashMap<RequestId, Vec<TokenOutput>> = HashMap::new();
+    let mut guard = 0;
+    while core.has_work() {
+        let out = core.step(now);
+        if out.is_idle() {
+            now = core
+                .next_transfer_done()
+                .expect("idle only while receiving");
+            continue;
+        }
+        now += out.duration;
+        for t in out.tokens {
+            tokens.entry(t.id).or_default().push(t);
+        }
+        guard += 1;
+        assert!(guard < 1_000_000, "the engine does not converge");
+    }
+    let s = core.stats();
+    assert!(
+        s.preemptions > 0,
+        "the cache was too small: someone was preempted"
+    );
+    assert!(s.kv_transfers_received >= 1);
+    assert!(
+        s.prefill_tokens_computed > 0,
+        "the preempted recomputed here"
+    );
+    for i in 0..8 {
+        let toks = &tokens[&RequestId(i)];
+        assert_eq!(toks.len(), 100, "request {i}");
+        assert!(toks.iter().enumerate().all(|(k, t)| t.index == k));
+    }
+    assert_eq!(s.kv_usage, 0.0);
+}

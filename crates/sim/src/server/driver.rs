@@ -2,9 +2,10 @@
 //! it in real time.
 //!
 //! Loop: take new commands; if the engine has work, `step(now)`, wait until the step's
-//! simulated end (see `run` for sub-millisecond steps), then deliver its tokens to the requests' channels and its cache events
-//! to the publisher. A request whose receiver is gone (the client disconnected) is aborted
-//! and its blocks freed.
+//! simulated end (see `run` for sub-millisecond steps), then deliver its tokens to the
+//! requests' channels and its cache events to the publisher. A request whose receiver is
+//! gone (the client disconnected) is aborted and its blocks freed. A step with nothing to
+//! do while KV transfers are in flight waits until the first lands, or a command comes.
 
 use std::collections::HashMap;
 
@@ -13,7 +14,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::metrics::EngineSeries;
-use crate::engine::{AddError, CacheEvent, EngineCore, EngineRequest, RequestId, TokenOutput};
+use crate::engine::{
+    AddError, BlockId, CacheEvent, EngineCore, EngineRequest, PromptKv, RequestId, TokenOutput,
+};
 
 /// Below this, a sleep would overshoot: tokio's timer counts whole milliseconds.
 const TIMER_RESOLUTION: std::time::Duration = std::time::Duration::from_millis(1);
@@ -28,6 +31,8 @@ pub enum Delivery {
         index: usize,
         finished: bool,
         cached_tokens: usize,
+        /// With the last token: the blocks that held the prompt.
+        prompt_blocks: Vec<BlockId>,
     },
     Rejected(AddError),
 }
@@ -36,6 +41,7 @@ pub enum Delivery {
 pub enum Command {
     Add {
         request: EngineRequest,
+        prompt_kv: PromptKv,
         tx: mpsc::UnboundedSender<Delivery>,
     },
     Abort(RequestId),
@@ -89,6 +95,24 @@ impl Driver {
                 clock = now - MAX_LAG;
             }
             let out = self.core.step(clock - start);
+            if out.is_idle() {
+                // Nothing can run until a KV transfer lands.
+                self.publish(out.events);
+                self.series.update(&self.core.stats());
+                let wake = self.core.next_transfer_done().map(|t| start + t);
+                tokio::select! {
+                    _ = sleep_until_some(wake) => {
+                        clock = clock.max(wake.expect("slept until it"));
+                    }
+                    cmd = self.commands.recv() => match cmd {
+                        Some(cmd) => self.handle(cmd, &mut streams),
+                        None => return,
+                    },
+                    _ = shutdown.cancelled() => return,
+                }
+                clock = clock.max(Instant::now());
+                continue;
+            }
             clock += out.duration;
             if clock > Instant::now() + TIMER_RESOLUTION {
                 tokio::select! {
@@ -99,16 +123,25 @@ impl Driver {
                 // Let the server's other tasks (new requests, streams) run.
                 tokio::task::yield_now().await;
             }
-            self.deliver(&out.tokens, &mut streams);
+            // The metrics first: a client that has its answer sees them count it.
+            self.series.update(&self.core.stats());
+            if self.deliver(&out.tokens, &mut streams) {
+                self.series.update(&self.core.stats());
+            }
             let mut events = out.events;
             events.extend(self.core.take_events());
             self.publish(events);
-            self.series.update(&self.core.stats());
         }
     }
 
-    fn deliver(&mut self, tokens: &[TokenOutput], streams: &mut HashMap<RequestId, Stream>) {
+    /// Sends the tokens to their requests; true when one was aborted (its client gone).
+    fn deliver(
+        &mut self,
+        tokens: &[TokenOutput],
+        streams: &mut HashMap<RequestId, Stream>,
+    ) -> bool {
         let now = Instant::now();
+        let mut aborted = false;
         for t in tokens {
             let Some(stream) = streams.get_mut(&t.id) else {
                 continue;
@@ -128,6 +161,7 @@ impl Driver {
                     index: t.index,
                     finished: t.finished,
                     cached_tokens: t.cached_tokens,
+                    prompt_blocks: t.prompt_blocks.clone(),
                 })
                 .is_ok();
             if t.finished {
@@ -135,15 +169,21 @@ impl Driver {
             } else if !delivered {
                 streams.remove(&t.id);
                 self.core.abort(t.id);
+                aborted = true;
             }
         }
+        aborted
     }
 
     fn handle(&mut self, cmd: Command, streams: &mut HashMap<RequestId, Stream>) {
         match cmd {
-            Command::Add { request, tx } => {
+            Command::Add {
+                request,
+                prompt_kv,
+                tx,
+            } => {
                 let id = request.id;
-                match self.core.add_request(request) {
+                match self.core.add_request_from(request, prompt_kv) {
                     Ok(()) => {
                         streams.insert(
                             id,
@@ -178,5 +218,13 @@ impl Driver {
         if let (Some(tx), false) = (&self.events, events.is_empty()) {
             let _ = tx.send(events);
         }
+    }
+}
+
+/// Sleeps until `at`, or forever.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }

@@ -3,6 +3,13 @@
 //! Gauges and counters are read from each engine's stats when scraped (the driver
 //! publishes a copy after every step); the latency histograms are observed by the drivers
 //! as tokens are delivered.
+//!
+//! Beside vLLM's: `kvroute_sim_role_info{role}` (1), `kvroute_sim_prefill_tokens_computed_total`
+//! (tokens whose KV the engine computed), and, for prefill/decode disaggregation,
+//! `kvroute_sim_kv_transfers_total{direction}` with `kvroute_sim_kv_transfer_tokens_total
+//! {direction}`: `sent`, the prefills a prefill engine served for a decode engine and their
+//! prompt tokens; `received`, the transfers that landed on a decode engine and the tokens
+//! they carried (prompts less the decode engine's own cache hits).
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -14,6 +21,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::config::Role;
 use crate::engine::EngineStats;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -28,6 +36,33 @@ pub struct CacheConfigLabels {
     pub engine: String,
     pub block_size: String,
     pub num_gpu_blocks: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransferLabels {
+    pub model_name: String,
+    pub engine: String,
+    pub direction: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoleLabels {
+    pub model_name: String,
+    pub role: &'static str,
+}
+
+/// One rank's count of KV transfers in one direction.
+#[derive(Debug, Clone, Default)]
+pub struct TransferCounters {
+    transfers: Counter,
+    tokens: Counter,
+}
+
+impl TransferCounters {
+    pub fn count(&self, tokens: usize) {
+        self.transfers.inc();
+        self.tokens.inc_by(tokens as u64);
+    }
 }
 
 fn latency_buckets() -> impl Iterator<Item = f64> {
@@ -47,6 +82,10 @@ pub struct EngineSeries {
     queries: Counter,
     hits: Counter,
     preemptions: Counter,
+    prefill_tokens: Counter,
+    received: TransferCounters,
+    /// Prefills served for decode engines (counted by the server, not the engine).
+    pub sent: TransferCounters,
     pub ttft: Histogram,
     pub itl: Histogram,
     /// Seconds the engine fell behind the model's pace and skipped (0 while it keeps up).
@@ -68,6 +107,14 @@ impl EngineSeries {
             .inc_by(stats.prefix_cache_hits - last.prefix_cache_hits);
         self.preemptions
             .inc_by(stats.preemptions - last.preemptions);
+        self.prefill_tokens
+            .inc_by(stats.prefill_tokens_computed - last.prefill_tokens_computed);
+        self.received
+            .transfers
+            .inc_by(stats.kv_transfers_received - last.kv_transfers_received);
+        self.received
+            .tokens
+            .inc_by(stats.kv_transfer_tokens_received - last.kv_transfer_tokens_received);
         *last = stats.clone();
     }
 }
@@ -76,6 +123,7 @@ impl EngineSeries {
 pub fn register(
     registry: &mut Registry,
     model: &str,
+    role: Role,
     ranks: usize,
     block_size: usize,
     num_gpu_blocks: usize,
@@ -88,6 +136,10 @@ pub fn register(
     let preemptions = Family::<EngineLabels, Counter>::default();
     let cache_info = Family::<CacheConfigLabels, Gauge>::default();
     let lag = Family::<EngineLabels, Counter<f64, AtomicU64>>::default();
+    let prefill_tokens = Family::<EngineLabels, Counter>::default();
+    let transfers = Family::<TransferLabels, Counter>::default();
+    let transfer_tokens = Family::<TransferLabels, Counter>::default();
+    let role_info = Family::<RoleLabels, Gauge>::default();
     let ttft = Family::<EngineLabels, Histogram>::new_with_constructor(
         (|| Histogram::new(latency_buckets())) as fn() -> Histogram,
     );
@@ -139,6 +191,32 @@ pub fn register(
         "Time between output tokens",
         itl.clone(),
     );
+    registry.register(
+        "kvroute_sim_role_info",
+        "This engine's part in prefill/decode disaggregation (--role)",
+        role_info.clone(),
+    );
+    registry.register(
+        "kvroute_sim_prefill_tokens_computed",
+        "Tokens whose KV this engine computed (not found in its prefix cache, not received)",
+        prefill_tokens.clone(),
+    );
+    registry.register(
+        "kvroute_sim_kv_transfers",
+        "KV transfers: prefills served for decode engines (sent), prompts' KV received",
+        transfers.clone(),
+    );
+    registry.register(
+        "kvroute_sim_kv_transfer_tokens",
+        "Tokens of KV in those transfers",
+        transfer_tokens.clone(),
+    );
+    role_info
+        .get_or_create(&RoleLabels {
+            model_name: model.to_owned(),
+            role: role.as_str(),
+        })
+        .set(1);
     (0..ranks)
         .map(|rank| {
             let l = EngineLabels {
@@ -163,8 +241,28 @@ pub fn register(
                 ttft: ttft.get_or_create(&l).clone(),
                 itl: itl.get_or_create(&l).clone(),
                 lag_forgiven: lag.get_or_create(&l).clone(),
+                prefill_tokens: prefill_tokens.get_or_create(&l).clone(),
+                received: transfer_counters(&transfers, &transfer_tokens, &l, "received"),
+                sent: transfer_counters(&transfers, &transfer_tokens, &l, "sent"),
                 exported: Arc::new(Mutex::new(EngineStats::default())),
             }
         })
         .collect()
+}
+
+fn transfer_counters(
+    transfers: &Family<TransferLabels, Counter>,
+    tokens: &Family<TransferLabels, Counter>,
+    engine: &EngineLabels,
+    direction: &'static str,
+) -> TransferCounters {
+    let l = TransferLabels {
+        model_name: engine.model_name.clone(),
+        engine: engine.engine.clone(),
+        direction,
+    };
+    TransferCounters {
+        transfers: transfers.get_or_create(&l).clone(),
+        tokens: tokens.get_or_create(&l).clone(),
+    }
 }

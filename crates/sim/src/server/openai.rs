@@ -8,6 +8,8 @@
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::pd::DisaggFields;
+
 pub const DEFAULT_MAX_TOKENS: usize = 16;
 
 #[derive(Debug, Deserialize)]
@@ -21,6 +23,8 @@ pub struct CompletionRequest {
     pub stream: Option<bool>,
     #[serde(default)]
     pub cache_salt: Option<String>,
+    #[serde(flatten)]
+    pub disagg: DisaggFields,
 }
 
 #[derive(Debug, Deserialize)]
@@ -36,6 +40,8 @@ pub struct ChatRequest {
     pub stream: Option<bool>,
     #[serde(default)]
     pub cache_salt: Option<String>,
+    #[serde(flatten)]
+    pub disagg: DisaggFields,
 }
 
 /// Which API a request came through: it decides the shape of every answer.

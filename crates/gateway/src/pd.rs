@@ -1,0 +1,400 @@
+//! Prefill/decode disaggregation: one request, two workers.
+//!
+//! The decode worker is chosen first, by the decode policy over the model's decode workers
+//! (`x-kvroute-worker` pins it); when it already holds all but fewer than
+//! `--pd-min-uncached-tokens` prompt tokens, the request goes to it alone ("decode-only",
+//! llm-d's decider). Otherwise the prefill worker is chosen by the prefill policy over the
+//! prefill workers (`x-kvroute-prefill-worker` pins it) and the two halves go out in the
+//! engines' protocol:
+//!
+//! - vLLM (NIXL): the prompt to the prefill worker with `max_tokens` 1, `stream` false and
+//!   `kv_transfer_params: {"do_remote_decode": true, ...}`; then the original request to the
+//!   decode worker with the `kv_transfer_params` the prefill answered. A failed prefill is the
+//!   client's answer and the decode half is never sent.
+//! - SGLang (bootstrap): `bootstrap_host`, `bootstrap_port` and a random `bootstrap_room`
+//!   added to the body, sent to both at once; the decode answer is the client's, unless the
+//!   prefill fails first.
+//!
+//! Each half holds its own in-flight guard (the prefill half's load is the prompt, the decode
+//! half's the blocks it decodes over), released on every outcome. Halves are not retried.
+
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::HeaderValue;
+use http_body_util::BodyExt;
+use kvroute_core::eligibility::Hints;
+use kvroute_core::{PolicyKind, RequestLoad};
+use kvroute_protocol::RoutingFields;
+
+use crate::config::PdProtocol;
+use crate::error::GatewayError;
+use crate::proxy::{self, Admitted, Forward, InFlight};
+use crate::routing::{self, Choice, Plan};
+use crate::server::AppState;
+use crate::workers::{Half, Pool};
+
+/// Names the prefill worker of a disaggregated request (hint in, header out).
+pub const PREFILL_WORKER_HEADER: http::HeaderName =
+    http::HeaderName::from_static("x-kvroute-prefill-worker");
+
+/// The largest prefill answer read (it is one token).
+const PREFILL_ANSWER_LIMIT: usize = 16 << 20;
+
+/// One disaggregated request.
+pub(crate) struct PdRequest<'a> {
+    pub parts: &'a http::request::Parts,
+    pub body: Bytes,
+    pub fields: &'a RoutingFields<'a>,
+    pub tokens: Vec<u32>,
+    pub hints: &'a Hints,
+    pub request_id: &'a HeaderValue,
+    pub arrived: Instant,
+}
+
+pub(crate) async fn route(
+    state: &AppState,
+    req: PdRequest<'_>,
+    admitted: Admitted,
+) -> Result<Response, GatewayError> {
+    let pd = state
+        .settings
+        .pd
+        .as_ref()
+        .expect("called with disaggregation on");
+    let now = Instant::now();
+    let model = req.fields.model.as_deref();
+    let bs = state.kv.block_size;
+
+    // The decode half first: it decides whether a remote prefill is worth it.
+    let (decode, decode_load, cached) = {
+        let table = state.workers.table();
+        let pool = table.resolve_half(Half::Decode, model)?;
+        let plan = plan_half(state, pool, &req, req.hints, true, now)?;
+        let choice = plan.choice().clone();
+        let replica = choice.worker.ranks[choice.rank].replica;
+        let hashes = kvroute_index::block_hashes(&req.tokens, bs, 0);
+        let (events, approx) = state.kv.overlaps(&hashes, now);
+        let counts = if state.kv.uses_events(&choice.worker) {
+            events.get(replica)
+        } else {
+            approx.get(replica)
+        };
+        let cached = (counts.total() as usize * bs).min(req.tokens.len());
+        let load = plan.request_load(bs);
+        (choice, load, cached)
+    };
+    let uncached = (req.tokens.len() - cached) as u64;
+    if pd.min_uncached_tokens > 0 && uncached < pd.min_uncached_tokens {
+        state.metrics.disagg_decode_only.inc();
+        decode.worker.series.pd_decode.inc();
+        tracing::debug!(worker = %decode.worker.id, uncached, "Decode-only: the decode worker holds the prompt");
+        let response =
+            send_decode(state, &req, &decode, decode_load, req.body.clone(), None).await?;
+        return Ok(finish(response, admitted, None));
+    }
+    state.metrics.disagg_remote.inc();
+
+    let prefill = {
+        let table = state.workers.table();
+        let pool = table.resolve_half(Half::Prefill, model)?;
+        let pin = req
+            .parts
+            .headers
+            .get(&PREFILL_WORKER_HEADER)
+            .map(|v| {
+                v.to_str()
+                    .map(|s| s.trim().to_owned())
+                    .map_err(|_| GatewayError::InvalidHint {
+                        header: "x-kvroute-prefill-worker",
+                        reason: "not visible ASCII".into(),
+                    })
+            })
+            .transpose()?;
+        let hints = Hints {
+            pinned_worker: pin,
+            pinned_rank: None,
+            ..req.hints.clone()
+        };
+        let plan = plan_half(state, pool, &req, &hints, false, now)?;
+        let choice = plan.choice().clone();
+        if plan.policy == PolicyKind::KvAware && !state.kv.uses_events(&choice.worker) {
+            state
+                .kv
+                .record_routed(choice.worker.ranks[choice.rank].replica, &plan.hashes, now);
+        }
+        (choice, plan.request_load(bs))
+    };
+    let (prefill, prefill_load) = prefill;
+    prefill.worker.series.pd_prefill.inc();
+    decode.worker.series.pd_decode.inc();
+    tracing::debug!(prefill = %prefill.worker.id, decode = %decode.worker.id, "Disaggregated");
+    // The decode worker receives the prompt's KV instead of computing it.
+    let decode_load = RequestLoad {
+        prefill_tokens: 0,
+        ..decode_load
+    };
+    let prefill_name = HeaderValue::from_str(prefill.worker.id.as_str()).ok();
+
+    let mut body: serde_json::Value =
+        serde_json::from_slice(&req.body).map_err(GatewayError::InvalidJson)?;
+    let Some(object) = body.as_object_mut() else {
+        return Err(GatewayError::InvalidAdmin(
+            "the request body must be a JSON object".into(),
+        ));
+    };
+    match pd.protocol {
+        PdProtocol::Vllm => {
+            let mut first = object.clone();
+            first.insert("max_tokens".into(), 1.into());
+            if first.contains_key("max_completion_tokens") {
+                first.insert("max_completion_tokens".into(), 1.into());
+            }
+            first.insert("stream".into(), false.into());
+            first.remove("stream_options");
+            first.insert(
+                "kv_transfer_params".into(),
+                serde_json::json!({
+                    "do_remote_decode": true,
+                    "do_remote_prefill": false,
+                    "remote_engine_id": null,
+                    "remote_block_ids": null,
+                    "remote_host": null,
+                    "remote_port": null,
+                }),
+            );
+            let answer = send_prefill(state, &req, &prefill, prefill_load, &first).await?;
+            let params = match answer {
+                Ok(params) => params,
+                // The prefill's own error is the client's answer.
+                Err(response) => return Ok(response),
+            };
+            object.insert("kv_transfer_params".into(), params);
+            let second = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
+            let response = send_decode(
+                state,
+                &req,
+                &decode,
+                decode_load,
+                second,
+                prefill_name.clone(),
+            )
+            .await?;
+            Ok(finish(response, admitted, prefill_name))
+        }
+        PdProtocol::Sglang => {
+            let host = host_of(&prefill.worker.url);
+            object.insert("bootstrap_host".into(), host.into());
+            object.insert(
+                "bootstrap_port".into(),
+                match prefill.worker.bootstrap_port {
+                    Some(p) => p.into(),
+                    None => serde_json::Value::Null,
+                },
+            );
+            object.insert("bootstrap_room".into(), (rand::random::<u64>() >> 1).into());
+            let both = object.clone();
+            // Spawned: the prefill must run to its end even when the decode answers first
+            // (an engine aborts a request whose client went away).
+            let mut prefill_half =
+                tokio::spawn(prefill_task(state, &req, &prefill, prefill_load, &both));
+            let decode_body = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
+            let decode_half = send_decode(
+                state,
+                &req,
+                &decode,
+                decode_load,
+                decode_body,
+                prefill_name.clone(),
+            );
+            tokio::pin!(decode_half);
+            // Whichever ends first; a failed prefill stops the decode half.
+            let response = tokio::select! {
+                prefilled = &mut prefill_half => {
+                    let prefilled = prefilled.map_err(|e| GatewayError::Upstream {
+                        worker: prefill.worker.id.clone(),
+                        source: e.into(),
+                    })?;
+                    match prefilled? {
+                        Ok(_) => decode_half.await?,
+                        Err(response) => return Ok(response),
+                    }
+                }
+                // The prefill half goes on in its task, with its guard.
+                decoded = &mut decode_half => decoded?,
+            };
+            Ok(finish(response, admitted, prefill_name))
+        }
+    }
+}
+
+/// The plan of one half over `pool`.
+fn plan_half(
+    state: &AppState,
+    pool: &Pool,
+    req: &PdRequest<'_>,
+    hints: &Hints,
+    decode: bool,
+    now: Instant,
+) -> Result<Plan, GatewayError> {
+    let busy = state.busy.get(pool.model.as_str());
+    routing::plan(
+        &state.kv,
+        pool,
+        &req.parts.headers,
+        hints,
+        &busy,
+        if decode {
+            state.affinity.as_ref()
+        } else {
+            None
+        },
+        req.fields,
+        req.tokens.clone(),
+        now,
+        false,
+    )
+}
+
+fn host_of(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    match authority.rsplit_once(':') {
+        Some((host, port)) if port.chars().all(|c| c.is_ascii_digit()) => host.to_owned(),
+        _ => authority.to_owned(),
+    }
+}
+
+/// Sends the prefill half and reads its answer: the `kv_transfer_params` it returned (null
+/// when none), or the failed answer to give the client.
+async fn send_prefill(
+    state: &AppState,
+    req: &PdRequest<'_>,
+    prefill: &Choice,
+    load: RequestLoad,
+    body: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Result<serde_json::Value, Response>, GatewayError> {
+    prefill_task(state, req, prefill, load, body).await
+}
+
+/// The prefill half as a task that owns what it needs.
+fn prefill_task(
+    state: &AppState,
+    req: &PdRequest<'_>,
+    prefill: &Choice,
+    load: RequestLoad,
+    body: &serde_json::Map<String, serde_json::Value>,
+) -> impl std::future::Future<Output = Result<Result<serde_json::Value, Response>, GatewayError>>
+       + Send
+       + 'static {
+    let guard = InFlight::new(prefill.worker.clone(), prefill.rank, load, None);
+    let client = state.client.clone();
+    let auth = state.worker_auth.clone();
+    let timeout = state.settings.request_timeout;
+    let method = req.parts.method.clone();
+    let path = req
+        .parts
+        .uri
+        .path_and_query()
+        .map_or(req.parts.uri.path(), |pq| pq.as_str())
+        .to_owned();
+    let headers = req.parts.headers.clone();
+    let request_id = req.request_id.clone();
+    let worker = prefill.worker.id.clone();
+    let body = Bytes::from(serde_json::to_vec(body).expect("a JSON object"));
+    async move {
+        let response = proxy::forward(
+            &client,
+            guard,
+            Forward {
+                method,
+                path_and_query: &path,
+                headers: &headers,
+                body,
+                request_id: &request_id,
+                timeout,
+                auth: &auth,
+            },
+        )
+        .await?;
+        let status = response.status();
+        let (parts, body) = response.into_parts();
+        let bytes = http_body_util::Limited::new(body, PREFILL_ANSWER_LIMIT)
+            .collect()
+            .await
+            .map_err(|e| GatewayError::Upstream {
+                worker: worker.clone(),
+                source: e,
+            })?
+            .to_bytes();
+        if !status.is_success() {
+            tracing::warn!(%worker, %status, "Prefill half failed; decode half not sent");
+            return Ok(Err(
+                http::Response::from_parts(parts, Body::from(bytes)).into_response()
+            ));
+        }
+        let params = serde_json::from_slice::<serde_json::Value>(&bytes)
+            .ok()
+            .and_then(|mut v| v.get_mut("kv_transfer_params").map(serde_json::Value::take))
+            .unwrap_or(serde_json::Value::Null);
+        Ok(Ok(params))
+    }
+}
+
+async fn send_decode(
+    state: &AppState,
+    req: &PdRequest<'_>,
+    decode: &Choice,
+    load: RequestLoad,
+    body: Bytes,
+    _prefill: Option<HeaderValue>,
+) -> Result<http::Response<proxy::TrackedBody>, GatewayError> {
+    let mut guard = InFlight::new(decode.worker.clone(), decode.rank, load, None);
+    if req.fields.stream {
+        guard = guard.with_ttft(req.arrived, state.metrics.ttft_seconds.clone());
+    }
+    decode.worker.series.decisions.inc();
+    decode.worker.series.processed.inc();
+    forward(state, req, guard, body).await
+}
+
+async fn forward(
+    state: &AppState,
+    req: &PdRequest<'_>,
+    guard: InFlight,
+    body: Bytes,
+) -> Result<http::Response<proxy::TrackedBody>, GatewayError> {
+    let path_and_query = req
+        .parts
+        .uri
+        .path_and_query()
+        .map_or(req.parts.uri.path(), |pq| pq.as_str());
+    proxy::forward(
+        &state.client,
+        guard,
+        Forward {
+            method: req.parts.method.clone(),
+            path_and_query,
+            headers: &req.parts.headers,
+            body,
+            request_id: req.request_id,
+            timeout: state.settings.request_timeout,
+            auth: &state.worker_auth,
+        },
+    )
+    .await
+}
+
+fn finish(
+    mut response: http::Response<proxy::TrackedBody>,
+    admitted: Admitted,
+    prefill: Option<HeaderValue>,
+) -> Response {
+    response.body_mut().hold(admitted);
+    if let Some(p) = prefill {
+        response.headers_mut().insert(PREFILL_WORKER_HEADER, p);
+    }
+    response.map(Body::new)
+}

@@ -1,0 +1,97 @@
+//! A sequence's state in the engine, and the block hash of the prefix cache.
+
+use super::blocks::{BlockId, BlockPool};
+use super::{CacheEvent, PromptKv, RequestId};
+
+#[derive(Debug)]
+pub(super) struct Sequence {
+    pub(super) id: RequestId,
+    /// Prompt, then generated tokens.
+    pub(super) tokens: Vec<u32>,
+    pub(super) prompt_len: usize,
+    pub(super) max_tokens: usize,
+    pub(super) salt: u64,
+    /// Tokens whose KV is computed.
+    pub(super) computed: usize,
+    pub(super) blocks: Vec<BlockId>,
+    /// Hashes of the full blocks of `tokens` computed so far (a prefix of them).
+    pub(super) hashes: Vec<u64>,
+    /// Leading blocks already registered in (or taken from) the prefix cache.
+    pub(super) registered: usize,
+    pub(super) cached_tokens: Option<usize>,
+    /// Where the prompt's KV comes from; `Compute` once preempted.
+    pub(super) prompt_kv: PromptKv,
+    /// Its prompt KV arrived by transfer: the last prompt token runs as a decode.
+    pub(super) received: bool,
+}
+
+impl Sequence {
+    pub(super) fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Whether its next token is a decode: one token left to compute, after an output or a
+    /// received prompt.
+    pub(super) fn is_decoding(&self) -> bool {
+        self.tokens.len() - self.computed == 1 && (self.output_len() > 0 || self.received)
+    }
+
+    /// Registers the full blocks computed since the last call in the prefix cache, with one
+    /// `Stored` event per run of newly cached blocks.
+    pub(super) fn cache_computed_blocks(&mut self, pool: &mut BlockPool, block_size: usize) {
+        let bs = block_size;
+        let full = self.computed / bs;
+        if full <= self.registered {
+            return;
+        }
+        self.hash_blocks(full, bs);
+        let mut stored: Option<CacheEvent> = None;
+        for b in self.registered..full {
+            if pool.register(self.blocks[b], self.hashes[b]) {
+                match &mut stored {
+                    Some(CacheEvent::Stored {
+                        hashes, token_ids, ..
+                    }) => {
+                        hashes.push(self.hashes[b]);
+                        token_ids.extend_from_slice(&self.tokens[b * bs..(b + 1) * bs]);
+                    }
+                    _ => {
+                        stored = Some(CacheEvent::Stored {
+                            hashes: vec![self.hashes[b]],
+                            parent: b.checked_sub(1).map(|p| self.hashes[p]),
+                            token_ids: self.tokens[b * bs..(b + 1) * bs].to_vec(),
+                        });
+                    }
+                }
+            } else if let Some(ev) = stored.take() {
+                // A block already cached elsewhere breaks the run of new ones.
+                pool.push_event(ev);
+            }
+        }
+        if let Some(ev) = stored {
+            pool.push_event(ev);
+        }
+        self.registered = full;
+    }
+
+    /// Extends `hashes` to cover the first `full` blocks of `tokens`.
+    pub(super) fn hash_blocks(&mut self, full: usize, block_size: usize) {
+        while self.hashes.len() < full {
+            let i = self.hashes.len();
+            let parent = i.checked_sub(1).map(|p| self.hashes[p]);
+            let chunk = &self.tokens[i * block_size..(i + 1) * block_size];
+            self.hashes.push(block_hash(parent, chunk, self.salt));
+        }
+    }
+}
+
+/// The engine's block hash: XXH3 over the parent hash, the salt and the tokens.
+pub fn block_hash(parent: Option<u64>, tokens: &[u32], salt: u64) -> u64 {
+    let mut buf = Vec::with_capacity(16 + tokens.len() * 4);
+    buf.extend_from_slice(&parent.unwrap_or(0x6b76_726f_7574_6521).to_le_bytes());
+    buf.extend_from_slice(&salt.to_le_bytes());
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    kvroute_protocol::stable_hash(&buf)
+}
