@@ -340,3 +340,47 @@ async fn wait_until_metric(r: &TestRouter, labels: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test]
+async fn a_worker_added_at_run_time_is_indexed_and_forgotten_when_removed() {
+    let (_a, _b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
+    let (c, ec) = sim(3).await;
+    let add = json!({"id": "c", "url": c.url(), "kv_events": ec}).to_string();
+    let reply = post(&r.url, "/workers", &[], &add).await;
+    assert_eq!(reply.status, 201, "{:?}", reply.body);
+    let gw = r.gateway.clone();
+    wait_until("c healthy", || {
+        gw.workers()
+            .statuses()
+            .iter()
+            .any(|w| w.id == "c" && w.healthy)
+    })
+    .await;
+    // Its events reach the index.
+    joined(&r, "c").await;
+    let prompt = text(800, 77);
+    on(&r, "c", &prompt).await;
+    wait_credit(&r, &prompt, "c", |o| o > 0).await;
+    let blocks = |m: &str| metric_value(m, "kvroute_kv_index_blocks", "").unwrap();
+    let before = blocks(&r.metrics().await);
+    let reply = send(&r.url, http::Method::DELETE, "/workers/c", &[], "").await;
+    assert_eq!(reply.status, 200);
+    // Gone from the candidates, and its blocks from the index.
+    let d = post(
+        &r.url,
+        "/debug/route",
+        &[],
+        &json!({"prompt": prompt}).to_string(),
+    )
+    .await
+    .json();
+    assert!(d["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|w| w["worker"] != "c"));
+    let after = blocks(&r.metrics().await);
+    assert!(after + 50.0 <= before, "index blocks {before} -> {after}");
+    assert_nothing_in_flight(&r).await;
+    r.stop().await;
+}
