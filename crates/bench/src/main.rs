@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::plot::{self, Series};
-use kvroute_bench::simulate::{simulate, SimConfig};
+use kvroute_bench::simulate::{simulate, Cluster, PdCluster, SimConfig};
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::{KvAwareConfig, PolicyConfig, PolicyKind};
-use kvroute_sim::engine::EngineConfig;
+use kvroute_sim::engine::{EngineConfig, TimingModel};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -81,6 +81,71 @@ impl KvAwareArgs {
             )?,
             temperature: weight("router-temperature", self.router_temperature, d.temperature)?,
             ..d
+        })
+    }
+}
+
+/// A prefill/decode cluster instead of `--workers`, with the gateway's flags and defaults.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Prefill/decode disaggregation")]
+struct PdArgs {
+    /// Prefill engines: with --decode-workers, a disaggregated cluster.
+    #[arg(long, value_name = "P", requires = "decode_workers", conflicts_with_all = ["workers", "policies"])]
+    prefill_workers: Option<usize>,
+    /// Decode engines.
+    #[arg(long, value_name = "D", requires = "prefill_workers")]
+    decode_workers: Option<usize>,
+    /// The prefill half's policy [default: kv_aware].
+    #[arg(long, requires = "prefill_workers")]
+    prefill_policy: Option<PolicyKind>,
+    /// The decode half's policy [default: kv_aware scoring load only (overlap credit 0)].
+    #[arg(long, requires = "prefill_workers")]
+    decode_policy: Option<PolicyKind>,
+    /// Decode-only (no remote prefill) when the decode engine holds all but fewer than N
+    /// prompt tokens; 0 always disaggregates.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        requires = "prefill_workers"
+    )]
+    pd_min_uncached_tokens: u64,
+    /// Bytes of KV per token, for the transfer time (Llama-3-8B fp16).
+    #[arg(long, default_value_t = TimingModel::default().kv_bytes_per_token)]
+    kv_bytes_per_token: u64,
+    /// The KV transfer link between prefill and decode engines, in Gb/s.
+    #[arg(long, default_value_t = TimingModel::default().kv_transfer_gbps)]
+    kv_transfer_gbps: f64,
+}
+
+impl PdArgs {
+    /// The disaggregated cluster asked for, if any; `base` is the kv_aware weights given.
+    fn cluster(&self, base: &PolicyConfig) -> anyhow::Result<Option<PdCluster>> {
+        let (Some(p), Some(d)) = (self.prefill_workers, self.decode_workers) else {
+            return Ok(None);
+        };
+        if p == 0 || d == 0 {
+            anyhow::bail!("--prefill-workers and --decode-workers must be at least 1");
+        }
+        let mut pd = PdCluster::new(p, d, base);
+        pd.prefill_policy = self.prefill_policy.unwrap_or(PolicyKind::KvAware);
+        if let Some(policy) = self.decode_policy {
+            // As the gateway: a named decode policy keeps the given weights.
+            pd.decode_policy = policy;
+            pd.decode_config = base.clone();
+        }
+        pd.min_uncached_tokens = self.pd_min_uncached_tokens;
+        Ok(Some(pd))
+    }
+
+    fn timing(&self) -> anyhow::Result<TimingModel> {
+        if !(self.kv_transfer_gbps.is_finite() && self.kv_transfer_gbps > 0.0) {
+            anyhow::bail!("--kv-transfer-gbps must be a positive number");
+        }
+        Ok(TimingModel {
+            kv_bytes_per_token: self.kv_bytes_per_token,
+            kv_transfer_gbps: self.kv_transfer_gbps,
+            ..TimingModel::default()
         })
     }
 }
@@ -213,6 +278,8 @@ enum Command {
         workload: Workload,
         #[command(flatten)]
         kv_aware: KvAwareArgs,
+        #[command(flatten)]
+        pd: PdArgs,
     },
 }
 
@@ -276,20 +343,40 @@ fn main() -> anyhow::Result<()> {
             json,
             plot,
             kv_aware,
+            pd,
         } => {
             let policy_config = PolicyConfig {
                 kv_aware: kv_aware.config()?,
                 ..PolicyConfig::default()
             };
+            let pd_cluster = pd.cluster(&policy_config)?;
+            let timing = pd.timing()?;
             let (name, requests) = workload.load("simulate")?;
             let (hash_block_size, seed) = (workload.hash_block_size, workload.seed);
-            let kinds: Vec<PolicyKind> = policies
-                .split(',')
-                .map(|p| p.trim().parse::<PolicyKind>())
-                .collect::<Result<_, _>>()?;
+            let clusters: Vec<Cluster> = match &pd_cluster {
+                Some(c) => vec![Cluster::Disaggregated(c.clone())],
+                None => policies
+                    .split(',')
+                    .map(|p| p.trim().parse::<PolicyKind>())
+                    .map(|k| {
+                        k.map(|policy| Cluster::Aggregated {
+                            workers,
+                            policy,
+                            policy_config: policy_config.clone(),
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+            };
+            let shape = match &pd_cluster {
+                Some(c) => format!(
+                    "{} prefill + {} decode workers",
+                    c.prefill_workers, c.decode_workers
+                ),
+                None => format!("{workers} workers"),
+            };
             let bound = trace::hit_bound(&requests, hash_block_size);
             println!(
-                "{name}; {workers} workers x {num_gpu_blocks} blocks of {block_size}, rate x{rate_scale}; unbounded-cache hit bound {:.1}%",
+                "{name}; {shape} x {num_gpu_blocks} blocks of {block_size}, rate x{rate_scale}; unbounded-cache hit bound {:.1}%",
                 bound * 100.0
             );
             println!(
@@ -303,21 +390,20 @@ fn main() -> anyhow::Result<()> {
                 "preempt"
             );
             let mut results = Vec::new();
-            for kind in kinds {
+            for cluster in clusters {
                 let started = std::time::Instant::now();
                 let r = simulate(
                     &requests,
                     &SimConfig {
-                        workers,
+                        cluster,
                         engine: EngineConfig {
                             num_gpu_blocks,
                             block_size,
                             max_num_seqs,
                             max_num_batched_tokens,
+                            timing: timing.clone(),
                             ..EngineConfig::default()
                         },
-                        policy: kind,
-                        policy_config: policy_config.clone(),
                         hash_block: hash_block_size,
                         vocab: 32000,
                         rate_scale,
@@ -336,12 +422,26 @@ fn main() -> anyhow::Result<()> {
                     started.elapsed().as_secs_f64(),
                     r.requests_per_worker
                 );
+                if let Some(pd) = &r.pd {
+                    println!(
+                        "{:<16} decode-only {} / split {} ({:.1}% decode-only); per prefill worker {:?}; per decode worker {:?}; {} KV tokens transferred",
+                        "",
+                        pd.decode_only,
+                        pd.split,
+                        pd.decode_only as f64 * 100.0 / (pd.decode_only + pd.split).max(1) as f64,
+                        pd.prefill_requests_per_worker,
+                        pd.decode_requests_per_worker,
+                        pd.kv_transfer_tokens
+                    );
+                }
                 results.push(r);
             }
             if let Some(out) = json {
                 let doc = serde_json::json!({
                     "trace": name,
-                    "workers": workers,
+                    "workers": pd_cluster
+                        .as_ref()
+                        .map_or(workers, |c| c.prefill_workers + c.decode_workers),
                     "hit_bound": bound,
                     "policies": results,
                 });
@@ -350,7 +450,7 @@ fn main() -> anyhow::Result<()> {
             }
             if let Some(out) = plot {
                 let subtitle = format!(
-                    "virtual time, {workers} simulated workers x {num_gpu_blocks} blocks of {block_size} tokens, rate x{rate_scale}"
+                    "virtual time, {shape} (simulated) x {num_gpu_blocks} blocks of {block_size} tokens, rate x{rate_scale}"
                 );
                 let series: Vec<Series<'_>> = results
                     .iter()
@@ -400,6 +500,50 @@ mod tests {
             assert!(parse(&format!("b {command} --trace t")).is_ok());
             assert!(parse(&format!("b {command} --synthetic shared-prefix --groups 3")).is_ok());
         }
+    }
+
+    #[test]
+    fn simulate_takes_a_prefill_decode_cluster() {
+        assert_eq!(
+            parse("b simulate --trace t --prefill-workers 2").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
+        assert_eq!(
+            parse("b simulate --trace t --pd-min-uncached-tokens 5").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
+        assert_eq!(
+            parse("b simulate --trace t --prefill-workers 2 --decode-workers 2 --workers 4").err(),
+            Some(ErrorKind::ArgumentConflict)
+        );
+        let cli = Cli::try_parse_from(
+            "b simulate --trace t --prefill-workers 3 --decode-workers 2 --pd-min-uncached-tokens 512 --router-kv-overlap-score-credit 2"
+                .split_whitespace(),
+        )
+        .unwrap();
+        let Command::Simulate { kv_aware, pd, .. } = cli.command else {
+            panic!("not simulate");
+        };
+        let base = PolicyConfig {
+            kv_aware: kv_aware.config().unwrap(),
+            ..PolicyConfig::default()
+        };
+        let c = pd.cluster(&base).unwrap().expect("disaggregated");
+        assert_eq!((c.prefill_workers, c.decode_workers), (3, 2));
+        assert_eq!(c.min_uncached_tokens, 512);
+        // The gateway's defaults: the decode half scores load only unless named.
+        assert_eq!(
+            (c.prefill_policy, c.decode_policy),
+            (PolicyKind::KvAware, PolicyKind::KvAware)
+        );
+        assert_eq!(c.prefill_config.kv_aware.overlap_score_credit, 2.0);
+        assert_eq!(c.decode_config.kv_aware.overlap_score_credit, 0.0);
+        let named = PdArgs {
+            decode_policy: Some(PolicyKind::KvAware),
+            ..pd
+        };
+        let c = named.cluster(&base).unwrap().expect("disaggregated");
+        assert_eq!(c.decode_config.kv_aware.overlap_score_credit, 2.0);
     }
 
     #[test]

@@ -22,8 +22,9 @@ const HEIGHT: u32 = 600;
 
 const GREY: RGBColor = RGBColor(90, 90, 90);
 
-/// Okabe and Ito's colour-blind safe palette (yellow last: faint on white).
-const PALETTE: [RGBColor; 8] = [
+/// Okabe and Ito's colour-blind safe palette (yellow last: faint on white), then grey and
+/// wine, so that every policy kvroute has gets a colour of its own.
+const PALETTE: [RGBColor; 10] = [
     RGBColor(0, 114, 178),
     RGBColor(213, 94, 0),
     RGBColor(0, 158, 115),
@@ -32,6 +33,8 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(86, 180, 233),
     RGBColor(0, 0, 0),
     RGBColor(240, 228, 66),
+    RGBColor(140, 140, 140),
+    RGBColor(136, 34, 85),
 ];
 
 /// One line of the figure.

@@ -1,45 +1,114 @@
 //! Virtual-time cluster simulation: a trace through the real routing core (any policy) and N
 //! copies of kvroute-sim's engine core, in one process, deterministic for a seed.
 //!
-//! Events are request arrivals (at their trace times, scaled) and engine step ends. At an
-//! arrival the request is tokenised (trace hash ids -> token blocks), hashed into the
-//! router's blocks, scored by the policy over every engine (KV overlap from an index fed by
-//! the engines' own cache events, the router's load accounting, the engines' stats as their
-//! `/metrics` would show them) and queued on the chosen engine. An idle engine with work
-//! starts a step; its outputs (tokens, cache events) take effect when the step ends.
+//! Events are request arrivals (at their trace times, scaled), engine step ends and KV
+//! transfers landing. At an arrival the request is tokenised (trace hash ids -> token blocks),
+//! hashed into the router's blocks, scored by the policy over the engines (KV overlap from an
+//! index fed by the engines' own cache events, the router's load accounting, the engines'
+//! stats as their `/metrics` would show them) and queued on the chosen engine. An idle engine
+//! with work starts a step; its outputs (tokens, cache events) take effect when the step ends.
+//!
+//! **Prefill/decode disaggregation** ([`Cluster::Disaggregated`]) follows the gateway's flow
+//! (see the `route` module): a request is either decode-only (its decode engine computes the
+//! prompt) or split: a prefill (`max_tokens` 1) on a prefill engine, and when its token
+//! appears, the request on the decode engine with [`PromptKv::Transfer`]. The prefill half's
+//! load is counted from the arrival to the prefill's end; the decode half's from the prefill's
+//! end to the answer's. A split request's TTFT is what its client sees: from the arrival to
+//! the decode engine's first token (prefill, transfer, first decode step); its cache hits are
+//! the prefill engine's (the decode engine's only shorten the transfer).
+
+mod route;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvroute_core::{
-    build_policy, Candidate, EngineLoad, KvTerms, Overlap, PolicyConfig, PolicyKind, RankLoad,
-    RequestLoad, RouteRequest,
-};
+use kvroute_core::{PolicyConfig, PolicyKind, RequestLoad};
 use kvroute_index::{
     block_hashes, EngineHash, KvIndex, KvIndexer, ReplicaId, StorageTier, StoredBlocks,
 };
-use kvroute_protocol::WorkerId;
 use kvroute_sim::engine::{
-    CacheEvent, EngineConfig, EngineCore, EngineRequest, RequestId, StepOutput,
+    CacheEvent, EngineConfig, EngineCore, EngineRequest, PromptKv, RequestId, StepOutput,
 };
 use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::trace::{prompt_tokens, TraceRequest};
+use route::{Arrival, Placement, Router};
 
 /// What a simulation runs.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
-    pub workers: usize,
+    pub cluster: Cluster,
+    /// Every engine's configuration (prefill and decode engines alike).
     pub engine: EngineConfig,
-    pub policy: PolicyKind,
-    pub policy_config: PolicyConfig,
     /// Tokens per trace hash id.
     pub hash_block: usize,
     pub vocab: u32,
     /// Divides inter-arrival times (2 = twice the trace's rate).
     pub rate_scale: f64,
     pub seed: u64,
+}
+
+/// The engines and how requests are routed over them.
+#[derive(Debug, Clone)]
+pub enum Cluster {
+    /// `workers` engines that each prefill and decode, under one policy.
+    Aggregated {
+        workers: usize,
+        policy: PolicyKind,
+        policy_config: PolicyConfig,
+    },
+    /// Prefill engines and decode engines (see the module docs).
+    Disaggregated(PdCluster),
+}
+
+/// A prefill/decode cluster, with the gateway's knobs.
+#[derive(Debug, Clone)]
+pub struct PdCluster {
+    pub prefill_workers: usize,
+    pub decode_workers: usize,
+    pub prefill_policy: PolicyKind,
+    pub prefill_config: PolicyConfig,
+    pub decode_policy: PolicyKind,
+    pub decode_config: PolicyConfig,
+    /// Decode-only below this many prompt tokens uncached on the decode engine (0: always
+    /// split).
+    pub min_uncached_tokens: u64,
+}
+
+impl PdCluster {
+    /// The gateway's defaults: kv_aware on both halves, the decode half scoring load only
+    /// (overlap credit 0), always split; `base` is the kv_aware weights given.
+    pub fn new(prefill_workers: usize, decode_workers: usize, base: &PolicyConfig) -> Self {
+        let mut decode_config = base.clone();
+        decode_config.kv_aware.overlap_score_credit = 0.0;
+        Self {
+            prefill_workers,
+            decode_workers,
+            prefill_policy: PolicyKind::KvAware,
+            prefill_config: base.clone(),
+            decode_policy: PolicyKind::KvAware,
+            decode_config,
+            min_uncached_tokens: 0,
+        }
+    }
+}
+
+impl Cluster {
+    /// The name of a run, for tables and plots: the policy, or `pd:<prefill>/<decode>` with
+    /// the decode-only threshold when set.
+    pub fn name(&self) -> String {
+        match self {
+            Cluster::Aggregated { policy, .. } => policy.name().to_owned(),
+            Cluster::Disaggregated(pd) => {
+                let mut s = format!("pd:{}/{}", pd.prefill_policy, pd.decode_policy);
+                if pd.min_uncached_tokens > 0 {
+                    s.push_str(&format!(",min{}", pd.min_uncached_tokens));
+                }
+                s
+            }
+        }
+    }
 }
 
 /// p50, p90, p99 in milliseconds.
@@ -81,17 +150,55 @@ pub struct PolicyResult {
     pub e2e_ms: Percentiles,
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
-    /// Prompt tokens served from the engines' prefix caches over all prompt tokens.
+    /// Prompt tokens served from the prefix caches of the engines that computed the prompts,
+    /// over all prompt tokens.
     pub hit_share: f64,
+    /// Requests answered by each engine (disaggregated: each decode engine).
     pub requests_per_worker: Vec<usize>,
     pub preemptions: u64,
+    /// A disaggregated cluster's figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd: Option<PdResult>,
 }
 
+/// What each half of a disaggregated cluster did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PdResult {
+    pub prefill_policy: String,
+    pub decode_policy: String,
+    pub min_uncached_tokens: u64,
+    /// Prefills (split requests) per prefill engine.
+    pub prefill_requests_per_worker: Vec<usize>,
+    /// Requests per decode engine, split or decode-only.
+    pub decode_requests_per_worker: Vec<usize>,
+    /// Requests whose decode engine computed the prompt itself.
+    pub decode_only: usize,
+    /// Requests prefilled on a prefill engine and decoded after a KV transfer.
+    pub split: usize,
+    /// Tokens of KV the decode engines received.
+    pub kv_transfer_tokens: u64,
+}
+
+/// A request on an engine.
 struct Live {
-    engine: usize,
     arrival: Duration,
-    first: Option<Duration>,
     load: RequestLoad,
+    role: Role,
+}
+
+enum Role {
+    /// Its tokens are the client's; `computes_prompt` says whether its engine's cache hits
+    /// count (not when the prompt's KV was received).
+    Answer {
+        answered: bool,
+        computes_prompt: bool,
+    },
+    /// A split request's prefill: when it ends the request goes to `decode`.
+    Prefill {
+        decode: usize,
+        decode_load: RequestLoad,
+        request: EngineRequest,
+    },
 }
 
 /// Characters standing for tokens, for the text-keyed policies (cache_aware, prefix_hash).
@@ -132,10 +239,41 @@ fn apply_events(index: &mut KvIndex, replica: ReplicaId, events: &[CacheEvent], 
     }
 }
 
+/// Running totals.
+#[derive(Default)]
+struct Tally {
+    ttft: Vec<f64>,
+    e2e: Vec<f64>,
+    prompt: u64,
+    cached: u64,
+    output: u64,
+    rejected: usize,
+    /// Requests answered per engine (all engines; the decode ones are reported).
+    answered_by: Vec<usize>,
+    prefills_on: Vec<usize>,
+    tokens_by: Vec<u64>,
+    decode_only: usize,
+    split: usize,
+}
+
 /// Runs `trace` through a cluster (see the module docs).
 pub fn simulate(trace: &[TraceRequest], cfg: &SimConfig) -> PolicyResult {
-    let n = cfg.workers.max(1);
+    run(trace, cfg).result
+}
+
+/// A finished run, with its engines (the tests read them).
+#[cfg_attr(not(test), allow(dead_code))]
+struct Run {
+    result: PolicyResult,
+    engines: Vec<EngineCore>,
+    /// Tokens each engine produced (a prefill's one included).
+    tokens_by: Vec<u64>,
+}
+
+fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Run {
     let bs = cfg.engine.block_size;
+    let mut router = Router::new(&cfg.cluster, bs, cfg.engine.num_gpu_blocks);
+    let n = router.engines();
     let mut engines: Vec<EngineCore> = (0..n)
         .map(|i| {
             EngineCore::new(EngineConfig {
@@ -145,17 +283,17 @@ pub fn simulate(trace: &[TraceRequest], cfg: &SimConfig) -> PolicyResult {
         })
         .collect();
     let mut pending: Vec<Option<(Duration, StepOutput)>> = (0..n).map(|_| None).collect();
-    let ids: Vec<WorkerId> = (0..n).map(|i| WorkerId::new(format!("w{i}"))).collect();
-    let mut loads: Vec<RankLoad> = vec![RankLoad::default(); n];
     let mut index = KvIndex::new(bs);
-    let policy = build_policy(cfg.policy, &cfg.policy_config);
     let mut rng = rand::rngs::SmallRng::seed_from_u64(cfg.seed);
     let base = Instant::now();
-    let mut live: HashMap<RequestId, Live> = HashMap::new();
-    let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
-    let (mut prompt_total, mut cached_total, mut output_total) = (0u64, 0u64, 0u64);
-    let mut per_worker = vec![0usize; n];
-    let mut rejected = 0;
+    // Keyed by engine: a split request has the same id on both of its engines.
+    let mut live: HashMap<(usize, RequestId), Live> = HashMap::new();
+    let mut tally = Tally {
+        answered_by: vec![0; n],
+        prefills_on: vec![0; n],
+        tokens_by: vec![0; n],
+        ..Tally::default()
+    };
     let mut next = 0usize;
     let mut now = Duration::ZERO;
     let arrival_of =
@@ -164,32 +302,89 @@ pub fn simulate(trace: &[TraceRequest], cfg: &SimConfig) -> PolicyResult {
     loop {
         let t_arrival = trace.get(next).map(arrival_of);
         let t_engine = pending.iter().flatten().map(|(end, _)| *end).min();
-        now = match (t_arrival, t_engine) {
-            (None, None) => break,
-            (Some(a), Some(e)) => a.min(e),
-            (Some(a), None) => a,
-            (None, Some(e)) => e,
+        // An idle engine waiting only for KV wakes when the first transfer lands.
+        let t_transfer = engines
+            .iter()
+            .zip(&pending)
+            .filter(|(_, slot)| slot.is_none())
+            .filter_map(|(e, _)| e.next_transfer_done())
+            .min();
+        now = match [t_arrival, t_engine, t_transfer]
+            .into_iter()
+            .flatten()
+            .min()
+        {
+            Some(t) => t,
+            None => break,
         };
         // Steps ending now take effect first.
         for (e, slot) in pending.iter_mut().enumerate() {
-            if slot.as_ref().is_some_and(|(end, _)| *end <= now) {
-                let (end, out) = slot.take().expect("checked");
-                apply_events(&mut index, ReplicaId(e as u32), &out.events, bs);
-                for t in &out.tokens {
-                    let Some(l) = live.get_mut(&t.id) else {
-                        continue;
-                    };
-                    if l.first.is_none() {
-                        l.first = Some(end);
-                        ttft.push((end - l.arrival).as_secs_f64() * 1e3);
-                        cached_total += t.cached_tokens as u64;
-                        loads[l.engine].first_token(&l.load);
+            if slot.as_ref().is_none_or(|(end, _)| *end > now) {
+                continue;
+            }
+            let (end, out) = slot.take().expect("checked");
+            apply_events(&mut index, ReplicaId(e as u32), &out.events, bs);
+            tally.tokens_by[e] += out.tokens.len() as u64;
+            for t in &out.tokens {
+                let key = (e, t.id);
+                let Some(l) = live.get_mut(&key) else {
+                    continue;
+                };
+                match &mut l.role {
+                    Role::Answer {
+                        answered,
+                        computes_prompt,
+                    } => {
+                        if !*answered {
+                            *answered = true;
+                            tally.ttft.push((end - l.arrival).as_secs_f64() * 1e3);
+                            if *computes_prompt {
+                                tally.cached += t.cached_tokens as u64;
+                            }
+                            router.loads[e].first_token(&l.load);
+                        }
+                        tally.output += 1;
+                        if t.finished {
+                            let l = live.remove(&key).expect("live");
+                            tally.e2e.push((end - l.arrival).as_secs_f64() * 1e3);
+                            router.loads[e].finish(&l.load, false);
+                        }
                     }
-                    output_total += 1;
-                    if t.finished {
-                        let l = live.remove(&t.id).expect("live");
-                        e2e.push((end - l.arrival).as_secs_f64() * 1e3);
-                        loads[l.engine].finish(&l.load, false);
+                    Role::Prefill { .. } => {
+                        // One token: the prefill is done; the decode half goes out.
+                        tally.cached += t.cached_tokens as u64;
+                        let l = live.remove(&key).expect("live");
+                        router.loads[e].first_token(&l.load);
+                        router.loads[e].finish(&l.load, false);
+                        let Role::Prefill {
+                            decode,
+                            decode_load,
+                            request,
+                        } = l.role
+                        else {
+                            unreachable!("matched above");
+                        };
+                        let id = request.id;
+                        if engines[decode]
+                            .add_request_from(request, PromptKv::Transfer)
+                            .is_err()
+                        {
+                            tally.rejected += 1;
+                            continue;
+                        }
+                        router.loads[decode].start(&decode_load);
+                        tally.answered_by[decode] += 1;
+                        live.insert(
+                            (decode, id),
+                            Live {
+                                arrival: l.arrival,
+                                load: decode_load,
+                                role: Role::Answer {
+                                    answered: false,
+                                    computes_prompt: false,
+                                },
+                            },
+                        );
                     }
                 }
             }
@@ -200,196 +395,139 @@ pub fn simulate(trace: &[TraceRequest], cfg: &SimConfig) -> PolicyResult {
             next += 1;
             let tokens = prompt_tokens(r, cfg.hash_block, cfg.vocab);
             let hashes = block_hashes(&tokens, bs, 0);
-            let scores = if cfg.policy == PolicyKind::KvAware {
+            let scores = if router.needs_overlaps() {
                 index.find_matches(&hashes)
             } else {
                 Default::default()
             };
-            let text = if matches!(
-                cfg.policy,
-                PolicyKind::CacheAware
-                    | PolicyKind::PrefixHash
-                    | PolicyKind::ConsistentHash
-                    | PolicyKind::RendezvousHash
-            ) {
+            let text = if router.needs_text() {
                 text_of(&tokens)
             } else {
                 String::new()
             };
-            let request_load = RequestLoad {
-                prefill_tokens: 0,
-                blocks: hashes.iter().map(|h| h.0).collect(),
-                own_blocks: u64::from(!tokens.len().is_multiple_of(bs)),
-            };
-            let cap = ((tokens.len().saturating_sub(1)) / bs) as u32;
-            let candidates: Vec<Candidate<'_>> = (0..n)
-                .map(|e| {
-                    let s = engines[e].stats();
-                    let device = scores.get(ReplicaId(e as u32)).device.min(cap);
-                    Candidate {
-                        worker: &ids[e],
-                        dp_rank: None,
-                        in_flight: loads[e].active_requests(),
-                        kv: KvTerms {
-                            overlap: Overlap {
-                                device,
-                                ..Overlap::default()
-                            },
-                            prefill_tokens: loads[e].prefill_tokens(),
-                            decode_blocks: loads[e].decode_blocks(),
-                            new_blocks: loads[e].new_blocks(&request_load),
-                            active_requests: loads[e].active_requests(),
-                            preferred_taint_weight: 0.0,
-                        },
-                        engine: EngineLoad {
-                            waiting: Some(s.waiting as f64),
-                            running: Some(s.running as f64),
-                            kv_usage: Some(s.kv_usage),
-                            num_gpu_blocks: Some(cfg.engine.num_gpu_blocks as u64),
-                        },
-                    }
-                })
-                .collect();
-            let request = RouteRequest {
-                session_key: None,
-                text: &text,
-                prompt_tokens: tokens.len(),
-                tokens: &tokens,
-                block_size: bs,
-                has_preferred_taints: false,
-                dry_run: false,
-                now: base + now,
-            };
-            let chosen = policy
-                .select(&candidates, &request, &mut rng)
-                .map_or(0, |d| d.index);
-            let device = candidates[chosen].kv.overlap.device as usize;
-            drop(candidates);
-            let load = RequestLoad {
-                prefill_tokens: tokens.len().saturating_sub(device * bs) as u64,
-                ..request_load
-            };
-            prompt_total += tokens.len() as u64;
-            let added = engines[chosen].add_request(EngineRequest {
+            let placement = router.place(
+                &Arrival {
+                    tokens: &tokens,
+                    hashes: &hashes,
+                    text: &text,
+                    now: base + now,
+                },
+                &scores,
+                &engines,
+                &mut rng,
+            );
+            tally.prompt += tokens.len() as u64;
+            let request = EngineRequest {
                 id,
                 prompt: tokens,
                 max_tokens: r.output_length.max(1),
                 salt: 0,
-            });
-            if added.is_err() {
-                rejected += 1;
-                continue;
-            }
-            loads[chosen].start(&load);
-            per_worker[chosen] += 1;
+            };
+            let (engine, load, role) = match placement {
+                Placement::Whole { engine, load } => {
+                    let role = Role::Answer {
+                        answered: false,
+                        computes_prompt: true,
+                    };
+                    if engines[engine].add_request(request).is_err() {
+                        tally.rejected += 1;
+                        continue;
+                    }
+                    tally.answered_by[engine] += 1;
+                    if router.halves().is_some() {
+                        tally.decode_only += 1;
+                    }
+                    (engine, load, role)
+                }
+                Placement::Split {
+                    prefill,
+                    prefill_load,
+                    decode,
+                    decode_load,
+                } => {
+                    let prefill_request = EngineRequest {
+                        max_tokens: 1,
+                        ..request.clone()
+                    };
+                    if engines[prefill].add_request(prefill_request).is_err() {
+                        tally.rejected += 1;
+                        continue;
+                    }
+                    tally.prefills_on[prefill] += 1;
+                    tally.split += 1;
+                    let role = Role::Prefill {
+                        decode,
+                        decode_load,
+                        request,
+                    };
+                    (prefill, prefill_load, role)
+                }
+            };
+            router.loads[engine].start(&load);
             live.insert(
-                id,
+                (engine, id),
                 Live {
-                    engine: chosen,
                     arrival: now,
-                    first: None,
                     load,
+                    role,
                 },
             );
         }
-        // Idle engines with work start a step.
-        for (slot, engine) in pending.iter_mut().zip(engines.iter_mut()) {
+        // Idle engines with work start a step; one that only admits or lands KV computes
+        // nothing, and its cache events take effect at once.
+        for (e, (slot, engine)) in pending.iter_mut().zip(engines.iter_mut()).enumerate() {
             if slot.is_none() && engine.has_work() {
                 let out = engine.step(now);
-                if !out.is_idle() {
+                if out.is_idle() {
+                    apply_events(&mut index, ReplicaId(e as u32), &out.events, bs);
+                } else {
                     *slot = Some((now + out.duration, out));
                 }
             }
         }
     }
     let makespan = now.as_secs_f64().max(1e-9);
-    let ttft_ms = percentiles(&mut ttft);
-    PolicyResult {
-        policy: cfg.policy.name().to_owned(),
-        requests: per_worker.iter().sum(),
-        rejected,
+    let ttft_ms = percentiles(&mut tally.ttft);
+    let pd = match (&cfg.cluster, router.halves()) {
+        (Cluster::Disaggregated(c), Some((prefill, decode))) => Some(PdResult {
+            prefill_policy: c.prefill_policy.name().to_owned(),
+            decode_policy: c.decode_policy.name().to_owned(),
+            min_uncached_tokens: c.min_uncached_tokens,
+            prefill_requests_per_worker: tally.prefills_on[prefill].to_vec(),
+            decode_requests_per_worker: tally.answered_by[decode.clone()].to_vec(),
+            decode_only: tally.decode_only,
+            split: tally.split,
+            kv_transfer_tokens: engines[decode]
+                .iter()
+                .map(|e| e.stats().kv_transfer_tokens_received)
+                .sum(),
+        }),
+        _ => None,
+    };
+    let requests_per_worker = match &pd {
+        Some(pd) => pd.decode_requests_per_worker.clone(),
+        None => tally.answered_by,
+    };
+    let result = PolicyResult {
+        policy: cfg.cluster.name(),
+        requests: requests_per_worker.iter().sum(),
+        rejected: tally.rejected,
         ttft_ms,
-        ttft_sorted_ms: ttft,
-        e2e_ms: percentiles(&mut e2e),
-        throughput_rps: e2e.len() as f64 / makespan,
-        output_tokens_per_s: output_total as f64 / makespan,
-        hit_share: cached_total as f64 / prompt_total.max(1) as f64,
-        requests_per_worker: per_worker,
+        ttft_sorted_ms: tally.ttft,
+        e2e_ms: percentiles(&mut tally.e2e),
+        throughput_rps: tally.e2e.len() as f64 / makespan,
+        output_tokens_per_s: tally.output as f64 / makespan,
+        hit_share: tally.cached as f64 / tally.prompt.max(1) as f64,
+        requests_per_worker,
         preemptions: engines.iter().map(|e| e.stats().preemptions).sum(),
+        pd,
+    };
+    Run {
+        result,
+        engines,
+        tokens_by: tally.tokens_by,
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn small_trace() -> Vec<TraceRequest> {
-        (0..120u64)
-            .map(|i| TraceRequest {
-                timestamp: i * 40,
-                input_length: 1500 + (i as usize % 7) * 100,
-                output_length: 8,
-                hash_ids: vec![i % 5, 100 + i % 3, 1000 + i],
-            })
-            .collect()
-    }
-
-    fn cfg(policy: PolicyKind) -> SimConfig {
-        SimConfig {
-            workers: 4,
-            engine: EngineConfig {
-                num_gpu_blocks: 2048,
-                ..EngineConfig::default()
-            },
-            policy,
-            policy_config: PolicyConfig::default(),
-            hash_block: 512,
-            vocab: 32000,
-            rate_scale: 1.0,
-            seed: 3,
-        }
-    }
-
-    #[test]
-    fn percentiles_are_nearest_rank() {
-        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(
-            percentiles(&mut v),
-            Percentiles {
-                p50: 50.0,
-                p90: 90.0,
-                p99: 99.0
-            }
-        );
-        assert_eq!(percentiles(&mut [7.0]).p99, 7.0);
-        assert_eq!(percentiles(&mut []).p50, 0.0);
-    }
-
-    #[test]
-    fn a_seed_gives_the_same_run_and_every_request_completes() {
-        for policy in [
-            PolicyKind::KvAware,
-            PolicyKind::RoundRobin,
-            PolicyKind::CacheAware,
-        ] {
-            let a = simulate(&small_trace(), &cfg(policy));
-            let b = simulate(&small_trace(), &cfg(policy));
-            assert_eq!(a, b, "{policy}");
-            assert_eq!(a.requests, 120);
-            assert_eq!(a.rejected, 0);
-            assert!(a.ttft_ms.p50 > 0.0);
-        }
-    }
-
-    #[test]
-    fn kv_aware_reuses_more_than_round_robin_on_shared_prefixes() {
-        let kv = simulate(&small_trace(), &cfg(PolicyKind::KvAware));
-        let rr = simulate(&small_trace(), &cfg(PolicyKind::RoundRobin));
-        assert!(
-            kv.hit_share > rr.hit_share,
-            "kv_aware {} vs round_robin {}",
-            kv.hit_share,
-            rr.hit_share
-        );
-    }
-}
+mod tests;

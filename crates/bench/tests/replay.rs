@@ -164,10 +164,12 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
     let sim = kvroute_bench::simulate::simulate(
         &trace,
         &kvroute_bench::simulate::SimConfig {
-            workers: 2,
+            cluster: kvroute_bench::simulate::Cluster::Aggregated {
+                workers: 2,
+                policy: kvroute_core::PolicyKind::KvAware,
+                policy_config: kvroute_core::PolicyConfig::default(),
+            },
             engine: kvroute_sim::engine::EngineConfig::default(),
-            policy: kvroute_core::PolicyKind::KvAware,
-            policy_config: kvroute_core::PolicyConfig::default(),
             hash_block: 512,
             vocab: 26,
             rate_scale: 1.0 / 50.0,

@@ -1,0 +1,283 @@
+//! The router's side of a simulated cluster: the policies, the load accounting and where each
+//! arriving request goes, as the gateway decides it (`routing::plan` over one worker set;
+//! `pd::route` for prefill/decode disaggregation).
+//!
+//! Disaggregated, the decode engine is chosen first, by the decode policy over the decode
+//! engines. When `min_uncached_tokens` > 0 and that engine's cache (as the index sees it)
+//! holds all but fewer than `min_uncached_tokens` prompt tokens, the request goes to it alone
+//! (decode-only). Otherwise the prefill policy chooses a prefill engine, which computes the
+//! prompt (`max_tokens` 1); when that ends the request goes to the decode engine, whose load
+//! counts its blocks but no prefill tokens.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use kvroute_core::{
+    build_policy, Candidate, EngineLoad, KvTerms, Overlap, Policy, PolicyConfig, PolicyKind,
+    RankLoad, RequestLoad, RouteRequest,
+};
+use kvroute_index::{BlockHash, OverlapScores, ReplicaId};
+use kvroute_protocol::WorkerId;
+use kvroute_sim::engine::EngineCore;
+use rand::RngCore;
+
+use super::Cluster;
+
+/// Where an arriving request goes.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Placement {
+    /// One engine computes the prompt and answers (an aggregated cluster; P/D decode-only).
+    Whole { engine: usize, load: RequestLoad },
+    /// The prompt on `prefill` (`max_tokens` 1), then the answer on `decode`, which receives
+    /// the prompt's KV.
+    Split {
+        prefill: usize,
+        prefill_load: RequestLoad,
+        decode: usize,
+        decode_load: RequestLoad,
+    },
+}
+
+/// What the router sees of an arriving request.
+pub(super) struct Arrival<'a> {
+    pub tokens: &'a [u32],
+    pub hashes: &'a [BlockHash],
+    /// Characters standing for the tokens, for the text-keyed policies.
+    pub text: &'a str,
+    pub now: Instant,
+}
+
+/// A set of engines with its policy.
+struct Pool {
+    engines: Range<usize>,
+    kind: PolicyKind,
+    policy: Box<dyn Policy>,
+}
+
+impl Pool {
+    fn new(engines: Range<usize>, kind: PolicyKind, config: &PolicyConfig) -> Self {
+        Self {
+            engines,
+            kind,
+            policy: build_policy(kind, config),
+        }
+    }
+}
+
+enum Mode {
+    Aggregated(Pool),
+    Disaggregated {
+        prefill: Pool,
+        decode: Pool,
+        min_uncached_tokens: u64,
+    },
+}
+
+/// The routing state of a simulated cluster; engine `i` is replica `i` of the index.
+pub(super) struct Router {
+    ids: Vec<WorkerId>,
+    /// The router's in-flight accounting per engine.
+    pub loads: Vec<RankLoad>,
+    mode: Mode,
+    block_size: usize,
+    num_gpu_blocks: u64,
+}
+
+impl Router {
+    /// The router of `cluster`: aggregated engines `w0..`, or prefill engines `p0..` then
+    /// decode engines `d0..`.
+    pub fn new(cluster: &Cluster, block_size: usize, num_gpu_blocks: usize) -> Self {
+        let (ids, mode): (Vec<WorkerId>, Mode) = match cluster {
+            Cluster::Aggregated {
+                workers,
+                policy,
+                policy_config,
+            } => {
+                let n = (*workers).max(1);
+                (
+                    (0..n).map(|i| WorkerId::new(format!("w{i}"))).collect(),
+                    Mode::Aggregated(Pool::new(0..n, *policy, policy_config)),
+                )
+            }
+            Cluster::Disaggregated(pd) => {
+                let (p, d) = (pd.prefill_workers.max(1), pd.decode_workers.max(1));
+                let ids = (0..p)
+                    .map(|i| WorkerId::new(format!("p{i}")))
+                    .chain((0..d).map(|i| WorkerId::new(format!("d{i}"))))
+                    .collect();
+                (
+                    ids,
+                    Mode::Disaggregated {
+                        prefill: Pool::new(0..p, pd.prefill_policy, &pd.prefill_config),
+                        decode: Pool::new(p..p + d, pd.decode_policy, &pd.decode_config),
+                        min_uncached_tokens: pd.min_uncached_tokens,
+                    },
+                )
+            }
+        };
+        Self {
+            loads: vec![RankLoad::default(); ids.len()],
+            ids,
+            mode,
+            block_size,
+            num_gpu_blocks: num_gpu_blocks as u64,
+        }
+    }
+
+    pub fn engines(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// The prefill engines and the decode engines, when disaggregated.
+    pub fn halves(&self) -> Option<(Range<usize>, Range<usize>)> {
+        match &self.mode {
+            Mode::Aggregated(_) => None,
+            Mode::Disaggregated {
+                prefill, decode, ..
+            } => Some((prefill.engines.clone(), decode.engines.clone())),
+        }
+    }
+
+    /// Whether the index's overlaps are needed (a kv_aware pool, or the decode-only test).
+    pub fn needs_overlaps(&self) -> bool {
+        match &self.mode {
+            Mode::Aggregated(pool) => pool.kind == PolicyKind::KvAware,
+            Mode::Disaggregated { .. } => true,
+        }
+    }
+
+    /// Whether a policy keys on the prompt's text.
+    pub fn needs_text(&self) -> bool {
+        let text = |k: PolicyKind| {
+            matches!(
+                k,
+                PolicyKind::CacheAware
+                    | PolicyKind::PrefixHash
+                    | PolicyKind::ConsistentHash
+                    | PolicyKind::RendezvousHash
+            )
+        };
+        match &self.mode {
+            Mode::Aggregated(pool) => text(pool.kind),
+            Mode::Disaggregated {
+                prefill, decode, ..
+            } => text(prefill.kind) || text(decode.kind),
+        }
+    }
+
+    /// Decides where `req` goes; applies nothing (the caller starts the loads).
+    pub fn place(
+        &self,
+        req: &Arrival<'_>,
+        scores: &OverlapScores,
+        engines: &[EngineCore],
+        rng: &mut dyn RngCore,
+    ) -> Placement {
+        match &self.mode {
+            Mode::Aggregated(pool) => {
+                let (engine, load) = self.choose(pool, req, scores, engines, rng);
+                Placement::Whole { engine, load }
+            }
+            Mode::Disaggregated {
+                prefill,
+                decode,
+                min_uncached_tokens,
+            } => {
+                let (d, decode_load) = self.choose(decode, req, scores, engines, rng);
+                let held = scores.get(ReplicaId(d as u32)).total() as usize * self.block_size;
+                let uncached = (req.tokens.len() - held.min(req.tokens.len())) as u64;
+                if *min_uncached_tokens > 0 && uncached < *min_uncached_tokens {
+                    return Placement::Whole {
+                        engine: d,
+                        load: decode_load,
+                    };
+                }
+                let (p, prefill_load) = self.choose(prefill, req, scores, engines, rng);
+                Placement::Split {
+                    prefill: p,
+                    prefill_load,
+                    decode: d,
+                    decode_load: RequestLoad {
+                        prefill_tokens: 0,
+                        ..decode_load
+                    },
+                }
+            }
+        }
+    }
+
+    /// `pool`'s policy's choice, and the request's load on it.
+    fn choose(
+        &self,
+        pool: &Pool,
+        req: &Arrival<'_>,
+        scores: &OverlapScores,
+        engines: &[EngineCore],
+        rng: &mut dyn RngCore,
+    ) -> (usize, RequestLoad) {
+        let bs = self.block_size;
+        let request_load = RequestLoad {
+            prefill_tokens: 0,
+            blocks: req.hashes.iter().map(|h| h.0).collect(),
+            own_blocks: u64::from(!req.tokens.len().is_multiple_of(bs)),
+        };
+        // As the gateway counts overlap: at least one prompt token left to compute.
+        let cap = ((req.tokens.len().saturating_sub(1)) / bs) as u32;
+        let kv_aware = pool.kind == PolicyKind::KvAware;
+        let candidates: Vec<Candidate<'_>> = pool
+            .engines
+            .clone()
+            .map(|e| {
+                let s = engines[e].stats();
+                let load = &self.loads[e];
+                let device = if kv_aware {
+                    scores.get(ReplicaId(e as u32)).device.min(cap)
+                } else {
+                    0
+                };
+                Candidate {
+                    worker: &self.ids[e],
+                    dp_rank: None,
+                    in_flight: load.active_requests(),
+                    kv: KvTerms {
+                        overlap: Overlap {
+                            device,
+                            ..Overlap::default()
+                        },
+                        prefill_tokens: load.prefill_tokens(),
+                        decode_blocks: load.decode_blocks(),
+                        new_blocks: load.new_blocks(&request_load),
+                        active_requests: load.active_requests(),
+                        preferred_taint_weight: 0.0,
+                    },
+                    engine: EngineLoad {
+                        waiting: Some(s.waiting as f64),
+                        running: Some(s.running as f64),
+                        kv_usage: Some(s.kv_usage),
+                        num_gpu_blocks: Some(self.num_gpu_blocks),
+                    },
+                }
+            })
+            .collect();
+        let request = RouteRequest {
+            session_key: None,
+            text: req.text,
+            prompt_tokens: req.tokens.len(),
+            tokens: req.tokens,
+            block_size: bs,
+            has_preferred_taints: false,
+            dry_run: false,
+            now: req.now,
+        };
+        let chosen = pool
+            .policy
+            .select(&candidates, &request, rng)
+            .map_or(0, |d| d.index);
+        let device = candidates[chosen].kv.overlap.device as usize;
+        let load = RequestLoad {
+            prefill_tokens: req.tokens.len().saturating_sub(device * bs) as u64,
+            ..request_load
+        };
+        (pool.engines.start + chosen, load)
+    }
+}

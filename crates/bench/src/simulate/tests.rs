@@ -1,0 +1,180 @@
+use super::*;
+
+fn small_trace() -> Vec<TraceRequest> {
+    (0..120u64)
+        .map(|i| TraceRequest {
+            timestamp: i * 40,
+            input_length: 1500 + (i as usize % 7) * 100,
+            output_length: 8,
+            hash_ids: vec![i % 5, 100 + i % 3, 1000 + i],
+        })
+        .collect()
+}
+
+fn cfg(policy: PolicyKind) -> SimConfig {
+    SimConfig {
+        cluster: Cluster::Aggregated {
+            workers: 4,
+            policy,
+            policy_config: PolicyConfig::default(),
+        },
+        engine: EngineConfig {
+            num_gpu_blocks: 2048,
+            ..EngineConfig::default()
+        },
+        hash_block: 512,
+        vocab: 32000,
+        rate_scale: 1.0,
+        seed: 3,
+    }
+}
+
+fn pd_cfg(prefill: usize, decode: usize, min_uncached_tokens: u64) -> SimConfig {
+    SimConfig {
+        cluster: Cluster::Disaggregated(PdCluster {
+            min_uncached_tokens,
+            ..PdCluster::new(prefill, decode, &PolicyConfig::default())
+        }),
+        ..cfg(PolicyKind::KvAware)
+    }
+}
+
+#[test]
+fn percentiles_are_nearest_rank() {
+    let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+    assert_eq!(
+        percentiles(&mut v),
+        Percentiles {
+            p50: 50.0,
+            p90: 90.0,
+            p99: 99.0
+        }
+    );
+    assert_eq!(percentiles(&mut [7.0]).p99, 7.0);
+    assert_eq!(percentiles(&mut []).p50, 0.0);
+}
+
+#[test]
+fn a_seed_gives_the_same_run_and_every_request_completes() {
+    for policy in [
+        PolicyKind::KvAware,
+        PolicyKind::RoundRobin,
+        PolicyKind::CacheAware,
+    ] {
+        let a = simulate(&small_trace(), &cfg(policy));
+        let b = simulate(&small_trace(), &cfg(policy));
+        assert_eq!(a, b, "{policy}");
+        assert_eq!(a.requests, 120);
+        assert_eq!(a.rejected, 0);
+        assert!(a.ttft_ms.p50 > 0.0);
+        assert_eq!(a.pd, None);
+    }
+}
+
+#[test]
+fn kv_aware_reuses_more_than_round_robin_on_shared_prefixes() {
+    let kv = simulate(&small_trace(), &cfg(PolicyKind::KvAware));
+    let rr = simulate(&small_trace(), &cfg(PolicyKind::RoundRobin));
+    assert!(
+        kv.hit_share > rr.hit_share,
+        "kv_aware {} vs round_robin {}",
+        kv.hit_share,
+        rr.hit_share
+    );
+}
+
+#[test]
+fn a_seed_gives_the_same_disaggregated_run() {
+    for min in [0, 1024] {
+        let a = simulate(&small_trace(), &pd_cfg(2, 2, min));
+        let b = simulate(&small_trace(), &pd_cfg(2, 2, min));
+        assert_eq!(a, b, "min {min}");
+        assert_eq!((a.requests, a.rejected), (120, 0));
+        let pd = a.pd.expect("disaggregated");
+        assert_eq!(pd.split + pd.decode_only, 120);
+        assert_eq!(a.requests_per_worker, pd.decode_requests_per_worker);
+        assert!(a.ttft_ms.p50 > 0.0 && a.e2e_ms.p50 >= a.ttft_ms.p50);
+    }
+}
+
+#[test]
+fn every_request_is_split_when_no_threshold_is_set() {
+    let trace = small_trace();
+    let cfg = pd_cfg(2, 2, 0);
+    let run = run(&trace, &cfg);
+    let r = &run.result;
+    let pd = r.pd.as_ref().expect("disaggregated");
+    assert_eq!((pd.split, pd.decode_only, r.rejected), (120, 0, 0));
+    assert_eq!(pd.prefill_requests_per_worker.iter().sum::<usize>(), 120);
+    assert_eq!(pd.decode_requests_per_worker.iter().sum::<usize>(), 120);
+    assert!(
+        pd.prefill_requests_per_worker.iter().all(|&n| n > 0),
+        "{pd:?}"
+    );
+    // Each prefill produced exactly one token; the answers all came from the decode engines.
+    for p in 0..2 {
+        assert_eq!(run.tokens_by[p], pd.prefill_requests_per_worker[p] as u64);
+        let s = run.engines[p].stats();
+        assert_eq!(s.kv_transfers_received, 0);
+        assert!(s.prefill_tokens_computed > 0);
+    }
+    let answers: u64 = trace.iter().map(|t| t.output_length as u64).sum();
+    assert_eq!(run.tokens_by[2] + run.tokens_by[3], answers);
+    let mut received = 0;
+    for d in 2..4 {
+        let s = run.engines[d].stats();
+        assert_eq!(
+            s.prefill_tokens_computed, 0,
+            "decode engine {d} computed a prompt"
+        );
+        assert_eq!(s.preemptions, 0);
+        received += s.kv_transfers_received;
+    }
+    assert_eq!(received, 120);
+    assert!(pd.kv_transfer_tokens > 0);
+}
+
+#[test]
+fn a_high_threshold_sends_repeated_prompts_decode_only() {
+    // Five 2048-token prompts, each sent four times, one at a time.
+    let trace: Vec<TraceRequest> = (0..20u64)
+        .map(|i| TraceRequest {
+            timestamp: i * 2000,
+            input_length: 2048,
+            output_length: 4,
+            hash_ids: (0..4).map(|b| (i / 4) * 10 + b).collect(),
+        })
+        .collect();
+    let always = simulate(&trace, &pd_cfg(2, 1, 0)).pd.expect("pd");
+    assert_eq!((always.split, always.decode_only), (20, 0));
+    let r = simulate(&trace, &pd_cfg(2, 1, 1024));
+    let pd = r.pd.expect("pd");
+    // A prompt's first request is prefilled remotely; its decode engine then holds the
+    // prompt, so the repeats skip the prefill engines.
+    assert_eq!((pd.split, pd.decode_only), (5, 15), "{pd:?}");
+    assert_eq!(pd.prefill_requests_per_worker.iter().sum::<usize>(), 5);
+    assert_eq!(r.requests, 20);
+}
+
+#[test]
+fn a_slower_link_delays_the_first_token() {
+    let slow = SimConfig {
+        engine: EngineConfig {
+            timing: kvroute_sim::engine::TimingModel {
+                kv_transfer_gbps: 1.0,
+                ..Default::default()
+            },
+            ..pd_cfg(2, 2, 0).engine
+        },
+        ..pd_cfg(2, 2, 0)
+    };
+    let fast = simulate(&small_trace(), &pd_cfg(2, 2, 0));
+    let slow = simulate(&small_trace(), &slow);
+    // ~1900 tokens x 128 KiB at 1 Gb/s is about 2 s.
+    assert!(
+        slow.ttft_ms.p50 > fast.ttft_ms.p50 + 1000.0,
+        "slow {} vs fast {}",
+        slow.ttft_ms.p50,
+        fast.ttft_ms.p50
+    );
+}
