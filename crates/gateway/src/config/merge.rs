@@ -1,0 +1,142 @@
+//! The command line over the config file.
+
+use super::*;
+
+impl Args {
+    /// `self` (the command line) over `file`.
+    pub fn merge(self, file: Args) -> Args {
+        Args {
+            config: self.config,
+            host: self.host.or(file.host),
+            port: self.port.or(file.port),
+            prometheus_host: self.prometheus_host.or(file.prometheus_host),
+            prometheus_port: self.prometheus_port.or(file.prometheus_port),
+            worker_urls: if self.worker_urls.is_empty() {
+                file.worker_urls
+            } else {
+                self.worker_urls
+            },
+            workers: file.workers,
+            pd_disaggregation: self.pd_disaggregation || file.pd_disaggregation,
+            prefill: if self.prefill.is_empty() {
+                file.prefill
+            } else {
+                self.prefill
+            },
+            decode: if self.decode.is_empty() {
+                file.decode
+            } else {
+                self.decode
+            },
+            prefill_policy: self.prefill_policy.or(file.prefill_policy),
+            decode_policy: self.decode_policy.or(file.decode_policy),
+            pd_protocol: self.pd_protocol.or(file.pd_protocol),
+            pd_min_uncached_tokens: self.pd_min_uncached_tokens.or(file.pd_min_uncached_tokens),
+            policy: self.policy.or(file.policy),
+            prefix_token_count: self.prefix_token_count.or(file.prefix_token_count),
+            prefix_hash_load_factor: self
+                .prefix_hash_load_factor
+                .or(file.prefix_hash_load_factor),
+            max_idle_secs: self.max_idle_secs.or(file.max_idle_secs),
+            assignment_mode: self.assignment_mode.or(file.assignment_mode),
+            cache_threshold: self.cache_threshold.or(file.cache_threshold),
+            balance_abs_threshold: self.balance_abs_threshold.or(file.balance_abs_threshold),
+            balance_rel_threshold: self.balance_rel_threshold.or(file.balance_rel_threshold),
+            eviction_interval_secs: self.eviction_interval_secs.or(file.eviction_interval_secs),
+            max_tree_size: self.max_tree_size.or(file.max_tree_size),
+            llm_d_prefix_weight: self.llm_d_prefix_weight.or(file.llm_d_prefix_weight),
+            llm_d_queue_weight: self.llm_d_queue_weight.or(file.llm_d_queue_weight),
+            llm_d_kv_weight: self.llm_d_kv_weight.or(file.llm_d_kv_weight),
+            metrics_refresh_ms: self.metrics_refresh_ms.or(file.metrics_refresh_ms),
+            block_size: self.block_size.or(file.block_size),
+            router_kv_overlap_score_credit: self
+                .router_kv_overlap_score_credit
+                .or(file.router_kv_overlap_score_credit),
+            router_prefill_load_scale: self
+                .router_prefill_load_scale
+                .or(file.router_prefill_load_scale),
+            router_decode_active_request_weight: self
+                .router_decode_active_request_weight
+                .or(file.router_decode_active_request_weight),
+            router_temperature: self.router_temperature.or(file.router_temperature),
+            router_host_cache_hit_weight: self
+                .router_host_cache_hit_weight
+                .or(file.router_host_cache_hit_weight),
+            router_disk_cache_hit_weight: self
+                .router_disk_cache_hit_weight
+                .or(file.router_disk_cache_hit_weight),
+            shared_cache_multiplier: self
+                .shared_cache_multiplier
+                .or(file.shared_cache_multiplier),
+            no_router_kv_events: self.no_router_kv_events || file.no_router_kv_events,
+            router_ttl_secs: self.router_ttl_secs.or(file.router_ttl_secs),
+            router_max_indexed_blocks: self
+                .router_max_indexed_blocks
+                .or(file.router_max_indexed_blocks),
+            tokenizer: self.tokenizer.or(file.tokenizer),
+            active_prefill_tokens_threshold: self
+                .active_prefill_tokens_threshold
+                .or(file.active_prefill_tokens_threshold),
+            active_prefill_tokens_threshold_frac: self
+                .active_prefill_tokens_threshold_frac
+                .or(file.active_prefill_tokens_threshold_frac),
+            active_decode_blocks_threshold: self
+                .active_decode_blocks_threshold
+                .or(file.active_decode_blocks_threshold),
+            admin_api_key: self.admin_api_key.or(file.admin_api_key),
+            client_api_key: self.client_api_key.or(file.client_api_key),
+            api_key: self.api_key.or(file.api_key),
+            health_check_interval_secs: self
+                .health_check_interval_secs
+                .or(file.health_check_interval_secs),
+            health_check_timeout_secs: self
+                .health_check_timeout_secs
+                .or(file.health_check_timeout_secs),
+            health_failure_threshold: self
+                .health_failure_threshold
+                .or(file.health_failure_threshold),
+            health_success_threshold: self
+                .health_success_threshold
+                .or(file.health_success_threshold),
+            health_check_endpoint: self.health_check_endpoint.or(file.health_check_endpoint),
+            retry_max_retries: self.retry_max_retries.or(file.retry_max_retries),
+            retry_initial_backoff_ms: self
+                .retry_initial_backoff_ms
+                .or(file.retry_initial_backoff_ms),
+            retry_max_backoff_ms: self.retry_max_backoff_ms.or(file.retry_max_backoff_ms),
+            retry_backoff_multiplier: self
+                .retry_backoff_multiplier
+                .or(file.retry_backoff_multiplier),
+            retry_jitter_factor: self.retry_jitter_factor.or(file.retry_jitter_factor),
+            disable_retries: self.disable_retries || file.disable_retries,
+            cb_failure_threshold: self.cb_failure_threshold.or(file.cb_failure_threshold),
+            cb_success_threshold: self.cb_success_threshold.or(file.cb_success_threshold),
+            cb_timeout_duration_secs: self
+                .cb_timeout_duration_secs
+                .or(file.cb_timeout_duration_secs),
+            disable_circuit_breaker: self.disable_circuit_breaker || file.disable_circuit_breaker,
+            max_concurrent_requests: self
+                .max_concurrent_requests
+                .or(file.max_concurrent_requests),
+            shutdown_grace_period_secs: self
+                .shutdown_grace_period_secs
+                .or(file.shutdown_grace_period_secs),
+            header_read_timeout_secs: self
+                .header_read_timeout_secs
+                .or(file.header_read_timeout_secs),
+            router_queue_threshold: self.router_queue_threshold.or(file.router_queue_threshold),
+            router_queue_policy: self.router_queue_policy.or(file.router_queue_policy),
+            router_queue_timeout_secs: self
+                .router_queue_timeout_secs
+                .or(file.router_queue_timeout_secs),
+            policy_classes: file.policy_classes,
+            session_affinity_ttl_secs: self
+                .session_affinity_ttl_secs
+                .or(file.session_affinity_ttl_secs),
+            session_affinity_mode: self.session_affinity_mode.or(file.session_affinity_mode),
+            max_payload_size: self.max_payload_size.or(file.max_payload_size),
+            request_timeout_secs: self.request_timeout_secs.or(file.request_timeout_secs),
+            log_level: self.log_level.or(file.log_level),
+        }
+    }
+}

@@ -1,0 +1,163 @@
+use super::*;
+
+#[test]
+fn yaml_and_json_files_read_the_same() {
+    let yaml = "policy: consistent_hash\nport: 8080\nlog_level: warning\nworkers:\n  - id: a\n    url: http://10.0.0.1:8000/\n    model: llama\n  - url: http://10.0.0.2:8000\n";
+    let json = r#"{"policy":"consistent_hash","port":8080,"log_level":"warning","workers":[
+        {"id":"a","url":"http://10.0.0.1:8000/","model":"llama"},{"url":"http://10.0.0.2:8000"}]}"#;
+    for text in [yaml, json] {
+        let s = Args::from_text(text).unwrap().into_settings().unwrap();
+        assert_eq!(s.policy, PolicyKind::ConsistentHash);
+        assert_eq!(s.port, 8080);
+        assert_eq!(s.log_level, LogLevel::Warn);
+        assert_eq!(s.workers[0].id.as_deref(), Some("a"));
+        assert_eq!(s.workers[0].url, "http://10.0.0.1:8000");
+        assert_eq!(s.workers[0].model.as_deref(), Some("llama"));
+        assert_eq!(s.workers[1].id.as_deref(), Some("http://10.0.0.2:8000"));
+    }
+}
+
+#[test]
+fn command_line_wins_over_file_and_defaults_apply() {
+    let cli = Args::try_parse_from(["kvroute", "--port", "9", "--policy", "random"]).unwrap();
+    let file = Args::from_text("port: 8\nhost: 0.0.0.0\npolicy: manual\n").unwrap();
+    let s = cli.merge(file).into_settings().unwrap();
+    assert_eq!(s.port, 9);
+    assert_eq!(s.host, "0.0.0.0");
+    assert_eq!(s.prometheus_host, "0.0.0.0");
+    assert_eq!(s.policy, PolicyKind::Random);
+    assert_eq!(s.prometheus_port, 29000);
+    assert_eq!(s.max_payload_size, 512 * 1024 * 1024);
+    let s = Args::default().into_settings().unwrap();
+    assert_eq!((s.host.as_str(), s.port), ("127.0.0.1", 30000));
+    assert_eq!(s.policy, PolicyKind::KvAware);
+    assert_eq!(s.block_size, 16);
+    assert_eq!(s.kv_events, KvEventsMode::Events);
+    assert_eq!(s.policy_config.kv_aware, KvAwareConfig::default());
+    let s = Args::try_parse_from([
+        "kvroute",
+        "--no-router-kv-events",
+        "--router-temperature",
+        "0.5",
+        "--block-size",
+        "32",
+    ])
+    .unwrap()
+    .into_settings()
+    .unwrap();
+    assert_eq!(s.kv_events, KvEventsMode::Approximate);
+    assert_eq!(s.policy_config.kv_aware.temperature, 0.5);
+    assert_eq!(s.block_size, 32);
+    let w = Args::from_text(
+        "workers: [{url: 'http://a:1', kv_events: 'tcp://a:5557', dp_size: 2, dp_start_rank: 4}]",
+    )
+    .unwrap()
+    .into_settings()
+    .unwrap();
+    assert_eq!(w.workers[0].ranks(), vec![Some(4), Some(5)]);
+    assert_eq!(w.workers[0].kv_events.as_deref(), Some("tcp://a:5557"));
+    assert_eq!(w.workers[0].role, WorkerRole::Both);
+    let full = Args::from_text(
+        "workers:\n  - {id: a, url: 'http://a:1', model: m, taints: [gpu-h100, zone-a], role: decode, max_num_batched_tokens: 8192, num_gpu_blocks: 16384}\n  - {id: b, url: 'http://b:1', role: prefill, bootstrap_port: 8998}",
+    )
+    .unwrap()
+    .into_settings()
+    .unwrap();
+    assert!(full.pd.is_some(), "roles turn disaggregation on");
+    assert_eq!(full.workers[1].bootstrap_port, Some(8998));
+    // A decode worker with no prefill worker cannot serve a disaggregated request.
+    let lone = Args::from_text("workers: [{url: 'http://a:1', role: decode}]").unwrap();
+    assert!(matches!(
+        lone.into_settings(),
+        Err(ConfigError::Invalid {
+            name: "pd_disaggregation",
+            ..
+        })
+    ));
+    let a = &full.workers[0];
+    assert_eq!(
+        (a.role, a.max_num_batched_tokens, a.num_gpu_blocks),
+        (WorkerRole::Decode, Some(8192), Some(16384))
+    );
+    assert_eq!(a.taints, ["gpu-h100", "zone-a"]);
+    assert!(Args::from_text("workers: [{url: 'http://a:1', role: sideways}]").is_err());
+    assert!(Args::from_text("router_temperature: -1")
+        .unwrap()
+        .into_settings()
+        .is_err());
+    assert!(
+        Args::from_text("workers: [{url: 'http://a:1', kv_events: 'a:1'}]")
+            .unwrap()
+            .into_settings()
+            .is_err()
+    );
+}
+
+#[test]
+fn bad_configs_are_clear_errors() {
+    let e = Args::from_text("policy: nope\n").unwrap_err().to_string();
+    assert!(
+        e.contains("valid policies") && e.contains("round_robin"),
+        "{e}"
+    );
+    let e = Args::from_text("polcy: random\n").unwrap_err().to_string();
+    assert!(e.contains("polcy"), "{e}");
+    assert!(Args::from_text("workers: [{id: a}]").is_err());
+    assert!(Args::from_text("port: [1]").is_err());
+    let dup = Args::from_text("workers: [{url: 'http://a:1'}, {url: 'http://a:1/'}]").unwrap();
+    assert!(matches!(
+        dup.into_settings(),
+        Err(ConfigError::DuplicateWorker(_))
+    ));
+    for url in ["a:1", "ftp://a:1", "https://a:1", "http://a:1/?x=1"] {
+        let e = Args {
+            worker_urls: vec![url.into()],
+            ..Args::default()
+        }
+        .into_settings();
+        assert!(matches!(e, Err(ConfigError::WorkerUrl { .. })), "{url}");
+    }
+    let e = Args::try_parse_from(["kvroute", "--policy", "nope"]).unwrap_err();
+    assert_eq!(e.exit_code(), 2);
+    assert!(e.to_string().contains("power_of_two"), "{e}");
+    assert!(Args::try_parse_from(["kvroute", "--log-level", "warning"]).is_ok());
+}
+
+#[test]
+fn prefill_flags_take_an_optional_bootstrap_port() {
+    use clap::Parser;
+    let args = Args::try_parse_from([
+        "kvroute",
+        "--pd-disaggregation",
+        "--prefill",
+        "http://p0:8000",
+        "8998",
+        "--prefill",
+        "http://p1:8000",
+        "--decode",
+        "http://d0:8000",
+    ])
+    .unwrap();
+    let s = args.into_settings().unwrap();
+    let roles: Vec<_> = s
+        .workers
+        .iter()
+        .map(|w| (w.url.as_str(), w.role, w.bootstrap_port))
+        .collect();
+    assert_eq!(
+        roles,
+        [
+            ("http://p0:8000", WorkerRole::Prefill, Some(8998)),
+            ("http://p1:8000", WorkerRole::Prefill, None),
+            ("http://d0:8000", WorkerRole::Decode, None),
+        ]
+    );
+    let pd = s.pd.unwrap();
+    assert_eq!(pd.protocol, PdProtocol::Vllm);
+    assert_eq!(pd.decode_config.kv_aware.overlap_score_credit, 0.0);
+    assert_eq!(pd.prefill_config.kv_aware.overlap_score_credit, 1.0);
+    assert!(Args::try_parse_from(["kvroute", "--prefill", "8998"])
+        .unwrap()
+        .into_settings()
+        .is_err());
+}

@@ -1,0 +1,201 @@
+//! The admin API: `/debug/route`, `/workers`, `/busy_threshold`, and who may call them.
+
+use super::*;
+/// `POST /debug/route`: the decision the router would make for this request, with every
+/// candidate's terms, without sending it or changing any state.
+pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let result = async {
+        check_admin(&state, &req, false)?;
+        let (parts, body) = req.into_parts();
+        let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
+        let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
+        let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
+        let hints = routing::parse_hints(&parts.headers)?;
+        let table = state.workers.table();
+        let pool = table.resolve(fields.model.as_deref())?;
+        let busy = state.busy.get(pool.model.as_str());
+        let plan = routing::plan(
+            &state.kv,
+            pool,
+            &parts.headers,
+            &hints,
+            &busy,
+            state.affinity.as_ref(),
+            &fields,
+            tokens,
+            Instant::now(),
+            true,
+        )?;
+        let kv_aware = plan.policy == PolicyKind::KvAware;
+        let candidates: Vec<serde_json::Value> = plan
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = serde_json::json!({
+                    "worker": c.worker.id.as_str(),
+                    "dp_rank": c.worker.ranks[c.rank].dp_rank,
+                    "eligible": true,
+                    "active_requests": c.in_flight,
+                });
+                if kv_aware {
+                    let o = c.kv.overlap;
+                    v["overlap_blocks"] = serde_json::json!({
+                        "device": o.device, "host": o.host, "disk": o.disk, "external": o.external,
+                    });
+                    v["prefill_tokens"] = c.kv.prefill_tokens.into();
+                    v["decode_blocks"] = c.kv.decode_blocks.into();
+                    v["new_blocks"] = c.kv.new_blocks.into();
+                }
+                if let Some(costs) = &plan.costs {
+                    v["cost"] = costs[i].into();
+                }
+                let e = c.engine;
+                if e != EngineLoad::default() {
+                    v["engine"] = serde_json::json!({
+                        "waiting": e.waiting, "running": e.running, "kv_usage": e.kv_usage,
+                        "num_gpu_blocks": e.num_gpu_blocks,
+                    });
+                }
+                v
+            })
+            .collect();
+        let chosen = plan.choice();
+        Ok::<_, GatewayError>(Json(serde_json::json!({
+            "policy": plan.policy.name(),
+            "worker": chosen.worker.id.as_str(),
+            "dp_rank": chosen.worker.ranks[chosen.rank].dp_rank,
+            "prompt_tokens": plan.prompt_tokens,
+            "block_size": state.kv.block_size,
+            "candidates": candidates,
+        })))
+    }
+    .await;
+    match result {
+        Ok(json) => json.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Admin calls: with `--admin-api-key`, the key as a bearer token; without, changes only
+/// from loopback (reads from anywhere).
+pub(super) fn check_admin(
+    state: &AppState,
+    req: &Request,
+    mutating: bool,
+) -> Result<(), GatewayError> {
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip());
+    auth::check_admin(
+        state.settings.admin_api_key.as_ref(),
+        req.headers(),
+        peer,
+        mutating,
+    )
+    .map_err(|r| GatewayError::Unauthorized(r.message(true)))
+}
+
+/// `POST /workers`: adds a worker (the config file's worker schema, as JSON).
+pub(super) async fn add_worker(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let result = async {
+        check_admin(&state, &req, true)?;
+        let (parts, body) = req.into_parts();
+        let body = read_body(body, 1 << 20, &parts.headers).await?;
+        let spec: WorkerSpec =
+            serde_json::from_slice(&body).map_err(|e| GatewayError::InvalidAdmin(e.to_string()))?;
+        let worker = Gateway {
+            state: state.clone(),
+        }
+        .add_worker(spec)?;
+        Ok::<_, GatewayError>(
+            (
+                StatusCode::CREATED,
+                Json(serde_json::json!({"id": worker.id.as_str(), "url": worker.url})),
+            )
+                .into_response(),
+        )
+    }
+    .await;
+    result.unwrap_or_else(|e| e.into_response())
+}
+
+/// `DELETE /workers/{id}`: removes a worker; its in-flight requests finish.
+pub(super) async fn remove_worker(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Response {
+    let result = check_admin(&state, &req, true).and_then(|()| {
+        let worker = Gateway {
+            state: state.clone(),
+        }
+        .remove_worker(&id)?;
+        Ok(Json(serde_json::json!({
+            "id": worker.id.as_str(),
+            "removed": true,
+            "draining": worker.in_flight(),
+        }))
+        .into_response())
+    });
+    result.unwrap_or_else(|e| e.into_response())
+}
+
+/// `GET /busy_threshold`: the thresholds in force for every model.
+pub(super) async fn get_busy(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    if let Err(e) = check_admin(&state, &req, false) {
+        return e.into_response();
+    }
+    let table = state.workers.table();
+    let thresholds: Vec<_> = table
+        .models()
+        .map(|m| BusyControl::body(m, &state.busy.get(m)))
+        .collect();
+    Json(serde_json::json!({"thresholds": thresholds})).into_response()
+}
+
+/// `POST /busy_threshold`: sets the given fields for one model; omitted fields are a read.
+pub(super) async fn set_busy(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let result = async {
+        check_admin(&state, &req, true)?;
+        let (parts, body) = req.into_parts();
+        let body = read_body(body, 1 << 20, &parts.headers).await?;
+        let update: ThresholdsBody =
+            serde_json::from_slice(&body).map_err(|e| GatewayError::InvalidAdmin(e.to_string()))?;
+        if update
+            .active_decode_blocks_threshold
+            .is_some_and(|f| !(0.0..=1.0).contains(&f))
+        {
+            return Err(GatewayError::InvalidAdmin(
+                "active_decode_blocks_threshold must be between 0 and 1".into(),
+            ));
+        }
+        if update
+            .active_prefill_tokens_threshold_frac
+            .is_some_and(|f| !(f.is_finite() && f >= 0.0))
+        {
+            return Err(GatewayError::InvalidAdmin(
+                "active_prefill_tokens_threshold_frac must be a non-negative number".into(),
+            ));
+        }
+        if !state.workers.table().models().any(|m| m == update.model) {
+            return Err(GatewayError::UnknownModel(update.model));
+        }
+        let now = state.busy.set(&update);
+        tracing::info!(model = %update.model, thresholds = ?now, "Busy thresholds set");
+        Ok(Json(BusyControl::body(&update.model, &now)))
+    }
+    .await;
+    match result {
+        Ok(json) => json.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn workers(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    if let Err(e) = check_admin(&state, &req, false) {
+        return e.into_response();
+    }
+    Json(serde_json::json!({"workers": state.workers.statuses()})).into_response()
+}

@@ -1,0 +1,181 @@
+//! The gateway's background work: each worker's tasks, and the API's accept loop.
+
+use super::*;
+/// Starts a worker's background tasks: health checks, the KV-event subscription (while it
+/// is healthy) and the engine-metrics scraper (for the policies that read it).
+pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
+    state.tasks.spawn(state.workers.clone().watch(
+        worker.clone(),
+        state.client.clone(),
+        state.shutdown.clone(),
+    ));
+    if state.settings.policy == PolicyKind::LlmD
+        || state.settings.busy.active_decode_blocks.is_some()
+    {
+        let timing = ScrapeTiming {
+            interval: state.settings.metrics_refresh,
+            ..ScrapeTiming::default()
+        };
+        let ranks = worker
+            .ranks
+            .iter()
+            .map(|r| (r.dp_rank, r.engine.clone()))
+            .collect();
+        match EngineMetricsScraper::new(worker.id.to_string(), &worker.url, ranks, timing) {
+            Ok(scraper) => {
+                let stop = state.shutdown.child_token();
+                let tasks = worker.tasks.clone();
+                let client = state.client.clone();
+                state.tasks.spawn(async move {
+                    let scrape = scraper.run(client, stop.clone());
+                    tokio::select! {
+                        _ = scrape => {}
+                        _ = tasks.cancelled() => stop.cancel(),
+                    }
+                });
+            }
+            Err(error) => {
+                tracing::error!(worker = %worker.id, %error, "Cannot scrape engine metrics")
+            }
+        }
+    }
+    if state.kv.uses_events(&worker) && worker.kv_events.is_some() {
+        state.tasks.spawn(follow_kv_events(state.clone(), worker));
+    }
+}
+
+/// Subscribes to a worker's KV events while it is healthy; when it turns unhealthy or is
+/// removed, the subscription stops and its blocks are forgotten (rebuilt when it returns).
+pub(super) async fn follow_kv_events(state: Arc<AppState>, worker: Arc<Worker>) {
+    let Some(endpoint) = worker.kv_events.clone() else {
+        return;
+    };
+    let config = SubscriberConfig {
+        worker: worker.id.to_string(),
+        endpoint,
+        replay_endpoint: worker.kv_events_replay.clone(),
+        dp_start_rank: worker.ranks[0].dp_rank.unwrap_or(0),
+        dp_size: worker.ranks.len() as u32,
+        router_block_size: state.kv.block_size,
+    };
+    let mut health = worker.subscribe_health();
+    let stopped = || state.shutdown.is_cancelled() || worker.tasks.is_cancelled();
+    loop {
+        // Wait until healthy.
+        loop {
+            if stopped() {
+                return;
+            }
+            if *health.borrow_and_update() {
+                break;
+            }
+            tokio::select! {
+                changed = health.changed() => if changed.is_err() { return },
+                _ = state.shutdown.cancelled() => return,
+                _ = worker.tasks.cancelled() => return,
+            }
+        }
+        let sink = Arc::new(WorkerSink::new(state.kv.clone(), worker.clone()));
+        let subscriber = match KvEventSubscriber::new(config.clone(), sink, &state.kv_event_metrics)
+        {
+            Ok(s) => s,
+            Err(error) => {
+                tracing::error!(worker = %worker.id, %error, "Cannot subscribe to KV events; approximating this worker's cache");
+                return;
+            }
+        };
+        let token = state.shutdown.child_token();
+        let run = tokio::spawn(subscriber.run(token.clone()));
+        // Until unhealthy or stopped.
+        loop {
+            if !*health.borrow_and_update() || stopped() {
+                break;
+            }
+            tokio::select! {
+                changed = health.changed() => if changed.is_err() { break },
+                _ = state.shutdown.cancelled() => break,
+                _ = worker.tasks.cancelled() => break,
+            }
+        }
+        token.cancel();
+        let _ = run.await;
+        for rank in &worker.ranks {
+            state.kv.clear(rank.replica);
+        }
+        if !stopped() {
+            tracing::warn!(worker = %worker.id, "Worker unhealthy: KV-event subscription stopped and its blocks forgotten until it returns");
+        }
+    }
+}
+
+/// The API's accept loop: HTTP/1.1 with a header read timeout; on `shutdown`, stops
+/// accepting, closes idle connections, and waits up to `grace` for in-flight requests.
+pub(super) async fn serve_api(
+    listener: TcpListener,
+    app: Router,
+    header_read_timeout: Duration,
+    grace: Duration,
+    shutdown: &CancellationToken,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
+        .keep_alive(true);
+    let connections = TaskTracker::new();
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                Err(error) => {
+                    // Out of file descriptors and the like: wait, do not spin.
+                    tracing::warn!(%error, "Accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.cancelled() => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let app = app.clone();
+        let service =
+            hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(ConnectInfo(peer));
+                let mut app = app.clone();
+                async move { tower_service::Service::call(&mut app, req.map(Body::new)).await }
+            });
+        let conn = builder.serve_connection(TokioIo::new(tcp), service);
+        let stop = shutdown.clone();
+        connections.spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                result = conn.as_mut() => {
+                    if let Err(error) = result {
+                        tracing::debug!(%error, "Connection ended with an error");
+                    }
+                    return;
+                }
+                _ = stop.cancelled() => {}
+            }
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    connections.close();
+    let open = connections.len();
+    if open > 0 {
+        tracing::info!(connections = open, grace = ?grace, "Not accepting; waiting for in-flight requests");
+    }
+    if tokio::time::timeout(grace, connections.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            connections = connections.len(),
+            "Grace period over: closing the remaining connections"
+        );
+    }
+    Ok(())
+}
