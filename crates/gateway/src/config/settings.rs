@@ -2,6 +2,9 @@
 
 use super::*;
 
+/// The most data-parallel ranks one worker may have (each is a routing candidate).
+const MAX_DP_SIZE: u32 = 1024;
+
 impl Args {
     /// Applies the defaults and validates.
     pub fn into_settings(self) -> Result<Settings, ConfigError> {
@@ -301,6 +304,22 @@ impl Args {
                 return Err(ConfigError::Invalid {
                     name: "dp_size",
                     reason: "must be at least 1",
+                });
+            }
+            if w.dp_size.is_some_and(|n| n > MAX_DP_SIZE) {
+                return Err(ConfigError::Invalid {
+                    name: "dp_size",
+                    reason: "must be at most 1024",
+                });
+            }
+            if w.dp_start_rank
+                .unwrap_or(0)
+                .checked_add(w.dp_size.unwrap_or(1))
+                .is_none()
+            {
+                return Err(ConfigError::Invalid {
+                    name: "dp_start_rank",
+                    reason: "dp_start_rank + dp_size must fit in 32 bits",
                 });
             }
             if let Some(endpoint) = w.kv_events.iter().chain(&w.kv_events_replay).next() {

@@ -161,3 +161,28 @@ fn prefill_flags_take_an_optional_bootstrap_port() {
         .into_settings()
         .is_err());
 }
+
+#[test]
+fn data_parallel_ranks_are_bounded() {
+    // Found by fuzzing: an overflowing rank range, and a rank count that exhausts memory.
+    for (text, name) in [
+        (
+            "workers: [{url: 'http://a:1', dp_size: 2, dp_start_rank: 4294967295}]",
+            "dp_start_rank",
+        ),
+        (
+            "workers: [{url: 'http://a:1', dp_size: 100000000}]",
+            "dp_size",
+        ),
+    ] {
+        match Args::from_text(text).unwrap().into_settings() {
+            Err(ConfigError::Invalid { name: n, .. }) => assert_eq!(n, name),
+            other => panic!("{text}: {other:?}"),
+        }
+    }
+    let ok = Args::from_text("workers: [{url: 'http://a:1', dp_size: 1024, dp_start_rank: 7}]")
+        .unwrap()
+        .into_settings()
+        .unwrap();
+    assert_eq!(ok.workers[0].ranks().len(), 1024);
+}

@@ -39,9 +39,64 @@ pub fn encode_batch(batch: &KvEventBatch, encoding: Encoding) -> Vec<u8> {
         batch.dp_rank.map_or(ValueRef::Nil, ValueRef::from),
     ]);
     let mut payload = Vec::new();
-    rmpv::encode::write_value_ref(&mut payload, &value)
-        .expect("writing msgpack into a Vec cannot fail");
+    write_value(&mut payload, &value);
     payload
+}
+
+/// Writes `value` as msgpack, as [`rmpv::encode::write_value_ref`] does except for a str that
+/// is not UTF-8: rmpv writes it as a bin, this keeps it a str with the same bytes. Only an
+/// `extra_keys` value decoded from the wire can hold one, and re-encoding it must give back
+/// what the engine sent.
+fn write_value(out: &mut Vec<u8>, value: &ValueRef<'_>) {
+    match value {
+        ValueRef::String(s) if s.as_str().is_none() => {
+            write_header(out, Header::Str, s.as_bytes().len());
+            out.extend_from_slice(s.as_bytes());
+        }
+        ValueRef::Array(items) => {
+            write_header(out, Header::Array, items.len());
+            items.iter().for_each(|item| write_value(out, item));
+        }
+        ValueRef::Map(entries) => {
+            write_header(out, Header::Map, entries.len());
+            for (key, value) in entries {
+                write_value(out, key);
+                write_value(out, value);
+            }
+        }
+        other => rmpv::encode::write_value_ref(out, other)
+            .expect("writing msgpack into a Vec cannot fail"),
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Header {
+    Str,
+    Array,
+    Map,
+}
+
+/// The header of a str (`len` bytes), an array or a map (`len` elements), in its shortest
+/// form, as rmpv writes it.
+fn write_header(out: &mut Vec<u8>, header: Header, len: usize) {
+    // (fix marker, longest fix length, 8-bit marker, 16-bit marker, 32-bit marker)
+    let (fix, fix_max, len8, len16, len32) = match header {
+        Header::Str => (0xa0, 31, Some(0xd9), 0xda, 0xdb),
+        Header::Array => (0x90, 15, None, 0xdc, 0xdd),
+        Header::Map => (0x80, 15, None, 0xde, 0xdf),
+    };
+    match (len, len8) {
+        (n, _) if n <= fix_max => out.push(fix | n as u8),
+        (n, Some(marker)) if n <= 0xff => out.extend([marker, n as u8]),
+        (n, _) if n <= 0xffff => {
+            out.push(len16);
+            out.extend((n as u16).to_be_bytes());
+        }
+        (n, _) => {
+            out.push(len32);
+            out.extend((n as u32).to_be_bytes());
+        }
+    }
 }
 
 fn event_value(event: &KvEvent, encoding: Encoding) -> ValueRef<'_> {

@@ -765,3 +765,51 @@ fn hashes_fold_to_u64_deterministically() {
         BlockHashValue::Bytes(hash32(1)).to_u64()
     );
 }
+
+/// Found by fuzzing (`fuzz/corpus/kv_events/regression-extra-keys-str-not-utf8`): a str in
+/// `extra_keys` that is not UTF-8 is kept as it came, but re-encoding wrote it as a bin, so the
+/// batch did not round-trip. Lengths cover the fix, 8-bit and 16-bit str headers.
+#[test]
+fn extra_keys_strs_that_are_not_utf8_stay_strs_through_a_round_trip() {
+    let placeholders: Vec<String> = [2, 40, 300].iter().map(|&n| "\u{7f}".repeat(n)).collect();
+    let keys = Value::Array(
+        placeholders
+            .iter()
+            .map(|p| Value::Array(vec![Value::from(p.as_str()), Value::from(1)]))
+            .collect(),
+    );
+    // Every 0x7F byte becomes 0xFF, which is never UTF-8.
+    let payload: Vec<u8> = stored_with(8, keys)
+        .into_iter()
+        .map(|b| if b == 0x7F { 0xFF } else { b })
+        .collect();
+    let batch = decode_batch(&payload).unwrap();
+    for encoding in [Encoding::Map, Encoding::Array] {
+        let bytes = encode_batch(&batch, encoding);
+        let again = decode_batch(&bytes).unwrap();
+        assert_eq!(again, batch, "{encoding:?}");
+        let KvEvent::BlockStored(stored) = &again.events[0] else {
+            panic!("{again:?}");
+        };
+        for (key, n) in stored.extra_keys.as_ref().unwrap().iter().zip([2, 40, 300]) {
+            let Some(Value::Array(items)) = key else {
+                panic!("{key:?}");
+            };
+            let Value::String(s) = &items[0] else {
+                panic!("not a str: {:?}", items[0]);
+            };
+            assert!(s.as_str().is_none());
+            assert_eq!(s.as_bytes(), vec![0xFF; n]);
+        }
+        for header in [
+            &[0xA2, 0xFF][..],
+            &[0xD9, 40, 0xFF],
+            &[0xDA, 0x01, 0x2C, 0xFF],
+        ] {
+            assert!(
+                bytes.windows(header.len()).any(|w| w == header),
+                "{header:x?}"
+            );
+        }
+    }
+}
