@@ -10,8 +10,9 @@
 //! - the decoded events, applied as the gateway applies them (hashes folded to 64 bits, the
 //!   tier from `medium`, the LoRA name as salt; router block size 16, 4, 64 or 3 by the input's
 //!   length), never panic the index, and the exact index answers as its reference model does:
-//!   each event's result, the block count, and the overlaps of every prefix stored so far.
-//!   A batch that reaches known bug K1 is checked up to that event only ([`restores_a_piece`]).
+//!   each event's result, the block count, and the overlaps of every prefix stored so far
+//!   (`corpus/kv_events/regression-k1-*`: pieces of a router block stored again differently,
+//!   fixed bug K1).
 //!
 //! The frame handling around these calls (`read_frames`, `Sequence::check`,
 //! `ReplayCollector::push`) is private to the gateway's `kv_events` module and is not reached.
@@ -25,8 +26,7 @@ use kvroute_index::{
     block_hashes, BlockHash, EngineHash, KvIndex, KvIndexer, ReplicaId, StoredBlocks,
 };
 use kvroute_protocol::kv_events::{
-    decode_batch, decode_seq, encode_batch, BlockHashValue, BlockStored, Encoding, KvEvent,
-    KvEventBatch, END_OF_REPLAY_SEQ,
+    decode_batch, decode_seq, encode_batch, Encoding, KvEvent, KvEventBatch, END_OF_REPLAY_SEQ,
 };
 use kvroute_protocol::stable_hash;
 use libfuzzer_sys::fuzz_target;
@@ -41,13 +41,6 @@ const MAX_EVENTS: usize = 64;
 const MAX_TOKENS: usize = 4096;
 /// Prefixes queried after each event at most (the latest ones).
 const MAX_QUERIES: usize = 32;
-
-/// `FUZZ_KNOWN_BUGS=1` stops skipping the inputs of the known bugs that are not fixed yet
-/// (fuzz/README.md, "Findings"), to reproduce them: `fuzz/known/kv_events/*`.
-fn known_bugs() -> bool {
-    static KNOWN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *KNOWN.get_or_init(|| std::env::var_os("FUZZ_KNOWN_BUGS").is_some())
-}
 
 /// `FUZZ_VERBOSE=1 .../kv_events FILE...` says what became of each input.
 macro_rules! verbose {
@@ -137,17 +130,11 @@ fn check_index(batch: &KvEventBatch, router_block_size: usize) {
     // Per engine block, the tokens of its sequence through it (unsalted chains only).
     let mut prefixes: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut queries: VecDeque<Vec<BlockHash>> = VecDeque::new();
-    // Per engine block stored as a piece of a router block: how it was stored.
-    let mut pieces: HashMap<u64, PieceMapping> = HashMap::new();
     for event in batch.events.iter().take(MAX_EVENTS) {
         match event {
             KvEvent::BlockStored(stored) => {
                 if stored.token_ids.len() > MAX_TOKENS {
                     continue;
-                }
-                if restores_a_piece(&mut pieces, stored, router_block_size) && !known_bugs() {
-                    verbose!("skipped from here: known bug K1 (a piece stored again differently)");
-                    return;
                 }
                 let hashes: Vec<EngineHash> = stored
                     .block_hashes
@@ -222,52 +209,4 @@ fn check_index(batch: &KvEventBatch, router_block_size: usize) {
             );
         }
     }
-}
-
-/// How an engine block was stored: its parent, tokens, block size and salt.
-type PieceMapping = (Option<u64>, Vec<u32>, u32, Option<String>);
-
-/// Known bug K1 (not fixed: `crates/index`, `KvIndex::resolve_parent`): when an engine block
-/// stored as a piece of a router block (engine block size < router block size) is stored again
-/// with another parent or other tokens, the exact index rebuilds its descendants' partial
-/// router block from the new record, so it refuses their children (`UnknownParent`) or hashes
-/// them from the wrong tokens, where the reference model continues the chain the engine named.
-/// Records the pieces `stored` stores and says whether it stores one again differently.
-fn restores_a_piece(
-    pieces: &mut HashMap<u64, PieceMapping>,
-    stored: &BlockStored,
-    router_block_size: usize,
-) -> bool {
-    let size = stored.block_size as usize;
-    if size == 0 || stored.token_ids.len() != stored.block_hashes.len() * size {
-        return false;
-    }
-    let mut parent = stored
-        .parent_block_hash
-        .as_ref()
-        .map(BlockHashValue::to_u64);
-    let mut again = false;
-    for (hash, tokens) in stored
-        .block_hashes
-        .iter()
-        .zip(stored.token_ids.chunks_exact(size))
-    {
-        let hash = hash.to_u64();
-        let mapping = (
-            parent,
-            tokens.to_vec(),
-            stored.block_size,
-            stored.lora_name.clone(),
-        );
-        match pieces.get(&hash) {
-            Some(old) if *old != mapping => again = true,
-            Some(_) => {}
-            None if size < router_block_size => {
-                pieces.insert(hash, mapping);
-            }
-            None => {}
-        }
-        parent = Some(hash);
-    }
-    again
 }

@@ -18,10 +18,13 @@
 //! - `E == k·B`: each engine block is `k` router blocks, hashed in order; a child continues
 //!   from the last. Removing the engine block removes all `k`.
 //! - `B == k·E` (SGLang's one-token pages): `k` consecutive engine blocks make one router
-//!   block, hashed when its last piece arrives, with the salt of that piece's event. Pieces of
-//!   a not yet complete router block are remembered (their tokens, their parent), so a later
-//!   event whose parent is the last piece continues it, and an event whose parent is any piece
-//!   (a branch inside a router block) starts a sibling router block from the same pieces. Each
+//!   block, hashed when its last piece arrives, with the salt of that piece's event. Each piece
+//!   of a not yet complete router block remembers that block as it stood when the piece was
+//!   stored (its tokens and pieces so far, in immutable nodes shared by the pieces of one
+//!   event), so a later event whose parent is the last piece continues it, and an event whose
+//!   parent is any piece (a branch inside a router block) starts a sibling router block from
+//!   the same pieces, even if an earlier piece was stored again differently since; each of
+//!   those pieces must still be held. Each
 //!   piece maps to every router block completed through it; removing any piece removes those
 //!   router blocks (the prefix is broken there), while the other pieces stay until removed.
 //! - Otherwise, or `E == 0`, [`IndexError::BlockSizeMismatch`]; also when an event with

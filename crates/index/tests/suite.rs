@@ -5,8 +5,8 @@ mod support;
 
 use kvroute_index::reference::{ReferenceApprox, ReferenceIndex};
 use kvroute_index::{
-    ApproxIndex, EngineHash, IndexError, KvIndex, KvIndexer, ReplicaId, StorageTier, StoredBlocks,
-    TierCounts,
+    block_hashes, ApproxIndex, EngineHash, IndexError, KvIndex, KvIndexer, ReplicaId, StorageTier,
+    StoredBlocks, TierCounts,
 };
 use support::{engine_hashes, router_hashes, store_all, tokens, Event, BS};
 
@@ -54,6 +54,8 @@ kv_suite!(
     pieces_continue_a_partial_router_block_across_events,
     a_branch_inside_a_router_block_completes_a_sibling,
     removing_a_piece_breaks_the_prefix_there,
+    a_piece_stored_again_as_a_root_keeps_its_childrens_partial_block,
+    a_piece_stored_again_under_another_parent_keeps_its_childrens_partial_block,
     storing_again_is_idempotent,
     salt_separates_chains,
     num_blocks_counts_distinct_blocks,
@@ -395,6 +397,69 @@ fn removing_a_piece_breaks_the_prefix_there<I: KvIndexer>(new: fn(usize) -> I) {
         next.apply(&mut index, R0),
         Err(IndexError::UnknownParent(hashes[17]))
     );
+}
+
+/// Stores one engine block `hash` of one token (engine block size 1) under `parent`.
+fn store_piece<I: KvIndexer>(
+    index: &mut I,
+    parent: Option<u64>,
+    hash: u64,
+    token: u32,
+) -> Result<(), IndexError> {
+    let event = StoredBlocks {
+        parent: parent.map(EngineHash),
+        engine_hashes: &[EngineHash(hash)],
+        token_ids: &[token],
+        block_size: 1,
+        tier: StorageTier::Device,
+        salt: 0,
+    };
+    index.apply_stored(R0, &event)
+}
+
+/// Router block 4, engine block 1: pieces 1, 2←1, 3←2; `restore` stores piece 2 again with
+/// another mapping; then 4←3, which completes the router block the engine holds, [1, 2, 3, 4]
+/// (3's record, unchanged, says so), whatever piece 2 has become since (fuzz finding K1).
+fn complete_after_restoring_a_piece<I: KvIndexer>(
+    new: fn(usize) -> I,
+    restore: impl FnOnce(&mut I),
+) -> I {
+    let mut index = new(4);
+    store_piece(&mut index, None, 1, 1).unwrap();
+    store_piece(&mut index, Some(1), 2, 2).unwrap();
+    store_piece(&mut index, Some(2), 3, 3).unwrap();
+    restore(&mut index);
+    assert_eq!(store_piece(&mut index, Some(3), 4, 4), Ok(()));
+    index
+}
+
+fn a_piece_stored_again_as_a_root_keeps_its_childrens_partial_block<I: KvIndexer>(
+    new: fn(usize) -> I,
+) {
+    let index = complete_after_restoring_a_piece(new, |index| {
+        store_piece(index, None, 2, 2).unwrap();
+    });
+    let held = index
+        .find_matches(&block_hashes(&[1, 2, 3, 4], 4, 0))
+        .scores;
+    assert_eq!(held, [(R0, device(1))]);
+    assert_eq!(index.num_blocks(), 1);
+}
+
+fn a_piece_stored_again_under_another_parent_keeps_its_childrens_partial_block<I: KvIndexer>(
+    new: fn(usize) -> I,
+) {
+    let mut index = complete_after_restoring_a_piece(new, |index| {
+        store_piece(index, None, 9, 9).unwrap();
+        store_piece(index, Some(9), 2, 7).unwrap();
+    });
+    let held = |index: &I, tokens: &[u32]| index.find_matches(&block_hashes(tokens, 4, 0)).scores;
+    assert_eq!(held(&index, &[1, 2, 3, 4]), [(R0, device(1))]);
+    assert!(held(&index, &[9, 7, 3, 4]).is_empty(), "a phantom prefix");
+    assert_eq!(index.num_blocks(), 1);
+    // The block was completed through piece 2's current record: removing it breaks it.
+    index.apply_removed(R0, StorageTier::Device, &[EngineHash(2)]);
+    assert!(held(&index, &[1, 2, 3, 4]).is_empty());
 }
 
 fn storing_again_is_idempotent<I: KvIndexer>(new: fn(usize) -> I) {

@@ -1,6 +1,8 @@
 //! Applying `BlockStored`: resolving where the chain continues, then re-blocking.
 
-use super::record::{Basis, Kind, Part, Record};
+use std::sync::Arc;
+
+use super::record::{Basis, Kind, Part, Record, Tail};
 use super::{tier_index, KvIndex};
 use crate::hash::hash_into;
 use crate::hasher::MixMap;
@@ -14,6 +16,8 @@ pub(super) struct Scratch {
     tokens: Vec<u32>,
     /// Engine blocks of the partial router block being filled, in order.
     members: Vec<EngineHash>,
+    /// The node of the partial router block the event continues (its parent's).
+    before: Option<Arc<Tail>>,
 }
 
 impl Scratch {
@@ -62,7 +66,8 @@ impl KvIndex {
     }
 
     /// Where the event's chain starts: the router block before it, and (in
-    /// `scratch.tokens`/`members`) the pieces of a partial router block it continues.
+    /// `scratch.tokens`/`members`) the partial router block it continues, as the parent's
+    /// record holds it.
     fn resolve_parent(
         &self,
         replica: ReplicaId,
@@ -71,6 +76,7 @@ impl KvIndex {
     ) -> Result<Option<BlockHash>, IndexError> {
         scratch.tokens.clear();
         scratch.members.clear();
+        scratch.before = None;
         let Some(parent) = event.parent else {
             return Ok(None);
         };
@@ -92,29 +98,21 @@ impl KvIndex {
                 router: self.block_size,
             });
         }
-        // Walk back through the pieces of the partial router block.
-        let mut need = filled as usize;
-        let mut current = parent;
-        loop {
-            let part = match engine.get(&current).map(|r| &r.kind) {
-                Some(Kind::Part(part)) if part.own.is_none() && part.base == base => part,
-                _ => return Err(IndexError::UnknownParent(current)),
-            };
-            scratch.members.push(current);
-            need = need
-                .checked_sub(part.tokens.len())
-                .ok_or(IndexError::UnknownParent(current))?;
-            if need == 0 {
-                break;
-            }
-            current = part.parent.ok_or(IndexError::UnknownParent(current))?;
+        let Kind::Part(part) = &record.kind else {
+            unreachable!("only a piece leaves a router block partial");
+        };
+        // Continue the partial router block as the parent's record saw it; each of its pieces
+        // must still be held (a removed piece breaks the prefix there).
+        part.partial_into(&mut scratch.tokens, &mut scratch.members);
+        if let Some(gone) = scratch
+            .members
+            .iter()
+            .rev()
+            .find(|m| !engine.contains_key(m))
+        {
+            return Err(IndexError::UnknownParent(*gone));
         }
-        scratch.members.reverse();
-        for member in &scratch.members {
-            if let Some(Kind::Part(part)) = engine.get(member).map(|r| &r.kind) {
-                scratch.tokens.extend_from_slice(&part.tokens);
-            }
-        }
+        scratch.before = part.tail.clone();
         Ok(base)
     }
 
@@ -152,7 +150,8 @@ impl KvIndex {
         }
     }
 
-    /// Engine block size a divisor of the router's.
+    /// Engine block size a divisor of the router's: runs of pieces that leave a router block
+    /// partial share one [`Tail`] node; the piece after a run completes the router block.
     fn store_pieces(
         &mut self,
         slot: u32,
@@ -160,46 +159,71 @@ impl KvIndex {
         mut base: Option<BlockHash>,
         scratch: &mut Scratch,
     ) {
-        let router = self.block_size;
+        let (router, size) = (self.block_size, event.block_size);
+        let tier = tier_index(event.tier);
+        let hashes = event.engine_hashes;
         let mut parent = event.parent;
-        for (&hash, tokens) in event
-            .engine_hashes
-            .iter()
-            .zip(event.token_ids.chunks_exact(event.block_size))
-        {
-            scratch.tokens.extend_from_slice(tokens);
-            let filled = scratch.tokens.len();
-            let own = (filled == router)
-                .then(|| hash_into(base, event.salt, &scratch.tokens, &mut scratch.bytes));
+        let mut before = scratch.before.take();
+        let mut start = 0;
+        while start < hashes.len() {
+            // Pieces `start..end` leave the router block partial; piece `end`, if any,
+            // completes it (`resolve_parent` checked that the pieces fill it exactly).
+            let room = (router - scratch.tokens.len()) / size;
+            let end = (start + room - 1).min(hashes.len());
+            if end > start {
+                let (filled, members) = (scratch.tokens.len(), scratch.members.len());
+                let tokens = &event.token_ids[start * size..end * size];
+                let tail = Arc::new(Tail {
+                    before: before.take(),
+                    filled_before: filled as u32,
+                    members_before: members as u32,
+                    sharers: (end - start) as u32,
+                    tokens: tokens.into(),
+                    members: hashes[start..end].into(),
+                });
+                scratch.tokens.extend_from_slice(tokens);
+                scratch.members.extend_from_slice(&hashes[start..end]);
+                for (i, &hash) in hashes[start..end].iter().enumerate() {
+                    let part = Part {
+                        parent,
+                        base,
+                        filled: (filled + (i + 1) * size) as u32,
+                        size: size as u32,
+                        members: (members + i + 1) as u32,
+                        tail: Some(Arc::clone(&tail)),
+                        own: None,
+                        members_of: Vec::new(),
+                    };
+                    self.upsert(slot, hash, Kind::Part(Box::new(part)), tier);
+                    parent = Some(hash);
+                }
+            }
+            let Some(&hash) = hashes.get(end) else {
+                break;
+            };
+            scratch
+                .tokens
+                .extend_from_slice(&event.token_ids[end * size..(end + 1) * size]);
+            let block = hash_into(base, event.salt, &scratch.tokens, &mut scratch.bytes);
             let part = Part {
                 parent,
                 base,
-                filled: filled as u32,
-                tokens: if own.is_some() {
-                    Box::default()
-                } else {
-                    tokens.into()
-                },
-                own,
+                filled: router as u32,
+                size: size as u32,
+                members: 0,
+                tail: None,
+                own: Some(block),
                 members_of: Vec::new(),
             };
-            self.upsert(
-                slot,
-                hash,
-                Kind::Part(Box::new(part)),
-                tier_index(event.tier),
-            );
-            match own {
-                Some(block) => {
-                    for member in scratch.members.drain(..) {
-                        self.add_member_of(slot, member, block);
-                    }
-                    scratch.tokens.clear();
-                    base = Some(block);
-                }
-                None => scratch.members.push(hash),
+            self.upsert(slot, hash, Kind::Part(Box::new(part)), tier);
+            for member in scratch.members.drain(..) {
+                self.add_member_of(slot, member, block);
             }
+            scratch.tokens.clear();
+            before = None;
+            base = Some(block);
             parent = Some(hash);
+            start = end + 1;
         }
     }
 
