@@ -18,17 +18,6 @@ struct Engine {
     shutdown: CancellationToken,
 }
 
-/// A port P with P and P + 1 free (an engine with two ranks binds both).
-fn free_port() -> u16 {
-    loop {
-        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-}
-
 impl Engine {
     /// Starts an engine; a KV-event port another test took meanwhile is retried with a
     /// fresh one (the engine binds it itself, so picking a free port can race).

@@ -42,14 +42,6 @@ impl Child {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 async fn start(args: &[&str]) -> (Child, String) {
     let port = free_port();
     let child = Child(
@@ -163,21 +155,6 @@ async fn a_client_that_never_finishes_its_headers_is_cut_off() {
     assert!(read.is_ok(), "the connection stayed open");
     // The router itself still serves.
     assert!(answers(&format!("{url}/health")).await);
-}
-
-async fn wait_until_async<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !cond().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test]

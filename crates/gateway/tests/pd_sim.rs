@@ -5,7 +5,6 @@
 mod support;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use http_body_util::BodyExt;
 use kvroute_gateway::config::{PdProtocol, WorkerRole};
@@ -106,19 +105,6 @@ fn by_id<'a>(engines: &'a [Engine], id: &str) -> &'a Engine {
     engines.iter().find(|e| e.id == id).unwrap()
 }
 
-async fn idle(r: &TestRouter) {
-    let gw = r.gateway.clone();
-    wait_until("nothing in flight", || {
-        gw.workers().statuses().iter().all(|w| {
-            w.in_flight == 0
-                && w.ranks
-                    .iter()
-                    .all(|k| k.active_prefill_tokens == 0 && k.active_decode_blocks == 0)
-        })
-    })
-    .await;
-}
-
 async fn check_both_halves(protocol: PdProtocol) {
     let (engines, r) = cluster(protocol, 0).await;
     let chat = |stream: bool| {
@@ -136,7 +122,7 @@ async fn check_both_halves(protocol: PdProtocol) {
         .to_owned();
     assert!(decode.starts_with('d') && prefill.starts_with('p'));
     assert_eq!(reply.json()["usage"]["completion_tokens"], 6);
-    wait_until_async(|| async {
+    wait_until_async("the transfer received", || async {
         sim_metric(
             by_id(&engines, &decode),
             "kvroute_sim_kv_transfers_total",
@@ -178,7 +164,7 @@ async fn check_both_halves(protocol: PdProtocol) {
     };
     assert_eq!(sum("kvroute_pd_prefill_requests_total"), 2.0);
     assert_eq!(sum("kvroute_pd_decode_requests_total"), 2.0);
-    idle(&r).await;
+    wait_all_idle(&r).await;
     r.stop().await;
 }
 
@@ -208,7 +194,7 @@ async fn a_decode_worker_that_holds_the_prompt_skips_the_remote_prefill() {
     // The decode engine stored the transferred blocks and published them: the router learns
     // that d0 holds the prompt.
     let probe = json!({"prompt": prompt}).to_string();
-    wait_until_async(|| async {
+    wait_until_async("the router credits d0 with the prompt", || async {
         let d = post(&r.url, "/debug/route", &[], &probe).await.json();
         d["candidates"].as_array().unwrap().iter().any(|c| {
             c["worker"] == "d0" && c["overlap_blocks"]["device"].as_u64().unwrap_or(0) >= 39
@@ -254,7 +240,7 @@ async fn a_decode_worker_that_holds_the_prompt_skips_the_remote_prefill() {
         )
         .await;
     assert_eq!(prefills, 1.0);
-    idle(&r).await;
+    wait_all_idle(&r).await;
     r.stop().await;
 }
 
@@ -276,23 +262,11 @@ async fn a_failing_prefill_half_is_reported_and_leaves_nothing_in_flight() {
     for id in ["d0", "d1"] {
         assert_eq!(by_id(&engines, id).sim.faults().requests_accepted(), 0);
     }
-    idle(&r).await;
+    wait_all_idle(&r).await;
     let m = r.metrics().await;
     assert_eq!(
         metric_value(&m, "kvroute_requests_in_router", ""),
         Some(0.0)
     );
     r.stop().await;
-}
-
-async fn wait_until_async<F, Fut>(mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !cond().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }

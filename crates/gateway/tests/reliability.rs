@@ -96,19 +96,6 @@ fn flaky_settings(workers: &[&Flaky]) -> Settings {
 
 const BODY: &str = r#"{"model":"m","prompt":"hello"}"#;
 
-async fn assert_idle(router: &TestRouter) {
-    let gw = router.gateway.clone();
-    wait_until("nothing in flight", || {
-        gw.workers().statuses().iter().all(|w| w.in_flight == 0)
-    })
-    .await;
-    let m = router.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_requests_in_router", ""),
-        Some(0.0)
-    );
-}
-
 #[tokio::test]
 async fn a_failed_attempt_is_retried_on_another_worker() {
     let bad = Flaky::start("bad").await;
@@ -135,7 +122,7 @@ async fn a_failed_attempt_is_retried_on_another_worker() {
         ),
         Some(bad.requests() as f64)
     );
-    assert_idle(&router).await;
+    wait_all_idle(&router).await;
     router.stop().await;
 }
 
@@ -169,7 +156,7 @@ async fn a_dropped_connection_is_retried_and_a_4xx_is_not() {
         assert_eq!(r.status, StatusCode::BAD_REQUEST);
         assert_eq!(good.requests(), before + 1);
     }
-    assert_idle(&router).await;
+    wait_all_idle(&router).await;
     router.stop().await;
 }
 
@@ -197,7 +184,7 @@ async fn a_pinned_request_is_never_moved_and_retries_give_up() {
     let r = post(&router.url, "/v1/completions", &[], BODY).await;
     assert!(r.status.is_server_error(), "{}", r.status);
     assert_eq!(a.requests() + b.requests(), 3);
-    assert_idle(&router).await;
+    wait_all_idle(&router).await;
     router.stop().await;
 }
 
@@ -250,7 +237,7 @@ async fn the_circuit_opens_on_failures_and_closes_after_a_probe() {
     }
     assert!(seen_a, "the probe reached the recovered worker");
     assert_eq!(status("a"), "closed");
-    assert_idle(&router).await;
+    wait_all_idle(&router).await;
     router.stop().await;
 }
 
@@ -320,7 +307,7 @@ async fn beyond_the_concurrency_limit_requests_get_429() {
     wait_idle(&router, &w.url).await;
     let r = post(&router.url, "/v1/completions", &[], BODY).await;
     assert_eq!(r.status, StatusCode::OK);
-    assert_idle(&router).await;
+    wait_all_idle(&router).await;
     router.stop().await;
 }
 
@@ -511,6 +498,6 @@ async fn workers_come_and_go_at_run_time_without_losing_requests() {
     assert_eq!(r.error_code(), "worker_not_found");
     let r = post(&router.url, "/workers", &[], r#"{"url":"ftp://x"}"#).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
-    assert_idle(&router).await;
+    wait_all_idle(&router).await;
     router.stop().await;
 }

@@ -434,3 +434,48 @@ pub async fn answers(url: &str) -> bool {
         .unwrap();
     matches!(client().request(req).await, Ok(resp) if resp.status() == StatusCode::OK)
 }
+
+/// Waits until nothing is in flight anywhere in the router: every worker's requests, every
+/// rank's prefill tokens and decode blocks, and `kvroute_requests_in_router`.
+pub async fn wait_all_idle(router: &TestRouter) {
+    let gw = router.gateway.clone();
+    wait_until("nothing in flight", || {
+        gw.workers().statuses().iter().all(|w| {
+            w.in_flight == 0
+                && w.ranks
+                    .iter()
+                    .all(|k| k.active_prefill_tokens == 0 && k.active_decode_blocks == 0)
+        })
+    })
+    .await;
+    let m = router.metrics().await;
+    assert_eq!(
+        metric_value(&m, "kvroute_requests_in_router", ""),
+        Some(0.0)
+    );
+}
+
+/// A loopback port free at the time of asking.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Polls an async condition until it holds, failing after 20 s.
+pub async fn wait_until_async<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !cond().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
