@@ -9,9 +9,7 @@ pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
         state.client.clone(),
         state.shutdown.clone(),
     ));
-    if state.settings.policy == PolicyKind::LlmD
-        || state.settings.busy.active_decode_blocks.is_some()
-    {
+    if reads_engine_metrics(&state.settings) {
         let timing = ScrapeTiming {
             interval: state.settings.metrics_refresh,
             ..ScrapeTiming::default()
@@ -178,4 +176,16 @@ pub(super) async fn serve_api(
         );
     }
     Ok(())
+}
+
+/// Whether a policy in force reads the engines' own load (`llm_d`'s queue and KV usage,
+/// `kv_aware`'s saturation term, the decode busy threshold).
+fn reads_engine_metrics(settings: &Settings) -> bool {
+    let reads = |p: PolicyKind| matches!(p, PolicyKind::LlmD | PolicyKind::KvAware);
+    reads(settings.policy)
+        || settings.busy.active_decode_blocks.is_some()
+        || settings
+            .pd
+            .as_ref()
+            .is_some_and(|pd| reads(pd.prefill_policy) || reads(pd.decode_policy))
 }
