@@ -24,6 +24,7 @@ pub mod proxy;
 pub mod queue;
 pub mod routing;
 pub mod server;
+pub mod sync;
 pub mod workers;
 
 pub use config::{Args, Settings, WorkerSpec};

@@ -1,0 +1,356 @@
+//! Router replicas in sync (issue 10), the pure part: what replicas tell each other about
+//! the load they cause, and the ledger that turns a peer's messages into load operations on
+//! this replica's ranks — and takes them all back when the peer falls silent.
+//!
+//! Not wired yet: the NATS transport (`--replica-sync nats://...`), the approximate caches
+//! and session maps, snapshots. Each replica publishes what its own requests do (routed,
+//! first token, finished) on `{prefix}.load`, and a heartbeat on `{prefix}.hb`; a replica
+//! applies what the others publish, in the same `RankLoad` operations a local request
+//! performs, and ignores its own messages.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvroute_core::RequestLoad;
+use serde::{Deserialize, Serialize};
+
+/// A router replica's id (random at start).
+pub type ReplicaTag = u64;
+
+/// One message on the sync subjects.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    pub sender: ReplicaTag,
+    /// The sender's message counter (gaps say messages were lost).
+    pub seq: u64,
+    pub body: Message,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Message {
+    /// A request was sent to (worker, rank) with this load.
+    Routed {
+        request: u64,
+        worker: String,
+        dp_rank: Option<u32>,
+        prefill_tokens: u64,
+        blocks: Vec<u64>,
+        own_blocks: u64,
+    },
+    /// Its first token came back: its prefill load ends.
+    FirstToken { request: u64 },
+    /// It ended (completed, failed or abandoned).
+    Finished { request: u64 },
+    /// The sender is alive, with this many requests in flight.
+    Heartbeat { in_flight: u64 },
+}
+
+/// What to do to a local rank's load on behalf of a peer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LoadOp {
+    Start {
+        worker: String,
+        dp_rank: Option<u32>,
+        load: RequestLoad,
+    },
+    FirstToken {
+        worker: String,
+        dp_rank: Option<u32>,
+        load: RequestLoad,
+    },
+    Finish {
+        worker: String,
+        dp_rank: Option<u32>,
+        load: RequestLoad,
+        /// Whether it never saw its first token (its prefill load is still counted).
+        prefilling: bool,
+    },
+}
+
+#[derive(Debug)]
+struct Remote {
+    worker: String,
+    dp_rank: Option<u32>,
+    load: RequestLoad,
+    first_token: bool,
+}
+
+#[derive(Debug, Default)]
+struct Peer {
+    last_seen: Option<Instant>,
+    last_seq: Option<u64>,
+    lost: u64,
+    requests: HashMap<u64, Remote>,
+}
+
+/// The peers' requests as this replica knows them.
+#[derive(Debug)]
+pub struct Ledger {
+    me: ReplicaTag,
+    peers: HashMap<ReplicaTag, Peer>,
+    /// A peer's request map is bounded: past this, the oldest entries are not tracked.
+    max_requests_per_peer: usize,
+}
+
+/// Why a message was not applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ignored {
+    /// This replica's own message, echoed back.
+    Own,
+    /// An operation on a request the ledger does not hold (its `Routed` was lost, or the
+    /// peer was expired meanwhile).
+    UnknownRequest,
+    /// A `Routed` for a request already held.
+    Duplicate,
+    /// The peer has more requests in flight than the ledger tracks.
+    Full,
+}
+
+impl Ledger {
+    pub fn new(me: ReplicaTag, max_requests_per_peer: usize) -> Self {
+        Self {
+            me,
+            peers: HashMap::new(),
+            max_requests_per_peer,
+        }
+    }
+
+    /// Applies one message received at `now`: the load operation it implies, if any.
+    pub fn apply(&mut self, msg: Envelope, now: Instant) -> Result<Option<LoadOp>, Ignored> {
+        if msg.sender == self.me {
+            return Err(Ignored::Own);
+        }
+        let peer = self.peers.entry(msg.sender).or_default();
+        peer.last_seen = Some(now);
+        if let Some(last) = peer.last_seq {
+            if msg.seq > last + 1 {
+                peer.lost += msg.seq - last - 1;
+            }
+        }
+        peer.last_seq = Some(msg.seq.max(peer.last_seq.unwrap_or(0)));
+        match msg.body {
+            Message::Heartbeat { .. } => Ok(None),
+            Message::Routed {
+                request,
+                worker,
+                dp_rank,
+                prefill_tokens,
+                blocks,
+                own_blocks,
+            } => {
+                if peer.requests.contains_key(&request) {
+                    return Err(Ignored::Duplicate);
+                }
+                if peer.requests.len() >= self.max_requests_per_peer {
+                    return Err(Ignored::Full);
+                }
+                let load = RequestLoad {
+                    prefill_tokens,
+                    blocks,
+                    own_blocks,
+                };
+                peer.requests.insert(
+                    request,
+                    Remote {
+                        worker: worker.clone(),
+                        dp_rank,
+                        load: load.clone(),
+                        first_token: false,
+                    },
+                );
+                Ok(Some(LoadOp::Start {
+                    worker,
+                    dp_rank,
+                    load,
+                }))
+            }
+            Message::FirstToken { request } => {
+                let remote = peer
+                    .requests
+                    .get_mut(&request)
+                    .ok_or(Ignored::UnknownRequest)?;
+                if remote.first_token {
+                    return Ok(None);
+                }
+                remote.first_token = true;
+                Ok(Some(LoadOp::FirstToken {
+                    worker: remote.worker.clone(),
+                    dp_rank: remote.dp_rank,
+                    load: remote.load.clone(),
+                }))
+            }
+            Message::Finished { request } => {
+                let remote = peer
+                    .requests
+                    .remove(&request)
+                    .ok_or(Ignored::UnknownRequest)?;
+                Ok(Some(finish(remote)))
+            }
+        }
+    }
+
+    /// Peers silent for longer than `timeout` at `now`, forgotten: the operations that take
+    /// back everything they had in flight.
+    pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<LoadOp> {
+        let silent: Vec<ReplicaTag> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| {
+                p.last_seen
+                    .is_none_or(|t| now.saturating_duration_since(t) > timeout)
+            })
+            .map(|(tag, _)| *tag)
+            .collect();
+        let mut ops = Vec::new();
+        for tag in silent {
+            if let Some(peer) = self.peers.remove(&tag) {
+                ops.extend(peer.requests.into_values().map(finish));
+            }
+        }
+        ops
+    }
+
+    /// Live peers.
+    pub fn peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Messages a peer sent that never arrived (sequence gaps), over all peers.
+    pub fn lost(&self) -> u64 {
+        self.peers.values().map(|p| p.lost).sum()
+    }
+
+    /// Requests in flight that peers routed, over all peers.
+    pub fn remote_in_flight(&self) -> usize {
+        self.peers.values().map(|p| p.requests.len()).sum()
+    }
+}
+
+fn finish(remote: Remote) -> LoadOp {
+    LoadOp::Finish {
+        worker: remote.worker,
+        dp_rank: remote.dp_rank,
+        load: remote.load,
+        prefilling: !remote.first_token,
+    }
+}
+
+/// The wire form of a message (MessagePack).
+pub fn encode(msg: &Envelope) -> Vec<u8> {
+    rmp_serde::to_vec(msg).expect("a sync message always encodes")
+}
+
+/// A message from the wire; `None` for anything malformed or foreign (counted by the caller).
+pub fn decode(bytes: &[u8]) -> Option<Envelope> {
+    rmp_serde::from_slice(bytes).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routed(sender: ReplicaTag, seq: u64, request: u64) -> Envelope {
+        Envelope {
+            sender,
+            seq,
+            body: Message::Routed {
+                request,
+                worker: "w1".into(),
+                dp_rank: Some(0),
+                prefill_tokens: 100,
+                blocks: vec![1, 2, 3],
+                own_blocks: 1,
+            },
+        }
+    }
+
+    fn msg(sender: ReplicaTag, seq: u64, body: Message) -> Envelope {
+        Envelope { sender, seq, body }
+    }
+
+    #[test]
+    fn a_peers_request_starts_and_finishes_on_the_same_rank() {
+        let mut l = Ledger::new(1, 1000);
+        let t = Instant::now();
+        let start = l.apply(routed(2, 0, 7), t).unwrap().unwrap();
+        assert!(
+            matches!(start, LoadOp::Start { ref worker, dp_rank: Some(0), .. } if worker == "w1")
+        );
+        let first = l
+            .apply(msg(2, 1, Message::FirstToken { request: 7 }), t)
+            .unwrap();
+        assert!(matches!(first, Some(LoadOp::FirstToken { .. })));
+        let end = l
+            .apply(msg(2, 2, Message::Finished { request: 7 }), t)
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            end,
+            LoadOp::Finish {
+                prefilling: false,
+                ..
+            }
+        ));
+        assert_eq!(l.remote_in_flight(), 0);
+        assert_eq!(
+            l.apply(msg(2, 3, Message::Finished { request: 7 }), t),
+            Err(Ignored::UnknownRequest)
+        );
+    }
+
+    #[test]
+    fn own_and_duplicate_messages_are_ignored() {
+        let mut l = Ledger::new(1, 1000);
+        let t = Instant::now();
+        assert_eq!(l.apply(routed(1, 0, 7), t), Err(Ignored::Own));
+        l.apply(routed(2, 0, 7), t).unwrap();
+        assert_eq!(l.apply(routed(2, 1, 7), t), Err(Ignored::Duplicate));
+    }
+
+    #[test]
+    fn a_silent_peer_takes_its_load_back() {
+        let mut l = Ledger::new(1, 1000);
+        let t = Instant::now();
+        l.apply(routed(2, 0, 7), t).unwrap();
+        l.apply(routed(2, 1, 8), t).unwrap();
+        l.apply(msg(2, 2, Message::FirstToken { request: 8 }), t)
+            .unwrap();
+        l.apply(routed(3, 0, 9), t + Duration::from_secs(5))
+            .unwrap();
+        let ops = l.expire(t + Duration::from_secs(6), Duration::from_secs(3));
+        assert_eq!(ops.len(), 2, "peer 2's two requests, not peer 3's");
+        let prefilling: Vec<bool> = ops
+            .iter()
+            .map(|o| {
+                matches!(
+                    o,
+                    LoadOp::Finish {
+                        prefilling: true,
+                        ..
+                    }
+                )
+            })
+            .collect();
+        assert_eq!(prefilling.iter().filter(|p| **p).count(), 1);
+        assert_eq!(l.peers(), 1);
+        assert_eq!(l.remote_in_flight(), 1);
+    }
+
+    #[test]
+    fn sequence_gaps_are_counted_and_the_map_is_bounded() {
+        let mut l = Ledger::new(1, 2);
+        let t = Instant::now();
+        l.apply(routed(2, 0, 1), t).unwrap();
+        l.apply(routed(2, 5, 2), t).unwrap();
+        assert_eq!(l.lost(), 4);
+        assert_eq!(l.apply(routed(2, 6, 3), t), Err(Ignored::Full));
+    }
+
+    #[test]
+    fn the_wire_form_round_trips_and_refuses_garbage() {
+        let m = routed(2, 9, 7);
+        assert_eq!(decode(&encode(&m)), Some(m));
+        assert_eq!(decode(b"\xc1not msgpack"), None);
+        assert_eq!(decode(b""), None);
+    }
+}
