@@ -520,6 +520,16 @@ pub struct Args {
     #[arg(long)]
     pub disable_circuit_breaker: bool,
 
+    /// Router replicas in sync over NATS (`nats://HOST:PORT`): each replica's load is
+    /// every replica's (off when absent).
+    #[arg(long, value_name = "URL")]
+    pub replica_sync: Option<String>,
+    /// Subject prefix of the sync messages [default: kvroute].
+    #[arg(long)]
+    pub replica_sync_subject_prefix: Option<String>,
+    /// A peer replica silent this long is gone: its load is dropped [default: 10].
+    #[arg(long)]
+    pub replica_timeout_secs: Option<u64>,
     /// Requests in the router at once; more are refused with 429 [default: unlimited].
     #[arg(long)]
     pub max_concurrent_requests: Option<usize>,
@@ -587,6 +597,8 @@ pub struct Settings {
     pub header_read_timeout: Duration,
     /// Prefill/decode disaggregation, when on.
     pub pd: Option<PdSettings>,
+    /// Replica sync, when on.
+    pub replica_sync: Option<crate::sync::transport::SyncConfig>,
     /// The config file, re-read on SIGHUP.
     pub config_path: Option<PathBuf>,
     /// `--worker-urls` as given on the command line (they stay across reloads).

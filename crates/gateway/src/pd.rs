@@ -289,7 +289,8 @@ fn prefill_task(
 ) -> impl std::future::Future<Output = Result<Result<serde_json::Value, Response>, GatewayError>>
        + Send
        + 'static {
-    let guard = InFlight::new(prefill.worker.clone(), prefill.rank, load, None);
+    let guard =
+        InFlight::new(prefill.worker.clone(), prefill.rank, load, None).with_sync(state.sync.get());
     let client = state.client.clone();
     let auth = state.worker_auth.clone();
     let timeout = state.settings.request_timeout;
@@ -351,7 +352,8 @@ async fn send_decode(
     body: Bytes,
     _prefill: Option<HeaderValue>,
 ) -> Result<http::Response<proxy::TrackedBody>, GatewayError> {
-    let mut guard = InFlight::new(decode.worker.clone(), decode.rank, load, None);
+    let mut guard =
+        InFlight::new(decode.worker.clone(), decode.rank, load, None).with_sync(state.sync.get());
     if req.fields.stream {
         guard = guard.with_ttft(req.arrived, state.metrics.ttft_seconds.clone());
     }

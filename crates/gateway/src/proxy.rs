@@ -77,6 +77,8 @@ pub struct InFlight {
     ttft: Option<(Instant, Histogram)>,
     /// Told when this request frees capacity (first token, end).
     queue: Option<Arc<AdmissionQueue>>,
+    /// Router replicas told of its load (replica sync), with its id among this replica's.
+    sync: Option<(crate::sync::transport::SyncHandle, u64)>,
 }
 
 impl InFlight {
@@ -95,7 +97,26 @@ impl InFlight {
             first_frame_seen: false,
             ttft: None,
             queue,
+            sync: None,
         }
+    }
+
+    /// Tells the peer replicas about this request's load, now and as it changes.
+    pub fn with_sync(mut self, sync: Option<&crate::sync::transport::SyncHandle>) -> Self {
+        if let Some(handle) = sync {
+            let request = handle.request_id();
+            let rank = &self.worker.ranks[self.rank];
+            handle.send(crate::sync::Message::Routed {
+                request,
+                worker: self.worker.id.to_string(),
+                dp_rank: rank.dp_rank,
+                prefill_tokens: self.load.prefill_tokens,
+                blocks: self.load.blocks.clone(),
+                own_blocks: self.load.own_blocks,
+            });
+            self.sync = Some((handle.clone(), request));
+        }
+        self
     }
 
     /// Records the time to the first body frame of a streaming request.
@@ -114,6 +135,9 @@ impl InFlight {
             if let Some(q) = &self.queue {
                 q.dispatch();
             }
+            if let Some((handle, request)) = &self.sync {
+                handle.send(crate::sync::Message::FirstToken { request: *request });
+            }
         }
     }
 }
@@ -124,6 +148,9 @@ impl Drop for InFlight {
         self.worker.end_request();
         if let Some(q) = &self.queue {
             q.dispatch();
+        }
+        if let Some((handle, request)) = &self.sync {
+            handle.send(crate::sync::Message::Finished { request: *request });
         }
     }
 }

@@ -87,6 +87,10 @@ pub(crate) struct AppState {
     pub(crate) tasks: TaskTracker,
     /// Cancelled when serving ends: stops every background task.
     pub(crate) shutdown: CancellationToken,
+    /// Replica sync, once serving started with it.
+    pub(crate) sync: std::sync::OnceLock<crate::sync::transport::SyncHandle>,
+    /// `kvroute_replica_peers`.
+    pub(crate) replica_peers: prometheus_client::metrics::gauge::Gauge,
 }
 
 /// The router: configuration, workers, the upstream client and the metrics.
@@ -154,6 +158,16 @@ impl Gateway {
                 worker_auth,
                 tasks: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
+                sync: std::sync::OnceLock::new(),
+                replica_peers: {
+                    let g = prometheus_client::metrics::gauge::Gauge::default();
+                    registry.register(
+                        "kvroute_replica_peers",
+                        "Other router replicas heard from within --replica-timeout-secs",
+                        g.clone(),
+                    );
+                    g
+                },
                 settings,
                 kv,
                 kv_event_metrics,
@@ -303,6 +317,16 @@ impl Gateway {
         }
         for worker in state.workers.workers().iter() {
             start_worker(&state, worker.clone());
+        }
+        if let Some(config) = &state.settings.replica_sync {
+            let handle = crate::sync::transport::spawn(
+                config.clone(),
+                state.workers.clone(),
+                state.replica_peers.clone(),
+                &state.tasks,
+                state.shutdown.clone(),
+            );
+            let _ = state.sync.set(handle);
         }
         {
             let workers = state.workers.clone();

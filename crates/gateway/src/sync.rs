@@ -354,3 +354,154 @@ mod tests {
         assert_eq!(decode(b""), None);
     }
 }
+
+/// The transport: a task that publishes this replica's messages on NATS and applies the
+/// peers' to the local ranks.
+pub mod transport {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use futures_util::StreamExt;
+    use prometheus_client::metrics::gauge::Gauge;
+    use tokio::sync::mpsc;
+    use tokio_util::sync::CancellationToken;
+
+    use super::{decode, encode, Envelope, Ledger, LoadOp, Message, ReplicaTag};
+    use crate::workers::WorkerSet;
+
+    /// What the request path holds: sends this replica's messages to the task (never blocks).
+    #[derive(Debug, Clone)]
+    pub struct SyncHandle {
+        tx: mpsc::UnboundedSender<Message>,
+        next_request: Arc<AtomicU64>,
+    }
+
+    impl SyncHandle {
+        pub fn request_id(&self) -> u64 {
+            self.next_request.fetch_add(1, Ordering::Relaxed)
+        }
+
+        pub fn send(&self, msg: Message) {
+            let _ = self.tx.send(msg);
+        }
+    }
+
+    /// Where and how to sync.
+    #[derive(Debug, Clone)]
+    pub struct SyncConfig {
+        pub url: String,
+        pub prefix: String,
+        pub timeout: Duration,
+    }
+
+    /// Starts the sync task; returns the handle for the request path.
+    pub fn spawn(
+        config: SyncConfig,
+        workers: Arc<WorkerSet>,
+        peers: Gauge,
+        tasks: &tokio_util::task::TaskTracker,
+        shutdown: CancellationToken,
+    ) -> SyncHandle {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let me: ReplicaTag = rand::random();
+        tasks.spawn(run(config, me, workers, peers, rx, shutdown));
+        SyncHandle {
+            tx,
+            next_request: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn apply(workers: &WorkerSet, op: LoadOp) {
+        let (worker, dp_rank) = match &op {
+            LoadOp::Start {
+                worker, dp_rank, ..
+            }
+            | LoadOp::FirstToken {
+                worker, dp_rank, ..
+            }
+            | LoadOp::Finish {
+                worker, dp_rank, ..
+            } => (worker, dp_rank),
+        };
+        let Some(w) = workers.get(worker) else { return };
+        let Some(rank) = w.ranks.iter().find(|r| r.dp_rank == *dp_rank) else {
+            return;
+        };
+        match &op {
+            LoadOp::Start { load, .. } => rank.start(load),
+            LoadOp::FirstToken { load, .. } => rank.first_token(load),
+            LoadOp::Finish {
+                load, prefilling, ..
+            } => rank.finish(load, *prefilling),
+        }
+    }
+
+    async fn run(
+        config: SyncConfig,
+        me: ReplicaTag,
+        workers: Arc<WorkerSet>,
+        peers: Gauge,
+        mut rx: mpsc::UnboundedReceiver<Message>,
+        shutdown: CancellationToken,
+    ) {
+        let subject = format!("{}.load", config.prefix);
+        let client = loop {
+            let attempt = async_nats::ConnectOptions::new()
+                .connection_timeout(Duration::from_secs(2))
+                .connect(config.url.as_str());
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                c = attempt => match c {
+                    Ok(c) => break c,
+                    Err(error) => {
+                        tracing::warn!(url = %config.url, %error, "Replica sync: NATS unreachable; routing on local state, retrying");
+                        // Drop what piles up meanwhile: peers cannot learn it anyway.
+                        while rx.try_recv().is_ok() {}
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        };
+        let mut sub = match client.subscribe(subject.clone()).await {
+            Ok(s) => s,
+            Err(error) => {
+                tracing::error!(%error, "Replica sync: cannot subscribe");
+                return;
+            }
+        };
+        tracing::info!(url = %config.url, subject, "Replica sync on");
+        let mut ledger = Ledger::new(me, 1 << 20);
+        let mut seq = 0u64;
+        let mut tick = tokio::time::interval(config.timeout / 3);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                out = rx.recv() => {
+                    let Some(body) = out else { return };
+                    let env = Envelope { sender: me, seq, body };
+                    seq += 1;
+                    let _ = client.publish(subject.clone(), encode(&env).into()).await;
+                }
+                msg = sub.next() => {
+                    let Some(msg) = msg else { return };
+                    if let Some(env) = decode(&msg.payload) {
+                        if let Ok(Some(op)) = ledger.apply(env, Instant::now()) {
+                            apply(&workers, op);
+                        }
+                    }
+                    peers.set(ledger.peers() as i64);
+                }
+                _ = tick.tick() => {
+                    let env = Envelope { sender: me, seq, body: Message::Heartbeat { in_flight: 0 } };
+                    seq += 1;
+                    let _ = client.publish(subject.clone(), encode(&env).into()).await;
+                    for op in ledger.expire(Instant::now(), config.timeout) {
+                        apply(&workers, op);
+                    }
+                    peers.set(ledger.peers() as i64);
+                }
+            }
+        }
+    }
+}

@@ -85,6 +85,11 @@ impl Args {
                 .or(file.active_decode_blocks_threshold),
             admin_api_key: self.admin_api_key.or(file.admin_api_key),
             client_api_key: self.client_api_key.or(file.client_api_key),
+            replica_sync: self.replica_sync.or(file.replica_sync),
+            replica_sync_subject_prefix: self
+                .replica_sync_subject_prefix
+                .or(file.replica_sync_subject_prefix),
+            replica_timeout_secs: self.replica_timeout_secs.or(file.replica_timeout_secs),
             api_key: self.api_key.or(file.api_key),
             health_check_interval_secs: self
                 .health_check_interval_secs

@@ -388,6 +388,22 @@ impl Args {
                 self.header_read_timeout_secs.unwrap_or(30).max(1),
             ),
             pd,
+            replica_sync: match self.replica_sync {
+                None => None,
+                Some(url) if !url.starts_with("nats://") => {
+                    return Err(ConfigError::Invalid {
+                        name: "replica_sync",
+                        reason: "must be nats://HOST:PORT",
+                    })
+                }
+                Some(url) => Some(crate::sync::transport::SyncConfig {
+                    url,
+                    prefix: self
+                        .replica_sync_subject_prefix
+                        .unwrap_or_else(|| "kvroute".to_owned()),
+                    timeout: Duration::from_secs(self.replica_timeout_secs.unwrap_or(10).max(1)),
+                }),
+            },
             config_path: self.config,
             cli_worker_urls: Vec::new(),
             queue: match self.router_queue_threshold {

@@ -214,7 +214,8 @@ pub(super) async fn route_and_forward(
             choice.rank,
             load,
             state.queue.clone(),
-        );
+        )
+        .with_sync(state.sync.get());
         // Its load is counted: the queue may consider the next request.
         released.take();
         if fields.stream {
