@@ -92,7 +92,9 @@ impl KvIndex {
         if filled == 0 {
             return Ok(base);
         }
-        if event.block_size >= self.block_size || !(filled as usize).is_multiple_of(event.block_size) {
+        if event.block_size >= self.block_size
+            || !(filled as usize).is_multiple_of(event.block_size)
+        {
             return Err(IndexError::BlockSizeMismatch {
                 engine: event.block_size,
                 router: self.block_size,
