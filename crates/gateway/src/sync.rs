@@ -41,13 +41,16 @@ pub enum Message {
     FirstToken { request: u64 },
     /// It ended (completed, failed or abandoned).
     Finished { request: u64 },
-    /// The sender is alive, with this many requests in flight.
-    Heartbeat { in_flight: u64 },
+    /// The sender is alive, with these requests in flight (the others it sent are over:
+    /// a peer that missed their `Finished` drops them here).
+    Heartbeat { live: Vec<u64> },
 }
 
 /// What to do to a local rank's load on behalf of a peer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LoadOp {
+    /// Several at once (a heartbeat's reconciliation).
+    Many(Vec<LoadOp>),
     Start {
         worker: String,
         dp_rank: Option<u32>,
@@ -129,7 +132,23 @@ impl Ledger {
         }
         peer.last_seq = Some(msg.seq.max(peer.last_seq.unwrap_or(0)));
         match msg.body {
-            Message::Heartbeat { .. } => Ok(None),
+            Message::Heartbeat { live } => {
+                // One sender's messages arrive in order: a request it routed before this
+                // heartbeat and did not list has ended.
+                let live: std::collections::HashSet<u64> = live.into_iter().collect();
+                let over: Vec<u64> = peer
+                    .requests
+                    .keys()
+                    .filter(|r| !live.contains(r))
+                    .copied()
+                    .collect();
+                let ops: Vec<LoadOp> = over
+                    .into_iter()
+                    .filter_map(|r| peer.requests.remove(&r))
+                    .map(finish)
+                    .collect();
+                Ok((!ops.is_empty()).then_some(LoadOp::Many(ops)))
+            }
             Message::Routed {
                 request,
                 worker,
@@ -337,6 +356,25 @@ mod tests {
     }
 
     #[test]
+    fn a_heartbeat_drops_requests_whose_finish_was_lost() {
+        let mut l = Ledger::new(1, 1000);
+        let t = Instant::now();
+        l.apply(routed(2, 0, 7), t).unwrap();
+        l.apply(routed(2, 1, 8), t).unwrap();
+        // The Finished of 7 was lost; the heartbeat lists 8 only.
+        let op = l
+            .apply(msg(2, 3, Message::Heartbeat { live: vec![8] }), t)
+            .unwrap();
+        assert!(matches!(op, Some(LoadOp::Many(ref ops)) if ops.len() == 1));
+        assert_eq!(l.remote_in_flight(), 1);
+        assert_eq!(l.lost(), 1);
+        assert_eq!(
+            l.apply(msg(2, 4, Message::Heartbeat { live: vec![8] }), t),
+            Ok(None)
+        );
+    }
+
+    #[test]
     fn sequence_gaps_are_counted_and_the_map_is_bounded() {
         let mut l = Ledger::new(1, 2);
         let t = Instant::now();
@@ -414,6 +452,12 @@ pub mod transport {
 
     fn apply(workers: &WorkerSet, op: LoadOp) {
         let (worker, dp_rank) = match &op {
+            LoadOp::Many(ops) => {
+                for op in ops.clone() {
+                    apply(workers, op);
+                }
+                return;
+            }
             LoadOp::Start {
                 worker, dp_rank, ..
             }
@@ -434,6 +478,7 @@ pub mod transport {
             LoadOp::Finish {
                 load, prefilling, ..
             } => rank.finish(load, *prefilling),
+            LoadOp::Many(_) => {}
         }
     }
 
@@ -473,12 +518,23 @@ pub mod transport {
         tracing::info!(url = %config.url, subject, "Replica sync on");
         let mut ledger = Ledger::new(me, 1 << 20);
         let mut seq = 0u64;
+        // This replica's requests in flight, listed in its heartbeats.
+        let mut live = std::collections::HashSet::new();
         let mut tick = tokio::time::interval(config.timeout / 3);
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 out = rx.recv() => {
                     let Some(body) = out else { return };
+                    match &body {
+                        Message::Routed { request, .. } => {
+                            live.insert(*request);
+                        }
+                        Message::Finished { request } => {
+                            live.remove(request);
+                        }
+                        _ => {}
+                    }
                     let env = Envelope { sender: me, seq, body };
                     seq += 1;
                     let _ = client.publish(subject.clone(), encode(&env).into()).await;
@@ -493,7 +549,11 @@ pub mod transport {
                     peers.set(ledger.peers() as i64);
                 }
                 _ = tick.tick() => {
-                    let env = Envelope { sender: me, seq, body: Message::Heartbeat { in_flight: 0 } };
+                    let env = Envelope {
+                        sender: me,
+                        seq,
+                        body: Message::Heartbeat { live: live.iter().copied().collect() },
+                    };
                     seq += 1;
                     let _ = client.publish(subject.clone(), encode(&env).into()).await;
                     for op in ledger.expire(Instant::now(), config.timeout) {

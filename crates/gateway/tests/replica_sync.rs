@@ -80,3 +80,136 @@ async fn each_replica_sees_the_load_of_both() {
     a.stop().await;
     b.stop().await;
 }
+
+struct Proc(std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A `kvroute` process in sync on `nats`, serving `worker`.
+async fn replica_process(nats: &str, prefix: &str, worker: &str) -> (Proc, String) {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["--port", &port.to_string(), "--prometheus-port", "0"])
+        .args(["--worker-urls", worker, "--policy", "round_robin"])
+        .args([
+            "--replica-sync",
+            nats,
+            "--replica-sync-subject-prefix",
+            prefix,
+        ])
+        .args(["--replica-timeout-secs", "2"])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let ready = format!("{url}/readiness");
+    wait_until_async("the replica is ready", || answers(&ready)).await;
+    (Proc(child), url)
+}
+
+fn synced(nats: &Nats, prefix: &str, w: &MockWorker) -> kvroute_gateway::Settings {
+    let mut s = settings(&[w]);
+    s.replica_sync = Some(kvroute_gateway::sync::transport::SyncConfig {
+        url: nats.1.clone(),
+        prefix: prefix.into(),
+        timeout: std::time::Duration::from_secs(2),
+    });
+    s
+}
+
+#[tokio::test]
+async fn a_killed_replicas_load_is_gone_within_the_timeout() {
+    let nats = nats().await;
+    let w = MockWorker::start("w", &["m"]).await;
+    let a = TestRouter::start(synced(&nats, "kill", &w)).await;
+    let (mut b, b_url) = replica_process(&nats.1, "kill", &w.url).await;
+    let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
+    // The replicas hear each other, then B's stream shows on A.
+    wait_until_async("A hears B", || async {
+        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
+    })
+    .await;
+    let held = open_stream(&b_url, "/v1/completions", body).await;
+    wait_until("A sees B's stream", || rank_in_flight(&a) == 1).await;
+    b.0.kill().unwrap();
+    let _ = b.0.wait();
+    drop(held);
+    // No phantom load once B is silent past the timeout; A serves on.
+    wait_until("B's load dropped", || rank_in_flight(&a) == 0).await;
+    let r = post(
+        &a.url,
+        "/v1/completions",
+        &[],
+        r#"{"model":"m","prompt":"x"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    w.release.add_permits(8);
+    a.stop().await;
+}
+
+#[tokio::test]
+async fn replicas_serve_without_nats_and_resync_when_it_returns() {
+    let mut nats = nats().await;
+    let port: u16 = nats.1.rsplit(':').next().unwrap().parse().unwrap();
+    let w = MockWorker::start("w", &["m"]).await;
+    let a = TestRouter::start(synced(&nats, "outage", &w)).await;
+    let b = TestRouter::start(synced(&nats, "outage", &w)).await;
+    wait_until_async("the replicas hear each other", || async {
+        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
+    })
+    .await;
+    let _ = nats.0.kill();
+    let _ = nats.0.wait();
+    // Both serve on their own state.
+    for r in [&a, &b] {
+        let reply = post(
+            &r.url,
+            "/v1/completions",
+            &[],
+            r#"{"model":"m","prompt":"x"}"#,
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+    }
+    wait_until_async("A forgets silent B", || async {
+        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(0.0)
+    })
+    .await;
+    // NATS returns on the same port: the replicas reconnect and share load again.
+    nats.0 = Command::new("nats-server")
+        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let peers = |r: &TestRouter| {
+        let r = r.metrics_url.clone();
+        async move {
+            let (_, _, body) = get_url(&format!("{r}/metrics")).await;
+            metric_value(&String::from_utf8_lossy(&body), "kvroute_replica_peers", "")
+        }
+    };
+    wait_until_async("both hear each other again", || async {
+        peers(&a).await == Some(1.0) && peers(&b).await == Some(1.0)
+    })
+    .await;
+    let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
+    let held = open_stream(&b.url, "/v1/completions", body).await;
+    wait_until("A sees B's load again", || rank_in_flight(&a) == 1).await;
+    w.release.add_permits(1);
+    held.into_body().collect().await.unwrap();
+    wait_until("both see none", || {
+        rank_in_flight(&a) == 0 && rank_in_flight(&b) == 0
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}
