@@ -65,6 +65,17 @@ pub trait Policy: Send + Sync + fmt::Debug {
 
     /// A worker left the pool: forget what the policy keeps about it.
     fn forget_worker(&self, _worker: &kvroute_protocol::WorkerId) {}
+
+    /// Another router replica sent `request` to (`worker`, `dp_rank`): learn what `select`
+    /// would have learnt had it been chosen here (replica sync). Only `text`, `session_key`
+    /// and `now` of `request` are set.
+    fn observe(
+        &self,
+        _worker: &kvroute_protocol::WorkerId,
+        _dp_rank: Option<u32>,
+        _request: &RouteRequest<'_>,
+    ) {
+    }
 }
 
 /// Every policy name kvroute accepts.

@@ -289,8 +289,8 @@ fn prefill_task(
 ) -> impl std::future::Future<Output = Result<Result<serde_json::Value, Response>, GatewayError>>
        + Send
        + 'static {
-    let guard =
-        InFlight::new(prefill.worker.clone(), prefill.rank, load, None).with_sync(state.sync.get());
+    let guard = InFlight::new(prefill.worker.clone(), prefill.rank, load, None)
+        .with_sync(state.sync.get(), || synced(req));
     let client = state.client.clone();
     let auth = state.worker_auth.clone();
     let timeout = state.settings.request_timeout;
@@ -352,8 +352,8 @@ async fn send_decode(
     body: Bytes,
     _prefill: Option<HeaderValue>,
 ) -> Result<http::Response<proxy::TrackedBody>, GatewayError> {
-    let mut guard =
-        InFlight::new(decode.worker.clone(), decode.rank, load, None).with_sync(state.sync.get());
+    let mut guard = InFlight::new(decode.worker.clone(), decode.rank, load, None)
+        .with_sync(state.sync.get(), || synced(req));
     if req.fields.stream {
         guard = guard.with_ttft(req.arrived, state.metrics.ttft_seconds.clone());
     }
@@ -399,4 +399,14 @@ fn finish(
         response.headers_mut().insert(PREFILL_WORKER_HEADER, p);
     }
     response.map(Body::new)
+}
+
+/// What a peer replica learns from a disaggregated half: the model and the session key (the
+/// halves' policies key on tokens and load, not text).
+fn synced(req: &PdRequest<'_>) -> (String, Option<String>, String) {
+    (
+        req.fields.model.as_deref().unwrap_or_default().to_owned(),
+        routing::session_key(&req.parts.headers, req.fields).map(str::to_owned),
+        String::new(),
+    )
 }

@@ -102,14 +102,22 @@ impl InFlight {
     }
 
     /// Tells the peer replicas about this request's load, now and as it changes.
-    pub fn with_sync(mut self, sync: Option<&crate::sync::transport::SyncHandle>) -> Self {
+    pub fn with_sync(
+        mut self,
+        sync: Option<&crate::sync::transport::SyncHandle>,
+        learnt: impl FnOnce() -> (String, Option<String>, String),
+    ) -> Self {
         if let Some(handle) = sync {
             let request = handle.request_id();
             let rank = &self.worker.ranks[self.rank];
+            let (model, session_key, text) = learnt();
             handle.send(crate::sync::Message::Routed {
                 request,
+                model,
                 worker: self.worker.id.to_string(),
                 dp_rank: rank.dp_rank,
+                session_key,
+                text,
                 prefill_tokens: self.load.prefill_tokens,
                 blocks: self.load.blocks.clone(),
                 own_blocks: self.load.own_blocks,

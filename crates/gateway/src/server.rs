@@ -322,6 +322,7 @@ impl Gateway {
             let handle = crate::sync::transport::spawn(
                 config.clone(),
                 state.workers.clone(),
+                state.kv.clone(),
                 state.replica_peers.clone(),
                 &state.tasks,
                 state.shutdown.clone(),

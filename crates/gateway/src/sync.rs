@@ -31,8 +31,14 @@ pub enum Message {
     /// A request was sent to (worker, rank) with this load.
     Routed {
         request: u64,
+        /// The model whose policy chose (each model has its own policy state).
+        model: String,
         worker: String,
         dp_rank: Option<u32>,
+        /// The session key, for session maps (`manual`).
+        session_key: Option<String>,
+        /// The routing text, for text-keyed trees (`cache_aware`); empty otherwise.
+        text: String,
         prefill_tokens: u64,
         blocks: Vec<u64>,
         own_blocks: u64,
@@ -55,6 +61,8 @@ pub enum LoadOp {
         worker: String,
         dp_rank: Option<u32>,
         load: RequestLoad,
+        /// What the peer's policy learnt from the decision: model, session key, text.
+        learnt: Option<(String, Option<String>, String)>,
     },
     FirstToken {
         worker: String,
@@ -151,8 +159,11 @@ impl Ledger {
             }
             Message::Routed {
                 request,
+                model,
                 worker,
                 dp_rank,
+                session_key,
+                text,
                 prefill_tokens,
                 blocks,
                 own_blocks,
@@ -181,6 +192,7 @@ impl Ledger {
                     worker,
                     dp_rank,
                     load,
+                    learnt: Some((model, session_key, text)),
                 }))
             }
             Message::FirstToken { request } => {
@@ -274,8 +286,11 @@ mod tests {
             seq,
             body: Message::Routed {
                 request,
+                model: "m".into(),
                 worker: "w1".into(),
                 dp_rank: Some(0),
+                session_key: Some("s".into()),
+                text: "hello".into(),
                 prefill_tokens: 100,
                 blocks: vec![1, 2, 3],
                 own_blocks: 1,
@@ -406,6 +421,7 @@ pub mod transport {
     use tokio_util::sync::CancellationToken;
 
     use super::{decode, encode, Envelope, Ledger, LoadOp, Message, ReplicaTag};
+    use crate::kv::KvState;
     use crate::workers::WorkerSet;
 
     /// What the request path holds: sends this replica's messages to the task (never blocks).
@@ -437,24 +453,25 @@ pub mod transport {
     pub fn spawn(
         config: SyncConfig,
         workers: Arc<WorkerSet>,
+        kv: Arc<KvState>,
         peers: Gauge,
         tasks: &tokio_util::task::TaskTracker,
         shutdown: CancellationToken,
     ) -> SyncHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let me: ReplicaTag = rand::random();
-        tasks.spawn(run(config, me, workers, peers, rx, shutdown));
+        tasks.spawn(run(config, me, workers, kv, peers, rx, shutdown));
         SyncHandle {
             tx,
             next_request: Arc::new(AtomicU64::new(0)),
         }
     }
 
-    fn apply(workers: &WorkerSet, op: LoadOp) {
+    fn apply(workers: &WorkerSet, kv: &KvState, op: LoadOp) {
         let (worker, dp_rank) = match &op {
             LoadOp::Many(ops) => {
                 for op in ops.clone() {
-                    apply(workers, op);
+                    apply(workers, kv, op);
                 }
                 return;
             }
@@ -473,7 +490,34 @@ pub mod transport {
             return;
         };
         match &op {
-            LoadOp::Start { load, .. } => rank.start(load),
+            LoadOp::Start { load, learnt, .. } => {
+                rank.start(load);
+                let now = Instant::now();
+                if !kv.uses_events(&w) {
+                    let hashes: Vec<kvroute_index::BlockHash> = load
+                        .blocks
+                        .iter()
+                        .map(|h| kvroute_index::BlockHash(*h))
+                        .collect();
+                    kv.record_routed(rank.replica, &hashes, now);
+                }
+                if let Some((model, key, text)) = learnt {
+                    let table = workers.table();
+                    if let Ok(pool) = table.resolve(Some(model)) {
+                        let request = kvroute_core::RouteRequest {
+                            session_key: key.as_deref(),
+                            text,
+                            prompt_tokens: 0,
+                            tokens: &[],
+                            block_size: kv.block_size,
+                            has_preferred_taints: false,
+                            dry_run: false,
+                            now,
+                        };
+                        pool.policy.observe(&w.id, rank.dp_rank, &request);
+                    }
+                }
+            }
             LoadOp::FirstToken { load, .. } => rank.first_token(load),
             LoadOp::Finish {
                 load, prefilling, ..
@@ -486,6 +530,7 @@ pub mod transport {
         config: SyncConfig,
         me: ReplicaTag,
         workers: Arc<WorkerSet>,
+        kv: Arc<KvState>,
         peers: Gauge,
         mut rx: mpsc::UnboundedReceiver<Message>,
         shutdown: CancellationToken,
@@ -543,7 +588,7 @@ pub mod transport {
                     let Some(msg) = msg else { return };
                     if let Some(env) = decode(&msg.payload) {
                         if let Ok(Some(op)) = ledger.apply(env, Instant::now()) {
-                            apply(&workers, op);
+                            apply(&workers, &kv, op);
                         }
                     }
                     peers.set(ledger.peers() as i64);
@@ -557,7 +602,7 @@ pub mod transport {
                     seq += 1;
                     let _ = client.publish(subject.clone(), encode(&env).into()).await;
                     for op in ledger.expire(Instant::now(), config.timeout) {
-                        apply(&workers, op);
+                        apply(&workers, &kv, op);
                     }
                     peers.set(ledger.peers() as i64);
                 }

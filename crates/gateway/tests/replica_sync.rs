@@ -213,3 +213,59 @@ async fn replicas_serve_without_nats_and_resync_when_it_returns() {
     a.stop().await;
     b.stop().await;
 }
+
+#[tokio::test]
+async fn replicas_learn_each_others_prefix_trees_and_sessions() {
+    let nats = nats().await;
+    let workers = [
+        MockWorker::start("w0", &["m"]).await,
+        MockWorker::start("w1", &["m"]).await,
+        MockWorker::start("w2", &["m"]).await,
+        MockWorker::start("w3", &["m"]).await,
+    ];
+    let refs: Vec<&MockWorker> = workers.iter().collect();
+    let mk = |policy| {
+        let mut s = settings(&refs);
+        s.policy = policy;
+        s.replica_sync = Some(kvroute_gateway::sync::transport::SyncConfig {
+            url: nats.1.clone(),
+            prefix: format!("learn-{policy:?}"),
+            timeout: std::time::Duration::from_secs(3),
+        });
+        s
+    };
+    for policy in [
+        kvroute_core::PolicyKind::CacheAware,
+        kvroute_core::PolicyKind::Manual,
+    ] {
+        let a = TestRouter::start(mk(policy)).await;
+        let b = TestRouter::start(mk(policy)).await;
+        wait_until_async("the replicas hear each other", || async {
+            metric_value(&b.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
+        })
+        .await;
+        for i in 0..6u64 {
+            let prompt = text(400, 900 + i);
+            let session = format!("session-{i}");
+            let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+            let headers = [("x-session-id", session.as_str())];
+            let chosen = post(&a.url, "/v1/completions", &headers, &body).await;
+            assert_eq!(chosen.status, 200);
+            let chosen = chosen.worker().to_owned();
+            // B, which never saw this prompt or session, routes it where A did, every time
+            // (a dry run breaks ties at random: eight in a row rule out luck).
+            wait_until_async("B learnt A's decision", || async {
+                for _ in 0..8 {
+                    let d = post(&b.url, "/debug/route", &headers, &body).await.json();
+                    if d["worker"] != chosen.as_str() {
+                        return false;
+                    }
+                }
+                true
+            })
+            .await;
+        }
+        a.stop().await;
+        b.stop().await;
+    }
+}

@@ -285,6 +285,12 @@ impl Policy for CacheAware {
         PolicyKind::CacheAware
     }
 
+    fn observe(&self, worker: &WorkerId, dp_rank: Option<u32>, request: &RouteRequest<'_>) {
+        if !request.text.is_empty() {
+            self.insert(worker, dp_rank, request.text, request.now);
+        }
+    }
+
     fn select(
         &self,
         candidates: &[Candidate<'_>],

@@ -95,6 +95,22 @@ impl Policy for Manual {
         PolicyKind::Manual
     }
 
+    fn observe(&self, worker: &WorkerId, _dp_rank: Option<u32>, request: &RouteRequest<'_>) {
+        let Some(key) = request.session_key else {
+            return;
+        };
+        let binding = Binding {
+            worker: worker.clone(),
+            last_used: request.now,
+        };
+        let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = s.map.get_mut(key) {
+            *b = binding;
+        } else if s.map.len() < self.max_sessions {
+            s.map.insert(key.into(), binding);
+        }
+    }
+
     fn select(
         &self,
         candidates: &[Candidate<'_>],

@@ -204,6 +204,8 @@ pub(super) async fn route_and_forward(
             }
         }
         let load = plan.request_load(state.kv.block_size);
+        let synced_model = state.sync.get().map(|_| pool.model.as_str().to_owned());
+        let policy = plan.policy;
         drop(table);
         tracing::debug!(worker = %choice.worker.id, dp_rank = ?rank.dp_rank, attempt, "Routed");
         choice.worker.series.decisions.inc();
@@ -215,7 +217,15 @@ pub(super) async fn route_and_forward(
             load,
             state.queue.clone(),
         )
-        .with_sync(state.sync.get());
+        .with_sync(state.sync.get(), || {
+            let key = routing::session_key(&parts.headers, &fields).map(str::to_owned);
+            let text = if policy == PolicyKind::CacheAware {
+                fields.routing_text().into_owned()
+            } else {
+                String::new()
+            };
+            (synced_model.unwrap_or_default(), key, text)
+        });
         // Its load is counted: the queue may consider the next request.
         released.take();
         if fields.stream {
