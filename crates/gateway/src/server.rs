@@ -89,8 +89,7 @@ pub(crate) struct AppState {
     pub(crate) shutdown: CancellationToken,
     /// Replica sync, once serving started with it.
     pub(crate) sync: std::sync::OnceLock<crate::sync::transport::SyncHandle>,
-    /// `kvroute_replica_peers`.
-    pub(crate) replica_peers: prometheus_client::metrics::gauge::Gauge,
+    pub(crate) sync_metrics: crate::sync::transport::SyncMetrics,
 }
 
 /// The router: configuration, workers, the upstream client and the metrics.
@@ -159,15 +158,7 @@ impl Gateway {
                 tasks: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
                 sync: std::sync::OnceLock::new(),
-                replica_peers: {
-                    let g = prometheus_client::metrics::gauge::Gauge::default();
-                    registry.register(
-                        "kvroute_replica_peers",
-                        "Other router replicas heard from within --replica-timeout-secs",
-                        g.clone(),
-                    );
-                    g
-                },
+                sync_metrics: crate::sync::transport::SyncMetrics::register(registry),
                 settings,
                 kv,
                 kv_event_metrics,
@@ -323,7 +314,7 @@ impl Gateway {
                 config.clone(),
                 state.workers.clone(),
                 state.kv.clone(),
-                state.replica_peers.clone(),
+                state.sync_metrics.clone(),
                 &state.tasks,
                 state.shutdown.clone(),
             );

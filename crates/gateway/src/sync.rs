@@ -23,6 +23,9 @@ pub struct Envelope {
     pub sender: ReplicaTag,
     /// The sender's message counter (gaps say messages were lost).
     pub seq: u64,
+    /// When it was sent, milliseconds since the Unix epoch (for the sync lag).
+    #[serde(default)]
+    pub sent_ms: u64,
     pub body: Message,
 }
 
@@ -50,6 +53,18 @@ pub enum Message {
     /// The sender is alive, with these requests in flight (the others it sent are over:
     /// a peer that missed their `Finished` drops them here).
     Heartbeat { live: Vec<u64> },
+}
+
+impl Message {
+    /// The `kind` label of `kvroute_replica_sync_messages_total`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Message::Routed { .. } => "routed",
+            Message::FirstToken { .. } => "first_token",
+            Message::Finished { .. } => "finished",
+            Message::Heartbeat { .. } => "heartbeat",
+        }
+    }
 }
 
 /// What to do to a local rank's load on behalf of a peer.
@@ -284,6 +299,7 @@ mod tests {
         Envelope {
             sender,
             seq,
+            sent_ms: 0,
             body: Message::Routed {
                 request,
                 model: "m".into(),
@@ -299,7 +315,12 @@ mod tests {
     }
 
     fn msg(sender: ReplicaTag, seq: u64, body: Message) -> Envelope {
-        Envelope { sender, seq, body }
+        Envelope {
+            sender,
+            seq,
+            sent_ms: 0,
+            body,
+        }
     }
 
     #[test]
@@ -416,7 +437,11 @@ pub mod transport {
     use std::time::{Duration, Instant};
 
     use futures_util::StreamExt;
+    use prometheus_client::encoding::EncodeLabelSet;
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
     use prometheus_client::metrics::gauge::Gauge;
+    use prometheus_client::registry::Registry;
     use tokio::sync::mpsc;
     use tokio_util::sync::CancellationToken;
 
@@ -449,18 +474,75 @@ pub mod transport {
         pub timeout: Duration,
     }
 
+    #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+    struct MessageLabels {
+        direction: &'static str,
+        kind: &'static str,
+    }
+
+    /// `kvroute_replica_peers`, `kvroute_replica_sync_messages_total{direction,kind}`
+    /// (direction `out` or `in`; kind routed, first_token, finished, heartbeat, and on `in`
+    /// also malformed, own, ignored), `kvroute_replica_sync_lag_seconds` (send to apply, of
+    /// the last message applied), `kvroute_replica_sync_connected`.
+    #[derive(Debug, Clone, Default)]
+    pub struct SyncMetrics {
+        peers: Gauge,
+        connected: Gauge,
+        messages: Family<MessageLabels, Counter>,
+        lag: Gauge<f64, AtomicU64>,
+    }
+
+    impl SyncMetrics {
+        pub fn register(registry: &mut Registry) -> Self {
+            let m = Self::default();
+            registry.register(
+                "kvroute_replica_peers",
+                "Other router replicas heard from within --replica-timeout-secs",
+                m.peers.clone(),
+            );
+            registry.register(
+                "kvroute_replica_sync_connected",
+                "Whether the replica sync is connected to NATS (1) or routing on local state (0)",
+                m.connected.clone(),
+            );
+            registry.register(
+                "kvroute_replica_sync_messages",
+                "Replica sync messages, by direction and kind",
+                m.messages.clone(),
+            );
+            registry.register(
+                "kvroute_replica_sync_lag_seconds",
+                "From a peer's send to this replica's apply, for the last message applied",
+                m.lag.clone(),
+            );
+            m
+        }
+
+        fn count(&self, direction: &'static str, kind: &'static str) {
+            self.messages
+                .get_or_create(&MessageLabels { direction, kind })
+                .inc();
+        }
+    }
+
+    fn now_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+
     /// Starts the sync task; returns the handle for the request path.
     pub fn spawn(
         config: SyncConfig,
         workers: Arc<WorkerSet>,
         kv: Arc<KvState>,
-        peers: Gauge,
+        metrics: SyncMetrics,
         tasks: &tokio_util::task::TaskTracker,
         shutdown: CancellationToken,
     ) -> SyncHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let me: ReplicaTag = rand::random();
-        tasks.spawn(run(config, me, workers, kv, peers, rx, shutdown));
+        tasks.spawn(run(config, me, workers, kv, metrics, rx, shutdown));
         SyncHandle {
             tx,
             next_request: Arc::new(AtomicU64::new(0)),
@@ -531,7 +613,7 @@ pub mod transport {
         me: ReplicaTag,
         workers: Arc<WorkerSet>,
         kv: Arc<KvState>,
-        peers: Gauge,
+        metrics: SyncMetrics,
         mut rx: mpsc::UnboundedReceiver<Message>,
         shutdown: CancellationToken,
     ) {
@@ -545,6 +627,7 @@ pub mod transport {
                 c = attempt => match c {
                     Ok(c) => break c,
                     Err(error) => {
+                        metrics.connected.set(0);
                         tracing::warn!(url = %config.url, %error, "Replica sync: NATS unreachable; routing on local state, retrying");
                         // Drop what piles up meanwhile: peers cannot learn it anyway.
                         while rx.try_recv().is_ok() {}
@@ -561,11 +644,29 @@ pub mod transport {
             }
         };
         tracing::info!(url = %config.url, subject, "Replica sync on");
+        metrics.connected.set(1);
         let mut ledger = Ledger::new(me, 1 << 20);
         let mut seq = 0u64;
         // This replica's requests in flight, listed in its heartbeats.
         let mut live = std::collections::HashSet::new();
         let mut tick = tokio::time::interval(config.timeout / 3);
+        let mut publish = |body: Message, client: &async_nats::Client| {
+            metrics.count("out", body.kind());
+            let env = Envelope {
+                sender: me,
+                seq,
+                sent_ms: now_ms(),
+                body,
+            };
+            seq += 1;
+            let client = client.clone();
+            let subject = subject.clone();
+            async move {
+                // While NATS is away the client buffers, then drops; peers reconcile from
+                // the next heartbeat.
+                let _ = client.publish(subject, encode(&env).into()).await;
+            }
+        };
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -580,31 +681,40 @@ pub mod transport {
                         }
                         _ => {}
                     }
-                    let env = Envelope { sender: me, seq, body };
-                    seq += 1;
-                    let _ = client.publish(subject.clone(), encode(&env).into()).await;
+                    publish(body, &client).await;
                 }
                 msg = sub.next() => {
                     let Some(msg) = msg else { return };
-                    if let Some(env) = decode(&msg.payload) {
-                        if let Ok(Some(op)) = ledger.apply(env, Instant::now()) {
-                            apply(&workers, &kv, op);
+                    let Some(env) = decode(&msg.payload) else {
+                        metrics.count("in", "malformed");
+                        continue;
+                    };
+                    let kind = env.body.kind();
+                    let sent_ms = env.sent_ms;
+                    match ledger.apply(env, Instant::now()) {
+                        Ok(op) => {
+                            metrics.count("in", kind);
+                            metrics
+                                .lag
+                                .set(now_ms().saturating_sub(sent_ms) as f64 / 1000.0);
+                            if let Some(op) = op {
+                                apply(&workers, &kv, op);
+                            }
                         }
+                        Err(super::Ignored::Own) => metrics.count("in", "own"),
+                        Err(_) => metrics.count("in", "ignored"),
                     }
-                    peers.set(ledger.peers() as i64);
+                    metrics.peers.set(ledger.peers() as i64);
                 }
                 _ = tick.tick() => {
-                    let env = Envelope {
-                        sender: me,
-                        seq,
-                        body: Message::Heartbeat { live: live.iter().copied().collect() },
-                    };
-                    seq += 1;
-                    let _ = client.publish(subject.clone(), encode(&env).into()).await;
+                    let connected =
+                        client.connection_state() == async_nats::connection::State::Connected;
+                    metrics.connected.set(i64::from(connected));
+                    publish(Message::Heartbeat { live: live.iter().copied().collect() }, &client).await;
                     for op in ledger.expire(Instant::now(), config.timeout) {
                         apply(&workers, &kv, op);
                     }
-                    peers.set(ledger.peers() as i64);
+                    metrics.peers.set(ledger.peers() as i64);
                 }
             }
         }

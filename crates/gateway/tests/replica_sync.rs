@@ -69,6 +69,28 @@ async fn each_replica_sees_the_load_of_both() {
         rank_in_flight(&a) == 3 && rank_in_flight(&b) == 3
     })
     .await;
+    let m = a.metrics().await;
+    assert_eq!(
+        metric_value(
+            &m,
+            "kvroute_replica_sync_messages_total",
+            "direction=\"out\",kind=\"routed\""
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric_value(
+            &m,
+            "kvroute_replica_sync_messages_total",
+            "direction=\"in\",kind=\"routed\""
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric_value(&m, "kvroute_replica_sync_connected", ""),
+        Some(1.0)
+    );
+    assert!(metric_value(&m, "kvroute_replica_sync_lag_seconds", "").is_some());
     w.release.add_permits(3);
     for s in streams {
         s.into_body().collect().await.unwrap();
