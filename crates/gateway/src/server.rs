@@ -457,7 +457,13 @@ async fn health() -> &'static str {
 }
 
 async fn readiness(State(state): State<Arc<AppState>>) -> Response {
-    let ready = state.workers.is_ready();
+    // With replica sync, also once the peers' snapshot is in.
+    let ready = state.workers.is_ready() && state.settings.replica_sync.is_none()
+        || state.workers.is_ready()
+            && state
+                .sync
+                .get()
+                .is_some_and(|s| s.synced.load(std::sync::atomic::Ordering::Relaxed));
     let status = if ready {
         StatusCode::OK
     } else {

@@ -454,6 +454,8 @@ pub mod transport {
     pub struct SyncHandle {
         tx: mpsc::UnboundedSender<Message>,
         next_request: Arc<AtomicU64>,
+        /// Set once the snapshot from the live peers was applied (or none answered).
+        pub synced: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl SyncHandle {
@@ -542,10 +544,21 @@ pub mod transport {
     ) -> SyncHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let me: ReplicaTag = rand::random();
-        tasks.spawn(run(config, me, workers, kv, metrics, rx, shutdown));
+        let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        tasks.spawn(run(
+            config,
+            me,
+            workers,
+            kv,
+            metrics,
+            rx,
+            synced.clone(),
+            shutdown,
+        ));
         SyncHandle {
             tx,
             next_request: Arc::new(AtomicU64::new(0)),
+            synced,
         }
     }
 
@@ -615,6 +628,7 @@ pub mod transport {
         kv: Arc<KvState>,
         metrics: SyncMetrics,
         mut rx: mpsc::UnboundedReceiver<Message>,
+        synced: Arc<std::sync::atomic::AtomicBool>,
         shutdown: CancellationToken,
     ) {
         let subject = format!("{}.load", config.prefix);
@@ -636,19 +650,62 @@ pub mod transport {
                 }
             }
         };
-        let mut sub = match client.subscribe(subject.clone()).await {
+        let snapshot_subject = format!("{}.snapshot", config.prefix);
+        let (mut sub, mut snapshots) = match tokio::try_join!(
+            client.subscribe(subject.clone()),
+            client.subscribe(snapshot_subject.clone())
+        ) {
             Ok(s) => s,
             Err(error) => {
                 tracing::error!(%error, "Replica sync: cannot subscribe");
+                synced.store(true, Ordering::Relaxed);
                 return;
             }
         };
+        let mut ledger = Ledger::new(me, 1 << 20);
+        // Before reporting ready: the live peers' requests in flight, so as not to route
+        // blind. Every peer answers on the inbox; those that answer within a second count.
+        {
+            let inbox = client.new_inbox();
+            if let Ok(mut answers) = client.subscribe(inbox.clone()).await {
+                let asked = client
+                    .publish_with_reply(
+                        snapshot_subject.clone(),
+                        inbox,
+                        me.to_be_bytes().to_vec().into(),
+                    )
+                    .await;
+                if asked.is_ok() {
+                    let deadline = tokio::time::sleep(Duration::from_secs(1));
+                    tokio::pin!(deadline);
+                    loop {
+                        tokio::select! {
+                            _ = &mut deadline => break,
+                            answer = answers.next() => {
+                                let Some(answer) = answer else { break };
+                                let Ok(batch) = rmp_serde::from_slice::<Vec<Envelope>>(&answer.payload) else {
+                                    metrics.count("in", "malformed");
+                                    continue;
+                                };
+                                for env in batch {
+                                    if let Ok(Some(op)) = ledger.apply(env, Instant::now()) {
+                                        apply(&workers, &kv, op);
+                                    }
+                                }
+                                metrics.count("in", "snapshot");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        synced.store(true, Ordering::Relaxed);
         tracing::info!(url = %config.url, subject, "Replica sync on");
         metrics.connected.set(1);
-        let mut ledger = Ledger::new(me, 1 << 20);
         let mut seq = 0u64;
-        // This replica's requests in flight, listed in its heartbeats.
-        let mut live = std::collections::HashSet::new();
+        // This replica's requests in flight (listed in its heartbeats, sent whole in
+        // snapshots).
+        let mut live: std::collections::HashMap<u64, Message> = std::collections::HashMap::new();
         let mut tick = tokio::time::interval(config.timeout / 3);
         let mut publish = |body: Message, client: &async_nats::Client| {
             metrics.count("out", body.kind());
@@ -674,7 +731,7 @@ pub mod transport {
                     let Some(body) = out else { return };
                     match &body {
                         Message::Routed { request, .. } => {
-                            live.insert(*request);
+                            live.insert(*request, body.clone());
                         }
                         Message::Finished { request } => {
                             live.remove(request);
@@ -682,6 +739,20 @@ pub mod transport {
                         _ => {}
                     }
                     publish(body, &client).await;
+                }
+                ask = snapshots.next() => {
+                    let Some(ask) = ask else { return };
+                    let (Some(reply), false) = (ask.reply, ask.payload.as_ref() == me.to_be_bytes()) else {
+                        continue;
+                    };
+                    let batch: Vec<Envelope> = live
+                        .values()
+                        .map(|m| Envelope { sender: me, seq: 0, sent_ms: now_ms(), body: m.clone() })
+                        .collect();
+                    metrics.count("out", "snapshot");
+                    let _ = client
+                        .publish(reply, rmp_serde::to_vec(&batch).unwrap_or_default().into())
+                        .await;
                 }
                 msg = sub.next() => {
                     let Some(msg) = msg else { return };
@@ -710,7 +781,7 @@ pub mod transport {
                     let connected =
                         client.connection_state() == async_nats::connection::State::Connected;
                     metrics.connected.set(i64::from(connected));
-                    publish(Message::Heartbeat { live: live.iter().copied().collect() }, &client).await;
+                    publish(Message::Heartbeat { live: live.keys().copied().collect() }, &client).await;
                     for op in ledger.expire(Instant::now(), config.timeout) {
                         apply(&workers, &kv, op);
                     }

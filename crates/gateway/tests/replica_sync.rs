@@ -291,3 +291,29 @@ async fn replicas_learn_each_others_prefix_trees_and_sessions() {
         b.stop().await;
     }
 }
+
+#[tokio::test]
+async fn a_starting_replica_takes_a_snapshot_before_it_is_ready() {
+    let nats = nats().await;
+    let w = MockWorker::start("w", &["m"]).await;
+    let a = TestRouter::start(synced(&nats, "snapshot", &w)).await;
+    wait_until_async("A connected", || async {
+        metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
+    })
+    .await;
+    let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
+    let held = open_stream(&a.url, "/v1/completions", body).await;
+    // B starts after A's request: it must know of it as soon as it says it is ready.
+    let b = TestRouter::start_unready(synced(&nats, "snapshot", &w)).await;
+    let ready = format!("{}/readiness", b.url);
+    wait_until_async("B ready", || answers(&ready)).await;
+    assert_eq!(rank_in_flight(&b), 1, "B is ready with A's load in view");
+    w.release.add_permits(1);
+    held.into_body().collect().await.unwrap();
+    wait_until("both see none", || {
+        rank_in_flight(&a) == 0 && rank_in_flight(&b) == 0
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}
