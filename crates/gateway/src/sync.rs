@@ -621,6 +621,7 @@ pub mod transport {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn run(
         config: SyncConfig,
         me: ReplicaTag,
