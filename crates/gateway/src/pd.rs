@@ -403,10 +403,10 @@ fn finish(
 
 /// What a peer replica learns from a disaggregated half: the model and the session key (the
 /// halves' policies key on tokens and load, not text).
-fn synced(req: &PdRequest<'_>) -> (String, Option<String>, String) {
-    (
-        req.fields.model.as_deref().unwrap_or_default().to_owned(),
-        routing::session_key(&req.parts.headers, req.fields).map(str::to_owned),
-        String::new(),
-    )
+fn synced(req: &PdRequest<'_>) -> crate::sync::Learnt {
+    crate::sync::Learnt {
+        model: req.fields.model.as_deref().unwrap_or_default().to_owned(),
+        session_key: routing::session_key(&req.parts.headers, req.fields).map(str::to_owned),
+        ..Default::default()
+    }
 }

@@ -105,19 +105,20 @@ impl InFlight {
     pub fn with_sync(
         mut self,
         sync: Option<&crate::sync::transport::SyncHandle>,
-        learnt: impl FnOnce() -> (String, Option<String>, String),
+        learnt: impl FnOnce() -> crate::sync::Learnt,
     ) -> Self {
         if let Some(handle) = sync {
             let request = handle.request_id();
             let rank = &self.worker.ranks[self.rank];
-            let (model, session_key, text) = learnt();
+            let l = learnt();
             handle.send(crate::sync::Message::Routed {
                 request,
-                model,
+                model: l.model,
                 worker: self.worker.id.to_string(),
                 dp_rank: rank.dp_rank,
-                session_key,
-                text,
+                session_key: l.session_key,
+                text: l.text,
+                tokens: l.tokens,
                 prefill_tokens: self.load.prefill_tokens,
                 blocks: self.load.blocks.clone(),
                 own_blocks: self.load.own_blocks,

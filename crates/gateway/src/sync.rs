@@ -42,6 +42,9 @@ pub enum Message {
         session_key: Option<String>,
         /// The routing text, for text-keyed trees (`cache_aware`); empty otherwise.
         text: String,
+        /// The prompt's tokens, for token-keyed caches (`llm_d`); empty otherwise.
+        #[serde(default)]
+        tokens: Vec<u32>,
         prefill_tokens: u64,
         blocks: Vec<u64>,
         own_blocks: u64,
@@ -67,6 +70,17 @@ impl Message {
     }
 }
 
+/// What a peer's policy learnt from its decision, for this replica's policy to learn too.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Learnt {
+    pub model: String,
+    pub session_key: Option<String>,
+    /// `cache_aware`'s key.
+    pub text: String,
+    /// `llm_d`'s key.
+    pub tokens: Vec<u32>,
+}
+
 /// What to do to a local rank's load on behalf of a peer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LoadOp {
@@ -76,8 +90,8 @@ pub enum LoadOp {
         worker: String,
         dp_rank: Option<u32>,
         load: RequestLoad,
-        /// What the peer's policy learnt from the decision: model, session key, text.
-        learnt: Option<(String, Option<String>, String)>,
+        /// What the peer's policy learnt from the decision.
+        learnt: Option<Learnt>,
     },
     FirstToken {
         worker: String,
@@ -179,6 +193,7 @@ impl Ledger {
                 dp_rank,
                 session_key,
                 text,
+                tokens,
                 prefill_tokens,
                 blocks,
                 own_blocks,
@@ -207,7 +222,12 @@ impl Ledger {
                     worker,
                     dp_rank,
                     load,
-                    learnt: Some((model, session_key, text)),
+                    learnt: Some(Learnt {
+                        model,
+                        session_key,
+                        text,
+                        tokens,
+                    }),
                 }))
             }
             Message::FirstToken { request } => {
@@ -307,6 +327,7 @@ mod tests {
                 dp_rank: Some(0),
                 session_key: Some("s".into()),
                 text: "hello".into(),
+                tokens: vec![1, 2, 3],
                 prefill_tokens: 100,
                 blocks: vec![1, 2, 3],
                 own_blocks: 1,
@@ -596,14 +617,14 @@ pub mod transport {
                         .collect();
                     kv.record_routed(rank.replica, &hashes, now);
                 }
-                if let Some((model, key, text)) = learnt {
+                if let Some(l) = learnt {
                     let table = workers.table();
-                    if let Ok(pool) = table.resolve(Some(model)) {
+                    if let Ok(pool) = table.resolve(Some(&l.model)) {
                         let request = kvroute_core::RouteRequest {
-                            session_key: key.as_deref(),
-                            text,
-                            prompt_tokens: 0,
-                            tokens: &[],
+                            session_key: l.session_key.as_deref(),
+                            text: &l.text,
+                            prompt_tokens: l.tokens.len(),
+                            tokens: &l.tokens,
                             block_size: kv.block_size,
                             has_preferred_taints: false,
                             dry_run: false,

@@ -258,6 +258,7 @@ async fn replicas_learn_each_others_prefix_trees_and_sessions() {
     };
     for policy in [
         kvroute_core::PolicyKind::CacheAware,
+        kvroute_core::PolicyKind::LlmD,
         kvroute_core::PolicyKind::Manual,
     ] {
         let a = TestRouter::start(mk(policy)).await;

@@ -179,20 +179,33 @@ impl LlmD {
 
     /// Records the request's blocks for the chosen candidate, leading blocks most recent.
     fn record(&self, chosen: &Candidate<'_>, hashes: &[u64]) {
+        let capacity = lru_capacity(chosen.engine.num_gpu_blocks, self.block_size);
+        self.record_at(chosen.worker, chosen.dp_rank, Some(capacity), hashes);
+    }
+
+    /// Records blocks for (worker, rank); `capacity` `None` keeps the LRU's (a peer
+    /// replica's decision does not say the engine's size).
+    fn record_at(
+        &self,
+        worker: &WorkerId,
+        dp_rank: Option<u32>,
+        capacity: Option<usize>,
+        hashes: &[u64],
+    ) {
         if hashes.is_empty() {
             return;
         }
-        let capacity = lru_capacity(chosen.engine.num_gpu_blocks, self.block_size);
         let mut lrus = self.lock();
-        let ranks = lrus.entry(chosen.worker.clone()).or_default();
-        let lru = match ranks.iter().position(|(r, _)| *r == chosen.dp_rank) {
+        let ranks = lrus.entry(worker.clone()).or_default();
+        let lru = match ranks.iter().position(|(r, _)| *r == dp_rank) {
             Some(i) => &mut ranks[i].1,
             None => {
-                ranks.push((chosen.dp_rank, BlockLru::new(capacity, self.hasher)));
+                let initial = capacity.unwrap_or(DEFAULT_LRU_CAPACITY);
+                ranks.push((dp_rank, BlockLru::new(initial, self.hasher)));
                 &mut ranks.last_mut().expect("just pushed").1
             }
         };
-        if lru.capacity() != capacity {
+        if let Some(capacity) = capacity.filter(|c| *c != lru.capacity()) {
             lru.set_capacity(capacity);
         }
         for &h in hashes.iter().rev() {
@@ -219,6 +232,11 @@ impl Policy for LlmD {
 
     fn forget_worker(&self, worker: &kvroute_protocol::WorkerId) {
         LlmD::forget_worker(self, worker);
+    }
+
+    fn observe(&self, worker: &WorkerId, dp_rank: Option<u32>, request: &RouteRequest<'_>) {
+        let hashes = block_hashes(request.tokens, self.block_size);
+        self.record_at(worker, dp_rank, None, &hashes);
     }
 
     fn select(

@@ -165,6 +165,11 @@ pub(super) async fn route_and_forward(
         if let (Some(queue), Some(c)) = (&state.queue, class) {
             busy = queue.thresholds(c, busy);
         }
+        // llm_d keys on tokens: a peer replica needs them to learn this decision.
+        let synced_tokens = match state.sync.get() {
+            Some(_) if pool.policy.kind() == PolicyKind::LlmD => tokens.clone(),
+            _ => Vec::new(),
+        };
         let plan = match routing::plan(
             &state.kv,
             pool,
@@ -224,7 +229,12 @@ pub(super) async fn route_and_forward(
             } else {
                 String::new()
             };
-            (synced_model.unwrap_or_default(), key, text)
+            crate::sync::Learnt {
+                model: synced_model.unwrap_or_default(),
+                session_key: key,
+                text,
+                tokens: synced_tokens,
+            }
         });
         // Its load is counted: the queue may consider the next request.
         released.take();
