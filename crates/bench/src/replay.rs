@@ -81,7 +81,12 @@ async fn one(
     if let Some(m) = &cfg.model {
         body["model"] = m.clone().into();
     }
-    let req = match http::Request::post(format!("{}/v1/completions", cfg.url))
+    // Several comma-separated URLs (router replicas behind no load balancer): spread over
+    // them by the request's arrival time.
+    let urls: Vec<&str> = cfg.url.split(',').collect();
+    let seed = r.timestamp.wrapping_add(r.input_length as u64);
+    let pick = (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33) as usize % urls.len();
+    let req = match http::Request::post(format!("{}/v1/completions", urls[pick]))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
     {

@@ -512,7 +512,13 @@ pub mod transport {
         peers: Gauge,
         connected: Gauge,
         messages: Family<MessageLabels, Counter>,
+        bytes: Family<DirectionLabels, Counter>,
         lag: Gauge<f64, AtomicU64>,
+    }
+
+    #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+    struct DirectionLabels {
+        direction: &'static str,
     }
 
     impl SyncMetrics {
@@ -534,11 +540,22 @@ pub mod transport {
                 m.messages.clone(),
             );
             registry.register(
+                "kvroute_replica_sync_bytes",
+                "Replica sync payload bytes, by direction",
+                m.bytes.clone(),
+            );
+            registry.register(
                 "kvroute_replica_sync_lag_seconds",
                 "From a peer's send to this replica's apply, for the last message applied",
                 m.lag.clone(),
             );
             m
+        }
+
+        fn count_bytes(&self, direction: &'static str, n: usize) {
+            self.bytes
+                .get_or_create(&DirectionLabels { direction })
+                .inc_by(n as u64);
         }
 
         fn count(&self, direction: &'static str, kind: &'static str) {
@@ -738,12 +755,14 @@ pub mod transport {
                 body,
             };
             seq += 1;
+            let payload = encode(&env);
+            metrics.count_bytes("out", payload.len());
             let client = client.clone();
             let subject = subject.clone();
             async move {
                 // While NATS is away the client buffers, then drops; peers reconcile from
                 // the next heartbeat.
-                let _ = client.publish(subject, encode(&env).into()).await;
+                let _ = client.publish(subject, payload.into()).await;
             }
         };
         loop {
@@ -778,6 +797,7 @@ pub mod transport {
                 }
                 msg = sub.next() => {
                     let Some(msg) = msg else { return };
+                    metrics.count_bytes("in", msg.payload.len());
                     let Some(env) = decode(&msg.payload) else {
                         metrics.count("in", "malformed");
                         continue;
