@@ -1,12 +1,15 @@
-//! Router replicas in sync (issue 10), the pure part: what replicas tell each other about
-//! the load they cause, and the ledger that turns a peer's messages into load operations on
-//! this replica's ranks — and takes them all back when the peer falls silent.
+//! Router replicas in sync over NATS (`--replica-sync nats://...`).
 //!
-//! Not wired yet: the NATS transport (`--replica-sync nats://...`), the approximate caches
-//! and session maps, snapshots. Each replica publishes what its own requests do (routed,
-//! first token, finished) on `{prefix}.load`, and a heartbeat on `{prefix}.hb`; a replica
-//! applies what the others publish, in the same `RankLoad` operations a local request
-//! performs, and ignores its own messages.
+//! Each replica publishes on `{prefix}.load` what its own requests do — routed (worker, rank,
+//! load, and what its policy learnt: the session key, the text for cache_aware, the tokens
+//! for llm_d), first token, finished — and a heartbeat listing its live requests; it applies
+//! what the others publish as the same rank load operations and policy updates
+//! (`Policy::observe`) a local request performs, and ignores its own messages. [`Ledger`]
+//! is the pure part: a peer's messages as load operations, reconciled by its heartbeats,
+//! all taken back when it falls silent. [`transport`] is the NATS side: connection with
+//! retry (routing goes on with local state meanwhile), the snapshot a starting replica asks
+//! the live ones for (their requests in flight) before it reports ready, and the metrics.
+//! KV events are not relayed: every replica subscribes to every engine's publisher.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
