@@ -295,7 +295,7 @@ fuzz_target!(|data: &[u8]| {
         &BusyThresholds::default(),
         affinity,
         &fields,
-        tokens,
+        &tokens,
         Instant::now(),
         true,
     ) {

@@ -132,7 +132,7 @@ fn main() {
             &Default::default(),
             None,
             &fields,
-            toks,
+            &toks,
             Instant::now(),
             false,
         )
@@ -164,7 +164,7 @@ fn main() {
             &Default::default(),
             None,
             &fields,
-            toks.clone(),
+            &toks,
             Instant::now(),
             false,
         )

@@ -81,6 +81,11 @@ impl Outcome {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    pub result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DisaggLabels {
     pub decision_type: &'static str,
 }
@@ -97,6 +102,8 @@ pub struct GatewayMetrics {
     attempts: Family<AttemptLabels, Counter>,
     /// Attempts after the first, over all requests.
     pub retries: Counter,
+    /// Config reloads (SIGHUP), by result: ok, error.
+    pub reloads: Family<ReloadLabels, Counter>,
     /// Requests inside the router (admitted, not yet answered in full).
     pub in_router: Gauge,
     rank_prefill: Family<RankLabels, Gauge>,
@@ -161,6 +168,7 @@ impl GatewayMetrics {
             healthy: Family::default(),
             attempts: Family::default(),
             retries: Counter::default(),
+            reloads: Family::default(),
             in_router: Gauge::default(),
             rank_prefill: Family::default(),
             rank_decode: Family::default(),
@@ -263,6 +271,11 @@ impl GatewayMetrics {
             "kvroute_upstream_attempts",
             "Attempts to send a request to a worker, retries included, by outcome",
             m.attempts.clone(),
+        );
+        registry.register(
+            "kvroute_config_reloads",
+            "Re-readings of the config file on SIGHUP, by result (ok, error)",
+            m.reloads.clone(),
         );
         registry.register(
             "kvroute_request_retries",

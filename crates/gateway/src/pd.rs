@@ -91,8 +91,7 @@ pub(crate) async fn route(
         state.metrics.disagg_decode_only.inc();
         decode.worker.series.pd_decode.inc();
         tracing::debug!(worker = %decode.worker.id, uncached, "Decode-only: the decode worker holds the prompt");
-        let response =
-            send_decode(state, &req, &decode, decode_load, req.body.clone(), None).await?;
+        let response = send_decode(state, &req, &decode, decode_load, req.body.clone()).await?;
         return Ok(finish(response, admitted, None));
     }
     state.metrics.disagg_remote.inc();
@@ -165,7 +164,7 @@ pub(crate) async fn route(
                     "remote_port": null,
                 }),
             );
-            let answer = send_prefill(state, &req, &prefill, prefill_load, &first).await?;
+            let answer = prefill_task(state, &req, &prefill, prefill_load, &first).await?;
             let params = match answer {
                 Ok(params) => params,
                 // The prefill's own error is the client's answer.
@@ -173,15 +172,7 @@ pub(crate) async fn route(
             };
             object.insert("kv_transfer_params".into(), params);
             let second = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
-            let response = send_decode(
-                state,
-                &req,
-                &decode,
-                decode_load,
-                second,
-                prefill_name.clone(),
-            )
-            .await?;
+            let response = send_decode(state, &req, &decode, decode_load, second).await?;
             Ok(finish(response, admitted, prefill_name))
         }
         PdProtocol::Sglang => {
@@ -201,14 +192,7 @@ pub(crate) async fn route(
             let mut prefill_half =
                 tokio::spawn(prefill_task(state, &req, &prefill, prefill_load, &both));
             let decode_body = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
-            let decode_half = send_decode(
-                state,
-                &req,
-                &decode,
-                decode_load,
-                decode_body,
-                prefill_name.clone(),
-            );
+            let decode_half = send_decode(state, &req, &decode, decode_load, decode_body);
             tokio::pin!(decode_half);
             // Whichever ends first; a failed prefill stops the decode half.
             let response = tokio::select! {
@@ -252,7 +236,7 @@ fn plan_half(
             None
         },
         req.fields,
-        req.tokens.clone(),
+        &req.tokens,
         now,
         false,
     )
@@ -267,19 +251,9 @@ fn host_of(url: &str) -> String {
     }
 }
 
-/// Sends the prefill half and reads its answer: the `kv_transfer_params` it returned (null
-/// when none), or the failed answer to give the client.
-async fn send_prefill(
-    state: &AppState,
-    req: &PdRequest<'_>,
-    prefill: &Choice,
-    load: RequestLoad,
-    body: &serde_json::Map<String, serde_json::Value>,
-) -> Result<Result<serde_json::Value, Response>, GatewayError> {
-    prefill_task(state, req, prefill, load, body).await
-}
-
-/// The prefill half as a task that owns what it needs.
+/// The prefill half, as a future that owns what it needs (SGLang's is spawned): the
+/// `kv_transfer_params` the prefill returned (null when none), or its failed answer for the
+/// client.
 fn prefill_task(
     state: &AppState,
     req: &PdRequest<'_>,
@@ -350,7 +324,6 @@ async fn send_decode(
     decode: &Choice,
     load: RequestLoad,
     body: Bytes,
-    _prefill: Option<HeaderValue>,
 ) -> Result<http::Response<proxy::TrackedBody>, GatewayError> {
     let mut guard = InFlight::new(decode.worker.clone(), decode.rank, load, None)
         .with_sync(state.sync.get(), || synced(req));

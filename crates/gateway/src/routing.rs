@@ -321,7 +321,7 @@ pub fn plan(
     busy: &BusyThresholds,
     affinity: Option<&Affinity>,
     fields: &RoutingFields<'_>,
-    tokens: Vec<u32>,
+    tokens: &[u32],
     started: Instant,
     dry_run: bool,
 ) -> Result<Plan, GatewayError> {
@@ -346,7 +346,7 @@ pub fn plan(
         _ => hints,
     };
     let (hashes, scores) = if policy == PolicyKind::KvAware {
-        let hashes = block_hashes(&tokens, kv.block_size, 0);
+        let hashes = block_hashes(tokens, kv.block_size, 0);
         let scores = kv.overlaps(&hashes, started);
         (hashes, scores)
     } else {
@@ -407,7 +407,7 @@ pub fn plan(
         session_key: key,
         text: &text,
         prompt_tokens: tokens.len(),
-        tokens: &tokens,
+        tokens,
         block_size: kv.block_size,
         has_preferred_taints: !hints.preferred_taints.is_empty(),
         dry_run,

@@ -355,9 +355,19 @@ impl Gateway {
                         loop {
                             tokio::select! {
                                 _ = hup.recv() => {
-                                    if let Err(error) = gateway.reload() {
-                                        tracing::error!(%error, "Config reload failed; nothing changed");
-                                    }
+                                    let result = match gateway.reload() {
+                                        Ok(_) => "ok",
+                                        Err(error) => {
+                                            tracing::error!(%error, "Config reload failed; nothing changed");
+                                            "error"
+                                        }
+                                    };
+                                    gateway
+                                        .state
+                                        .metrics
+                                        .reloads
+                                        .get_or_create(&crate::metrics::ReloadLabels { result })
+                                        .inc();
                                 }
                                 _ = stop.cancelled() => return,
                             }
@@ -458,12 +468,12 @@ async fn health() -> &'static str {
 
 async fn readiness(State(state): State<Arc<AppState>>) -> Response {
     // With replica sync, also once the peers' snapshot is in.
-    let ready = state.workers.is_ready() && state.settings.replica_sync.is_none()
-        || state.workers.is_ready()
-            && state
-                .sync
-                .get()
-                .is_some_and(|s| s.synced.load(std::sync::atomic::Ordering::Relaxed));
+    let synced = state.settings.replica_sync.is_none()
+        || state
+            .sync
+            .get()
+            .is_some_and(|s| s.synced.load(std::sync::atomic::Ordering::Relaxed));
+    let ready = synced && state.workers.is_ready();
     let status = if ready {
         StatusCode::OK
     } else {

@@ -1,7 +1,11 @@
 //! The `kvroute` binary's start-up: exit statuses and the policy log line.
 
+mod support;
+
 use std::io::{BufRead, BufReader};
+
 use std::process::{Command, Stdio};
+use support::ChildGuard;
 
 fn kvroute() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvroute"))
@@ -47,16 +51,6 @@ fn unknown_policy_in_config_file_exits_2() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Kills the child when dropped, so a failing test leaves no process behind.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[tokio::test]
 async fn with_no_worker_it_serves_from_embedded_simulated_engines() {
     use http_body_util::BodyExt;
@@ -65,7 +59,7 @@ async fn with_no_worker_it_serves_from_embedded_simulated_engines() {
         .local_addr()
         .unwrap()
         .port();
-    let mut child = Child(
+    let mut child = ChildGuard(
         kvroute()
             .args(["--port", &port.to_string(), "--prometheus-port", "0"])
             .env_remove("RUST_LOG")

@@ -11,16 +11,13 @@ use http_body_util::BodyExt;
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// Signals to the `kvroute` process under test.
+trait Signals {
+    fn signal(&self, name: &str);
+    async fn exit_code(&mut self) -> Option<i32>;
 }
 
-impl Child {
+impl Signals for ChildGuard {
     fn signal(&self, name: &str) {
         let ok = Command::new("kill")
             .args([format!("-{name}"), self.0.id().to_string()])
@@ -42,11 +39,13 @@ impl Child {
     }
 }
 
-async fn start(args: &[&str]) -> (Child, String) {
-    let port = free_port();
-    let child = Child(
+/// A `kvroute` process, ready: the process, its API url and its metrics url.
+async fn start(args: &[&str]) -> (ChildGuard, String, String) {
+    let (port, metrics_port) = (free_port(), free_port());
+    let child = ChildGuard(
         Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["--port", &port.to_string(), "--prometheus-port", "0"])
+            .args(["--port", &port.to_string()])
+            .args(["--prometheus-port", &metrics_port.to_string()])
             .args(args)
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
@@ -57,7 +56,7 @@ async fn start(args: &[&str]) -> (Child, String) {
     let url = format!("http://127.0.0.1:{port}");
     for _ in 0..2000 {
         if answers(&format!("{url}/readiness")).await {
-            return (child, url);
+            return (child, url, format!("http://127.0.0.1:{metrics_port}"));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -69,7 +68,7 @@ const STREAM: &str = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":2}"
 #[tokio::test]
 async fn sigterm_finishes_in_flight_requests_then_exits_0() {
     let w = MockWorker::start("w", &["m"]).await;
-    let (mut child, url) = start(&["--worker-urls", &w.url]).await;
+    let (mut child, url, _) = start(&["--worker-urls", &w.url]).await;
     let stream = open_stream(&url, "/v1/completions", STREAM).await;
     assert_eq!(stream.status(), 200);
     child.signal("TERM");
@@ -89,7 +88,7 @@ async fn sigterm_finishes_in_flight_requests_then_exits_0() {
 #[tokio::test]
 async fn sigterm_gives_up_on_requests_after_the_grace_period() {
     let w = MockWorker::start("w", &["m"]).await;
-    let (mut child, url) =
+    let (mut child, url, _) =
         start(&["--worker-urls", &w.url, "--shutdown-grace-period-secs", "1"]).await;
     let stream = open_stream(&url, "/v1/completions", STREAM).await;
     child.signal("TERM");
@@ -107,7 +106,7 @@ async fn sighup_rereads_the_workers_of_the_config_file() {
     let path = dir.join("router.yaml");
     let config = |id: &str, url: &str| format!("workers:\n  - id: {id}\n    url: {url}\n");
     std::fs::write(&path, config("a", &a.url)).unwrap();
-    let (child, url) = start(&["--config", path.to_str().unwrap()]).await;
+    let (child, url, metrics) = start(&["--config", path.to_str().unwrap()]).await;
     let ids = || async {
         let (_, _, body) = get_url(&format!("{url}/workers")).await;
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -137,7 +136,12 @@ async fn sighup_rereads_the_workers_of_the_config_file() {
     // A broken file changes nothing, and the router lives on.
     std::fs::write(&path, "workers: [").unwrap();
     child.signal("HUP");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    wait_until_async("the failed reload is counted", || async {
+        let (_, _, body) = get_url(&format!("{metrics}/metrics")).await;
+        let text = String::from_utf8_lossy(&body).into_owned();
+        metric_value(&text, "kvroute_config_reloads_total", "result=\"error\"") == Some(1.0)
+    })
+    .await;
     assert_eq!(ids().await, ["b"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -145,7 +149,8 @@ async fn sighup_rereads_the_workers_of_the_config_file() {
 #[tokio::test]
 async fn a_client_that_never_finishes_its_headers_is_cut_off() {
     let w = MockWorker::start("w", &["m"]).await;
-    let (_child, url) = start(&["--worker-urls", &w.url, "--header-read-timeout-secs", "1"]).await;
+    let (_child, url, _) =
+        start(&["--worker-urls", &w.url, "--header-read-timeout-secs", "1"]).await;
     let mut sock = tokio::net::TcpStream::connect(addr_of(&url)).await.unwrap();
     sock.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
         .await
@@ -161,7 +166,7 @@ async fn a_client_that_never_finishes_its_headers_is_cut_off() {
 async fn keys_never_reach_the_logs_even_at_debug_level() {
     let w = MockWorker::start("w", &["m"]).await;
     let port = free_port();
-    let mut child = Child(
+    let mut child = ChildGuard(
         Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["--port", &port.to_string(), "--prometheus-port", "0"])
             .args(["--worker-urls", &w.url, "--log-level", "debug"])

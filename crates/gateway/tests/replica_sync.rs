@@ -43,17 +43,8 @@ fn rank_in_flight(r: &TestRouter) -> u64 {
 async fn each_replica_sees_the_load_of_both() {
     let nats = nats().await;
     let w = MockWorker::start("w", &["m"]).await;
-    let mk = || {
-        let mut s = settings(&[&w]);
-        s.replica_sync = Some(kvroute_gateway::sync::transport::SyncConfig {
-            url: nats.1.clone(),
-            prefix: "kvroute-test".into(),
-            timeout: std::time::Duration::from_secs(3),
-        });
-        s
-    };
-    let a = TestRouter::start(mk()).await;
-    let b = TestRouter::start(mk()).await;
+    let a = TestRouter::start(synced(&nats, "sum", &[&w])).await;
+    let b = TestRouter::start(synced(&nats, "sum", &[&w])).await;
     wait_until_async("the replicas hear each other", || async {
         let (ma, mb) = (a.metrics().await, b.metrics().await);
         metric_value(&ma, "kvroute_replica_peers", "") == Some(1.0)
@@ -103,17 +94,8 @@ async fn each_replica_sees_the_load_of_both() {
     b.stop().await;
 }
 
-struct Proc(std::process::Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A `kvroute` process in sync on `nats`, serving `worker`.
-async fn replica_process(nats: &str, prefix: &str, worker: &str) -> (Proc, String) {
+async fn replica_process(nats: &str, prefix: &str, worker: &str) -> (ChildGuard, String) {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["--port", &port.to_string(), "--prometheus-port", "0"])
@@ -133,11 +115,12 @@ async fn replica_process(nats: &str, prefix: &str, worker: &str) -> (Proc, Strin
     let url = format!("http://127.0.0.1:{port}");
     let ready = format!("{url}/readiness");
     wait_until_async("the replica is ready", || answers(&ready)).await;
-    (Proc(child), url)
+    (ChildGuard(child), url)
 }
 
-fn synced(nats: &Nats, prefix: &str, w: &MockWorker) -> kvroute_gateway::Settings {
-    let mut s = settings(&[w]);
+/// Settings for `workers` with replica sync on `nats` under `prefix`.
+fn synced(nats: &Nats, prefix: &str, workers: &[&MockWorker]) -> kvroute_gateway::Settings {
+    let mut s = settings(workers);
     s.replica_sync = Some(kvroute_gateway::sync::transport::SyncConfig {
         url: nats.1.clone(),
         prefix: prefix.into(),
@@ -150,7 +133,7 @@ fn synced(nats: &Nats, prefix: &str, w: &MockWorker) -> kvroute_gateway::Setting
 async fn a_killed_replicas_load_is_gone_within_the_timeout() {
     let nats = nats().await;
     let w = MockWorker::start("w", &["m"]).await;
-    let a = TestRouter::start(synced(&nats, "kill", &w)).await;
+    let a = TestRouter::start(synced(&nats, "kill", &[&w])).await;
     let (mut b, b_url) = replica_process(&nats.1, "kill", &w.url).await;
     let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
     // The replicas hear each other, then B's stream shows on A.
@@ -182,8 +165,8 @@ async fn replicas_serve_without_nats_and_resync_when_it_returns() {
     let mut nats = nats().await;
     let port: u16 = nats.1.rsplit(':').next().unwrap().parse().unwrap();
     let w = MockWorker::start("w", &["m"]).await;
-    let a = TestRouter::start(synced(&nats, "outage", &w)).await;
-    let b = TestRouter::start(synced(&nats, "outage", &w)).await;
+    let a = TestRouter::start(synced(&nats, "outage", &[&w])).await;
+    let b = TestRouter::start(synced(&nats, "outage", &[&w])).await;
     wait_until_async("the replicas hear each other", || async {
         metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
     })
@@ -212,15 +195,9 @@ async fn replicas_serve_without_nats_and_resync_when_it_returns() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let peers = |r: &TestRouter| {
-        let r = r.metrics_url.clone();
-        async move {
-            let (_, _, body) = get_url(&format!("{r}/metrics")).await;
-            metric_value(&String::from_utf8_lossy(&body), "kvroute_replica_peers", "")
-        }
-    };
     wait_until_async("both hear each other again", || async {
-        peers(&a).await == Some(1.0) && peers(&b).await == Some(1.0)
+        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
+            && metric_value(&b.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
     })
     .await;
     let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
@@ -247,13 +224,8 @@ async fn replicas_learn_each_others_prefix_trees_and_sessions() {
     ];
     let refs: Vec<&MockWorker> = workers.iter().collect();
     let mk = |policy| {
-        let mut s = settings(&refs);
+        let mut s = synced(&nats, &format!("learn-{policy:?}"), &refs);
         s.policy = policy;
-        s.replica_sync = Some(kvroute_gateway::sync::transport::SyncConfig {
-            url: nats.1.clone(),
-            prefix: format!("learn-{policy:?}"),
-            timeout: std::time::Duration::from_secs(3),
-        });
         s
     };
     for policy in [
@@ -297,7 +269,7 @@ async fn replicas_learn_each_others_prefix_trees_and_sessions() {
 async fn a_starting_replica_takes_a_snapshot_before_it_is_ready() {
     let nats = nats().await;
     let w = MockWorker::start("w", &["m"]).await;
-    let a = TestRouter::start(synced(&nats, "snapshot", &w)).await;
+    let a = TestRouter::start(synced(&nats, "snapshot", &[&w])).await;
     wait_until_async("A connected", || async {
         metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
     })
@@ -305,7 +277,7 @@ async fn a_starting_replica_takes_a_snapshot_before_it_is_ready() {
     let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
     let held = open_stream(&a.url, "/v1/completions", body).await;
     // B starts after A's request: it must know of it as soon as it says it is ready.
-    let b = TestRouter::start_unready(synced(&nats, "snapshot", &w)).await;
+    let b = TestRouter::start_unready(synced(&nats, "snapshot", &[&w])).await;
     let ready = format!("{}/readiness", b.url);
     wait_until_async("B ready", || answers(&ready)).await;
     assert_eq!(rank_in_flight(&b), 1, "B is ready with A's load in view");

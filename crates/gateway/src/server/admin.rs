@@ -22,7 +22,7 @@ pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request
             &busy,
             state.affinity.as_ref(),
             &fields,
-            tokens,
+            &tokens,
             Instant::now(),
             true,
         )?;

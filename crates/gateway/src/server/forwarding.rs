@@ -62,7 +62,7 @@ pub(super) async fn route_and_forward(
         Some(pd) => pd.prefill_policy,
         None => state.settings.policy,
     };
-    let mut tokens = routing::tokens_for(&state.kv, tokenize_as, &body).await;
+    let tokens = routing::tokens_for(&state.kv, tokenize_as, &body).await;
 
     let hints = routing::parse_hints(&parts.headers)?;
     if pd.is_some() {
@@ -165,11 +165,6 @@ pub(super) async fn route_and_forward(
         if let (Some(queue), Some(c)) = (&state.queue, class) {
             busy = queue.thresholds(c, busy);
         }
-        // llm_d keys on tokens: a peer replica needs them to learn this decision.
-        let synced_tokens = match state.sync.get() {
-            Some(_) if pool.policy.kind() == PolicyKind::LlmD => tokens.clone(),
-            _ => Vec::new(),
-        };
         let plan = match routing::plan(
             &state.kv,
             pool,
@@ -178,11 +173,7 @@ pub(super) async fn route_and_forward(
             &busy,
             state.affinity.as_ref(),
             &fields,
-            if attempt < max_retries {
-                tokens.clone()
-            } else {
-                std::mem::take(&mut tokens)
-            },
+            &tokens,
             now,
             false,
         ) {
@@ -233,7 +224,12 @@ pub(super) async fn route_and_forward(
                 model: synced_model.unwrap_or_default(),
                 session_key: key,
                 text,
-                tokens: synced_tokens,
+                // llm_d keys on tokens: a peer needs them to learn this decision.
+                tokens: if policy == PolicyKind::LlmD {
+                    tokens.clone()
+                } else {
+                    Vec::new()
+                },
             }
         });
         // Its load is counted: the queue may consider the next request.

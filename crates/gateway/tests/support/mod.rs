@@ -479,3 +479,13 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A child process killed when dropped, so a failing test leaves none behind.
+pub struct ChildGuard(pub std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
