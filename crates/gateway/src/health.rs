@@ -9,6 +9,7 @@
 //! unhealthy (not a candidate, its KV-event subscription and index entries dropped),
 //! `success_threshold` passed checks make it healthy again.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -48,6 +49,9 @@ struct Inner {
 pub struct Circuit {
     settings: Option<CircuitSettings>,
     inner: Mutex<Inner>,
+    /// Closed with no failure counted: the request path's answer without the lock (every
+    /// candidate of every request asks `allows`, every attempt calls `record`).
+    clean: AtomicBool,
     gauge: Gauge,
 }
 
@@ -62,6 +66,7 @@ impl Circuit {
                 opened_at: Instant::now(),
                 probe_in_flight: false,
             }),
+            clean: AtomicBool::new(true),
             gauge,
         }
     }
@@ -77,6 +82,9 @@ impl Circuit {
     /// Whether a request may be sent to the worker now.
     pub fn allows(&self, now: Instant) -> bool {
         let Some(s) = self.settings else { return true };
+        if self.clean.load(Ordering::Relaxed) {
+            return true;
+        }
         let inner = self.lock();
         match inner.state {
             CircuitState::Closed => true,
@@ -89,6 +97,9 @@ impl Circuit {
     /// request is its probe.
     pub fn on_send(&self, now: Instant) {
         let Some(s) = self.settings else { return };
+        if self.clean.load(Ordering::Relaxed) {
+            return;
+        }
         let mut inner = self.lock();
         match inner.state {
             CircuitState::Closed => {}
@@ -108,6 +119,9 @@ impl Circuit {
     /// 5xx).
     pub fn record(&self, ok: bool, now: Instant) {
         let Some(s) = self.settings else { return };
+        if ok && self.clean.load(Ordering::Relaxed) {
+            return;
+        }
         let mut inner = self.lock();
         let before = inner.state;
         match (inner.state, ok) {
@@ -137,6 +151,10 @@ impl Circuit {
             // An answer to a request sent before the circuit opened: no news.
             (CircuitState::Open, _) => {}
         }
+        self.clean.store(
+            inner.state == CircuitState::Closed && inner.count == 0,
+            Ordering::Relaxed,
+        );
         if inner.state != before {
             self.gauge.set(inner.state.gauge_value());
             match inner.state {
@@ -153,6 +171,7 @@ impl Circuit {
         inner.state = CircuitState::Closed;
         inner.count = 0;
         inner.probe_in_flight = false;
+        self.clean.store(true, Ordering::Relaxed);
         self.gauge.set(0);
     }
 }
