@@ -11,6 +11,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use kvroute_protocol::WorkerId;
+
+use crate::policy::{Observation, Observed};
+
 /// How a session binding is applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AffinityMode {
@@ -90,6 +94,44 @@ impl Affinity {
         }
     }
 
+    /// The live bindings as of `now` (a starting replica's snapshot): the most recent
+    /// whose keys fit in `max_bytes`, oldest first.
+    pub fn snapshot(&self, now: Instant, max_bytes: usize) -> Vec<Observation> {
+        let s = self.lock();
+        let mut live: Vec<(&String, &Binding)> = s
+            .map
+            .iter()
+            .filter(|(_, b)| now.saturating_duration_since(b.last_used) < self.ttl)
+            .collect();
+        live.sort_unstable_by_key(|(_, b)| std::cmp::Reverse(b.last_used));
+        let mut bytes = 0usize;
+        let mut out: Vec<Observation> = live
+            .into_iter()
+            .take_while(|(k, _)| {
+                bytes += k.len();
+                bytes <= max_bytes
+            })
+            .map(|(k, b)| Observation {
+                worker: WorkerId::new(b.worker.as_str()),
+                dp_rank: b.dp_rank,
+                age: now.saturating_duration_since(b.last_used),
+                learnt: Observed::Session(k.clone()),
+            })
+            .collect();
+        out.reverse();
+        out
+    }
+
+    /// Binds what a peer's [`Affinity::snapshot`] holds, as of `now`, unless expired.
+    pub fn restore(&self, observations: &[Observation], now: Instant) {
+        for o in observations {
+            if let (Observed::Session(key), true) = (&o.learnt, o.age < self.ttl) {
+                let at = now.checked_sub(o.age).unwrap_or(now);
+                self.bind(key, o.worker.as_str(), o.dp_rank, at);
+            }
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.lock().map.len()
     }
@@ -126,5 +168,33 @@ mod tests {
         // The sweep drops expired bindings.
         a.bind("s4", "w4", None, t0 + Duration::from_secs(120));
         assert_eq!(a.len(), 1);
+    }
+
+    #[test]
+    fn a_snapshot_restores_live_bindings_with_their_age() {
+        let a = Affinity::new(AffinityMode::Soft, Duration::from_secs(10), 100);
+        let t0 = Instant::now();
+        a.bind("old", "w1", Some(0), t0);
+        a.bind("new", "w2", None, t0 + Duration::from_secs(8));
+        let now = t0 + Duration::from_secs(9);
+        let snap = a.snapshot(now, 1 << 20);
+        assert_eq!(snap.len(), 2);
+        assert!(
+            snap.windows(2).all(|w| w[0].age >= w[1].age),
+            "oldest first"
+        );
+        let b = Affinity::new(AffinityMode::Soft, Duration::from_secs(10), 100);
+        let later = Instant::now() + Duration::from_secs(100);
+        b.restore(&snap, later);
+        assert_eq!(b.get("new", later), Some(("w2".into(), None)));
+        assert_eq!(b.get("old", later), Some(("w1".into(), Some(0))));
+        // Ages carry over: "old" (9 s) expires a second later, "new" (1 s) does not.
+        let after = later + Duration::from_secs(2);
+        assert_eq!(b.get("old", after), None);
+        assert_eq!(b.get("new", after), Some(("w2".into(), None)));
+        // The budget keeps the most recent.
+        let small = a.snapshot(now, 3);
+        assert_eq!(small.len(), 1);
+        assert_eq!(small[0].learnt, Observed::Session("new".into()));
     }
 }

@@ -22,6 +22,6 @@ pub mod queue;
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
 pub use policy::{
-    build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, Policy,
-    PolicyConfig, PolicyKind, UnknownPolicy,
+    build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, Observation,
+    Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
 };

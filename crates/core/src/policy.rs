@@ -22,6 +22,8 @@ mod kv_aware;
 mod llm_d;
 mod load;
 mod manual;
+#[cfg(test)]
+mod snapshot_tests;
 
 use std::fmt;
 use std::str::FromStr;
@@ -76,6 +78,53 @@ pub trait Policy: Send + Sync + fmt::Debug {
         _request: &RouteRequest<'_>,
     ) {
     }
+
+    /// What the policy has learnt, as of `now`, as observations that rebuild it when
+    /// replayed in order through [`Policy::restore`] (a starting replica's snapshot): the
+    /// most recent ones whose [`Observed::bytes`] fit in `max_bytes`, oldest first.
+    /// Policies without learnt state give none.
+    fn snapshot(&self, _now: std::time::Instant, _max_bytes: usize) -> Vec<Observation> {
+        Vec::new()
+    }
+
+    /// Learns `observations` (from a peer's [`Policy::snapshot`]) as of `now`, in order.
+    fn restore(&self, _observations: &[Observation], _now: std::time::Instant) {}
+}
+
+/// One thing a policy learnt about a (worker, rank), in a snapshot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observation {
+    pub worker: kvroute_protocol::WorkerId,
+    pub dp_rank: Option<u32>,
+    /// How long before the snapshot it was last used.
+    pub age: Duration,
+    pub learnt: Observed,
+}
+
+/// What was learnt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Observed {
+    /// `cache_aware`: a text the rank was sent.
+    Text(String),
+    /// `llm_d`: block hashes the rank holds, least recent first.
+    Blocks(Vec<u64>),
+    /// `manual` (and session affinity): a session key bound to the rank.
+    Session(String),
+}
+
+impl Observed {
+    /// The payload's size, for snapshot budgets.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Observed::Text(t) | Observed::Session(t) => t.len(),
+            Observed::Blocks(b) => b.len() * 8,
+        }
+    }
+}
+
+/// `now - age`, or `now` where the clock does not reach that far back.
+pub(crate) fn before(now: std::time::Instant, age: Duration) -> std::time::Instant {
+    now.checked_sub(age).unwrap_or(now)
 }
 
 /// Every policy name kvroute accepts.

@@ -231,7 +231,7 @@ fn plan_half(
         hints,
         &busy,
         if decode {
-            state.affinity.as_ref()
+            state.affinity.as_deref()
         } else {
             None
         },
@@ -264,7 +264,7 @@ fn prefill_task(
        + Send
        + 'static {
     let guard = InFlight::new(prefill.worker.clone(), prefill.rank, load, None)
-        .with_sync(state.sync.get(), || synced(req));
+        .with_sync(state.sync.get(), || synced(state, req, Half::Prefill));
     let client = state.client.clone();
     let auth = state.worker_auth.clone();
     let timeout = state.settings.request_timeout;
@@ -326,7 +326,7 @@ async fn send_decode(
     body: Bytes,
 ) -> Result<http::Response<proxy::TrackedBody>, GatewayError> {
     let mut guard = InFlight::new(decode.worker.clone(), decode.rank, load, None)
-        .with_sync(state.sync.get(), || synced(req));
+        .with_sync(state.sync.get(), || synced(state, req, Half::Decode));
     if req.fields.stream {
         guard = guard.with_ttft(req.arrived, state.metrics.ttft_seconds.clone());
     }
@@ -376,10 +376,13 @@ fn finish(
 
 /// What a peer replica learns from a disaggregated half: the model and the session key (the
 /// halves' policies key on tokens and load, not text).
-fn synced(req: &PdRequest<'_>) -> crate::sync::Learnt {
+fn synced(state: &AppState, req: &PdRequest<'_>, half: Half) -> crate::sync::Learnt {
     crate::sync::Learnt {
         model: req.fields.model.as_deref().unwrap_or_default().to_owned(),
         session_key: routing::session_key(&req.parts.headers, req.fields).map(str::to_owned),
+        // Sessions are bound to the decode half (see `plan_half`).
+        bind: half == Half::Decode && state.affinity.is_some(),
+        half: Some(half),
         ..Default::default()
     }
 }

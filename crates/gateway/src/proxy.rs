@@ -114,9 +114,11 @@ impl InFlight {
             handle.send(crate::sync::Message::Routed {
                 request,
                 model: l.model,
+                half: l.half,
                 worker: self.worker.id.to_string(),
                 dp_rank: rank.dp_rank,
                 session_key: l.session_key,
+                bind: l.bind,
                 text: l.text,
                 tokens: l.tokens,
                 prefill_tokens: self.load.prefill_tokens,

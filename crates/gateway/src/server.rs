@@ -73,7 +73,7 @@ const ROUTED: [&str; 7] = [
 pub(crate) struct AppState {
     pub(crate) queue: Option<Arc<AdmissionQueue>>,
     pub(crate) busy: BusyControl,
-    pub(crate) affinity: Option<Affinity>,
+    pub(crate) affinity: Option<Arc<Affinity>>,
     pub(crate) settings: Settings,
     pub(crate) kv: Arc<KvState>,
     pub(crate) kv_event_metrics: KvEventMetrics,
@@ -150,7 +150,7 @@ impl Gateway {
                 busy: BusyControl::new(settings.busy),
                 affinity: settings
                     .session_affinity
-                    .map(|(mode, ttl)| Affinity::new(mode, ttl, 1 << 20)),
+                    .map(|(mode, ttl)| Arc::new(Affinity::new(mode, ttl, 1 << 20))),
                 limit: settings
                     .max_concurrent_requests
                     .map(|n| Arc::new(Semaphore::new(n))),
@@ -312,8 +312,11 @@ impl Gateway {
         if let Some(config) = &state.settings.replica_sync {
             let handle = crate::sync::transport::spawn(
                 config.clone(),
-                state.workers.clone(),
-                state.kv.clone(),
+                crate::sync::transport::Local {
+                    workers: state.workers.clone(),
+                    kv: state.kv.clone(),
+                    affinity: state.affinity.clone(),
+                },
                 state.sync_metrics.clone(),
                 &state.tasks,
                 state.shutdown.clone(),

@@ -11,11 +11,16 @@
 //! the live ones for (their requests in flight) before it reports ready, and the metrics.
 //! KV events are not relayed: every replica subscribes to every engine's publisher.
 
+pub mod snapshot;
+pub mod transport;
+
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kvroute_core::RequestLoad;
 use serde::{Deserialize, Serialize};
+
+use crate::workers::Half;
 
 /// A router replica's id (random at start).
 pub type ReplicaTag = u64;
@@ -39,10 +44,17 @@ pub enum Message {
         request: u64,
         /// The model whose policy chose (each model has its own policy state).
         model: String,
+        /// Which pool of a disaggregated model chose; `None` for the model's own.
+        #[serde(default)]
+        half: Option<Half>,
         worker: String,
         dp_rank: Option<u32>,
-        /// The session key, for session maps (`manual`).
+        /// The session key, for session maps (`manual`, session affinity).
         session_key: Option<String>,
+        /// Whether the sender bound the session to this (worker, rank)
+        /// (`--session-affinity-ttl-secs`; the decode half of a disaggregated request).
+        #[serde(default)]
+        bind: bool,
         /// The routing text, for text-keyed trees (`cache_aware`); empty otherwise.
         text: String,
         /// The prompt's tokens, for token-keyed caches (`llm_d`); empty otherwise.
@@ -77,7 +89,11 @@ impl Message {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Learnt {
     pub model: String,
+    /// The pool of a disaggregated model that chose.
+    pub half: Option<Half>,
     pub session_key: Option<String>,
+    /// The session was bound to this decision (session affinity).
+    pub bind: bool,
     /// `cache_aware`'s key.
     pub text: String,
     /// `llm_d`'s key.
@@ -164,14 +180,37 @@ impl Ledger {
             return Err(Ignored::Own);
         }
         let peer = self.peers.entry(msg.sender).or_default();
-        peer.last_seen = Some(now);
         if let Some(last) = peer.last_seq {
             if msg.seq > last + 1 {
                 peer.lost += msg.seq - last - 1;
             }
         }
         peer.last_seq = Some(msg.seq.max(peer.last_seq.unwrap_or(0)));
-        match msg.body {
+        self.apply_body(msg.sender, msg.body, now)
+    }
+
+    /// Applies a message from a peer's snapshot answer (outside its numbered stream).
+    pub fn apply_snapshot(
+        &mut self,
+        sender: ReplicaTag,
+        body: Message,
+        now: Instant,
+    ) -> Result<Option<LoadOp>, Ignored> {
+        if sender == self.me {
+            return Err(Ignored::Own);
+        }
+        self.apply_body(sender, body, now)
+    }
+
+    fn apply_body(
+        &mut self,
+        sender: ReplicaTag,
+        body: Message,
+        now: Instant,
+    ) -> Result<Option<LoadOp>, Ignored> {
+        let peer = self.peers.entry(sender).or_default();
+        peer.last_seen = Some(now);
+        match body {
             Message::Heartbeat { live } => {
                 // One sender's messages arrive in order: a request it routed before this
                 // heartbeat and did not list has ended.
@@ -192,9 +231,11 @@ impl Ledger {
             Message::Routed {
                 request,
                 model,
+                half,
                 worker,
                 dp_rank,
                 session_key,
+                bind,
                 text,
                 tokens,
                 prefill_tokens,
@@ -227,7 +268,9 @@ impl Ledger {
                     load,
                     learnt: Some(Learnt {
                         model,
+                        half,
                         session_key,
+                        bind,
                         text,
                         tokens,
                     }),
@@ -326,9 +369,11 @@ mod tests {
             body: Message::Routed {
                 request,
                 model: "m".into(),
+                half: None,
                 worker: "w1".into(),
                 dp_rank: Some(0),
                 session_key: Some("s".into()),
+                bind: true,
                 text: "hello".into(),
                 tokens: vec![1, 2, 3],
                 prefill_tokens: 100,
@@ -450,389 +495,5 @@ mod tests {
         assert_eq!(decode(&encode(&m)), Some(m));
         assert_eq!(decode(b"\xc1not msgpack"), None);
         assert_eq!(decode(b""), None);
-    }
-}
-
-/// The transport: a task that publishes this replica's messages on NATS and applies the
-/// peers' to the local ranks.
-pub mod transport {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::Arc;
-    use std::time::{Duration, Instant};
-
-    use futures_util::StreamExt;
-    use prometheus_client::encoding::EncodeLabelSet;
-    use prometheus_client::metrics::counter::Counter;
-    use prometheus_client::metrics::family::Family;
-    use prometheus_client::metrics::gauge::Gauge;
-    use prometheus_client::registry::Registry;
-    use tokio::sync::mpsc;
-    use tokio_util::sync::CancellationToken;
-
-    use super::{decode, encode, Envelope, Ledger, LoadOp, Message, ReplicaTag};
-    use crate::kv::KvState;
-    use crate::workers::WorkerSet;
-
-    /// What the request path holds: sends this replica's messages to the task (never blocks).
-    #[derive(Debug, Clone)]
-    pub struct SyncHandle {
-        tx: mpsc::UnboundedSender<Message>,
-        next_request: Arc<AtomicU64>,
-        /// Set once the snapshot from the live peers was applied (or none answered).
-        pub synced: Arc<std::sync::atomic::AtomicBool>,
-    }
-
-    impl SyncHandle {
-        pub fn request_id(&self) -> u64 {
-            self.next_request.fetch_add(1, Ordering::Relaxed)
-        }
-
-        pub fn send(&self, msg: Message) {
-            let _ = self.tx.send(msg);
-        }
-    }
-
-    /// Where and how to sync.
-    #[derive(Debug, Clone)]
-    pub struct SyncConfig {
-        pub url: String,
-        pub prefix: String,
-        pub timeout: Duration,
-    }
-
-    #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-    struct MessageLabels {
-        direction: &'static str,
-        kind: &'static str,
-    }
-
-    /// `kvroute_replica_peers`, `kvroute_replica_sync_messages_total{direction,kind}`
-    /// (direction `out` or `in`; kind routed, first_token, finished, heartbeat, and on `in`
-    /// also malformed, own, ignored), `kvroute_replica_sync_lag_seconds` (send to apply, of
-    /// the last message applied), `kvroute_replica_sync_connected`.
-    #[derive(Debug, Clone, Default)]
-    pub struct SyncMetrics {
-        peers: Gauge,
-        connected: Gauge,
-        messages: Family<MessageLabels, Counter>,
-        bytes: Family<DirectionLabels, Counter>,
-        lag: Gauge<f64, AtomicU64>,
-    }
-
-    #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-    struct DirectionLabels {
-        direction: &'static str,
-    }
-
-    impl SyncMetrics {
-        pub fn register(registry: &mut Registry) -> Self {
-            let m = Self::default();
-            registry.register(
-                "kvroute_replica_peers",
-                "Other router replicas heard from within --replica-timeout-secs",
-                m.peers.clone(),
-            );
-            registry.register(
-                "kvroute_replica_sync_connected",
-                "Whether the replica sync is connected to NATS (1) or routing on local state (0)",
-                m.connected.clone(),
-            );
-            registry.register(
-                "kvroute_replica_sync_messages",
-                "Replica sync messages, by direction and kind",
-                m.messages.clone(),
-            );
-            registry.register(
-                "kvroute_replica_sync_bytes",
-                "Replica sync payload bytes, by direction",
-                m.bytes.clone(),
-            );
-            registry.register(
-                "kvroute_replica_sync_lag_seconds",
-                "From a peer's send to this replica's apply, for the last message applied",
-                m.lag.clone(),
-            );
-            m
-        }
-
-        fn count_bytes(&self, direction: &'static str, n: usize) {
-            self.bytes
-                .get_or_create(&DirectionLabels { direction })
-                .inc_by(n as u64);
-        }
-
-        fn count(&self, direction: &'static str, kind: &'static str) {
-            self.messages
-                .get_or_create(&MessageLabels { direction, kind })
-                .inc();
-        }
-    }
-
-    fn now_ms() -> u64 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64)
-    }
-
-    /// Starts the sync task; returns the handle for the request path.
-    pub fn spawn(
-        config: SyncConfig,
-        workers: Arc<WorkerSet>,
-        kv: Arc<KvState>,
-        metrics: SyncMetrics,
-        tasks: &tokio_util::task::TaskTracker,
-        shutdown: CancellationToken,
-    ) -> SyncHandle {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let me: ReplicaTag = rand::random();
-        let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        tasks.spawn(run(
-            config,
-            me,
-            workers,
-            kv,
-            metrics,
-            rx,
-            synced.clone(),
-            shutdown,
-        ));
-        SyncHandle {
-            tx,
-            next_request: Arc::new(AtomicU64::new(0)),
-            synced,
-        }
-    }
-
-    fn apply(workers: &WorkerSet, kv: &KvState, op: LoadOp) {
-        let (worker, dp_rank) = match &op {
-            LoadOp::Many(ops) => {
-                for op in ops.clone() {
-                    apply(workers, kv, op);
-                }
-                return;
-            }
-            LoadOp::Start {
-                worker, dp_rank, ..
-            }
-            | LoadOp::FirstToken {
-                worker, dp_rank, ..
-            }
-            | LoadOp::Finish {
-                worker, dp_rank, ..
-            } => (worker, dp_rank),
-        };
-        let Some(w) = workers.get(worker) else { return };
-        let Some(rank) = w.ranks.iter().find(|r| r.dp_rank == *dp_rank) else {
-            return;
-        };
-        match &op {
-            LoadOp::Start { load, learnt, .. } => {
-                rank.start(load);
-                let now = Instant::now();
-                if !kv.uses_events(&w) {
-                    let hashes: Vec<kvroute_index::BlockHash> = load
-                        .blocks
-                        .iter()
-                        .map(|h| kvroute_index::BlockHash(*h))
-                        .collect();
-                    kv.record_routed(rank.replica, &hashes, now);
-                }
-                if let Some(l) = learnt {
-                    let table = workers.table();
-                    if let Ok(pool) = table.resolve(Some(&l.model)) {
-                        let request = kvroute_core::RouteRequest {
-                            session_key: l.session_key.as_deref(),
-                            text: &l.text,
-                            prompt_tokens: l.tokens.len(),
-                            tokens: &l.tokens,
-                            block_size: kv.block_size,
-                            has_preferred_taints: false,
-                            dry_run: false,
-                            now,
-                        };
-                        pool.policy.observe(&w.id, rank.dp_rank, &request);
-                    }
-                }
-            }
-            LoadOp::FirstToken { load, .. } => rank.first_token(load),
-            LoadOp::Finish {
-                load, prefilling, ..
-            } => rank.finish(load, *prefilling),
-            LoadOp::Many(_) => {}
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn run(
-        config: SyncConfig,
-        me: ReplicaTag,
-        workers: Arc<WorkerSet>,
-        kv: Arc<KvState>,
-        metrics: SyncMetrics,
-        mut rx: mpsc::UnboundedReceiver<Message>,
-        synced: Arc<std::sync::atomic::AtomicBool>,
-        shutdown: CancellationToken,
-    ) {
-        let subject = format!("{}.load", config.prefix);
-        let client = loop {
-            let attempt = async_nats::ConnectOptions::new()
-                .connection_timeout(Duration::from_secs(2))
-                .connect(config.url.as_str());
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                c = attempt => match c {
-                    Ok(c) => break c,
-                    Err(error) => {
-                        metrics.connected.set(0);
-                        tracing::warn!(url = %config.url, %error, "Replica sync: NATS unreachable; routing on local state, retrying");
-                        // Drop what piles up meanwhile: peers cannot learn it anyway.
-                        while rx.try_recv().is_ok() {}
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                }
-            }
-        };
-        let snapshot_subject = format!("{}.snapshot", config.prefix);
-        let (mut sub, mut snapshots) = match tokio::try_join!(
-            client.subscribe(subject.clone()),
-            client.subscribe(snapshot_subject.clone())
-        ) {
-            Ok(s) => s,
-            Err(error) => {
-                tracing::error!(%error, "Replica sync: cannot subscribe");
-                synced.store(true, Ordering::Relaxed);
-                return;
-            }
-        };
-        let mut ledger = Ledger::new(me, 1 << 20);
-        // Before reporting ready: the live peers' requests in flight, so as not to route
-        // blind. Every peer answers on the inbox; those that answer within a second count.
-        {
-            let inbox = client.new_inbox();
-            if let Ok(mut answers) = client.subscribe(inbox.clone()).await {
-                let asked = client
-                    .publish_with_reply(
-                        snapshot_subject.clone(),
-                        inbox,
-                        me.to_be_bytes().to_vec().into(),
-                    )
-                    .await;
-                if asked.is_ok() {
-                    let deadline = tokio::time::sleep(Duration::from_secs(1));
-                    tokio::pin!(deadline);
-                    loop {
-                        tokio::select! {
-                            _ = &mut deadline => break,
-                            answer = answers.next() => {
-                                let Some(answer) = answer else { break };
-                                let Ok(batch) = rmp_serde::from_slice::<Vec<Envelope>>(&answer.payload) else {
-                                    metrics.count("in", "malformed");
-                                    continue;
-                                };
-                                for env in batch {
-                                    if let Ok(Some(op)) = ledger.apply(env, Instant::now()) {
-                                        apply(&workers, &kv, op);
-                                    }
-                                }
-                                metrics.count("in", "snapshot");
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        synced.store(true, Ordering::Relaxed);
-        tracing::info!(url = %config.url, subject, "Replica sync on");
-        metrics.connected.set(1);
-        let mut seq = 0u64;
-        // This replica's requests in flight (listed in its heartbeats, sent whole in
-        // snapshots).
-        let mut live: std::collections::HashMap<u64, Message> = std::collections::HashMap::new();
-        let mut tick = tokio::time::interval(config.timeout / 3);
-        let mut publish = |body: Message, client: &async_nats::Client| {
-            metrics.count("out", body.kind());
-            let env = Envelope {
-                sender: me,
-                seq,
-                sent_ms: now_ms(),
-                body,
-            };
-            seq += 1;
-            let payload = encode(&env);
-            metrics.count_bytes("out", payload.len());
-            let client = client.clone();
-            let subject = subject.clone();
-            async move {
-                // While NATS is away the client buffers, then drops; peers reconcile from
-                // the next heartbeat.
-                let _ = client.publish(subject, payload.into()).await;
-            }
-        };
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                out = rx.recv() => {
-                    let Some(body) = out else { return };
-                    match &body {
-                        Message::Routed { request, .. } => {
-                            live.insert(*request, body.clone());
-                        }
-                        Message::Finished { request } => {
-                            live.remove(request);
-                        }
-                        _ => {}
-                    }
-                    publish(body, &client).await;
-                }
-                ask = snapshots.next() => {
-                    let Some(ask) = ask else { return };
-                    let (Some(reply), false) = (ask.reply, ask.payload.as_ref() == me.to_be_bytes()) else {
-                        continue;
-                    };
-                    let batch: Vec<Envelope> = live
-                        .values()
-                        .map(|m| Envelope { sender: me, seq: 0, sent_ms: now_ms(), body: m.clone() })
-                        .collect();
-                    metrics.count("out", "snapshot");
-                    let _ = client
-                        .publish(reply, rmp_serde::to_vec(&batch).unwrap_or_default().into())
-                        .await;
-                }
-                msg = sub.next() => {
-                    let Some(msg) = msg else { return };
-                    metrics.count_bytes("in", msg.payload.len());
-                    let Some(env) = decode(&msg.payload) else {
-                        metrics.count("in", "malformed");
-                        continue;
-                    };
-                    let kind = env.body.kind();
-                    let sent_ms = env.sent_ms;
-                    match ledger.apply(env, Instant::now()) {
-                        Ok(op) => {
-                            metrics.count("in", kind);
-                            metrics
-                                .lag
-                                .set(now_ms().saturating_sub(sent_ms) as f64 / 1000.0);
-                            if let Some(op) = op {
-                                apply(&workers, &kv, op);
-                            }
-                        }
-                        Err(super::Ignored::Own) => metrics.count("in", "own"),
-                        Err(_) => metrics.count("in", "ignored"),
-                    }
-                    metrics.peers.set(ledger.peers() as i64);
-                }
-                _ = tick.tick() => {
-                    let connected =
-                        client.connection_state() == async_nats::connection::State::Connected;
-                    metrics.connected.set(i64::from(connected));
-                    publish(Message::Heartbeat { live: live.keys().copied().collect() }, &client).await;
-                    for op in ledger.expire(Instant::now(), config.timeout) {
-                        apply(&workers, &kv, op);
-                    }
-                    metrics.peers.set(ledger.peers() as i64);
-                }
-            }
-        }
     }
 }

@@ -222,7 +222,7 @@ pub struct Pool {
 }
 
 /// One half of a disaggregated request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Half {
     Prefill,
     Decode,
@@ -292,6 +292,25 @@ impl RoutingTable {
                 }
             }
         }
+    }
+
+    /// Every pool with its role: each model's own (`None`), and with disaggregation its
+    /// prefill and decode pools.
+    pub fn every_pool(&self) -> impl Iterator<Item = (Option<Half>, &Pool)> {
+        let own = self.pools.values().map(|p| (None, p));
+        let prefill = self.prefill.values().map(|p| (Some(Half::Prefill), p));
+        let decode = self.decode.values().map(|p| (Some(Half::Decode), p));
+        own.chain(prefill).chain(decode)
+    }
+
+    /// The pool of exactly `model` in that role.
+    pub fn pool(&self, half: Option<Half>, model: &str) -> Option<&Pool> {
+        match half {
+            None => &self.pools,
+            Some(Half::Prefill) => &self.prefill,
+            Some(Half::Decode) => &self.decode,
+        }
+        .get(model)
     }
 
     /// The models served.

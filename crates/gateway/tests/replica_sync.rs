@@ -213,52 +213,129 @@ async fn replicas_serve_without_nats_and_resync_when_it_returns() {
     b.stop().await;
 }
 
-#[tokio::test]
-async fn replicas_learn_each_others_prefix_trees_and_sessions() {
-    let nats = nats().await;
-    let workers = [
+/// Sets one learning case up.
+type Case = fn(&mut kvroute_gateway::Settings);
+
+/// What replicas learn from each decision, one case each: the prefix trees of cache_aware
+/// and llm_d, manual's sessions, and session-affinity bindings (over a random policy, so
+/// only the binding can agree).
+fn learning_cases() -> Vec<(&'static str, Case)> {
+    vec![
+        ("cache_aware", |s| {
+            s.policy = kvroute_core::PolicyKind::CacheAware
+        }),
+        ("llm_d", |s| s.policy = kvroute_core::PolicyKind::LlmD),
+        ("manual", |s| s.policy = kvroute_core::PolicyKind::Manual),
+        ("affinity", |s| {
+            s.policy = kvroute_core::PolicyKind::Random;
+            s.session_affinity = Some((
+                kvroute_core::affinity::AffinityMode::Soft,
+                std::time::Duration::from_secs(600),
+            ));
+        }),
+    ]
+}
+
+/// Prompt `i` of the learning tests, with its session header.
+fn learnt_request(i: u64) -> (String, String) {
+    let body = serde_json::json!({"model": "m", "prompt": text(400, 900 + i)}).to_string();
+    (body, format!("session-{i}"))
+}
+
+/// Whether `router` sends request `i` to `worker` eight dry runs in a row (a dry run breaks
+/// ties at random: eight in a row rule out luck).
+async fn routes_to(router: &TestRouter, i: u64, worker: &str) -> bool {
+    let (body, session) = learnt_request(i);
+    let headers = [("x-session-id", session.as_str())];
+    for _ in 0..8 {
+        let d = post(&router.url, "/debug/route", &headers, &body)
+            .await
+            .json();
+        if d["worker"] != worker {
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends requests 0..6 through `router`: where each went.
+async fn route_six(router: &TestRouter) -> Vec<String> {
+    let mut chosen = Vec::new();
+    for i in 0..6 {
+        let (body, session) = learnt_request(i);
+        let headers = [("x-session-id", session.as_str())];
+        let reply = post(&router.url, "/v1/completions", &headers, &body).await;
+        assert_eq!(reply.status, 200);
+        chosen.push(reply.worker().to_owned());
+    }
+    chosen
+}
+
+async fn four_workers() -> [MockWorker; 4] {
+    [
         MockWorker::start("w0", &["m"]).await,
         MockWorker::start("w1", &["m"]).await,
         MockWorker::start("w2", &["m"]).await,
         MockWorker::start("w3", &["m"]).await,
-    ];
+    ]
+}
+
+#[tokio::test]
+async fn replicas_learn_each_others_prefix_trees_and_sessions() {
+    let nats = nats().await;
+    let workers = four_workers().await;
     let refs: Vec<&MockWorker> = workers.iter().collect();
-    let mk = |policy| {
-        let mut s = synced(&nats, &format!("learn-{policy:?}"), &refs);
-        s.policy = policy;
-        s
-    };
-    for policy in [
-        kvroute_core::PolicyKind::CacheAware,
-        kvroute_core::PolicyKind::LlmD,
-        kvroute_core::PolicyKind::Manual,
-    ] {
-        let a = TestRouter::start(mk(policy)).await;
-        let b = TestRouter::start(mk(policy)).await;
+    for (name, case) in learning_cases() {
+        let mk = || {
+            let mut s = synced(&nats, &format!("learn-{name}"), &refs);
+            case(&mut s);
+            s
+        };
+        let a = TestRouter::start(mk()).await;
+        let b = TestRouter::start(mk()).await;
         wait_until_async("the replicas hear each other", || async {
             metric_value(&b.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
         })
         .await;
-        for i in 0..6u64 {
-            let prompt = text(400, 900 + i);
-            let session = format!("session-{i}");
-            let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
-            let headers = [("x-session-id", session.as_str())];
-            let chosen = post(&a.url, "/v1/completions", &headers, &body).await;
-            assert_eq!(chosen.status, 200);
-            let chosen = chosen.worker().to_owned();
-            // B, which never saw this prompt or session, routes it where A did, every time
-            // (a dry run breaks ties at random: eight in a row rule out luck).
-            wait_until_async("B learnt A's decision", || async {
-                for _ in 0..8 {
-                    let d = post(&b.url, "/debug/route", &headers, &body).await.json();
-                    if d["worker"] != chosen.as_str() {
-                        return false;
-                    }
-                }
-                true
+        for (i, chosen) in route_six(&a).await.into_iter().enumerate() {
+            // B, which never saw this prompt or session, routes it where A did.
+            wait_until_async(&format!("{name}: B learnt A's decision"), || {
+                routes_to(&b, i as u64, &chosen)
             })
             .await;
+        }
+        a.stop().await;
+        b.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_starting_replica_takes_the_learnt_state_before_it_is_ready() {
+    let nats = nats().await;
+    let workers = four_workers().await;
+    let refs: Vec<&MockWorker> = workers.iter().collect();
+    for (name, case) in learning_cases() {
+        let mk = || {
+            let mut s = synced(&nats, &format!("state-{name}"), &refs);
+            case(&mut s);
+            s
+        };
+        let a = TestRouter::start(mk()).await;
+        wait_until_async("A connected", || async {
+            metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
+        })
+        .await;
+        let chosen = route_six(&a).await;
+        // B starts after A's requests are over: only the snapshot can tell it what A learnt,
+        // and it must know as soon as it says it is ready.
+        let b = TestRouter::start_unready(mk()).await;
+        let ready = format!("{}/readiness", b.url);
+        wait_until_async("B ready", || answers(&ready)).await;
+        for (i, worker) in chosen.iter().enumerate() {
+            assert!(
+                routes_to(&b, i as u64, worker).await,
+                "{name}: B routes request {i} to {worker} as A did"
+            );
         }
         a.stop().await;
         b.stop().await;

@@ -68,7 +68,7 @@ use rand::{Rng, RngCore};
 use self::tenants::Tenants;
 use self::tree::Tree;
 use super::load::least_loaded;
-use super::{Policy, PolicyKind};
+use super::{Observation, Observed, Policy, PolicyKind};
 use crate::{Candidate, Decision, RouteRequest};
 
 /// An insert that takes a tenant above this multiple of `max_tree_size` evicts at once.
@@ -288,6 +288,56 @@ impl Policy for CacheAware {
     fn observe(&self, worker: &WorkerId, dp_rank: Option<u32>, request: &RouteRequest<'_>) {
         if !request.text.is_empty() {
             self.insert(worker, dp_rank, request.text, request.now);
+        }
+    }
+
+    /// Each tenant's texts: the path to each node it last used more recently than anything
+    /// below (its leaves, and where a shorter text ended), with its age.
+    fn snapshot(&self, now: Instant, max_bytes: usize) -> Vec<Observation> {
+        let s = self.lock();
+        let Some(epoch) = s.epoch else {
+            return Vec::new();
+        };
+        let now_tick =
+            u64::try_from(now.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX);
+        let mut ends: Vec<(u64, &WorkerId, Option<u32>, u32)> = s
+            .tenants
+            .iter()
+            .flat_map(|(worker, dp_rank, t)| {
+                s.tree
+                    .ends(t)
+                    .into_iter()
+                    .map(move |(tick, node)| (tick, worker, dp_rank, node))
+            })
+            .collect();
+        // The most recent first, while the budget lasts; then oldest first.
+        ends.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        for (tick, worker, dp_rank, node) in ends {
+            let text = s.tree.text_of(node);
+            bytes += text.len();
+            if bytes > max_bytes {
+                break;
+            }
+            out.push(Observation {
+                worker: worker.clone(),
+                dp_rank,
+                age: Duration::from_nanos(now_tick.saturating_sub(tick)),
+                learnt: Observed::Text(text),
+            });
+        }
+        out.reverse();
+        out
+    }
+
+    fn restore(&self, observations: &[Observation], now: Instant) {
+        let mut s = self.lock();
+        for o in observations {
+            if let Observed::Text(text) = &o.learnt {
+                let at = super::before(now, o.age);
+                self.insert_locked(&mut s, &o.worker, o.dp_rank, text, at);
+            }
         }
     }
 

@@ -54,7 +54,7 @@ use kvroute_protocol::{stable_hash, WorkerId};
 use rand::{Rng, RngCore};
 
 use self::lru::{BlockHashState, BlockLru};
-use super::{Policy, PolicyKind};
+use super::{Observation, Observed, Policy, PolicyKind};
 use crate::{Candidate, Decision, EngineLoad, RouteRequest};
 
 /// The smallest block the prefix scorer uses, in tokens (llm-d's default hash block size).
@@ -67,6 +67,9 @@ pub const DEFAULT_LRU_CAPACITY: usize = 31_250;
 /// Tokens per engine KV block assumed when sizing an LRU from `num_gpu_blocks` (vLLM's
 /// default; the engine's own block size is not among the scraped values).
 pub const ASSUMED_ENGINE_BLOCK_SIZE: u64 = 16;
+
+/// The most hashes in one snapshot observation.
+pub const SNAPSHOT_PIECE: usize = 4096;
 
 /// Totals closer than this are a tie.
 const TIE_EPSILON: f64 = 1e-9;
@@ -237,6 +240,56 @@ impl Policy for LlmD {
     fn observe(&self, worker: &WorkerId, dp_rank: Option<u32>, request: &RouteRequest<'_>) {
         let hashes = block_hashes(request.tokens, self.block_size);
         self.record_at(worker, dp_rank, None, &hashes);
+    }
+
+    /// Each rank's LRU, least recent first, in pieces of at most [`SNAPSHOT_PIECE`]
+    /// hashes; each rank keeps its most recent hashes within an equal share of the budget.
+    /// The LRUs keep no time: every age is zero.
+    fn snapshot(&self, _now: std::time::Instant, max_bytes: usize) -> Vec<Observation> {
+        let lrus = self.lock();
+        let ranks = lrus.values().map(Vec::len).sum::<usize>().max(1);
+        let share = max_bytes / ranks / 8;
+        let mut out = Vec::new();
+        for (worker, ranks) in lrus.iter() {
+            for (dp_rank, lru) in ranks {
+                let mut recent: Vec<u64> = lru.iter_recent().take(share).collect();
+                recent.reverse();
+                out.extend(recent.chunks(SNAPSHOT_PIECE).map(|piece| Observation {
+                    worker: worker.clone(),
+                    dp_rank: *dp_rank,
+                    age: std::time::Duration::ZERO,
+                    learnt: Observed::Blocks(piece.to_vec()),
+                }));
+            }
+        }
+        out
+    }
+
+    /// Inserts each piece's hashes in order (the last most recent); a rank's LRU grows to
+    /// hold what it is sent (the engine's size is learnt at the next local decision).
+    fn restore(&self, observations: &[Observation], _now: std::time::Instant) {
+        let mut lrus = self.lock();
+        for o in observations {
+            let Observed::Blocks(hashes) = &o.learnt else {
+                continue;
+            };
+            let ranks = lrus.entry(o.worker.clone()).or_default();
+            let i = match ranks.iter().position(|(r, _)| *r == o.dp_rank) {
+                Some(i) => i,
+                None => {
+                    let lru = BlockLru::new(DEFAULT_LRU_CAPACITY, self.hasher);
+                    ranks.push((o.dp_rank, lru));
+                    ranks.len() - 1
+                }
+            };
+            let lru = &mut ranks[i].1;
+            if lru.len() + hashes.len() > lru.capacity() {
+                lru.set_capacity(lru.len() + hashes.len());
+            }
+            for &h in hashes {
+                lru.insert(h);
+            }
+        }
     }
 
     fn select(

@@ -17,7 +17,7 @@ use kvroute_protocol::WorkerId;
 use rand::{Rng, RngCore};
 
 use super::load::least_loaded;
-use super::{Policy, PolicyKind};
+use super::{Observation, Observed, Policy, PolicyKind};
 use crate::{Candidate, Decision, RouteRequest};
 
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
@@ -108,6 +108,47 @@ impl Policy for Manual {
             *b = binding;
         } else if s.map.len() < self.max_sessions {
             s.map.insert(key.into(), binding);
+        }
+    }
+
+    /// The live bindings, most recent within the budget, oldest first.
+    fn snapshot(&self, now: Instant, max_bytes: usize) -> Vec<Observation> {
+        let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut live: Vec<(&str, &Binding)> = s
+            .map
+            .iter()
+            .filter(|(_, b)| now.saturating_duration_since(b.last_used) < self.max_idle)
+            .map(|(k, b)| (&**k, b))
+            .collect();
+        live.sort_unstable_by_key(|(_, b)| std::cmp::Reverse(b.last_used));
+        let mut bytes = 0usize;
+        let mut out: Vec<Observation> = live
+            .into_iter()
+            .take_while(|(k, _)| {
+                bytes += k.len();
+                bytes <= max_bytes
+            })
+            .map(|(k, b)| Observation {
+                worker: b.worker.clone(),
+                dp_rank: None,
+                age: now.saturating_duration_since(b.last_used),
+                learnt: Observed::Session(k.to_owned()),
+            })
+            .collect();
+        out.reverse();
+        out
+    }
+
+    fn restore(&self, observations: &[Observation], now: Instant) {
+        for o in observations {
+            let Observed::Session(key) = &o.learnt else {
+                continue;
+            };
+            if o.age >= self.max_idle {
+                continue;
+            }
+            let request = RouteRequest::simple(Some(key), "", super::before(now, o.age));
+            self.observe(&o.worker, o.dp_rank, &request);
         }
     }
 

@@ -20,7 +20,7 @@ pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request
             &parts.headers,
             &hints,
             &busy,
-            state.affinity.as_ref(),
+            state.affinity.as_deref(),
             &fields,
             &tokens,
             Instant::now(),

@@ -171,7 +171,7 @@ pub(super) async fn route_and_forward(
             &parts.headers,
             &hints,
             &busy,
-            state.affinity.as_ref(),
+            state.affinity.as_deref(),
             &fields,
             &tokens,
             now,
@@ -222,7 +222,9 @@ pub(super) async fn route_and_forward(
             };
             crate::sync::Learnt {
                 model: synced_model.unwrap_or_default(),
+                half: None,
                 session_key: key,
+                bind: state.affinity.is_some(),
                 text,
                 // llm_d keys on tokens: a peer needs them to learn this decision.
                 tokens: if policy == PolicyKind::LlmD {

@@ -42,6 +42,13 @@ impl Tenants {
         t
     }
 
+    /// Every (worker, dp_rank) with its index.
+    pub fn iter(&self) -> impl Iterator<Item = (&WorkerId, Option<u32>, Tenant)> + '_ {
+        self.by_worker
+            .iter()
+            .flat_map(|(w, ranks)| ranks.iter().map(move |&(r, t)| (w, r, t)))
+    }
+
     /// One more than the largest index in use (the length of a per-tenant table).
     pub fn bound(&self) -> usize {
         self.next as usize

@@ -230,6 +230,37 @@ impl Tree {
             + alloc_bytes(self.sizes.capacity() * size_of::<usize>())
     }
 
+    /// The nodes whose path text, inserted for `tenant` oldest first, rebuilds what it
+    /// holds with the same ticks: its leaves, and every node it used more recently than
+    /// any child it holds (a text that ended there). With their ticks.
+    pub fn ends(&self, tenant: Tenant) -> Vec<(u64, NodeIx)> {
+        self.held_by(tenant)
+            .into_iter()
+            .filter_map(|n| {
+                let node = &self.nodes[n as usize];
+                let tick = node.tick_of(tenant)?;
+                let below = node
+                    .children
+                    .iter()
+                    .filter_map(|&(_, c)| self.nodes[c as usize].tick_of(tenant))
+                    .max();
+                below.is_none_or(|b| tick > b).then_some((tick, n))
+            })
+            .collect()
+    }
+
+    /// The text from the root to the end of `node`.
+    pub fn text_of(&self, node: NodeIx) -> String {
+        let mut labels = Vec::new();
+        let mut at = node;
+        while at != ROOT {
+            let n = &self.nodes[at as usize];
+            labels.push(&*n.label);
+            at = n.parent;
+        }
+        labels.iter().rev().copied().collect()
+    }
+
     /// The nodes `tenant` holds, each after its parent (pre-order).
     fn held_by(&self, tenant: Tenant) -> Vec<NodeIx> {
         let mut out = Vec::new();
