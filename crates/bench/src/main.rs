@@ -159,7 +159,10 @@ struct Workload {
     /// Tokens per trace hash id.
     #[arg(long, default_value_t = 512)]
     hash_block_size: usize,
-    /// Only the first N requests.
+    /// Leave out the first N requests (the rest keep their spacing, the first sent at once).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    skip: usize,
+    /// Only the first N requests (after --skip).
     #[arg(long, value_name = "N")]
     max_requests: Option<usize>,
     /// Seeds the synthetic workload (and in `simulate` the engines and the policies).
@@ -203,10 +206,20 @@ impl Workload {
             }
             (None, None) => unreachable!("clap requires --trace or --synthetic"),
         };
+        skip(&mut requests, self.skip);
         if let Some(m) = self.max_requests {
             requests.truncate(m);
         }
         Ok((format!("{name}, {} requests", requests.len()), requests))
+    }
+}
+
+/// Drops the first `n` requests and moves the rest so that the first starts at 0.
+fn skip(requests: &mut Vec<TraceRequest>, n: usize) {
+    requests.drain(..n.min(requests.len()));
+    let first = requests.first().map_or(0, |r| r.timestamp);
+    for r in requests.iter_mut() {
+        r.timestamp -= first;
     }
 }
 
@@ -500,6 +513,22 @@ mod tests {
             assert!(parse(&format!("b {command} --trace t")).is_ok());
             assert!(parse(&format!("b {command} --synthetic shared-prefix --groups 3")).is_ok());
         }
+    }
+
+    #[test]
+    fn skip_leaves_out_the_first_requests_and_starts_the_rest_at_zero() {
+        let at = |ms| TraceRequest {
+            timestamp: ms,
+            input_length: 1,
+            output_length: 1,
+            hash_ids: vec![ms],
+        };
+        let mut r = vec![at(0), at(10), at(25), at(40)];
+        skip(&mut r, 2);
+        let times: Vec<(u64, u64)> = r.iter().map(|r| (r.timestamp, r.hash_ids[0])).collect();
+        assert_eq!(times, [(0, 25), (15, 40)]);
+        skip(&mut r, 9);
+        assert!(r.is_empty());
     }
 
     #[test]

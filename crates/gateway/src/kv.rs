@@ -100,6 +100,16 @@ impl KvState {
         }
     }
 
+    /// Approximate mode: the live records, oldest first, for a starting replica's snapshot
+    /// (see [`ApproxIndex::records`]).
+    pub fn routed_records(
+        &self,
+        now: Instant,
+        max_blocks: usize,
+    ) -> Vec<(ReplicaId, std::time::Duration, Vec<BlockHash>)> {
+        lock(&self.approx).records(now, max_blocks)
+    }
+
     pub fn stored(&self, replica: ReplicaId, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
         let mut index = write(&self.index);
         let result = index.apply_stored(replica, event);

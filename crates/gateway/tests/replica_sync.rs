@@ -217,8 +217,8 @@ async fn replicas_serve_without_nats_and_resync_when_it_returns() {
 type Case = fn(&mut kvroute_gateway::Settings);
 
 /// What replicas learn from each decision, one case each: the prefix trees of cache_aware
-/// and llm_d, manual's sessions, and session-affinity bindings (over a random policy, so
-/// only the binding can agree).
+/// and llm_d, manual's sessions, kv_aware's approximate index, and session-affinity bindings
+/// (over a random policy, so only the binding can agree).
 fn learning_cases() -> Vec<(&'static str, Case)> {
     vec![
         ("cache_aware", |s| {
@@ -226,6 +226,10 @@ fn learning_cases() -> Vec<(&'static str, Case)> {
         }),
         ("llm_d", |s| s.policy = kvroute_core::PolicyKind::LlmD),
         ("manual", |s| s.policy = kvroute_core::PolicyKind::Manual),
+        // The mock workers publish no KV events: kv_aware approximates their caches.
+        ("kv_aware_approximate", |s| {
+            s.policy = kvroute_core::PolicyKind::KvAware
+        }),
         ("affinity", |s| {
             s.policy = kvroute_core::PolicyKind::Random;
             s.session_affinity = Some((

@@ -122,6 +122,51 @@ impl ApproxIndex {
             + self.slots.memory_bytes()
     }
 
+    /// The live entries as the records that rebuild them, oldest first: (replica, how long
+    /// before `now` it was recorded, the blocks recorded then). At most the `max_blocks`
+    /// most recently recorded blocks. Replaying them through
+    /// [`record`](ApproxIndexer::record) at `now - age` gives every block its deadline.
+    pub fn records(
+        &self,
+        now: Instant,
+        max_blocks: usize,
+    ) -> Vec<(ReplicaId, Duration, Vec<BlockHash>)> {
+        let now = self.ticks(now);
+        let ttl = u64::try_from(self.ttl.as_nanos()).unwrap_or(u64::MAX);
+        let mut out: Vec<(ReplicaId, Duration, Vec<BlockHash>)> = Vec::new();
+        let mut last = None;
+        let mut taken = 0;
+        for &(deadline, block, slot) in self.queue.iter().rev() {
+            if taken >= max_blocks {
+                break;
+            }
+            let (group, _) = split(slot);
+            let bit = (slot % 64) as u8;
+            let live = deadline > now
+                && self
+                    .table
+                    .get(&group_key(block, group))
+                    .is_some_and(|e| e.deadlines.contains(&(bit, deadline)));
+            if !live {
+                continue;
+            }
+            taken += 1;
+            match out.last_mut() {
+                Some(record) if last == Some((slot, deadline)) => record.2.push(block),
+                _ => {
+                    let age = now.saturating_add(ttl).saturating_sub(deadline);
+                    out.push((self.slots.id(slot), Duration::from_nanos(age), vec![block]));
+                    last = Some((slot, deadline));
+                }
+            }
+        }
+        for record in &mut out {
+            record.2.reverse();
+        }
+        out.reverse();
+        out
+    }
+
     fn ticks(&self, now: Instant) -> u64 {
         self.origin.map_or(0, |origin| {
             now.saturating_duration_since(origin).as_nanos() as u64
@@ -319,6 +364,47 @@ impl ApproxIndexer for ApproxIndex {
 mod tests {
     use super::*;
     use crate::block_hashes;
+
+    #[test]
+    fn its_records_replayed_rebuild_the_index_with_the_same_deadlines() {
+        let ttl = Duration::from_secs(60);
+        let mut index = ApproxIndex::new(ttl);
+        let t0 = Instant::now();
+        let a = block_hashes(&(0..128).collect::<Vec<_>>(), 16, 0);
+        let b = block_hashes(&(500..628).collect::<Vec<_>>(), 16, 0);
+        index.record(ReplicaId(0), &a[..6], t0); // a[2..6] expired at `now`
+        index.record(ReplicaId(2), &a[..3], t0 + Duration::from_secs(2));
+        index.record(ReplicaId(1), &b, t0 + Duration::from_secs(10));
+        // A refresh: a[..2] on replica 0 now expires later than a[2..6].
+        index.record(ReplicaId(0), &a[..2], t0 + Duration::from_secs(30));
+        let now = t0 + Duration::from_secs(61);
+        let records = index.records(now, usize::MAX);
+        let shape: Vec<(u32, u64, usize)> = records
+            .iter()
+            .map(|(r, age, blocks)| (r.0, age.as_secs(), blocks.len()))
+            .collect();
+        assert_eq!(shape, [(2, 59, 3), (1, 51, 8), (0, 31, 2)]);
+        let mut copy = ApproxIndex::new(ttl);
+        let later = now + Duration::from_secs(1000);
+        for (replica, age, blocks) in &records {
+            copy.record(*replica, blocks, later - *age);
+        }
+        assert_eq!(copy.records(later, usize::MAX), records);
+        for dt in [0, 1, 20, 30] {
+            let d = Duration::from_secs(dt);
+            for q in [&a, &b] {
+                assert_eq!(
+                    copy.find_matches(q, later + d),
+                    index.find_matches(q, now + d),
+                    "{dt} s on"
+                );
+            }
+        }
+        // The budget keeps the most recent blocks.
+        let recent = index.records(now, 3);
+        let shape: Vec<(u32, usize)> = recent.iter().map(|(r, _, b)| (r.0, b.len())).collect();
+        assert_eq!(shape, [(1, 1), (0, 2)]);
+    }
 
     #[test]
     fn the_bound_drops_the_entries_recorded_longest_ago() {

@@ -4,8 +4,8 @@
 //! The replica publishes an [`Ask`] on `{prefix}.snapshot` with a reply inbox. Every live
 //! peer answers with its requests in flight ([`Part::Live`]) and an [`Part::End`]. The first
 //! peer to answer is then asked again, alone, for the shared state (all peers hold the same):
-//! each pool's policy as [`Policy::snapshot`](kvroute_core::Policy::snapshot) gives it, and
-//! the session-affinity bindings. Parts are packed to stay well under NATS's message size
+//! each pool's policy as [`Policy::snapshot`](kvroute_core::Policy::snapshot) gives it, the
+//! session-affinity bindings, and the approximate KV index of workers without KV events. Parts are packed to stay well under NATS's message size
 //! limit (1 MiB by default) and applied as they arrive, in order.
 
 use std::time::Duration;
@@ -50,6 +50,9 @@ pub enum Part {
     },
     /// Part of the session-affinity bindings, oldest first.
     Affinity(Vec<WireObservation>),
+    /// Part of the approximate KV index (workers without KV events): the blocks routed to
+    /// each rank, oldest first, with their age.
+    ApproxKv(Vec<WireObservation>),
     /// The answer is complete: the load (`state` false) or the shared state (`state` true).
     End { state: bool },
 }

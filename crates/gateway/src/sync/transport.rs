@@ -361,6 +361,25 @@ async fn take_snapshot(
                     a.restore(&obs, now);
                 }
             }
+            Part::ApproxKv(obs) => {
+                observations += obs.len();
+                for o in obs {
+                    let snapshot::WireObserved::Blocks(blocks) = o.learnt else {
+                        continue;
+                    };
+                    let Some(w) = local.workers.get(&o.worker) else {
+                        continue;
+                    };
+                    if let Some(rank) = w.ranks.iter().find(|r| r.dp_rank == o.dp_rank) {
+                        let hashes: Vec<kvroute_index::BlockHash> =
+                            blocks.into_iter().map(kvroute_index::BlockHash).collect();
+                        let at = now
+                            .checked_sub(Duration::from_micros(o.age_us))
+                            .unwrap_or(now);
+                        local.kv.record_routed(rank.replica, &hashes, at);
+                    }
+                }
+            }
             Part::End { state: false } => {
                 loading.remove(&sender);
             }
@@ -427,11 +446,46 @@ fn answer_parts(
                     out.push(part(Part::Affinity(group)));
                 }
             }
+            let obs = routed_observations(local, now);
+            for group in snapshot::pack(obs, snapshot::PART_BYTES) {
+                out.push(part(Part::ApproxKv(group)));
+            }
             out.push(part(Part::End { state: true }));
             Some(out)
         }
         Some(_) => None,
     }
+}
+
+/// The approximate KV index as observations of (worker, rank), oldest first.
+fn routed_observations(local: &Local, now: Instant) -> Vec<kvroute_core::Observation> {
+    let ranks: std::collections::HashMap<
+        kvroute_index::ReplicaId,
+        (kvroute_protocol::WorkerId, Option<u32>),
+    > = local
+        .workers
+        .workers()
+        .iter()
+        .flat_map(|w| {
+            w.ranks
+                .iter()
+                .map(|r| (r.replica, (w.id.clone(), r.dp_rank)))
+        })
+        .collect();
+    local
+        .kv
+        .routed_records(now, snapshot::STATE_BYTES / 8)
+        .into_iter()
+        .filter_map(|(replica, age, blocks)| {
+            let (worker, dp_rank) = ranks.get(&replica)?.clone();
+            Some(kvroute_core::Observation {
+                worker,
+                dp_rank,
+                age,
+                learnt: kvroute_core::Observed::Blocks(blocks.into_iter().map(|b| b.0).collect()),
+            })
+        })
+        .collect()
 }
 
 async fn run(
