@@ -60,7 +60,7 @@ run() { # label, B's extra args ("same" for B = A)
   fi
   printf "%-11s " "$label"
   replay "$b_url" --skip "$N" --max-requests "$M"
-  [ -n "$b" ] && echo "            B ready in $ready_ms ms; sync bytes in at ready: $snap ($(grep -o 'observations=[0-9]*' "$LOGS/$label-b.log" | head -1))"
+  [ -n "$b" ] && echo "            B ready in $ready_ms ms; sync bytes in at ready: $snap ($(sed 's/\x1b\[[0-9;]*m//g' "$LOGS/$label-b.log" | grep -o 'snapshot taken.*' | head -1))"
   for p in $b $a "${sims[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
   sleep 1
 }

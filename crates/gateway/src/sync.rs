@@ -1,15 +1,16 @@
 //! Router replicas in sync over NATS (`--replica-sync nats://...`).
 //!
 //! Each replica publishes on `{prefix}.load` what its own requests do — routed (worker, rank,
-//! load, and what its policy learnt: the session key, the text for cache_aware, the tokens
-//! for llm_d), first token, finished — and a heartbeat listing its live requests; it applies
-//! what the others publish as the same rank load operations and policy updates
-//! (`Policy::observe`) a local request performs, and ignores its own messages. [`Ledger`]
-//! is the pure part: a peer's messages as load operations, reconciled by its heartbeats,
-//! all taken back when it falls silent. [`transport`] is the NATS side: connection with
-//! retry (routing goes on with local state meanwhile), the snapshot a starting replica asks
-//! the live ones for (their requests in flight) before it reports ready, and the metrics.
-//! KV events are not relayed: every replica subscribes to every engine's publisher.
+//! load, and what its policy learnt: the session key and whether session affinity bound it,
+//! the text for cache_aware, the tokens for llm_d), first token, finished — and a heartbeat
+//! listing its live requests; it applies what the others publish as the same rank load
+//! operations, policy updates (`Policy::observe`) and session bindings a local request
+//! performs, and ignores its own messages. [`Ledger`] is the pure part: a peer's messages as
+//! load operations, reconciled by its heartbeats, all taken back when it falls silent.
+//! [`snapshot`] is what a starting replica asks the live ones for before it reports ready:
+//! their requests in flight and the learnt state. [`transport`] is the NATS side: connection
+//! with retry (routing goes on with local state meanwhile), the snapshot exchange, and the
+//! metrics. KV events are not relayed: every replica subscribes to every engine's publisher.
 
 pub mod snapshot;
 pub mod transport;
@@ -347,9 +348,11 @@ fn finish(remote: Remote) -> LoadOp {
     }
 }
 
-/// The wire form of a message (MessagePack).
+/// The wire form of a message: MessagePack with named fields, so that replicas of different
+/// versions (a rolling upgrade) understand each other: a field added since defaults, a field
+/// unknown is skipped.
 pub fn encode(msg: &Envelope) -> Vec<u8> {
-    rmp_serde::to_vec(msg).expect("a sync message always encodes")
+    rmp_serde::to_vec_named(msg).expect("a sync message always encodes")
 }
 
 /// A message from the wire; `None` for anything malformed or foreign (counted by the caller).
@@ -495,5 +498,34 @@ mod tests {
         assert_eq!(decode(&encode(&m)), Some(m));
         assert_eq!(decode(b"\xc1not msgpack"), None);
         assert_eq!(decode(b""), None);
+    }
+
+    #[test]
+    fn messages_of_other_versions_are_understood() {
+        // An older replica's `Routed`: no `half`, no `bind`, no `tokens`; a newer one's
+        // field this version does not know.
+        let older = serde_json::json!({
+            "sender": 2, "seq": 1, "sent_ms": 5,
+            "body": {"Routed": {
+                "request": 7, "model": "m", "worker": "w1", "dp_rank": null,
+                "session_key": "s", "text": "", "prefill_tokens": 10, "blocks": [1, 2],
+                "own_blocks": 0, "from_the_future": [1, 2, 3]
+            }}
+        });
+        let env = decode(&rmp_serde::to_vec_named(&older).unwrap()).expect("understood");
+        let Message::Routed {
+            half,
+            bind,
+            tokens,
+            blocks,
+            ..
+        } = env.body
+        else {
+            panic!("{env:?}")
+        };
+        assert_eq!(
+            (half, bind, tokens, blocks),
+            (None, false, vec![], vec![1, 2])
+        );
     }
 }

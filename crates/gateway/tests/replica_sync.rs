@@ -371,3 +371,106 @@ async fn a_starting_replica_takes_a_snapshot_before_it_is_ready() {
     a.stop().await;
     b.stop().await;
 }
+
+#[tokio::test]
+async fn garbage_and_foreign_messages_on_the_sync_subjects_are_counted_and_ignored() {
+    use futures_util::StreamExt;
+    use kvroute_gateway::sync::{encode, snapshot, Envelope, Message};
+
+    let nats = nats().await;
+    let w = MockWorker::start("w", &["m"]).await;
+    let a = TestRouter::start(synced(&nats, "garbage", &[&w])).await;
+    wait_until_async("A connected", || async {
+        metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
+    })
+    .await;
+    let raw = async_nats::connect(nats.1.as_str()).await.unwrap();
+    let foreign = |body| {
+        encode(&Envelope {
+            sender: 42,
+            seq: 0,
+            sent_ms: 0,
+            body,
+        })
+    };
+    // Not MessagePack; a load message for a worker A does not have; one for A's worker.
+    raw.publish("garbage.load", "\u{1}not a message".into())
+        .await
+        .unwrap();
+    let routed = |request, worker: &str| Message::Routed {
+        request,
+        model: "m".into(),
+        half: None,
+        worker: worker.into(),
+        dp_rank: None,
+        session_key: None,
+        bind: false,
+        text: String::new(),
+        tokens: Vec::new(),
+        prefill_tokens: 10,
+        blocks: vec![1, 2],
+        own_blocks: 0,
+    };
+    raw.publish(
+        "garbage.load",
+        foreign(routed(1, "http://nowhere:1")).into(),
+    )
+    .await
+    .unwrap();
+    raw.publish("garbage.load", foreign(routed(2, &w.url)).into())
+        .await
+        .unwrap();
+    // A snapshot ask that is garbage gets no answer; a well-formed one does.
+    let inbox = raw.new_inbox();
+    let mut answers = raw.subscribe(inbox.clone()).await.unwrap();
+    raw.publish_with_reply("garbage.snapshot", inbox.clone(), "junk".into())
+        .await
+        .unwrap();
+    let ask = snapshot::Ask {
+        sender: 42,
+        state_from: None,
+    };
+    raw.publish_with_reply(
+        "garbage.snapshot",
+        inbox,
+        rmp_serde::to_vec_named(&ask).unwrap().into(),
+    )
+    .await
+    .unwrap();
+    let first = tokio::time::timeout(std::time::Duration::from_secs(10), answers.next())
+        .await
+        .expect("an answer")
+        .unwrap();
+    let answer = snapshot::decode(&first.payload).expect("a snapshot answer");
+    assert!(
+        matches!(answer.part, snapshot::Part::End { state: false }),
+        "A has nothing in flight: {answer:?}"
+    );
+    wait_until_async("A counted the two malformed messages", || async {
+        metric_value(
+            &a.metrics().await,
+            "kvroute_replica_sync_messages_total",
+            r#"direction="in",kind="malformed""#,
+        ) == Some(2.0)
+    })
+    .await;
+    // The well-formed foreign request counts on A's worker; then its sender falls silent
+    // (no heartbeat) and it is taken back. A serves throughout.
+    wait_until("the foreign request counts", || rank_in_flight(&a) == 1).await;
+    assert_eq!(
+        post(
+            &a.url,
+            "/v1/completions",
+            &[],
+            r#"{"model":"m","prompt":"x"}"#
+        )
+        .await
+        .status,
+        200
+    );
+    wait_until("the silent sender's request is taken back", || {
+        rank_in_flight(&a) == 0
+    })
+    .await;
+    a.stop().await;
+}

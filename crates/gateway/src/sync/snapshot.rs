@@ -174,7 +174,7 @@ pub fn pack_live(live: impl Iterator<Item = Message>, max_bytes: usize) -> Vec<V
 }
 
 pub fn encode(answer: &Answer) -> Vec<u8> {
-    rmp_serde::to_vec(answer).expect("a snapshot answer always encodes")
+    rmp_serde::to_vec_named(answer).expect("a snapshot answer always encodes")
 }
 
 /// An answer from the wire; `None` for anything malformed or foreign.

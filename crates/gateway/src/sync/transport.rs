@@ -284,7 +284,7 @@ async fn take_snapshot(
             sender: me,
             state_from,
         };
-        rmp_serde::to_vec(&ask).expect("an ask always encodes")
+        rmp_serde::to_vec_named(&ask).expect("an ask always encodes")
     };
     if client
         .publish_with_reply(subject.to_owned(), inbox.clone(), ask(None).into())
@@ -297,6 +297,7 @@ async fn take_snapshot(
     let mut last_heard = tokio::time::Instant::now();
     // Peers whose load answer has begun and not ended; the peer asked for the state.
     let mut loading = std::collections::HashSet::new();
+    let mut answered = std::collections::HashSet::new();
     let mut state_from = None;
     let mut state_done = false;
     let (mut observations, mut bindings) = (0usize, 0usize);
@@ -332,6 +333,7 @@ async fn take_snapshot(
             continue;
         }
         metrics.count("in", "snapshot");
+        answered.insert(sender);
         let now = Instant::now();
         match part {
             Part::Live(live) => {
@@ -395,7 +397,7 @@ async fn take_snapshot(
         }
     }
     tracing::info!(
-        peers = ledger.peers(),
+        peers = answered.len(),
         in_flight = ledger.remote_in_flight(),
         observations,
         bindings,
