@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_protocol::WorkerId;
 
-use crate::policy::{Observation, Observed};
+use crate::policy::{newest_within, Observation, Observed};
 
 /// How a session binding is applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,28 +98,21 @@ impl Affinity {
     /// whose keys fit in `max_bytes`, oldest first.
     pub fn snapshot(&self, now: Instant, max_bytes: usize) -> Vec<Observation> {
         let s = self.lock();
-        let mut live: Vec<(&String, &Binding)> = s
+        let live = s
             .map
             .iter()
             .filter(|(_, b)| now.saturating_duration_since(b.last_used) < self.ttl)
-            .collect();
-        live.sort_unstable_by_key(|(_, b)| std::cmp::Reverse(b.last_used));
-        let mut bytes = 0usize;
-        let mut out: Vec<Observation> = live
-            .into_iter()
-            .take_while(|(k, _)| {
-                bytes += k.len();
-                bytes <= max_bytes
-            })
-            .map(|(k, b)| Observation {
-                worker: WorkerId::new(b.worker.as_str()),
-                dp_rank: b.dp_rank,
-                age: now.saturating_duration_since(b.last_used),
-                learnt: Observed::Session(k.clone()),
+            .map(|(k, b)| {
+                let o = Observation {
+                    worker: WorkerId::new(b.worker.as_str()),
+                    dp_rank: b.dp_rank,
+                    age: now.saturating_duration_since(b.last_used),
+                    learnt: Observed::Session(k.clone()),
+                };
+                (b.last_used, k.len(), o)
             })
             .collect();
-        out.reverse();
-        out
+        newest_within(live, max_bytes)
     }
 
     /// Binds what a peer's [`Affinity::snapshot`] holds, as of `now`, unless expired.

@@ -27,7 +27,7 @@ mod snapshot_tests;
 
 use std::fmt;
 use std::str::FromStr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rand::RngCore;
 
@@ -122,8 +122,25 @@ impl Observed {
     }
 }
 
+/// The most recent of `items` (last used, bytes, item) whose bytes add up to at most
+/// `max_bytes`, oldest first (a snapshot's order).
+pub(crate) fn newest_within<T>(mut items: Vec<(Instant, usize, T)>, max_bytes: usize) -> Vec<T> {
+    items.sort_unstable_by_key(|(at, _, _)| std::cmp::Reverse(*at));
+    let mut bytes = 0usize;
+    let mut out: Vec<T> = items
+        .into_iter()
+        .take_while(|(_, n, _)| {
+            bytes += n;
+            bytes <= max_bytes
+        })
+        .map(|(_, _, item)| item)
+        .collect();
+    out.reverse();
+    out
+}
+
 /// `now - age`, or `now` where the clock does not reach that far back.
-pub(crate) fn before(now: std::time::Instant, age: Duration) -> std::time::Instant {
+pub(crate) fn before(now: Instant, age: Duration) -> Instant {
     now.checked_sub(age).unwrap_or(now)
 }
 

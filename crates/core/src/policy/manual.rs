@@ -114,29 +114,21 @@ impl Policy for Manual {
     /// The live bindings, most recent within the budget, oldest first.
     fn snapshot(&self, now: Instant, max_bytes: usize) -> Vec<Observation> {
         let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-        let mut live: Vec<(&str, &Binding)> = s
+        let live = s
             .map
             .iter()
             .filter(|(_, b)| now.saturating_duration_since(b.last_used) < self.max_idle)
-            .map(|(k, b)| (&**k, b))
-            .collect();
-        live.sort_unstable_by_key(|(_, b)| std::cmp::Reverse(b.last_used));
-        let mut bytes = 0usize;
-        let mut out: Vec<Observation> = live
-            .into_iter()
-            .take_while(|(k, _)| {
-                bytes += k.len();
-                bytes <= max_bytes
-            })
-            .map(|(k, b)| Observation {
-                worker: b.worker.clone(),
-                dp_rank: None,
-                age: now.saturating_duration_since(b.last_used),
-                learnt: Observed::Session(k.to_owned()),
+            .map(|(k, b)| {
+                let o = Observation {
+                    worker: b.worker.clone(),
+                    dp_rank: None,
+                    age: now.saturating_duration_since(b.last_used),
+                    learnt: Observed::Session(k.to_string()),
+                };
+                (b.last_used, k.len(), o)
             })
             .collect();
-        out.reverse();
-        out
+        super::newest_within(live, max_bytes)
     }
 
     fn restore(&self, observations: &[Observation], now: Instant) {
