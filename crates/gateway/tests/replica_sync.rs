@@ -18,7 +18,11 @@ impl Drop for Nats {
 }
 
 async fn nats() -> Nats {
-    let port = free_port();
+    nats_on(free_port()).await
+}
+
+/// A nats-server on `port` of the loopback.
+async fn nats_on(port: u16) -> Nats {
     let child = Command::new("nats-server")
         .args(["-a", "127.0.0.1", "-p", &port.to_string()])
         .stdout(Stdio::null())
@@ -189,12 +193,7 @@ async fn replicas_serve_without_nats_and_resync_when_it_returns() {
     })
     .await;
     // NATS returns on the same port: the replicas reconnect and share load again.
-    nats.0 = Command::new("nats-server")
-        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let _restarted = nats_on(port).await;
     wait_until_async("both hear each other again", || async {
         metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
             && metric_value(&b.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
@@ -473,4 +472,43 @@ async fn garbage_and_foreign_messages_on_the_sync_subjects_are_counted_and_ignor
     })
     .await;
     a.stop().await;
+}
+
+#[tokio::test]
+async fn a_replica_started_without_nats_is_ready_and_syncs_once_nats_comes() {
+    let port = free_port();
+    let w = MockWorker::start("w", &["m"]).await;
+    let mut s = settings(&[&w]);
+    s.replica_sync = Some(kvroute_gateway::sync::transport::SyncConfig {
+        url: format!("nats://127.0.0.1:{port}"),
+        prefix: "late".into(),
+        timeout: std::time::Duration::from_secs(2),
+    });
+    // Nothing listens on the port: A routes on its own state, and says it is ready.
+    let a = TestRouter::start_unready(s).await;
+    let ready = format!("{}/readiness", a.url);
+    wait_until_async("A ready without NATS", || answers(&ready)).await;
+    let reply = post(
+        &a.url,
+        "/v1/completions",
+        &[],
+        r#"{"model":"m","prompt":"x"}"#,
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        metric_value(&a.metrics().await, "kvroute_replica_sync_connected", ""),
+        Some(0.0)
+    );
+    // NATS comes up and a second replica joins: they find each other.
+    let nats = nats_on(port).await;
+    let b = TestRouter::start(synced(&nats, "late", &[&w])).await;
+    wait_until_async("the replicas hear each other", || async {
+        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
+            && metric_value(&b.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
+            && metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
 }

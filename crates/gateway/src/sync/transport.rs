@@ -238,11 +238,14 @@ fn apply(local: &Local, op: LoadOp) {
 }
 
 /// Connects, retrying every second until it succeeds (`None`: shut down meanwhile).
-/// What this replica routes meanwhile is dropped: peers cannot learn it anyway.
+/// After a first failure the replica is `synced` on its own state (it reports ready and
+/// routes on local state; there is no peer to learn from until NATS is back). What it routes
+/// meanwhile is dropped: peers cannot learn it anyway.
 async fn connect(
     config: &SyncConfig,
     metrics: &SyncMetrics,
     rx: &mut mpsc::UnboundedReceiver<Message>,
+    synced: &std::sync::atomic::AtomicBool,
     shutdown: &CancellationToken,
 ) -> Option<async_nats::Client> {
     loop {
@@ -255,6 +258,7 @@ async fn connect(
                 Ok(c) => return Some(c),
                 Err(error) => {
                     metrics.connected.set(0);
+                    synced.store(true, Ordering::Relaxed);
                     tracing::warn!(url = %config.url, %error, "Replica sync: NATS unreachable; routing on local state, retrying");
                     while rx.try_recv().is_ok() {}
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -500,7 +504,7 @@ async fn run(
     shutdown: CancellationToken,
 ) {
     let subject = format!("{}.load", config.prefix);
-    let Some(client) = connect(&config, &metrics, &mut rx, &shutdown).await else {
+    let Some(client) = connect(&config, &metrics, &mut rx, &synced, &shutdown).await else {
         return;
     };
     let snapshot_subject = format!("{}.snapshot", config.prefix);
