@@ -2,6 +2,8 @@
 //! prompt, with 8 workers holding 1M characters each: the read-only match, the insert, and
 //! `select` (match + insert, what a request costs the router). Memory per stored character
 //! is printed at setup, for this workload and for a worst case of short, branching texts.
+//! Then the replica-sync snapshot of the whole tree: building it, and replaying it into an
+//! empty tree.
 //!
 //! ```text
 //! cargo bench -p kvroute-core --bench cache_aware -- --warm-up-time 1 --measurement-time 3
@@ -194,6 +196,33 @@ fn benches(c: &mut Criterion) {
         });
         report_memory(&format!("after select/{kind}"), &p);
     }
+    group.finish();
+
+    // A starting replica's snapshot of the whole tree (8 x 1M characters): what the peer
+    // spends building it (under the tree's lock) and the new replica replaying it.
+    let mut group = c.benchmark_group("cache_aware_snapshot_8x1M");
+    group.sample_size(10);
+    let now = t0 + Duration::from_secs(1);
+    let snapshot = base.snapshot(now, usize::MAX);
+    let bytes: usize = snapshot.iter().map(|o| o.learnt.bytes()).sum();
+    eprintln!(
+        "snapshot of 8 x 1M characters: {} texts, {:.1} MB",
+        snapshot.len(),
+        bytes as f64 / 1e6
+    );
+    group.bench_function("snapshot", |b| {
+        b.iter(|| black_box(base.snapshot(now, usize::MAX)))
+    });
+    group.bench_function("restore", |b| {
+        b.iter_batched(
+            || CacheAware::new(CacheAwareConfig::default()),
+            |fresh| {
+                fresh.restore(&snapshot, now);
+                fresh
+            },
+            criterion::BatchSize::LargeInput,
+        )
+    });
     group.finish();
 }
 
