@@ -119,8 +119,7 @@ impl Affinity {
     pub fn restore(&self, observations: &[Observation], now: Instant) {
         for o in observations {
             if let (Observed::Session(key), true) = (&o.learnt, o.age < self.ttl) {
-                let at = now.checked_sub(o.age).unwrap_or(now);
-                self.bind(key, o.worker.as_str(), o.dp_rank, at);
+                self.bind(key, o.worker.as_str(), o.dp_rank, o.at(now));
             }
         }
     }

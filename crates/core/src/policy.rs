@@ -101,6 +101,14 @@ pub struct Observation {
     pub learnt: Observed,
 }
 
+impl Observation {
+    /// When it was last used, for a snapshot taken at `now` (`now` itself where the clock
+    /// does not reach that far back).
+    pub fn at(&self, now: Instant) -> Instant {
+        now.checked_sub(self.age).unwrap_or(now)
+    }
+}
+
 /// What was learnt.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Observed {
@@ -137,11 +145,6 @@ pub(crate) fn newest_within<T>(mut items: Vec<(Instant, usize, T)>, max_bytes: u
         .collect();
     out.reverse();
     out
-}
-
-/// `now - age`, or `now` where the clock does not reach that far back.
-pub(crate) fn before(now: Instant, age: Duration) -> Instant {
-    now.checked_sub(age).unwrap_or(now)
 }
 
 /// Every policy name kvroute accepts.

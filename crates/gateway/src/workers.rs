@@ -155,6 +155,11 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// Its rank `dp_rank`.
+    pub fn rank(&self, dp_rank: Option<u32>) -> Option<&Rank> {
+        self.ranks.iter().find(|r| r.dp_rank == dp_rank)
+    }
+
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed)
     }
@@ -301,16 +306,6 @@ impl RoutingTable {
         let prefill = self.prefill.values().map(|p| (Some(Half::Prefill), p));
         let decode = self.decode.values().map(|p| (Some(Half::Decode), p));
         own.chain(prefill).chain(decode)
-    }
-
-    /// The pool of exactly `model` in that role.
-    pub fn pool(&self, half: Option<Half>, model: &str) -> Option<&Pool> {
-        match half {
-            None => &self.pools,
-            Some(Half::Prefill) => &self.prefill,
-            Some(Half::Decode) => &self.decode,
-        }
-        .get(model)
     }
 
     /// The models served.

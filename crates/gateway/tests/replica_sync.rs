@@ -212,6 +212,36 @@ async fn replicas_serve_without_nats_and_resync_when_it_returns() {
     b.stop().await;
 }
 
+/// Starts a router and waits for its `/readiness` (with sync on: once its snapshot is in).
+async fn start_ready(settings: kvroute_gateway::Settings) -> TestRouter {
+    let r = TestRouter::start_unready(settings).await;
+    let ready = format!("{}/readiness", r.url);
+    wait_until_async("the replica ready", || answers(&ready)).await;
+    r
+}
+
+/// Starts a router, ready and connected to NATS.
+async fn start_synced(settings: kvroute_gateway::Settings) -> TestRouter {
+    let r = start_ready(settings).await;
+    wait_until_async("the replica connected", || async {
+        metric_value(&r.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
+    })
+    .await;
+    r
+}
+
+/// The settings of a learning case.
+fn case_settings(
+    nats: &Nats,
+    prefix: &str,
+    workers: &[&MockWorker],
+    case: Case,
+) -> kvroute_gateway::Settings {
+    let mut s = synced(nats, prefix, workers);
+    case(&mut s);
+    s
+}
+
 /// Sets one learning case up.
 type Case = fn(&mut kvroute_gateway::Settings);
 
@@ -289,11 +319,7 @@ async fn replicas_learn_each_others_prefix_trees_and_sessions() {
     let workers = four_workers().await;
     let refs: Vec<&MockWorker> = workers.iter().collect();
     for (name, case) in learning_cases() {
-        let mk = || {
-            let mut s = synced(&nats, &format!("learn-{name}"), &refs);
-            case(&mut s);
-            s
-        };
+        let mk = || case_settings(&nats, &format!("learn-{name}"), &refs, case);
         let a = TestRouter::start(mk()).await;
         let b = TestRouter::start(mk()).await;
         wait_until_async("the replicas hear each other", || async {
@@ -318,22 +344,12 @@ async fn a_starting_replica_takes_the_learnt_state_before_it_is_ready() {
     let workers = four_workers().await;
     let refs: Vec<&MockWorker> = workers.iter().collect();
     for (name, case) in learning_cases() {
-        let mk = || {
-            let mut s = synced(&nats, &format!("state-{name}"), &refs);
-            case(&mut s);
-            s
-        };
-        let a = TestRouter::start(mk()).await;
-        wait_until_async("A connected", || async {
-            metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
-        })
-        .await;
+        let mk = || case_settings(&nats, &format!("state-{name}"), &refs, case);
+        let a = start_synced(mk()).await;
         let chosen = route_six(&a).await;
         // B starts after A's requests are over: only the snapshot can tell it what A learnt,
         // and it must know as soon as it says it is ready.
-        let b = TestRouter::start_unready(mk()).await;
-        let ready = format!("{}/readiness", b.url);
-        wait_until_async("B ready", || answers(&ready)).await;
+        let b = start_ready(mk()).await;
         for (i, worker) in chosen.iter().enumerate() {
             assert!(
                 routes_to(&b, i as u64, worker).await,
@@ -349,17 +365,11 @@ async fn a_starting_replica_takes_the_learnt_state_before_it_is_ready() {
 async fn a_starting_replica_takes_a_snapshot_before_it_is_ready() {
     let nats = nats().await;
     let w = MockWorker::start("w", &["m"]).await;
-    let a = TestRouter::start(synced(&nats, "snapshot", &[&w])).await;
-    wait_until_async("A connected", || async {
-        metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
-    })
-    .await;
+    let a = start_synced(synced(&nats, "snapshot", &[&w])).await;
     let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
     let held = open_stream(&a.url, "/v1/completions", body).await;
     // B starts after A's request: it must know of it as soon as it says it is ready.
-    let b = TestRouter::start_unready(synced(&nats, "snapshot", &[&w])).await;
-    let ready = format!("{}/readiness", b.url);
-    wait_until_async("B ready", || answers(&ready)).await;
+    let b = start_ready(synced(&nats, "snapshot", &[&w])).await;
     assert_eq!(rank_in_flight(&b), 1, "B is ready with A's load in view");
     w.release.add_permits(1);
     held.into_body().collect().await.unwrap();
@@ -378,11 +388,7 @@ async fn garbage_and_foreign_messages_on_the_sync_subjects_are_counted_and_ignor
 
     let nats = nats().await;
     let w = MockWorker::start("w", &["m"]).await;
-    let a = TestRouter::start(synced(&nats, "garbage", &[&w])).await;
-    wait_until_async("A connected", || async {
-        metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
-    })
-    .await;
+    let a = start_synced(synced(&nats, "garbage", &[&w])).await;
     let raw = async_nats::connect(nats.1.as_str()).await.unwrap();
     let foreign = |body| {
         encode(&Envelope {
@@ -485,9 +491,7 @@ async fn a_replica_started_without_nats_is_ready_and_syncs_once_nats_comes() {
         timeout: std::time::Duration::from_secs(2),
     });
     // Nothing listens on the port: A routes on its own state, and says it is ready.
-    let a = TestRouter::start_unready(s).await;
-    let ready = format!("{}/readiness", a.url);
-    wait_until_async("A ready without NATS", || answers(&ready)).await;
+    let a = start_ready(s).await;
     let reply = post(
         &a.url,
         "/v1/completions",

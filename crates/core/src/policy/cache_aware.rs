@@ -335,7 +335,7 @@ impl Policy for CacheAware {
         let mut s = self.lock();
         for o in observations {
             if let Observed::Text(text) = &o.learnt {
-                let at = super::before(now, o.age);
+                let at = o.at(now);
                 self.insert_locked(&mut s, &o.worker, o.dp_rank, text, at);
             }
         }

@@ -139,7 +139,7 @@ impl Policy for Manual {
             if o.age >= self.max_idle {
                 continue;
             }
-            let request = RouteRequest::simple(Some(key), "", super::before(now, o.age));
+            let request = RouteRequest::simple(Some(key), "", o.at(now));
             self.observe(&o.worker, o.dp_rank, &request);
         }
     }

@@ -103,8 +103,33 @@ impl From<WireObservation> for Observation {
     }
 }
 
+/// Splits `items`, in order, into groups whose `size`s add up to at most `max_bytes` (an
+/// item larger than that on its own makes a group of its own).
+fn groups<T>(
+    items: impl IntoIterator<Item = T>,
+    size: impl Fn(&T) -> usize,
+    max_bytes: usize,
+) -> Vec<Vec<T>> {
+    let mut groups = Vec::new();
+    let mut group = Vec::new();
+    let mut bytes = 0;
+    for item in items {
+        let n = size(&item);
+        if bytes + n > max_bytes && !group.is_empty() {
+            groups.push(std::mem::take(&mut group));
+            bytes = 0;
+        }
+        bytes += n;
+        group.push(item);
+    }
+    if !group.is_empty() {
+        groups.push(group);
+    }
+    groups
+}
+
 /// Roughly the encoded size of an observation.
-fn size_of(o: &Observation) -> usize {
+fn observation_size(o: &Observation) -> usize {
     o.learnt.bytes() + o.worker.as_str().len() + 24
 }
 
@@ -112,65 +137,42 @@ fn size_of(o: &Observation) -> usize {
 /// larger than that on its own (a prompt of more than `max_bytes`) is left out: the
 /// message could not be sent.
 pub fn pack(observations: Vec<Observation>, max_bytes: usize) -> Vec<Vec<WireObservation>> {
-    let mut groups = Vec::new();
-    let mut group = Vec::new();
-    let mut bytes = 0;
-    for o in observations {
-        let n = size_of(&o);
-        if n > max_bytes {
-            continue;
-        }
-        if bytes + n > max_bytes {
-            groups.push(std::mem::take(&mut group));
-            bytes = 0;
-        }
-        bytes += n;
-        group.push(o.into());
-    }
-    if !group.is_empty() {
-        groups.push(group);
-    }
-    groups
+    let fit = observations
+        .into_iter()
+        .filter(|o| observation_size(o) <= max_bytes);
+    groups(fit, observation_size, max_bytes)
+        .into_iter()
+        .map(|g| g.into_iter().map(Into::into).collect())
+        .collect()
 }
 
 /// Requests in flight as sent in a snapshot: without the text and tokens, which the shared
 /// state carries; packed into groups of at most `max_bytes`.
 pub fn pack_live(live: impl Iterator<Item = Message>, max_bytes: usize) -> Vec<Vec<Message>> {
-    let mut groups = Vec::new();
-    let mut group = Vec::new();
-    let mut bytes = 0;
-    for mut m in live {
-        let n = match &mut m {
-            Message::Routed {
-                text,
-                tokens,
-                blocks,
-                worker,
-                model,
-                session_key,
-                ..
-            } => {
-                text.clear();
-                tokens.clear();
-                blocks.len() * 9
-                    + worker.len()
-                    + model.len()
-                    + session_key.as_ref().map_or(0, String::len)
-                    + 64
-            }
-            _ => 16,
-        };
-        if bytes + n > max_bytes && !group.is_empty() {
-            groups.push(std::mem::take(&mut group));
-            bytes = 0;
+    let stripped = live.map(|mut m| {
+        if let Message::Routed { text, tokens, .. } = &mut m {
+            text.clear();
+            tokens.clear();
         }
-        bytes += n;
-        group.push(m);
-    }
-    if !group.is_empty() {
-        groups.push(group);
-    }
-    groups
+        m
+    });
+    let size = |m: &Message| match m {
+        Message::Routed {
+            blocks,
+            worker,
+            model,
+            session_key,
+            ..
+        } => {
+            blocks.len() * 9
+                + worker.len()
+                + model.len()
+                + session_key.as_ref().map_or(0, String::len)
+                + 64
+        }
+        _ => 16,
+    };
+    groups(stripped, size, max_bytes)
 }
 
 pub fn encode(answer: &Answer) -> Vec<u8> {

@@ -15,6 +15,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use kvroute_core::affinity::Affinity;
+use kvroute_core::{Observation, Observed};
+use kvroute_index::BlockHash;
 
 use super::snapshot::{self, Part};
 use super::{decode, encode, Envelope, Ledger, LoadOp, Message, ReplicaTag};
@@ -55,9 +57,10 @@ struct MessageLabels {
 }
 
 /// `kvroute_replica_peers`, `kvroute_replica_sync_messages_total{direction,kind}`
-/// (direction `out` or `in`; kind routed, first_token, finished, heartbeat, and on `in`
-/// also malformed, own, ignored), `kvroute_replica_sync_lag_seconds` (send to apply, of
-/// the last message applied), `kvroute_replica_sync_connected`.
+/// (direction `out` or `in`; kind routed, first_token, finished, heartbeat, snapshot (an
+/// answer sent, a part received), and on `in` also malformed, own, ignored),
+/// `kvroute_replica_sync_bytes_total{direction}`, `kvroute_replica_sync_lag_seconds` (send
+/// to apply, of the last message applied), `kvroute_replica_sync_connected`.
 #[derive(Debug, Clone, Default)]
 pub struct SyncMetrics {
     peers: Gauge,
@@ -174,13 +177,14 @@ fn pool_of<'a>(table: &'a RoutingTable, model: &str, half: Option<Half>) -> Opti
 }
 
 fn apply(local: &Local, op: LoadOp) {
-    let (worker, dp_rank) = match &op {
-        LoadOp::Many(ops) => {
-            for op in ops.clone() {
-                apply(local, op);
-            }
-            return;
+    if let LoadOp::Many(ops) = op {
+        for op in ops {
+            apply(local, op);
         }
+        return;
+    }
+    let (worker, dp_rank) = match &op {
+        LoadOp::Many(_) => return,
         LoadOp::Start {
             worker, dp_rank, ..
         }
@@ -189,12 +193,12 @@ fn apply(local: &Local, op: LoadOp) {
         }
         | LoadOp::Finish {
             worker, dp_rank, ..
-        } => (worker, dp_rank),
+        } => (worker, *dp_rank),
     };
     let Some(w) = local.workers.get(worker) else {
         return;
     };
-    let Some(rank) = w.ranks.iter().find(|r| r.dp_rank == *dp_rank) else {
+    let Some(rank) = w.rank(dp_rank) else {
         return;
     };
     let kv = &local.kv;
@@ -203,11 +207,7 @@ fn apply(local: &Local, op: LoadOp) {
             rank.start(load);
             let now = Instant::now();
             if !kv.uses_events(&w) {
-                let hashes: Vec<kvroute_index::BlockHash> = load
-                    .blocks
-                    .iter()
-                    .map(|h| kvroute_index::BlockHash(*h))
-                    .collect();
+                let hashes: Vec<BlockHash> = load.blocks.iter().map(|&h| BlockHash(h)).collect();
                 kv.record_routed(rank.replica, &hashes, now);
             }
             let Some(l) = learnt else { return };
@@ -304,7 +304,7 @@ async fn take_snapshot(
     let mut answered = std::collections::HashSet::new();
     let mut state_from = None;
     let mut state_done = false;
-    let (mut observations, mut bindings) = (0usize, 0usize);
+    let mut learnt = 0usize;
     loop {
         let complete = loading.is_empty() && (state_from.is_none() || state_done);
         if complete && tokio::time::Instant::now() >= window {
@@ -351,38 +351,32 @@ async fn take_snapshot(
             Part::Policy {
                 model,
                 half,
-                observations: obs,
+                observations,
             } => {
-                let obs: Vec<kvroute_core::Observation> = obs.into_iter().map(Into::into).collect();
-                observations += obs.len();
-                let table = local.workers.table();
-                if let Some(pool) = table.pool(half, &model) {
-                    pool.policy.restore(&obs, now);
+                let observations: Vec<Observation> =
+                    observations.into_iter().map(Into::into).collect();
+                learnt += observations.len();
+                if let Some(pool) = pool_of(&local.workers.table(), &model, half) {
+                    pool.policy.restore(&observations, now);
                 }
             }
-            Part::Affinity(obs) => {
-                let obs: Vec<kvroute_core::Observation> = obs.into_iter().map(Into::into).collect();
-                bindings += obs.len();
+            Part::Affinity(bindings) => {
+                let bindings: Vec<Observation> = bindings.into_iter().map(Into::into).collect();
+                learnt += bindings.len();
                 if let Some(a) = &local.affinity {
-                    a.restore(&obs, now);
+                    a.restore(&bindings, now);
                 }
             }
-            Part::ApproxKv(obs) => {
-                observations += obs.len();
-                for o in obs {
-                    let snapshot::WireObserved::Blocks(blocks) = o.learnt else {
-                        continue;
-                    };
-                    let Some(w) = local.workers.get(&o.worker) else {
-                        continue;
-                    };
-                    if let Some(rank) = w.ranks.iter().find(|r| r.dp_rank == o.dp_rank) {
-                        let hashes: Vec<kvroute_index::BlockHash> =
-                            blocks.into_iter().map(kvroute_index::BlockHash).collect();
-                        let at = now
-                            .checked_sub(Duration::from_micros(o.age_us))
-                            .unwrap_or(now);
-                        local.kv.record_routed(rank.replica, &hashes, at);
+            Part::ApproxKv(records) => {
+                learnt += records.len();
+                for o in records.into_iter().map(Observation::from) {
+                    let replica = local
+                        .workers
+                        .get(o.worker.as_str())
+                        .and_then(|w| w.rank(o.dp_rank).map(|r| r.replica));
+                    if let (Some(replica), Observed::Blocks(blocks)) = (replica, &o.learnt) {
+                        let hashes: Vec<BlockHash> = blocks.iter().map(|&b| BlockHash(b)).collect();
+                        local.kv.record_routed(replica, &hashes, o.at(now));
                     }
                 }
             }
@@ -403,8 +397,7 @@ async fn take_snapshot(
     tracing::info!(
         peers = answered.len(),
         in_flight = ledger.remote_in_flight(),
-        observations,
-        bindings,
+        learnt,
         "Replica sync: snapshot taken"
     );
 }
@@ -464,7 +457,7 @@ fn answer_parts(
 }
 
 /// The approximate KV index as observations of (worker, rank), oldest first.
-fn routed_observations(local: &Local, now: Instant) -> Vec<kvroute_core::Observation> {
+fn routed_observations(local: &Local, now: Instant) -> Vec<Observation> {
     let ranks: std::collections::HashMap<
         kvroute_index::ReplicaId,
         (kvroute_protocol::WorkerId, Option<u32>),
@@ -484,11 +477,11 @@ fn routed_observations(local: &Local, now: Instant) -> Vec<kvroute_core::Observa
         .into_iter()
         .filter_map(|(replica, age, blocks)| {
             let (worker, dp_rank) = ranks.get(&replica)?.clone();
-            Some(kvroute_core::Observation {
+            Some(Observation {
                 worker,
                 dp_rank,
                 age,
-                learnt: kvroute_core::Observed::Blocks(blocks.into_iter().map(|b| b.0).collect()),
+                learnt: Observed::Blocks(blocks.into_iter().map(|b| b.0).collect()),
             })
         })
         .collect()
