@@ -601,8 +601,8 @@ pub struct Settings {
     pub replica_sync: Option<crate::sync::transport::SyncConfig>,
     /// The config file, re-read on SIGHUP.
     pub config_path: Option<PathBuf>,
-    /// `--worker-urls` as given on the command line (they stay across reloads).
-    pub cli_worker_urls: Vec<String>,
+    /// The command line's worker flags (they stay over the file's across reloads).
+    pub cli_workers: CliWorkers,
     /// Session affinity's mode and TTL, when on.
     pub session_affinity: Option<(AffinityMode, Duration)>,
     /// The admission queue, when `--router-queue-threshold` is set.
@@ -621,15 +621,44 @@ impl Settings {
     }
 }
 
+/// The command line's worker flags: on a reload they stay over the re-read file's, as they
+/// did at start.
+#[derive(Debug, Clone, Default)]
+pub struct CliWorkers {
+    pub worker_urls: Vec<String>,
+    pub prefill: Vec<String>,
+    pub decode: Vec<String>,
+    pub pd_disaggregation: bool,
+}
+
+impl CliWorkers {
+    /// These flags over `file`, merged as at start.
+    pub fn over(&self, file: Args) -> Args {
+        Args {
+            worker_urls: self.worker_urls.clone(),
+            prefill: self.prefill.clone(),
+            decode: self.decode.clone(),
+            pd_disaggregation: self.pd_disaggregation,
+            ..Args::default()
+        }
+        .merge(file)
+    }
+}
+
 impl Args {
     /// Reads the `--config` file, if any, under the command line.
     pub fn load(self) -> Result<Settings, ConfigError> {
-        let cli_worker_urls = self.worker_urls.clone();
+        let cli_workers = CliWorkers {
+            worker_urls: self.worker_urls.clone(),
+            prefill: self.prefill.clone(),
+            decode: self.decode.clone(),
+            pd_disaggregation: self.pd_disaggregation,
+        };
         let mut settings = match self.config.clone() {
             Some(path) => self.merge(Args::from_file(&path)?).into_settings(),
             None => self.into_settings(),
         }?;
-        settings.cli_worker_urls = cli_worker_urls;
+        settings.cli_workers = cli_workers;
         Ok(settings)
     }
 

@@ -213,11 +213,9 @@ impl Gateway {
     /// Adds a worker at run time and starts its health checks, KV-event subscription and
     /// metric scraping.
     pub fn add_worker(&self, spec: WorkerSpec) -> Result<Arc<Worker>, GatewayError> {
-        let spec = Settings::with_workers(vec![spec])
-            .map_err(|e| GatewayError::InvalidAdmin(e.to_string()))?
-            .workers
-            .pop()
-            .ok_or_else(|| GatewayError::InvalidAdmin("no worker given".into()))?;
+        let spec = spec
+            .validated()
+            .map_err(|e| GatewayError::InvalidAdmin(e.to_string()))?;
         let worker = self.state.workers.add(&spec)?;
         start_worker(&self.state, worker.clone());
         Ok(worker)
@@ -233,25 +231,21 @@ impl Gateway {
         Ok(worker)
     }
 
-    /// Re-reads the config file's workers (the command line's `--worker-urls` stay) and
-    /// applies the difference: new ids added, missing ids removed, changed ones replaced.
+    /// Re-reads the config file's workers (under the command line's worker flags, merged
+    /// as at start) and applies the difference: new ids added, missing ids removed, changed
+    /// ones replaced.
     pub fn reload(&self) -> Result<(usize, usize), ConfigError> {
         let Some(path) = &self.state.settings.config_path else {
             return Ok((0, 0));
         };
         let file = Args::from_file(path)?;
-        let urls = if self.state.settings.cli_worker_urls.is_empty() {
-            file.worker_urls
-        } else {
-            self.state.settings.cli_worker_urls.clone()
-        };
-        let wanted = Args {
-            worker_urls: urls,
-            workers: file.workers,
-            ..Args::default()
-        }
-        .into_settings()?
-        .workers;
+        let wanted = self
+            .state
+            .settings
+            .cli_workers
+            .over(file)
+            .into_settings()?
+            .workers;
         if wanted.is_empty() {
             tracing::warn!(path = %path.display(), "The reloaded config lists no worker: keeping the current ones");
             return Ok((0, 0));

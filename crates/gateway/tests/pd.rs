@@ -40,6 +40,10 @@ impl Engine {
         };
         let app = Router::new()
             .route("/health", axum::routing::get(|| async { "ok" }))
+            .route(
+                "/v1/models",
+                axum::routing::get(|| async { axum::Json(json!({"data": [{"id": "m"}]})) }),
+            )
             .fallback(engine_post)
             .with_state(e.clone());
         tokio::spawn(async move { axum::serve(listener, app).await });
@@ -308,4 +312,52 @@ async fn sglang_protocol_sends_both_halves_the_same_bootstrap_room() {
     assert_eq!(pb["bootstrap_port"], 8998);
     assert_eq!(db["text"], "hello");
     c.router.stop().await;
+}
+
+#[tokio::test]
+async fn a_reload_keeps_the_prefill_and_decode_workers_of_the_command_line() {
+    let (p, d, e, f) = (
+        Engine::start("p").await,
+        Engine::start("d").await,
+        Engine::start("e").await,
+        Engine::start("f").await,
+    );
+    let dir = std::env::temp_dir().join(format!("kvroute-pd-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("router.yaml");
+    let file = |url: &str| format!("workers:\n  - url: {url}\n    role: decode\n");
+    std::fs::write(&path, file(&e.url)).unwrap();
+    // `--prefill P --decode D --config FILE`, the file naming one more decode worker.
+    let settings = kvroute_gateway::Args {
+        config: Some(path.clone()),
+        prefill: vec![p.url.clone()],
+        decode: vec![d.url.clone()],
+        ..Default::default()
+    }
+    .load()
+    .unwrap();
+    let router = TestRouter::start(settings).await;
+    let urls = || {
+        let mut u: Vec<String> = router
+            .gateway
+            .workers()
+            .workers()
+            .iter()
+            .map(|w| w.url.clone())
+            .collect();
+        u.sort();
+        u
+    };
+    let mut all = vec![p.url.clone(), d.url.clone(), e.url.clone()];
+    all.sort();
+    assert_eq!(urls(), all);
+    // An unchanged file changes nothing; a changed one swaps the file's worker only.
+    assert_eq!(router.gateway.reload().unwrap(), (0, 0));
+    assert_eq!(urls(), all);
+    std::fs::write(&path, file(&f.url)).unwrap();
+    assert_eq!(router.gateway.reload().unwrap(), (1, 1));
+    let mut now = vec![p.url.clone(), d.url.clone(), f.url.clone()];
+    now.sort();
+    assert_eq!(urls(), now);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -39,12 +39,15 @@ impl Args {
             });
         }
         workers.extend(self.workers);
+        let workers = workers
+            .into_iter()
+            .map(WorkerSpec::validated)
+            .collect::<Result<Vec<_>, _>>()?;
         let mut seen = std::collections::HashSet::new();
-        for w in &mut workers {
-            w.url = normalize_url(&w.url)?;
-            let id = w.id.get_or_insert_with(|| w.url.clone());
-            if !seen.insert(id.clone()) {
-                return Err(ConfigError::DuplicateWorker(id.clone()));
+        for w in &workers {
+            let id = w.id.as_deref().expect("validated specs have an id");
+            if !seen.insert(id) {
+                return Err(ConfigError::DuplicateWorker(id.to_owned()));
             }
         }
         let load_factor = self
@@ -266,6 +269,23 @@ impl Args {
                 })
             })
             .transpose()?;
+        let policy_config = PolicyConfig {
+            prefix_token_count: self
+                .prefix_token_count
+                .unwrap_or(defaults.prefix_token_count),
+            prefix_hash_load_factor: load_factor,
+            max_idle: self
+                .max_idle_secs
+                .map_or(defaults.max_idle, Duration::from_secs),
+            assignment_mode: match self.assignment_mode {
+                Some(AssignmentModeArg::Random) => AssignmentMode::Random,
+                Some(AssignmentModeArg::MinLoad) | None => AssignmentMode::MinLoad,
+            },
+            kv_aware,
+            cache_aware,
+            llm_d,
+            ..defaults
+        };
         let pd_on = self.pd_disaggregation || workers.iter().any(|w| w.role != WorkerRole::Both);
         let pd = if pd_on {
             let complete = workers.iter().any(|w| w.role.prefills())
@@ -276,12 +296,8 @@ impl Args {
                     reason: "needs at least one prefill and one decode worker",
                 });
             }
-            let base = PolicyConfig {
-                kv_aware: kv_aware.clone(),
-                cache_aware: cache_aware.clone(),
-                llm_d: llm_d.clone(),
-                ..PolicyConfig::default()
-            };
+            // The halves' policies take the same parameters as the main one.
+            let base = policy_config.clone();
             let decode_policy = self.decode_policy.unwrap_or(PolicyKind::KvAware);
             let mut decode_config = base.clone();
             if self.decode_policy.is_none() {
@@ -299,38 +315,6 @@ impl Args {
         } else {
             None
         };
-        for w in &workers {
-            if w.dp_size == Some(0) {
-                return Err(ConfigError::Invalid {
-                    name: "dp_size",
-                    reason: "must be at least 1",
-                });
-            }
-            if w.dp_size.is_some_and(|n| n > MAX_DP_SIZE) {
-                return Err(ConfigError::Invalid {
-                    name: "dp_size",
-                    reason: "must be at most 1024",
-                });
-            }
-            if w.dp_start_rank
-                .unwrap_or(0)
-                .checked_add(w.dp_size.unwrap_or(1))
-                .is_none()
-            {
-                return Err(ConfigError::Invalid {
-                    name: "dp_start_rank",
-                    reason: "dp_start_rank + dp_size must fit in 32 bits",
-                });
-            }
-            if let Some(endpoint) = w.kv_events.iter().chain(&w.kv_events_replay).next() {
-                if !endpoint.starts_with("tcp://") || endpoint.rsplit_once(':').is_none() {
-                    return Err(ConfigError::Invalid {
-                        name: "kv_events",
-                        reason: "must be tcp://HOST:PORT",
-                    });
-                }
-            }
-        }
         Ok(Settings {
             prometheus_host: self.prometheus_host.unwrap_or_else(|| host.clone()),
             host,
@@ -338,23 +322,7 @@ impl Args {
             prometheus_port: self.prometheus_port.unwrap_or(29000),
             workers,
             policy: self.policy.unwrap_or(PolicyKind::KvAware),
-            policy_config: PolicyConfig {
-                prefix_token_count: self
-                    .prefix_token_count
-                    .unwrap_or(defaults.prefix_token_count),
-                prefix_hash_load_factor: load_factor,
-                max_idle: self
-                    .max_idle_secs
-                    .map_or(defaults.max_idle, Duration::from_secs),
-                assignment_mode: match self.assignment_mode {
-                    Some(AssignmentModeArg::Random) => AssignmentMode::Random,
-                    Some(AssignmentModeArg::MinLoad) | None => AssignmentMode::MinLoad,
-                },
-                kv_aware,
-                cache_aware,
-                llm_d,
-                ..defaults
-            },
+            policy_config,
             max_payload_size,
             request_timeout: Duration::from_secs(request_timeout_secs),
             log_level: self.log_level.unwrap_or(LogLevel::Info),
@@ -405,7 +373,7 @@ impl Args {
                 }),
             },
             config_path: self.config,
-            cli_worker_urls: Vec::new(),
+            cli_workers: CliWorkers::default(),
             queue: match self.router_queue_threshold {
                 None => None,
                 Some(t) if !(t.is_finite() && t > 0.0) => {
@@ -481,6 +449,47 @@ impl Args {
 }
 
 /// Checks a worker base URL (`http://host:port[/prefix]`) and drops a trailing slash.
+impl WorkerSpec {
+    /// The spec with its URL normalised and its id defaulted to it, if it is valid on its
+    /// own (the checks of one worker, whether from the config or `POST /workers`).
+    pub fn validated(mut self) -> Result<WorkerSpec, ConfigError> {
+        self.url = normalize_url(&self.url)?;
+        self.id.get_or_insert_with(|| self.url.clone());
+        if self.dp_size == Some(0) {
+            return Err(ConfigError::Invalid {
+                name: "dp_size",
+                reason: "must be at least 1",
+            });
+        }
+        if self.dp_size.is_some_and(|n| n > MAX_DP_SIZE) {
+            return Err(ConfigError::Invalid {
+                name: "dp_size",
+                reason: "must be at most 1024",
+            });
+        }
+        if self
+            .dp_start_rank
+            .unwrap_or(0)
+            .checked_add(self.dp_size.unwrap_or(1))
+            .is_none()
+        {
+            return Err(ConfigError::Invalid {
+                name: "dp_start_rank",
+                reason: "dp_start_rank + dp_size must fit in 32 bits",
+            });
+        }
+        for endpoint in self.kv_events.iter().chain(&self.kv_events_replay) {
+            if !endpoint.starts_with("tcp://") || endpoint.rsplit_once(':').is_none() {
+                return Err(ConfigError::Invalid {
+                    name: "kv_events",
+                    reason: "must be tcp://HOST:PORT",
+                });
+            }
+        }
+        Ok(self)
+    }
+}
+
 fn normalize_url(url: &str) -> Result<String, ConfigError> {
     let bad = |reason| ConfigError::WorkerUrl {
         url: url.to_owned(),

@@ -186,3 +186,52 @@ fn data_parallel_ranks_are_bounded() {
         .unwrap();
     assert_eq!(ok.workers[0].ranks().len(), 1024);
 }
+
+#[test]
+fn the_halves_policies_take_the_policy_parameters() {
+    let s = Args::try_parse_from([
+        "kvroute",
+        "--prefill",
+        "http://p:1",
+        "--decode",
+        "http://d:1",
+        "--prefill-policy",
+        "prefix_hash",
+        "--prefix-token-count",
+        "77",
+        "--decode-policy",
+        "manual",
+        "--max-idle-secs",
+        "9",
+    ])
+    .unwrap()
+    .into_settings()
+    .unwrap();
+    let pd = s.pd.unwrap();
+    assert_eq!(pd.prefill_config.prefix_token_count, 77);
+    assert_eq!(pd.decode_config.max_idle, Duration::from_secs(9));
+}
+
+#[test]
+fn one_worker_is_validated_on_its_own_whatever_its_role() {
+    let decode = WorkerSpec {
+        role: WorkerRole::Decode,
+        ..WorkerSpec::url("http://d:1/")
+    };
+    let v = decode.validated().unwrap();
+    assert_eq!(
+        (v.url.as_str(), v.id.as_deref()),
+        ("http://d:1", Some("http://d:1"))
+    );
+    let replay_only = WorkerSpec {
+        kv_events_replay: Some("ipc:///x".into()),
+        ..WorkerSpec::url("http://a:1")
+    };
+    assert!(matches!(
+        replay_only.validated(),
+        Err(ConfigError::Invalid {
+            name: "kv_events",
+            ..
+        })
+    ));
+}
