@@ -49,11 +49,12 @@ pub struct AttemptLabels {
     pub outcome: &'static str,
 }
 
-/// How an attempt to a worker ended (before the response body).
+/// How an attempt to a worker ended (before the response body). `outcome as usize` is its
+/// index in [`Outcome::ALL`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// A response that is not a server error.
-    Ok,
+    Ok = 0,
     /// Connection refused, reset, or closed before the response.
     ConnectError,
     /// No response headers within the request timeout.

@@ -27,6 +27,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::error::GatewayError;
+use crate::metrics::Outcome;
 use crate::queue::AdmissionQueue;
 use crate::workers::Worker;
 
@@ -280,6 +281,33 @@ pub struct Forward<'a> {
 
 /// Sends `fwd` to `guard`'s worker; the answer's body keeps the guard.
 pub async fn forward(
+    client: &HttpClient,
+    guard: InFlight,
+    fwd: Forward<'_>,
+) -> Result<Response<TrackedBody>, GatewayError> {
+    let worker = guard.worker.clone();
+    worker.circuit.on_send(Instant::now());
+    let result = send(client, guard, fwd).await;
+    let outcome = outcome_of(&result);
+    worker.series.attempts[outcome as usize].inc();
+    worker
+        .circuit
+        .record(outcome == Outcome::Ok, Instant::now());
+    result
+}
+
+/// How an attempt ended, for the metrics and the circuit breaker (a 4xx is the client's
+/// fault, not the worker's).
+fn outcome_of(result: &Result<Response<TrackedBody>, GatewayError>) -> Outcome {
+    match result {
+        Ok(r) if r.status().is_server_error() => Outcome::ServerError,
+        Ok(_) => Outcome::Ok,
+        Err(GatewayError::UpstreamTimeout { .. }) => Outcome::Timeout,
+        Err(_) => Outcome::ConnectError,
+    }
+}
+
+async fn send(
     client: &HttpClient,
     guard: InFlight,
     fwd: Forward<'_>,

@@ -44,6 +44,8 @@ pub struct Plan {
     /// Prompt tokens (0 when the policy does not tokenise).
     pub prompt_tokens: usize,
     pub hashes: Vec<BlockHash>,
+    /// Pinned to one worker (by a hint or a hard session binding): never moved elsewhere.
+    pub pinned: bool,
 }
 
 impl Plan {
@@ -454,6 +456,7 @@ pub fn plan(
         chosen: decision.index,
         prompt_tokens: tokens.len(),
         hashes,
+        pinned: hints.pinned_worker.is_some(),
     })
 }
 

@@ -40,14 +40,12 @@ use crate::engine_metrics::{EngineMetricsScraper, ScrapeTiming};
 use crate::error::GatewayError;
 use crate::kv::{KvState, WorkerSink};
 use crate::kv_events::{KvEventMetrics, KvEventSubscriber, SubscriberConfig};
-use crate::metrics::{GatewayMetrics, Outcome};
-use crate::proxy::{
-    self, Admitted, Forward, HttpClient, InFlight, TrackedBody, WorkerAuth, REQUEST_ID_HEADER,
-};
+use crate::metrics::GatewayMetrics;
+use crate::proxy::{self, Admitted, Forward, HttpClient, InFlight, WorkerAuth, REQUEST_ID_HEADER};
 use crate::queue::AdmissionQueue;
 use crate::routing;
 use crate::workers::{Pool, Worker, WorkerSet};
-use kvroute_core::affinity::{Affinity, AffinityMode};
+use kvroute_core::affinity::Affinity;
 use kvroute_protocol::WorkerId;
 
 mod admin;

@@ -250,6 +250,19 @@ async fn a_failed_prefill_is_the_answer_and_no_decode_starts() {
         metric_value(&m, "kvroute_requests_in_router", ""),
         Some(0.0)
     );
+    // The failed half counts against its worker, as any attempt does (the circuit breaker
+    // and the attempt metrics see disaggregated requests too).
+    let failed: f64 = ["p0", "p1"]
+        .iter()
+        .filter_map(|p| {
+            metric_value(
+                &m,
+                "kvroute_upstream_attempts_total",
+                &format!("worker=\"{p}\",outcome=\"server_error\""),
+            )
+        })
+        .sum();
+    assert_eq!(failed, 1.0);
     c.router.stop().await;
 }
 

@@ -152,10 +152,60 @@ async fn a_dropped_connection_is_retried_and_a_4xx_is_not() {
         BODY,
     )
     .await;
-    if r.headers["x-kvroute-worker"] == "good" {
-        assert_eq!(r.status, StatusCode::BAD_REQUEST);
-        assert_eq!(good.requests(), before + 1);
+    // Whichever worker came first (the broken one is retried), the 400 is the answer, sent
+    // once: retrying it would end on the broken worker with a 502.
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.headers["x-kvroute-worker"], "good");
+    assert_eq!(good.requests(), before + 1);
+    wait_all_idle(&router).await;
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn hard_session_affinity_pins_bound_sessions_only() {
+    let bad = Flaky::start("bad").await;
+    let good = Flaky::start("good").await;
+    let mut settings = flaky_settings(&[&bad, &good]);
+    settings.session_affinity = Some((
+        kvroute_core::affinity::AffinityMode::Hard,
+        std::time::Duration::from_secs(600),
+    ));
+    let router = TestRouter::start(settings).await;
+    // Bind a session to the bad worker while it still answers.
+    let mut session = None;
+    for i in 0..8 {
+        let key = format!("s{i}");
+        let r = post(
+            &router.url,
+            "/v1/completions",
+            &[("x-session-id", &key)],
+            BODY,
+        )
+        .await;
+        if r.json()["worker"] == "bad" {
+            session = Some(key);
+            break;
+        }
     }
+    let session = session.expect("round robin binds some session to the bad worker");
+    bad.status.store(503, Ordering::SeqCst);
+    // Requests without a session are retried elsewhere, as without affinity.
+    for _ in 0..4 {
+        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+        assert_eq!(r.json()["worker"], "good");
+    }
+    // The bound session is pinned: the bad worker's answer, not a move.
+    let before = good.requests();
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        &[("x-session-id", &session)],
+        BODY,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(good.requests(), before);
     wait_all_idle(&router).await;
     router.stop().await;
 }

@@ -119,17 +119,7 @@ pub(super) async fn route_and_forward(
         };
         released = Some(queue.admit(c, ranks, cost).await?);
     }
-    // A pinned request (by hint or hard session affinity) is never moved to another worker.
-    let pinned = hints.pinned_worker.is_some()
-        || state
-            .affinity
-            .as_ref()
-            .is_some_and(|a| a.mode == AffinityMode::Hard);
-    let max_retries = if pinned {
-        0
-    } else {
-        state.settings.retry.max_retries
-    };
+    let mut max_retries = state.settings.retry.max_retries;
     let path_and_query = parts
         .uri
         .path_and_query()
@@ -187,18 +177,12 @@ pub(super) async fn route_and_forward(
                 .routing_seconds
                 .observe(started.elapsed().as_secs_f64());
         }
+        // A pinned request (by hint or hard session affinity) is never moved elsewhere.
+        if plan.pinned {
+            max_retries = 0;
+        }
         let choice = plan.choice().clone();
         let rank = &choice.worker.ranks[choice.rank];
-        if plan.policy == PolicyKind::KvAware && plan.prompt_tokens > 0 {
-            let cached = choice.kv.overlap.total() as f64 * state.kv.block_size as f64;
-            state
-                .metrics
-                .kv_hit_ratio
-                .observe((cached / plan.prompt_tokens as f64).min(1.0));
-            if !state.kv.uses_events(&choice.worker) {
-                state.kv.record_routed(rank.replica, &plan.hashes, now);
-            }
-        }
         let load = plan.request_load(state.kv.block_size);
         let synced_model = state.sync.get().map(|_| pool.model.as_str().to_owned());
         let policy = plan.policy;
@@ -239,7 +223,6 @@ pub(super) async fn route_and_forward(
         if fields.stream {
             guard = guard.with_ttft(arrived, state.metrics.ttft_seconds.clone());
         }
-        choice.worker.circuit.on_send(now);
         let result = proxy::forward(
             &state.client,
             guard,
@@ -254,12 +237,7 @@ pub(super) async fn route_and_forward(
             },
         )
         .await;
-        let outcome = outcome_of(&result);
         let worker = &choice.worker;
-        worker.series.attempts[Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0)].inc();
-        worker
-            .circuit
-            .record(outcome == Outcome::Ok, Instant::now());
         let retryable = match &result {
             Err(GatewayError::Upstream { .. } | GatewayError::UpstreamTimeout { .. }) => true,
             Ok(r) => matches!(r.status().as_u16(), 502..=504),
@@ -278,20 +256,22 @@ pub(super) async fn route_and_forward(
             last_error = Some(error);
             continue;
         }
+        // The attempt that answers is the one the router learns from.
+        if plan.policy == PolicyKind::KvAware && plan.prompt_tokens > 0 {
+            let cached = choice.kv.overlap.total() as f64 * state.kv.block_size as f64;
+            state
+                .metrics
+                .kv_hit_ratio
+                .observe((cached / plan.prompt_tokens as f64).min(1.0));
+            if !state.kv.uses_events(&choice.worker) {
+                state
+                    .kv
+                    .record_routed(choice.worker.ranks[choice.rank].replica, &plan.hashes, now);
+            }
+        }
         let mut response = result?;
         response.body_mut().hold(admitted);
         return Ok(response.map(Body::new));
     }
     Err(last_error.unwrap_or(GatewayError::NoEndpoint("no worker left to try")))
-}
-
-/// How an attempt ended, for the metrics and the circuit breaker (a 4xx is the client's
-/// fault, not the worker's).
-pub(super) fn outcome_of(result: &Result<http::Response<TrackedBody>, GatewayError>) -> Outcome {
-    match result {
-        Ok(r) if r.status().is_server_error() => Outcome::ServerError,
-        Ok(_) => Outcome::Ok,
-        Err(GatewayError::UpstreamTimeout { .. }) => Outcome::Timeout,
-        Err(_) => Outcome::ConnectError,
-    }
 }
