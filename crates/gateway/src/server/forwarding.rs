@@ -119,7 +119,7 @@ pub(super) async fn route_and_forward(
         };
         released = Some(queue.admit(c, ranks, cost).await?);
     }
-    let mut max_retries = state.settings.retry.max_retries;
+    let max_retries = state.settings.retry.max_retries;
     let path_and_query = parts
         .uri
         .path_and_query()
@@ -176,10 +176,6 @@ pub(super) async fn route_and_forward(
                 .metrics
                 .routing_seconds
                 .observe(started.elapsed().as_secs_f64());
-        }
-        // A pinned request (by hint or hard session affinity) is never moved elsewhere.
-        if plan.pinned {
-            max_retries = 0;
         }
         let choice = plan.choice().clone();
         let rank = &choice.worker.ranks[choice.rank];
@@ -243,7 +239,8 @@ pub(super) async fn route_and_forward(
             Ok(r) => matches!(r.status().as_u16(), 502..=504),
             Err(_) => false,
         };
-        if retryable && attempt < max_retries {
+        // A pinned request (by hint or hard session affinity) is never moved elsewhere.
+        if retryable && !plan.pinned && attempt < max_retries {
             let error = match result {
                 Err(e) => e,
                 Ok(r) => GatewayError::UpstreamStatus {
