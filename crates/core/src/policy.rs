@@ -69,8 +69,8 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn forget_worker(&self, _worker: &kvroute_protocol::WorkerId) {}
 
     /// Another router replica sent `request` to (`worker`, `dp_rank`): learn what `select`
-    /// would have learnt had it been chosen here (replica sync). Only `text`, `session_key`
-    /// and `now` of `request` are set.
+    /// would have learnt had it been chosen here (replica sync). Of `request`, only
+    /// `session_key`, `text`, `tokens`, `prompt_tokens`, `block_size` and `now` are set.
     fn observe(
         &self,
         _worker: &kvroute_protocol::WorkerId,

@@ -107,7 +107,9 @@ impl KvState {
         now: Instant,
         max_blocks: usize,
     ) -> Vec<(ReplicaId, std::time::Duration, Vec<BlockHash>)> {
-        lock(&self.approx).records(now, max_blocks)
+        let mut approx = lock(&self.approx);
+        approx.expire(now);
+        approx.records(now, max_blocks)
     }
 
     pub fn stored(&self, replica: ReplicaId, event: &StoredBlocks<'_>) -> Result<(), IndexError> {

@@ -251,9 +251,7 @@ impl Gateway {
         let current = self.state.workers.workers();
         let (mut added, mut removed) = (0, 0);
         for w in current.iter() {
-            let keep = wanted
-                .iter()
-                .any(|s| s.id.as_deref() == Some(w.id.as_str()) && w.same_spec(s));
+            let keep = wanted.iter().any(|s| w.spec == *s);
             if !keep && self.remove_worker(w.id.as_str()).is_ok() {
                 removed += 1;
             }

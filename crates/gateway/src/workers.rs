@@ -141,6 +141,8 @@ pub struct Worker {
     pub kv_events: Option<String>,
     pub kv_events_replay: Option<String>,
     configured_model: Option<ModelId>,
+    /// The (validated) spec it was built from, which a config reload compares.
+    pub(crate) spec: WorkerSpec,
     /// The `/v1/models` entries it serves, once probed.
     models: Mutex<Vec<(ModelId, serde_json::Value)>>,
     probed: AtomicBool,
@@ -183,17 +185,6 @@ impl Worker {
     /// Whether it may take a request now: healthy, and its circuit lets one through.
     pub fn available(&self, now: std::time::Instant) -> bool {
         self.is_healthy() && self.circuit.allows(now)
-    }
-
-    /// The spec it was built from, as `GET /workers` and the config reload compare it.
-    pub fn same_spec(&self, spec: &WorkerSpec) -> bool {
-        self.url == spec.url
-            && self.configured_model.as_ref().map(ModelId::as_str) == spec.model.as_deref()
-            && self.kv_events == spec.kv_events
-            && self.taints == spec.taints
-            && self.role == spec.role
-            && self.bootstrap_port == spec.bootstrap_port
-            && self.ranks.iter().map(|r| r.dp_rank).collect::<Vec<_>>() == spec.ranks()
     }
 
     pub(crate) fn begin_request(&self) {
@@ -420,6 +411,7 @@ impl WorkerSet {
             kv_events: s.kv_events.clone(),
             kv_events_replay: s.kv_events_replay.clone(),
             configured_model: s.model.as_deref().map(ModelId::new),
+            spec: s.clone(),
             models: Mutex::new(Vec::new()),
             probed: AtomicBool::new(false),
             healthy: watch::channel(false).0,

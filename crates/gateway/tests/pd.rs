@@ -372,5 +372,9 @@ async fn a_reload_keeps_the_prefill_and_decode_workers_of_the_command_line() {
     let mut now = vec![p.url.clone(), d.url.clone(), f.url.clone()];
     now.sort();
     assert_eq!(urls(), now);
+    // Any change to a worker's spec replaces it (here a field the engine scrape may not give).
+    std::fs::write(&path, file(&f.url) + "    num_gpu_blocks: 100\n").unwrap();
+    assert_eq!(router.gateway.reload().unwrap(), (1, 1));
+    assert_eq!(urls(), now);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -140,14 +140,7 @@ impl ApproxIndex {
             if taken >= max_blocks {
                 break;
             }
-            let (group, _) = split(slot);
-            let bit = (slot % 64) as u8;
-            let live = deadline > now
-                && self
-                    .table
-                    .get(&group_key(block, group))
-                    .is_some_and(|e| e.deadlines.contains(&(bit, deadline)));
-            if !live {
+            if deadline <= now || !is_current(&self.table, deadline, block, slot) {
                 continue;
             }
             taken += 1;
@@ -207,6 +200,16 @@ impl ApproxIndex {
     }
 }
 
+/// Whether the queue entry (`deadline`, `block`, `slot`) is still that holder's deadline
+/// (not refreshed or removed since).
+fn is_current(table: &IdentityMap<u64, Entry>, deadline: u64, block: BlockHash, slot: u32) -> bool {
+    let (group, _) = split(slot);
+    let bit = (slot % 64) as u8;
+    table
+        .get(&group_key(block, group))
+        .is_some_and(|e| e.deadlines.contains(&(bit, deadline)))
+}
+
 impl ApproxIndexer for ApproxIndex {
     fn record(&mut self, replica: ReplicaId, hashes: &[BlockHash], now: Instant) {
         let origin = *self.origin.get_or_insert(now);
@@ -251,15 +254,8 @@ impl ApproxIndexer for ApproxIndex {
         }
         if self.queue.len() > 2 * self.entries + 1024 {
             let table = &self.table;
-            self.queue.retain(|(deadline, block, slot)| {
-                let (group, _) = split(*slot);
-                table.get(&group_key(*block, group)).is_some_and(|entry| {
-                    entry
-                        .deadlines
-                        .iter()
-                        .any(|(b, d)| u32::from(*b) == slot % 64 && d == deadline)
-                })
-            });
+            self.queue
+                .retain(|&(deadline, block, slot)| is_current(table, deadline, block, slot));
         }
     }
 
