@@ -216,3 +216,21 @@ async fn keys_never_reach_the_logs_even_at_debug_level() {
         assert!(!log.contains(key), "{key} in the log");
     }
 }
+
+#[tokio::test]
+async fn after_the_grace_period_open_connections_are_closed_and_their_load_released() {
+    let w = MockWorker::start("w", &["m"]).await;
+    let mut s = settings(&[&w]);
+    s.shutdown_grace = Duration::from_millis(300);
+    let router = TestRouter::start(s).await;
+    let gateway = router.gateway.clone();
+    let stream = open_stream(&router.url, "/v1/completions", STREAM).await;
+    assert_eq!(in_flight(&router, &w.url), 1);
+    // Never released: the grace period ends it, in this process too (no exit to rely on).
+    router.stop().await;
+    let body = tokio::time::timeout(Duration::from_secs(20), stream.into_body().collect())
+        .await
+        .expect("the connection was closed");
+    assert!(body.is_err());
+    assert_eq!(gateway.workers().statuses()[0].in_flight, 0);
+}

@@ -122,6 +122,8 @@ pub(super) async fn serve_api(
         .header_read_timeout(header_read_timeout)
         .keep_alive(true);
     let connections = TaskTracker::new();
+    // Cancelled when the grace period is over: the connections still open are dropped.
+    let close = CancellationToken::new();
     loop {
         let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -145,6 +147,7 @@ pub(super) async fn serve_api(
             });
         let conn = builder.serve_connection(TokioIo::new(tcp), service);
         let stop = shutdown.clone();
+        let close = close.clone();
         connections.spawn(async move {
             let mut conn = std::pin::pin!(conn);
             tokio::select! {
@@ -157,7 +160,10 @@ pub(super) async fn serve_api(
                 _ = stop.cancelled() => {}
             }
             conn.as_mut().graceful_shutdown();
-            let _ = conn.await;
+            tokio::select! {
+                _ = conn => {}
+                _ = close.cancelled() => {}
+            }
         });
     }
     drop(listener);
@@ -174,6 +180,8 @@ pub(super) async fn serve_api(
             connections = connections.len(),
             "Grace period over: closing the remaining connections"
         );
+        close.cancel();
+        connections.wait().await;
     }
     Ok(())
 }
