@@ -4,28 +4,22 @@
 #   ../shared/peers/setup_peers.sh sgl      # once
 #   bench/differential_cache_aware.sh       # NGROUPS=4 PER_GROUP=10
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lib.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib.sh"
 PEERS_DIR=${PEERS_DIR:-/tmp/kvroute-peers}
 NGROUPS=${NGROUPS:-4}; PER_GROUP=${PER_GROUP:-10}
-LOGS=$(mktemp -d)
-(cd "$ROOT" && cargo build --release -q -p kvroute-sim -p kvroute-gateway) || exit 1
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap cleanup EXIT
-wait_ready() { for _ in $(seq 1 150); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; echo "NOT READY $1"; return 1; }
-for i in 0 1; do
-  "$ROOT/target/release/kvroute-sim" --port $((19100 + i)) --instance-id sim$i --speedup 100 > "$LOGS/sim$i.log" 2>&1 & pids+=($!)
-done
-wait_ready http://127.0.0.1:19100/health && wait_ready http://127.0.0.1:19101/health
+build -p kvroute-sim -p kvroute-gateway
+for i in 0 1; do start_sim "$i" $((19100 + i)) "" --instance-id "sim$i" --speedup 100; done
+wait_sims 2 19100
 run() { # name cmd...
   local name=$1; shift
-  "$@" > "$LOGS/$name.log" 2>&1 & local pid=$!
-  wait_ready http://127.0.0.1:19110/v1/models || { tail -5 "$LOGS/$name.log"; kill $pid; return 1; }
+  "$@" > "$LOGS/$name.log" 2>&1 & local pid=$!; pids+=("$pid")
+  wait_ready http://127.0.0.1:19110/v1/models || { tail -5 "$LOGS/$name.log"; stop $pid; return 1; }
   python3 "$ROOT/bench/differential_cache_aware.py" http://127.0.0.1:19110 "$NGROUPS" "$PER_GROUP" > "$LOGS/$name.choices"
-  kill $pid; wait $pid 2>/dev/null; sleep 1
+  stop $pid; sleep 1
 }
 W="http://127.0.0.1:19100 http://127.0.0.1:19101"
-run kvroute "$ROOT/target/release/kvroute" --port 19110 --prometheus-port 19111 --worker-urls $W --policy cache_aware --log-level warn
+run kvroute "$BIN/kvroute" --port 19110 --prometheus-port 19111 --worker-urls $W --policy cache_aware --log-level warn
 run sglang "$PEERS_DIR/venv-sgl/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port 19110 \
     --prometheus-port 19111 --worker-urls $W --policy cache_aware --log-level warn
 python3 - "$LOGS/kvroute.choices" "$LOGS/sglang.choices" "$NGROUPS" <<'PY'

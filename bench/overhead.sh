@@ -8,33 +8,26 @@
 #
 # All traffic stays on 127.0.0.1. Results are appended to $OUT (default bench/overhead-results.txt).
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lib.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib.sh"
 PEERS_DIR=${PEERS_DIR:-/tmp/kvroute-peers}
 SHARED=${SHARED:-$ROOT/../shared/peers}
 DUR=${DUR:-10}
 POLICY=${POLICY:-round_robin}
 ROUTERS=${ROUTERS:-kvroute sglang vllm}
 OUT=${OUT:-$ROOT/bench/overhead-results.txt}
-LOGS=$(mktemp -d)
 M1=19001; M2=19002; RP=30013
 PY="$PEERS_DIR/venv-sgl/bin/python"
 
 command -v wrk >/dev/null || { echo "wrk missing: $SHARED/setup_peers.sh wrk"; exit 1; }
 [ -x "$PY" ] || { echo "peers missing: $SHARED/setup_peers.sh sgl vllmr wrk"; exit 1; }
-(cd "$ROOT" && cargo build --release -q -p kvroute-gateway) || exit 1
-KVROUTE="$ROOT/target/release/kvroute"
+build -p kvroute-gateway
+KVROUTE="$BIN/kvroute"
 
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap cleanup EXIT
-
-wait_ready() {
-  for _ in $(seq 1 150); do
-    curl -sf -XPOST "$1/v1/chat/completions" -H 'content-type: application/json' \
-      -d '{"model":"mock-model","messages":[{"role":"user","content":"warm"}]}' >/dev/null && return 0
-    sleep 0.2
-  done
-  echo "NOT READY $1"; return 1
+# Ready: answers a chat completion.
+chat_ready() {
+  wait_ready "$1/v1/chat/completions" -XPOST -H 'content-type: application/json' \
+    -d '{"model":"mock-model","messages":[{"role":"user","content":"warm"}]}'
 }
 cpu_ticks() { [ -n "${1:-}" ] && [ -r "/proc/$1/stat" ] && awk '{print $14+$15}' "/proc/$1/stat" || echo 0; }
 
@@ -57,11 +50,9 @@ run_wrk() { # label url [pid]
   done
 }
 
-stop() { kill "$1" 2>/dev/null; wait "$1" 2>/dev/null; }
-
 echo "=== $(date -u +%FT%TZ) DUR=${DUR}s nproc=$(nproc) policy=$POLICY" | tee -a "$OUT"
 for p in $M1 $M2; do "$PY" "$SHARED/fast_mock.py" $p f$p > "$LOGS/mock-$p.log" 2>&1 & pids+=($!); done
-wait_ready http://127.0.0.1:$M1 && run_wrk direct-mock http://127.0.0.1:$M1
+chat_ready http://127.0.0.1:$M1 && run_wrk direct-mock http://127.0.0.1:$M1
 
 for r in $ROUTERS; do
   case $r in
@@ -74,7 +65,7 @@ for r in $ROUTERS; do
                --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 --policy "$POLICY" \
                --prometheus-host 127.0.0.1 --prometheus-port 29013 --log-level warning > "$LOGS/$r.log" 2>&1 & ;;
   esac
-  pid=$!
-  if wait_ready http://127.0.0.1:$RP; then run_wrk "$r-$POLICY" http://127.0.0.1:$RP $pid; else tail -5 "$LOGS/$r.log"; fi
+  pid=$!; pids+=("$pid")
+  if chat_ready http://127.0.0.1:$RP; then run_wrk "$r-$POLICY" http://127.0.0.1:$RP $pid; else tail -5 "$LOGS/$r.log"; fi
   stop $pid; sleep 1
 done

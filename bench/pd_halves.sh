@@ -9,34 +9,21 @@
 # kv_aware's decode half is the gateway's default (kv_aware scoring load only, overlap credit 0);
 # the other pairs name both halves (--prefill-policy X --decode-policy X).
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lib.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib.sh"
 N=${N:-64}; SPEEDUP=${SPEEDUP:-10}
 POLICIES=${POLICIES:-"round_robin cache_aware kv_aware"}
 GROUPS_N=${GROUPS_N:-8}
-BIN=${BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release}
-LOGS=$(mktemp -d)
-(cd "$ROOT" && cargo build --release -q -p kvroute-sim -p kvroute-gateway -p kvroute-bench) || exit 1
-pids=()
-sims=()
-cleanup() { for p in "${sims[@]}" "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap cleanup EXIT
-wait_ready() { for _ in $(seq 1 150); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; echo "NOT READY $1" >&2; return 1; }
+build -p kvroute-sim -p kvroute-gateway -p kvroute-bench
 # Replicas: p0 p1 (prefill) on 19400/19401, d0 d1 (decode) on 19402/19403; KV events on 19500+.
-NAMES=(p0 p1 d0 d1); ROLES=(prefill prefill decode decode)
-start_sims() {
-  sims=()
+ROLES=(prefill prefill decode decode)
+start_pd_sims() {
   for i in 0 1 2 3; do
-    "$BIN/kvroute-sim" --port $((19400 + i)) --speedup "$SPEEDUP" --seed $i --role "${ROLES[$i]}" \
-       --kv-events-endpoint "tcp://127.0.0.1:$((19500 + i))" > "$LOGS/sim$i.log" 2>&1 & sims+=($!)
+    start_sim "$i" $((19400 + i)) $((19500 + i)) --speedup "$SPEEDUP" --seed "$i" --role "${ROLES[$i]}"
   done
-  for i in 0 1 2 3; do wait_ready http://127.0.0.1:$((19400 + i))/health || return 1; done
+  wait_sims 4 19400
 }
-stop_sims() { for p in "${sims[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; sims=(); }
-cat > "$LOGS/kvroute.yaml" <<YAML
-workers:
-$(for i in 0 1 2 3; do printf '  - {url: "http://127.0.0.1:%d", kv_events: "tcp://127.0.0.1:%d", role: %s}\n' \
-    $((19400 + i)) $((19500 + i)) "${ROLES[$i]}"; done)
-YAML
+workers_yaml 4 19400 19500 "${ROLES[@]}" > "$LOGS/kvroute.yaml"
 # The count of `metric` for replica i (its worker label is its URL or names its port).
 count() { # metrics-file metric port
   awk -v m="$1" -v p="$2" '$0 ~ "^"m"\\{" && $0 ~ ":"p"[\"/]" {s += $NF} END {printf "%d", s}' "$3"
@@ -48,10 +35,10 @@ ROWS=()
 run() { # policy mode concurrency
   local policy=$1 mode=$2 conc=$3 flags=()
   [ "$policy" != kv_aware ] && flags=(--prefill-policy "$policy" --decode-policy "$policy")
-  start_sims || return 1
+  start_pd_sims || return 1
   "$BIN/kvroute" --port 19410 --prometheus-port 19411 --config "$LOGS/kvroute.yaml" "${flags[@]}" \
-     --log-level warn > "$LOGS/kvroute-$policy-$mode.log" 2>&1 & local pid=$!; pids+=($pid)
-  wait_ready http://127.0.0.1:19410/v1/models || { tail -5 "$LOGS/kvroute-$policy-$mode.log"; kill $pid; stop_sims; return 1; }
+     --log-level warn > "$LOGS/kvroute-$policy-$mode.log" 2>&1 & local pid=$!; pids+=("$pid")
+  wait_ready http://127.0.0.1:19410/v1/models || { tail -5 "$LOGS/kvroute-$policy-$mode.log"; stop $pid; stop_sims; return 1; }
   sleep 1  # the KV-event subscribers connect
   local out
   out=$("$BIN/kvroute-bench" replay --synthetic shared-prefix --groups "$GROUPS_N" \
@@ -68,7 +55,7 @@ run() { # policy mode concurrency
   ttft=$(sed -n 's/.*TTFT ms p50\/p90\/p99 \([0-9/]*\);.*/\1/p' <<<"$out")
   errors=$(sed -n 's/^[0-9]* requests, \([0-9]*\) errors.*/\1/p' <<<"$out")
   ROWS+=("| $policy | $mode ($conc) | $pre | $dec | $(decisions prefill-decode "$m") | $(decisions decode-only "$m") | ${errors:-?} | ${ttft:-?} |")
-  kill $pid; wait $pid 2>/dev/null; stop_sims; sleep 1
+  stop $pid; stop_sims; sleep 1
 }
 echo "=== $(date -u +%FT%TZ) N=$N SPEEDUP=$SPEEDUP groups=$GROUPS_N nproc=$(nproc) logs=$LOGS"
 for policy in $POLICIES; do

@@ -4,30 +4,18 @@
 # replicas (fresh for each run); prints the most requests each engine held at once.
 #   bench/replica_burst.sh          # REQUESTS=64 PREFIX=8000 POLICY=kv_aware
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lib.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib.sh"
 REQUESTS=${REQUESTS:-64}; PREFIX=${PREFIX:-8000}; POLICY=${POLICY:-kv_aware}
-LOGS=$(mktemp -d)
 command -v nats-server >/dev/null || { echo "needs nats-server (apt-get install nats-server)"; exit 1; }
-(cd "$ROOT" && cargo build --release -q -p kvroute-sim -p kvroute-gateway --bin kvroute --bin kvroute-sim --example replica_burst) || exit 1
-BIN=$ROOT/target/release
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap cleanup EXIT
-wait_ready() { for _ in $(seq 1 150); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; echo "NOT READY $1"; return 1; }
+build -p kvroute-sim -p kvroute-gateway --bin kvroute --bin kvroute-sim --example replica_burst
 nats-server -a 127.0.0.1 -p 19650 > "$LOGS/nats.log" 2>&1 & pids+=($!)
-cat > "$LOGS/kvroute.yaml" <<YAML
-workers:
-$(for i in 0 1 2 3; do printf '  - {url: "http://127.0.0.1:%d", kv_events: "tcp://127.0.0.1:%d"}\n' $((19600 + i)) $((19700 + i)); done)
-YAML
+workers_yaml 4 19600 19700 > "$LOGS/kvroute.yaml"
 ENGINES=$(for i in 0 1 2 3; do printf 'http://127.0.0.1:%d,' $((19600 + i)); done); ENGINES=${ENGINES%,}
 run() { # label, then one "extra args" string per router
   local label=$1; shift
-  local sims=() routers=() urls=()
-  for i in 0 1 2 3; do
-    "$BIN/kvroute-sim" --port $((19600 + i)) --seed $i --kv-events-endpoint "tcp://127.0.0.1:$((19700 + i))" \
-      > "$LOGS/sim$i.log" 2>&1 & sims+=($!); pids+=($!)
-  done
-  for i in 0 1 2 3; do wait_ready http://127.0.0.1:$((19600 + i))/health || return 1; done
+  local routers=() urls=()
+  start_sims 4 19600 19700 || return 1
   local n=0
   for extra in "$@"; do
     # shellcheck disable=SC2086
@@ -39,7 +27,7 @@ run() { # label, then one "extra args" string per router
   sleep 1
   printf "%-22s " "$label"
   "$BIN/examples/replica_burst" "$(IFS=,; echo "${urls[*]}")" "$ENGINES" "$REQUESTS" "$PREFIX"
-  for p in "${routers[@]}" "${sims[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+  stop "${routers[@]}"; stop_sims
   sleep 1
 }
 echo "=== $(date -u +%FT%TZ) REQUESTS=$REQUESTS PREFIX=$PREFIX POLICY=$POLICY nproc=$(nproc)"

@@ -5,31 +5,18 @@
 # cost per request (messages and bytes published).
 #   bench/replica_replay.sh          # N=1000 SPEEDUP=10 POLICY=kv_aware
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lib.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib.sh"
 N=${N:-1000}; SPEEDUP=${SPEEDUP:-10}; POLICY=${POLICY:-kv_aware}
 TRACE=${TRACE:-$ROOT/../shared/data/mooncake_synthetic_trace.jsonl}
-LOGS=$(mktemp -d)
 command -v nats-server >/dev/null || { echo "needs nats-server (apt-get install nats-server)"; exit 1; }
-(cd "$ROOT" && cargo build --release -q -p kvroute-sim -p kvroute-gateway -p kvroute-bench) || exit 1
-BIN=$ROOT/target/release
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap cleanup EXIT
-wait_ready() { for _ in $(seq 1 150); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; echo "NOT READY $1"; return 1; }
-metric_sum() { curl -s "$1/metrics" | grep "^$2" | awk '{s += $NF} END {print s + 0}'; }
+build -p kvroute-sim -p kvroute-gateway -p kvroute-bench
 nats-server -a 127.0.0.1 -p 19850 > "$LOGS/nats.log" 2>&1 & pids+=($!)
-cat > "$LOGS/kvroute.yaml" <<YAML
-workers:
-$(for i in 0 1 2 3; do printf '  - {url: "http://127.0.0.1:%d", kv_events: "tcp://127.0.0.1:%d"}\n' $((19800 + i)) $((19900 + i)); done)
-YAML
+workers_yaml 4 19800 19900 > "$LOGS/kvroute.yaml"
 run() { # label, then one "extra args" string per router
   local label=$1; shift
-  local sims=() routers=() urls=() metrics=()
-  for i in 0 1 2 3; do
-    "$BIN/kvroute-sim" --port $((19800 + i)) --speedup "$SPEEDUP" --seed $i \
-      --kv-events-endpoint "tcp://127.0.0.1:$((19900 + i))" > "$LOGS/sim$i.log" 2>&1 & sims+=($!); pids+=($!)
-  done
-  for i in 0 1 2 3; do wait_ready http://127.0.0.1:$((19800 + i))/health || return 1; done
+  local routers=() urls=() metrics=()
+  start_sims 4 19800 19900 --speedup "$SPEEDUP" || return 1
   local n=0
   for extra in "$@"; do
     # shellcheck disable=SC2086
@@ -48,7 +35,7 @@ run() { # label, then one "extra args" string per router
     bytes=$((bytes + $(metric_sum "$m" 'kvroute_replica_sync_bytes_total{direction="out"')))
   done
   [ "$msgs" -gt 0 ] && echo "               sync: $msgs messages, $bytes bytes published for $N requests: $((msgs / N)) messages, $((bytes / N)) bytes per request"
-  for p in "${routers[@]}" "${sims[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+  stop "${routers[@]}"; stop_sims
   sleep 1
 }
 echo "=== $(date -u +%FT%TZ) N=$N SPEEDUP=$SPEEDUP POLICY=$POLICY nproc=$(nproc)"

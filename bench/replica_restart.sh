@@ -10,23 +10,14 @@
 # snapshot's size.
 #   bench/replica_restart.sh          # N=200 M=200 POLICY=cache_aware
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lib.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib.sh"
 N=${N:-200}; M=${M:-200}; POLICY=${POLICY:-cache_aware}; SPEEDUP=${SPEEDUP:-10}
 WORKLOAD=${WORKLOAD:---synthetic shared-prefix --groups 40 --prompts-per-group 10 --output-len 100 --request-rate 4}
-LOGS=$(mktemp -d)
 command -v nats-server >/dev/null || { echo "needs nats-server (apt-get install nats-server)"; exit 1; }
-(cd "$ROOT" && cargo build --release -q -p kvroute-sim -p kvroute-gateway -p kvroute-bench) || exit 1
-BIN=$ROOT/target/release
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap cleanup EXIT
-wait_ready() { for _ in $(seq 1 600); do curl -sf "$1" >/dev/null && return 0; sleep 0.05; done; echo "NOT READY $1"; return 1; }
-metric_sum() { curl -s "$1/metrics" | grep "^$2" | awk '{s += $NF} END {print s + 0}'; }
+build -p kvroute-sim -p kvroute-gateway -p kvroute-bench
 nats-server -a 127.0.0.1 -p 19851 > "$LOGS/nats.log" 2>&1 & pids+=($!)
-cat > "$LOGS/kvroute.yaml" <<YAML
-workers:
-$(for i in 0 1 2 3; do printf '  - {url: "http://127.0.0.1:%d", kv_events: "tcp://127.0.0.1:%d"}\n' $((19810 + i)) $((19910 + i)); done)
-YAML
+workers_yaml 4 19810 19910 > "$LOGS/kvroute.yaml"
 router() { # port, prometheus port, log, extra args
   # shellcheck disable=SC2086
   "$BIN/kvroute" --port "$1" --prometheus-port "$2" --config "$LOGS/kvroute.yaml" \
@@ -38,12 +29,8 @@ replay() { # url, then workload flags
   "$BIN/kvroute-bench" replay --url "$url" --max-concurrency 256 --model kvroute-sim $WORKLOAD "$@" 2>/dev/null | cut -c1-200
 }
 run() { # label, B's extra args ("same" for B = A)
-  local label=$1 b_args=$2 sims=()
-  for i in 0 1 2 3; do
-    "$BIN/kvroute-sim" --port $((19810 + i)) --speedup "$SPEEDUP" --seed $i \
-      --kv-events-endpoint "tcp://127.0.0.1:$((19910 + i))" > "$LOGS/sim$i.log" 2>&1 & sims+=($!); pids+=($!)
-  done
-  for i in 0 1 2 3; do wait_ready http://127.0.0.1:$((19810 + i))/health || return 1; done
+  local label=$1 b_args=$2
+  start_sims 4 19810 19910 --speedup "$SPEEDUP" || return 1
   local sync="--replica-sync nats://127.0.0.1:19851 --replica-sync-subject-prefix $label"
   router 19886 19896 "$LOGS/$label-a.log" "$sync"; local a=$!
   wait_ready http://127.0.0.1:19886/readiness || return 1
@@ -61,7 +48,7 @@ run() { # label, B's extra args ("same" for B = A)
   printf "%-11s " "$label"
   replay "$b_url" --skip "$N" --max-requests "$M"
   [ -n "$b" ] && echo "            B ready in $ready_ms ms; sync bytes in at ready: $snap ($(sed 's/\x1b\[[0-9;]*m//g' "$LOGS/$label-b.log" | grep -o 'snapshot taken.*' | head -1))"
-  for p in $b $a "${sims[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+  stop $b $a; stop_sims
   sleep 1
 }
 echo "=== $(date -u +%FT%TZ) N=$N M=$M POLICY=$POLICY SPEEDUP=$SPEEDUP nproc=$(nproc) workload: $WORKLOAD"

@@ -9,45 +9,29 @@
 #   WORKLOAD="--synthetic shared-prefix --groups 40 --system-prompt-len 6144" bench/sweep.sh
 # Times are real milliseconds: the replicas run SPEEDUP times faster than the engine they model.
 set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+LOGS=${OUT:-}   # lib.sh makes a temporary folder when empty
+# shellcheck source=lib.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib.sh"
+OUT=$LOGS
 N=${N:-400}; REPLICAS=${REPLICAS:-4}; SPEEDUP=${SPEEDUP:-10}; RATES=${RATES:-1 2 4 8}
 POLICIES=${POLICIES:-round_robin cache_aware kv_aware}
 TRACE=${TRACE:-$ROOT/../shared/data/mooncake_synthetic_trace.jsonl}
 WORKLOAD=${WORKLOAD:---trace $TRACE}   # or --synthetic ... (see kvroute-bench replay --help)
 PORT=${PORT:-19500}   # replica i on PORT+i, its KV events on PORT+100+i; kvroute on PORT+90
-OUT=${OUT:-$(mktemp -d)}
-BIN=${BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release}
 command -v jq >/dev/null || { echo "sweep.sh needs jq"; exit 1; }
 if [ "${BUILD:-1}" = 1 ]; then
-  (cd "$ROOT" && cargo build --release -q -p kvroute-sim -p kvroute-gateway -p kvroute-bench) || exit 1
+  build -p kvroute-sim -p kvroute-gateway -p kvroute-bench
 fi
-mkdir -p "$OUT"
-sims=(); router=""
-stop() { for p in "$@"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; }
-stop_all() { stop $router "${sims[@]}"; sims=(); router=""; }
-trap stop_all EXIT
-wait_ready() { for _ in $(seq 1 150); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; echo "NOT READY $1" >&2; return 1; }
+router=""
+stop_all() { stop $router; router=""; stop_sims; }
 ROUTER=http://127.0.0.1:$((PORT + 90))
-{
-  echo "workers:"
-  for i in $(seq 0 $((REPLICAS - 1))); do
-    printf '  - {url: "http://127.0.0.1:%d", kv_events: "tcp://127.0.0.1:%d"}\n' $((PORT + i)) $((PORT + 100 + i))
-  done
-} > "$OUT/kvroute.yaml"
-start_sims() {
-  sims=()
-  for i in $(seq 0 $((REPLICAS - 1))); do
-    "$BIN/kvroute-sim" --port $((PORT + i)) --speedup "$SPEEDUP" --seed "$i" \
-       --kv-events-endpoint "tcp://127.0.0.1:$((PORT + 100 + i))" > "$OUT/sim$i.log" 2>&1 & sims+=($!)
-  done
-  for i in $(seq 0 $((REPLICAS - 1))); do wait_ready "http://127.0.0.1:$((PORT + i))/health" || return 1; done
-}
+workers_yaml "$REPLICAS" "$PORT" $((PORT + 100)) > "$OUT/kvroute.yaml"
 run() { # rate policy
   local rate=$1 policy=$2 label="x$1-$2" scale
   scale=$(awk -v s="$SPEEDUP" -v r="$rate" 'BEGIN { print s * r }')
-  start_sims || { stop_all; return 1; }
+  start_sims "$REPLICAS" "$PORT" $((PORT + 100)) --speedup "$SPEEDUP" || { stop_all; return 1; }
   "$BIN/kvroute" --port $((PORT + 90)) --prometheus-port $((PORT + 91)) --config "$OUT/kvroute.yaml" \
-     --policy "$policy" --log-level warn > "$OUT/$label.kvroute.log" 2>&1 & router=$!
+     --policy "$policy" --log-level warn > "$OUT/$label.kvroute.log" 2>&1 & router=$!; pids+=("$router")
   if ! wait_ready "$ROUTER/v1/models"; then
     tail -5 "$OUT/$label.kvroute.log" >&2; stop_all; return 1
   fi

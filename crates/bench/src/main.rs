@@ -214,6 +214,15 @@ impl Workload {
     }
 }
 
+/// A `--url` entry: non-empty, without its trailing `/`.
+fn base_url(s: &str) -> Result<String, String> {
+    let url = s.trim().trim_end_matches('/');
+    if url.is_empty() {
+        return Err("empty URL".into());
+    }
+    Ok(url.to_owned())
+}
+
 /// Drops the first `n` requests and moves the rest so that the first starts at 0.
 fn skip(requests: &mut Vec<TraceRequest>, n: usize) {
     requests.drain(..n.min(requests.len()));
@@ -240,8 +249,16 @@ enum Command {
     /// A trace or a synthetic workload replayed in real time against an OpenAI-compatible
     /// endpoint, streaming.
     Replay {
-        #[arg(long)]
-        url: String,
+        /// The endpoint's base URL; several, comma-separated (or --url repeated): router
+        /// replicas, each request sent to one of them.
+        #[arg(
+            long = "url",
+            value_name = "URL",
+            required = true,
+            value_delimiter = ',',
+            value_parser = base_url
+        )]
+        urls: Vec<String>,
         /// The `model` field to send (omit for a router serving one model).
         #[arg(long)]
         model: Option<String>,
@@ -300,7 +317,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Replay {
             workload,
-            url,
+            urls,
             model,
             rate_scale,
             max_concurrency,
@@ -311,7 +328,7 @@ fn main() -> anyhow::Result<()> {
         } => {
             let (name, requests) = workload.load("replay")?;
             let cfg = kvroute_bench::replay::ReplayConfig {
-                url: url.trim_end_matches('/').to_owned(),
+                urls,
                 model,
                 hash_block: workload.hash_block_size,
                 rate_scale,
@@ -323,6 +340,7 @@ fn main() -> anyhow::Result<()> {
                 .enable_all()
                 .build()?;
             let r = runtime.block_on(kvroute_bench::replay::replay(&requests, &cfg));
+            let url = cfg.urls.join(",");
             println!(
                 "{} requests, {} errors; TTFT ms p50/p90/p99 {:.0}/{:.0}/{:.0}; ITL ms {:.1}/{:.1}/{:.1}; E2E ms {:.0}/{:.0}/{:.0}; {:.2} req/s, {:.0} out tok/s; cached {:.1}% of prompt tokens; per worker {:?}",
                 r.requests, r.errors, r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99, r.itl_ms.p50, r.itl_ms.p90,
@@ -330,17 +348,17 @@ fn main() -> anyhow::Result<()> {
                 r.hit_share * 100.0, r.requests_per_worker
             );
             if let Some(out) = json {
-                let doc = serde_json::json!({"trace": name, "url": cfg.url, "policies": [r]});
+                let doc = serde_json::json!({"trace": name, "url": url, "policies": [r]});
                 std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
                     .with_context(|| format!("cannot write {}", out.display()))?;
             }
             if let Some(out) = plot {
-                let label = label.as_deref().unwrap_or(&cfg.url);
+                let label = label.as_deref().unwrap_or(&url);
                 let series = Series {
                     label,
                     ttft_ms: &r.ttft_sorted_ms,
                 };
-                let subtitle = format!("real time via {}, rate x{rate_scale}", cfg.url);
+                let subtitle = format!("real time via {url}, rate x{rate_scale}");
                 write_plot(&out, &format!("TTFT: {name}"), &subtitle, &[series])?;
             }
         }
@@ -513,6 +531,32 @@ mod tests {
             assert!(parse(&format!("b {command} --trace t")).is_ok());
             assert!(parse(&format!("b {command} --synthetic shared-prefix --groups 3")).is_ok());
         }
+    }
+
+    #[test]
+    fn replay_takes_several_urls_each_trimmed() {
+        let urls =
+            |args: &str| match Cli::try_parse_from(args.split_whitespace()).map(|c| c.command) {
+                Ok(Command::Replay { urls, .. }) => Ok(urls),
+                Ok(_) => panic!("not replay"),
+                Err(e) => Err(e.kind()),
+            };
+        assert_eq!(
+            urls("b replay --trace t --url http://a:1/,http://b:2").unwrap(),
+            ["http://a:1", "http://b:2"]
+        );
+        assert_eq!(
+            urls("b replay --trace t --url http://a:1// --url http://b:2/").unwrap(),
+            ["http://a:1", "http://b:2"]
+        );
+        assert_eq!(
+            urls("b replay --trace t --url http://a:1,"),
+            Err(ErrorKind::ValueValidation)
+        );
+        assert_eq!(
+            urls("b replay --trace t"),
+            Err(ErrorKind::MissingRequiredArgument)
+        );
     }
 
     #[test]

@@ -26,7 +26,9 @@ use crate::trace::{prompt_text, TraceRequest};
 /// What a replay sends.
 #[derive(Debug, Clone)]
 pub struct ReplayConfig {
-    pub url: String,
+    /// The endpoints' base URLs, without a trailing `/`; several (router replicas behind no
+    /// load balancer): each request goes to one, picked by its arrival time. At least one.
+    pub urls: Vec<String>,
     pub model: Option<String>,
     pub hash_block: usize,
     pub rate_scale: f64,
@@ -67,6 +69,12 @@ struct Outcome {
     worker: Option<String>,
 }
 
+/// Which of `n` URLs `r` goes to: spread by the request's arrival time (and length).
+fn pick(r: &TraceRequest, n: usize) -> usize {
+    let seed = r.timestamp.wrapping_add(r.input_length as u64);
+    (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33) as usize % n
+}
+
 async fn one(
     client: &Client<HttpConnector, Full<Bytes>>,
     cfg: &ReplayConfig,
@@ -81,12 +89,8 @@ async fn one(
     if let Some(m) = &cfg.model {
         body["model"] = m.clone().into();
     }
-    // Several comma-separated URLs (router replicas behind no load balancer): spread over
-    // them by the request's arrival time.
-    let urls: Vec<&str> = cfg.url.split(',').collect();
-    let seed = r.timestamp.wrapping_add(r.input_length as u64);
-    let pick = (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33) as usize % urls.len();
-    let req = match http::Request::post(format!("{}/v1/completions", urls[pick]))
+    let base = &cfg.urls[pick(r, cfg.urls.len())];
+    let req = match http::Request::post(format!("{base}/v1/completions"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
     {
@@ -152,8 +156,12 @@ async fn one(
     out
 }
 
-/// Replays `trace` against `cfg.url` in real time.
+/// Replays `trace` against `cfg.urls` in real time.
+///
+/// # Panics
+/// If `cfg.urls` is empty.
 pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult {
+    assert!(!cfg.urls.is_empty(), "replay: no URL to send to");
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let limit = Arc::new(Semaphore::new(cfg.max_concurrency.max(1)));
@@ -232,22 +240,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn equal_hash_ids_give_equal_text_prefixes() {
-        let a = TraceRequest {
-            timestamp: 0,
-            input_length: 1200,
+    fn requests_spread_over_every_url() {
+        let at = |ms| TraceRequest {
+            timestamp: ms,
+            input_length: 100,
             output_length: 1,
-            hash_ids: vec![7, 8, 9],
+            hash_ids: vec![],
         };
-        let b = TraceRequest {
-            timestamp: 9,
-            input_length: 1100,
-            output_length: 1,
-            hash_ids: vec![7, 8, 4],
-        };
-        let (ta, tb) = (prompt_text(&a, 512), prompt_text(&b, 512));
-        assert_eq!((ta.len(), tb.len()), (1200, 1100));
-        assert_eq!(ta[..1024], tb[..1024]);
-        assert_ne!(ta[1024..1100], tb[1024..1100]);
+        for n in 1..=4 {
+            let mut hits = vec![0; n];
+            for ms in 0..200 {
+                hits[pick(&at(ms * 37), n)] += 1;
+            }
+            assert!(hits.iter().all(|&h| h > 0), "{n} URLs: {hits:?}");
+        }
     }
 }

@@ -148,7 +148,7 @@ mod tests {
     }
 
     #[test]
-    fn equal_hash_ids_give_equal_token_prefixes() {
+    fn equal_hash_ids_give_equal_token_and_text_prefixes() {
         let a = TraceRequest {
             timestamp: 0,
             input_length: 1200,
@@ -166,6 +166,11 @@ mod tests {
         assert_eq!(ta[..1024], tb[..1024]);
         assert_ne!(ta[1024..1100], tb[1024..1100]);
         assert!(ta.iter().all(|&t| t < 32000));
+        // The same as text (what a replay sends).
+        let (ta, tb) = (prompt_text(&a, 512), prompt_text(&b, 512));
+        assert_eq!((ta.len(), tb.len()), (1200, 1100));
+        assert_eq!(ta[..1024], tb[..1024]);
+        assert_ne!(ta[1024..1100], tb[1024..1100]);
     }
 
     #[test]

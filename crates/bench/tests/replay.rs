@@ -140,7 +140,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
     let r = replay(
         &trace,
         &ReplayConfig {
-            url,
+            urls: vec![url],
             model: None,
             hash_block: 512,
             rate_scale: 1.0,
