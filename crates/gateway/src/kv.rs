@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use kvroute_index::{
     ApproxIndex, ApproxIndexer, BlockHash, EngineHash, IndexError, KvIndex, KvIndexer,
-    OverlapScores, ReplicaId, StorageTier, StoredBlocks,
+    OverlapScores, ReplicaId, StorageTier, StoredBlocks, TierCounts,
 };
 use kvroute_tokenizer::Tokenizer;
 use prometheus_client::metrics::gauge::Gauge;
@@ -89,6 +89,21 @@ impl KvState {
         let events = read(&self.index).find_matches(hashes);
         let approx = lock(&self.approx).find_matches(hashes, now);
         (events, approx)
+    }
+
+    /// `worker`'s rank `replica` in `overlaps` (from [`KvState::overlaps`]), from the index
+    /// its worker feeds: its KV events, or the router's own decisions.
+    pub fn counts(
+        &self,
+        overlaps: &(OverlapScores, OverlapScores),
+        worker: &Worker,
+        replica: ReplicaId,
+    ) -> TierCounts {
+        if self.uses_events(worker) {
+            overlaps.0.get(replica)
+        } else {
+            overlaps.1.get(replica)
+        }
     }
 
     /// Approximate mode: the chosen rank now holds the request's blocks.

@@ -74,15 +74,19 @@ pub(crate) async fn route(
         let pool = table.resolve_half(Half::Decode, model)?;
         let plan = plan_half(state, pool, &req, req.hints, true, now)?;
         let choice = plan.choice().clone();
-        let replica = choice.worker.ranks[choice.rank].replica;
-        let hashes = kvroute_index::block_hashes(&req.tokens, bs, 0);
-        let (events, approx) = state.kv.overlaps(&hashes, now);
-        let counts = if state.kv.uses_events(&choice.worker) {
-            events.get(replica)
+        // What the decode worker holds matters only for --pd-min-uncached-tokens; kv_aware's
+        // plan has already looked it up.
+        let cached_blocks = if pd.min_uncached_tokens == 0 {
+            0
+        } else if plan.policy == PolicyKind::KvAware {
+            choice.kv.overlap.total()
         } else {
-            approx.get(replica)
+            let hashes = kvroute_index::block_hashes(&req.tokens, bs, 0);
+            let overlaps = state.kv.overlaps(&hashes, now);
+            let replica = choice.worker.ranks[choice.rank].replica;
+            state.kv.counts(&overlaps, &choice.worker, replica).total()
         };
-        let cached = (counts.total() as usize * bs).min(req.tokens.len());
+        let cached = (cached_blocks as usize * bs).min(req.tokens.len());
         let load = plan.request_load(bs);
         (choice, load, cached)
     };

@@ -11,7 +11,7 @@ use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, Wor
 use kvroute_core::{
     Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };
-use kvroute_index::{block_hashes, BlockHash, OverlapScores, TierCounts};
+use kvroute_index::{block_hashes, BlockHash, TierCounts};
 use kvroute_protocol::{Prompt, RoutingFields};
 use kvroute_tokenizer::{ChatOptions, Tokenizer};
 use serde::Deserialize;
@@ -354,7 +354,6 @@ pub fn plan(
     } else {
         Default::default()
     };
-    let (events, approx): &(OverlapScores, OverlapScores) = &scores;
 
     let eligible_pairs = eligible_pairs(pool, hints, busy, started)?;
 
@@ -367,16 +366,11 @@ pub fn plan(
     let mut choices = Vec::new();
     for (wi, rank_index) in eligible_pairs {
         let w = &pool.workers[wi];
-        let from_events = kv.uses_events(w);
         {
             let rank = &w.ranks[rank_index];
             let mut terms = KvTerms::default();
             if policy == PolicyKind::KvAware {
-                let counts = if from_events {
-                    events.get(rank.replica)
-                } else {
-                    approx.get(rank.replica)
-                };
+                let counts = kv.counts(&scores, w, rank.replica);
                 terms = rank.with_load(|load| KvTerms {
                     overlap: overlap_of(counts, tokens.len(), kv.block_size),
                     prefill_tokens: load.prefill_tokens(),

@@ -101,17 +101,10 @@ pub(super) async fn route_and_forward(
             let ranks = routing::eligible_ranks(pool, &hints, &busy, started)?;
             // The cost for ordering and DRR: uncached tokens as the index sees them now.
             let hashes = kvroute_index::block_hashes(&tokens, state.kv.block_size, 0);
-            let (events, approx) = state.kv.overlaps(&hashes, started);
+            let overlaps = state.kv.overlaps(&hashes, started);
             let best = ranks
                 .iter()
-                .map(|(w, r)| {
-                    let replica = w.ranks[*r].replica;
-                    if state.kv.uses_events(w) {
-                        events.get(replica).total()
-                    } else {
-                        approx.get(replica).total()
-                    }
-                })
+                .map(|(w, r)| state.kv.counts(&overlaps, w, w.ranks[*r].replica).total())
                 .max()
                 .unwrap_or(0) as usize;
             let cached = best * state.kv.block_size;
