@@ -18,6 +18,7 @@ pub mod eligibility;
 pub mod load;
 pub mod policy;
 pub mod queue;
+pub mod sessions;
 
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};

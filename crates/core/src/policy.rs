@@ -130,23 +130,6 @@ impl Observed {
     }
 }
 
-/// The most recent of `items` (last used, bytes, item) whose bytes add up to at most
-/// `max_bytes`, oldest first (a snapshot's order).
-pub(crate) fn newest_within<T>(mut items: Vec<(Instant, usize, T)>, max_bytes: usize) -> Vec<T> {
-    items.sort_unstable_by_key(|(at, _, _)| std::cmp::Reverse(*at));
-    let mut bytes = 0usize;
-    let mut out: Vec<T> = items
-        .into_iter()
-        .take_while(|(_, n, _)| {
-            bytes += n;
-            bytes <= max_bytes
-        })
-        .map(|(_, _, item)| item)
-        .collect();
-    out.reverse();
-    out
-}
-
 /// Every policy name kvroute accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PolicyKind {

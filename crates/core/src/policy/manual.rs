@@ -4,23 +4,20 @@
 //! still a candidate; otherwise (a new key, or its worker gone or unhealthy) the key is
 //! bound to a worker chosen by the [`AssignmentMode`] (least loaded by default) and the
 //! request goes there. A request without a key goes to the least-loaded candidate and
-//! binds nothing. Bindings idle for `max_idle` (4 h) are forgotten, swept at most once a
-//! minute; at most `max_sessions` are kept, and a new key that finds the map full is routed
-//! without being bound, so memory stays bounded whatever the traffic.
+//! binds nothing. The bindings are a [`SessionMap`]: idle for `max_idle` (4 h), forgotten;
+//! at most `max_sessions` kept, and a new key that finds the map full is routed without
+//! being bound, so memory stays bounded whatever the traffic.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvroute_protocol::WorkerId;
 use rand::{Rng, RngCore};
 
 use super::load::least_loaded;
-use super::{Observation, Observed, Policy, PolicyKind};
+use super::{Observation, Policy, PolicyKind};
+use crate::sessions::SessionMap;
 use crate::{Candidate, Decision, RouteRequest};
-
-const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
 /// How a new session key is placed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,43 +28,22 @@ pub enum AssignmentMode {
     Random,
 }
 
-struct Binding {
-    worker: WorkerId,
-    last_used: Instant,
-}
-
-struct Sessions {
-    map: HashMap<Box<str>, Binding>,
-    last_sweep: Option<Instant>,
-}
-
 pub struct Manual {
-    max_idle: Duration,
-    max_sessions: usize,
     mode: AssignmentMode,
-    sessions: Mutex<Sessions>,
+    sessions: SessionMap<WorkerId>,
 }
 
 impl Manual {
     pub fn new(max_idle: Duration, max_sessions: usize, mode: AssignmentMode) -> Self {
         Self {
-            max_idle,
-            max_sessions,
             mode,
-            sessions: Mutex::new(Sessions {
-                map: HashMap::new(),
-                last_sweep: None,
-            }),
+            sessions: SessionMap::new(max_idle, max_sessions),
         }
     }
 
     /// Number of session keys currently bound.
     pub fn sessions(&self) -> usize {
-        self.sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .map
-            .len()
+        self.sessions.len()
     }
 
     fn assign(&self, candidates: &[Candidate<'_>], rng: &mut dyn RngCore) -> Option<usize> {
@@ -83,8 +59,8 @@ impl Manual {
 impl fmt::Debug for Manual {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Manual")
-            .field("max_idle_secs", &self.max_idle.as_secs())
-            .field("max_sessions", &self.max_sessions)
+            .field("max_idle_secs", &self.sessions.idle().as_secs())
+            .field("max_sessions", &self.sessions.max_sessions())
             .field("assignment_mode", &self.mode)
             .finish()
     }
@@ -96,52 +72,21 @@ impl Policy for Manual {
     }
 
     fn observe(&self, worker: &WorkerId, _dp_rank: Option<u32>, request: &RouteRequest<'_>) {
-        let Some(key) = request.session_key else {
-            return;
-        };
-        let binding = Binding {
-            worker: worker.clone(),
-            last_used: request.now,
-        };
-        let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(b) = s.map.get_mut(key) {
-            *b = binding;
-        } else if s.map.len() < self.max_sessions {
-            s.map.insert(key.into(), binding);
+        if let Some(key) = request.session_key {
+            let now = request.now;
+            self.sessions.lock(now).bind(key, worker.clone(), now);
         }
     }
 
     /// The live bindings, most recent within the budget, oldest first.
     fn snapshot(&self, now: Instant, max_bytes: usize) -> Vec<Observation> {
-        let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-        let live = s
-            .map
-            .iter()
-            .filter(|(_, b)| now.saturating_duration_since(b.last_used) < self.max_idle)
-            .map(|(k, b)| {
-                let o = Observation {
-                    worker: b.worker.clone(),
-                    dp_rank: None,
-                    age: now.saturating_duration_since(b.last_used),
-                    learnt: Observed::Session(k.to_string()),
-                };
-                (b.last_used, k.len(), o)
-            })
-            .collect();
-        super::newest_within(live, max_bytes)
+        self.sessions
+            .snapshot(now, max_bytes, |worker| (worker.clone(), None))
     }
 
     fn restore(&self, observations: &[Observation], now: Instant) {
-        for o in observations {
-            let Observed::Session(key) = &o.learnt else {
-                continue;
-            };
-            if o.age >= self.max_idle {
-                continue;
-            }
-            let request = RouteRequest::simple(Some(key), "", o.at(now));
-            self.observe(&o.worker, o.dp_rank, &request);
-        }
+        self.sessions
+            .restore(observations, now, |o| o.worker.clone());
     }
 
     fn select(
@@ -157,39 +102,19 @@ impl Policy for Manual {
             return None;
         }
         let now = request.now;
-        let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-        let due = s
-            .last_sweep
-            .is_none_or(|t| now.saturating_duration_since(t) >= SWEEP_EVERY);
-        if due {
-            let max_idle = self.max_idle;
-            s.map
-                .retain(|_, b| now.saturating_duration_since(b.last_used) < max_idle);
-            s.last_sweep = Some(now);
-        }
-        if let Some(b) = s.map.get_mut(key) {
-            let live = now.saturating_duration_since(b.last_used) < self.max_idle;
-            if live {
-                if let Some(index) = candidates.iter().position(|c| c.worker == &b.worker) {
-                    if !request.dry_run {
-                        b.last_used = now;
-                    }
-                    return Some(Decision { index });
+        let mut s = self.sessions.lock(now);
+        let bound = s.get(key, now).cloned();
+        if let Some(worker) = bound {
+            if let Some(index) = candidates.iter().position(|c| c.worker == &worker) {
+                if !request.dry_run {
+                    s.bind(key, worker, now);
                 }
+                return Some(Decision { index });
             }
         }
         let index = self.assign(candidates, rng)?;
-        if request.dry_run {
-            return Some(Decision { index });
-        }
-        let binding = Binding {
-            worker: candidates[index].worker.clone(),
-            last_used: now,
-        };
-        if let Some(b) = s.map.get_mut(key) {
-            *b = binding;
-        } else if s.map.len() < self.max_sessions {
-            s.map.insert(key.into(), binding);
+        if !request.dry_run {
+            s.bind(key, candidates[index].worker.clone(), now);
         }
         Some(Decision { index })
     }
