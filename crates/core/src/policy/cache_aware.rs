@@ -107,8 +107,14 @@ struct State {
 
 impl State {
     fn tick(&mut self, now: Instant) -> u64 {
-        let epoch = *self.epoch.get_or_insert(now);
-        u64::try_from(now.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
+        self.epoch.get_or_insert(now);
+        self.tick_at(now).expect("the epoch is set")
+    }
+
+    /// `now` as a tick, once there is an epoch.
+    fn tick_at(&self, now: Instant) -> Option<u64> {
+        let epoch = self.epoch?;
+        Some(u64::try_from(now.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX))
     }
 }
 
@@ -295,11 +301,9 @@ impl Policy for CacheAware {
     /// below (its leaves, and where a shorter text ended), with its age.
     fn snapshot(&self, now: Instant, max_bytes: usize) -> Vec<Observation> {
         let s = self.lock();
-        let Some(epoch) = s.epoch else {
+        let Some(now_tick) = s.tick_at(now) else {
             return Vec::new();
         };
-        let now_tick =
-            u64::try_from(now.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX);
         let mut ends: Vec<(u64, &WorkerId, Option<u32>, u32)> = s
             .tenants
             .iter()

@@ -186,6 +186,25 @@ impl LlmD {
         self.record_at(chosen.worker, chosen.dp_rank, Some(capacity), hashes);
     }
 
+    /// The LRU of (`worker`, `dp_rank`), made with `initial` capacity if it has none.
+    fn lru_mut<'a>(
+        &self,
+        lrus: &'a mut HashMap<WorkerId, WorkerLrus>,
+        worker: &WorkerId,
+        dp_rank: Option<u32>,
+        initial: usize,
+    ) -> &'a mut BlockLru {
+        let ranks = lrus.entry(worker.clone()).or_default();
+        let i = match ranks.iter().position(|(r, _)| *r == dp_rank) {
+            Some(i) => i,
+            None => {
+                ranks.push((dp_rank, BlockLru::new(initial, self.hasher)));
+                ranks.len() - 1
+            }
+        };
+        &mut ranks[i].1
+    }
+
     /// Records blocks for (worker, rank); `capacity` `None` keeps the LRU's (a peer
     /// replica's decision does not say the engine's size).
     fn record_at(
@@ -199,15 +218,8 @@ impl LlmD {
             return;
         }
         let mut lrus = self.lock();
-        let ranks = lrus.entry(worker.clone()).or_default();
-        let lru = match ranks.iter().position(|(r, _)| *r == dp_rank) {
-            Some(i) => &mut ranks[i].1,
-            None => {
-                let initial = capacity.unwrap_or(DEFAULT_LRU_CAPACITY);
-                ranks.push((dp_rank, BlockLru::new(initial, self.hasher)));
-                &mut ranks.last_mut().expect("just pushed").1
-            }
-        };
+        let initial = capacity.unwrap_or(DEFAULT_LRU_CAPACITY);
+        let lru = self.lru_mut(&mut lrus, worker, dp_rank, initial);
         if let Some(capacity) = capacity.filter(|c| *c != lru.capacity()) {
             lru.set_capacity(capacity);
         }
@@ -273,16 +285,7 @@ impl Policy for LlmD {
             let Observed::Blocks(hashes) = &o.learnt else {
                 continue;
             };
-            let ranks = lrus.entry(o.worker.clone()).or_default();
-            let i = match ranks.iter().position(|(r, _)| *r == o.dp_rank) {
-                Some(i) => i,
-                None => {
-                    let lru = BlockLru::new(DEFAULT_LRU_CAPACITY, self.hasher);
-                    ranks.push((o.dp_rank, lru));
-                    ranks.len() - 1
-                }
-            };
-            let lru = &mut ranks[i].1;
+            let lru = self.lru_mut(&mut lrus, &o.worker, o.dp_rank, DEFAULT_LRU_CAPACITY);
             if lru.len() + hashes.len() > lru.capacity() {
                 lru.set_capacity(lru.len() + hashes.len());
             }
