@@ -253,12 +253,11 @@ pub struct RetrySettings {
 }
 
 impl RetrySettings {
-    /// The wait before retry `n` (1-based), jittered by `unit` in [-1, 1].
-    pub fn backoff(&self, n: u32, unit: f64) -> Duration {
+    /// The wait before retry `n` (1-based), before jitter (±`jitter` of it).
+    pub fn backoff(&self, n: u32) -> Duration {
         let base =
             self.initial_backoff.as_secs_f64() * self.multiplier.powi(n.saturating_sub(1) as i32);
-        let capped = base.min(self.max_backoff.as_secs_f64());
-        Duration::from_secs_f64((capped * (1.0 + self.jitter * unit.clamp(-1.0, 1.0))).max(0.0))
+        Duration::from_secs_f64(base.min(self.max_backoff.as_secs_f64()))
     }
 }
 

@@ -112,12 +112,7 @@ impl Gateway {
         let metrics = GatewayMetrics::register(registry);
         let workers = Arc::new(WorkerSet::new(&settings, &metrics));
         let worker_auth = match (&settings.api_key, &settings.client_api_key) {
-            (Some(key), _) => {
-                let mut v = HeaderValue::from_str(&format!("Bearer {}", key.expose()))
-                    .unwrap_or_else(|_| HeaderValue::from_static(""));
-                v.set_sensitive(true);
-                WorkerAuth::Set(v)
-            }
+            (Some(key), _) => WorkerAuth::Set(key.bearer().expect("checked by the settings")),
             (None, Some(_)) => WorkerAuth::Strip,
             (None, None) => WorkerAuth::PassThrough,
         };

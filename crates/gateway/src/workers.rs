@@ -350,7 +350,8 @@ pub struct WorkerSet {
     metrics: GatewayMetrics,
     circuit: Option<CircuitSettings>,
     health: HealthSettings,
-    api_key: Option<Secret>,
+    /// `Authorization` for the workers' probes (`--api-key`).
+    api_key: Option<http::HeaderValue>,
 }
 
 impl WorkerSet {
@@ -369,7 +370,7 @@ impl WorkerSet {
             metrics: metrics.clone(),
             circuit: settings.circuit,
             health: settings.health.clone(),
-            api_key: settings.api_key.clone(),
+            api_key: settings.api_key.as_ref().and_then(Secret::bearer),
         };
         let workers = settings.workers.iter().map(|s| set.build(s)).collect();
         set.workers.store(Arc::new(workers));

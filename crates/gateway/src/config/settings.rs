@@ -338,7 +338,15 @@ impl Args {
             busy,
             admin_api_key: self.admin_api_key.and_then(Secret::new),
             client_api_key: self.client_api_key.and_then(Secret::new),
-            api_key: self.api_key.and_then(Secret::new),
+            api_key: match self.api_key.and_then(Secret::new) {
+                Some(key) if key.bearer().is_none() => {
+                    return Err(ConfigError::Invalid {
+                        name: "api_key",
+                        reason: "must be visible ASCII (it is sent as a header)",
+                    })
+                }
+                key => key,
+            },
             health,
             retry,
             circuit,

@@ -235,3 +235,27 @@ fn one_worker_is_validated_on_its_own_whatever_its_role() {
         })
     ));
 }
+
+#[test]
+fn a_worker_key_that_cannot_be_a_header_is_refused() {
+    let args = |key: &str| Args {
+        api_key: Some(key.into()),
+        ..Args::default()
+    };
+    assert!(matches!(
+        args("line\nbreak").into_settings(),
+        Err(ConfigError::Invalid {
+            name: "api_key",
+            ..
+        })
+    ));
+    assert!(args("sk-fine").into_settings().unwrap().api_key.is_some());
+}
+
+#[test]
+fn retry_backoff_grows_and_is_capped() {
+    let r = Args::default().into_settings().unwrap().retry;
+    let ms = |n| r.backoff(n).as_millis();
+    assert_eq!((ms(1), ms(2), ms(3)), (50, 75, 112));
+    assert_eq!(ms(100), 30_000);
+}

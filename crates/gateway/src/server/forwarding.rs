@@ -121,8 +121,12 @@ pub(super) async fn route_and_forward(
     let mut last_error = None;
     for attempt in 0..=max_retries {
         if attempt > 0 {
-            let unit = rand::random::<f64>() * 2.0 - 1.0;
-            tokio::time::sleep(state.settings.retry.backoff(attempt, unit)).await;
+            let retry = &state.settings.retry;
+            tokio::time::sleep(crate::health::jittered(
+                retry.backoff(attempt),
+                retry.jitter,
+            ))
+            .await;
             state.metrics.retries.inc();
         }
         let now = Instant::now();

@@ -10,9 +10,9 @@ use kvroute_protocol::ModelId;
 use tokio_util::sync::CancellationToken;
 
 use super::{lock, Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
-use crate::auth::Secret;
 use crate::health::{jittered, HealthCounter};
 use crate::proxy::HttpClient;
+use http::HeaderValue;
 
 impl WorkerSet {
     /// Watches one worker until it is removed or `shutdown`: probes it until it answers
@@ -105,17 +105,14 @@ async fn probe(
     client: &HttpClient,
     worker: &Worker,
     path: Option<&str>,
-    api_key: Option<&Secret>,
+    auth: Option<&HeaderValue>,
     timeout: Duration,
 ) -> Result<Vec<(ModelId, serde_json::Value)>, ProbeError> {
     let models = path.is_none() && worker.configured_model.is_none();
     let path = path.unwrap_or(if models { "/v1/models" } else { "/health" });
     let mut req = http::Request::get(format!("{}{}", worker.url, path));
-    if let Some(key) = api_key {
-        req = req.header(
-            http::header::AUTHORIZATION,
-            format!("Bearer {}", key.expose()),
-        );
+    if let Some(auth) = auth {
+        req = req.header(http::header::AUTHORIZATION, auth);
     }
     let req = req
         .body(Full::new(Bytes::new()))
