@@ -59,28 +59,12 @@ impl Args {
                 reason: "must be a positive number",
             });
         }
-        let max_payload_size = self.max_payload_size.unwrap_or(512 * 1024 * 1024);
-        if max_payload_size == 0 {
-            return Err(ConfigError::Invalid {
-                name: "max_payload_size",
-                reason: "must be positive",
-            });
-        }
-        let request_timeout_secs = self.request_timeout_secs.unwrap_or(1800);
-        if request_timeout_secs == 0 {
-            return Err(ConfigError::Invalid {
-                name: "request_timeout_secs",
-                reason: "must be positive",
-            });
-        }
+        let max_payload_size =
+            positive("max_payload_size", self.max_payload_size, 512 * 1024 * 1024)?;
+        let request_timeout_secs =
+            positive("request_timeout_secs", self.request_timeout_secs, 1800)?;
         let host = self.host.unwrap_or_else(|| "127.0.0.1".to_owned());
-        let block_size = self.block_size.unwrap_or(16);
-        if block_size == 0 {
-            return Err(ConfigError::Invalid {
-                name: "block_size",
-                reason: "must be positive",
-            });
-        }
+        let block_size = positive("block_size", self.block_size, 16)?;
         let kv = KvAwareConfig::default();
         let weight = |name: &'static str, v: Option<f64>, default: f64| match v {
             Some(x) if !(x.is_finite() && x >= 0.0) => Err(ConfigError::Invalid {
@@ -182,14 +166,6 @@ impl Args {
             )?,
             kv_weight: weight("llm_d_kv_weight", self.llm_d_kv_weight, ld.kv_weight)?,
             block_size: ld.block_size.max(block_size),
-        };
-        let positive = |name: &'static str, v: Option<u64>, default: u64| match v {
-            Some(0) => Err(ConfigError::Invalid {
-                name,
-                reason: "must be positive",
-            }),
-            Some(x) => Ok(x),
-            None => Ok(default),
         };
         let health = HealthSettings {
             interval: Duration::from_secs(positive(
@@ -351,18 +327,15 @@ impl Args {
             retry,
             circuit,
             max_concurrent_requests: match self.max_concurrent_requests {
-                Some(0) => {
-                    return Err(ConfigError::Invalid {
-                        name: "max_concurrent_requests",
-                        reason: "must be positive",
-                    })
-                }
-                n => n,
+                Some(n) => Some(positive("max_concurrent_requests", Some(n), 0)?),
+                None => None,
             },
             shutdown_grace: Duration::from_secs(self.shutdown_grace_period_secs.unwrap_or(180)),
-            header_read_timeout: Duration::from_secs(
-                self.header_read_timeout_secs.unwrap_or(30).max(1),
-            ),
+            header_read_timeout: Duration::from_secs(positive(
+                "header_read_timeout_secs",
+                self.header_read_timeout_secs,
+                30,
+            )?),
             pd,
             replica_sync: match self.replica_sync {
                 None => None,
@@ -377,7 +350,11 @@ impl Args {
                     prefix: self
                         .replica_sync_subject_prefix
                         .unwrap_or_else(|| "kvroute".to_owned()),
-                    timeout: Duration::from_secs(self.replica_timeout_secs.unwrap_or(10).max(1)),
+                    timeout: Duration::from_secs(positive(
+                        "replica_timeout_secs",
+                        self.replica_timeout_secs,
+                        10,
+                    )?),
                 }),
             },
             config_path: self.config,
@@ -436,9 +413,11 @@ impl Args {
                     Some(QueueSettings {
                         threshold,
                         order,
-                        timeout: Duration::from_secs(
-                            self.router_queue_timeout_secs.unwrap_or(60).max(1),
-                        ),
+                        timeout: Duration::from_secs(positive(
+                            "router_queue_timeout_secs",
+                            self.router_queue_timeout_secs,
+                            60,
+                        )?),
                         classes,
                         class_thresholds,
                     })
@@ -457,6 +436,22 @@ impl Args {
 }
 
 /// Checks a worker base URL (`http://host:port[/prefix]`) and drops a trailing slash.
+/// `v` (or `default` when unset), refusing zero.
+fn positive<T: PartialEq + Default>(
+    name: &'static str,
+    v: Option<T>,
+    default: T,
+) -> Result<T, ConfigError> {
+    match v {
+        Some(x) if x == T::default() => Err(ConfigError::Invalid {
+            name,
+            reason: "must be positive",
+        }),
+        Some(x) => Ok(x),
+        None => Ok(default),
+    }
+}
+
 impl WorkerSpec {
     /// The spec with its URL normalised and its id defaulted to it, if it is valid on its
     /// own (the checks of one worker, whether from the config or `POST /workers`).

@@ -259,3 +259,22 @@ fn retry_backoff_grows_and_is_capped() {
     assert_eq!((ms(1), ms(2), ms(3)), (50, 75, 112));
     assert_eq!(ms(100), 30_000);
 }
+
+#[test]
+fn zero_is_refused_wherever_a_positive_number_is_needed() {
+    for flag in [
+        "--header-read-timeout-secs",
+        "--max-concurrent-requests",
+        "--request-timeout-secs",
+        "--block-size",
+        "--health-check-interval-secs",
+    ] {
+        let settings = Args::try_parse_from(["kvroute", flag, "0"])
+            .unwrap()
+            .into_settings();
+        assert!(
+            matches!(settings, Err(ConfigError::Invalid { reason: "must be positive", .. })),
+            "{flag}: {settings:?}"
+        );
+    }
+}
