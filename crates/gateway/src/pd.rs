@@ -103,21 +103,8 @@ pub(crate) async fn route(
     let prefill = {
         let table = state.workers.table();
         let pool = table.resolve_half(Half::Prefill, model)?;
-        let pin = req
-            .parts
-            .headers
-            .get(&PREFILL_WORKER_HEADER)
-            .map(|v| {
-                v.to_str()
-                    .map(|s| s.trim().to_owned())
-                    .map_err(|_| GatewayError::InvalidHint {
-                        header: "x-kvroute-prefill-worker",
-                        reason: "not visible ASCII".into(),
-                    })
-            })
-            .transpose()?;
         let hints = Hints {
-            pinned_worker: pin,
+            pinned_worker: routing::pinned_worker(&req.parts.headers, "x-kvroute-prefill-worker")?,
             pinned_rank: None,
             ..req.hints.clone()
         };
@@ -168,7 +155,8 @@ pub(crate) async fn route(
                     "remote_port": null,
                 }),
             );
-            let answer = prefill_task(state, &req, &prefill, prefill_load, &first).await?;
+            let first = Bytes::from(serde_json::to_vec(&first).expect("a JSON object"));
+            let answer = prefill_task(state, &req, &prefill, prefill_load, first).await?;
             let params = match answer {
                 Ok(params) => params,
                 // The prefill's own error is the client's answer.
@@ -190,13 +178,18 @@ pub(crate) async fn route(
                 },
             );
             object.insert("bootstrap_room".into(), (rand::random::<u64>() >> 1).into());
-            let both = object.clone();
+            // Both halves get the same body.
+            let both = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
             // Spawned: the prefill must run to its end even when the decode answers first
             // (an engine aborts a request whose client went away).
-            let mut prefill_half =
-                tokio::spawn(prefill_task(state, &req, &prefill, prefill_load, &both));
-            let decode_body = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
-            let decode_half = send_decode(state, &req, &decode, decode_load, decode_body);
+            let mut prefill_half = tokio::spawn(prefill_task(
+                state,
+                &req,
+                &prefill,
+                prefill_load,
+                both.clone(),
+            ));
+            let decode_half = send_decode(state, &req, &decode, decode_load, both);
             tokio::pin!(decode_half);
             // Whichever ends first; a failed prefill stops the decode half.
             let response = tokio::select! {
@@ -263,7 +256,7 @@ fn prefill_task(
     req: &PdRequest<'_>,
     prefill: &Choice,
     load: RequestLoad,
-    body: &serde_json::Map<String, serde_json::Value>,
+    body: Bytes,
 ) -> impl std::future::Future<Output = Result<Result<serde_json::Value, Response>, GatewayError>>
        + Send
        + 'static {
@@ -282,7 +275,6 @@ fn prefill_task(
     let headers = req.parts.headers.clone();
     let request_id = req.request_id.clone();
     let worker = prefill.worker.id.clone();
-    let body = Bytes::from(serde_json::to_vec(body).expect("a JSON object"));
     async move {
         let response = proxy::forward(
             &client,

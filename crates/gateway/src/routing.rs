@@ -72,23 +72,36 @@ pub fn session_key<'a>(headers: &'a HeaderMap, fields: &'a RoutingFields<'a>) ->
         .or(fields.user.as_deref().filter(|u| !u.is_empty()))
 }
 
+/// A hint header's trimmed value; not visible ASCII is a 400 naming the header.
+fn text<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, GatewayError> {
+    match headers.get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .map(|s| Some(s.trim()))
+            .map_err(|_| GatewayError::InvalidHint {
+                header: name,
+                reason: "not visible ASCII".into(),
+            }),
+    }
+}
+
+/// The worker a pin header (`x-kvroute-worker`, `x-kvroute-prefill-worker`) names.
+pub fn pinned_worker(
+    headers: &HeaderMap,
+    name: &'static str,
+) -> Result<Option<String>, GatewayError> {
+    match text(headers, name)? {
+        Some("") => Err(GatewayError::InvalidHint {
+            header: name,
+            reason: "empty".into(),
+        }),
+        w => Ok(w.map(str::to_owned)),
+    }
+}
+
 /// The routing hints of a request's headers; a malformed one is a 400 naming the header.
 pub fn parse_hints(headers: &HeaderMap) -> Result<Hints, GatewayError> {
-    fn text<'a>(
-        headers: &'a HeaderMap,
-        name: &'static str,
-    ) -> Result<Option<&'a str>, GatewayError> {
-        match headers.get(name) {
-            None => Ok(None),
-            Some(v) => v
-                .to_str()
-                .map(|s| Some(s.trim()))
-                .map_err(|_| GatewayError::InvalidHint {
-                    header: name,
-                    reason: "not visible ASCII".into(),
-                }),
-        }
-    }
     fn list(headers: &HeaderMap, name: &'static str) -> Result<Option<Vec<String>>, GatewayError> {
         let Some(v) = text(headers, name)? else {
             return Ok(None);
@@ -108,15 +121,7 @@ pub fn parse_hints(headers: &HeaderMap) -> Result<Hints, GatewayError> {
         required_taints: list(headers, "x-kvroute-required-taints")?.unwrap_or_default(),
         ..Hints::default()
     };
-    if let Some(w) = text(headers, "x-kvroute-worker")? {
-        if w.is_empty() {
-            return Err(GatewayError::InvalidHint {
-                header: "x-kvroute-worker",
-                reason: "empty".into(),
-            });
-        }
-        hints.pinned_worker = Some(w.to_owned());
-    }
+    hints.pinned_worker = pinned_worker(headers, "x-kvroute-worker")?;
     if let Some(r) = text(headers, "x-kvroute-dp-rank")? {
         hints.pinned_rank = Some(r.parse().map_err(|_| GatewayError::InvalidHint {
             header: "x-kvroute-dp-rank",

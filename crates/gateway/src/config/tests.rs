@@ -273,7 +273,13 @@ fn zero_is_refused_wherever_a_positive_number_is_needed() {
             .unwrap()
             .into_settings();
         assert!(
-            matches!(settings, Err(ConfigError::Invalid { reason: "must be positive", .. })),
+            matches!(
+                settings,
+                Err(ConfigError::Invalid {
+                    reason: "must be positive",
+                    ..
+                })
+            ),
             "{flag}: {settings:?}"
         );
     }
