@@ -149,7 +149,7 @@ impl Gateway {
                     .map(|n| Arc::new(Semaphore::new(n))),
                 worker_auth,
                 tasks: TaskTracker::new(),
-                shutdown: CancellationToken::new(),
+                shutdown: workers.shutdown().clone(),
                 sync: std::sync::OnceLock::new(),
                 sync_metrics: crate::sync::transport::SyncMetrics::register(registry),
                 settings,

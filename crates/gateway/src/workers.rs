@@ -352,6 +352,8 @@ pub struct WorkerSet {
     health: HealthSettings,
     /// `Authorization` for the workers' probes (`--api-key`).
     api_key: Option<http::HeaderValue>,
+    /// The gateway's shutdown; each worker's tasks token is a child of it.
+    shutdown: CancellationToken,
 }
 
 impl WorkerSet {
@@ -371,6 +373,7 @@ impl WorkerSet {
             circuit: settings.circuit,
             health: settings.health.clone(),
             api_key: settings.api_key.as_ref().and_then(Secret::bearer),
+            shutdown: CancellationToken::new(),
         };
         let workers = settings.workers.iter().map(|s| set.build(s)).collect();
         set.workers.store(Arc::new(workers));
@@ -417,7 +420,7 @@ impl WorkerSet {
             probed: AtomicBool::new(false),
             healthy: watch::channel(false).0,
             in_flight: AtomicU64::new(0),
-            tasks: CancellationToken::new(),
+            tasks: self.shutdown.child_token(),
         })
     }
 
@@ -467,6 +470,11 @@ impl WorkerSet {
     }
 
     /// The current routing table (lock-free).
+    /// The gateway's shutdown: cancelling it stops every worker's tasks too.
+    pub fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
     pub fn table(&self) -> arc_swap::Guard<Arc<RoutingTable>> {
         self.table.load()
     }

@@ -4,11 +4,12 @@ use super::*;
 /// Starts a worker's background tasks: health checks, the KV-event subscription (while it
 /// is healthy) and the engine-metrics scraper (for the policies that read it).
 pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
-    state.tasks.spawn(state.workers.clone().watch(
-        worker.clone(),
-        state.client.clone(),
-        state.shutdown.clone(),
-    ));
+    state.tasks.spawn(
+        state
+            .workers
+            .clone()
+            .watch(worker.clone(), state.client.clone()),
+    );
     if reads_engine_metrics(&state.settings) {
         let timing = ScrapeTiming {
             interval: state.settings.metrics_refresh,
@@ -21,16 +22,8 @@ pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
             .collect();
         match EngineMetricsScraper::new(worker.id.to_string(), &worker.url, ranks, timing) {
             Ok(scraper) => {
-                let stop = state.shutdown.child_token();
-                let tasks = worker.tasks.clone();
-                let client = state.client.clone();
-                state.tasks.spawn(async move {
-                    let scrape = scraper.run(client, stop.clone());
-                    tokio::select! {
-                        _ = scrape => {}
-                        _ = tasks.cancelled() => stop.cancel(),
-                    }
-                });
+                let run = scraper.run(state.client.clone(), worker.tasks.clone());
+                state.tasks.spawn(run);
             }
             Err(error) => {
                 tracing::error!(worker = %worker.id, %error, "Cannot scrape engine metrics")
@@ -57,7 +50,8 @@ pub(super) async fn follow_kv_events(state: Arc<AppState>, worker: Arc<Worker>) 
         router_block_size: state.kv.block_size,
     };
     let mut health = worker.subscribe_health();
-    let stopped = || state.shutdown.is_cancelled() || worker.tasks.is_cancelled();
+    // The worker's tasks token: cancelled when it is removed or the gateway shuts down.
+    let stopped = || worker.tasks.is_cancelled();
     loop {
         // Wait until healthy.
         loop {
@@ -69,7 +63,6 @@ pub(super) async fn follow_kv_events(state: Arc<AppState>, worker: Arc<Worker>) 
             }
             tokio::select! {
                 changed = health.changed() => if changed.is_err() { return },
-                _ = state.shutdown.cancelled() => return,
                 _ = worker.tasks.cancelled() => return,
             }
         }
@@ -82,7 +75,7 @@ pub(super) async fn follow_kv_events(state: Arc<AppState>, worker: Arc<Worker>) 
                 return;
             }
         };
-        let token = state.shutdown.child_token();
+        let token = worker.tasks.child_token();
         let run = tokio::spawn(subscriber.run(token.clone()));
         // Until unhealthy or stopped.
         loop {
@@ -91,7 +84,6 @@ pub(super) async fn follow_kv_events(state: Arc<AppState>, worker: Arc<Worker>) 
             }
             tokio::select! {
                 changed = health.changed() => if changed.is_err() { break },
-                _ = state.shutdown.cancelled() => break,
                 _ = worker.tasks.cancelled() => break,
             }
         }

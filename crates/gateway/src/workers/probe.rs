@@ -7,7 +7,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_protocol::ModelId;
-use tokio_util::sync::CancellationToken;
 
 use super::{lock, Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
 use crate::health::{jittered, HealthCounter};
@@ -15,21 +14,15 @@ use crate::proxy::HttpClient;
 use http::HeaderValue;
 
 impl WorkerSet {
-    /// Watches one worker until it is removed or `shutdown`: probes it until it answers
-    /// once (with backoff), then checks its health every interval.
-    pub async fn watch(
-        self: Arc<Self>,
-        worker: Arc<Worker>,
-        client: HttpClient,
-        shutdown: CancellationToken,
-    ) {
+    /// Watches one worker until it is removed or the gateway shuts down (its tasks token):
+    /// probes it until it answers once (with backoff), then checks its health every
+    /// interval.
+    pub async fn watch(self: Arc<Self>, worker: Arc<Worker>, client: HttpClient) {
         let stop = worker.tasks.clone();
         let sleep = |d: Duration| {
             let stop = stop.clone();
-            let shutdown = shutdown.clone();
             async move {
                 tokio::select! {
-                    _ = shutdown.cancelled() => false,
                     _ = stop.cancelled() => false,
                     _ = tokio::time::sleep(d) => true,
                 }
