@@ -361,6 +361,14 @@ impl Args {
             cli_workers: CliWorkers::default(),
             queue: match self.router_queue_threshold {
                 None => None,
+                // Disaggregated requests bypass the admission queue: refuse rather than
+                // ignore the flag.
+                Some(_) if pd_on => {
+                    return Err(ConfigError::Invalid {
+                        name: "router_queue_threshold",
+                        reason: "not supported with prefill/decode disaggregation yet",
+                    })
+                }
                 Some(t) if !(t.is_finite() && t > 0.0) => {
                     return Err(ConfigError::Invalid {
                         name: "router_queue_threshold",

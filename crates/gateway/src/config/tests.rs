@@ -284,3 +284,28 @@ fn zero_is_refused_wherever_a_positive_number_is_needed() {
         );
     }
 }
+
+#[test]
+fn the_admission_queue_is_refused_with_disaggregation() {
+    let r = Args::try_parse_from([
+        "kvroute",
+        "--prefill",
+        "http://p:1",
+        "--decode",
+        "http://d:1",
+        "--router-queue-threshold",
+        "2",
+    ])
+    .unwrap()
+    .into_settings();
+    assert!(
+        matches!(
+            r,
+            Err(ConfigError::Invalid {
+                name: "router_queue_threshold",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+}
