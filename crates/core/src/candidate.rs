@@ -19,6 +19,30 @@ impl Overlap {
     pub fn total(&self) -> u32 {
         self.device + self.host + self.disk + self.external
     }
+
+    /// The overlap as the router counts it for a prompt of `prompt_tokens`: at least one
+    /// prompt token is left to compute, so at most `(prompt_tokens - 1) / block_size` blocks
+    /// count, taken from the best tiers (the excess comes off external, then disk, host,
+    /// device).
+    pub fn capped(self, prompt_tokens: usize, block_size: usize) -> Overlap {
+        let cap = (prompt_tokens.saturating_sub(1) / block_size.max(1)) as u32;
+        let mut excess = self.total().saturating_sub(cap);
+        let mut take = |n: u32| {
+            let t = n.min(excess);
+            excess -= t;
+            n - t
+        };
+        let external = take(self.external);
+        let disk = take(self.disk);
+        let host = take(self.host);
+        let device = take(self.device);
+        Overlap {
+            device,
+            host,
+            disk,
+            external,
+        }
+    }
 }
 
 /// The KV terms of one candidate for one request (used by `kv_aware`).
@@ -117,4 +141,24 @@ impl<'a> RouteRequest<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {
     pub index: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_is_capped_below_the_whole_prompt_from_the_lowest_tier() {
+        let o = Overlap {
+            device: 3,
+            host: 1,
+            disk: 1,
+            external: 0,
+        };
+        let tiers = |o: Overlap| (o.device, o.host, o.disk, o.external);
+        assert_eq!(tiers(o.capped(81, 16)), (3, 1, 1, 0));
+        assert_eq!(tiers(o.capped(80, 16)), (3, 1, 0, 0));
+        assert_eq!(tiers(o.capped(33, 16)), (2, 0, 0, 0));
+        assert_eq!(o.capped(0, 16), Overlap::default());
+    }
 }

@@ -19,6 +19,23 @@ pub struct RequestLoad {
     pub own_blocks: u64,
 }
 
+impl RequestLoad {
+    /// The load of a prompt of `prompt_tokens` with full-block hashes `blocks`, of which the
+    /// first `cached_blocks` are in the rank's device cache.
+    pub fn for_prompt(
+        blocks: Vec<u64>,
+        prompt_tokens: usize,
+        cached_blocks: usize,
+        block_size: usize,
+    ) -> Self {
+        Self {
+            prefill_tokens: prompt_tokens.saturating_sub(cached_blocks * block_size) as u64,
+            blocks,
+            own_blocks: u64::from(!prompt_tokens.is_multiple_of(block_size.max(1))),
+        }
+    }
+}
+
 /// The active load of one (worker, rank).
 #[derive(Debug, Default, Clone)]
 pub struct RankLoad {
@@ -86,6 +103,24 @@ impl RankLoad {
     }
 
     /// Whether nothing is accounted (every request released).
+    /// `kv_aware`'s terms of a candidate rank with this load, for a request whose blocks are
+    /// `request` and whose overlap there is `overlap`.
+    pub fn kv_terms(
+        &self,
+        overlap: crate::Overlap,
+        request: &RequestLoad,
+        preferred_taint_weight: f64,
+    ) -> crate::KvTerms {
+        crate::KvTerms {
+            overlap,
+            prefill_tokens: self.prefill_tokens(),
+            decode_blocks: self.decode_blocks(),
+            new_blocks: self.new_blocks(request),
+            active_requests: self.active_requests(),
+            preferred_taint_weight,
+        }
+    }
+
     pub fn is_idle(&self) -> bool {
         self.requests == 0 && self.prefill_tokens == 0 && self.decode_blocks() == 0
     }

@@ -146,6 +146,17 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
+    /// Whether the policy reads the prompt's text for a request with this session key (the
+    /// hashing policies key on the session when there is one).
+    pub fn needs_text(self, session_key: Option<&str>) -> bool {
+        use PolicyKind::*;
+        match self {
+            ConsistentHash | RendezvousHash => session_key.is_none(),
+            PrefixHash | CacheAware => true,
+            Random | RoundRobin | PowerOfTwo | Manual | LlmD | KvAware => false,
+        }
+    }
+
     pub const ALL: [PolicyKind; 10] = [
         PolicyKind::Random,
         PolicyKind::RoundRobin,

@@ -55,12 +55,12 @@ impl Plan {
 
     /// What the chosen request adds to its rank's load.
     pub fn request_load(&self, block_size: usize) -> RequestLoad {
-        let cached = self.choice().kv.overlap.device as usize * block_size;
-        RequestLoad {
-            prefill_tokens: self.prompt_tokens.saturating_sub(cached) as u64,
-            blocks: self.hashes.iter().map(|h| h.0).collect(),
-            own_blocks: u64::from(!self.prompt_tokens.is_multiple_of(block_size.max(1))),
-        }
+        RequestLoad::for_prompt(
+            self.hashes.iter().map(|h| h.0).collect(),
+            self.prompt_tokens,
+            self.choice().kv.overlap.device as usize,
+            block_size,
+        )
     }
 }
 
@@ -215,26 +215,13 @@ pub fn prompt_tokens(
     }
 }
 
-/// The overlap an engine will reuse: at most `(prompt_tokens - 1) / block_size` blocks,
-/// since it always computes the prompt's last token (vLLM); the excess is taken from the
-/// lowest tiers first.
-fn overlap_of(counts: TierCounts, prompt_tokens: usize, block_size: usize) -> Overlap {
-    let cap = (prompt_tokens.saturating_sub(1) / block_size.max(1)) as u32;
-    let mut excess = counts.total().saturating_sub(cap);
-    let mut take = |n: u32| {
-        let t = n.min(excess);
-        excess -= t;
-        n - t
-    };
-    let external = take(counts.external);
-    let disk = take(counts.disk);
-    let host = take(counts.host);
-    let device = take(counts.device);
+/// The index's counts as an [`Overlap`].
+fn overlap(counts: TierCounts) -> Overlap {
     Overlap {
-        device,
-        host,
-        disk,
-        external,
+        device: counts.device,
+        host: counts.host,
+        disk: counts.disk,
+        external: counts.external,
     }
 }
 
@@ -363,11 +350,12 @@ pub fn plan(
     let eligible_pairs = eligible_pairs(pool, hints, busy, started)?;
 
     // The request's blocks, once, for the new-blocks term of every candidate.
-    let request_blocks = RequestLoad {
-        prefill_tokens: 0,
-        blocks: hashes.iter().map(|h| h.0).collect(),
-        own_blocks: u64::from(!tokens.len().is_multiple_of(kv.block_size.max(1))),
-    };
+    let request_blocks = RequestLoad::for_prompt(
+        hashes.iter().map(|h| h.0).collect(),
+        tokens.len(),
+        0,
+        kv.block_size,
+    );
     let mut choices = Vec::new();
     for (wi, rank_index) in eligible_pairs {
         let w = &pool.workers[wi];
@@ -376,14 +364,9 @@ pub fn plan(
             let mut terms = KvTerms::default();
             if policy == PolicyKind::KvAware {
                 let counts = kv.counts(&scores, w, rank.replica);
-                terms = rank.with_load(|load| KvTerms {
-                    overlap: overlap_of(counts, tokens.len(), kv.block_size),
-                    prefill_tokens: load.prefill_tokens(),
-                    decode_blocks: load.decode_blocks(),
-                    new_blocks: load.new_blocks(&request_blocks),
-                    active_requests: load.active_requests(),
-                    preferred_taint_weight: hints.preferred_weight(&w.taints),
-                });
+                let overlap = overlap(counts).capped(tokens.len(), kv.block_size);
+                let taints = hints.preferred_weight(&w.taints);
+                terms = rank.with_load(|load| load.kv_terms(overlap, &request_blocks, taints));
             }
             choices.push(Choice {
                 worker: w.clone(),
@@ -399,7 +382,7 @@ pub fn plan(
             "no healthy worker serves this model",
         ));
     }
-    let text = if needs_text(policy, key) {
+    let text = if policy.needs_text(key) {
         fields.routing_text()
     } else {
         std::borrow::Cow::Borrowed("")
@@ -457,58 +440,4 @@ pub fn plan(
         hashes,
         pinned: hints.pinned_worker.is_some(),
     })
-}
-
-/// Whether the policy reads the prompt text for this request (text is built lazily: a
-/// chat's text is a join of its messages).
-fn needs_text(policy: PolicyKind, session_key: Option<&str>) -> bool {
-    use PolicyKind::*;
-    match policy {
-        ConsistentHash | RendezvousHash => session_key.is_none(),
-        PrefixHash | CacheAware => true,
-        Random | RoundRobin | PowerOfTwo | Manual | LlmD | KvAware => false,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn overlap_is_capped_below_the_whole_prompt_from_the_lowest_tier() {
-        let c = TierCounts {
-            device: 3,
-            host: 1,
-            disk: 1,
-            external: 0,
-        };
-        assert_eq!(
-            overlap_of(c, 81, 16),
-            Overlap {
-                device: 3,
-                host: 1,
-                disk: 1,
-                external: 0
-            }
-        );
-        assert_eq!(
-            overlap_of(c, 80, 16),
-            Overlap {
-                device: 3,
-                host: 1,
-                disk: 0,
-                external: 0
-            }
-        );
-        assert_eq!(
-            overlap_of(c, 33, 16),
-            Overlap {
-                device: 2,
-                host: 0,
-                disk: 0,
-                external: 0
-            }
-        );
-        assert_eq!(overlap_of(c, 0, 16), Overlap::default());
-    }
 }

@@ -13,8 +13,8 @@ use std::ops::Range;
 use std::time::Instant;
 
 use kvroute_core::{
-    build_policy, Candidate, EngineLoad, KvTerms, Overlap, Policy, PolicyConfig, PolicyKind,
-    RankLoad, RequestLoad, RouteRequest,
+    build_policy, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind, RankLoad,
+    RequestLoad, RouteRequest,
 };
 use kvroute_index::{BlockHash, OverlapScores, ReplicaId};
 use kvroute_protocol::WorkerId;
@@ -146,17 +146,9 @@ impl Router {
         }
     }
 
-    /// Whether a policy keys on the prompt's text.
+    /// Whether a policy keys on the prompt's text (requests carry no session key here).
     pub fn needs_text(&self) -> bool {
-        let text = |k: PolicyKind| {
-            matches!(
-                k,
-                PolicyKind::CacheAware
-                    | PolicyKind::PrefixHash
-                    | PolicyKind::ConsistentHash
-                    | PolicyKind::RendezvousHash
-            )
-        };
+        let text = |k: PolicyKind| k.needs_text(None);
         match &self.mode {
             Mode::Aggregated(pool) => text(pool.kind),
             Mode::Disaggregated {
@@ -216,13 +208,8 @@ impl Router {
         rng: &mut dyn RngCore,
     ) -> (usize, RequestLoad) {
         let bs = self.block_size;
-        let request_load = RequestLoad {
-            prefill_tokens: 0,
-            blocks: req.hashes.iter().map(|h| h.0).collect(),
-            own_blocks: u64::from(!req.tokens.len().is_multiple_of(bs)),
-        };
-        // As the gateway counts overlap: at least one prompt token left to compute.
-        let cap = ((req.tokens.len().saturating_sub(1)) / bs) as u32;
+        let blocks = req.hashes.iter().map(|h| h.0).collect();
+        let request_load = RequestLoad::for_prompt(blocks, req.tokens.len(), 0, bs);
         let kv_aware = pool.kind == PolicyKind::KvAware;
         let candidates: Vec<Candidate<'_>> = pool
             .engines
@@ -230,26 +217,21 @@ impl Router {
             .map(|e| {
                 let s = engines[e].stats();
                 let load = &self.loads[e];
-                let device = if kv_aware {
-                    scores.get(ReplicaId(e as u32)).device.min(cap)
+                // The engines' caches are their devices; capped as the gateway caps them.
+                let overlap = if kv_aware {
+                    Overlap {
+                        device: scores.get(ReplicaId(e as u32)).device,
+                        ..Overlap::default()
+                    }
+                    .capped(req.tokens.len(), bs)
                 } else {
-                    0
+                    Overlap::default()
                 };
                 Candidate {
                     worker: &self.ids[e],
                     dp_rank: None,
                     in_flight: load.active_requests(),
-                    kv: KvTerms {
-                        overlap: Overlap {
-                            device,
-                            ..Overlap::default()
-                        },
-                        prefill_tokens: load.prefill_tokens(),
-                        decode_blocks: load.decode_blocks(),
-                        new_blocks: load.new_blocks(&request_load),
-                        active_requests: load.active_requests(),
-                        preferred_taint_weight: 0.0,
-                    },
+                    kv: load.kv_terms(overlap, &request_load, 0.0),
                     engine: EngineLoad {
                         waiting: Some(s.waiting as f64),
                         running: Some(s.running as f64),
@@ -274,8 +256,11 @@ impl Router {
             .select(&candidates, &request, rng)
             .map_or(0, |d| d.index);
         let device = candidates[chosen].kv.overlap.device as usize;
+        // Its device-cached blocks are not computed.
         let load = RequestLoad {
-            prefill_tokens: req.tokens.len().saturating_sub(device * bs) as u64,
+            prefill_tokens: request_load
+                .prefill_tokens
+                .saturating_sub((device * bs) as u64),
             ..request_load
         };
         (pool.engines.start + chosen, load)
