@@ -6,9 +6,11 @@ use std::time::Duration;
 use kvroute_bench::replay::{replay, ReplayConfig};
 use kvroute_bench::trace::TraceRequest;
 use kvroute_gateway::{Gateway, Settings, WorkerSpec};
+use kvroute_sim::{SimArgs, SimInstance};
 use kvroute_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
+/// POSTs `body` as JSON; the answer's JSON (null when it is none).
 async fn post(base: &str, path: &str, body: &serde_json::Value) -> serde_json::Value {
     use http_body_util::BodyExt;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
@@ -24,68 +26,91 @@ async fn post(base: &str, path: &str, body: &serde_json::Value) -> serde_json::V
         .unwrap_or_default()
 }
 
-/// Whether the server at `base` answers `GET /health` with 200.
-async fn answers(base: &str) -> bool {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build(hyper_util::client::legacy::connect::HttpConnector::new());
-    let req = http::Request::get(format!("{base}/health"))
-        .body(http_body_util::Full::new(bytes::Bytes::new()))
-        .unwrap();
-    matches!(client.request(req).await, Ok(r) if r.status() == 200)
+/// A kvroute-sim replica 50x faster than real time, publishing KV events, and their endpoint.
+/// It binds its KV-event port itself, so another test may take it first: then another is
+/// tried.
+async fn sim() -> (SimInstance, String) {
+    let mut error = None;
+    for _ in 0..20 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let events = format!("tcp://127.0.0.1:{port}");
+        let args = <SimArgs as clap::Parser>::parse_from([
+            "kvroute-sim",
+            "--speedup",
+            "50",
+            "--kv-events-endpoint",
+            &events,
+        ]);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        match SimInstance::start(args, Arc::new(Tokenizer::fallback()), listener).await {
+            Ok(sim) => return (sim, events),
+            Err(e) => error = Some(e),
+        }
+    }
+    panic!("no sim could bind a KV-event port: {error:?}");
+}
+
+/// Whether the router at `router` credits worker `id` with some device blocks of `prompt`.
+async fn credited(router: &str, prompt: &str, id: &str) -> bool {
+    let d = post(
+        router,
+        "/debug/route",
+        &serde_json::json!({"prompt": prompt}),
+    )
+    .await;
+    d["candidates"].as_array().is_some_and(|c| {
+        c.iter()
+            .any(|c| c["worker"] == id && c["overlap_blocks"]["device"].as_u64().unwrap_or(0) > 0)
+    })
+}
+
+/// Waits until the router at `router` receives the KV events of worker `id`, the engine at
+/// `engine` (ZMQ subscribers join asynchronously, and what was published before is lost):
+/// probes go straight to the engine until the router's index credits one.
+async fn joined(router: &str, engine: &str, id: &str) {
+    for k in 0..400 {
+        let probe = format!("probe {id} {k} ").repeat(8);
+        let body = serde_json::json!({"prompt": probe, "max_tokens": 1});
+        post(engine, "/v1/completions", &body).await;
+        // The probe's events reach the index a moment later, or never (published before the
+        // subscriber joined): then the next probe tries again.
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(100);
+        loop {
+            if credited(router, &probe, id).await {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    panic!("the router never received {id}'s events");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
-    let shutdown = CancellationToken::new();
+    let mut sims = Vec::new();
     let mut workers = Vec::new();
-    let mut sims: Vec<String> = Vec::new();
     for i in 0..2 {
-        // The sim binds its KV-event port itself: retry when another test took it meanwhile.
-        let mut started = false;
-        for _ in 0..20 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            let events = format!("tcp://127.0.0.1:{port}");
-            let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from([
-                "kvroute-sim",
-                "--speedup",
-                "50",
-                "--kv-events-endpoint",
-                &events,
-            ]);
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let sim = format!("http://{}", listener.local_addr().unwrap());
-            let task = tokio::spawn(
-                kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()))
-                    .serve(listener, shutdown.clone()),
-            );
-            while !task.is_finished() {
-                if answers(&sim).await {
-                    started = true;
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            if started {
-                workers.push(WorkerSpec {
-                    id: Some(format!("w{i}")),
-                    kv_events: Some(events),
-                    ..WorkerSpec::url(sim.clone())
-                });
-                sims.push(sim);
-                break;
-            }
-        }
-        assert!(started, "no sim could bind a KV-event port");
+        let (sim, events) = sim().await;
+        workers.push(WorkerSpec {
+            id: Some(format!("w{i}")),
+            kv_events: Some(events),
+            ..WorkerSpec::url(sim.url())
+        });
+        sims.push(sim);
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let mut registry = prometheus_client::registry::Registry::default();
     let gw = Gateway::new(Settings::with_workers(workers).unwrap(), &mut registry);
+    let shutdown = CancellationToken::new();
     tokio::spawn(
         gw.clone()
             .serve(listener, metrics, Arc::new(registry), shutdown.clone()),
@@ -93,38 +118,10 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
     tokio::time::timeout(Duration::from_secs(30), gw.wait_ready())
         .await
         .unwrap();
-    // ZMQ subscribers join asynchronously: probe each replica until the router's index
-    // credits it, so no event of the trace is lost.
-    for (i, w) in sims.iter().enumerate() {
-        let id = format!("w{i}");
-        let mut joined = false;
-        for k in 0..400 {
-            let probe = format!("probe {i} {k} ").repeat(8);
-            post(
-                w,
-                "/v1/completions",
-                &serde_json::json!({"prompt": probe, "max_tokens": 1}),
-            )
-            .await;
-            for _ in 0..10 {
-                let d = post(&url, "/debug/route", &serde_json::json!({"prompt": probe})).await;
-                let credited = d["candidates"].as_array().is_some_and(|c| {
-                    c.iter().any(|c| {
-                        c["worker"] == id.as_str()
-                            && c["overlap_blocks"]["device"].as_u64().unwrap_or(0) > 0
-                    })
-                });
-                if credited {
-                    joined = true;
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            if joined {
-                break;
-            }
-        }
-        assert!(joined, "the router never received {id}'s events");
+    // Probe each replica until the router's index credits it, so no event of the trace is
+    // lost.
+    for (i, sim) in sims.iter().enumerate() {
+        joined(&url, &sim.url(), &format!("w{i}")).await;
     }
 
     // 30 requests in 3 conversations that grow turn by turn (shared leading hash ids), far

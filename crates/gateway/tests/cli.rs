@@ -5,7 +5,7 @@ mod support;
 use std::io::{BufRead, BufReader};
 
 use std::process::{Command, Stdio};
-use support::ChildGuard;
+use support::*;
 
 fn kvroute() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvroute"))
@@ -53,12 +53,7 @@ fn unknown_policy_in_config_file_exits_2() {
 
 #[tokio::test]
 async fn with_no_worker_it_serves_from_embedded_simulated_engines() {
-    use http_body_util::BodyExt;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let mut child = ChildGuard(
         kvroute()
             .args(["--port", &port.to_string(), "--prometheus-port", "0"])
@@ -79,41 +74,16 @@ async fn with_no_worker_it_serves_from_embedded_simulated_engines() {
         }
         found
     });
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build(hyper_util::client::legacy::connect::HttpConnector::new());
     let base = format!("http://127.0.0.1:{port}");
     // Readiness probe: the router answers 200 once the engines are probed.
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let req = http::Request::get(format!("{base}/readiness"))
-            .body(http_body_util::Full::new(bytes::Bytes::new()))
-            .unwrap();
-        let last = match client.request(req).await {
-            Ok(r) if r.status() == 200 => break,
-            Ok(r) => format!("status {}", r.status()),
-            Err(e) => format!("{e:?}"),
-        };
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never ready: {last}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let ready = format!("{base}/readiness");
+    wait_until_async("kvroute ready", || answers(&ready)).await;
     let body =
         r#"{"model":"kvroute-sim","max_tokens":3,"messages":[{"role":"user","content":"hi"}]}"#;
-    let req = http::Request::post(format!("{base}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-        .unwrap();
-    let resp = client.request(req).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    assert!(resp.headers()["x-kvroute-worker"]
-        .to_str()
-        .unwrap()
-        .starts_with("http://127.0.0.1:"));
-    let v: serde_json::Value =
-        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
-    assert_eq!(v["usage"]["completion_tokens"], 3);
+    let r = post(&base, "/v1/chat/completions", &[], body).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert!(r.worker().starts_with("http://127.0.0.1:"));
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
     drop(child);
     let line = said
         .join()

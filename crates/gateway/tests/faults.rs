@@ -5,40 +5,23 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use http_body_util::BodyExt;
 use kvroute_core::PolicyKind;
 use kvroute_gateway::{Settings, WorkerSpec};
 use kvroute_sim::{FaultSettings, SimArgs, SimInstance};
-use kvroute_tokenizer::Tokenizer;
-use serde_json::{json, Value};
+use serde_json::json;
 use support::*;
 
-/// A kvroute-sim replica publishing KV events, on ports of its own (retried when another
-/// test took the KV-event port first).
+/// A kvroute-sim replica publishing KV events, and their endpoint.
 async fn sim(seed: u64) -> (SimInstance, String) {
-    for _ in 0..20 {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let events = format!("tcp://127.0.0.1:{port}");
-        let args = SimArgs {
-            seed,
-            kv_events_endpoint: Some(events.clone()),
-            ..SimArgs::default()
-        };
-        if let Ok(instance) =
-            SimInstance::start(args, Arc::new(Tokenizer::fallback()), listener).await
-        {
-            return (instance, events);
-        }
-    }
-    panic!("no engine could bind a KV-event port");
+    sim_with_events(|events| SimArgs {
+        seed,
+        kv_events_endpoint: Some(events.to_owned()),
+        ..SimArgs::default()
+    })
+    .await
 }
 
 fn spec(id: &str, sim: &SimInstance, events: &str) -> WorkerSpec {
@@ -80,41 +63,9 @@ async fn assert_nothing_in_flight(r: &TestRouter) {
     }
 }
 
-fn device_overlap(r: &Value, worker: &str) -> u64 {
-    r["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["worker"] == worker)
-        .map_or(0, |c| c["overlap_blocks"]["device"].as_u64().unwrap_or(0))
-}
-
-async fn overlap(r: &TestRouter, prompt: &str, worker: &str) -> u64 {
-    let reply = post(
-        &r.url,
-        "/debug/route",
-        &[],
-        &json!({"prompt": prompt}).to_string(),
-    )
-    .await;
-    assert_eq!(reply.status, 200, "{:?}", reply.body);
-    device_overlap(&reply.json(), worker)
-}
-
-/// Waits until `worker`'s credit for `prompt` satisfies `cond`.
-async fn wait_credit(r: &TestRouter, prompt: &str, worker: &str, cond: impl Fn(u64) -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let o = overlap(r, prompt, worker).await;
-        if cond(o) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{worker}'s credit for the prompt stayed at {o}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// Whether the router credits a worker with some blocks of a prompt.
+fn credited(overlap: Option<u64>) -> bool {
+    overlap.is_some_and(|o| o > 0)
 }
 
 /// Sends `prompt` to `worker` through the router (allow-list hint) and expects success.
@@ -128,22 +79,6 @@ async fn on(r: &TestRouter, worker: &str, prompt: &str) {
     .await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
     assert_eq!(reply.worker(), worker);
-}
-
-/// Waits until the router hears `worker`'s events (the subscriber joins asynchronously).
-async fn joined(r: &TestRouter, worker: &str) {
-    for i in 0..400u64 {
-        let probe = format!("join {worker} {i} {}", text(96, 500 + i));
-        on(r, worker, &probe).await;
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(200);
-        while tokio::time::Instant::now() < deadline {
-            if overlap(r, &probe, worker).await > 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-    panic!("the router never heard {worker}'s KV events");
 }
 
 #[tokio::test]
@@ -259,19 +194,20 @@ async fn a_restarted_engine_resumes_its_events_without_stale_credit() {
         s.health.success_threshold = 1;
     })
     .await;
-    joined(&r, "a").await;
+    joined(&r, &a.url(), "a").await;
     let before = text(400, 42);
     on(&r, "a", &before).await;
-    wait_credit(&r, &before, "a", |o| o > 0).await;
-    // Restarted with an empty cache: the router must not credit it with what it lost.
-    let _a = a.restart().await.unwrap();
-    wait_credit(&r, &before, "a", |o| o == 0).await;
+    wait_overlap(&r, &before, "a", credited).await;
+    // Restarted with an empty cache: the router must not credit it with what it lost (while
+    // it restarts it may also not be a candidate at all).
+    let a = a.restart().await.unwrap();
+    wait_overlap(&r, &before, "a", |o| o.unwrap_or(0) == 0).await;
     // Its new events reach the index again.
-    joined(&r, "a").await;
+    joined(&r, &a.url(), "a").await;
     let after = text(400, 43);
     on(&r, "a", &after).await;
-    wait_credit(&r, &after, "a", |o| o > 0).await;
-    assert_eq!(overlap(&r, &before, "a").await, 0);
+    wait_overlap(&r, &after, "a", credited).await;
+    assert_eq!(overlap(&r, &before, "a").await, Some(0));
     assert_nothing_in_flight(&r).await;
     r.stop().await;
 }
@@ -279,10 +215,10 @@ async fn a_restarted_engine_resumes_its_events_without_stale_credit() {
 #[tokio::test]
 async fn a_gap_in_the_kv_event_stream_is_detected_and_recovered() {
     let (a, _b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
-    joined(&r, "a").await;
+    joined(&r, &a.url(), "a").await;
     let first = text(400, 7);
     on(&r, "a", &first).await;
-    wait_credit(&r, &first, "a", |o| o > 0).await;
+    wait_overlap(&r, &first, "a", credited).await;
     let f = a.faults();
     f.set(FaultSettings {
         drop_kv_events: true,
@@ -300,32 +236,16 @@ async fn a_gap_in_the_kv_event_stream_is_detected_and_recovered() {
     on(&r, "a", &last).await;
     // The gap is noticed: what the router knew of a is dropped (it cannot know what it
     // missed), and the events after the gap are applied.
-    wait_until_metric(&r, "status=\"gap\"").await;
-    wait_credit(&r, &last, "a", |o| o > 0).await;
-    assert_eq!(overlap(&r, &first, "a").await, 0);
-    assert_eq!(overlap(&r, &unseen, "a").await, 0);
+    let gap = r#"worker="a",event="batch",status="gap""#;
+    wait_until_async("a gap in a's KV events counted", || async {
+        metric_sum(&r.metrics().await, "kvroute_kv_events_total", gap) > 0.0
+    })
+    .await;
+    wait_overlap(&r, &last, "a", credited).await;
+    assert_eq!(overlap(&r, &first, "a").await, Some(0));
+    assert_eq!(overlap(&r, &unseen, "a").await, Some(0));
     assert_nothing_in_flight(&r).await;
     r.stop().await;
-}
-
-async fn wait_until_metric(r: &TestRouter, labels: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let m = r.metrics().await;
-        if m.lines().any(|l| {
-            l.starts_with("kvroute_kv_events_total")
-                && l.contains(labels)
-                && l.contains("worker=\"a\"")
-                && !l.ends_with(" 0")
-        }) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no {labels} in the KV-event metrics"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test]
@@ -344,28 +264,17 @@ async fn a_worker_added_at_run_time_is_indexed_and_forgotten_when_removed() {
     })
     .await;
     // Its events reach the index.
-    joined(&r, "c").await;
+    joined(&r, &c.url(), "c").await;
     let prompt = text(800, 77);
     on(&r, "c", &prompt).await;
-    wait_credit(&r, &prompt, "c", |o| o > 0).await;
+    wait_overlap(&r, &prompt, "c", credited).await;
     let blocks = |m: &str| metric_value(m, "kvroute_kv_index_blocks", "").unwrap();
     let before = blocks(&r.metrics().await);
     let reply = send(&r.url, http::Method::DELETE, "/workers/c", &[], "").await;
     assert_eq!(reply.status, 200);
     // Gone from the candidates, and its blocks from the index.
-    let d = post(
-        &r.url,
-        "/debug/route",
-        &[],
-        &json!({"prompt": prompt}).to_string(),
-    )
-    .await
-    .json();
-    assert!(d["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|w| w["worker"] != "c"));
+    let d = debug_route(&r, &prompt).await;
+    assert_eq!(device_overlap(&d, "c"), None, "{d}");
     let after = blocks(&r.metrics().await);
     assert!(after + 50.0 <= before, "index blocks {before} -> {after}");
     assert_nothing_in_flight(&r).await;

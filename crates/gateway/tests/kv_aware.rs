@@ -2,104 +2,40 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_gateway::{Settings, WorkerSpec};
-use kvroute_tokenizer::Tokenizer;
+use kvroute_sim::SimInstance;
 use serde_json::{json, Value};
 use support::*;
-use tokio_util::sync::CancellationToken;
 
-/// A kvroute-sim replica on loopback, publishing KV events.
+/// A kvroute-sim replica on loopback, publishing KV events (stopped when dropped).
 struct Engine {
-    url: String,
+    sim: SimInstance,
     events: String,
-    shutdown: CancellationToken,
 }
 
 impl Engine {
-    /// Starts an engine; a KV-event port another test took meanwhile is retried with a
-    /// fresh one (the engine binds it itself, so picking a free port can race).
     async fn start(extra: &[&str]) -> Engine {
-        for _ in 0..20 {
-            let events = format!("tcp://127.0.0.1:{}", free_port());
-            let mut argv = vec!["kvroute-sim", "--kv-events-endpoint", &events];
+        let (sim, events) = sim_with_events(|events| {
+            let mut argv = vec!["kvroute-sim", "--kv-events-endpoint", events];
             argv.extend_from_slice(extra);
-            let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from(argv);
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let url = format!("http://{}", listener.local_addr().unwrap());
-            let shutdown = CancellationToken::new();
-            let server = kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()));
-            let task = tokio::spawn(server.serve(listener, shutdown.clone()));
-            // Ready when it answers; failed (its event port was taken) when its task ended.
-            loop {
-                if task.is_finished() {
-                    break;
-                }
-                if answers(&format!("{url}/health")).await {
-                    return Engine {
-                        url,
-                        events,
-                        shutdown,
-                    };
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-        panic!("no engine could bind a KV-event port");
+            <kvroute_sim::SimArgs as clap::Parser>::parse_from(argv)
+        })
+        .await;
+        Engine { sim, events }
+    }
+
+    fn url(&self) -> String {
+        self.sim.url()
     }
 
     fn spec(&self, id: &str) -> WorkerSpec {
         WorkerSpec {
             id: Some(id.to_owned()),
             kv_events: Some(self.events.clone()),
-            ..WorkerSpec::url(self.url.clone())
+            ..WorkerSpec::url(self.url())
         }
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
-
-async fn debug_route(r: &TestRouter, prompt: &str) -> Value {
-    let reply = post(
-        &r.url,
-        "/debug/route",
-        &[],
-        &json!({"prompt": prompt}).to_string(),
-    )
-    .await;
-    assert_eq!(reply.status, 200, "{:?}", reply.body);
-    reply.json()
-}
-
-fn device_overlap(debug: &Value, worker: &str) -> u64 {
-    debug["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["worker"] == worker)
-        .map(|c| c["overlap_blocks"]["device"].as_u64().unwrap())
-        .unwrap()
-}
-
-/// Waits until the router's index credits `worker` with `blocks` leading blocks of `prompt`.
-async fn wait_overlap(r: &TestRouter, prompt: &str, worker: &str, blocks: u64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let d = debug_route(r, prompt).await;
-        if device_overlap(&d, worker) == blocks {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "index never reached {blocks} blocks for {worker}: {d}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -120,49 +56,9 @@ async fn two_engines(extra: &[&str]) -> (Engine, Engine, TestRouter) {
     let b = Engine::start(extra).await;
     let s = Settings::with_workers(vec![a.spec("a"), b.spec("b")]).unwrap();
     let r = TestRouter::start(s).await;
-    joined(&r, &a, "a").await;
-    joined(&r, &b, "b").await;
+    joined(&r, &a.url(), "a").await;
+    joined(&r, &b.url(), "b").await;
     (a, b, r)
-}
-
-/// Waits until the router receives `engine`'s events (a ZMQ subscriber joins
-/// asynchronously): requests sent straight to the engine until the index credits them.
-async fn joined(r: &TestRouter, engine: &Engine, id: &str) {
-    // Every rank of the worker must have delivered an event.
-    let mut heard = std::collections::HashSet::new();
-    for i in 0..400u64 {
-        let probe = format!("probe {id} {i} {}", text(64, 1000 + i));
-        let reply = post(
-            &engine.url,
-            "/v1/completions",
-            &[],
-            &json!({"prompt": probe, "max_tokens": 1}).to_string(),
-        )
-        .await;
-        assert_eq!(reply.status, 200);
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(100);
-        while tokio::time::Instant::now() < deadline {
-            let d = debug_route(r, &probe).await;
-            let ranks: Vec<&Value> = d["candidates"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|c| c["worker"] == id)
-                .collect();
-            if let Some(c) = ranks
-                .iter()
-                .find(|c| c["overlap_blocks"]["device"].as_u64().unwrap() > 0)
-            {
-                heard.insert(c["dp_rank"].to_string());
-                if heard.len() == ranks.len() {
-                    return;
-                }
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-    panic!("the router never received {id}'s KV events");
 }
 
 #[tokio::test]
@@ -171,12 +67,12 @@ async fn a_shared_prefix_goes_where_it_is_cached_and_is_credited_exactly() {
     let prefix = text(1600, 1); // 100 blocks of 16 bytes-as-tokens
     let first = complete(&r, &prefix).await;
     let home = first.worker().to_owned();
-    wait_overlap(&r, &format!("{prefix} tail"), &home, 100).await;
+    wait_overlap(&r, &format!("{prefix} tail"), &home, |o| o == Some(100)).await;
     let follow = format!("{prefix} and a different question");
     let debug = debug_route(&r, &follow).await;
     assert_eq!(debug["policy"], "kv_aware");
     assert_eq!(debug["worker"], home.as_str(), "{debug}");
-    let credited = device_overlap(&debug, &home);
+    let credited = device_overlap(&debug, &home).unwrap();
     let reply = complete(&r, &follow).await;
     assert_eq!(reply.worker(), home);
     let cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -231,12 +127,12 @@ async fn a_reset_cache_is_no_longer_credited() {
     let home = complete(&r, &prefix).await.worker().to_owned();
     // 50 blocks stored; a prompt of exactly 50 blocks can reuse 49 (its last token is
     // always computed), and the router credits what the engine will reuse.
-    wait_overlap(&r, &prefix, &home, 49).await;
-    wait_overlap(&r, &format!("{prefix}!"), &home, 50).await;
-    let url = if home == "a" { &a.url } else { &b.url };
-    let reply = post(url, "/reset_prefix_cache", &[], "{}").await;
+    wait_overlap(&r, &prefix, &home, |o| o == Some(49)).await;
+    wait_overlap(&r, &format!("{prefix}!"), &home, |o| o == Some(50)).await;
+    let url = if home == "a" { a.url() } else { b.url() };
+    let reply = post(&url, "/reset_prefix_cache", &[], "{}").await;
     assert_eq!(reply.status, 200);
-    wait_overlap(&r, &prefix, &home, 0).await;
+    wait_overlap(&r, &prefix, &home, |o| o == Some(0)).await;
     r.stop().await;
 }
 
@@ -245,7 +141,7 @@ async fn a_burst_on_one_prefix_spreads_once_the_home_is_loaded() {
     let (_a, _b, r) = two_engines(&["--speedup", "1"]).await;
     let prefix = text(2048, 3);
     let home = complete(&r, &prefix).await.worker().to_owned();
-    wait_overlap(&r, &format!("{prefix}x"), &home, 128).await;
+    wait_overlap(&r, &format!("{prefix}x"), &home, |o| o == Some(128)).await;
     // 40 streams sharing the prefix, each with its own 320-token question, held open until
     // all are routed: each adds ~21 decode blocks to its replica.
     let mut streams = Vec::new();
@@ -283,22 +179,7 @@ async fn a_burst_on_one_prefix_spreads_once_the_home_is_loaded() {
         .sum();
     assert!(active > 0);
     drop(streams);
-    for w in ["a", "b"] {
-        let gw = r.gateway.clone();
-        wait_until("load released", || {
-            gw.workers()
-                .statuses()
-                .iter()
-                .filter(|s| s.id == w)
-                .all(|s| {
-                    s.in_flight == 0
-                        && s.ranks
-                            .iter()
-                            .all(|k| k.active_prefill_tokens == 0 && k.active_decode_blocks == 0)
-                })
-        })
-        .await;
-    }
+    wait_all_idle(&r).await;
     let m = r.metrics().await;
     assert_eq!(
         metric_value(&m, "kvroute_worker_active_prefill_tokens", r#"worker="a""#),
@@ -337,7 +218,7 @@ async fn approximate_mode_remembers_its_own_decisions() {
         );
     }
     let d = debug_route(&r, &format!("{prefix} q")).await;
-    assert_eq!(device_overlap(&d, &home), 62);
+    assert_eq!(device_overlap(&d, &home), Some(62));
     r.stop().await;
 }
 
@@ -349,7 +230,7 @@ async fn data_parallel_ranks_are_candidates_and_are_named() {
         ..e.spec("dp")
     };
     let r = TestRouter::start(Settings::with_workers(vec![spec]).unwrap()).await;
-    joined(&r, &e, "dp").await;
+    joined(&r, &e.url(), "dp").await;
     let prefix = text(640, 5);
     let first = complete(&r, &prefix).await;
     let rank: u32 = first.headers["x-kvroute-dp-rank"]
@@ -358,24 +239,21 @@ async fn data_parallel_ranks_are_candidates_and_are_named() {
         .parse()
         .unwrap();
     // The engine ran it on that rank: its events (published on port + rank) credit that rank.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let d = debug_route(&r, &prefix).await;
+    let on = |d: &Value, k: u32| {
         let c = d["candidates"].as_array().unwrap();
         assert_eq!(c.len(), 2);
-        let on = |k: u32| {
-            c.iter().find(|x| x["dp_rank"] == k).unwrap()["overlap_blocks"]["device"]
-                .as_u64()
-                .unwrap()
-        };
-        if on(rank) == 39 {
-            assert_eq!(on(1 - rank), 0);
-            assert_eq!(d["dp_rank"], rank);
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{d}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        c.iter().find(|x| x["dp_rank"] == k).unwrap()["overlap_blocks"]["device"]
+            .as_u64()
+            .unwrap()
+    };
+    wait_until_async("the rank that ran it is credited", || async {
+        on(&debug_route(&r, &prefix).await, rank) == 39
+    })
+    .await;
+    let d = debug_route(&r, &prefix).await;
+    assert_eq!(on(&d, rank), 39, "{d}");
+    assert_eq!(on(&d, 1 - rank), 0, "{d}");
+    assert_eq!(d["dp_rank"], rank);
     let again = complete(&r, &format!("{prefix}!")).await;
     assert_eq!(
         again.headers["x-kvroute-dp-rank"],

@@ -29,38 +29,69 @@ impl Signals for ChildGuard {
 
     /// Waits for the process to exit (20 s at most) and returns its status code.
     async fn exit_code(&mut self) -> Option<i32> {
-        for _ in 0..2000 {
-            if let Some(status) = self.0.try_wait().unwrap() {
-                return status.code();
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("kvroute did not exit");
+        let mut status = None;
+        wait_until("kvroute to exit", || {
+            status = self.0.try_wait().unwrap();
+            status.is_some()
+        })
+        .await;
+        status.unwrap().code()
     }
 }
 
-/// A `kvroute` process, ready: the process, its API url and its metrics url.
-async fn start(args: &[&str]) -> (ChildGuard, String, String) {
+/// What [`start`] does with the process's stderr.
+#[derive(PartialEq)]
+enum Log {
+    Discard,
+    /// Read on a thread: [`Kvroute::log`].
+    Keep,
+}
+
+/// A `kvroute` process, ready.
+struct Kvroute {
+    child: ChildGuard,
+    url: String,
+    metrics_url: String,
+    /// With [`Log::Keep`]: the thread reading stderr, which returns all of it once the
+    /// process has ended.
+    log: Option<std::thread::JoinHandle<String>>,
+}
+
+/// Starts `kvroute` with `args` on free ports and waits until it is ready.
+async fn start(args: &[&str], log: Log) -> Kvroute {
     let (port, metrics_port) = (free_port(), free_port());
-    let child = ChildGuard(
+    let mut child = ChildGuard(
         Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["--port", &port.to_string()])
             .args(["--prometheus-port", &metrics_port.to_string()])
             .args(args)
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(if log == Log::Keep {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .spawn()
             .unwrap(),
     );
+    // Read from the start: a full pipe would stall the process.
+    let log = child.0.stderr.take().map(|mut stderr| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+            s
+        })
+    });
     let url = format!("http://127.0.0.1:{port}");
-    for _ in 0..2000 {
-        if answers(&format!("{url}/readiness")).await {
-            return (child, url, format!("http://127.0.0.1:{metrics_port}"));
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    let ready = format!("{url}/readiness");
+    wait_until_async("kvroute ready", || answers(&ready)).await;
+    Kvroute {
+        child,
+        url,
+        metrics_url: format!("http://127.0.0.1:{metrics_port}"),
+        log,
     }
-    panic!("kvroute never became ready");
 }
 
 const STREAM: &str = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":2}"#;
@@ -68,7 +99,7 @@ const STREAM: &str = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":2}"
 #[tokio::test]
 async fn sigterm_finishes_in_flight_requests_then_exits_0() {
     let w = MockWorker::start("w", &["m"]).await;
-    let (mut child, url, _) = start(&["--worker-urls", &w.url]).await;
+    let Kvroute { mut child, url, .. } = start(&["--worker-urls", &w.url], Log::Discard).await;
     let stream = open_stream(&url, "/v1/completions", STREAM).await;
     assert_eq!(stream.status(), 200);
     child.signal("TERM");
@@ -88,8 +119,11 @@ async fn sigterm_finishes_in_flight_requests_then_exits_0() {
 #[tokio::test]
 async fn sigterm_gives_up_on_requests_after_the_grace_period() {
     let w = MockWorker::start("w", &["m"]).await;
-    let (mut child, url, _) =
-        start(&["--worker-urls", &w.url, "--shutdown-grace-period-secs", "1"]).await;
+    let Kvroute { mut child, url, .. } = start(
+        &["--worker-urls", &w.url, "--shutdown-grace-period-secs", "1"],
+        Log::Discard,
+    )
+    .await;
     let stream = open_stream(&url, "/v1/completions", STREAM).await;
     child.signal("TERM");
     // Never released: the grace period ends it.
@@ -106,7 +140,12 @@ async fn sighup_rereads_the_workers_of_the_config_file() {
     let path = dir.join("router.yaml");
     let config = |id: &str, url: &str| format!("workers:\n  - id: {id}\n    url: {url}\n");
     std::fs::write(&path, config("a", &a.url)).unwrap();
-    let (child, url, metrics) = start(&["--config", path.to_str().unwrap()]).await;
+    let Kvroute {
+        child,
+        url,
+        metrics_url,
+        ..
+    } = start(&["--config", path.to_str().unwrap()], Log::Discard).await;
     let ids = || async {
         let (_, _, body) = get_url(&format!("{url}/workers")).await;
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -137,9 +176,8 @@ async fn sighup_rereads_the_workers_of_the_config_file() {
     std::fs::write(&path, "workers: [").unwrap();
     child.signal("HUP");
     wait_until_async("the failed reload is counted", || async {
-        let (_, _, body) = get_url(&format!("{metrics}/metrics")).await;
-        let text = String::from_utf8_lossy(&body).into_owned();
-        metric_value(&text, "kvroute_config_reloads_total", "result=\"error\"") == Some(1.0)
+        let m = scrape(&metrics_url).await;
+        metric_value(&m, "kvroute_config_reloads_total", "result=\"error\"") == Some(1.0)
     })
     .await;
     assert_eq!(ids().await, ["b"]);
@@ -149,8 +187,13 @@ async fn sighup_rereads_the_workers_of_the_config_file() {
 #[tokio::test]
 async fn a_client_that_never_finishes_its_headers_is_cut_off() {
     let w = MockWorker::start("w", &["m"]).await;
-    let (_child, url, _) =
-        start(&["--worker-urls", &w.url, "--header-read-timeout-secs", "1"]).await;
+    let Kvroute {
+        child: _child, url, ..
+    } = start(
+        &["--worker-urls", &w.url, "--header-read-timeout-secs", "1"],
+        Log::Discard,
+    )
+    .await;
     let mut sock = tokio::net::TcpStream::connect(addr_of(&url)).await.unwrap();
     sock.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
         .await
@@ -165,33 +208,27 @@ async fn a_client_that_never_finishes_its_headers_is_cut_off() {
 #[tokio::test]
 async fn keys_never_reach_the_logs_even_at_debug_level() {
     let w = MockWorker::start("w", &["m"]).await;
-    let port = free_port();
-    let mut child = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["--port", &port.to_string(), "--prometheus-port", "0"])
-            .args(["--worker-urls", &w.url, "--log-level", "debug"])
-            .args([
-                "--client-api-key",
-                "client-s3cret",
-                "--api-key",
-                "worker-s3cret",
-            ])
-            .args(["--admin-api-key", "admin-s3cret"])
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let stderr = child.0.stderr.take().unwrap();
-    let log = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut { stderr }, &mut s);
-        s
-    });
-    let url = format!("http://127.0.0.1:{port}");
-    let ready = format!("{url}/readiness");
-    wait_until_async("ready", || answers(&ready)).await;
+    let Kvroute {
+        mut child,
+        url,
+        log,
+        ..
+    } = start(
+        &[
+            "--worker-urls",
+            &w.url,
+            "--log-level",
+            "debug",
+            "--client-api-key",
+            "client-s3cret",
+            "--api-key",
+            "worker-s3cret",
+            "--admin-api-key",
+            "admin-s3cret",
+        ],
+        Log::Keep,
+    )
+    .await;
     for key in ["client-s3cret", "wrong-s3cret"] {
         let auth = format!("Bearer {key}");
         post(
@@ -205,7 +242,7 @@ async fn keys_never_reach_the_logs_even_at_debug_level() {
     }
     child.signal("TERM");
     assert_eq!(child.exit_code().await, Some(0));
-    let log = log.join().unwrap();
+    let log = log.unwrap().join().unwrap();
     assert!(log.contains("DEBUG"), "debug logging was on");
     for key in [
         "client-s3cret",

@@ -4,13 +4,10 @@
 
 mod support;
 
-use std::sync::Arc;
-
 use http_body_util::BodyExt;
 use kvroute_gateway::config::{PdProtocol, WorkerRole};
 use kvroute_gateway::{Settings, WorkerSpec};
 use kvroute_sim::{FaultSettings, SimArgs, SimInstance};
-use kvroute_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use support::*;
 
@@ -20,51 +17,38 @@ struct Engine {
 }
 
 async fn engine(id: &str, role: &str, seed: u64) -> (Engine, WorkerSpec) {
-    for _ in 0..20 {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let free = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port()
-        };
-        let events = format!("tcp://127.0.0.1:{}", free());
-        let bootstrap = free();
+    let (sim, events) = sim_with_events(|events| {
+        let bootstrap = free_port().to_string();
         let mut argv = vec![
-            "kvroute-sim".to_owned(),
-            "--role".into(),
-            role.into(),
-            "--kv-events-endpoint".into(),
-            events.clone(),
-            "--speedup".into(),
-            "10".into(),
+            "kvroute-sim",
+            "--role",
+            role,
+            "--kv-events-endpoint",
+            events,
+            "--speedup",
+            "10",
         ];
         if role == "prefill" {
-            argv.extend(["--bootstrap-port".into(), bootstrap.to_string()]);
+            argv.extend(["--bootstrap-port", &bootstrap]);
         }
-        let args = SimArgs {
+        SimArgs {
             seed,
             ..<SimArgs as clap::Parser>::parse_from(argv)
-        };
-        let Ok(sim) = SimInstance::start(args, Arc::new(Tokenizer::fallback()), listener).await
-        else {
-            continue;
-        };
-        let spec = WorkerSpec {
-            id: Some(id.into()),
-            kv_events: Some(events),
-            role: if role == "prefill" {
-                WorkerRole::Prefill
-            } else {
-                WorkerRole::Decode
-            },
-            bootstrap_port: (role == "prefill").then_some(bootstrap),
-            ..WorkerSpec::url(sim.url())
-        };
-        return (Engine { sim, id: id.into() }, spec);
-    }
-    panic!("no engine could bind its ports");
+        }
+    })
+    .await;
+    let spec = WorkerSpec {
+        id: Some(id.into()),
+        kv_events: Some(events),
+        role: if role == "prefill" {
+            WorkerRole::Prefill
+        } else {
+            WorkerRole::Decode
+        },
+        bootstrap_port: sim.args().bootstrap_port,
+        ..WorkerSpec::url(sim.url())
+    };
+    (Engine { sim, id: id.into() }, spec)
 }
 
 async fn cluster(protocol: PdProtocol, min_uncached: u64) -> (Vec<Engine>, TestRouter) {
@@ -93,12 +77,7 @@ async fn cluster(protocol: PdProtocol, min_uncached: u64) -> (Vec<Engine>, TestR
 
 /// A counter of a sim's metrics, summed over its label sets matching `labels`.
 async fn sim_metric(e: &Engine, name: &str, labels: &str) -> f64 {
-    let (_, _, body) = get_url(&format!("{}/metrics", e.sim.url())).await;
-    String::from_utf8_lossy(&body)
-        .lines()
-        .filter(|l| l.starts_with(name) && l.contains(labels))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    metric_sum(&scrape(&e.sim.url()).await, name, labels)
 }
 
 fn by_id<'a>(engines: &'a [Engine], id: &str) -> &'a Engine {
@@ -156,14 +135,8 @@ async fn check_both_halves(protocol: PdProtocol) {
         .expect("a usage chunk");
     assert_eq!(usage["usage"]["completion_tokens"], 6);
     let m = r.metrics().await;
-    let sum = |name: &str| -> f64 {
-        m.lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    assert_eq!(sum("kvroute_pd_prefill_requests_total"), 2.0);
-    assert_eq!(sum("kvroute_pd_decode_requests_total"), 2.0);
+    assert_eq!(metric_sum(&m, "kvroute_pd_prefill_requests_total", ""), 2.0);
+    assert_eq!(metric_sum(&m, "kvroute_pd_decode_requests_total", ""), 2.0);
     wait_all_idle(&r).await;
     r.stop().await;
 }
@@ -193,14 +166,7 @@ async fn a_decode_worker_that_holds_the_prompt_skips_the_remote_prefill() {
     assert_eq!(first.status, 200, "{:?}", first.body);
     // The decode engine stored the transferred blocks and published them: the router learns
     // that d0 holds the prompt.
-    let probe = json!({"prompt": prompt}).to_string();
-    wait_until_async("the router credits d0 with the prompt", || async {
-        let d = post(&r.url, "/debug/route", &[], &probe).await.json();
-        d["candidates"].as_array().unwrap().iter().any(|c| {
-            c["worker"] == "d0" && c["overlap_blocks"]["device"].as_u64().unwrap_or(0) >= 39
-        })
-    })
-    .await;
+    wait_overlap(&r, &prompt, "d0", |o| o.is_some_and(|o| o >= 39)).await;
     let again = post(
         &r.url,
         "/v1/completions",
@@ -263,10 +229,5 @@ async fn a_failing_prefill_half_is_reported_and_leaves_nothing_in_flight() {
         assert_eq!(by_id(&engines, id).sim.faults().requests_accepted(), 0);
     }
     wait_all_idle(&r).await;
-    let m = r.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_requests_in_router", ""),
-        Some(0.0)
-    );
     r.stop().await;
 }

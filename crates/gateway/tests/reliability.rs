@@ -4,91 +4,26 @@
 
 mod support;
 
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::Router;
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
 use kvroute_gateway::{Settings, WorkerSpec};
 use support::*;
-use tokio::net::TcpListener;
 
-/// An engine whose answers and health the test controls.
-#[derive(Clone)]
-struct Flaky {
-    name: String,
-    url: String,
-    /// 0: answer 200 with an echo; else answer this status.
-    status: Arc<AtomicU16>,
-    healthy: Arc<AtomicBool>,
-    requests: Arc<AtomicUsize>,
-}
-
-impl Flaky {
-    async fn start(name: &str) -> Flaky {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let f = Flaky {
-            name: name.to_owned(),
-            url: format!("http://{}", listener.local_addr().unwrap()),
-            status: Arc::new(AtomicU16::new(0)),
-            healthy: Arc::new(AtomicBool::new(true)),
-            requests: Arc::new(AtomicUsize::new(0)),
-        };
-        let app = Router::new()
-            .route("/health", get(flaky_health))
-            .fallback(flaky_post)
-            .with_state(f.clone());
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        f
-    }
-
-    fn spec(&self) -> WorkerSpec {
-        WorkerSpec {
-            id: Some(self.name.clone()),
+/// Settings for these workers (whose answers and health the tests set), each named by its
+/// name and serving `m`, with round robin and quick retries.
+fn named_settings(workers: &[&MockWorker]) -> Settings {
+    let specs = workers
+        .iter()
+        .map(|w| WorkerSpec {
+            id: Some(w.name.clone()),
             model: Some("m".into()),
-            ..WorkerSpec::url(self.url.clone())
-        }
-    }
-
-    fn requests(&self) -> usize {
-        self.requests.load(Ordering::SeqCst)
-    }
-}
-
-async fn flaky_health(State(f): State<Flaky>) -> StatusCode {
-    if f.healthy.load(Ordering::SeqCst) {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    }
-}
-
-async fn flaky_post(State(f): State<Flaky>, req: Request) -> Response {
-    f.requests.fetch_add(1, Ordering::SeqCst);
-    let auth = req
-        .headers()
-        .get("authorization")
-        .map(|v| v.to_str().unwrap().to_owned());
-    let _ = req.into_body().collect().await;
-    match f.status.load(Ordering::SeqCst) {
-        0 => {
-            axum::Json(serde_json::json!({"worker": f.name, "authorization": auth})).into_response()
-        }
-        s => (
-            StatusCode::from_u16(s).unwrap(),
-            axum::Json(serde_json::json!({"error": {"message": "injected", "code": s}})),
-        )
-            .into_response(),
-    }
-}
-
-fn flaky_settings(workers: &[&Flaky]) -> Settings {
-    let mut s = Settings::with_workers(workers.iter().map(|w| w.spec()).collect()).unwrap();
+            ..w.spec()
+        })
+        .collect();
+    let mut s = Settings::with_workers(specs).unwrap();
     s.policy = kvroute_core::PolicyKind::RoundRobin;
     s.retry.initial_backoff = std::time::Duration::from_millis(1);
     s
@@ -98,10 +33,10 @@ const BODY: &str = r#"{"model":"m","prompt":"hello"}"#;
 
 #[tokio::test]
 async fn a_failed_attempt_is_retried_on_another_worker() {
-    let bad = Flaky::start("bad").await;
-    let good = Flaky::start("good").await;
+    let bad = MockWorker::start("bad", &["m"]).await;
+    let good = MockWorker::start("good", &["m"]).await;
     bad.status.store(503, Ordering::SeqCst);
-    let router = TestRouter::start(flaky_settings(&[&bad, &good])).await;
+    let router = TestRouter::start(named_settings(&[&bad, &good])).await;
     for _ in 0..6 {
         let r = post(&router.url, "/v1/completions", &[], BODY).await;
         assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
@@ -129,8 +64,8 @@ async fn a_failed_attempt_is_retried_on_another_worker() {
 #[tokio::test]
 async fn a_dropped_connection_is_retried_and_a_4xx_is_not() {
     let broken = broken_worker("m").await;
-    let good = Flaky::start("good").await;
-    let mut settings = flaky_settings(&[&good]);
+    let good = MockWorker::start("good", &["m"]).await;
+    let mut settings = named_settings(&[&good]);
     settings.workers.push(WorkerSpec {
         id: Some("broken".into()),
         model: Some("m".into()),
@@ -163,9 +98,9 @@ async fn a_dropped_connection_is_retried_and_a_4xx_is_not() {
 
 #[tokio::test]
 async fn hard_session_affinity_pins_bound_sessions_only() {
-    let bad = Flaky::start("bad").await;
-    let good = Flaky::start("good").await;
-    let mut settings = flaky_settings(&[&bad, &good]);
+    let bad = MockWorker::start("bad", &["m"]).await;
+    let good = MockWorker::start("good", &["m"]).await;
+    let mut settings = named_settings(&[&bad, &good]);
     settings.session_affinity = Some((
         kvroute_core::affinity::AffinityMode::Hard,
         std::time::Duration::from_secs(600),
@@ -212,10 +147,10 @@ async fn hard_session_affinity_pins_bound_sessions_only() {
 
 #[tokio::test]
 async fn a_pinned_request_is_never_moved_and_retries_give_up() {
-    let a = Flaky::start("a").await;
-    let b = Flaky::start("b").await;
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
     a.status.store(503, Ordering::SeqCst);
-    let mut settings = flaky_settings(&[&a, &b]);
+    let mut settings = named_settings(&[&a, &b]);
     settings.retry.max_retries = 1;
     let router = TestRouter::start(settings).await;
     // Pinned to the failing worker: its answer, once, nowhere else.
@@ -240,10 +175,10 @@ async fn a_pinned_request_is_never_moved_and_retries_give_up() {
 
 #[tokio::test]
 async fn the_circuit_opens_on_failures_and_closes_after_a_probe() {
-    let a = Flaky::start("a").await;
-    let b = Flaky::start("b").await;
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
     a.status.store(500, Ordering::SeqCst);
-    let mut settings = flaky_settings(&[&a, &b]);
+    let mut settings = named_settings(&[&a, &b]);
     settings.retry.max_retries = 0;
     settings.circuit = Some(kvroute_gateway::config::CircuitSettings {
         failure_threshold: 3,
@@ -274,18 +209,12 @@ async fn the_circuit_opens_on_failures_and_closes_after_a_probe() {
     assert_eq!(r.json()["worker"], "b");
     // a recovers; after the timeout one probe goes to it and closes the circuit.
     a.status.store(0, Ordering::SeqCst);
-    let mut seen_a = false;
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
-    while tokio::time::Instant::now() < deadline {
+    wait_until_async("the probe to reach the recovered worker", || async {
         let r = post(&router.url, "/v1/completions", &[], BODY).await;
         assert_eq!(r.status, StatusCode::OK);
-        if r.json()["worker"] == "a" {
-            seen_a = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert!(seen_a, "the probe reached the recovered worker");
+        r.json()["worker"] == "a"
+    })
+    .await;
     assert_eq!(status("a"), "closed");
     wait_all_idle(&router).await;
     router.stop().await;
@@ -293,9 +222,9 @@ async fn the_circuit_opens_on_failures_and_closes_after_a_probe() {
 
 #[tokio::test]
 async fn an_unhealthy_worker_leaves_and_returns() {
-    let a = Flaky::start("a").await;
-    let b = Flaky::start("b").await;
-    let mut settings = flaky_settings(&[&a, &b]);
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
+    let mut settings = named_settings(&[&a, &b]);
     settings.health.interval = std::time::Duration::from_millis(50);
     settings.health.failure_threshold = 2;
     settings.health.success_threshold = 2;
@@ -363,8 +292,8 @@ async fn beyond_the_concurrency_limit_requests_get_429() {
 
 #[tokio::test]
 async fn the_client_key_guards_inference_and_the_worker_key_replaces_it() {
-    let w = Flaky::start("w").await;
-    let mut settings = flaky_settings(&[&w]);
+    let w = MockWorker::start("w", &["m"]).await;
+    let mut settings = named_settings(&[&w]);
     settings.client_api_key = kvroute_gateway::auth::Secret::new("client-key".into());
     let router = TestRouter::start(settings).await;
     for headers in [vec![], vec![("authorization", "Bearer nope")]] {
@@ -387,10 +316,13 @@ async fn the_client_key_guards_inference_and_the_worker_key_replaces_it() {
     .await;
     assert_eq!(r.status, StatusCode::OK);
     // The client's key is not the workers' business.
-    assert_eq!(r.json()["authorization"], serde_json::Value::Null);
+    assert_eq!(
+        r.json()["headers"]["authorization"],
+        serde_json::Value::Null
+    );
     router.stop().await;
 
-    let mut settings = flaky_settings(&[&w]);
+    let mut settings = named_settings(&[&w]);
     settings.client_api_key = kvroute_gateway::auth::Secret::new("client-key".into());
     settings.api_key = kvroute_gateway::auth::Secret::new("worker-key".into());
     let router = TestRouter::start(settings).await;
@@ -401,7 +333,7 @@ async fn the_client_key_guards_inference_and_the_worker_key_replaces_it() {
         BODY,
     )
     .await;
-    assert_eq!(r.json()["authorization"], "Bearer worker-key");
+    assert_eq!(r.json()["headers"]["authorization"], "Bearer worker-key");
     let m = router.metrics().await;
     assert!(!m.contains("worker-key") && !m.contains("client-key"));
     router.stop().await;
@@ -437,9 +369,9 @@ async fn admin_call(
 
 #[tokio::test]
 async fn admin_changes_need_loopback_or_the_admin_key() {
-    let w = Flaky::start("w").await;
-    let extra = Flaky::start("extra").await;
-    let router = TestRouter::start(flaky_settings(&[&w])).await;
+    let w = MockWorker::start("w", &["m"]).await;
+    let extra = MockWorker::start("extra", &["m"]).await;
+    let router = TestRouter::start(named_settings(&[&w])).await;
     let gw = &router.gateway;
     let add = serde_json::json!({"id": "extra", "url": extra.url, "model": "m"}).to_string();
     let far = "10.1.2.3:5000";
@@ -466,7 +398,7 @@ async fn admin_changes_need_loopback_or_the_admin_key() {
     );
     router.stop().await;
 
-    let mut settings = flaky_settings(&[&w]);
+    let mut settings = named_settings(&[&w]);
     settings.admin_api_key = kvroute_gateway::auth::Secret::new("adm".into());
     let router = TestRouter::start(settings).await;
     let gw = &router.gateway;

@@ -50,7 +50,7 @@ use rand::{Rng, SeedableRng};
 pub use blocks::BlockId;
 use blocks::BlockPool;
 pub use sequence::block_hash;
-use sequence::Sequence;
+use sequence::{PromptSource, Sequence};
 pub use timing::{StepWork, TimingModel};
 use transfer::Receiving;
 
@@ -270,8 +270,7 @@ impl EngineCore {
             hashes: Vec::new(),
             registered: 0,
             cached_tokens: None,
-            prompt_kv,
-            received: false,
+            prompt_kv: prompt_kv.into(),
         });
         Ok(())
     }
@@ -407,6 +406,7 @@ impl EngineCore {
         out.work = work;
 
         // Apply: KV computed, blocks cached, tokens sampled.
+        // (index into running, index into out.tokens) of the sequences done.
         let mut finished = Vec::new();
         for &(idx, n) in &scheduled {
             let seq = &mut self.running[idx];
@@ -424,21 +424,19 @@ impl EngineCore {
                     index,
                     finished: done,
                     cached_tokens: seq.cached_tokens.unwrap_or(0),
-                    prompt_blocks: if done {
-                        seq.blocks[..seq.prompt_len.div_ceil(bs).min(seq.blocks.len())].to_vec()
-                    } else {
-                        Vec::new()
-                    },
+                    prompt_blocks: Vec::new(),
                 });
                 if done {
-                    finished.push(idx);
+                    finished.push((idx, out.tokens.len() - 1));
                 }
             }
         }
         finished.sort_unstable();
-        for idx in finished.into_iter().rev() {
-            let seq = self.running.remove(idx);
+        for (idx, token) in finished.into_iter().rev() {
+            let mut seq = self.running.remove(idx);
             self.pool.release(&seq.blocks);
+            seq.blocks.truncate(seq.prompt_len.div_ceil(bs));
+            out.tokens[token].prompt_blocks = seq.blocks;
         }
         out.events = self.pool.take_events();
         out
@@ -463,8 +461,7 @@ impl EngineCore {
         seq.computed = 0;
         seq.registered = 0;
         // Recomputed here, as vLLM does: the prefill engine's KV is gone.
-        seq.prompt_kv = PromptKv::Compute;
-        seq.received = false;
+        seq.prompt_kv = PromptSource::Compute;
         self.stats.preemptions += 1;
         out.preempted.push(seq.id);
         self.waiting.push_front(seq);
@@ -477,23 +474,16 @@ impl EngineCore {
         let Some(seq) = self.waiting.front_mut() else {
             return Admitted::Blocked;
         };
-        if seq.received {
-            // Its KV has landed (blocks held, all but the last prompt token computed).
-            let n = (seq.tokens.len() - seq.computed).min(budget);
-            let target = seq.computed + n;
-            let mut seq = self.waiting.pop_front().expect("front exists");
-            let needed = target.div_ceil(bs);
-            if self.pool.num_free() < needed.saturating_sub(seq.blocks.len()) {
-                self.waiting.push_front(seq);
-                return Admitted::Blocked;
-            }
-            while seq.blocks.len() < needed {
-                seq.blocks
-                    .push(self.pool.allocate().expect("counted free blocks"));
-            }
+        if seq.prompt_kv == PromptSource::Received {
+            // Its KV has landed: it holds the blocks of its whole prompt (taken when it was
+            // admitted for the transfer) and has one token to compute, its last.
+            debug_assert_eq!(seq.tokens.len(), seq.prompt_len);
+            debug_assert_eq!(seq.computed + 1, seq.prompt_len);
+            debug_assert_eq!(seq.blocks.len(), seq.prompt_len.div_ceil(bs));
+            let seq = self.waiting.pop_front().expect("front exists");
             self.running.push(seq);
             return Admitted::Running {
-                tokens: n,
+                tokens: 1,
                 first_cached: None,
             };
         }
@@ -509,7 +499,7 @@ impl EngineCore {
             }
         }
         let hit_tokens = hit.len() * bs;
-        let transfer = seq.prompt_kv == PromptKv::Transfer;
+        let transfer = seq.prompt_kv == PromptSource::Transfer;
         // A transfer needs blocks for the whole prompt at once; a prefill for this step's chunk.
         let n = if transfer {
             len - hit_tokens

@@ -121,6 +121,12 @@ impl SimServer {
         );
         let sent = series.iter().map(|s| s.sent.clone()).collect();
         let faults = Arc::new(Faults::new(args.faults, args.seed, &mut registry));
+        let rooms = Arc::new(bootstrap::Rooms::default());
+        registry.register(
+            "kvroute_sim_bootstrap_waiting",
+            "Decode engines waiting for the prefill of one of this engine's bootstrap rooms",
+            rooms.waiting(),
+        );
         let stopping = faults.crash_token().child_token();
         let outputs = output_tokens(&tokenizer);
         let mut senders = Vec::new();
@@ -146,7 +152,7 @@ impl SimServer {
                 registry,
                 faults,
                 stopping,
-                rooms: Arc::new(bootstrap::Rooms::default()),
+                rooms,
                 sent,
                 http_addr: OnceLock::new(),
             }),
@@ -314,48 +320,43 @@ impl Bound {
 #[derive(Debug)]
 struct ApiError {
     status: StatusCode,
-    kind: &'static str,
     message: String,
 }
 
 impl ApiError {
-    fn bad_request(message: impl Into<String>) -> Self {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
         Self {
-            status: StatusCode::BAD_REQUEST,
-            kind: "BadRequestError",
+            status,
             message: message.into(),
         }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
     }
 
     fn not_found(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::NOT_FOUND,
-            kind: "NotFoundError",
-            message: message.into(),
-        }
+        Self::new(StatusCode::NOT_FOUND, message)
     }
 
     fn unavailable(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: "ServiceUnavailableError",
-            message: message.into(),
-        }
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
     }
 
     /// A failure injected by `fail_rate`.
     fn injected(status: StatusCode) -> Self {
-        Self {
-            status,
-            kind: faults::error_type(status),
-            message: "injected fault (kvroute-sim fail_rate)".to_owned(),
-        }
+        Self::new(status, "injected fault (kvroute-sim fail_rate)")
+    }
+
+    /// The error's `type`, named after its status (see [`openai::error_type`]).
+    fn kind(&self) -> &'static str {
+        openai::error_type(self.status)
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = openai::error_body(self.status.as_u16(), self.kind, &self.message);
+        let body = openai::error_body(self.status.as_u16(), self.kind(), &self.message);
         (self.status, Json(body)).into_response()
     }
 }

@@ -4,144 +4,40 @@
 //! No assertion depends on timing except as a generous bound: a stall is asserted by a
 //! client timeout far shorter than the stall, waits poll a condition until a deadline.
 
-use std::sync::Arc;
+mod support;
+
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use http_body_util::BodyExt;
 use kvroute_protocol::kv_events::{decode_batch, decode_seq, KvEvent};
-use kvroute_sim::{Crashed, FaultSettings, SimArgs, SimInstance};
-use kvroute_tokenizer::Tokenizer;
+use kvroute_sim::{Crashed, FaultSettings};
 use serde_json::{json, Value};
-use tokio::time::{timeout, Instant};
-use zeromq::{Socket, SocketRecv};
-
-/// The bound on anything that should take milliseconds.
-const PATIENCE: Duration = Duration::from_secs(20);
-
-fn args(extra: &[&str]) -> SimArgs {
-    let mut argv = vec!["kvroute-sim", "--speedup", "1000"];
-    argv.extend_from_slice(extra);
-    <SimArgs as clap::Parser>::parse_from(argv)
-}
-
-async fn start(args: SimArgs) -> SimInstance {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    SimInstance::start(args, Arc::new(Tokenizer::fallback()), listener)
-        .await
-        .unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// An engine publishing KV events on a free port (retrying when another test took the
-/// port between picking and binding).
-async fn start_publishing(extra: &[&str]) -> (SimInstance, String) {
-    for _ in 0..20 {
-        let endpoint = format!("tcp://127.0.0.1:{}", free_port());
-        let mut a = args(extra);
-        a.kv_events_endpoint = Some(endpoint.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        if let Ok(sim) = SimInstance::start(a, Arc::new(Tokenizer::fallback()), listener).await {
-            return (sim, endpoint);
-        }
-    }
-    panic!("no engine could bind a KV-event port");
-}
-
-fn client() -> Client<HttpConnector, Full<Bytes>> {
-    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
-}
-
-fn post(url: &str, path: &str, body: &Value) -> http::Request<Full<Bytes>> {
-    http::Request::post(format!("{url}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap()
-}
-
-async fn call(req: http::Request<Full<Bytes>>) -> (u16, Value) {
-    let resp = timeout(PATIENCE, client().request(req))
-        .await
-        .expect("an answer")
-        .unwrap();
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
-}
-
-async fn post_json(url: &str, path: &str, body: Value) -> (u16, Value) {
-    call(post(url, path, &body)).await
-}
-
-async fn get(url: &str, path: &str) -> (u16, String) {
-    let req = http::Request::get(format!("{url}{path}"))
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    let resp = timeout(PATIENCE, client().request(req))
-        .await
-        .expect("an answer")
-        .unwrap();
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8(bytes.to_vec()).unwrap())
-}
-
-fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| l.starts_with(name) && l.contains(labels))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
+use support::{
+    client, completion, get, metric, metrics, post, post_json, prompt_of, start, start_publishing,
+    subscribe, wait_until, PATIENCE,
+};
+use tokio::time::timeout;
+use zeromq::SocketRecv;
 
 async fn faults_injected(url: &str, kind: &str) -> f64 {
-    let (_, text) = get(url, "/metrics").await;
     metric(
-        &text,
+        &metrics(url).await,
         "kvroute_sim_faults_injected_total",
-        &format!(r#"kind="{kind}""#),
+        &[&format!(r#"kind="{kind}""#)],
     )
-    .unwrap_or_else(|| panic!("no {kind} series in {text}"))
-}
-
-/// `len` tokens (bytes, with the fallback tokenizer), the first block distinct per `seed`.
-fn prompt_of(len: usize, seed: usize) -> String {
-    let letters = (0..len).map(|i| (b'a' + ((i * 7 + seed) % 26) as u8) as char);
-    format!("{seed:08}-")
-        .chars()
-        .chain(letters)
-        .take(len)
-        .collect()
-}
-
-fn completion(prompt: &str, max_tokens: usize, stream: bool) -> Value {
-    json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
 }
 
 #[tokio::test]
 async fn fail_rate_one_answers_every_inference_request_with_the_status() {
-    let sim = start(args(&["--fail-rate", "1", "--fail-status", "500"])).await;
+    let sim = start(&["--fail-rate", "1", "--fail-status", "500"]).await;
     let url = sim.url();
-    let (status, body) = post_json(&url, "/v1/completions", completion("hi", 4, false)).await;
+    let (status, body) = post_json(&url, "/v1/completions", &completion("hi", 4, false)).await;
     assert_eq!(status, 500);
     assert_eq!(body["error"]["type"], "InternalServerError", "{body}");
     assert_eq!(body["error"]["code"], 500);
     assert!(body["error"]["message"].as_str().unwrap().contains("fault"));
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
-    let (status, body) = post_json(&url, "/v1/chat/completions", chat.clone()).await;
+    let (status, body) = post_json(&url, "/v1/chat/completions", &chat).await;
     assert_eq!(status, 500, "streams fail before they start: {body}");
     // Never the health, metrics, models or admin endpoints.
     assert_eq!(get(&url, "/health").await.0, 200);
@@ -150,19 +46,19 @@ async fn fail_rate_one_answers_every_inference_request_with_the_status() {
     assert_eq!(faults_injected(&url, "stall").await, 0.0);
 
     // Changed at runtime: 503 by default, then no failure at all.
-    let (status, set) = post_json(&url, "/fault", json!({"fail_status": 503})).await;
+    let (status, set) = post_json(&url, "/fault", &json!({"fail_status": 503})).await;
     assert_eq!(status, 200, "{set}");
     assert_eq!(
         (set["fail_rate"].as_f64(), set["fail_status"].as_u64()),
         (Some(1.0), Some(503))
     );
-    let (status, body) = post_json(&url, "/v1/completions", completion("hi", 4, false)).await;
+    let (status, body) = post_json(&url, "/v1/completions", &completion("hi", 4, false)).await;
     assert_eq!(
         (status, body["error"]["type"].as_str()),
         (503, Some("ServiceUnavailableError"))
     );
-    post_json(&url, "/fault", json!({"fail_rate": 0.0})).await;
-    let (status, body) = post_json(&url, "/v1/completions", completion("hi", 4, false)).await;
+    post_json(&url, "/fault", &json!({"fail_rate": 0.0})).await;
+    let (status, body) = post_json(&url, "/v1/completions", &completion("hi", 4, false)).await;
     assert_eq!(status, 200, "{body}");
     let (status, text) = get(&url, "/fault").await;
     let now: Value = serde_json::from_str(&text).unwrap();
@@ -178,9 +74,9 @@ async fn fail_rate_one_answers_every_inference_request_with_the_status() {
     );
     assert_eq!(now["requests_accepted"], 1);
     // A bad setting is refused and changes nothing.
-    let (status, body) = post_json(&url, "/fault", json!({"fail_rate": 3})).await;
+    let (status, body) = post_json(&url, "/fault", &json!({"fail_rate": 3})).await;
     assert_eq!(status, 400, "{body}");
-    let (status, _) = post_json(&url, "/fault", json!({"fail_sometimes": true})).await;
+    let (status, _) = post_json(&url, "/fault", &json!({"fail_sometimes": true})).await;
     assert_eq!(status, 400);
     assert_eq!(sim.faults().settings().fail_rate, 0.0);
     sim.stop().await.unwrap();
@@ -188,7 +84,7 @@ async fn fail_rate_one_answers_every_inference_request_with_the_status() {
 
 #[tokio::test]
 async fn a_stall_holds_back_the_headers_until_it_is_lifted() {
-    let sim = start(args(&["--stall-ms", "60000"])).await;
+    let sim = start(&["--stall-ms", "60000"]).await;
     let url = sim.url();
     let stalled = client().request(post(&url, "/v1/completions", &completion("hi", 2, true)));
     assert!(
@@ -198,9 +94,9 @@ async fn a_stall_holds_back_the_headers_until_it_is_lifted() {
     // Only inference requests stall.
     assert_eq!(get(&url, "/health").await.0, 200);
     assert_eq!(faults_injected(&url, "stall").await, 1.0);
-    let (status, _) = post_json(&url, "/fault", json!({"stall_ms": 0})).await;
+    let (status, _) = post_json(&url, "/fault", &json!({"stall_ms": 0})).await;
     assert_eq!(status, 200);
-    let (status, body) = post_json(&url, "/v1/completions", completion("hi", 2, false)).await;
+    let (status, body) = post_json(&url, "/v1/completions", &completion("hi", 2, false)).await;
     assert_eq!(status, 200, "{body}");
     // The stalled request does not hold the shutdown back.
     timeout(PATIENCE, sim.stop()).await.expect("stops").unwrap();
@@ -228,7 +124,7 @@ async fn read_body(mut body: axum::body::Body) -> (String, bool) {
 
 #[tokio::test]
 async fn crash_after_requests_cuts_every_stream_and_closes_the_port() {
-    let mut sim = start(args(&["--crash-after-requests", "2", "--speedup", "1"])).await;
+    let mut sim = start(&["--crash-after-requests", "2", "--speedup", "1"]).await;
     let url = sim.url();
     // The first request streams (slowly: it would take minutes) on its own connection.
     let long = client()
@@ -287,7 +183,7 @@ async fn crash_after_requests_cuts_every_stream_and_closes_the_port() {
     healthy.faults.crash_after_requests = None;
     let sim = sim.restart_with(healthy).await.unwrap();
     assert_eq!(sim.url(), url);
-    let (status, body) = post_json(&url, "/v1/completions", completion("again", 3, false)).await;
+    let (status, body) = post_json(&url, "/v1/completions", &completion("again", 3, false)).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(get(&url, "/health").await.0, 200);
     sim.stop().await.unwrap();
@@ -295,7 +191,7 @@ async fn crash_after_requests_cuts_every_stream_and_closes_the_port() {
 
 #[tokio::test]
 async fn a_non_streaming_last_request_gets_no_answer() {
-    let mut sim = start(args(&["--crash-after-requests", "1"])).await;
+    let mut sim = start(&["--crash-after-requests", "1"]).await;
     let url = sim.url();
     let answer = timeout(
         PATIENCE,
@@ -311,32 +207,10 @@ async fn a_non_streaming_last_request_gets_no_answer() {
         .is::<Crashed>());
 }
 
-/// A subscriber that has seen a message (so it is joined), the probes having gone to `url`.
-async fn subscribe(endpoint: &str, url: &str, probe_seed: usize) -> zeromq::SubSocket {
-    let mut sub = zeromq::SubSocket::new();
-    sub.connect(endpoint).await.unwrap();
-    sub.subscribe("").await.unwrap();
-    for probe in 0..200 {
-        post_json(
-            url,
-            "/v1/completions",
-            completion(&prompt_of(20, probe_seed + probe), 1, false),
-        )
-        .await;
-        if timeout(Duration::from_millis(100), sub.recv())
-            .await
-            .is_ok()
-        {
-            return sub;
-        }
-    }
-    panic!("no KV event arrived");
-}
-
 /// Sends a request with `prompt` (one full block) and reads messages until its block is
 /// stored; returns that message's sequence number and the sequence numbers seen before it.
 async fn mark(sub: &mut zeromq::SubSocket, url: &str, prompt: &str) -> (u64, Vec<u64>) {
-    let (status, _) = post_json(url, "/v1/completions", completion(prompt, 1, false)).await;
+    let (status, _) = post_json(url, "/v1/completions", &completion(prompt, 1, false)).await;
     assert_eq!(status, 200);
     let block: Vec<u32> = prompt.bytes().take(16).map(u32::from).collect();
     let mut before = Vec::new();
@@ -365,22 +239,21 @@ async fn dropped_kv_events_leave_a_gap_in_the_sequence() {
     let url = sim.url();
     let mut sub = subscribe(&endpoint, &url, 0).await;
     let (before, _) = mark(&mut sub, &url, &prompt_of(20, 500)).await;
-    let (status, set) = post_json(&url, "/fault", json!({"drop_kv_events": true})).await;
+    let (status, set) = post_json(&url, "/fault", &json!({"drop_kv_events": true})).await;
     assert_eq!((status, set["drop_kv_events"].as_bool()), (200, Some(true)));
     // Three requests, one stored block (one message) each, all withheld.
     for i in 0..3 {
         post_json(
             &url,
             "/v1/completions",
-            completion(&prompt_of(20, 600 + i), 1, false),
+            &completion(&prompt_of(20, 600 + i), 1, false),
         )
         .await;
     }
-    let deadline = Instant::now() + PATIENCE;
-    while faults_injected(&url, "kv_events_dropped").await < 3.0 {
-        assert!(Instant::now() < deadline, "the messages were not withheld");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until("the messages are withheld", || async {
+        faults_injected(&url, "kv_events_dropped").await >= 3.0
+    })
+    .await;
     sim.faults()
         .set(FaultSettings {
             drop_kv_events: false,
@@ -407,15 +280,15 @@ async fn a_crashed_engine_restarts_on_the_same_ports_with_an_empty_cache() {
     let url = sim.url();
     let mut sub = subscribe(&endpoint, &url, 0).await;
     let prompt = prompt_of(64, 3);
-    post_json(&url, "/v1/completions", completion(&prompt, 1, false)).await;
-    let (_, body) = post_json(&url, "/v1/completions", completion(&prompt, 1, false)).await;
+    post_json(&url, "/v1/completions", &completion(&prompt, 1, false)).await;
+    let (_, body) = post_json(&url, "/v1/completions", &completion(&prompt, 1, false)).await;
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 48);
     // Enough messages that the restarted engine's sequence cannot have caught up below.
     for i in 0..100 {
         post_json(
             &url,
             "/v1/completions",
-            completion(&prompt_of(20, 1000 + i), 1, false),
+            &completion(&prompt_of(20, 1000 + i), 1, false),
         )
         .await;
     }
@@ -437,12 +310,12 @@ async fn a_crashed_engine_restarts_on_the_same_ports_with_an_empty_cache() {
     let mut sub = subscribe(&endpoint, &url, 5000).await;
     let (seq, _) = mark(&mut sub, &url, &prompt_of(20, 6000)).await;
     assert!(seq <= 201 && seq < last_seq, "{seq} after {last_seq}");
-    let (_, body) = post_json(&url, "/v1/completions", completion(&prompt, 1, false)).await;
+    let (_, body) = post_json(&url, "/v1/completions", &completion(&prompt, 1, false)).await;
     assert_eq!(
         body["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
         "empty cache"
     );
-    let (_, body) = post_json(&url, "/v1/completions", completion(&prompt, 1, false)).await;
+    let (_, body) = post_json(&url, "/v1/completions", &completion(&prompt, 1, false)).await;
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 48);
     sim.stop().await.unwrap();
 }

@@ -5,83 +5,16 @@
 //! No assertion depends on timing: work is told apart by counters (tokens computed,
 //! transfers received), and waits poll a condition until a generous deadline.
 
-use std::sync::Arc;
-use std::time::Duration;
+mod support;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use kvroute_protocol::kv_events::{decode_batch, BlockHashValue, KvEvent};
-use kvroute_sim::{SimArgs, SimInstance};
-use kvroute_tokenizer::Tokenizer;
 use serde_json::{json, Value};
+use support::{
+    completion, free_port, metric, metrics, post_json, post_raw, prompt_of, start_binding,
+    subscribe, wait_until, PATIENCE,
+};
 use tokio::time::timeout;
-use zeromq::{Socket, SocketRecv};
-
-/// The bound on anything that should take milliseconds.
-const PATIENCE: Duration = Duration::from_secs(20);
-
-fn args(extra: &[&str]) -> SimArgs {
-    let mut argv = vec!["kvroute-sim", "--speedup", "1000"];
-    argv.extend_from_slice(extra);
-    <SimArgs as clap::Parser>::parse_from(argv)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// An engine with `extra` flags; `publish` binds a KV-event socket and `bootstrap` a
-/// bootstrap port, each on a free port (retrying when another test took it between
-/// picking and binding). Returns the engine and its KV-event endpoint.
-async fn start(extra: &[&str], publish: bool, bootstrap: bool) -> (SimInstance, Option<String>) {
-    for _ in 0..20 {
-        let mut a = args(extra);
-        let endpoint = publish.then(|| format!("tcp://127.0.0.1:{}", free_port()));
-        a.kv_events_endpoint = endpoint.clone();
-        if bootstrap {
-            a.bootstrap_port = Some(free_port());
-        }
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        if let Ok(sim) = SimInstance::start(a, Arc::new(Tokenizer::fallback()), listener).await {
-            return (sim, endpoint);
-        }
-    }
-    panic!("no engine could bind its ports");
-}
-
-fn client() -> Client<HttpConnector, Full<Bytes>> {
-    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
-}
-
-async fn post_raw(url: &str, path: &str, body: &Value) -> (u16, String) {
-    let req = http::Request::post(format!("{url}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    let resp = timeout(PATIENCE, client().request(req))
-        .await
-        .expect("an answer")
-        .unwrap();
-    let status = resp.status().as_u16();
-    let bytes = timeout(PATIENCE, resp.into_body().collect())
-        .await
-        .expect("a whole body")
-        .unwrap()
-        .to_bytes();
-    (status, String::from_utf8(bytes.to_vec()).unwrap())
-}
-
-async fn post_json(url: &str, path: &str, body: &Value) -> (u16, Value) {
-    let (status, text) = post_raw(url, path, body).await;
-    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
-}
+use zeromq::SocketRecv;
 
 /// What a request produced: its text and its usage, streamed or not.
 #[derive(Debug)]
@@ -133,29 +66,6 @@ async fn generate(url: &str, path: &str, body: &Value) -> Answer {
     }
 }
 
-async fn metrics(url: &str) -> String {
-    let req = http::Request::get(format!("{url}/metrics"))
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    let resp = client().request(req).await.unwrap();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    String::from_utf8(bytes.to_vec()).unwrap()
-}
-
-/// The value of the series `name` whose labels include every one of `labels`.
-fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| {
-            l.starts_with(name)
-                && l[name.len()..].starts_with(['{', ' '])
-                && labels.iter().all(|x| l.contains(x))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} {labels:?} in\n{text}"))
-}
-
 async fn transfers(url: &str, direction: &str) -> (f64, f64) {
     let m = metrics(url).await;
     let d = format!(r#"direction="{direction}""#);
@@ -173,20 +83,6 @@ async fn computed(url: &str) -> f64 {
     )
 }
 
-/// `len` tokens (bytes, with the fallback tokenizer), the first block distinct per `seed`.
-fn prompt_of(len: usize, seed: usize) -> String {
-    let letters = (0..len).map(|i| (b'a' + ((i * 7 + seed) % 26) as u8) as char);
-    format!("{seed:08}-")
-        .chars()
-        .chain(letters)
-        .take(len)
-        .collect()
-}
-
-fn completion(prompt: &str, max_tokens: usize, stream: bool) -> Value {
-    json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
-}
-
 fn chat(content: &str, max_tokens: usize, stream: bool) -> Value {
     json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream})
 }
@@ -202,7 +98,8 @@ fn for_prefill(original: &Value) -> Value {
 
 #[tokio::test]
 async fn a_prefill_engine_answers_kv_transfer_params_naming_its_blocks() {
-    let (prefill, _) = start(&["--role", "prefill", "--instance-id", "p1"], false, false).await;
+    let (prefill, _) =
+        start_binding(&["--role", "prefill", "--instance-id", "p1"], false, false).await;
     let url = prefill.url();
     let original = completion(&prompt_of(100, 1), 16, true);
     let first = generate(&url, "/v1/completions", &for_prefill(&original)).await;
@@ -261,8 +158,8 @@ async fn a_prefill_engine_answers_kv_transfer_params_naming_its_blocks() {
 
 #[tokio::test]
 async fn a_decode_engine_given_kv_transfer_params_receives_instead_of_computing() {
-    let (prefill, _) = start(&["--role", "prefill"], false, false).await;
-    let (decode, _) = start(&["--role", "decode"], false, false).await;
+    let (prefill, _) = start_binding(&["--role", "prefill"], false, false).await;
+    let (decode, _) = start_binding(&["--role", "decode"], false, false).await;
     let cases = [
         ("/v1/completions", completion(&prompt_of(100, 3), 5, false)),
         ("/v1/completions", completion(&prompt_of(100, 4), 5, true)),
@@ -322,6 +219,11 @@ async fn a_decode_engine_given_kv_transfer_params_receives_instead_of_computing(
     decode.stop().await.unwrap();
 }
 
+/// Decode engines waiting at a prefill engine's bootstrap port.
+async fn waiting_for_rooms(url: &str) -> f64 {
+    metric(&metrics(url).await, "kvroute_sim_bootstrap_waiting", &[])
+}
+
 /// The body an SGLang P/D router sends both engines.
 fn with_room(original: &Value, port: u16, room: u64) -> Value {
     let mut body = original.clone();
@@ -333,22 +235,32 @@ fn with_room(original: &Value, port: u16, room: u64) -> Value {
 
 #[tokio::test]
 async fn bootstrap_rooms_make_the_decode_engine_wait_for_the_prefill() {
-    let (prefill, _) = start(&["--role", "prefill"], false, true).await;
+    let (prefill, _) = start_binding(&["--role", "prefill"], false, true).await;
     let port = prefill.args().bootstrap_port.unwrap();
-    let (decode, _) = start(&["--role", "decode"], false, false).await;
+    let (decode, _) = start_binding(&["--role", "decode"], false, false).await;
     let original = completion(&prompt_of(100, 9), 6, true);
     for (round, room) in [(0, 11u64), (1, 12)] {
         let body = with_room(&original, port, room);
-        // Sent at once, as the router does; the decode engine is asked first.
+        // The router sends both at once; here the decode engine is asked first, and the
+        // prefill is held back until the decode engine waits for the room.
         let d = tokio::spawn({
             let (url, body) = (decode.url(), body.clone());
             async move { generate(&url, "/v1/completions", &body).await }
         });
+        wait_until("the decode engine waits for the room", || async {
+            waiting_for_rooms(&prefill.url()).await == 1.0
+        })
+        .await;
+        assert!(
+            !d.is_finished(),
+            "the decode engine answered before the prefill was sent"
+        );
         let p = generate(&prefill.url(), "/v1/completions", &body).await;
         let d = timeout(PATIENCE, d)
             .await
             .expect("the decode ends")
             .unwrap();
+        assert_eq!(waiting_for_rooms(&prefill.url()).await, 0.0);
         assert_eq!(
             p.usage["completion_tokens"], 1,
             "SGLang's prefill answers one token"
@@ -365,13 +277,18 @@ async fn bootstrap_rooms_make_the_decode_engine_wait_for_the_prefill() {
     assert_eq!(computed(&decode.url()).await, 0.0);
 
     // A prefill that fails fails its decode: the prefill engine cannot hold this prompt.
-    let (small, _) = start(&["--role", "prefill", "--num-gpu-blocks", "8"], false, true).await;
+    let (small, _) =
+        start_binding(&["--role", "prefill", "--num-gpu-blocks", "8"], false, true).await;
     let small_port = small.args().bootstrap_port.unwrap();
     let body = with_room(&completion(&prompt_of(300, 10), 4, false), small_port, 13);
     let d = tokio::spawn({
         let (url, body) = (decode.url(), body.clone());
         async move { post_json(&url, "/v1/completions", &body).await }
     });
+    wait_until("the decode engine waits for the room", || async {
+        waiting_for_rooms(&small.url()).await == 1.0
+    })
+    .await;
     let (status, _) = post_json(&small.url(), "/v1/completions", &body).await;
     assert_eq!(status, 400);
     let (status, error) = timeout(PATIENCE, d).await.unwrap().unwrap();
@@ -398,7 +315,7 @@ async fn bootstrap_rooms_make_the_decode_engine_wait_for_the_prefill() {
 
 #[tokio::test]
 async fn an_aggregated_engine_ignores_disaggregation_fields() {
-    let (both, _) = start(&[], false, false).await;
+    let (both, _) = start_binding(&[], false, false).await;
     let url = both.url();
     let p = generate(
         &url,
@@ -425,24 +342,6 @@ async fn an_aggregated_engine_ignores_disaggregation_fields() {
         1.0
     );
     both.stop().await.unwrap();
-}
-
-/// A subscriber that has seen a message (so it is joined), the probes going to `url`.
-async fn subscribe(endpoint: &str, url: &str, probe_seed: usize) -> zeromq::SubSocket {
-    let mut sub = zeromq::SubSocket::new();
-    sub.connect(endpoint).await.unwrap();
-    sub.subscribe("").await.unwrap();
-    for probe in 0..200 {
-        let body = completion(&prompt_of(20, probe_seed + probe), 1, false);
-        post_json(url, "/v1/completions", &body).await;
-        if timeout(Duration::from_millis(100), sub.recv())
-            .await
-            .is_ok()
-        {
-            return sub;
-        }
-    }
-    panic!("no KV event arrived");
 }
 
 /// Reads messages until one stores blocks whose first 16 tokens are `first_block`; returns
@@ -472,8 +371,8 @@ async fn stored_from(
 
 #[tokio::test]
 async fn prefill_and_decode_engines_each_publish_the_blocks_they_hold() {
-    let (prefill, p_events) = start(&["--role", "prefill"], true, false).await;
-    let (decode, d_events) = start(&["--role", "decode"], true, false).await;
+    let (prefill, p_events) = start_binding(&["--role", "prefill"], true, false).await;
+    let (decode, d_events) = start_binding(&["--role", "decode"], true, false).await;
     let mut p_sub = subscribe(&p_events.unwrap(), &prefill.url(), 1000).await;
     let mut d_sub = subscribe(&d_events.unwrap(), &decode.url(), 2000).await;
     let prompt = prompt_of(100, 14);

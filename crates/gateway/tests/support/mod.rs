@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,14 +20,19 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvroute_gateway::{Gateway, Settings, WorkerSpec};
+use kvroute_sim::{SimArgs, SimInstance};
+use kvroute_tokenizer::Tokenizer;
+use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 /// A fake OpenAI-compatible engine.
 ///
-/// - `GET /v1/models` lists its models; `GET /health` answers ok.
-/// - A POST answers JSON echoing what it received: `{"worker", "path", "body",
+/// - `GET /v1/models` lists its models; `GET /health` answers ok, or 503 while `healthy` is
+///   false.
+/// - A POST answers with the status in `status` when that is not 0 (an `injected` error).
+/// - Else a POST answers JSON echoing what it received: `{"worker", "path", "body",
 ///   "request_id", "headers"}`.
 /// - A POST with `"stream": true` answers SSE: one chunk at once, then waits for a permit
 ///   from `release`, then `max_tokens` more chunks 5 ms apart, then `data: [DONE]`.
@@ -39,6 +44,9 @@ pub struct MockWorker {
     pub release: Arc<Semaphore>,
     pub requests: Arc<AtomicUsize>,
     pub streams_open: Arc<AtomicUsize>,
+    /// 0: answer as above; else answer every POST with this status.
+    pub status: Arc<AtomicU16>,
+    pub healthy: Arc<AtomicBool>,
     models: Arc<Vec<String>>,
 }
 
@@ -52,11 +60,13 @@ impl MockWorker {
             release: Arc::new(Semaphore::new(0)),
             requests: Arc::new(AtomicUsize::new(0)),
             streams_open: Arc::new(AtomicUsize::new(0)),
+            status: Arc::new(AtomicU16::new(0)),
+            healthy: Arc::new(AtomicBool::new(true)),
             models: Arc::new(models.iter().map(|m| m.to_string()).collect()),
         };
         let app = Router::new()
             .route("/v1/models", get(mock_models))
-            .route("/health", get(|| async { "ok" }))
+            .route("/health", get(mock_health))
             .fallback(post_route(mock_post))
             .with_state(mock.clone());
         tokio::spawn(async move { axum::serve(listener, app).await });
@@ -65,6 +75,19 @@ impl MockWorker {
 
     pub fn spec(&self) -> WorkerSpec {
         WorkerSpec::url(self.url.clone())
+    }
+
+    /// The POSTs it received.
+    pub fn requests(&self) -> usize {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+async fn mock_health(State(m): State<MockWorker>) -> StatusCode {
+    if m.healthy.load(Ordering::SeqCst) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
     }
 }
 
@@ -88,6 +111,11 @@ async fn mock_post(State(m): State<MockWorker>, req: Request) -> Response {
     m.requests.fetch_add(1, Ordering::SeqCst);
     let (parts, body) = req.into_parts();
     let body = body.collect().await.unwrap().to_bytes();
+    let status = m.status.load(Ordering::SeqCst);
+    if status != 0 {
+        let error = serde_json::json!({"error": {"message": "injected", "code": status}});
+        return (StatusCode::from_u16(status).unwrap(), axum::Json(error)).into_response();
+    }
     let text = String::from_utf8_lossy(&body).into_owned();
     if text.contains("\"hang\"") {
         std::future::pending::<()>().await;
@@ -249,10 +277,15 @@ impl TestRouter {
     }
 
     pub async fn metrics(&self) -> String {
-        let (status, _, body) = get_url(&format!("{}/metrics", self.metrics_url)).await;
-        assert_eq!(status, StatusCode::OK);
-        String::from_utf8(body.to_vec()).unwrap()
+        scrape(&self.metrics_url).await
     }
+}
+
+/// `GET {base}/metrics`: the Prometheus text of a router or an engine.
+pub async fn scrape(base: &str) -> String {
+    let (status, _, body) = get_url(&format!("{base}/metrics")).await;
+    assert_eq!(status, StatusCode::OK);
+    String::from_utf8(body.to_vec()).unwrap()
 }
 
 /// Settings for these workers with `round_robin` (tests of other policies set theirs).
@@ -352,25 +385,35 @@ pub fn chat(model: &str, content: &str) -> String {
 
 /// Polls `cond` until it holds, failing after 20 s.
 pub async fn wait_until<F: FnMut() -> bool>(what: &str, mut cond: F) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until_async(what, || std::future::ready(cond())).await;
+}
+
+/// The metric lines `name{labels} value` or `name value` whose labels contain `labels` (as a
+/// substring), as their values.
+fn metric_values<'a>(
+    text: &'a str,
+    name: &'a str,
+    labels: &'a str,
+) -> impl Iterator<Item = f64> + 'a {
+    text.lines()
+        .filter(move |l| {
+            !l.starts_with('#')
+                && l.starts_with(name)
+                && l[name.len()..].starts_with(['{', ' '])
+                && l.contains(labels)
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
 /// The value of a metric line `name{labels} value` (labels matched as a substring).
 pub fn metric_value(text: &str, name: &str, labels: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| {
-            l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(labels)
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+    metric_values(text, name, labels).next()
+}
+
+/// The sum of the metric lines `name{labels} value` whose labels contain `labels` (`""`: all
+/// of the metric's label sets).
+pub fn metric_sum(text: &str, name: &str, labels: &str) -> f64 {
+    metric_values(text, name, labels).sum()
 }
 
 pub fn in_flight(router: &TestRouter, worker_url: &str) -> u64 {
@@ -465,18 +508,33 @@ pub fn free_port() -> u16 {
 }
 
 /// Polls an async condition until it holds, failing after 20 s.
-pub async fn wait_until_async<F, Fut>(what: &str, mut cond: F)
+pub async fn wait_until_async<F, Fut>(what: &str, cond: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !cond().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(
+        holds_within(Duration::from_secs(20), cond).await,
+        "timed out waiting for {what}"
+    );
+}
+
+/// Polls an async condition (every 10 ms) until it holds or `within` has passed: whether it
+/// held.
+pub async fn holds_within<F, Fut>(within: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -488,4 +546,100 @@ impl Drop for ChildGuard {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// A kvroute-sim replica serving on a port of its own and publishing KV events on a free one:
+/// `args` makes its arguments from that endpoint (`tcp://127.0.0.1:PORT`). Returns once the
+/// replica has bound its sockets, with the endpoint. The replica binds the event port (and any
+/// other it is given) itself, so another test may take one first: then it is started again
+/// with fresh ports.
+pub async fn sim_with_events(mut args: impl FnMut(&str) -> SimArgs) -> (SimInstance, String) {
+    let mut error = None;
+    for _ in 0..20 {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let events = format!("tcp://127.0.0.1:{}", free_port());
+        match SimInstance::start(args(&events), Arc::new(Tokenizer::fallback()), listener).await {
+            Ok(sim) => return (sim, events),
+            Err(e) => error = Some(e),
+        }
+    }
+    panic!("no engine could bind its ports: {error:?}");
+}
+
+/// `POST /debug/route` for `prompt`: the router's decision and its candidates.
+pub async fn debug_route(r: &TestRouter, prompt: &str) -> Value {
+    let body = serde_json::json!({ "prompt": prompt }).to_string();
+    let reply = post(&r.url, "/debug/route", &[], &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    reply.json()
+}
+
+/// The device blocks a `/debug/route` answer credits `worker` with (its first rank listed);
+/// `None` when `worker` is not a candidate.
+pub fn device_overlap(debug: &Value, worker: &str) -> Option<u64> {
+    debug["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["worker"] == worker)
+        .map(|c| c["overlap_blocks"]["device"].as_u64().unwrap())
+}
+
+/// The device blocks the router's index credits `worker` with for `prompt`; `None` when
+/// `worker` is not a candidate.
+pub async fn overlap(r: &TestRouter, prompt: &str, worker: &str) -> Option<u64> {
+    device_overlap(&debug_route(r, prompt).await, worker)
+}
+
+/// Waits until the device blocks the router credits `worker` with for `prompt` satisfy `cond`
+/// (`None`: `worker` is not a candidate).
+pub async fn wait_overlap(
+    r: &TestRouter,
+    prompt: &str,
+    worker: &str,
+    cond: impl Fn(Option<u64>) -> bool,
+) {
+    let what = format!("the router's credit to {worker} for the prompt");
+    wait_until_async(&what, || async { cond(overlap(r, prompt, worker).await) }).await;
+}
+
+/// Waits until the router hears the KV events of worker `id`, the engine at `engine_url`: a
+/// ZMQ subscriber joins asynchronously, and what the engine published before it did is lost.
+/// Probes go straight to the engine until the index credits each of the worker's ranks with
+/// one of them.
+pub async fn joined(r: &TestRouter, engine_url: &str, id: &str) {
+    let heard = std::cell::RefCell::new(std::collections::HashSet::new());
+    for i in 0..400u64 {
+        let probe = format!("probe {id} {i} {}", text(64, 1000 + i));
+        let body = serde_json::json!({"prompt": probe, "max_tokens": 1}).to_string();
+        let reply = post(engine_url, "/v1/completions", &[], &body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        // The probe's events reach the index a moment later, or never (published before the
+        // subscriber joined): then the next probe tries again.
+        let all_heard = std::cell::Cell::new(false);
+        holds_within(Duration::from_millis(100), || async {
+            let d = debug_route(r, &probe).await;
+            let ranks: Vec<&Value> = d["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|c| c["worker"] == id)
+                .collect();
+            let Some(c) = ranks
+                .iter()
+                .find(|c| c["overlap_blocks"]["device"].as_u64().unwrap() > 0)
+            else {
+                return false;
+            };
+            let mut heard = heard.borrow_mut();
+            heard.insert(c["dp_rank"].to_string());
+            all_heard.set(heard.len() == ranks.len());
+            true
+        })
+        .await;
+        if all_heard.get() {
+            return;
+        }
+    }
+    panic!("the router never received {id}'s KV events");
 }

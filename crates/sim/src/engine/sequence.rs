@@ -3,6 +3,27 @@
 use super::blocks::{BlockId, BlockPool};
 use super::{CacheEvent, PromptKv, RequestId};
 
+/// Where a sequence's prompt KV comes from, and whether a transfer of it has landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PromptSource {
+    /// Computed here, less what the prefix cache holds.
+    Compute,
+    /// To be received from a prefill engine, less what the prefix cache holds.
+    Transfer,
+    /// Received: blocks held for the whole prompt, all but its last token computed (the
+    /// last runs as a decode).
+    Received,
+}
+
+impl From<PromptKv> for PromptSource {
+    fn from(kv: PromptKv) -> Self {
+        match kv {
+            PromptKv::Compute => Self::Compute,
+            PromptKv::Transfer => Self::Transfer,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(super) struct Sequence {
     pub(super) id: RequestId,
@@ -20,9 +41,7 @@ pub(super) struct Sequence {
     pub(super) registered: usize,
     pub(super) cached_tokens: Option<usize>,
     /// Where the prompt's KV comes from; `Compute` once preempted.
-    pub(super) prompt_kv: PromptKv,
-    /// Its prompt KV arrived by transfer: the last prompt token runs as a decode.
-    pub(super) received: bool,
+    pub(super) prompt_kv: PromptSource,
 }
 
 impl Sequence {
@@ -33,7 +52,8 @@ impl Sequence {
     /// Whether its next token is a decode: one token left to compute, after an output or a
     /// received prompt.
     pub(super) fn is_decoding(&self) -> bool {
-        self.tokens.len() - self.computed == 1 && (self.output_len() > 0 || self.received)
+        self.tokens.len() - self.computed == 1
+            && (self.output_len() > 0 || self.prompt_kv == PromptSource::Received)
     }
 
     /// Registers the full blocks computed since the last call in the prefix cache, with one

@@ -10,7 +10,8 @@
 
 use std::time::Duration;
 
-use super::{EngineCore, PromptKv, Sequence};
+use super::sequence::PromptSource;
+use super::{EngineCore, Sequence};
 
 /// A request whose prompt KV is on its way.
 #[derive(Debug)]
@@ -26,7 +27,7 @@ impl EngineCore {
     /// Starts receiving `tokens` tokens of `seq`'s prompt KV at `now`; `seq` holds blocks
     /// for its whole prompt, its cache hits computed.
     pub(super) fn start_transfer(&mut self, seq: Sequence, tokens: usize, now: Duration) {
-        debug_assert_eq!(seq.prompt_kv, PromptKv::Transfer);
+        debug_assert_eq!(seq.prompt_kv, PromptSource::Transfer);
         let done_at = now + self.config.timing.transfer_time(tokens);
         self.receiving.push(Receiving {
             seq,
@@ -51,7 +52,7 @@ impl EngineCore {
             // vLLM leaves the last prompt token to compute: its logits sample the first token.
             seq.computed = seq.prompt_len - 1;
             seq.cache_computed_blocks(&mut self.pool, bs);
-            seq.received = true;
+            seq.prompt_kv = PromptSource::Received;
             self.stats.kv_transfers_received += 1;
             self.stats.kv_transfer_tokens_received += r.tokens as u64;
             self.waiting.push_front(seq);

@@ -18,6 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use prometheus_client::metrics::gauge::Gauge;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -117,6 +118,9 @@ struct RoomsInner {
 #[derive(Default)]
 pub struct Rooms {
     inner: Mutex<RoomsInner>,
+    /// Decode engines whose question about a room is being answered (most of that time,
+    /// waiting for its prefill to end).
+    waiting: Gauge,
 }
 
 impl std::fmt::Debug for Rooms {
@@ -124,11 +128,17 @@ impl std::fmt::Debug for Rooms {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         f.debug_struct("Rooms")
             .field("rooms", &inner.rooms.len())
+            .field("waiting", &self.waiting.get())
             .finish()
     }
 }
 
 impl Rooms {
+    /// The gauge of decode engines waiting for a room, to export.
+    pub fn waiting(&self) -> Gauge {
+        self.waiting.clone()
+    }
+
     /// A prefill for `room` starts: the guard ends the room.
     pub fn open(self: &Arc<Self>, room: u64) -> RoomGuard {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -264,6 +274,7 @@ async fn answer(stream: TcpStream, rooms: Arc<Rooms>, stopping: CancellationToke
         return;
     };
     let ended = rooms.watch(room);
+    let waiting = Waiting::new(&rooms.waiting);
     let mut probe = [0u8; 1];
     let outcome = tokio::select! {
         outcome = ended => outcome.unwrap_or(RoomOutcome::Failed),
@@ -275,10 +286,27 @@ async fn answer(stream: TcpStream, rooms: Arc<Rooms>, stopping: CancellationToke
             return;
         }
     };
+    drop(waiting);
     let mut text = serde_json::to_string(&Answer::new(room, outcome)).expect("serialisable");
     text.push('\n');
     let _ = write.write_all(text.as_bytes()).await;
     let _ = write.shutdown().await;
+}
+
+/// One decode engine counted in [`Rooms::waiting`] while this lives.
+struct Waiting(Gauge);
+
+impl Waiting {
+    fn new(gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// Why a decode engine cannot take a room's KV.
@@ -362,14 +390,35 @@ mod tests {
         (port, rooms, stop, task)
     }
 
+    /// The bound on anything that should take milliseconds.
+    const PATIENCE: Duration = Duration::from_secs(20);
+
+    /// Yields until `room` has a decode engine waiting on it; panics after [`PATIENCE`].
+    async fn until_asked(rooms: &Rooms, room: u64) {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while !rooms.inner.lock().unwrap().rooms.contains_key(&room) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no decode engine asked for room {room}"
+            );
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// `future`'s output; panics, saying `what`, after [`PATIENCE`].
+    async fn within<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(PATIENCE, future)
+            .await
+            .unwrap_or_else(|_| panic!("not within {PATIENCE:?}: {what}"))
+    }
+
     #[tokio::test]
     async fn a_decode_engine_waits_for_the_rooms_prefill() {
         let (port, rooms, stop, task) = server().await;
         // Asked before the prefill arrives: answered when it is done.
         let early = tokio::spawn(async move { wait_for_room("127.0.0.1", port, 7).await });
-        while !rooms.inner.lock().unwrap().rooms.contains_key(&7) {
-            tokio::task::yield_now().await;
-        }
+        until_asked(&rooms, 7).await;
+        assert_eq!(rooms.waiting().get(), 1);
         let guard = rooms.open(7);
         assert!(!early.is_finished());
         guard.ready(100, 32);
@@ -377,23 +426,27 @@ mod tests {
             prompt_tokens: 100,
             cached_tokens: 32,
         });
-        assert_eq!(early.await.unwrap().unwrap(), ready);
+        let answered = within("the early question's answer", early).await;
+        assert_eq!(answered.unwrap().unwrap(), ready);
         // Asked after: answered at once.
-        assert_eq!(wait_for_room("127.0.0.1", port, 7).await.unwrap(), ready);
+        let asked = within("the answer", wait_for_room("127.0.0.1", port, 7)).await;
+        assert_eq!(asked.unwrap(), ready);
         // A prefill dropped before its end fails its room.
         drop(rooms.open(8));
         assert!(matches!(
-            wait_for_room("127.0.0.1", port, 8).await,
+            within("the answer", wait_for_room("127.0.0.1", port, 8)).await,
             Err(RoomError::Failed(8))
         ));
         // Stopping closes the waiting connections unanswered.
         let waiting = tokio::spawn(async move { wait_for_room("127.0.0.1", port, 9).await });
-        while !rooms.inner.lock().unwrap().rooms.contains_key(&9) {
-            tokio::task::yield_now().await;
-        }
+        until_asked(&rooms, 9).await;
         stop.cancel();
-        task.await.unwrap();
-        assert!(matches!(waiting.await.unwrap(), Err(RoomError::Closed(9))));
+        within("the server stops", task).await.unwrap();
+        assert!(matches!(
+            within("the connection closes", waiting).await.unwrap(),
+            Err(RoomError::Closed(9))
+        ));
+        assert_eq!(rooms.waiting().get(), 0);
     }
 
     #[tokio::test]
@@ -402,7 +455,8 @@ mod tests {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().port()
         };
-        assert_eq!(wait_for_room("127.0.0.1", port, 1).await.unwrap(), None);
+        let asked = within("no answer", wait_for_room("127.0.0.1", port, 1)).await;
+        assert_eq!(asked.unwrap(), None);
         // Something else answering on the port.
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -410,7 +464,8 @@ mod tests {
             let (mut s, _) = listener.accept().await.unwrap();
             let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await;
         });
-        assert_eq!(wait_for_room("127.0.0.1", port, 1).await.unwrap(), None);
+        let asked = within("not an answer", wait_for_room("127.0.0.1", port, 1)).await;
+        assert_eq!(asked.unwrap(), None);
     }
 
     #[test]

@@ -125,7 +125,7 @@ impl Driver {
             }
             // The metrics first: a client that has its answer sees them count it.
             self.series.update(&self.core.stats());
-            if self.deliver(&out.tokens, &mut streams) {
+            if self.deliver(out.tokens, &mut streams) {
                 self.series.update(&self.core.stats());
             }
             let mut events = out.events;
@@ -137,7 +137,7 @@ impl Driver {
     /// Sends the tokens to their requests; true when one was aborted (its client gone).
     fn deliver(
         &mut self,
-        tokens: &[TokenOutput],
+        tokens: Vec<TokenOutput>,
         streams: &mut HashMap<RequestId, Stream>,
     ) -> bool {
         let now = Instant::now();
@@ -161,7 +161,7 @@ impl Driver {
                     index: t.index,
                     finished: t.finished,
                     cached_tokens: t.cached_tokens,
-                    prompt_blocks: t.prompt_blocks.clone(),
+                    prompt_blocks: t.prompt_blocks,
                 })
                 .is_ok();
             if t.finished {

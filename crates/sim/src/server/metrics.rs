@@ -9,7 +9,9 @@
 //! `kvroute_sim_kv_transfers_total{direction}` with `kvroute_sim_kv_transfer_tokens_total
 //! {direction}`: `sent`, the prefills a prefill engine served for a decode engine and their
 //! prompt tokens; `received`, the transfers that landed on a decode engine and the tokens
-//! they carried (prompts less the decode engine's own cache hits).
+//! they carried (prompts less the decode engine's own cache hits); and
+//! `kvroute_sim_bootstrap_waiting`, the decode engines waiting at a prefill engine's
+//! bootstrap port for the prefill of a room.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};

@@ -5,6 +5,7 @@
 //! stream ends with a usage chunk (vLLM sends it only with `stream_options.include_usage`),
 //! so clients always see `usage.prompt_tokens_details.cached_tokens`.
 
+use axum::http::StatusCode;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -148,6 +149,22 @@ pub fn usage_chunk(meta: &ResponseMeta, completion_tokens: usize, cached_tokens:
         "system_fingerprint": meta.fingerprint,
         "choices": [], "usage": usage(meta, completion_tokens, cached_tokens),
     })
+}
+
+/// The OpenAI error type of a status, as the OpenAI clients name their exceptions.
+pub fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 => "BadRequestError",
+        401 => "AuthenticationError",
+        403 => "PermissionDeniedError",
+        404 => "NotFoundError",
+        409 => "ConflictError",
+        422 => "UnprocessableEntityError",
+        429 => "RateLimitError",
+        503 => "ServiceUnavailableError",
+        s if s >= 500 => "InternalServerError",
+        _ => "BadRequestError",
+    }
 }
 
 /// vLLM's error body.
