@@ -125,7 +125,10 @@ impl Default for SubscriberTiming {
     fn default() -> Self {
         Self {
             replay_timeout: Duration::from_secs(3),
-            probe_interval: Duration::from_secs(5),
+            // A dead publisher is noticed at the second failed probe (the first write after
+            // the peer closed still succeeds): within ~2 s, so a restarted engine's lost
+            // cache is not credited for long. A probe is a few bytes.
+            probe_interval: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(30),
             max_backoff: Duration::from_secs(10),
         }
