@@ -42,6 +42,38 @@ async fn get(client: &Http, url: &str) -> String {
     }
 }
 
+/// Waits (10 s at most) until `router` credits an engine with the prompt of `body`: the warm
+/// request's KV events have reached it. Policies that do not score overlap return at once.
+async fn wait_credited(client: &Http, router: &str, body: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        let req = http::Request::post(format!("{router}/debug/route"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .unwrap();
+        let text = match client.request(req).await {
+            Ok(r) => r
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default(),
+            Err(_) => Bytes::new(),
+        };
+        let v: serde_json::Value = serde_json::from_slice(&text).unwrap_or_default();
+        let candidates = v["candidates"].as_array().cloned().unwrap_or_default();
+        let scored = candidates.iter().any(|c| c.get("overlap_blocks").is_some());
+        let credited = candidates
+            .iter()
+            .any(|c| c["overlap_blocks"]["device"].as_u64().unwrap_or(0) > 0);
+        if credited || (!candidates.is_empty() && !scored) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("warning: {router} never credited the warm prefix");
+}
+
 /// Requests on the engine now: running plus waiting, over its ranks.
 fn held(metrics: &str) -> f64 {
     metrics
@@ -72,10 +104,14 @@ fn main() {
             .to_string();
         let req = http::Request::post(format!("{}/v1/completions", routers[0]))
             .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(warm)))
+            .body(Full::new(Bytes::from(warm.clone())))
             .unwrap();
-        let _ = client.request(req).await.map(|r| r.into_body().collect());
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        if let Ok(r) = client.request(req).await {
+            let _ = r.into_body().collect().await;
+        }
+        for router in &routers {
+            wait_credited(&client, router, &warm).await;
+        }
         let done = Arc::new(AtomicBool::new(false));
         let sampler = {
             let (client, engines, done) = (client.clone(), engines.clone(), done.clone());

@@ -160,23 +160,33 @@ async fn run(
     let ok = counts.ok.load(Ordering::Relaxed);
     let error_status = counts.error_status.load(Ordering::Relaxed);
     let broken = counts.broken.load(Ordering::Relaxed);
-    // Let the router finish its bookkeeping, then read its gauges.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let req = http::Request::get(format!("{metrics_url}/metrics"))
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    let text = match client.request(req).await {
-        Ok(r) => {
-            String::from_utf8_lossy(&r.into_body().collect().await.unwrap().to_bytes()).into_owned()
+    let scrape = || async {
+        let req = http::Request::get(format!("{metrics_url}/metrics"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        match client.request(req).await {
+            Ok(r) => String::from_utf8_lossy(&r.into_body().collect().await.unwrap().to_bytes())
+                .into_owned(),
+            Err(e) => format!("# cannot scrape: {e}"),
         }
-        Err(e) => format!("# cannot scrape: {e}"),
     };
-    let gauge_sum = |name: &str| -> f64 {
+    let sum = |text: &str, name: &str| -> f64 {
         text.lines()
             .filter(|l| l.starts_with(name) && !l.starts_with('#'))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
+    // The router's bookkeeping ends just after the clients' last bytes: read its gauges once
+    // nothing is left in it, or as they are after 10 s (what is left then is a leak).
+    let settle = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = scrape().await;
+        if sum(&text, "kvroute_requests_in_router") == 0.0 || std::time::Instant::now() > settle {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let gauge_sum = |name: &str| sum(&text, name);
     let active = gauge_sum("kvroute_worker_requests_active");
     let in_router = gauge_sum("kvroute_requests_in_router");
     let prefill = gauge_sum("kvroute_worker_active_prefill_tokens");
