@@ -127,13 +127,8 @@ impl PdArgs {
         if p == 0 || d == 0 {
             anyhow::bail!("--prefill-workers and --decode-workers must be at least 1");
         }
-        let mut pd = PdCluster::new(p, d, base);
+        let mut pd = PdCluster::new(p, d, base, self.decode_policy);
         pd.prefill_policy = self.prefill_policy.unwrap_or(PolicyKind::KvAware);
-        if let Some(policy) = self.decode_policy {
-            // As the gateway: a named decode policy keeps the given weights.
-            pd.decode_policy = policy;
-            pd.decode_config = base.clone();
-        }
         pd.min_uncached_tokens = self.pd_min_uncached_tokens;
         Ok(Some(pd))
     }

@@ -77,17 +77,22 @@ pub struct PdCluster {
 }
 
 impl PdCluster {
-    /// The gateway's defaults: kv_aware on both halves, the decode half scoring load only
-    /// (overlap credit 0), always split; `base` is the kv_aware weights given.
-    pub fn new(prefill_workers: usize, decode_workers: usize, base: &PolicyConfig) -> Self {
-        let mut decode_config = base.clone();
-        decode_config.kv_aware.overlap_score_credit = 0.0;
+    /// The gateway's defaults: kv_aware on both halves, the decode half as
+    /// [`decode_policy`](kvroute_core::policy::decode_policy) makes it from `decode` (by
+    /// default scoring load only), always split; `base` is the parameters given.
+    pub fn new(
+        prefill_workers: usize,
+        decode_workers: usize,
+        base: &PolicyConfig,
+        decode: Option<PolicyKind>,
+    ) -> Self {
+        let (decode_policy, decode_config) = kvroute_core::policy::decode_policy(decode, base);
         Self {
             prefill_workers,
             decode_workers,
             prefill_policy: PolicyKind::KvAware,
             prefill_config: base.clone(),
-            decode_policy: PolicyKind::KvAware,
+            decode_policy,
             decode_config,
             min_uncached_tokens: 0,
         }

@@ -130,6 +130,17 @@ impl Observed {
     }
 }
 
+/// The decode half's policy of a disaggregated cluster and its parameters: the one named,
+/// with `base`'s parameters; by default `kv_aware` scoring load only (overlap credit 0, as
+/// Dynamo's decode half).
+pub fn decode_policy(named: Option<PolicyKind>, base: &PolicyConfig) -> (PolicyKind, PolicyConfig) {
+    let mut config = base.clone();
+    if named.is_none() {
+        config.kv_aware.overlap_score_credit = 0.0;
+    }
+    (named.unwrap_or(PolicyKind::KvAware), config)
+}
+
 /// Every policy name kvroute accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PolicyKind {

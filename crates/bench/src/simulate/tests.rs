@@ -33,7 +33,7 @@ fn pd_cfg(prefill: usize, decode: usize, min_uncached_tokens: u64) -> SimConfig 
     SimConfig {
         cluster: Cluster::Disaggregated(PdCluster {
             min_uncached_tokens,
-            ..PdCluster::new(prefill, decode, &PolicyConfig::default())
+            ..PdCluster::new(prefill, decode, &PolicyConfig::default(), None)
         }),
         ..cfg(PolicyKind::KvAware)
     }

@@ -274,12 +274,8 @@ impl Args {
             }
             // The halves' policies take the same parameters as the main one.
             let base = policy_config.clone();
-            let decode_policy = self.decode_policy.unwrap_or(PolicyKind::KvAware);
-            let mut decode_config = base.clone();
-            if self.decode_policy.is_none() {
-                // Dynamo's decode half: load only.
-                decode_config.kv_aware.overlap_score_credit = 0.0;
-            }
+            let (decode_policy, decode_config) =
+                kvroute_core::policy::decode_policy(self.decode_policy, &base);
             Some(PdSettings {
                 protocol: self.pd_protocol.unwrap_or_default(),
                 prefill_policy: self.prefill_policy.unwrap_or(PolicyKind::KvAware),
