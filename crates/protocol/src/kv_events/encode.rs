@@ -43,6 +43,8 @@ pub fn encode_batch(batch: &KvEventBatch, encoding: Encoding) -> Vec<u8> {
     payload
 }
 
+const VEC_WRITE: &str = "writing msgpack into a Vec cannot fail";
+
 /// Writes `value` as msgpack, as [`rmpv::encode::write_value_ref`] does except for a str that
 /// is not UTF-8: rmpv writes it as a bin, this keeps it a str with the same bytes. Only an
 /// `extra_keys` value decoded from the wire can hold one, and re-encoding it must give back
@@ -50,52 +52,21 @@ pub fn encode_batch(batch: &KvEventBatch, encoding: Encoding) -> Vec<u8> {
 fn write_value(out: &mut Vec<u8>, value: &ValueRef<'_>) {
     match value {
         ValueRef::String(s) if s.as_str().is_none() => {
-            write_header(out, Header::Str, s.as_bytes().len());
+            rmp::encode::write_str_len(out, s.as_bytes().len() as u32).expect(VEC_WRITE);
             out.extend_from_slice(s.as_bytes());
         }
         ValueRef::Array(items) => {
-            write_header(out, Header::Array, items.len());
+            rmp::encode::write_array_len(out, items.len() as u32).expect(VEC_WRITE);
             items.iter().for_each(|item| write_value(out, item));
         }
         ValueRef::Map(entries) => {
-            write_header(out, Header::Map, entries.len());
+            rmp::encode::write_map_len(out, entries.len() as u32).expect(VEC_WRITE);
             for (key, value) in entries {
                 write_value(out, key);
                 write_value(out, value);
             }
         }
-        other => rmpv::encode::write_value_ref(out, other)
-            .expect("writing msgpack into a Vec cannot fail"),
-    }
-}
-
-#[derive(Clone, Copy)]
-enum Header {
-    Str,
-    Array,
-    Map,
-}
-
-/// The header of a str (`len` bytes), an array or a map (`len` elements), in its shortest
-/// form, as rmpv writes it.
-fn write_header(out: &mut Vec<u8>, header: Header, len: usize) {
-    // (fix marker, longest fix length, 8-bit marker, 16-bit marker, 32-bit marker)
-    let (fix, fix_max, len8, len16, len32) = match header {
-        Header::Str => (0xa0, 31, Some(0xd9), 0xda, 0xdb),
-        Header::Array => (0x90, 15, None, 0xdc, 0xdd),
-        Header::Map => (0x80, 15, None, 0xde, 0xdf),
-    };
-    match (len, len8) {
-        (n, _) if n <= fix_max => out.push(fix | n as u8),
-        (n, Some(marker)) if n <= 0xff => out.extend([marker, n as u8]),
-        (n, _) if n <= 0xffff => {
-            out.push(len16);
-            out.extend((n as u16).to_be_bytes());
-        }
-        (n, _) => {
-            out.push(len32);
-            out.extend((n as u32).to_be_bytes());
-        }
+        other => rmpv::encode::write_value_ref(out, other).expect(VEC_WRITE),
     }
 }
 
@@ -187,4 +158,29 @@ fn hashes(hashes: &[BlockHashValue]) -> ValueRef<'_> {
 
 fn optional_str(s: Option<&str>) -> ValueRef<'_> {
     s.map_or(ValueRef::Nil, ValueRef::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_are_rmpvs_shortest_forms_at_every_length_boundary() {
+        for n in [0, 1, 15, 16, 31, 32, 255, 256, 65_535, 65_536] {
+            let text = "x".repeat(n);
+            let items = vec![ValueRef::Nil; n];
+            let entries = vec![(ValueRef::Nil, ValueRef::Nil); n];
+            for value in [
+                ValueRef::from(text.as_str()),
+                ValueRef::Array(items.clone()),
+                ValueRef::Map(entries.clone()),
+            ] {
+                let mut ours = Vec::new();
+                write_value(&mut ours, &value);
+                let mut theirs = Vec::new();
+                rmpv::encode::write_value_ref(&mut theirs, &value).unwrap();
+                assert_eq!(ours, theirs, "length {n}");
+            }
+        }
+    }
 }
