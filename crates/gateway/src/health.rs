@@ -25,6 +25,15 @@ pub enum CircuitState {
 }
 
 impl CircuitState {
+    /// Its name in `GET /workers`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CircuitState::Closed => "closed",
+            CircuitState::Open => "open",
+            CircuitState::HalfOpen => "half_open",
+        }
+    }
+
     /// The value of `kvroute_worker_circuit_state`.
     pub fn gauge_value(self) -> i64 {
         match self {

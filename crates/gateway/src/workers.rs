@@ -457,9 +457,7 @@ impl WorkerSet {
         self.workers.store(Arc::new(next));
         worker.tasks.cancel();
         self.rebuild();
-        let mut policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
-        policies.extend(lock(&self.pd_policies).values().cloned());
-        for p in policies {
+        for p in self.all_policies() {
             p.forget_worker(&worker.id);
         }
         let ranks: Vec<Option<u32>> = worker.ranks.iter().map(|r| r.dp_rank).collect();
@@ -469,12 +467,12 @@ impl WorkerSet {
         Ok(worker)
     }
 
-    /// The current routing table (lock-free).
     /// The gateway's shutdown: cancelling it stops every worker's tasks too.
     pub fn shutdown(&self) -> &CancellationToken {
         &self.shutdown
     }
 
+    /// The current routing table (lock-free).
     pub fn table(&self) -> arc_swap::Guard<Arc<RoutingTable>> {
         self.table.load()
     }
@@ -494,11 +492,16 @@ impl WorkerSet {
 
     /// Periodic upkeep of every model's policy (cache_aware's eviction).
     pub fn maintain(&self, now: std::time::Instant) {
-        let mut policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
-        policies.extend(lock(&self.pd_policies).values().cloned());
-        for p in policies {
+        for p in self.all_policies() {
             p.maintain(now);
         }
+    }
+
+    /// Every policy instance: each model's, and each disaggregated half's.
+    fn all_policies(&self) -> Vec<Arc<dyn Policy>> {
+        let mut policies: Vec<Arc<dyn Policy>> = lock(&self.policies).values().cloned().collect();
+        policies.extend(lock(&self.pd_policies).values().cloned());
+        policies
     }
 
     /// Marks a worker healthy or not (probes and health checks; benchmarks set it directly).
@@ -519,11 +522,7 @@ impl WorkerSet {
                 url: w.url.clone(),
                 models: w.model_ids().iter().map(|m| m.to_string()).collect(),
                 healthy: w.is_healthy(),
-                circuit: match w.circuit.state() {
-                    crate::health::CircuitState::Closed => "closed",
-                    crate::health::CircuitState::Open => "open",
-                    crate::health::CircuitState::HalfOpen => "half_open",
-                },
+                circuit: w.circuit.state().name(),
                 probed: w.probed.load(Ordering::Relaxed),
                 in_flight: w.in_flight(),
                 ranks: w
