@@ -24,18 +24,6 @@ use kvroute_gateway::{Gateway, Settings, WorkerSpec};
 use kvroute_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
-fn text(len: usize, seed: u64) -> String {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (b'a' + (x % 26) as u8) as char
-        })
-        .collect()
-}
-
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     v[((v.len() as f64 * p) as usize).min(v.len() - 1)]
@@ -79,7 +67,7 @@ async fn burst(
         let class = i % 2;
         let header = classes.map(|(a, b)| if class == 0 { a } else { b });
         tasks.push(tokio::spawn(async move {
-            let body = serde_json::json!({"model": "kvroute-sim", "prompt": text(2000, seed * 100_000 + i as u64), "max_tokens": 16, "stream": true});
+            let body = serde_json::json!({"model": "kvroute-sim", "prompt": kvroute_sim::text(2000, seed * 100_000 + i as u64), "max_tokens": 16, "stream": true});
             let mut req = http::Request::post(format!("{url}/v1/completions")).header("content-type", "application/json");
             if let Some(h) = header {
                 req = req.header("x-kvroute-class", h);

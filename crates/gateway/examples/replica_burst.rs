@@ -18,18 +18,6 @@ use hyper_util::rt::TokioExecutor;
 
 type Http = Client<HttpConnector, Full<Bytes>>;
 
-fn words(seed: u64, len: usize) -> String {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (b'a' + (x % 26) as u8) as char
-        })
-        .collect()
-}
-
 async fn get(client: &Http, url: &str) -> String {
     let req = http::Request::get(url)
         .body(Full::new(Bytes::new()))
@@ -97,7 +85,7 @@ fn main() {
         .unwrap();
     rt.block_on(async move {
         let client: Http = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-        let prefix = words(7, prefix_len);
+        let prefix = kvroute_sim::text(prefix_len, 7);
         // One engine caches the prefix first (its KV events reach every router), as in a
         // cluster already serving the prompt: the burst then tempts every router to it.
         let warm = serde_json::json!({"model": "kvroute-sim", "prompt": format!("{prefix} warm"), "max_tokens": 1})
@@ -132,7 +120,7 @@ fn main() {
             let url = format!("{}/v1/completions", routers[i % routers.len()]);
             let body = serde_json::json!({
                 "model": "kvroute-sim",
-                "prompt": format!("{prefix} question {i}: {}", words(1000 + i as u64, 200)),
+                "prompt": format!("{prefix} question {i}: {}", kvroute_sim::text(200, 1000 + i as u64)),
                 "max_tokens": 32,
                 "stream": true,
             })

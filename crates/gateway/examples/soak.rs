@@ -20,18 +20,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-fn words(seed: u64, len: usize) -> String {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (b'a' + (x % 26) as u8) as char
-        })
-        .collect()
-}
-
 fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
@@ -80,7 +68,8 @@ async fn run(
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(clients as usize)
         .build(connector);
-    let prefixes: Arc<Vec<String>> = Arc::new((0..200).map(|i| words(i, 1000)).collect());
+    let prefixes: Arc<Vec<String>> =
+        Arc::new((0..200).map(|i| kvroute_sim::text(1000, i)).collect());
     let counts = Arc::new(Counts::default());
     let start = Instant::now();
     let deadline = start + Duration::from_secs(max_secs);
@@ -102,7 +91,7 @@ async fn run(
                 let content = format!(
                     "{} {}",
                     prefixes[((n * 7 + c) % 200) as usize],
-                    words(n + 1_000_000, 32)
+                    kvroute_sim::text(32, n + 1_000_000)
                 );
                 let body = serde_json::json!({
                     "model": "kvroute-sim",

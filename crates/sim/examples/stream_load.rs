@@ -27,15 +27,7 @@ const MAX_TOKENS: usize = 64;
 const SPEEDUP: f64 = 100.0;
 
 fn prompt(n: u64) -> String {
-    let mut x = n.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..PROMPT_LEN)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (b'a' + (x % 26) as u8) as char
-        })
-        .collect()
+    kvroute_sim::text(PROMPT_LEN, n)
 }
 
 fn model_rate(streams: usize, seconds: f64) -> f64 {

@@ -25,3 +25,17 @@ pub mod server;
 
 pub use config::{FaultSettings, Role, SimArgs};
 pub use server::{Crashed, FaultHandle, SimInstance, SimServer};
+
+/// `len` pseudo-random lowercase letters from `seed` (xorshift): distinct prompts for tests
+/// and load generators, the same for the same seed.
+pub fn text(len: usize, seed: u64) -> String {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (b'a' + (x % 26) as u8) as char
+        })
+        .collect()
+}

@@ -458,17 +458,7 @@ pub async fn wait_idle(router: &TestRouter, worker_url: &str) {
 
 /// `len` pseudo-random lowercase letters, the same for the same seed (prompts that share or do
 /// not share prefixes on purpose).
-pub fn text(len: usize, seed: u64) -> String {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (b'a' + (x % 26) as u8) as char
-        })
-        .collect()
-}
+pub use kvroute_sim::text;
 
 /// Whether a GET of `url` answers 200 (false while nothing listens there).
 pub async fn answers(url: &str) -> bool {
