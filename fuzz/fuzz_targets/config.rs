@@ -16,9 +16,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use clap::Parser;
-use kvroute_gateway::engine_metrics::{EngineMetricsScraper, ScrapeTiming};
+use kvroute_gateway::engine_metrics::ScrapeTiming;
 use kvroute_gateway::kv::{KvState, WorkerSink};
-use kvroute_gateway::kv_events::{KvEventMetrics, KvEventSubscriber, SubscriberConfig};
+use kvroute_gateway::kv_events::{KvEventMetrics, KvEventSubscriber};
 use kvroute_gateway::{Args, Gateway, Settings, WorkerSpec};
 use kvroute_tokenizer::Tokenizer;
 use libfuzzer_sys::fuzz_target;
@@ -83,7 +83,11 @@ fuzz_target!(|data: &[u8]| {
     );
     // K2 and K3 are fixed: a validated worker's ranks fit in u32 and number at most 1024.
     for w in &settings.workers {
-        assert!(known_bug(w).is_none(), "validated config with {:?}", known_bug(w));
+        assert!(
+            known_bug(w).is_none(),
+            "validated config with {:?}",
+            known_bug(w)
+        );
     }
     check(&settings);
     build(settings);
@@ -129,29 +133,10 @@ fn build(settings: Settings) {
     let kv_event_metrics = KvEventMetrics::register(&mut registry);
     for worker in gateway.workers().workers().iter() {
         // As `Gateway::serve` starts the engine-metrics scraper...
-        let ranks = worker
-            .ranks
-            .iter()
-            .map(|r| (r.dp_rank, r.engine.clone()))
-            .collect();
-        let _ = EngineMetricsScraper::new(
-            worker.id.to_string(),
-            &worker.url,
-            ranks,
-            ScrapeTiming::default(),
-        );
+        let _ = worker.metrics_scraper(ScrapeTiming::default());
         // ...and the KV-event subscriber.
-        let Some(endpoint) = worker.kv_events.clone() else {
+        let Some(config) = worker.kv_subscriber_config(kv.block_size) else {
             continue;
-        };
-        let first = worker.ranks[0].dp_rank.unwrap_or(0);
-        let config = SubscriberConfig {
-            worker: worker.id.to_string(),
-            endpoint,
-            replay_endpoint: worker.kv_events_replay.clone(),
-            dp_start_rank: first,
-            dp_size: worker.ranks.len() as u32,
-            router_block_size: kv.block_size,
         };
         let sink = Arc::new(WorkerSink::new(kv.clone(), worker.clone()));
         if let Err(error) = KvEventSubscriber::new(config, sink, &kv_event_metrics) {

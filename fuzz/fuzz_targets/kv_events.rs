@@ -28,7 +28,6 @@ use kvroute_index::{
 use kvroute_protocol::kv_events::{
     decode_batch, decode_seq, encode_batch, Encoding, KvEvent, KvEventBatch, END_OF_REPLAY_SEQ,
 };
-use kvroute_protocol::stable_hash;
 use libfuzzer_sys::fuzz_target;
 
 /// Router block sizes tried against each batch: equal to, a divisor of, a multiple of, and
@@ -136,26 +135,10 @@ fn check_index(batch: &KvEventBatch, router_block_size: usize) {
                 if stored.token_ids.len() > MAX_TOKENS {
                     continue;
                 }
-                let hashes: Vec<EngineHash> = stored
-                    .block_hashes
-                    .iter()
-                    .map(|h| EngineHash(h.to_u64()))
-                    .collect();
-                let salt = stored
-                    .lora_name
-                    .as_deref()
-                    .map_or(0, |name| stable_hash(name.as_bytes()));
-                let event = StoredBlocks {
-                    parent: stored
-                        .parent_block_hash
-                        .as_ref()
-                        .map(|h| EngineHash(h.to_u64())),
-                    engine_hashes: &hashes,
-                    token_ids: &stored.token_ids,
-                    block_size: stored.block_size as usize,
-                    tier: stored.tier(),
-                    salt,
-                };
+                // As the gateway reads it.
+                let mut hashes = Vec::new();
+                let event = StoredBlocks::from_event(stored, &mut hashes);
+                let salt = event.salt;
                 let got = index.apply_stored(replica, &event);
                 let want = reference.apply_stored(replica, &event);
                 verbose!("stored {event:?}: {got:?}");
@@ -166,7 +149,8 @@ fn check_index(batch: &KvEventBatch, router_block_size: usize) {
                         Some(parent) => prefixes.get(&parent.0).cloned(),
                     };
                     if let Some(mut prefix) = start.filter(|p| p.len() <= MAX_TOKENS) {
-                        for (hash, tokens) in hashes
+                        for (hash, tokens) in event
+                            .engine_hashes
                             .iter()
                             .zip(event.token_ids.chunks_exact(event.block_size))
                         {

@@ -157,6 +157,40 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// The scraper of its engine's `/metrics`, feeding its ranks' gauges.
+    pub fn metrics_scraper(
+        &self,
+        timing: crate::engine_metrics::ScrapeTiming,
+    ) -> Result<crate::engine_metrics::EngineMetricsScraper, crate::engine_metrics::ScrapeError>
+    {
+        let ranks = self
+            .ranks
+            .iter()
+            .map(|r| (r.dp_rank, r.engine.clone()))
+            .collect();
+        crate::engine_metrics::EngineMetricsScraper::new(
+            self.id.to_string(),
+            &self.url,
+            ranks,
+            timing,
+        )
+    }
+
+    /// Where to subscribe to its KV events, when it publishes them.
+    pub fn kv_subscriber_config(
+        &self,
+        router_block_size: usize,
+    ) -> Option<crate::kv_events::SubscriberConfig> {
+        Some(crate::kv_events::SubscriberConfig {
+            worker: self.id.to_string(),
+            endpoint: self.kv_events.clone()?,
+            replay_endpoint: self.kv_events_replay.clone(),
+            dp_start_rank: self.ranks[0].dp_rank.unwrap_or(0),
+            dp_size: self.ranks.len() as u32,
+            router_block_size,
+        })
+    }
+
     /// Its rank `dp_rank`.
     pub fn rank(&self, dp_rank: Option<u32>) -> Option<&Rank> {
         self.ranks.iter().find(|r| r.dp_rank == dp_rank)

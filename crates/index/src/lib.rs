@@ -127,6 +127,33 @@ pub struct StoredBlocks<'a> {
     pub salt: u64,
 }
 
+impl<'a> StoredBlocks<'a> {
+    /// An engine's `BlockStored` event as the index reads it, its block hashes converted into
+    /// `hashes` (which the result borrows). The LoRA name is the salt; per-block
+    /// `extra_keys` are not folded in yet.
+    pub fn from_event(
+        stored: &'a kvroute_protocol::kv_events::BlockStored,
+        hashes: &'a mut Vec<EngineHash>,
+    ) -> Self {
+        hashes.clear();
+        hashes.extend(stored.block_hashes.iter().map(|h| EngineHash(h.to_u64())));
+        Self {
+            parent: stored
+                .parent_block_hash
+                .as_ref()
+                .map(|h| EngineHash(h.to_u64())),
+            engine_hashes: hashes,
+            token_ids: &stored.token_ids,
+            block_size: stored.block_size as usize,
+            tier: stored.tier(),
+            salt: stored
+                .lora_name
+                .as_deref()
+                .map_or(0, |name| kvroute_protocol::stable_hash(name.as_bytes())),
+        }
+    }
+}
+
 /// Why an event could not be applied. The event is then skipped whole: nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IndexError {

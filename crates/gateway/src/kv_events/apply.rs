@@ -8,7 +8,6 @@ use std::sync::Arc;
 use bytes::Bytes;
 use kvroute_index::{EngineHash, IndexError, StoredBlocks};
 use kvroute_protocol::kv_events::{decode_batch, BlockStored, KvEvent, KvEventBatch, KvEventError};
-use kvroute_protocol::stable_hash;
 
 use super::metrics::{EventKind, Status, WorkerCounters};
 use super::sequence::{read_frames, Sequence, Verdict};
@@ -77,26 +76,8 @@ impl Applier {
             self.block_size_mismatch(block_size);
             return;
         }
-        let hashes: Vec<EngineHash> = stored
-            .block_hashes
-            .iter()
-            .map(|h| EngineHash(h.to_u64()))
-            .collect();
-        let event = StoredBlocks {
-            parent: stored
-                .parent_block_hash
-                .as_ref()
-                .map(|h| EngineHash(h.to_u64())),
-            engine_hashes: &hashes,
-            token_ids: &stored.token_ids,
-            block_size,
-            tier: stored.tier(),
-            // Per-block extra_keys are not folded in yet.
-            salt: stored
-                .lora_name
-                .as_deref()
-                .map_or(0, |name| stable_hash(name.as_bytes())),
-        };
+        let mut hashes = Vec::new();
+        let event = StoredBlocks::from_event(stored, &mut hashes);
         let status = match self.sink.stored(rank, &event) {
             Ok(()) => Status::Ok,
             Err(IndexError::BlockSizeMismatch { engine, .. }) => {

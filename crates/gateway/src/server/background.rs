@@ -15,12 +15,7 @@ pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
             interval: state.settings.metrics_refresh,
             ..ScrapeTiming::default()
         };
-        let ranks = worker
-            .ranks
-            .iter()
-            .map(|r| (r.dp_rank, r.engine.clone()))
-            .collect();
-        match EngineMetricsScraper::new(worker.id.to_string(), &worker.url, ranks, timing) {
+        match worker.metrics_scraper(timing) {
             Ok(scraper) => {
                 let run = scraper.run(state.client.clone(), worker.tasks.clone());
                 state.tasks.spawn(run);
@@ -38,16 +33,8 @@ pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
 /// Subscribes to a worker's KV events while it is healthy; when it turns unhealthy or is
 /// removed, the subscription stops and its blocks are forgotten (rebuilt when it returns).
 pub(super) async fn follow_kv_events(state: Arc<AppState>, worker: Arc<Worker>) {
-    let Some(endpoint) = worker.kv_events.clone() else {
+    let Some(config) = worker.kv_subscriber_config(state.kv.block_size) else {
         return;
-    };
-    let config = SubscriberConfig {
-        worker: worker.id.to_string(),
-        endpoint,
-        replay_endpoint: worker.kv_events_replay.clone(),
-        dp_start_rank: worker.ranks[0].dp_rank.unwrap_or(0),
-        dp_size: worker.ranks.len() as u32,
-        router_block_size: state.kv.block_size,
     };
     let mut health = worker.subscribe_health();
     // The worker's tasks token: cancelled when it is removed or the gateway shuts down.
