@@ -82,11 +82,6 @@ fn cdf_points(sorted: &[f64], floor: f64) -> Vec<(f64, f64)> {
     }
 }
 
-/// Nearest-rank percentile of `sorted` (not empty).
-fn rank(sorted: &[f64], p: f64) -> f64 {
-    sorted[((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
-}
-
 /// A tick label in ms: whole numbers from 1 up, shortest decimals below.
 fn ms_label(v: &f64) -> String {
     if *v >= 1.0 {
@@ -165,8 +160,8 @@ pub fn ttft_cdf_svg(
                 .draw_series(LineSeries::new(cdf_points(sorted, floor), style))?
                 .label(format!(
                     "{label} (p50 {:.0} ms, p99 {:.0} ms)",
-                    rank(sorted, 0.5),
-                    rank(sorted, 0.99)
+                    crate::simulate::nearest_rank(sorted, 0.5),
+                    crate::simulate::nearest_rank(sorted, 0.99)
                 ))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], style));
         }

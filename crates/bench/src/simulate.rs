@@ -134,12 +134,16 @@ pub fn percentiles(v: &mut [f64]) -> Percentiles {
         };
     }
     v.sort_by(f64::total_cmp);
-    let at = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
     Percentiles {
-        p50: at(0.5),
-        p90: at(0.9),
-        p99: at(0.99),
+        p50: nearest_rank(v, 0.5),
+        p90: nearest_rank(v, 0.9),
+        p99: nearest_rank(v, 0.99),
     }
+}
+
+/// The nearest-rank `p` quantile of `sorted` (not empty).
+pub fn nearest_rank(sorted: &[f64], p: f64) -> f64 {
+    sorted[((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
 }
 
 /// One policy's figures.
