@@ -165,11 +165,7 @@ fn check_index(batch: &KvEventBatch, router_block_size: usize) {
                 }
             }
             KvEvent::BlockRemoved(removed) => {
-                let hashes: Vec<EngineHash> = removed
-                    .block_hashes
-                    .iter()
-                    .map(|h| EngineHash(h.to_u64()))
-                    .collect();
+                let hashes = EngineHash::all(&removed.block_hashes);
                 verbose!("removed {:?} {hashes:?}", removed.tier());
                 index.apply_removed(replica, removed.tier(), &hashes);
                 reference.apply_removed(replica, removed.tier(), &hashes);

@@ -63,6 +63,13 @@ pub struct BlockHash(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineHash(pub u64);
 
+impl EngineHash {
+    /// An event's block hashes, folded to 64 bits.
+    pub fn all(hashes: &[kvroute_protocol::kv_events::BlockHashValue]) -> Vec<EngineHash> {
+        hashes.iter().map(|h| EngineHash(h.to_u64())).collect()
+    }
+}
+
 /// One (worker, dp_rank), by a dense id the caller assigns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReplicaId(pub u32);
@@ -135,8 +142,7 @@ impl<'a> StoredBlocks<'a> {
         stored: &'a kvroute_protocol::kv_events::BlockStored,
         hashes: &'a mut Vec<EngineHash>,
     ) -> Self {
-        hashes.clear();
-        hashes.extend(stored.block_hashes.iter().map(|h| EngineHash(h.to_u64())));
+        *hashes = EngineHash::all(&stored.block_hashes);
         Self {
             parent: stored
                 .parent_block_hash

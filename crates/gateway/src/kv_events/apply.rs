@@ -50,11 +50,7 @@ impl Applier {
             match event {
                 KvEvent::BlockStored(stored) => self.stored(rank, stored),
                 KvEvent::BlockRemoved(removed) => {
-                    let hashes: Vec<EngineHash> = removed
-                        .block_hashes
-                        .iter()
-                        .map(|h| EngineHash(h.to_u64()))
-                        .collect();
+                    let hashes = EngineHash::all(&removed.block_hashes);
                     self.sink.removed(rank, removed.tier(), &hashes);
                     self.counters.inc(EventKind::Removed, Status::Ok);
                 }
