@@ -115,6 +115,17 @@ pub fn check_admin(
     }
 }
 
+/// What the workers are sent as `Authorization`.
+#[derive(Debug, Clone)]
+pub enum WorkerAuth {
+    /// The client's header, as it came (no keys configured).
+    PassThrough,
+    /// Nothing: the client's header carries the router's client key.
+    Strip,
+    /// `Bearer <--api-key>`.
+    Set(http::HeaderValue),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,7 +36,7 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::BoxError;
-use crate::proxy::HttpClient;
+use crate::http::HttpClient;
 
 pub use gauges::{EngineGauges, STALE_AFTER};
 pub use parse::{parse, EngineReadings, ParseError, RankReading};

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode};
 use kvroute_protocol::{ErrorBody, WorkerId};
 
-use crate::proxy::WORKER_HEADER;
+use crate::http::WORKER_HEADER;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

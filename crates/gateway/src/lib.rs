@@ -9,23 +9,44 @@
 //! buffered; every in-flight count is a guard owned by the response body; errors become
 //! HTTP responses in one place ([`error::GatewayError`]); constructors do no I/O and every
 //! background task is started by [`Gateway::serve`] and joined on shutdown.
+//!
+//! The modules stand in five layers; each imports only from its own layer or below, with no
+//! cycle between modules (`tests/layers.rs` checks it):
+//! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`;
+//! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health`;
+//! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `busy`;
+//! 4. request path: `routing`, `queue`, `proxy`, `sync`, `context`, `pd`, `forward`, `discovery`;
+//! 5. server: `server` (the axum app, admin API, background tasks) and `main`.
 
+// 1. Foundation.
 pub mod auth;
-pub mod busy;
 pub mod config;
-pub mod engine_metrics;
 pub mod error;
-pub mod health;
-pub mod kv;
-pub mod kv_events;
+pub mod http;
 pub mod metrics;
+
+// 2. The engine edge.
+pub mod engine_metrics;
+pub mod health;
+pub mod kv_events;
+
+// 3. State.
+pub mod busy;
+pub mod kv;
+pub mod workers;
+
+// 4. The request path.
+pub(crate) mod context;
+pub(crate) mod discovery;
+pub(crate) mod forward;
 pub mod pd;
 pub mod proxy;
 pub mod queue;
 pub mod routing;
-pub mod server;
 pub mod sync;
-pub mod workers;
+
+// 5. The server.
+pub mod server;
 
 pub use config::{Args, Settings, WorkerSpec};
 pub use server::{metrics_app, Gateway};

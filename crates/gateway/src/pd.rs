@@ -30,10 +30,10 @@ use kvroute_core::{PolicyKind, RequestLoad};
 use kvroute_protocol::RoutingFields;
 
 use crate::config::PdProtocol;
+use crate::context::AppState;
 use crate::error::GatewayError;
 use crate::proxy::{self, Admitted, Forward, InFlight};
 use crate::routing::{self, Choice, Plan};
-use crate::server::AppState;
 use crate::workers::{Half, Pool};
 
 /// Names the prefill worker of a disaggregated request (hint in, header out).

@@ -17,38 +17,20 @@ use http::{Method, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 
 use kvroute_core::RequestLoad;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::OwnedSemaphorePermit;
 
+use crate::auth::WorkerAuth;
 use crate::error::GatewayError;
+use crate::http::{
+    HttpClient, DP_RANK_HEADER, ENGINE_DP_RANK_HEADER, REQUEST_ID_HEADER, WORKER_HEADER,
+};
 use crate::metrics::Outcome;
 use crate::queue::AdmissionQueue;
 use crate::workers::Worker;
-
-pub const WORKER_HEADER: HeaderName = HeaderName::from_static("x-kvroute-worker");
-pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
-pub const DP_RANK_HEADER: HeaderName = HeaderName::from_static("x-kvroute-dp-rank");
-/// vLLM's header choosing the data-parallel rank of a request.
-pub const ENGINE_DP_RANK_HEADER: HeaderName = HeaderName::from_static("x-data-parallel-rank");
-
-/// The one pooled keep-alive HTTP/1.1 client to the workers.
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-pub fn build_client() -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_keepalive(Some(Duration::from_secs(60)));
-    connector.set_connect_timeout(Some(Duration::from_secs(10)));
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .build(connector)
-}
 
 /// Hop-by-hop headers (RFC 9110 7.6.1) and the ones the proxy sets itself.
 fn is_hop_by_hop(name: &HeaderName) -> bool {
@@ -189,17 +171,6 @@ impl Drop for Admitted {
     fn drop(&mut self) {
         self.gauge.dec();
     }
-}
-
-/// What the workers are sent as `Authorization`.
-#[derive(Debug, Clone)]
-pub enum WorkerAuth {
-    /// The client's header, as it came (no keys configured).
-    PassThrough,
-    /// Nothing: the client's header carries the router's client key.
-    Strip,
-    /// `Bearer <--api-key>`.
-    Set(HeaderValue),
 }
 
 /// A worker's response body, carrying the request's in-flight guard.

@@ -6,55 +6,36 @@
 //! accepting, lets in-flight requests finish for up to the grace period, and joins every
 //! background task it started (each worker's health checks, KV-event subscription and
 //! metric scraper, also for workers added at run time).
-//!
-//! A routed request is retried on another eligible worker when its attempt fails before
-//! the first response byte (connection error, timeout, 502/503/504), with jittered
-//! exponential backoff; never after a response started, never when it is pinned. Every
-//! attempt feeds the worker's circuit breaker.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use axum::body::Body;
-use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
-use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use http_body_util::{BodyExt, Limited};
-use kvroute_core::{EngineLoad, PolicyKind};
-use kvroute_protocol::RoutingFields;
 use kvroute_tokenizer::Tokenizer;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::auth;
-use crate::busy::{BusyControl, ThresholdsBody};
-use crate::config::{Args, ConfigError, Settings, WorkerSpec};
-use crate::engine_metrics::ScrapeTiming;
+use crate::config::{ConfigError, Settings, WorkerSpec};
+use crate::context::AppState;
+use crate::discovery;
 use crate::error::GatewayError;
-use crate::kv::{KvState, WorkerSink};
-use crate::kv_events::{KvEventMetrics, KvEventSubscriber};
-use crate::metrics::GatewayMetrics;
-use crate::proxy::{self, Admitted, Forward, HttpClient, InFlight, WorkerAuth, REQUEST_ID_HEADER};
-use crate::queue::AdmissionQueue;
-use crate::routing;
-use crate::workers::{Pool, Worker, WorkerSet};
-use kvroute_core::affinity::Affinity;
-use kvroute_protocol::WorkerId;
+use crate::forward::route_and_forward;
+use crate::http::REQUEST_ID_HEADER;
+use crate::workers::{Worker, WorkerSet};
 
 mod admin;
 mod background;
-mod forwarding;
 
 use admin::{add_worker, debug_route, get_busy, remove_worker, set_busy, workers};
-use background::{serve_api, start_worker};
-use forwarding::{read_body, route_and_forward};
+#[cfg(unix)]
+use background::spawn_reload_on_hangup;
+use background::{serve_api, spawn_upkeep, start_worker};
 
 /// Routes whose requests are routed by the policy and forwarded to a worker.
 const ROUTED: [&str; 7] = [
@@ -66,29 +47,6 @@ const ROUTED: [&str; 7] = [
     "/tokenize",
     "/detokenize",
 ];
-
-#[derive(Debug)]
-pub(crate) struct AppState {
-    pub(crate) queue: Option<Arc<AdmissionQueue>>,
-    pub(crate) busy: BusyControl,
-    pub(crate) affinity: Option<Arc<Affinity>>,
-    pub(crate) settings: Settings,
-    pub(crate) kv: Arc<KvState>,
-    pub(crate) kv_event_metrics: KvEventMetrics,
-    pub(crate) workers: Arc<WorkerSet>,
-    pub(crate) client: HttpClient,
-    pub(crate) metrics: GatewayMetrics,
-    /// `--max-concurrent-requests`.
-    pub(crate) limit: Option<Arc<Semaphore>>,
-    pub(crate) worker_auth: WorkerAuth,
-    /// Background tasks (per worker, upkeep); joined when serving ends.
-    pub(crate) tasks: TaskTracker,
-    /// Cancelled when serving ends: stops every background task.
-    pub(crate) shutdown: CancellationToken,
-    /// Replica sync, once serving started with it.
-    pub(crate) sync: std::sync::OnceLock<crate::sync::transport::SyncHandle>,
-    pub(crate) sync_metrics: crate::sync::transport::SyncMetrics,
-}
 
 /// The router: configuration, workers, the upstream client and the metrics.
 #[derive(Debug, Clone)]
@@ -109,56 +67,8 @@ impl Gateway {
         registry: &mut Registry,
         tokenizer: Arc<Tokenizer>,
     ) -> Self {
-        let metrics = GatewayMetrics::register(registry);
-        let workers = Arc::new(WorkerSet::new(&settings, &metrics));
-        let worker_auth = match (&settings.api_key, &settings.client_api_key) {
-            (Some(key), _) => WorkerAuth::Set(key.bearer().expect("checked by the settings")),
-            (None, Some(_)) => WorkerAuth::Strip,
-            (None, None) => WorkerAuth::PassThrough,
-        };
-        let kv = Arc::new(KvState::new(
-            &settings,
-            tokenizer,
-            (
-                metrics.kv_index_blocks.clone(),
-                metrics.kv_index_bytes.clone(),
-            ),
-        ));
-        let kv_event_metrics = KvEventMetrics::register(registry);
         Self {
-            state: Arc::new(AppState {
-                queue: settings.queue.as_ref().map(|q| {
-                    Arc::new(
-                        AdmissionQueue::new(
-                            q.threshold,
-                            q.timeout,
-                            q.classes.clone(),
-                            q.class_thresholds.clone(),
-                            q.order,
-                            registry,
-                        )
-                        .expect("classes validated with the settings"),
-                    )
-                }),
-                busy: BusyControl::new(settings.busy),
-                affinity: settings
-                    .session_affinity
-                    .map(|(mode, ttl)| Arc::new(Affinity::new(mode, ttl, 1 << 20))),
-                limit: settings
-                    .max_concurrent_requests
-                    .map(|n| Arc::new(Semaphore::new(n))),
-                worker_auth,
-                tasks: TaskTracker::new(),
-                shutdown: workers.shutdown().clone(),
-                sync: std::sync::OnceLock::new(),
-                sync_metrics: crate::sync::transport::SyncMetrics::register(registry),
-                settings,
-                kv,
-                kv_event_metrics,
-                workers,
-                client: proxy::build_client(),
-                metrics,
-            }),
+            state: Arc::new(AppState::new(settings, registry, tokenizer)),
         }
     }
 
@@ -228,38 +138,22 @@ impl Gateway {
     /// as at start) and applies the difference: new ids added, missing ids removed, changed
     /// ones replaced.
     pub fn reload(&self) -> Result<(usize, usize), ConfigError> {
-        let Some(path) = &self.state.settings.config_path else {
+        let Some(wanted) = discovery::config_file_workers(&self.state.settings)? else {
             return Ok((0, 0));
         };
-        let file = Args::from_file(path)?;
-        let wanted = self
-            .state
-            .settings
-            .cli_workers
-            .over(file)
-            .into_settings()?
-            .workers;
+        let path = self.state.settings.config_path.clone().unwrap_or_default();
         if wanted.is_empty() {
             tracing::warn!(path = %path.display(), "The reloaded config lists no worker: keeping the current ones");
             return Ok((0, 0));
         }
         let current = self.state.workers.workers();
-        let (mut added, mut removed) = (0, 0);
-        for w in current.iter() {
-            let keep = wanted.iter().any(|s| w.spec == *s);
-            if !keep && self.remove_worker(w.id.as_str()).is_ok() {
-                removed += 1;
-            }
-        }
-        for spec in wanted {
-            let id = spec.id.clone().unwrap_or_default();
-            if self.state.workers.get(&id).is_none() {
-                match self.add_worker(spec) {
-                    Ok(_) => added += 1,
-                    Err(error) => tracing::warn!(worker = %id, %error, "Cannot add worker"),
-                }
-            }
-        }
+        let (added, removed) = discovery::reconcile(
+            &current,
+            wanted,
+            |id| self.state.workers.get(id).is_some(),
+            |spec| self.add_worker(spec).map(drop),
+            |id| self.remove_worker(id).is_ok(),
+        );
         tracing::info!(path = %path.display(), added, removed, "Config reloaded");
         Ok((added, removed))
     }
@@ -308,62 +202,10 @@ impl Gateway {
             );
             let _ = state.sync.set(handle);
         }
-        {
-            let workers = state.workers.clone();
-            let queue = state.queue.clone();
-            let stop = state.shutdown.clone();
-            state.tasks.spawn(async move {
-                // Policy upkeep every second; the queue re-examined every 100 ms (thresholds
-                // may change at run time).
-                let mut tick = tokio::time::interval(Duration::from_millis(100));
-                let mut n = 0u32;
-                loop {
-                    tokio::select! {
-                        _ = tick.tick() => {
-                            n = n.wrapping_add(1);
-                            if n.is_multiple_of(10) {
-                                workers.maintain(Instant::now());
-                            }
-                            if let Some(q) = &queue {
-                                q.dispatch();
-                            }
-                        }
-                        _ = stop.cancelled() => return,
-                    }
-                }
-            });
-        }
+        spawn_upkeep(&state);
         #[cfg(unix)]
         if state.settings.config_path.is_some() {
-            let gateway = self.clone();
-            let stop = state.shutdown.clone();
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-                Ok(mut hup) => {
-                    state.tasks.spawn(async move {
-                        loop {
-                            tokio::select! {
-                                _ = hup.recv() => {
-                                    let result = match gateway.reload() {
-                                        Ok(_) => "ok",
-                                        Err(error) => {
-                                            tracing::error!(%error, "Config reload failed; nothing changed");
-                                            "error"
-                                        }
-                                    };
-                                    gateway
-                                        .state
-                                        .metrics
-                                        .reloads
-                                        .get_or_create(&crate::metrics::ReloadLabels { result })
-                                        .inc();
-                                }
-                                _ = stop.cancelled() => return,
-                            }
-                        }
-                    });
-                }
-                Err(error) => tracing::warn!(%error, "Cannot listen for SIGHUP"),
-            }
+            spawn_reload_on_hangup(self.clone());
         }
         let metrics_stop = state.shutdown.clone();
         let metrics = tokio::spawn(async move {

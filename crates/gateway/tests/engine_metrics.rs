@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Full};
 use kvroute_gateway::engine_metrics::{
     EngineGauges, EngineMetricsScraper, ScrapeError, ScrapeStats, ScrapeTiming, STALE_AFTER,
 };
-use kvroute_gateway::proxy::build_client;
+use kvroute_gateway::http::build_client;
 use kvroute_sim::{SimArgs, SimServer};
 use kvroute_tokenizer::Tokenizer;
 use tokio::net::TcpListener;

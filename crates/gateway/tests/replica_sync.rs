@@ -125,7 +125,7 @@ async fn replica_process(nats: &str, prefix: &str, worker: &str) -> (ChildGuard,
 /// Settings for `workers` with replica sync on `nats` under `prefix`.
 fn synced(nats: &Nats, prefix: &str, workers: &[&MockWorker]) -> kvroute_gateway::Settings {
     let mut s = settings(workers);
-    s.replica_sync = Some(kvroute_gateway::sync::transport::SyncConfig {
+    s.replica_sync = Some(kvroute_gateway::config::SyncConfig {
         url: nats.1.clone(),
         prefix: prefix.into(),
         timeout: std::time::Duration::from_secs(2),
@@ -485,7 +485,7 @@ async fn a_replica_started_without_nats_is_ready_and_syncs_once_nats_comes() {
     let port = free_port();
     let w = MockWorker::start("w", &["m"]).await;
     let mut s = settings(&[&w]);
-    s.replica_sync = Some(kvroute_gateway::sync::transport::SyncConfig {
+    s.replica_sync = Some(kvroute_gateway::config::SyncConfig {
         url: format!("nats://127.0.0.1:{port}"),
         prefix: "late".into(),
         timeout: std::time::Duration::from_secs(2),

@@ -1,518 +1,273 @@
-//! Defaults and validation: `Args` into `Settings`.
+//! The settings tree the gateway runs with, validated once from [`super::Args`], and the
+//! config file's worker and class descriptions.
 
-use super::*;
+use std::path::PathBuf;
+use std::time::Duration;
 
-/// The most data-parallel ranks one worker may have (each is a routing candidate).
-const MAX_DP_SIZE: u32 = 1024;
+use clap::ValueEnum;
+use kvroute_core::affinity::AffinityMode;
+use kvroute_core::eligibility::BusyThresholds;
+use kvroute_core::queue::{PolicyClass, QueueOrder};
+use kvroute_core::{PolicyConfig, PolicyKind};
+use serde::Deserialize;
 
-impl Args {
-    /// Applies the defaults and validates.
-    pub fn into_settings(self) -> Result<Settings, ConfigError> {
-        let defaults = PolicyConfig::default();
-        let mut workers: Vec<WorkerSpec> =
-            self.worker_urls.into_iter().map(WorkerSpec::url).collect();
-        // `--prefill URL [PORT]` occurrences arrive flattened: a number is the bootstrap port
-        // of the URL before it.
-        for value in &self.prefill {
-            match value.parse::<u16>() {
-                Ok(port) => match workers.last_mut() {
-                    Some(w) if w.role == WorkerRole::Prefill && w.bootstrap_port.is_none() => {
-                        w.bootstrap_port = Some(port)
-                    }
-                    _ => {
-                        return Err(ConfigError::Invalid {
-                            name: "prefill",
-                            reason: "expected URL [BOOTSTRAP_PORT]",
-                        })
-                    }
-                },
-                Err(_) => workers.push(WorkerSpec {
-                    role: WorkerRole::Prefill,
-                    ..WorkerSpec::url(value.clone())
-                }),
-            }
-        }
-        for url in &self.decode {
-            workers.push(WorkerSpec {
-                role: WorkerRole::Decode,
-                ..WorkerSpec::url(url.clone())
-            });
-        }
-        workers.extend(self.workers);
-        let workers = workers
-            .into_iter()
-            .map(WorkerSpec::validated)
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut seen = std::collections::HashSet::new();
-        for w in &workers {
-            let id = w.id.as_deref().expect("validated specs have an id");
-            if !seen.insert(id) {
-                return Err(ConfigError::DuplicateWorker(id.to_owned()));
-            }
-        }
-        let load_factor = self
-            .prefix_hash_load_factor
-            .unwrap_or(defaults.prefix_hash_load_factor);
-        if !(load_factor.is_finite() && load_factor > 0.0) {
-            return Err(ConfigError::Invalid {
-                name: "prefix_hash_load_factor",
-                reason: "must be a positive number",
-            });
-        }
-        let max_payload_size =
-            positive("max_payload_size", self.max_payload_size, 512 * 1024 * 1024)?;
-        let request_timeout_secs =
-            positive("request_timeout_secs", self.request_timeout_secs, 1800)?;
-        let host = self.host.unwrap_or_else(|| "127.0.0.1".to_owned());
-        let block_size = positive("block_size", self.block_size, 16)?;
-        let kv = KvAwareConfig::default();
-        let weight = |name: &'static str, v: Option<f64>, default: f64| match v {
-            Some(x) if !(x.is_finite() && x >= 0.0) => Err(ConfigError::Invalid {
-                name,
-                reason: "must be a non-negative number",
-            }),
-            Some(x) => Ok(x),
-            None => Ok(default),
-        };
-        let kv_aware = KvAwareConfig {
-            overlap_score_credit: weight(
-                "router_kv_overlap_score_credit",
-                self.router_kv_overlap_score_credit,
-                kv.overlap_score_credit,
-            )?,
-            prefill_load_scale: weight(
-                "router_prefill_load_scale",
-                self.router_prefill_load_scale,
-                kv.prefill_load_scale,
-            )?,
-            decode_active_request_weight: weight(
-                "router_decode_active_request_weight",
-                self.router_decode_active_request_weight,
-                kv.decode_active_request_weight,
-            )?,
-            temperature: weight(
-                "router_temperature",
-                self.router_temperature,
-                kv.temperature,
-            )?,
-            host_cache_hit_weight: weight(
-                "router_host_cache_hit_weight",
-                self.router_host_cache_hit_weight,
-                kv.host_cache_hit_weight,
-            )?,
-            disk_cache_hit_weight: weight(
-                "router_disk_cache_hit_weight",
-                self.router_disk_cache_hit_weight,
-                kv.disk_cache_hit_weight,
-            )?,
-            shared_cache_multiplier: weight(
-                "shared_cache_multiplier",
-                self.shared_cache_multiplier,
-                kv.shared_cache_multiplier,
-            )?,
-        };
-        let ca = CacheAwareConfig::default();
-        let cache_aware = CacheAwareConfig {
-            cache_threshold: match self.cache_threshold {
-                Some(t) if !(0.0..=1.0).contains(&t) => {
-                    return Err(ConfigError::Invalid {
-                        name: "cache_threshold",
-                        reason: "must be between 0 and 1",
-                    })
-                }
-                Some(t) => t,
-                None => ca.cache_threshold,
-            },
-            balance_abs_threshold: self
-                .balance_abs_threshold
-                .unwrap_or(ca.balance_abs_threshold),
-            balance_rel_threshold: weight(
-                "balance_rel_threshold",
-                self.balance_rel_threshold,
-                ca.balance_rel_threshold,
-            )?,
-            eviction_interval_secs: self
-                .eviction_interval_secs
-                .unwrap_or(ca.eviction_interval_secs),
-            max_tree_size: self.max_tree_size.unwrap_or(ca.max_tree_size),
-        };
-        let busy = BusyThresholds {
-            active_prefill_tokens: self.active_prefill_tokens_threshold,
-            active_prefill_tokens_frac: self
-                .active_prefill_tokens_threshold_frac
-                .map(|f| weight("active_prefill_tokens_threshold_frac", Some(f), 0.0))
-                .transpose()?,
-            active_decode_blocks: match self.active_decode_blocks_threshold {
-                Some(f) if !(0.0..=1.0).contains(&f) => {
-                    return Err(ConfigError::Invalid {
-                        name: "active_decode_blocks_threshold",
-                        reason: "must be between 0 and 1",
-                    })
-                }
-                other => other,
-            },
-        };
-        let ld = LlmDConfig::default();
-        let llm_d = LlmDConfig {
-            prefix_weight: weight(
-                "llm_d_prefix_weight",
-                self.llm_d_prefix_weight,
-                ld.prefix_weight,
-            )?,
-            queue_weight: weight(
-                "llm_d_queue_weight",
-                self.llm_d_queue_weight,
-                ld.queue_weight,
-            )?,
-            kv_weight: weight("llm_d_kv_weight", self.llm_d_kv_weight, ld.kv_weight)?,
-            block_size: ld.block_size.max(block_size),
-        };
-        let health = HealthSettings {
-            interval: Duration::from_secs(positive(
-                "health_check_interval_secs",
-                self.health_check_interval_secs,
-                60,
-            )?),
-            timeout: Duration::from_secs(positive(
-                "health_check_timeout_secs",
-                self.health_check_timeout_secs,
-                5,
-            )?),
-            failure_threshold: positive(
-                "health_failure_threshold",
-                self.health_failure_threshold.map(u64::from),
-                3,
-            )? as u32,
-            success_threshold: positive(
-                "health_success_threshold",
-                self.health_success_threshold.map(u64::from),
-                2,
-            )? as u32,
-            endpoint: match self.health_check_endpoint {
-                Some(p) if !p.starts_with('/') => {
-                    return Err(ConfigError::Invalid {
-                        name: "health_check_endpoint",
-                        reason: "must be a path starting with /",
-                    })
-                }
-                Some(p) => p,
-                None => "/health".to_owned(),
-            },
-        };
-        let multiplier = self.retry_backoff_multiplier.unwrap_or(1.5);
-        if !(multiplier.is_finite() && multiplier >= 1.0) {
-            return Err(ConfigError::Invalid {
-                name: "retry_backoff_multiplier",
-                reason: "must be a number of at least 1",
-            });
-        }
-        let jitter = self.retry_jitter_factor.unwrap_or(0.2);
-        if !(0.0..=1.0).contains(&jitter) {
-            return Err(ConfigError::Invalid {
-                name: "retry_jitter_factor",
-                reason: "must be between 0 and 1",
-            });
-        }
-        let retry = RetrySettings {
-            max_retries: if self.disable_retries {
-                0
-            } else {
-                self.retry_max_retries.unwrap_or(5)
-            },
-            initial_backoff: Duration::from_millis(self.retry_initial_backoff_ms.unwrap_or(50)),
-            max_backoff: Duration::from_millis(self.retry_max_backoff_ms.unwrap_or(30_000)),
-            multiplier,
-            jitter,
-        };
-        let circuit = (!self.disable_circuit_breaker)
-            .then(|| -> Result<CircuitSettings, ConfigError> {
-                Ok(CircuitSettings {
-                    failure_threshold: positive(
-                        "cb_failure_threshold",
-                        self.cb_failure_threshold.map(u64::from),
-                        10,
-                    )? as u32,
-                    success_threshold: positive(
-                        "cb_success_threshold",
-                        self.cb_success_threshold.map(u64::from),
-                        3,
-                    )? as u32,
-                    timeout: Duration::from_secs(positive(
-                        "cb_timeout_duration_secs",
-                        self.cb_timeout_duration_secs,
-                        60,
-                    )?),
-                })
-            })
-            .transpose()?;
-        let policy_config = PolicyConfig {
-            prefix_token_count: self
-                .prefix_token_count
-                .unwrap_or(defaults.prefix_token_count),
-            prefix_hash_load_factor: load_factor,
-            max_idle: self
-                .max_idle_secs
-                .map_or(defaults.max_idle, Duration::from_secs),
-            assignment_mode: match self.assignment_mode {
-                Some(AssignmentModeArg::Random) => AssignmentMode::Random,
-                Some(AssignmentModeArg::MinLoad) | None => AssignmentMode::MinLoad,
-            },
-            kv_aware,
-            cache_aware,
-            llm_d,
-            ..defaults
-        };
-        let pd_on = self.pd_disaggregation || workers.iter().any(|w| w.role != WorkerRole::Both);
-        let pd = if pd_on {
-            let complete = workers.iter().any(|w| w.role.prefills())
-                && workers.iter().any(|w| w.role.decodes());
-            if !workers.is_empty() && !complete {
-                return Err(ConfigError::Invalid {
-                    name: "pd_disaggregation",
-                    reason: "needs at least one prefill and one decode worker",
-                });
-            }
-            // The halves' policies take the same parameters as the main one.
-            let base = policy_config.clone();
-            let (decode_policy, decode_config) =
-                kvroute_core::policy::decode_policy(self.decode_policy, &base);
-            Some(PdSettings {
-                protocol: self.pd_protocol.unwrap_or_default(),
-                prefill_policy: self.prefill_policy.unwrap_or(PolicyKind::KvAware),
-                prefill_config: base,
-                decode_policy,
-                decode_config,
-                min_uncached_tokens: self.pd_min_uncached_tokens.unwrap_or(0),
-            })
-        } else {
-            None
-        };
-        Ok(Settings {
-            prometheus_host: self.prometheus_host.unwrap_or_else(|| host.clone()),
-            host,
-            port: self.port.unwrap_or(30000),
-            prometheus_port: self.prometheus_port.unwrap_or(29000),
-            workers,
-            policy: self.policy.unwrap_or(PolicyKind::KvAware),
-            policy_config,
-            max_payload_size,
-            request_timeout: Duration::from_secs(request_timeout_secs),
-            log_level: self.log_level.unwrap_or(LogLevel::Info),
-            block_size,
-            kv_events: if self.no_router_kv_events {
-                KvEventsMode::Approximate
-            } else {
-                KvEventsMode::Events
-            },
-            router_ttl: Duration::from_secs(self.router_ttl_secs.unwrap_or(120)),
-            max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
-            metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
-            busy,
-            admin_api_key: self.admin_api_key.and_then(Secret::new),
-            client_api_key: self.client_api_key.and_then(Secret::new),
-            api_key: match self.api_key.and_then(Secret::new) {
-                Some(key) if key.bearer().is_none() => {
-                    return Err(ConfigError::Invalid {
-                        name: "api_key",
-                        reason: "must be visible ASCII (it is sent as a header)",
-                    })
-                }
-                key => key,
-            },
-            health,
-            retry,
-            circuit,
-            max_concurrent_requests: match self.max_concurrent_requests {
-                Some(n) => Some(positive("max_concurrent_requests", Some(n), 0)?),
-                None => None,
-            },
-            shutdown_grace: Duration::from_secs(self.shutdown_grace_period_secs.unwrap_or(180)),
-            header_read_timeout: Duration::from_secs(positive(
-                "header_read_timeout_secs",
-                self.header_read_timeout_secs,
-                30,
-            )?),
-            pd,
-            replica_sync: match self.replica_sync {
-                None => None,
-                Some(url) if !url.starts_with("nats://") => {
-                    return Err(ConfigError::Invalid {
-                        name: "replica_sync",
-                        reason: "must be nats://HOST:PORT",
-                    })
-                }
-                Some(url) => Some(crate::sync::transport::SyncConfig {
-                    url,
-                    prefix: self
-                        .replica_sync_subject_prefix
-                        .unwrap_or_else(|| "kvroute".to_owned()),
-                    timeout: Duration::from_secs(positive(
-                        "replica_timeout_secs",
-                        self.replica_timeout_secs,
-                        10,
-                    )?),
-                }),
-            },
-            config_path: self.config,
-            cli_workers: CliWorkers::default(),
-            queue: match self.router_queue_threshold {
-                None => None,
-                // Disaggregated requests bypass the admission queue: refuse rather than
-                // ignore the flag.
-                Some(_) if pd_on => {
-                    return Err(ConfigError::Invalid {
-                        name: "router_queue_threshold",
-                        reason: "not supported with prefill/decode disaggregation yet",
-                    })
-                }
-                Some(t) if !(t.is_finite() && t > 0.0) => {
-                    return Err(ConfigError::Invalid {
-                        name: "router_queue_threshold",
-                        reason: "must be a positive number",
-                    })
-                }
-                Some(threshold) => {
-                    let mut class_thresholds = Vec::new();
-                    let mut classes: Vec<PolicyClass> = Vec::new();
-                    for c in self.policy_classes {
-                        if c.active_decode_blocks_threshold
-                            .is_some_and(|f| !(0.0..=1.0).contains(&f))
-                        {
-                            return Err(ConfigError::Invalid {
-                                name: "policy_classes.active_decode_blocks_threshold",
-                                reason: "must be between 0 and 1",
-                            });
-                        }
-                        class_thresholds.push(BusyThresholds {
-                            active_prefill_tokens: c.active_prefill_tokens_threshold,
-                            active_prefill_tokens_frac: c.active_prefill_tokens_threshold_frac,
-                            active_decode_blocks: c.active_decode_blocks_threshold,
-                        });
-                        classes.push(PolicyClass {
-                            name: c.name,
-                            weight: c.weight,
-                            max_queued: c.max_queued,
-                        });
-                    }
-                    if classes.is_empty() {
-                        classes.push(PolicyClass {
-                            name: "default".into(),
-                            weight: 1,
-                            max_queued: None,
-                        });
-                        class_thresholds.push(BusyThresholds::default());
-                    }
-                    let order = match self.router_queue_policy {
-                        Some(QueueOrderArg::Wspt) => QueueOrder::Wspt,
-                        Some(QueueOrderArg::Fcfs) | None => QueueOrder::Fcfs,
-                    };
-                    if let Err(e) = kvroute_core::queue::DrrQueue::<()>::new(classes.clone(), order)
-                    {
-                        tracing::error!(error = %e, "invalid policy classes");
-                        return Err(ConfigError::Invalid {
-                            name: "policy_classes",
-                            reason: "need distinct names and positive weights",
-                        });
-                    }
-                    Some(QueueSettings {
-                        threshold,
-                        order,
-                        timeout: Duration::from_secs(positive(
-                            "router_queue_timeout_secs",
-                            self.router_queue_timeout_secs,
-                            60,
-                        )?),
-                        classes,
-                        class_thresholds,
-                    })
-                }
-            },
-            session_affinity: self.session_affinity_ttl_secs.map(|secs| {
-                let mode = match self.session_affinity_mode {
-                    Some(AffinityModeArg::Hard) => AffinityMode::Hard,
-                    Some(AffinityModeArg::Soft) | None => AffinityMode::Soft,
-                };
-                (mode, Duration::from_secs(secs))
-            }),
-            tokenizer: self.tokenizer,
-        })
+use super::{Args, CliWorkers, ConfigError, LogLevel};
+use crate::auth::Secret;
+
+/// A policy class as the config file describes it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyClassSpec {
+    pub name: String,
+    pub weight: u64,
+    #[serde(default)]
+    pub max_queued: Option<usize>,
+    /// The class's own busy thresholds, over the model's where set.
+    #[serde(default)]
+    pub active_prefill_tokens_threshold: Option<u64>,
+    #[serde(default)]
+    pub active_prefill_tokens_threshold_frac: Option<f64>,
+    #[serde(default)]
+    pub active_decode_blocks_threshold: Option<f64>,
+}
+
+/// The queue's configuration, when it is on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueSettings {
+    pub threshold: f64,
+    pub order: QueueOrder,
+    pub timeout: Duration,
+    pub classes: Vec<PolicyClass>,
+    /// Per class (same order), its own busy thresholds; unset fields follow the model's.
+    pub class_thresholds: Vec<BusyThresholds>,
+}
+
+/// A worker as the config file describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    /// Defaults to the url.
+    #[serde(default)]
+    pub id: Option<String>,
+    pub url: String,
+    /// The model it serves; else read from its `GET /v1/models`.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The engine's KV-event publisher (vLLM `--kv-events-config` endpoint), `tcp://HOST:PORT`.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// The engine's KV-event replay socket, if it has one.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
+    /// Data-parallel ranks `[dp_start_rank, dp_start_rank + dp_size)`; none when absent.
+    #[serde(default)]
+    pub dp_size: Option<u32>,
+    #[serde(default)]
+    pub dp_start_rank: Option<u32>,
+    /// The engine's KV blocks (vLLM does not always export them); else from its metrics.
+    #[serde(default)]
+    pub num_gpu_blocks: Option<u64>,
+    /// The engine's `--max-num-batched-tokens` (vLLM does not export it); without it the
+    /// `-frac` prefill threshold skips this worker.
+    #[serde(default)]
+    pub max_num_batched_tokens: Option<u64>,
+    /// Labels requests can require (`x-kvroute-required-taints`) or prefer.
+    #[serde(default)]
+    pub taints: Vec<String>,
+    /// Its part in prefill/decode disaggregation [default: both].
+    #[serde(default)]
+    pub role: WorkerRole,
+    /// A prefill worker's bootstrap port (SGLang's disaggregation protocol).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+}
+
+/// A worker's part in prefill/decode disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerRole {
+    Prefill,
+    Decode,
+    #[default]
+    Both,
+}
+
+impl WorkerRole {
+    pub fn prefills(self) -> bool {
+        self != WorkerRole::Decode
+    }
+
+    pub fn decodes(self) -> bool {
+        self != WorkerRole::Prefill
     }
 }
 
-/// Checks a worker base URL (`http://host:port[/prefix]`) and drops a trailing slash.
-/// `v` (or `default` when unset), refusing zero.
-fn positive<T: PartialEq + Default>(
-    name: &'static str,
-    v: Option<T>,
-    default: T,
-) -> Result<T, ConfigError> {
-    match v {
-        Some(x) if x == T::default() => Err(ConfigError::Invalid {
-            name,
-            reason: "must be positive",
-        }),
-        Some(x) => Ok(x),
-        None => Ok(default),
-    }
+/// How the two halves of a disaggregated request reach the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PdProtocol {
+    /// vLLM (NIXL): prefill with `max_tokens` 1 and `kv_transfer_params`, then decode with
+    /// the parameters the prefill returned.
+    #[default]
+    Vllm,
+    /// SGLang: `bootstrap_host`, `bootstrap_port`, `bootstrap_room` sent to both at once.
+    Sglang,
+}
+
+/// Prefill/decode disaggregation, when on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PdSettings {
+    pub protocol: PdProtocol,
+    pub prefill_policy: PolicyKind,
+    pub prefill_config: PolicyConfig,
+    pub decode_policy: PolicyKind,
+    pub decode_config: PolicyConfig,
+    /// Below this many uncached prompt tokens on the chosen decode worker, skip the remote
+    /// prefill (0: always disaggregate).
+    pub min_uncached_tokens: u64,
 }
 
 impl WorkerSpec {
-    /// The spec with its URL normalised and its id defaulted to it, if it is valid on its
-    /// own (the checks of one worker, whether from the config or `POST /workers`).
-    pub fn validated(mut self) -> Result<WorkerSpec, ConfigError> {
-        self.url = normalize_url(&self.url)?;
-        self.id.get_or_insert_with(|| self.url.clone());
-        if self.dp_size == Some(0) {
-            return Err(ConfigError::Invalid {
-                name: "dp_size",
-                reason: "must be at least 1",
-            });
+    /// A worker known by its URL only.
+    pub fn url(url: impl Into<String>) -> Self {
+        Self {
+            id: None,
+            url: url.into(),
+            model: None,
+            kv_events: None,
+            kv_events_replay: None,
+            dp_size: None,
+            dp_start_rank: None,
+            num_gpu_blocks: None,
+            max_num_batched_tokens: None,
+            taints: Vec::new(),
+            role: WorkerRole::Both,
+            bootstrap_port: None,
         }
-        if self.dp_size.is_some_and(|n| n > MAX_DP_SIZE) {
-            return Err(ConfigError::Invalid {
-                name: "dp_size",
-                reason: "must be at most 1024",
-            });
-        }
-        if self
-            .dp_start_rank
-            .unwrap_or(0)
-            .checked_add(self.dp_size.unwrap_or(1))
-            .is_none()
-        {
-            return Err(ConfigError::Invalid {
-                name: "dp_start_rank",
-                reason: "dp_start_rank + dp_size must fit in 32 bits",
-            });
-        }
-        for endpoint in self.kv_events.iter().chain(&self.kv_events_replay) {
-            if !endpoint.starts_with("tcp://") || endpoint.rsplit_once(':').is_none() {
-                return Err(ConfigError::Invalid {
-                    name: "kv_events",
-                    reason: "must be tcp://HOST:PORT",
-                });
+    }
+
+    /// The worker's data-parallel ranks, or `[None]` when it has none.
+    pub fn ranks(&self) -> Vec<Option<u32>> {
+        match self.dp_size {
+            Some(n) => {
+                let start = self.dp_start_rank.unwrap_or(0);
+                (start..start + n.max(1)).map(Some).collect()
             }
+            None => vec![None],
         }
-        Ok(self)
     }
 }
 
-fn normalize_url(url: &str) -> Result<String, ConfigError> {
-    let bad = |reason| ConfigError::WorkerUrl {
-        url: url.to_owned(),
-        reason,
-    };
-    let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => return Err(bad("https workers are not supported yet; use http")),
-        _ => return Err(bad("must start with http://")),
+/// Active health checks of the workers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthSettings {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub failure_threshold: u32,
+    pub success_threshold: u32,
+    pub endpoint: String,
+}
+
+/// Retries of requests that failed before their first response byte.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetrySettings {
+    pub max_retries: u32,
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+    pub multiplier: f64,
+    pub jitter: f64,
+}
+
+impl RetrySettings {
+    /// The wait before retry `n` (1-based), before jitter (±`jitter` of it).
+    pub fn backoff(&self, n: u32) -> Duration {
+        let base =
+            self.initial_backoff.as_secs_f64() * self.multiplier.powi(n.saturating_sub(1) as i32);
+        Duration::from_secs_f64(base.min(self.max_backoff.as_secs_f64()))
     }
-    if uri.authority().is_none() {
-        return Err(bad("has no host"));
+}
+
+/// The per-worker circuit breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CircuitSettings {
+    pub failure_threshold: u32,
+    pub success_threshold: u32,
+    pub timeout: Duration,
+}
+
+/// Where the router learns what each engine caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEventsMode {
+    /// From the engines' KV events, for workers that publish them (`kv_events`); the
+    /// others are approximated.
+    Events,
+    /// From the router's own decisions only (`--no-router-kv-events`).
+    Approximate,
+}
+
+/// The validated configuration the gateway runs with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub host: String,
+    pub port: u16,
+    pub prometheus_host: String,
+    pub prometheus_port: u16,
+    pub workers: Vec<WorkerSpec>,
+    pub policy: PolicyKind,
+    pub policy_config: PolicyConfig,
+    pub max_payload_size: usize,
+    pub request_timeout: Duration,
+    pub log_level: LogLevel,
+    pub block_size: usize,
+    pub kv_events: KvEventsMode,
+    pub router_ttl: Duration,
+    pub max_indexed_blocks: usize,
+    /// How often engine metrics are scraped (when the policy uses them).
+    pub metrics_refresh: Duration,
+    /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).
+    pub busy: BusyThresholds,
+    pub admin_api_key: Option<Secret>,
+    pub client_api_key: Option<Secret>,
+    /// The key sent to the workers.
+    pub api_key: Option<Secret>,
+    pub health: HealthSettings,
+    /// Retries; `max_retries` 0 when disabled.
+    pub retry: RetrySettings,
+    /// The circuit breaker, unless disabled.
+    pub circuit: Option<CircuitSettings>,
+    pub max_concurrent_requests: Option<usize>,
+    pub shutdown_grace: Duration,
+    pub header_read_timeout: Duration,
+    /// Prefill/decode disaggregation, when on.
+    pub pd: Option<PdSettings>,
+    /// Replica sync, when on.
+    pub replica_sync: Option<SyncConfig>,
+    /// The config file, re-read on SIGHUP.
+    pub config_path: Option<PathBuf>,
+    /// The command line's worker flags (they stay over the file's across reloads).
+    pub cli_workers: CliWorkers,
+    /// Session affinity's mode and TTL, when on.
+    pub session_affinity: Option<(AffinityMode, Duration)>,
+    /// The admission queue, when `--router-queue-threshold` is set.
+    pub queue: Option<QueueSettings>,
+    pub tokenizer: Option<PathBuf>,
+}
+
+impl Settings {
+    /// Settings with every default and the given workers: what tests start from.
+    pub fn with_workers(workers: Vec<WorkerSpec>) -> Result<Self, ConfigError> {
+        Args {
+            workers,
+            ..Args::default()
+        }
+        .into_settings()
     }
-    if uri.query().is_some() {
-        return Err(bad("must not have a query"));
-    }
-    Ok(url.trim_end_matches('/').to_owned())
+}
+
+/// Replica sync: where the peers meet (NATS) and how long a start-up snapshot may take.
+#[derive(Debug, Clone)]
+pub struct SyncConfig {
+    pub url: String,
+    pub prefix: String,
+    pub timeout: Duration,
 }

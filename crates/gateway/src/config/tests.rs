@@ -1,3 +1,8 @@
+use std::time::Duration;
+
+use clap::Parser;
+use kvroute_core::{KvAwareConfig, PolicyKind};
+
 use super::*;
 
 #[test]

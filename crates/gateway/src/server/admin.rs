@@ -1,6 +1,23 @@
 //! The admin API: `/debug/route`, `/workers`, `/busy_threshold`, and who may call them.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use http::StatusCode;
+use kvroute_core::{EngineLoad, PolicyKind};
+use kvroute_protocol::RoutingFields;
+
+use super::Gateway;
+use crate::auth;
+use crate::busy::{BusyControl, ThresholdsBody};
+use crate::config::WorkerSpec;
+use crate::context::AppState;
+use crate::error::GatewayError;
+use crate::forward::read_body;
+use crate::routing;
 /// `POST /debug/route`: the decision the router would make for this request, with every
 /// candidate's terms, without sending it or changing any state.
 pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Response {

@@ -1,6 +1,25 @@
-//! The gateway's background work: each worker's tasks, and the API's accept loop.
+//! The gateway's background work: each worker's tasks, policy upkeep, the config reload on
+//! SIGHUP, and the API's accept loop.
 
-use super::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::Router;
+use kvroute_core::PolicyKind;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::Gateway;
+use crate::config::Settings;
+use crate::context::AppState;
+use crate::engine_metrics::ScrapeTiming;
+use crate::kv::WorkerSink;
+use crate::kv_events::KvEventSubscriber;
+use crate::metrics::ReloadLabels;
+use crate::workers::Worker;
 /// Starts a worker's background tasks: health checks, the KV-event subscription (while it
 /// is healthy) and the engine-metrics scraper (for the policies that read it).
 pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
@@ -82,6 +101,66 @@ pub(super) async fn follow_kv_events(state: Arc<AppState>, worker: Arc<Worker>) 
         if !stopped() {
             tracing::warn!(worker = %worker.id, "Worker unhealthy: KV-event subscription stopped and its blocks forgotten until it returns");
         }
+    }
+}
+
+/// Policy upkeep every second; the queue re-examined every 100 ms (thresholds may change
+/// at run time).
+pub(super) fn spawn_upkeep(state: &AppState) {
+    let workers = state.workers.clone();
+    let queue = state.queue.clone();
+    let stop = state.shutdown.clone();
+    state.tasks.spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let mut n = 0u32;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    n = n.wrapping_add(1);
+                    if n.is_multiple_of(10) {
+                        workers.maintain(Instant::now());
+                    }
+                    if let Some(q) = &queue {
+                        q.dispatch();
+                    }
+                }
+                _ = stop.cancelled() => return,
+            }
+        }
+    });
+}
+
+/// Re-reads the config file's workers on every SIGHUP, until the gateway stops.
+#[cfg(unix)]
+pub(super) fn spawn_reload_on_hangup(gateway: Gateway) {
+    let state = gateway.state.clone();
+    let stop = state.shutdown.clone();
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(mut hup) => {
+            state.tasks.spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = hup.recv() => {
+                            let result = match gateway.reload() {
+                                Ok(_) => "ok",
+                                Err(error) => {
+                                    tracing::error!(%error, "Config reload failed; nothing changed");
+                                    "error"
+                                }
+                            };
+                            gateway
+                                .state
+                                .metrics
+                                .reloads
+                                .get_or_create(&ReloadLabels { result })
+                                .inc();
+                        }
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            });
+        }
+        Err(error) => tracing::warn!(%error, "Cannot listen for SIGHUP"),
     }
 }
 

@@ -20,6 +20,7 @@ use kvroute_index::BlockHash;
 
 use super::snapshot::{self, Part};
 use super::{decode, encode, Envelope, Ledger, LoadOp, Message, ReplicaTag};
+use crate::config::SyncConfig;
 use crate::kv::KvState;
 use crate::workers::{Half, Pool, RoutingTable, WorkerSet};
 
@@ -40,14 +41,6 @@ impl SyncHandle {
     pub fn send(&self, msg: Message) {
         let _ = self.tx.send(msg);
     }
-}
-
-/// Where and how to sync.
-#[derive(Debug, Clone)]
-pub struct SyncConfig {
-    pub url: String,
-    pub prefix: String,
-    pub timeout: Duration,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -10,7 +10,7 @@ use kvroute_protocol::ModelId;
 
 use super::{lock, Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
 use crate::health::{jittered, HealthCounter};
-use crate::proxy::HttpClient;
+use crate::http::HttpClient;
 use http::HeaderValue;
 
 impl WorkerSet {

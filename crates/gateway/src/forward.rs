@@ -1,7 +1,29 @@
 //! A routed request: admission, routing, forwarding, and retries on another worker.
+//!
+//! A request is retried on another eligible worker when its attempt fails before the first
+//! response byte (connection error, timeout, 502/503/504), with jittered exponential
+//! backoff; never after a response started, never when it is pinned. Every attempt feeds
+//! the worker's circuit breaker.
 
-use super::*;
-pub(super) async fn read_body(
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue};
+use http_body_util::{BodyExt, Limited};
+use kvroute_core::PolicyKind;
+use kvroute_protocol::{RoutingFields, WorkerId};
+
+use crate::auth;
+use crate::context::AppState;
+use crate::error::GatewayError;
+use crate::proxy::{self, Admitted, Forward, InFlight};
+use crate::routing;
+use crate::workers::Pool;
+
+pub(crate) async fn read_body(
     body: Body,
     limit: usize,
     headers: &HeaderMap,
@@ -23,7 +45,7 @@ pub(super) async fn read_body(
 }
 
 /// Admits a request under `--max-concurrent-requests` (429 beyond it).
-pub(super) fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
+pub(crate) fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
     let permit = match &state.limit {
         Some(limit) => Some(limit.clone().try_acquire_owned().map_err(|_| {
             GatewayError::TooManyRequests(state.settings.max_concurrent_requests.unwrap_or(0))
@@ -34,9 +56,9 @@ pub(super) fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
 }
 
 /// Routes that are disaggregated when prefill/decode disaggregation is on.
-pub(super) const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
+pub(crate) const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
 
-pub(super) async fn route_and_forward(
+pub(crate) async fn route_and_forward(
     state: &AppState,
     route: &'static str,
     req: Request,

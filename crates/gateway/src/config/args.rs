@@ -1,0 +1,398 @@
+//! The command line of `kvroute`, which is also the config file's schema, and how the two
+//! are read.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, ValueEnum};
+use kvroute_core::PolicyKind;
+use serde::{Deserialize, Deserializer};
+
+use super::{ConfigError, PdProtocol, PolicyClassSpec, Settings, WorkerSpec};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    #[value(alias = "warning")]
+    #[serde(alias = "warning")]
+    Warn,
+    Error,
+}
+
+impl LogLevel {
+    pub fn as_filter(self) -> &'static str {
+        match self {
+            LogLevel::Trace => "trace",
+            LogLevel::Debug => "debug",
+            LogLevel::Info => "info",
+            LogLevel::Warn => "warn",
+            LogLevel::Error => "error",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AssignmentModeArg {
+    MinLoad,
+    Random,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueOrderArg {
+    Fcfs,
+    Wspt,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AffinityModeArg {
+    Hard,
+    Soft,
+}
+
+/// The command line of `kvroute`, and the schema of its config file.
+#[derive(Debug, Default, Parser, Deserialize)]
+#[command(
+    name = "kvroute",
+    version,
+    about = "KV-cache-aware router for OpenAI-compatible LLM engines (vLLM, SGLang)"
+)]
+#[serde(default, deny_unknown_fields)]
+pub struct Args {
+    /// Config file (YAML or JSON); the command line wins over it.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+
+    /// Address to serve the API on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to serve the API on [default: 30000].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Address to serve Prometheus metrics on [default: the --host].
+    #[arg(long)]
+    pub prometheus_host: Option<String>,
+    /// Port to serve Prometheus metrics on [default: 29000].
+    #[arg(long)]
+    pub prometheus_port: Option<u16>,
+
+    /// Worker base URLs; each one's id is its URL, its models come from its /v1/models.
+    #[arg(long, num_args = 1.., value_name = "URL")]
+    pub worker_urls: Vec<String>,
+    /// Workers with an id and a model (config file only).
+    #[arg(skip)]
+    pub workers: Vec<WorkerSpec>,
+
+    /// Prefill/decode disaggregation: requests are prefilled on a prefill worker and
+    /// decoded on a decode worker (on by itself when workers have roles).
+    #[arg(long, alias = "vllm-pd-disaggregation")]
+    pub pd_disaggregation: bool,
+    /// A prefill worker, with its bootstrap port for SGLang's protocol (repeatable).
+    #[arg(long, num_args = 1..=2, value_names = ["URL", "BOOTSTRAP_PORT"], action = clap::ArgAction::Append)]
+    pub prefill: Vec<String>,
+    /// A decode worker (repeatable).
+    #[arg(long, value_name = "URL", action = clap::ArgAction::Append)]
+    pub decode: Vec<String>,
+    /// Policy choosing the prefill worker [default: kv_aware].
+    #[arg(long, value_parser = parse_policy)]
+    #[serde(deserialize_with = "de_policy")]
+    pub prefill_policy: Option<PolicyKind>,
+    /// Policy choosing the decode worker [default: kv_aware with overlap credit 0, i.e. by
+    /// load only].
+    #[arg(long, value_parser = parse_policy)]
+    #[serde(deserialize_with = "de_policy")]
+    pub decode_policy: Option<PolicyKind>,
+    /// How the halves reach the engines: vllm (NIXL kv_transfer_params) or sglang
+    /// (bootstrap) [default: vllm].
+    #[arg(long, value_enum)]
+    pub pd_protocol: Option<PdProtocol>,
+    /// Skip the remote prefill when the chosen decode worker already holds all but fewer
+    /// than this many prompt tokens [default: 0, always disaggregate].
+    #[arg(long)]
+    pub pd_min_uncached_tokens: Option<u64>,
+
+    /// Routing policy [default: kv_aware].
+    #[arg(long, value_parser = parse_policy)]
+    #[serde(deserialize_with = "de_policy")]
+    pub policy: Option<PolicyKind>,
+    /// prefix_hash: characters of the prompt hashed [default: 256].
+    #[arg(long)]
+    pub prefix_token_count: Option<usize>,
+    /// prefix_hash: leave the hashed worker when its load exceeds this x the mean [default: 1.25].
+    #[arg(long)]
+    pub prefix_hash_load_factor: Option<f64>,
+    /// manual: forget a session key idle this long [default: 14400].
+    #[arg(long)]
+    pub max_idle_secs: Option<u64>,
+    /// manual: how a new session key is placed [default: min_load].
+    #[arg(long, value_enum)]
+    pub assignment_mode: Option<AssignmentModeArg>,
+
+    /// cache_aware: route by the tree when the matched share of the prompt exceeds this [default: 0.3].
+    #[arg(long)]
+    pub cache_threshold: Option<f64>,
+    /// cache_aware: the load is imbalanced when max - min exceeds this... [default: 64].
+    #[arg(long)]
+    pub balance_abs_threshold: Option<u64>,
+    /// cache_aware: ...and max exceeds this times min [default: 1.5].
+    #[arg(long)]
+    pub balance_rel_threshold: Option<f64>,
+    /// cache_aware: seconds between tree evictions [default: 120].
+    #[arg(long, alias = "eviction-interval")]
+    #[serde(alias = "eviction_interval")]
+    pub eviction_interval_secs: Option<u64>,
+    /// cache_aware: characters each worker's tree may hold [default: 67108864].
+    #[arg(long)]
+    pub max_tree_size: Option<usize>,
+    /// llm_d: weight of the prefix-cache scorer [default: 3].
+    #[arg(long)]
+    pub llm_d_prefix_weight: Option<f64>,
+    /// llm_d: weight of the queue scorer [default: 2].
+    #[arg(long)]
+    pub llm_d_queue_weight: Option<f64>,
+    /// llm_d: weight of the KV-cache utilisation scorer [default: 2].
+    #[arg(long)]
+    pub llm_d_kv_weight: Option<f64>,
+    /// How often each engine's /metrics is read, when the policy uses engine metrics [default: 50].
+    #[arg(long)]
+    pub metrics_refresh_ms: Option<u64>,
+    /// The router's KV block size in tokens [default: 16].
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// kv_aware: credit per prefix block cached on the device [default: 1.0].
+    #[arg(long)]
+    pub router_kv_overlap_score_credit: Option<f64>,
+    /// kv_aware: weight of the prefill term [default: 1.0].
+    #[arg(long)]
+    pub router_prefill_load_scale: Option<f64>,
+    /// kv_aware: weight of each active request [default: 0].
+    #[arg(long)]
+    pub router_decode_active_request_weight: Option<f64>,
+    /// kv_aware: sample from a softmax over costs at this temperature; 0 picks the cheapest [default: 0].
+    #[arg(long)]
+    pub router_temperature: Option<f64>,
+    /// kv_aware: credit per prefix block cached in host memory [default: 0.75].
+    #[arg(long)]
+    pub router_host_cache_hit_weight: Option<f64>,
+    /// kv_aware: credit per prefix block cached on disk [default: 0.25].
+    #[arg(long)]
+    pub router_disk_cache_hit_weight: Option<f64>,
+    /// kv_aware: credit per prefix block in a shared external cache [default: 0].
+    #[arg(long)]
+    pub shared_cache_multiplier: Option<f64>,
+    /// Ignore engines' KV events: approximate their caches from the router's own decisions.
+    #[arg(long)]
+    #[serde(default)]
+    pub no_router_kv_events: bool,
+    /// The most KV blocks the router indexes; the least recently stored go first [default: 4194304].
+    #[arg(long)]
+    pub router_max_indexed_blocks: Option<usize>,
+    /// Approximate mode: how long a routed prefix is assumed cached [default: 120].
+    #[arg(long)]
+    pub router_ttl_secs: Option<u64>,
+    /// A model directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json, to
+    /// tokenise like the engines; without it, the fallback shared with kvroute-sim.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+
+    /// A rank is busy with more active prefill tokens than this.
+    #[arg(long)]
+    pub active_prefill_tokens_threshold: Option<u64>,
+    /// A rank is busy with more active prefill tokens than this fraction of its engine's
+    /// max_num_batched_tokens (workers without it in the config are skipped).
+    #[arg(long)]
+    pub active_prefill_tokens_threshold_frac: Option<f64>,
+    /// A rank is busy with more active decode blocks (or engine KV use) than this fraction of
+    /// its KV blocks, in [0, 1].
+    #[arg(long)]
+    pub active_decode_blocks_threshold: Option<f64>,
+    /// Queue a request while every eligible rank has active prefill tokens above this
+    /// fraction of its max_num_batched_tokens (off when absent).
+    #[arg(long)]
+    pub router_queue_threshold: Option<f64>,
+    /// Order within a policy class: fcfs (arrival) or wspt (fewest uncached tokens first).
+    #[arg(long, value_enum)]
+    pub router_queue_policy: Option<QueueOrderArg>,
+    /// The longest a request may wait in the queue [default: 60].
+    #[arg(long)]
+    pub router_queue_timeout_secs: Option<u64>,
+    /// Policy classes of the queue (config file only): name, weight (a quantum in uncached
+    /// tokens), optional max_queued.
+    #[arg(skip)]
+    pub policy_classes: Vec<PolicyClassSpec>,
+    /// Session affinity: a session's requests go to the (worker, rank) it used last, if
+    /// within this many seconds (off when absent).
+    #[arg(long)]
+    pub session_affinity_ttl_secs: Option<u64>,
+    /// hard: the binding is a pin; soft: the policy may choose another when the bound worker
+    /// is ineligible or overloaded [default: soft].
+    #[arg(long, value_enum)]
+    pub session_affinity_mode: Option<AffinityModeArg>,
+    /// The key admin calls must carry (`Authorization: Bearer KEY`); without it, changes
+    /// through the admin API are accepted from loopback only.
+    #[arg(long, env = "KVROUTE_ADMIN_API_KEY", hide_env_values = true)]
+    pub admin_api_key: Option<String>,
+    /// The key clients must present (`Authorization: Bearer KEY`) on inference and model
+    /// calls; 401 otherwise (off when absent).
+    #[arg(long, env = "KVROUTE_CLIENT_API_KEY", hide_env_values = true)]
+    pub client_api_key: Option<String>,
+    /// The key sent to the workers as `Authorization: Bearer KEY`, as the peers' --api-key.
+    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Seconds between health checks of each worker [default: 60].
+    #[arg(long)]
+    pub health_check_interval_secs: Option<u64>,
+    /// A health check's timeout [default: 5].
+    #[arg(long)]
+    pub health_check_timeout_secs: Option<u64>,
+    /// Consecutive failed checks that make a worker unhealthy [default: 3].
+    #[arg(long)]
+    pub health_failure_threshold: Option<u32>,
+    /// Consecutive passed checks that make it healthy again [default: 2].
+    #[arg(long)]
+    pub health_success_threshold: Option<u32>,
+    /// The path checked [default: /health].
+    #[arg(long)]
+    pub health_check_endpoint: Option<String>,
+
+    /// Retries of a request that failed before its first response byte, each on another
+    /// worker [default: 5].
+    #[arg(long)]
+    pub retry_max_retries: Option<u32>,
+    /// First backoff between attempts [default: 50].
+    #[arg(long)]
+    pub retry_initial_backoff_ms: Option<u64>,
+    /// Longest backoff [default: 30000].
+    #[arg(long)]
+    pub retry_max_backoff_ms: Option<u64>,
+    /// Backoff growth per attempt [default: 1.5].
+    #[arg(long)]
+    pub retry_backoff_multiplier: Option<f64>,
+    /// Random share of each backoff, up or down [default: 0.2].
+    #[arg(long)]
+    pub retry_jitter_factor: Option<f64>,
+    /// No retries: a failed attempt is the client's answer.
+    #[arg(long)]
+    pub disable_retries: bool,
+
+    /// Consecutive failures that open a worker's circuit [default: 10].
+    #[arg(long)]
+    pub cb_failure_threshold: Option<u32>,
+    /// Successes of the half-open circuit that close it again [default: 3].
+    #[arg(long)]
+    pub cb_success_threshold: Option<u32>,
+    /// Seconds an open circuit waits before letting a probe request through [default: 60].
+    #[arg(long)]
+    pub cb_timeout_duration_secs: Option<u64>,
+    /// No circuit breaker.
+    #[arg(long)]
+    pub disable_circuit_breaker: bool,
+
+    /// Router replicas in sync over NATS (`nats://HOST:PORT`): each replica's load is
+    /// every replica's (off when absent).
+    #[arg(long, value_name = "URL")]
+    pub replica_sync: Option<String>,
+    /// Subject prefix of the sync messages [default: kvroute].
+    #[arg(long)]
+    pub replica_sync_subject_prefix: Option<String>,
+    /// A peer replica silent this long is gone: its load is dropped [default: 10].
+    #[arg(long)]
+    pub replica_timeout_secs: Option<u64>,
+    /// Requests in the router at once; more are refused with 429 [default: unlimited].
+    #[arg(long)]
+    pub max_concurrent_requests: Option<usize>,
+    /// On SIGTERM, how long in-flight requests may take to finish [default: 180].
+    #[arg(long)]
+    pub shutdown_grace_period_secs: Option<u64>,
+    /// Longest a client may take to send its request headers [default: 30].
+    #[arg(long)]
+    pub header_read_timeout_secs: Option<u64>,
+
+    /// Largest request body accepted, in bytes [default: 536870912].
+    #[arg(long)]
+    pub max_payload_size: Option<usize>,
+    /// Longest wait for a worker's response headers [default: 1800].
+    #[arg(long)]
+    pub request_timeout_secs: Option<u64>,
+    /// Log level: trace, debug, info, warn (or warning), error [default: info].
+    #[arg(long, value_enum)]
+    pub log_level: Option<LogLevel>,
+}
+
+fn parse_policy(s: &str) -> Result<PolicyKind, String> {
+    s.parse::<PolicyKind>().map_err(|e| e.to_string())
+}
+
+fn de_policy<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PolicyKind>, D::Error> {
+    let Some(name) = Option::<String>::deserialize(d)? else {
+        return Ok(None);
+    };
+    name.parse().map(Some).map_err(serde::de::Error::custom)
+}
+
+/// The command line's worker flags: on a reload they stay over the re-read file's, as they
+/// did at start.
+#[derive(Debug, Clone, Default)]
+pub struct CliWorkers {
+    pub worker_urls: Vec<String>,
+    pub prefill: Vec<String>,
+    pub decode: Vec<String>,
+    pub pd_disaggregation: bool,
+}
+
+impl CliWorkers {
+    /// These flags over `file`, merged as at start.
+    pub fn over(&self, file: Args) -> Args {
+        Args {
+            worker_urls: self.worker_urls.clone(),
+            prefill: self.prefill.clone(),
+            decode: self.decode.clone(),
+            pd_disaggregation: self.pd_disaggregation,
+            ..Args::default()
+        }
+        .merge(file)
+    }
+}
+
+impl Args {
+    /// Reads the `--config` file, if any, under the command line.
+    pub fn load(self) -> Result<Settings, ConfigError> {
+        let cli_workers = CliWorkers {
+            worker_urls: self.worker_urls.clone(),
+            prefill: self.prefill.clone(),
+            decode: self.decode.clone(),
+            pd_disaggregation: self.pd_disaggregation,
+        };
+        let mut settings = match self.config.clone() {
+            Some(path) => self.merge(Args::from_file(&path)?).into_settings(),
+            None => self.into_settings(),
+        }?;
+        settings.cli_workers = cli_workers;
+        Ok(settings)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Args, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Args::from_text(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Parses a config file's text. YAML is a superset of JSON, so one parser reads both.
+    pub fn from_text(text: &str) -> Result<Args, serde_yaml_ng::Error> {
+        if text.trim().is_empty() {
+            return Ok(Args::default());
+        }
+        serde_yaml_ng::from_str(text)
+    }
+}

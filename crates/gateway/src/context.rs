@@ -1,0 +1,108 @@
+//! The request path's shared context: everything a routed request reads, built once.
+//!
+//! [`AppState`] holds the settings, the worker set, the KV state, the admission queue, the
+//! pooled client and the metrics. The server builds it and owns it; the request path
+//! (forwarding, P/D, the admin API's dry runs) borrows it.
+
+use std::sync::Arc;
+
+use kvroute_core::affinity::Affinity;
+use kvroute_tokenizer::Tokenizer;
+use prometheus_client::registry::Registry;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::auth::WorkerAuth;
+use crate::busy::BusyControl;
+use crate::config::Settings;
+use crate::http::{build_client, HttpClient};
+use crate::kv::KvState;
+use crate::kv_events::KvEventMetrics;
+use crate::metrics::GatewayMetrics;
+use crate::queue::AdmissionQueue;
+use crate::sync::transport::{SyncHandle, SyncMetrics};
+use crate::workers::WorkerSet;
+
+/// What every request handler shares; one per gateway, behind an `Arc`.
+#[derive(Debug)]
+pub(crate) struct AppState {
+    pub(crate) queue: Option<Arc<AdmissionQueue>>,
+    pub(crate) busy: BusyControl,
+    pub(crate) affinity: Option<Arc<Affinity>>,
+    pub(crate) settings: Settings,
+    pub(crate) kv: Arc<KvState>,
+    pub(crate) kv_event_metrics: KvEventMetrics,
+    pub(crate) workers: Arc<WorkerSet>,
+    pub(crate) client: HttpClient,
+    pub(crate) metrics: GatewayMetrics,
+    /// `--max-concurrent-requests`.
+    pub(crate) limit: Option<Arc<Semaphore>>,
+    pub(crate) worker_auth: WorkerAuth,
+    /// Background tasks (per worker, upkeep); joined when serving ends.
+    pub(crate) tasks: TaskTracker,
+    /// Cancelled when serving ends: stops every background task.
+    pub(crate) shutdown: CancellationToken,
+    /// Replica sync, once serving started with it.
+    pub(crate) sync: std::sync::OnceLock<SyncHandle>,
+    pub(crate) sync_metrics: SyncMetrics,
+}
+
+impl AppState {
+    /// Builds the state and registers its metrics. Does no I/O and spawns nothing.
+    pub(crate) fn new(
+        settings: Settings,
+        registry: &mut Registry,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Self {
+        let metrics = GatewayMetrics::register(registry);
+        let workers = Arc::new(WorkerSet::new(&settings, &metrics));
+        let worker_auth = match (&settings.api_key, &settings.client_api_key) {
+            (Some(key), _) => WorkerAuth::Set(key.bearer().expect("checked by the settings")),
+            (None, Some(_)) => WorkerAuth::Strip,
+            (None, None) => WorkerAuth::PassThrough,
+        };
+        let kv = Arc::new(KvState::new(
+            &settings,
+            tokenizer,
+            (
+                metrics.kv_index_blocks.clone(),
+                metrics.kv_index_bytes.clone(),
+            ),
+        ));
+        let kv_event_metrics = KvEventMetrics::register(registry);
+        Self {
+            queue: settings.queue.as_ref().map(|q| {
+                Arc::new(
+                    AdmissionQueue::new(
+                        q.threshold,
+                        q.timeout,
+                        q.classes.clone(),
+                        q.class_thresholds.clone(),
+                        q.order,
+                        registry,
+                    )
+                    .expect("classes validated with the settings"),
+                )
+            }),
+            busy: BusyControl::new(settings.busy),
+            affinity: settings
+                .session_affinity
+                .map(|(mode, ttl)| Arc::new(Affinity::new(mode, ttl, 1 << 20))),
+            limit: settings
+                .max_concurrent_requests
+                .map(|n| Arc::new(Semaphore::new(n))),
+            worker_auth,
+            tasks: TaskTracker::new(),
+            shutdown: workers.shutdown().clone(),
+            sync: std::sync::OnceLock::new(),
+            sync_metrics: SyncMetrics::register(registry),
+            settings,
+            kv,
+            kv_event_metrics,
+            workers,
+            client: build_client(),
+            metrics,
+        }
+    }
+}
