@@ -6,9 +6,16 @@
 //! given until the shutdown token fires (or the engine crashes, see the `faults` module), and joins
 //! them all. [`SimInstance`] runs one on a task, for tests that crash and restart engines.
 //! Prefill/decode disaggregation (`--role`) is in the `pd` module.
+//!
+//! The routes are in [`SimServer::app`]; their handlers live by what they serve: `completions`
+//! (the endpoints that take a prompt), `admin` (model and server info, `/metrics`, the cache
+//! reset) and `faults` (`/fault`). Errors become responses in one place, `error`.
 
+mod admin;
 mod bootstrap;
+mod completions;
 mod driver;
+mod error;
 mod faults;
 mod generate;
 mod instance;
@@ -18,28 +25,25 @@ mod openai;
 mod pd;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Request, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use kvroute_tokenizer::{ChatOptions, Tokenizer};
+use axum::Router;
+use kvroute_tokenizer::Tokenizer;
 use prometheus_client::registry::Registry;
-use serde_json::{json, Value};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Role, SimArgs};
 use crate::engine::EngineCore;
+use admin::{metrics_text, model_info, models, reset_prefix_cache, server_info};
+use completions::{chat, completions, detokenize, render_chat, render_completion, tokenize};
 use driver::{Command, Driver};
 use faults::{CrashListener, Faults};
-use generate::{generate, Generate};
-use openai::Api;
 
 pub use faults::{Crashed, FaultHandle};
 pub use instance::SimInstance;
@@ -313,304 +317,5 @@ impl Bound {
             return Err(Crashed.into());
         }
         served.map_err(Into::into)
-    }
-}
-
-/// An error answer, in vLLM's shape; the one place errors become responses.
-#[derive(Debug)]
-struct ApiError {
-    status: StatusCode,
-    message: String,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-        }
-    }
-
-    fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message)
-    }
-
-    fn not_found(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::NOT_FOUND, message)
-    }
-
-    fn unavailable(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
-    }
-
-    /// A failure injected by `fail_rate`.
-    fn injected(status: StatusCode) -> Self {
-        Self::new(status, "injected fault (kvroute-sim fail_rate)")
-    }
-
-    /// The error's `type`, named after its status (see [`openai::error_type`]).
-    fn kind(&self) -> &'static str {
-        openai::error_type(self.status)
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = openai::error_body(self.status.as_u16(), self.kind(), &self.message);
-        (self.status, Json(body)).into_response()
-    }
-}
-
-fn bad_request(message: impl Into<String>) -> ApiError {
-    ApiError::bad_request(message)
-}
-
-async fn json_body<T: serde::de::DeserializeOwned>(
-    req: Request,
-) -> Result<(HeaderMap, T), ApiError> {
-    let (parts, body) = req.into_parts();
-    let bytes = axum::body::to_bytes(body, 64 * 1024 * 1024)
-        .await
-        .map_err(|e| bad_request(format!("cannot read body: {e}")))?;
-    let value =
-        serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("invalid request: {e}")))?;
-    Ok((parts.headers, value))
-}
-
-impl AppState {
-    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
-        match model {
-            Some(m) if m != self.args.model => Err(ApiError::not_found(format!(
-                "The model `{m}` does not exist."
-            ))),
-            _ => Ok(()),
-        }
-    }
-
-    fn rank(&self, headers: &HeaderMap) -> Result<usize, ApiError> {
-        match headers.get(DP_RANK_HEADER) {
-            Some(v) => {
-                let rank = v
-                    .to_str()
-                    .ok()
-                    .and_then(|s| s.trim().parse::<usize>().ok())
-                    .ok_or_else(|| bad_request(format!("invalid {DP_RANK_HEADER} header")))?;
-                if rank >= self.ranks.len() {
-                    return Err(bad_request(format!(
-                        "data parallel rank {rank} out of range (size {})",
-                        self.ranks.len()
-                    )));
-                }
-                Ok(rank)
-            }
-            None => Ok(self.next_rank.fetch_add(1, Ordering::Relaxed) % self.ranks.len()),
-        }
-    }
-
-    fn completion_tokens(&self, prompt: &Value) -> Result<Vec<u32>, ApiError> {
-        match prompt {
-            Value::String(s) => self.encode_prompt(s),
-            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-                self.encode_prompt(items[0].as_str().unwrap_or_default())
-            }
-            Value::Array(items) if items.iter().all(Value::is_u64) => items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .and_then(|id| u32::try_from(id).ok())
-                        .ok_or_else(|| bad_request("token id out of range"))
-                })
-                .collect(),
-            Value::Array(_) => Err(bad_request(
-                "kvroute-sim takes one prompt per request (a string or token ids)",
-            )),
-            _ => Err(bad_request(
-                "prompt must be a string or a list of token ids",
-            )),
-        }
-    }
-
-    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
-        self.tokenizer
-            .encode_prompt(text)
-            .map_err(|e| bad_request(format!("cannot tokenize the prompt: {e}")))
-    }
-
-    fn chat_tokens(&self, messages: &Value) -> Result<Vec<u32>, ApiError> {
-        if !messages.is_array() {
-            return Err(bad_request("messages must be a list"));
-        }
-        self.tokenizer
-            .encode_chat(messages, &ChatOptions::default())
-            .map_err(|e| bad_request(format!("cannot render the chat: {e}")))
-    }
-}
-
-fn salt_of(cache_salt: Option<&str>) -> u64 {
-    cache_salt.map_or(0, |s| kvroute_protocol::stable_hash(s.as_bytes()))
-}
-
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    req: Request,
-) -> Result<Response, ApiError> {
-    state.faults.before_inference(&state.stopping).await?;
-    let (headers, body) = json_body::<openai::CompletionRequest>(req).await?;
-    state.check_model(body.model.as_deref())?;
-    let prompt = state.completion_tokens(&body.prompt)?;
-    let max_tokens = body.max_tokens.unwrap_or(openai::DEFAULT_MAX_TOKENS);
-    generate(
-        &state,
-        &headers,
-        Generate {
-            api: Api::Completion,
-            prompt,
-            max_tokens,
-            stream: body.stream.unwrap_or(false),
-            salt: salt_of(body.cache_salt.as_deref()),
-            disagg: body.disagg,
-        },
-    )
-    .await
-}
-
-async fn chat(State(state): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
-    state.faults.before_inference(&state.stopping).await?;
-    let (headers, body) = json_body::<openai::ChatRequest>(req).await?;
-    state.check_model(body.model.as_deref())?;
-    let prompt = state.chat_tokens(&body.messages)?;
-    let max_tokens = body
-        .max_completion_tokens
-        .or(body.max_tokens)
-        .unwrap_or(openai::DEFAULT_MAX_TOKENS);
-    generate(
-        &state,
-        &headers,
-        Generate {
-            api: Api::Chat,
-            prompt,
-            max_tokens,
-            stream: body.stream.unwrap_or(false),
-            salt: salt_of(body.cache_salt.as_deref()),
-            disagg: body.disagg,
-        },
-    )
-    .await
-}
-
-async fn render_completion(
-    State(state): State<Arc<AppState>>,
-    req: Request,
-) -> Result<Response, ApiError> {
-    let (_, body) = json_body::<openai::CompletionRequest>(req).await?;
-    let ids = state.completion_tokens(&body.prompt)?;
-    Ok(Json(json!({"token_ids": ids})).into_response())
-}
-
-async fn render_chat(
-    State(state): State<Arc<AppState>>,
-    req: Request,
-) -> Result<Response, ApiError> {
-    let (_, body) = json_body::<openai::ChatRequest>(req).await?;
-    let ids = state.chat_tokens(&body.messages)?;
-    Ok(Json(json!({"token_ids": ids})).into_response())
-}
-
-async fn tokenize(State(state): State<Arc<AppState>>, req: Request) -> Result<Response, ApiError> {
-    let (_, body) = json_body::<Value>(req).await?;
-    let tokens = if let Some(messages) = body.get("messages") {
-        state.chat_tokens(messages)?
-    } else if let Some(prompt) = body.get("prompt") {
-        state.completion_tokens(prompt)?
-    } else {
-        return Err(bad_request("give prompt or messages"));
-    };
-    Ok(Json(json!({
-        "count": tokens.len(),
-        "max_model_len": state.args.num_gpu_blocks * state.args.block_size,
-        "tokens": tokens,
-        "token_strs": null,
-    }))
-    .into_response())
-}
-
-async fn detokenize(
-    State(state): State<Arc<AppState>>,
-    req: Request,
-) -> Result<Response, ApiError> {
-    #[derive(serde::Deserialize)]
-    struct Detokenize {
-        tokens: Vec<u32>,
-    }
-    let (_, body) = json_body::<Detokenize>(req).await?;
-    let text = state
-        .tokenizer
-        .decode(&body.tokens)
-        .map_err(|e| bad_request(format!("cannot detokenize: {e}")))?;
-    Ok(Json(json!({"prompt": text})).into_response())
-}
-
-async fn models(State(state): State<Arc<AppState>>) -> Response {
-    let a = &state.args;
-    Json(json!({"object": "list", "data": [{
-        "id": a.model, "object": "model", "created": state.created, "owned_by": "vllm",
-        "root": a.model, "parent": null, "max_model_len": a.num_gpu_blocks * a.block_size,
-    }]}))
-    .into_response()
-}
-
-async fn server_info(State(state): State<Arc<AppState>>) -> Response {
-    let a = &state.args;
-    Json(json!({
-        "model_path": a.model, "served_model_name": a.model, "tokenizer_path": a.tokenizer,
-        "is_generation": true, "tp_size": 1, "dp_size": state.ranks.len(),
-        "page_size": a.block_size, "max_total_num_tokens": a.num_gpu_blocks * a.block_size,
-        "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
-        "engine": "kvroute-sim",
-        // SGLang's names for the role ("null": aggregated) and the bootstrap port.
-        "disaggregation_mode": match a.role {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Both => "null",
-        },
-        "disaggregation_bootstrap_port": a.bootstrap_port,
-    }))
-    .into_response()
-}
-
-async fn model_info(State(state): State<Arc<AppState>>) -> Response {
-    let a = &state.args;
-    Json(json!({"model_path": a.model, "tokenizer_path": a.tokenizer, "is_generation": true}))
-        .into_response()
-}
-
-async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
-    let mut all = true;
-    for tx in &state.ranks {
-        let (reply, rx) = oneshot::channel();
-        if tx.send(Command::Reset(reply)).is_err() {
-            all = false;
-            continue;
-        }
-        all &= rx.await.unwrap_or(false);
-    }
-    if all {
-        Ok(StatusCode::OK)
-    } else {
-        Err(ApiError::unavailable(
-            "the prefix cache can only be reset when no request is running",
-        ))
-    }
-}
-
-async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
-    let mut text = String::new();
-    match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
-        Ok(()) => (
-            [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
-            text,
-        )
-            .into_response(),
-        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
 }

@@ -13,8 +13,8 @@ use kvroute_protocol::kv_events::{decode_batch, decode_seq, KvEvent};
 use kvroute_sim::{Crashed, FaultSettings};
 use serde_json::{json, Value};
 use support::{
-    client, completion, get, metric, metrics, post, post_json, prompt_of, start, start_publishing,
-    subscribe, wait_until, PATIENCE,
+    client, completion, get, metric, metrics, one_block_completions, post, post_json, prompt_of,
+    start, start_publishing, subscribe, wait_until, PATIENCE,
 };
 use tokio::time::timeout;
 use zeromq::SocketRecv;
@@ -242,14 +242,7 @@ async fn dropped_kv_events_leave_a_gap_in_the_sequence() {
     let (status, set) = post_json(&url, "/fault", &json!({"drop_kv_events": true})).await;
     assert_eq!((status, set["drop_kv_events"].as_bool()), (200, Some(true)));
     // Three requests, one stored block (one message) each, all withheld.
-    for i in 0..3 {
-        post_json(
-            &url,
-            "/v1/completions",
-            &completion(&prompt_of(20, 600 + i), 1, false),
-        )
-        .await;
-    }
+    one_block_completions(&url, 600..603).await;
     wait_until("the messages are withheld", || async {
         faults_injected(&url, "kv_events_dropped").await >= 3.0
     })
@@ -284,14 +277,7 @@ async fn a_crashed_engine_restarts_on_the_same_ports_with_an_empty_cache() {
     let (_, body) = post_json(&url, "/v1/completions", &completion(&prompt, 1, false)).await;
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 48);
     // Enough messages that the restarted engine's sequence cannot have caught up below.
-    for i in 0..100 {
-        post_json(
-            &url,
-            "/v1/completions",
-            &completion(&prompt_of(20, 1000 + i), 1, false),
-        )
-        .await;
-    }
+    one_block_completions(&url, 1000..1100).await;
     let (last_seq, _) = mark(&mut sub, &url, &prompt_of(20, 2000)).await;
     assert!(last_seq > 100);
 

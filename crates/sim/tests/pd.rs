@@ -10,8 +10,8 @@ mod support;
 use kvroute_protocol::kv_events::{decode_batch, BlockHashValue, KvEvent};
 use serde_json::{json, Value};
 use support::{
-    completion, free_port, metric, metrics, post_json, post_raw, prompt_of, start_binding,
-    subscribe, wait_until, PATIENCE,
+    completion, free_port, metric, metrics, post_json, post_raw, post_waiting_for_room, prompt_of,
+    start_binding, subscribe, waiting_for_rooms, PATIENCE,
 };
 use tokio::time::timeout;
 use zeromq::SocketRecv;
@@ -26,9 +26,14 @@ struct Answer {
 
 async fn generate(url: &str, path: &str, body: &Value) -> Answer {
     let (status, raw) = post_raw(url, path, body).await;
+    answer(body, status, &raw)
+}
+
+/// The answer to `body` (streamed or not, as it asked), which must have succeeded.
+fn answer(body: &Value, status: u16, raw: &str) -> Answer {
     assert_eq!(status, 200, "{raw}");
     if body["stream"] != true {
-        let body: Value = serde_json::from_str(&raw).unwrap();
+        let body: Value = serde_json::from_str(raw).unwrap();
         let choice = &body["choices"][0];
         let text = choice["text"]
             .as_str()
@@ -219,11 +224,6 @@ async fn a_decode_engine_given_kv_transfer_params_receives_instead_of_computing(
     decode.stop().await.unwrap();
 }
 
-/// Decode engines waiting at a prefill engine's bootstrap port.
-async fn waiting_for_rooms(url: &str) -> f64 {
-    metric(&metrics(url).await, "kvroute_sim_bootstrap_waiting", &[])
-}
-
 /// The body an SGLang P/D router sends both engines.
 fn with_room(original: &Value, port: u16, room: u64) -> Value {
     let mut body = original.clone();
@@ -243,23 +243,14 @@ async fn bootstrap_rooms_make_the_decode_engine_wait_for_the_prefill() {
         let body = with_room(&original, port, room);
         // The router sends both at once; here the decode engine is asked first, and the
         // prefill is held back until the decode engine waits for the room.
-        let d = tokio::spawn({
-            let (url, body) = (decode.url(), body.clone());
-            async move { generate(&url, "/v1/completions", &body).await }
-        });
-        wait_until("the decode engine waits for the room", || async {
-            waiting_for_rooms(&prefill.url()).await == 1.0
-        })
-        .await;
-        assert!(
-            !d.is_finished(),
-            "the decode engine answered before the prefill was sent"
-        );
+        let d =
+            post_waiting_for_room(&decode.url(), "/v1/completions", &body, &prefill.url()).await;
         let p = generate(&prefill.url(), "/v1/completions", &body).await;
-        let d = timeout(PATIENCE, d)
+        let (status, raw) = timeout(PATIENCE, d)
             .await
             .expect("the decode ends")
             .unwrap();
+        let d = answer(&body, status, &raw);
         assert_eq!(waiting_for_rooms(&prefill.url()).await, 0.0);
         assert_eq!(
             p.usage["completion_tokens"], 1,
@@ -281,18 +272,12 @@ async fn bootstrap_rooms_make_the_decode_engine_wait_for_the_prefill() {
         start_binding(&["--role", "prefill", "--num-gpu-blocks", "8"], false, true).await;
     let small_port = small.args().bootstrap_port.unwrap();
     let body = with_room(&completion(&prompt_of(300, 10), 4, false), small_port, 13);
-    let d = tokio::spawn({
-        let (url, body) = (decode.url(), body.clone());
-        async move { post_json(&url, "/v1/completions", &body).await }
-    });
-    wait_until("the decode engine waits for the room", || async {
-        waiting_for_rooms(&small.url()).await == 1.0
-    })
-    .await;
+    let d = post_waiting_for_room(&decode.url(), "/v1/completions", &body, &small.url()).await;
     let (status, _) = post_json(&small.url(), "/v1/completions", &body).await;
     assert_eq!(status, 400);
-    let (status, error) = timeout(PATIENCE, d).await.unwrap().unwrap();
-    assert_eq!(status, 503, "{error}");
+    let (status, raw) = timeout(PATIENCE, d).await.unwrap().unwrap();
+    assert_eq!(status, 503, "{raw}");
+    let error: Value = serde_json::from_str(&raw).unwrap();
     assert!(
         error["error"]["message"]
             .as_str()

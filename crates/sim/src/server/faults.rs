@@ -34,7 +34,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use super::{json_body, ApiError, AppState};
+use super::error::{json_body, ApiError};
+use super::AppState;
 use crate::config::{FaultSettings, SimConfigError};
 
 /// What [`super::SimServer::serve`] returns (inside its `anyhow::Error`) after a crash.

@@ -12,9 +12,10 @@ use kvroute_tokenizer::Tokenizer;
 use tokio::sync::mpsc;
 
 use super::driver::{Command, Delivery};
+use super::error::{bad_request, ApiError};
 use super::faults::Faults;
 use super::openai::{self, Api, ResponseMeta};
-use super::{bad_request, pd, ApiError, AppState};
+use super::{pd, AppState};
 use crate::engine::{EngineRequest, RequestId};
 
 /// An inference request, parsed.

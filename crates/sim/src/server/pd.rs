@@ -40,8 +40,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::bootstrap::{self, RoomGuard, RoomOutcome};
+use super::error::ApiError;
 use super::metrics::TransferCounters;
-use super::{ApiError, AppState};
+use super::AppState;
 use crate::config::Role;
 use crate::engine::PromptKv;
 

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 use std::future::Future;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use kvroute_sim::{SimArgs, SimInstance};
 use kvroute_tokenizer::Tokenizer;
 use serde_json::{json, Value};
+use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 use zeromq::{Socket, SocketRecv};
 
@@ -186,6 +188,45 @@ pub fn prompt_of(len: usize, seed: usize) -> String {
 /// A completion request's body.
 pub fn completion(prompt: &str, max_tokens: usize, stream: bool) -> Value {
     json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+}
+
+/// One-token completions at `url`, one after another, of a distinct 20-token prompt per seed
+/// in `seeds`: one block each, so one stored-block message each on a publishing engine.
+pub async fn one_block_completions(url: &str, seeds: Range<usize>) {
+    for seed in seeds {
+        post_json(
+            url,
+            "/v1/completions",
+            &completion(&prompt_of(20, seed), 1, false),
+        )
+        .await;
+    }
+}
+
+/// Decode engines waiting at the bootstrap port of the prefill engine at `url`.
+pub async fn waiting_for_rooms(url: &str) -> f64 {
+    metric(&metrics(url).await, "kvroute_sim_bootstrap_waiting", &[])
+}
+
+/// POSTs `body` to the decode engine at `url` + `path` on a task, and returns the task once
+/// the prefill engine at `prefill_url` has it waiting for a bootstrap room, still unanswered.
+/// The task gives the status and the body's text.
+pub async fn post_waiting_for_room(
+    url: &str,
+    path: &str,
+    body: &Value,
+    prefill_url: &str,
+) -> JoinHandle<(u16, String)> {
+    let task = tokio::spawn(send(post(url, path, body)));
+    wait_until("the decode engine waits for the room", || async {
+        waiting_for_rooms(prefill_url).await == 1.0
+    })
+    .await;
+    assert!(
+        !task.is_finished(),
+        "the decode engine answered before the prefill was sent"
+    );
+    task
 }
 
 /// A subscriber to `endpoint` that has seen a message (so it is joined): probes, one
