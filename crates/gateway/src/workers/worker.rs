@@ -1,0 +1,211 @@
+//! One engine replica as the router sees it: its ranks with their load, its health and
+//! circuit, and what it serves.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvroute_core::eligibility::{BusyThresholds, RankPressure};
+use kvroute_core::{RankLoad, RequestLoad};
+use kvroute_index::ReplicaId;
+use kvroute_protocol::{ModelId, WorkerId};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::lock;
+use crate::config::{WorkerRole, WorkerSpec};
+use crate::engine_metrics::EngineGauges;
+use crate::health::Circuit;
+use crate::metrics::{RankSeries, WorkerSeries};
+
+/// One data-parallel rank of a worker (the whole worker when it has no ranks): the unit
+/// `kv_aware` scores, with its active load.
+#[derive(Debug)]
+pub struct Rank {
+    /// vLLM's data-parallel rank, sent as `X-data-parallel-rank`; `None` without ranks.
+    pub dp_rank: Option<u32>,
+    /// The rank's id in the KV indexes.
+    pub replica: ReplicaId,
+    pub(super) in_flight: AtomicU64,
+    pub(super) load: Mutex<RankLoad>,
+    pub(super) series: RankSeries,
+    /// What the engine reports of this rank (scraped when the policy needs it).
+    pub engine: Arc<EngineGauges>,
+    /// The decode busy threshold's latch (see `BusyThresholds::overloaded`).
+    pub(super) busy_latch: AtomicBool,
+}
+
+impl Rank {
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Reads the rank's load accounting under its lock (no copy: the block map can be large).
+    pub fn with_load<R>(&self, f: impl FnOnce(&RankLoad) -> R) -> R {
+        f(&lock(&self.load))
+    }
+
+    fn update(&self, f: impl FnOnce(&mut RankLoad)) {
+        let mut load = lock(&self.load);
+        f(&mut load);
+        self.series.prefill_tokens.set(load.prefill_tokens() as i64);
+        self.series.decode_blocks.set(load.decode_blocks() as i64);
+    }
+
+    /// Whether `thresholds` call this rank overloaded now (updates the decode latch).
+    pub fn overloaded(
+        &self,
+        thresholds: &BusyThresholds,
+        max_num_batched_tokens: Option<u64>,
+        now: std::time::Instant,
+    ) -> bool {
+        if *thresholds == BusyThresholds::default() {
+            return false;
+        }
+        let (prefill_tokens, decode_blocks) =
+            self.with_load(|l| (l.prefill_tokens(), l.decode_blocks()));
+        let engine = self.engine.load(now);
+        let pressure = RankPressure {
+            prefill_tokens,
+            decode_blocks,
+            engine_kv_usage: engine.kv_usage,
+            num_gpu_blocks: engine.num_gpu_blocks,
+            max_num_batched_tokens,
+        };
+        let mut latch = self.busy_latch.load(Ordering::Relaxed);
+        let overloaded = thresholds.overloaded(&pressure, &mut latch);
+        self.busy_latch.store(latch, Ordering::Relaxed);
+        overloaded
+    }
+
+    pub(crate) fn start(&self, load: &RequestLoad) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.update(|l| l.start(load));
+    }
+
+    pub(crate) fn first_token(&self, load: &RequestLoad) {
+        self.update(|l| l.first_token(load));
+    }
+
+    pub(crate) fn finish(&self, load: &RequestLoad, prefilling: bool) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.update(|l| l.finish(load, prefilling));
+    }
+}
+
+/// One engine replica.
+#[derive(Debug)]
+pub struct Worker {
+    pub id: WorkerId,
+    /// Base URL, without a trailing slash.
+    pub url: String,
+    /// Its data-parallel ranks (one entry, rank `None`, when it has none).
+    pub ranks: Vec<Rank>,
+    /// Labels requests can require or prefer.
+    pub taints: Vec<String>,
+    /// The engine's max_num_batched_tokens, when configured.
+    pub max_num_batched_tokens: Option<u64>,
+    /// Its part in prefill/decode disaggregation.
+    pub role: WorkerRole,
+    /// Its bootstrap port (SGLang's disaggregation), when a prefill worker has one.
+    pub bootstrap_port: Option<u16>,
+    /// Its KV-event publisher and replay socket, if configured.
+    pub kv_events: Option<String>,
+    pub kv_events_replay: Option<String>,
+    pub(super) configured_model: Option<ModelId>,
+    /// The (validated) spec it was built from, which a config reload compares.
+    pub(crate) spec: WorkerSpec,
+    /// The `/v1/models` entries it serves, once probed.
+    pub(super) models: Mutex<Vec<(ModelId, serde_json::Value)>>,
+    pub(super) probed: AtomicBool,
+    /// Passes its health checks (sends on change: the KV-event subscription follows it).
+    pub(super) healthy: watch::Sender<bool>,
+    pub(super) in_flight: AtomicU64,
+    pub(crate) series: WorkerSeries,
+    /// Opened by failed requests.
+    pub circuit: Circuit,
+    /// Cancelled when the worker is removed: stops its health checks and subscriptions.
+    pub tasks: CancellationToken,
+}
+
+impl Worker {
+    /// The scraper of its engine's `/metrics`, feeding its ranks' gauges.
+    pub fn metrics_scraper(
+        &self,
+        timing: crate::engine_metrics::ScrapeTiming,
+    ) -> Result<crate::engine_metrics::EngineMetricsScraper, crate::engine_metrics::ScrapeError>
+    {
+        let ranks = self
+            .ranks
+            .iter()
+            .map(|r| (r.dp_rank, r.engine.clone()))
+            .collect();
+        crate::engine_metrics::EngineMetricsScraper::new(
+            self.id.to_string(),
+            &self.url,
+            ranks,
+            timing,
+        )
+    }
+
+    /// Where to subscribe to its KV events, when it publishes them.
+    pub fn kv_subscriber_config(
+        &self,
+        router_block_size: usize,
+    ) -> Option<crate::kv_events::SubscriberConfig> {
+        Some(crate::kv_events::SubscriberConfig {
+            worker: self.id.to_string(),
+            endpoint: self.kv_events.clone()?,
+            replay_endpoint: self.kv_events_replay.clone(),
+            dp_start_rank: self.ranks[0].dp_rank.unwrap_or(0),
+            dp_size: self.ranks.len() as u32,
+            router_block_size,
+        })
+    }
+
+    /// Its rank `dp_rank`.
+    pub fn rank(&self, dp_rank: Option<u32>) -> Option<&Rank> {
+        self.ranks.iter().find(|r| r.dp_rank == dp_rank)
+    }
+
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        *self.healthy.borrow()
+    }
+
+    /// Changes of its health (the current value first).
+    pub fn subscribe_health(&self) -> watch::Receiver<bool> {
+        self.healthy.subscribe()
+    }
+
+    pub(super) fn set_health(&self, healthy: bool) {
+        self.series.healthy.set(i64::from(healthy));
+        if self.healthy.send_replace(healthy) != healthy && healthy {
+            self.circuit.reset();
+        }
+    }
+
+    /// Whether it may take a request now: healthy, and its circuit lets one through.
+    pub fn available(&self, now: std::time::Instant) -> bool {
+        self.is_healthy() && self.circuit.allows(now)
+    }
+
+    pub(crate) fn begin_request(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.series.active.inc();
+    }
+
+    pub(crate) fn end_request(&self) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.series.active.dec();
+    }
+
+    pub(super) fn model_ids(&self) -> Vec<ModelId> {
+        match &self.configured_model {
+            Some(m) => vec![m.clone()],
+            None => lock(&self.models).iter().map(|(m, _)| m.clone()).collect(),
+        }
+    }
+}

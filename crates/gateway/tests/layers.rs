@@ -1,0 +1,329 @@
+//! The gateway's modules stand in the layers `src/lib.rs` names, and the sources keep to the
+//! house style's sizes.
+//!
+//! `lib.rs` declares each top-level module under a `// N. Name.` comment: that is its layer.
+//! A module may use (`crate::…`, or `super::…` climbing to the crate root) only modules of
+//! its own layer or below, and the modules' graph has no cycle. Test code (`#[cfg(test)]`
+//! onwards, `tests.rs` files) is not counted: a test may reach across the crate.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The most lines a source file may have before its first `#[cfg(test)]`.
+const MAX_FILE_LINES: usize = 600;
+/// The most the median source file may have.
+const MAX_MEDIAN_LINES: usize = 200;
+
+fn src() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+/// Every `.rs` file below `dir`, sorted.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_owned()];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// The text before the first `#[cfg(test)]`.
+fn non_test(text: &str) -> &str {
+    text.find("#[cfg(test)]").map_or(text, |i| &text[..i])
+}
+
+/// `// N. Name.` then `pub mod x;` lines: each module's layer.
+fn layers(lib: &str) -> BTreeMap<String, u32> {
+    let mut layer = None;
+    let mut out = BTreeMap::new();
+    for line in lib.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("// ") {
+            if let Some((n, _)) = rest.split_once(". ") {
+                layer = n.parse().ok();
+            }
+        } else if let Some(decl) = line.strip_suffix(';') {
+            let Some(name) = decl.split_whitespace().skip_while(|w| *w != "mod").nth(1) else {
+                continue;
+            };
+            let layer = layer.unwrap_or_else(|| panic!("lib.rs: mod {name} is under no layer"));
+            out.insert(name.to_owned(), layer);
+        }
+    }
+    out
+}
+
+/// The code without comments, strings and chars (their bytes become spaces, lines kept).
+fn code_only(text: &str) -> String {
+    let b = text.as_bytes();
+    let mut out = String::with_capacity(b.len());
+    let mut i = 0;
+    let blank = |out: &mut String, s: &[u8]| {
+        for &c in s {
+            out.push(if c == b'\n' { '\n' } else { ' ' });
+        }
+    };
+    while i < b.len() {
+        let rest = &b[i..];
+        let end = if rest.starts_with(b"//") {
+            rest.iter().position(|&c| c == b'\n').unwrap_or(rest.len())
+        } else if rest.starts_with(b"/*") {
+            rest.windows(2)
+                .position(|w| w == b"*/")
+                .map_or(rest.len(), |p| p + 2)
+        } else if rest.starts_with(b"r#\"") || rest.starts_with(b"r\"") {
+            let hashes = rest[1..].iter().take_while(|&&c| c == b'#').count();
+            let close: Vec<u8> = std::iter::once(b'"')
+                .chain(std::iter::repeat_n(b'#', hashes))
+                .collect();
+            let open = 2 + hashes;
+            rest[open..]
+                .windows(close.len())
+                .position(|w| w == close.as_slice())
+                .map_or(rest.len(), |p| open + p + close.len())
+        } else if rest[0] == b'"' {
+            let mut j = 1;
+            while j < rest.len() && rest[j] != b'"' {
+                j += if rest[j] == b'\\' { 2 } else { 1 };
+            }
+            (j + 1).min(rest.len())
+        } else if rest.len() > 3 && rest[0] == b'\'' && rest[1] == b'\\' {
+            // An escaped char literal ('\n', '\'', '\u{..}').
+            rest[3..]
+                .iter()
+                .position(|&c| c == b'\'')
+                .map_or(1, |p| p + 4)
+        } else if rest.len() > 2 && rest[0] == b'\'' && rest[2] == b'\'' {
+            // A char literal ('a'); a lifetime ('a) has no closing quote.
+            3
+        } else {
+            out.push(rest[0] as char);
+            i += 1;
+            continue;
+        };
+        blank(&mut out, &rest[..end]);
+        i += end;
+    }
+    out
+}
+
+fn ident(s: &str) -> &str {
+    let end = s
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(s.len());
+    &s[..end]
+}
+
+/// The first segments of the paths in a `use` group that starts at `s` (after its `{`).
+fn group_heads(s: &str) -> Vec<&str> {
+    let (mut depth, mut start, mut heads) = (0usize, 0, Vec::new());
+    for (i, c) in s.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => {
+                heads.push(ident(s[start..].trim_start()));
+                break;
+            }
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                heads.push(ident(s[start..].trim_start()));
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    heads.retain(|h| !h.is_empty());
+    heads
+}
+
+/// The top-level modules a file refers to, with the line of each reference. `depth` is how
+/// deep the file's module is below the crate root (1 for `src/foo.rs`).
+fn references(code: &str, depth: usize) -> Vec<(String, usize)> {
+    let mut out = Vec::new();
+    let line_of = |i: usize| code[..i].matches('\n').count() + 1;
+    let mut push_path = |rest: &str, at: usize| {
+        if let Some(group) = rest.strip_prefix('{') {
+            for head in group_heads(group) {
+                out.push((head.to_owned(), line_of(at)));
+            }
+        } else {
+            let head = ident(rest);
+            if !head.is_empty() && head != "self" {
+                out.push((head.to_owned(), line_of(at)));
+            }
+        }
+    };
+    let boundary = |i: usize| {
+        i == 0 || !code.as_bytes()[i - 1].is_ascii_alphanumeric() && code.as_bytes()[i - 1] != b'_'
+    };
+    for (i, _) in code.match_indices("crate::") {
+        if boundary(i) {
+            push_path(&code[i + "crate::".len()..], i);
+        }
+    }
+    for (i, _) in code.match_indices("super::") {
+        if !boundary(i) || (i >= 7 && &code[i - 7..i] == "super::") {
+            continue;
+        }
+        let mut rest = &code[i..];
+        let mut climbs = 0;
+        while let Some(r) = rest.strip_prefix("super::") {
+            climbs += 1;
+            rest = r;
+        }
+        if climbs == depth {
+            push_path(rest, i);
+        }
+    }
+    out
+}
+
+/// The top-level module of a file below `src`, and how deep its module is.
+fn module_of(src: &Path, file: &Path) -> (String, usize) {
+    let rel = file.strip_prefix(src).unwrap();
+    let parts: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_owned())
+        .collect();
+    let depth = if parts.last().is_some_and(|p| p == "mod") {
+        parts.len() - 1
+    } else {
+        parts.len()
+    };
+    (parts[0].clone(), depth)
+}
+
+#[test]
+fn no_module_imports_from_a_layer_above_it_or_in_a_cycle() {
+    let src = src();
+    let layers = layers(&std::fs::read_to_string(src.join("lib.rs")).unwrap());
+    assert!(layers.len() > 5, "lib.rs names its modules under layers");
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut upward = Vec::new();
+    for file in rust_files(&src) {
+        let (module, depth) = module_of(&src, &file);
+        if matches!(module.as_str(), "lib" | "main") || file.ends_with("tests.rs") {
+            continue;
+        }
+        let Some(&own) = layers.get(&module) else {
+            panic!(
+                "{}: module {module} is not in lib.rs's layers",
+                file.display()
+            );
+        };
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (used, line) in references(&code_only(non_test(&text)), depth) {
+            if used == module {
+                continue;
+            }
+            let Some(&theirs) = layers.get(&used) else {
+                continue; // an item of lib.rs itself, a macro
+            };
+            if theirs > own {
+                upward.push(format!(
+                    "{}:{line}: {module} (layer {own}) uses {used} (layer {theirs})",
+                    file.strip_prefix(&src).unwrap().display()
+                ));
+            }
+            edges.entry(module.clone()).or_default().insert(used);
+        }
+    }
+    assert!(upward.is_empty(), "upward imports:\n{}", upward.join("\n"));
+    if let Some(cycle) = find_cycle(&edges) {
+        panic!("modules in a cycle: {}", cycle.join(" -> "));
+    }
+}
+
+/// A cycle in the graph, as the modules along it, if there is one.
+fn find_cycle(edges: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        edges: &BTreeMap<String, BTreeSet<String>>,
+        done: &mut BTreeSet<String>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == node) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(node.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in edges.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, edges, done, path) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    edges
+        .keys()
+        .find_map(|n| visit(n, edges, &mut done, &mut Vec::new()))
+}
+
+#[test]
+fn the_checker_sees_imports_in_every_form() {
+    let code = code_only(
+        "use crate::{a::X, b::{Y, Z}, c};\nuse crate::d;\nfn f() { crate::e::g(); super::h::i(); super::super::j(); }\n// crate::k\nconst S: &str = \"crate::l\";\n",
+    );
+    let found: Vec<String> = references(&code, 2).into_iter().map(|(m, _)| m).collect();
+    assert_eq!(found, ["a", "b", "c", "d", "e", "j"]);
+    let found: Vec<String> = references(&code, 1).into_iter().map(|(m, _)| m).collect();
+    assert_eq!(found, ["a", "b", "c", "d", "e", "h"]);
+    let mut edges = BTreeMap::new();
+    edges.insert("a".to_owned(), BTreeSet::from(["b".to_owned()]));
+    edges.insert("b".to_owned(), BTreeSet::from(["c".to_owned()]));
+    assert_eq!(find_cycle(&edges), None);
+    edges.insert("c".to_owned(), BTreeSet::from(["a".to_owned()]));
+    assert_eq!(find_cycle(&edges).unwrap(), ["a", "b", "c", "a"]);
+}
+
+#[test]
+fn source_files_stay_within_the_house_style() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut sizes = Vec::new();
+    let mut long = Vec::new();
+    for krate in std::fs::read_dir(crates).unwrap() {
+        let src = krate.unwrap().path().join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        for file in rust_files(&src) {
+            let rel = file.strip_prefix(&src).unwrap();
+            if file.ends_with("tests.rs") || rel.iter().any(|p| p == "tests") {
+                continue;
+            }
+            let lines = non_test(&std::fs::read_to_string(&file).unwrap())
+                .lines()
+                .count();
+            if lines > MAX_FILE_LINES {
+                long.push(format!("{}: {lines} lines", file.display()));
+            }
+            sizes.push(lines);
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "over {MAX_FILE_LINES} lines before #[cfg(test)]:\n{}",
+        long.join("\n")
+    );
+    sizes.sort_unstable();
+    let median = sizes[sizes.len() / 2];
+    assert!(
+        median <= MAX_MEDIAN_LINES,
+        "median source file: {median} lines"
+    );
+}
