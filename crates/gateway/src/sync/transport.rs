@@ -1,6 +1,6 @@
 //! The transport: a task that publishes this replica's messages on NATS and applies the
-//! peers' to the local ranks ([`apply`]), after the start-up snapshot exchange
-//! ([`startup`]); its series are in [`metrics`].
+//! peers' to the local ranks (`apply`), after the start-up snapshot exchange
+//! (`startup`); its series are in `metrics`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
