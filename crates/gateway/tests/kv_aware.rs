@@ -181,15 +181,17 @@ async fn a_burst_on_one_prefix_spreads_once_the_home_is_loaded() {
     drop(streams);
     wait_all_idle(&r).await;
     let m = r.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_worker_active_prefill_tokens", r#"worker="a""#),
+    assert_metric(
+        &m,
+        "kvroute_worker_active_prefill_tokens",
+        r#"worker="a""#,
         Some(0.0),
-        "{m}"
     );
-    assert_eq!(
-        metric_value(&m, "kvroute_worker_active_decode_blocks", r#"worker="b""#),
+    assert_metric(
+        &m,
+        "kvroute_worker_active_decode_blocks",
+        r#"worker="b""#,
         Some(0.0),
-        "{m}"
     );
     assert!(metric_value(&m, "kvroute_time_to_first_token_seconds_count", "").unwrap() >= 40.0);
     assert!(metric_value(&m, "kvroute_kv_hit_ratio_count", "").unwrap() >= 41.0);

@@ -180,13 +180,11 @@ async fn vllm_protocol_prefills_then_decodes_with_the_transfer_params() {
         );
         assert_eq!(v, Some(2.0), "{w}");
     }
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_disagg_decision_total",
-            "decision_type=\"prefill-decode\""
-        ),
-        Some(4.0)
+    assert_metric(
+        &m,
+        "kvroute_disagg_decision_total",
+        "decision_type=\"prefill-decode\"",
+        Some(4.0),
     );
     c.router.stop().await;
 }

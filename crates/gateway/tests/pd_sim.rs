@@ -177,21 +177,17 @@ async fn a_decode_worker_that_holds_the_prompt_skips_the_remote_prefill() {
     assert_eq!(again.status, 200);
     assert!(again.headers.get("x-kvroute-prefill-worker").is_none());
     let m = r.metrics().await;
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_disagg_decision_total",
-            "decision_type=\"decode-only\""
-        ),
-        Some(1.0)
+    assert_metric(
+        &m,
+        "kvroute_disagg_decision_total",
+        "decision_type=\"decode-only\"",
+        Some(1.0),
     );
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_disagg_decision_total",
-            "decision_type=\"prefill-decode\""
-        ),
-        Some(1.0)
+    assert_metric(
+        &m,
+        "kvroute_disagg_decision_total",
+        "decision_type=\"prefill-decode\"",
+        Some(1.0),
     );
     let prefills = sim_metric(
         by_id(&engines, "p0"),

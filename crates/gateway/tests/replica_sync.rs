@@ -65,26 +65,19 @@ async fn each_replica_sees_the_load_of_both() {
     })
     .await;
     let m = a.metrics().await;
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_replica_sync_messages_total",
-            "direction=\"out\",kind=\"routed\""
-        ),
-        Some(2.0)
+    assert_metric(
+        &m,
+        "kvroute_replica_sync_messages_total",
+        "direction=\"out\",kind=\"routed\"",
+        Some(2.0),
     );
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_replica_sync_messages_total",
-            "direction=\"in\",kind=\"routed\""
-        ),
-        Some(1.0)
+    assert_metric(
+        &m,
+        "kvroute_replica_sync_messages_total",
+        "direction=\"in\",kind=\"routed\"",
+        Some(1.0),
     );
-    assert_eq!(
-        metric_value(&m, "kvroute_replica_sync_connected", ""),
-        Some(1.0)
-    );
+    assert_metric(&m, "kvroute_replica_sync_connected", "", Some(1.0));
     assert!(metric_value(&m, "kvroute_replica_sync_lag_seconds", "").is_some());
     w.release.add_permits(3);
     for s in streams {
@@ -500,9 +493,11 @@ async fn a_replica_started_without_nats_is_ready_and_syncs_once_nats_comes() {
     )
     .await;
     assert_eq!(reply.status, 200);
-    assert_eq!(
-        metric_value(&a.metrics().await, "kvroute_replica_sync_connected", ""),
-        Some(0.0)
+    assert_metric(
+        &a.metrics().await,
+        "kvroute_replica_sync_connected",
+        "",
+        Some(0.0),
     );
     // NATS comes up and a second replica joins: they find each other.
     let nats = nats_on(port).await;
