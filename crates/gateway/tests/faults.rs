@@ -70,13 +70,12 @@ fn credited(overlap: Option<u64>) -> bool {
 
 /// Sends `prompt` to `worker` through the router (allow-list hint) and expects success.
 async fn on(r: &TestRouter, worker: &str, prompt: &str) {
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-allowed-workers", worker)],
-        &completion(prompt),
-    )
-    .await;
+    let reply = r
+        .complete(
+            &[("x-kvroute-allowed-workers", worker)],
+            &completion(prompt),
+        )
+        .await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
     assert_eq!(reply.worker(), worker);
 }
@@ -113,7 +112,7 @@ async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_
     assert_eq!(other.faults().requests_accepted(), other_before);
     // Later requests find the live engine.
     for i in 0..6 {
-        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
+        let reply = r.complete(&[], &completion(&text(50, i))).await;
         assert_eq!(reply.status, 200, "{:?}", reply.body);
     }
     assert_nothing_in_flight(&r).await;
@@ -125,7 +124,7 @@ async fn an_engine_that_refuses_connections_loses_no_request() {
     let (a, _b, r) = cluster(PolicyKind::RoundRobin, |_| {}).await;
     a.crash();
     for i in 0..8 {
-        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
+        let reply = r.complete(&[], &completion(&text(50, i))).await;
         assert_eq!(reply.status, 200, "{:?}", reply.body);
         assert_eq!(reply.worker(), "b");
     }
@@ -155,7 +154,7 @@ async fn an_engine_that_stalls_times_out_and_the_request_goes_elsewhere() {
     })
     .unwrap();
     for i in 0..4 {
-        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
+        let reply = r.complete(&[], &completion(&text(50, i))).await;
         assert_eq!(reply.status, 200, "{:?}", reply.body);
         assert_eq!(reply.worker(), "b");
     }
@@ -170,13 +169,9 @@ async fn an_engine_that_stalls_times_out_and_the_request_goes_elsewhere() {
             >= 1.0
     );
     // Pinned to the stalled engine: a clear timeout, not a hang.
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-worker", "a")],
-        &completion("pinned"),
-    )
-    .await;
+    let reply = r
+        .complete(&[("x-kvroute-worker", "a")], &completion("pinned"))
+        .await;
     assert_eq!(reply.status, 504);
     assert_eq!(reply.error_code(), "upstream_timeout");
     assert_nothing_in_flight(&r).await;
@@ -250,7 +245,7 @@ async fn a_worker_added_at_run_time_is_indexed_and_forgotten_when_removed() {
     let (_a, _b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
     let (c, ec) = sim(3).await;
     let add = json!({"id": "c", "url": c.url(), "kv_events": ec}).to_string();
-    let reply = post(&r.url, "/workers", &[], &add).await;
+    let reply = r.post("/workers", &[], &add).await;
     assert_eq!(reply.status, 201, "{:?}", reply.body);
     let gw = r.gateway.clone();
     wait_until("c healthy", || {

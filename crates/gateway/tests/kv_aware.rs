@@ -40,13 +40,9 @@ impl Engine {
 }
 
 async fn complete(r: &TestRouter, prompt: &str) -> Reply {
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        &json!({"prompt": prompt, "max_tokens": 2}).to_string(),
-    )
-    .await;
+    let reply = r
+        .complete(&[], &json!({"prompt": prompt, "max_tokens": 2}).to_string())
+        .await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
     reply
 }
@@ -207,17 +203,9 @@ async fn approximate_mode_remembers_its_own_decisions() {
     let r = TestRouter::start(s).await;
     let prefix = text(1000, 4);
     let body = |q: usize| json!({"model": "m", "prompt": format!("{prefix} q{q}")}).to_string();
-    let home = post(&r.url, "/v1/completions", &[], &body(0))
-        .await
-        .worker()
-        .to_owned();
+    let home = r.complete(&[], &body(0)).await.worker().to_owned();
     for q in 1..10 {
-        assert_eq!(
-            post(&r.url, "/v1/completions", &[], &body(q))
-                .await
-                .worker(),
-            home
-        );
+        assert_eq!(r.complete(&[], &body(q)).await.worker(), home);
     }
     let d = debug_route(&r, &format!("{prefix} q")).await;
     assert_eq!(device_overlap(&d, &home), Some(62));

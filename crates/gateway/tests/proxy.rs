@@ -55,7 +55,7 @@ async fn every_routed_path_is_forwarded_and_model_may_be_omitted() {
         ("/tokenize", r#"{"model":"only","prompt":"a"}"#),
         ("/detokenize", r#"{"model":"only","tokens":[1,2]}"#),
     ] {
-        let reply = post(&r.url, path, &[], body).await;
+        let reply = r.post(path, &[], body).await;
         assert_eq!(reply.status, StatusCode::OK, "{path}");
         assert_eq!(reply.json()["path"], path);
         assert_eq!(reply.worker(), w.url);

@@ -2,6 +2,8 @@
 //! request held open on a worker, "these all went to `w`", "this is error `code`", and waits
 //! on the router's view of its workers and on its metrics.
 
+use std::collections::HashMap;
+
 use axum::body::Bytes;
 use http::{HeaderMap, StatusCode};
 use serde_json::json;
@@ -61,6 +63,22 @@ impl TestRouter {
             let reply = self.complete(headers, &body).await;
             assert_eq!(reply.worker(), worker, "{headers:?} {body}");
         }
+    }
+
+    /// Posts each of `bodies` to `path`: how many went to each worker (each must be answered
+    /// 200).
+    pub async fn tally_routes(
+        &self,
+        path: &str,
+        bodies: impl IntoIterator<Item = String>,
+    ) -> HashMap<String, usize> {
+        let mut workers = Vec::new();
+        for body in bodies {
+            let reply = self.post(path, &[], &body).await;
+            assert_eq!(reply.status, StatusCode::OK, "{body}: {:?}", reply.body);
+            workers.push(reply.worker().to_owned());
+        }
+        tally(workers)
     }
 
     /// Waits until the router counts, on worker `id`, a number of requests in flight that
@@ -137,4 +155,23 @@ impl Reply {
 /// as the prompt the router counts.
 pub fn hanging(prompt: &str) -> String {
     json!({"model": "m", "prompt": prompt, "mode": "hang"}).to_string()
+}
+
+/// How many times each worker appears in `workers`.
+pub fn tally<S: AsRef<str>>(workers: impl IntoIterator<Item = S>) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for w in workers {
+        *counts.entry(w.as_ref().to_owned()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Asserts that `counts` (requests a worker) split as `shares`, in whichever order.
+#[track_caller]
+pub fn assert_spread(counts: &HashMap<String, usize>, shares: &[usize]) {
+    let mut got: Vec<usize> = counts.values().copied().collect();
+    got.sort();
+    let mut want = shares.to_vec();
+    want.sort();
+    assert_eq!(got, want, "{counts:?}");
 }
