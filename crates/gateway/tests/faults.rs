@@ -80,6 +80,25 @@ async fn on(r: &TestRouter, worker: &str, prompt: &str) {
     assert_eq!(reply.worker(), worker);
 }
 
+/// Sends `n` fresh prompts through the router: each must be answered, by `worker` when given.
+async fn answered(r: &TestRouter, n: u64, worker: Option<&str>) {
+    for i in 0..n {
+        let reply = r.complete(&[], &completion(&text(50, i))).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        if let Some(worker) = worker {
+            assert_eq!(reply.worker(), worker);
+        }
+    }
+}
+
+/// Changes the faults `sim` injects.
+fn set_faults(sim: &SimInstance, change: impl FnOnce(&mut FaultSettings)) {
+    let faults = sim.faults();
+    let mut settings = faults.settings();
+    change(&mut settings);
+    faults.set(settings).unwrap();
+}
+
 #[tokio::test]
 async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_not_retried() {
     let (a, b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
@@ -111,10 +130,7 @@ async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_
     // The broken stream was not replayed elsewhere.
     assert_eq!(other.faults().requests_accepted(), other_before);
     // Later requests find the live engine.
-    for i in 0..6 {
-        let reply = r.complete(&[], &completion(&text(50, i))).await;
-        assert_eq!(reply.status, 200, "{:?}", reply.body);
-    }
+    answered(&r, 6, None).await;
     assert_nothing_in_flight(&r).await;
     r.stop().await;
 }
@@ -123,11 +139,7 @@ async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_
 async fn an_engine_that_refuses_connections_loses_no_request() {
     let (a, _b, r) = cluster(PolicyKind::RoundRobin, |_| {}).await;
     a.crash();
-    for i in 0..8 {
-        let reply = r.complete(&[], &completion(&text(50, i))).await;
-        assert_eq!(reply.status, 200, "{:?}", reply.body);
-        assert_eq!(reply.worker(), "b");
-    }
+    answered(&r, 8, Some("b")).await;
     let m = r.metrics().await;
     let refused = metric_value(
         &m,
@@ -147,27 +159,11 @@ async fn an_engine_that_stalls_times_out_and_the_request_goes_elsewhere() {
         s.request_timeout = Duration::from_millis(300);
     })
     .await;
-    let f = a.faults();
-    f.set(FaultSettings {
-        stall_ms: 60_000,
-        ..f.settings()
-    })
-    .unwrap();
-    for i in 0..4 {
-        let reply = r.complete(&[], &completion(&text(50, i))).await;
-        assert_eq!(reply.status, 200, "{:?}", reply.body);
-        assert_eq!(reply.worker(), "b");
-    }
+    set_faults(&a, |f| f.stall_ms = 60_000);
+    answered(&r, 4, Some("b")).await;
     let m = r.metrics().await;
-    assert!(
-        metric_value(
-            &m,
-            "kvroute_upstream_attempts_total",
-            "worker=\"a\",outcome=\"timeout\""
-        )
-        .unwrap()
-            >= 1.0
-    );
+    let timeouts = r#"worker="a",outcome="timeout""#;
+    assert_metric_at_least(&m, "kvroute_upstream_attempts_total", timeouts, 1.0);
     // Pinned to the stalled engine: a clear timeout, not a hang.
     let reply = r
         .complete(&[("x-kvroute-worker", "a")], &completion("pinned"))
@@ -211,19 +207,10 @@ async fn a_gap_in_the_kv_event_stream_is_detected_and_recovered() {
     let first = text(400, 7);
     on(&r, "a", &first).await;
     wait_overlap(&r, &first, "a", credited).await;
-    let f = a.faults();
-    f.set(FaultSettings {
-        drop_kv_events: true,
-        ..f.settings()
-    })
-    .unwrap();
+    set_faults(&a, |f| f.drop_kv_events = true);
     let unseen = text(400, 8);
     on(&r, "a", &unseen).await;
-    f.set(FaultSettings {
-        drop_kv_events: false,
-        ..f.settings()
-    })
-    .unwrap();
+    set_faults(&a, |f| f.drop_kv_events = false);
     let last = text(400, 9);
     on(&r, "a", &last).await;
     // The gap is noticed: what the router knew of a is dropped (it cannot know what it
@@ -247,14 +234,7 @@ async fn a_worker_added_at_run_time_is_indexed_and_forgotten_when_removed() {
     let add = json!({"id": "c", "url": c.url(), "kv_events": ec}).to_string();
     let reply = r.post("/workers", &[], &add).await;
     assert_eq!(reply.status, 201, "{:?}", reply.body);
-    let gw = r.gateway.clone();
-    wait_until("c healthy", || {
-        gw.workers()
-            .statuses()
-            .iter()
-            .any(|w| w.id == "c" && w.healthy)
-    })
-    .await;
+    r.wait_healthy("c").await;
     // Its events reach the index.
     joined(&r, &c.url(), "c").await;
     let prompt = text(800, 77);

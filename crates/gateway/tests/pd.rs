@@ -164,21 +164,14 @@ async fn vllm_protocol_prefills_then_decodes_with_the_transfer_params() {
         assert_eq!(d.bodies().len(), 2, "round robin over the decode workers");
     }
     let m = c.router.metrics().await;
-    for w in ["p0", "p1"] {
-        let v = metric_value(
-            &m,
-            "kvroute_pd_prefill_requests_total",
-            &format!("worker=\"{w}\""),
-        );
-        assert_eq!(v, Some(2.0), "{w}");
-    }
-    for w in ["d0", "d1"] {
-        let v = metric_value(
-            &m,
-            "kvroute_pd_decode_requests_total",
-            &format!("worker=\"{w}\""),
-        );
-        assert_eq!(v, Some(2.0), "{w}");
+    for (w, half) in [
+        ("p0", "prefill"),
+        ("p1", "prefill"),
+        ("d0", "decode"),
+        ("d1", "decode"),
+    ] {
+        let name = format!("kvroute_pd_{half}_requests_total");
+        assert_metric(&m, &name, &format!("worker=\"{w}\""), Some(2.0));
     }
     assert_metric(
         &m,

@@ -30,6 +30,21 @@ fn class(name: &str, weight: u64, max_queued: Option<usize>) -> PolicyClass {
     }
 }
 
+/// A kv_aware router over one mock worker, queueing at a threshold of 0.01 (any held request
+/// saturates the worker) in `classes`, for `wait` at most; requests time out after `timeout`.
+async fn queued(
+    classes: Vec<PolicyClass>,
+    wait: Duration,
+    timeout: Duration,
+) -> (MockWorker, TestRouter) {
+    let w = MockWorker::start("w", &["m"]).await;
+    let mut s = settings(&[&w]);
+    s.policy = PolicyKind::KvAware;
+    s.request_timeout = timeout;
+    s.queue = queue(0.01, classes, wait);
+    (w, TestRouter::start(s).await)
+}
+
 /// A completion of `prompt` for the mock workers.
 fn prompt(prompt: &str) -> String {
     json!({"model": "m", "prompt": prompt}).to_string()
@@ -83,10 +98,7 @@ async fn a_burst_is_held_and_drained_with_nothing_dropped() {
             || metric_value(&m, "kvroute_queue_wait_seconds_count", "").unwrap() > 0.0,
         "the burst was queued"
     );
-    assert!(
-        metric_value(&m, "kvroute_queue_wait_seconds_count", "").unwrap() >= 8.0,
-        "{m}"
-    );
+    assert_metric_at_least(&m, "kvroute_queue_wait_seconds_count", "", 8.0);
     assert_metric(&m, "kvroute_queue_pending", r#"class="default""#, Some(0.0));
     // Scored once each, when leaving the queue.
     assert_metric(&m, "kvroute_routing_seconds_count", "", Some(16.0));
@@ -96,16 +108,8 @@ async fn a_burst_is_held_and_drained_with_nothing_dropped() {
 
 #[tokio::test]
 async fn a_full_class_and_a_long_wait_are_errors() {
-    let w = MockWorker::start("w", &["m"]).await;
-    let mut s = settings(&[&w]);
-    s.policy = PolicyKind::KvAware;
-    s.request_timeout = Duration::from_secs(60);
-    s.queue = queue(
-        0.01,
-        vec![class("default", 1, None), class("small", 1, Some(1))],
-        Duration::from_secs(1),
-    );
-    let r = TestRouter::start(s).await;
+    let classes = vec![class("default", 1, None), class("small", 1, Some(1))];
+    let (w, r) = queued(classes, Duration::from_secs(1), Duration::from_secs(60)).await;
     // A request that never answers saturates the only rank (500 tokens > 0.01 x 8192).
     let held = hold(&r);
     r.wait_in_flight(&w.url, |n| n == 1).await;
@@ -159,16 +163,8 @@ async fn a_class_may_have_its_own_busy_thresholds() {
 
 #[tokio::test]
 async fn a_client_that_leaves_leaves_the_queue() {
-    let w = MockWorker::start("w", &["m"]).await;
-    let mut s = settings(&[&w]);
-    s.policy = PolicyKind::KvAware;
-    s.request_timeout = Duration::from_secs(120);
-    s.queue = queue(
-        0.01,
-        vec![class("default", 1, None)],
-        Duration::from_secs(120),
-    );
-    let r = TestRouter::start(s).await;
+    let classes = vec![class("default", 1, None)];
+    let (w, r) = queued(classes, Duration::from_secs(120), Duration::from_secs(120)).await;
     let held = hold(&r);
     r.wait_in_flight(&w.url, |n| n == 1).await;
     let waiting = r.spawn_complete(&[], prompt("a"));

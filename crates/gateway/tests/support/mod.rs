@@ -234,6 +234,16 @@ pub fn assert_metric(text: &str, name: &str, labels: &str, value: Option<f64>) {
     );
 }
 
+/// Asserts that the metric line `name{labels}` of `text` is there and reads `min` or more.
+#[track_caller]
+pub fn assert_metric_at_least(text: &str, name: &str, labels: &str, min: f64) {
+    let value = metric_value(text, name, labels);
+    assert!(
+        value.is_some_and(|v| v >= min),
+        "{name}{{{labels}}} is {value:?}, not {min} or more, in\n{text}"
+    );
+}
+
 pub fn in_flight(router: &TestRouter, worker_url: &str) -> u64 {
     router
         .gateway
