@@ -99,6 +99,13 @@ fn set_faults(sim: &SimInstance, change: impl FnOnce(&mut FaultSettings)) {
     faults.set(settings).unwrap();
 }
 
+/// Sends `prompt` to `worker` through the router and waits until the router credits `worker`
+/// with its blocks.
+async fn cached_on(r: &TestRouter, worker: &str, prompt: &str) {
+    on(r, worker, prompt).await;
+    wait_overlap(r, prompt, worker, credited).await;
+}
+
 #[tokio::test]
 async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_not_retried() {
     let (a, b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
@@ -184,8 +191,7 @@ async fn a_restarted_engine_resumes_its_events_without_stale_credit() {
     .await;
     joined(&r, &a.url(), "a").await;
     let before = text(400, 42);
-    on(&r, "a", &before).await;
-    wait_overlap(&r, &before, "a", credited).await;
+    cached_on(&r, "a", &before).await;
     // Restarted with an empty cache: the router must not credit it with what it lost (while
     // it restarts it may also not be a candidate at all).
     let a = a.restart().await.unwrap();
@@ -193,8 +199,7 @@ async fn a_restarted_engine_resumes_its_events_without_stale_credit() {
     // Its new events reach the index again.
     joined(&r, &a.url(), "a").await;
     let after = text(400, 43);
-    on(&r, "a", &after).await;
-    wait_overlap(&r, &after, "a", credited).await;
+    cached_on(&r, "a", &after).await;
     assert_eq!(overlap(&r, &before, "a").await, Some(0));
     assert_nothing_in_flight(&r).await;
     r.stop().await;
@@ -205,8 +210,7 @@ async fn a_gap_in_the_kv_event_stream_is_detected_and_recovered() {
     let (a, _b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
     joined(&r, &a.url(), "a").await;
     let first = text(400, 7);
-    on(&r, "a", &first).await;
-    wait_overlap(&r, &first, "a", credited).await;
+    cached_on(&r, "a", &first).await;
     set_faults(&a, |f| f.drop_kv_events = true);
     let unseen = text(400, 8);
     on(&r, "a", &unseen).await;
@@ -238,8 +242,7 @@ async fn a_worker_added_at_run_time_is_indexed_and_forgotten_when_removed() {
     // Its events reach the index.
     joined(&r, &c.url(), "c").await;
     let prompt = text(800, 77);
-    on(&r, "c", &prompt).await;
-    wait_overlap(&r, &prompt, "c", credited).await;
+    cached_on(&r, "c", &prompt).await;
     let blocks = |m: &str| metric_value(m, "kvroute_kv_index_blocks", "").unwrap();
     let before = blocks(&r.metrics().await);
     let reply = send(&r.url, http::Method::DELETE, "/workers/c", &[], "").await;

@@ -205,8 +205,7 @@ async fn a_streamed_request_streams_from_the_decode_worker() {
     assert!(prefilled[0].get("stream_options").is_none());
     let d = c.decode.iter().find(|e| e.name == decode).unwrap();
     assert_eq!(d.bodies()[0]["stream"], true);
-    wait_all_idle(&c.router).await;
-    c.router.stop().await;
+    c.router.stop_idle().await;
 }
 
 #[tokio::test]

@@ -137,8 +137,7 @@ async fn check_both_halves(protocol: PdProtocol) {
     let m = r.metrics().await;
     assert_eq!(metric_sum(&m, "kvroute_pd_prefill_requests_total", ""), 2.0);
     assert_eq!(metric_sum(&m, "kvroute_pd_decode_requests_total", ""), 2.0);
-    wait_all_idle(&r).await;
-    r.stop().await;
+    r.stop_idle().await;
 }
 
 #[tokio::test]
@@ -190,8 +189,7 @@ async fn a_decode_worker_that_holds_the_prompt_skips_the_remote_prefill() {
         )
         .await;
     assert_eq!(prefills, 1.0);
-    wait_all_idle(&r).await;
-    r.stop().await;
+    r.stop_idle().await;
 }
 
 #[tokio::test]
@@ -212,6 +210,5 @@ async fn a_failing_prefill_half_is_reported_and_leaves_nothing_in_flight() {
     for id in ["d0", "d1"] {
         assert_eq!(by_id(&engines, id).sim.faults().requests_accepted(), 0);
     }
-    wait_all_idle(&r).await;
-    r.stop().await;
+    r.stop_idle().await;
 }

@@ -122,12 +122,7 @@ async fn models_are_the_union_and_pick_the_pool() {
 #[tokio::test]
 async fn config_workers_have_ids_and_models() {
     let w = MockWorker::start("w", &["served-name"]).await;
-    let s = Settings::with_workers(vec![WorkerSpec {
-        id: Some("gpu-0".into()),
-        model: Some("alias".into()),
-        ..WorkerSpec::url(w.url.clone())
-    }])
-    .unwrap();
+    let s = Settings::with_workers(vec![named_spec("gpu-0", "alias", w.url.clone())]).unwrap();
     let r = TestRouter::start(s).await;
     let reply = r.complete(&[], r#"{"model":"alias","prompt":"x"}"#).await;
     assert_eq!(reply.status, StatusCode::OK);
@@ -144,11 +139,7 @@ async fn health_and_readiness() {
     let w = MockWorker::start("w", &["m"]).await;
     let dead = closed_url().await;
     let mut s = settings(&[&w]);
-    s.workers.push(WorkerSpec {
-        id: Some("dead".into()),
-        model: Some("other".into()),
-        ..WorkerSpec::url(dead)
-    });
+    s.workers.push(named_spec("dead", "other", dead));
     let r = TestRouter::start_unready(s).await;
     let (status, _, _) = r.get("/health").await;
     assert_eq!(status, StatusCode::OK);

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use axum::body::Body;
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
-use kvroute_gateway::{Settings, WorkerSpec};
+use kvroute_gateway::Settings;
 use support::*;
 
 /// Settings for these workers (whose answers and health the tests set), each named by its
@@ -17,11 +17,7 @@ use support::*;
 fn named_settings(workers: &[&MockWorker]) -> Settings {
     let specs = workers
         .iter()
-        .map(|w| WorkerSpec {
-            id: Some(w.name.clone()),
-            model: Some("m".into()),
-            ..w.spec()
-        })
+        .map(|w| named_spec(&w.name, "m", w.url.clone()))
         .collect();
     let mut s = Settings::with_workers(specs).unwrap();
     s.policy = kvroute_core::PolicyKind::RoundRobin;
@@ -66,8 +62,7 @@ async fn a_failed_attempt_is_retried_on_another_worker() {
         "worker=\"bad\",outcome=\"server_error\"",
         Some(bad.requests() as f64),
     );
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
@@ -75,11 +70,7 @@ async fn a_dropped_connection_is_retried_and_a_4xx_is_not() {
     let broken = broken_worker("m").await;
     let good = MockWorker::start("good", &["m"]).await;
     let mut settings = named_settings(&[&good]);
-    settings.workers.push(WorkerSpec {
-        id: Some("broken".into()),
-        model: Some("m".into()),
-        ..WorkerSpec::url(broken)
-    });
+    settings.workers.push(named_spec("broken", "m", broken));
     let router = TestRouter::start(settings).await;
     assert_served_by(&router, 4, "good").await;
     // A client error is the answer: not retried.
@@ -93,8 +84,7 @@ async fn a_dropped_connection_is_retried_and_a_4xx_is_not() {
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.headers["x-kvroute-worker"], "good");
     assert_eq!(good.requests(), before + 1);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
@@ -125,8 +115,7 @@ async fn hard_session_affinity_pins_bound_sessions_only() {
     let r = router.complete(&[("x-session-id", &session)], BODY).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(good.requests(), before);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
@@ -146,8 +135,7 @@ async fn a_pinned_request_is_never_moved_and_retries_give_up() {
     let r = router.complete(&[], BODY).await;
     assert!(r.status.is_server_error(), "{}", r.status);
     assert_eq!(a.requests() + b.requests(), 3);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
@@ -185,8 +173,7 @@ async fn the_circuit_opens_on_failures_and_closes_after_a_probe() {
     })
     .await;
     assert_eq!(router.circuit("a"), "closed");
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
@@ -239,8 +226,7 @@ async fn beyond_the_concurrency_limit_requests_get_429() {
     wait_idle(&router, &w.url).await;
     let r = router.complete(&[], BODY).await;
     assert_eq!(r.status, StatusCode::OK);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
@@ -449,6 +435,5 @@ async fn workers_come_and_go_at_run_time_without_losing_requests() {
     assert_eq!(r.error_code(), "worker_not_found");
     let r = router.post("/workers", &[], r#"{"url":"ftp://x"}"#).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }

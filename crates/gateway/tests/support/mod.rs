@@ -29,7 +29,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvroute_gateway::{Gateway, Settings};
+use kvroute_gateway::{Gateway, Settings, WorkerSpec};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -93,6 +93,15 @@ pub async fn scrape(base: &str) -> String {
     let (status, _, body) = get_url(&format!("{base}/metrics")).await;
     assert_eq!(status, StatusCode::OK);
     String::from_utf8(body.to_vec()).unwrap()
+}
+
+/// The worker at `url`, known as `id` and serving `model` under that name.
+pub fn named_spec(id: &str, model: &str, url: impl Into<String>) -> WorkerSpec {
+    WorkerSpec {
+        id: Some(id.to_owned()),
+        model: Some(model.to_owned()),
+        ..WorkerSpec::url(url)
+    }
 }
 
 /// Settings for these workers with `round_robin` (tests of other policies set theirs).

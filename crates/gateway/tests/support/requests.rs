@@ -9,12 +9,21 @@ use http::{HeaderMap, StatusCode};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
-use super::{get_url, metric_value, post, wait_until, wait_until_async, Reply, TestRouter};
+use super::{
+    get_url, metric_value, post, wait_all_idle, wait_until, wait_until_async, Reply, TestRouter,
+};
 
 impl TestRouter {
     /// `POST {path}` on the router.
     pub async fn post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
         post(&self.url, path, headers, body).await
+    }
+
+    /// Waits until nothing is in flight anywhere in the router ([`wait_all_idle`]), then
+    /// stops it.
+    pub async fn stop_idle(self) {
+        wait_all_idle(&self).await;
+        self.stop().await;
     }
 
     /// `POST /v1/completions` on the router.
