@@ -50,8 +50,10 @@ fn completion(prompt: &str) -> String {
     json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 2}).to_string()
 }
 
-async fn assert_nothing_in_flight(r: &TestRouter) {
-    wait_all_idle(r).await;
+/// Asserts that nothing is left in flight (the router's counts and the active-request
+/// gauges), then stops the router.
+async fn stop_with_nothing_in_flight(r: TestRouter) {
+    wait_all_idle(&r).await;
     let m = r.metrics().await;
     for w in ["a", "b"] {
         let active = metric_value(
@@ -61,6 +63,7 @@ async fn assert_nothing_in_flight(r: &TestRouter) {
         );
         assert!(matches!(active, Some(0.0) | None), "{w}: {active:?}");
     }
+    r.stop().await;
 }
 
 /// Whether the router credits a worker with some blocks of a prompt.
@@ -138,8 +141,7 @@ async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_
     assert_eq!(other.faults().requests_accepted(), other_before);
     // Later requests find the live engine.
     answered(&r, 6, None).await;
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -156,8 +158,7 @@ async fn an_engine_that_refuses_connections_loses_no_request() {
     .unwrap();
     assert!(refused >= 1.0, "round robin tried a");
     assert_metric(&m, "kvroute_request_retries_total", "", Some(refused));
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -177,8 +178,7 @@ async fn an_engine_that_stalls_times_out_and_the_request_goes_elsewhere() {
         .await;
     assert_eq!(reply.status, 504);
     assert_eq!(reply.error_code(), "upstream_timeout");
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -201,8 +201,7 @@ async fn a_restarted_engine_resumes_its_events_without_stale_credit() {
     let after = text(400, 43);
     cached_on(&r, "a", &after).await;
     assert_eq!(overlap(&r, &before, "a").await, Some(0));
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -227,8 +226,7 @@ async fn a_gap_in_the_kv_event_stream_is_detected_and_recovered() {
     wait_overlap(&r, &last, "a", credited).await;
     assert_eq!(overlap(&r, &first, "a").await, Some(0));
     assert_eq!(overlap(&r, &unseen, "a").await, Some(0));
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -252,6 +250,5 @@ async fn a_worker_added_at_run_time_is_indexed_and_forgotten_when_removed() {
     assert_eq!(device_overlap(&d, "c"), None, "{d}");
     let after = blocks(&r.metrics().await);
     assert!(after + 50.0 <= before, "index blocks {before} -> {after}");
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
