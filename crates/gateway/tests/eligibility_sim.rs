@@ -3,13 +3,11 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::affinity::AffinityMode;
 use kvroute_core::PolicyKind;
 use kvroute_gateway::{Settings, WorkerSpec};
-use kvroute_tokenizer::Tokenizer;
 use serde_json::json;
 use support::*;
 use tokio_util::sync::CancellationToken;
@@ -21,17 +19,7 @@ async fn cluster(tweak: impl FnOnce(&mut Settings)) -> (TestRouter, Cancellation
     let shutdown = CancellationToken::new();
     let mut specs = Vec::new();
     for (id, dp) in [("a", 1), ("b", 2)] {
-        let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from([
-            "kvroute-sim",
-            "--data-parallel-size",
-            &dp.to_string(),
-        ]);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(
-            kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()))
-                .serve(listener, shutdown.clone()),
-        );
+        let url = serve_sim(&["--data-parallel-size", &dp.to_string()], &shutdown).await;
         specs.push(WorkerSpec {
             id: Some(id.into()),
             num_gpu_blocks: Some(100),
@@ -62,19 +50,12 @@ async fn hold(
     rank: Option<u32>,
 ) -> http::Response<hyper::body::Incoming> {
     let b = json!({"model": "kvroute-sim", "prompt": text(640, 77), "max_tokens": 100000, "stream": true}).to_string();
-    let mut req = http::Request::post(format!("{}/v1/completions", r.url))
-        .header("content-type", "application/json")
-        .header("x-kvroute-worker", worker);
-    if let Some(k) = rank {
-        req = req.header("x-kvroute-dp-rank", k.to_string());
+    let rank = rank.map(|k| k.to_string());
+    let mut headers = vec![("x-kvroute-worker", worker)];
+    if let Some(k) = &rank {
+        headers.push(("x-kvroute-dp-rank", k));
     }
-    let resp = client()
-        .request(
-            req.body(http_body_util::Full::new(bytes::Bytes::from(b)))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = open_stream_with(&r.url, "/v1/completions", &headers, &b).await;
     assert_eq!(resp.status(), 200);
     resp
 }
@@ -84,33 +65,14 @@ async fn every_filter_and_error_class_on_simulated_replicas() {
     let (r, stop) = cluster(|_| {}).await;
     // Allow-list, pin with rank, required taints.
     for i in 0..4 {
-        assert_eq!(
-            post(
-                &r.url,
-                "/v1/completions",
-                &[("x-kvroute-allowed-workers", "a")],
-                &body(&format!("{i}"))
-            )
-            .await
-            .worker(),
-            "a"
-        );
-        let reply = post(
-            &r.url,
-            "/v1/completions",
-            &[("x-kvroute-required-taints", "gpu")],
-            &body(&format!("t{i}")),
-        )
-        .await;
-        assert_eq!(reply.worker(), "b");
+        let allowed = [("x-kvroute-allowed-workers", "a")];
+        r.assert_routed(&allowed, [body(&format!("{i}"))], "a")
+            .await;
+        let gpu = [("x-kvroute-required-taints", "gpu")];
+        r.assert_routed(&gpu, [body(&format!("t{i}"))], "b").await;
     }
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-worker", "b"), ("x-kvroute-dp-rank", "1")],
-        &body("pinned"),
-    )
-    .await;
+    let pin = [("x-kvroute-worker", "b"), ("x-kvroute-dp-rank", "1")];
+    let reply = r.complete(&pin, &body("pinned")).await;
     assert_eq!(reply.placed(), ("b".to_owned(), Some("1".to_owned())));
     for (headers, status, code) in [
         (vec![("x-kvroute-worker", "c")], 400, "invalid_pin"),
@@ -138,7 +100,7 @@ async fn every_filter_and_error_class_on_simulated_replicas() {
             "invalid_hint",
         ),
     ] {
-        let reply = post(&r.url, "/v1/completions", &headers, &body("x")).await;
+        let reply = r.complete(&headers, &body("x")).await;
         assert_eq!(
             (reply.status.as_u16(), reply.error_code().as_str()),
             (status, code),
@@ -147,52 +109,22 @@ async fn every_filter_and_error_class_on_simulated_replicas() {
     }
     // Overload: a's only rank busy -> everything to b; a pinned -> pinned_worker_overloaded.
     let held_a = hold(&r, "a", None).await;
-    for i in 0..4 {
-        assert_eq!(
-            post(&r.url, "/v1/completions", &[], &body(&format!("o{i}")))
-                .await
-                .worker(),
-            "b"
-        );
-    }
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-worker", "a")],
-        &body("x"),
-    )
-    .await;
-    assert_eq!(
-        (reply.status.as_u16(), reply.error_code().as_str()),
-        (503, "pinned_worker_overloaded")
-    );
+    r.assert_routed(&[], (0..4).map(|i| body(&format!("o{i}"))), "b")
+        .await;
+    let reply = r.complete(&[("x-kvroute-worker", "a")], &body("x")).await;
+    reply.assert_error(503, "pinned_worker_overloaded");
     // b stays eligible while one of its ranks is free; with both busy, all are overloaded.
     let held_b0 = hold(&r, "b", Some(0)).await;
-    let reply = post(&r.url, "/v1/completions", &[], &body("y")).await;
+    let reply = r.complete(&[], &body("y")).await;
     assert_eq!(reply.placed(), ("b".to_owned(), Some("1".to_owned())));
     let held_b1 = hold(&r, "b", Some(1)).await;
-    let reply = post(&r.url, "/v1/completions", &[], &body("z")).await;
-    assert_eq!(
-        (reply.status.as_u16(), reply.error_code().as_str()),
-        (503, "all_workers_overloaded")
-    );
+    let reply = r.complete(&[], &body("z")).await;
+    reply.assert_error(503, "all_workers_overloaded");
     assert_eq!(reply.headers["retry-after"], "1");
     // Releasing a's stream makes it eligible again.
     drop(held_a);
-    let gw = r.gateway.clone();
-    wait_until("a released", || {
-        gw.workers()
-            .statuses()
-            .iter()
-            .any(|w| w.id == "a" && w.in_flight == 0)
-    })
-    .await;
-    assert_eq!(
-        post(&r.url, "/v1/completions", &[], &body("free again"))
-            .await
-            .worker(),
-        "a"
-    );
+    r.wait_in_flight("a", |n| n == 0).await;
+    r.assert_routed(&[], [body("free again")], "a").await;
     drop((held_b0, held_b1));
     r.stop().await;
     stop.cancel();
@@ -203,44 +135,15 @@ async fn busy_thresholds_change_at_run_time() {
     let (r, stop) = cluster(|s| s.busy.active_decode_blocks = None).await;
     let held = hold(&r, "a", None).await;
     // No threshold: a stays a candidate (its cost may still lose to b's; send a pinned one).
-    assert_eq!(
-        post(
-            &r.url,
-            "/v1/completions",
-            &[("x-kvroute-worker", "a")],
-            &body("p")
-        )
-        .await
-        .status,
-        200
-    );
-    let set = post(
-        &r.url,
-        "/busy_threshold",
-        &[],
-        &json!({"model": "kvroute-sim", "active_decode_blocks_threshold": 0.2}).to_string(),
-    )
-    .await;
+    let pin_a = [("x-kvroute-worker", "a")];
+    assert_eq!(r.complete(&pin_a, &body("p")).await.status, 200);
+    let threshold = json!({"model": "kvroute-sim", "active_decode_blocks_threshold": 0.2});
+    let set = r.post("/busy_threshold", &[], &threshold.to_string()).await;
     assert_eq!(set.status, 200, "{:?}", set.body);
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-worker", "a")],
-        &body("p2"),
-    )
-    .await;
-    assert_eq!(
-        (reply.status.as_u16(), reply.error_code().as_str()),
-        (503, "pinned_worker_overloaded")
-    );
-    for i in 0..4 {
-        assert_eq!(
-            post(&r.url, "/v1/completions", &[], &body(&format!("q{i}")))
-                .await
-                .worker(),
-            "b"
-        );
-    }
+    let reply = r.complete(&pin_a, &body("p2")).await;
+    reply.assert_error(503, "pinned_worker_overloaded");
+    r.assert_routed(&[], (0..4).map(|i| body(&format!("q{i}"))), "b")
+        .await;
     drop(held);
     r.stop().await;
     stop.cancel();
@@ -252,20 +155,13 @@ async fn session_affinity_soft_and_hard() {
         let (r, stop) =
             cluster(|s| s.session_affinity = Some((mode, Duration::from_secs(600)))).await;
         let session = [("x-session-id", "s1")];
-        let (home, rank) = post(&r.url, "/v1/completions", &session, &body("first"))
-            .await
-            .placed();
+        let (home, rank) = r.complete(&session, &body("first")).await.placed();
         for i in 0..6 {
-            assert_eq!(
-                post(&r.url, "/v1/completions", &session, &body(&format!("n{i}")))
-                    .await
-                    .placed(),
-                (home.clone(), rank.clone()),
-                "{mode:?}"
-            );
+            let reply = r.complete(&session, &body(&format!("n{i}"))).await;
+            assert_eq!(reply.placed(), (home.clone(), rank.clone()), "{mode:?}");
         }
         let held = hold(&r, &home, rank.as_deref().map(|k| k.parse().unwrap())).await;
-        let reply = post(&r.url, "/v1/completions", &session, &body("while busy")).await;
+        let reply = r.complete(&session, &body("while busy")).await;
         match mode {
             AffinityMode::Soft => {
                 assert_eq!(reply.status, 200);
@@ -275,12 +171,7 @@ async fn session_affinity_soft_and_hard() {
                     "soft: another rank"
                 );
             }
-            AffinityMode::Hard => {
-                assert_eq!(
-                    (reply.status.as_u16(), reply.error_code().as_str()),
-                    (503, "pinned_worker_overloaded")
-                );
-            }
+            AffinityMode::Hard => reply.assert_error(503, "pinned_worker_overloaded"),
         }
         drop(held);
         r.stop().await;

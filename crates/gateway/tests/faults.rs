@@ -50,8 +50,10 @@ fn completion(prompt: &str) -> String {
     json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 2}).to_string()
 }
 
-async fn assert_nothing_in_flight(r: &TestRouter) {
-    wait_all_idle(r).await;
+/// Asserts that nothing is left in flight (the router's counts and the active-request
+/// gauges), then stops the router.
+async fn stop_with_nothing_in_flight(r: TestRouter) {
+    wait_all_idle(&r).await;
     let m = r.metrics().await;
     for w in ["a", "b"] {
         let active = metric_value(
@@ -61,6 +63,7 @@ async fn assert_nothing_in_flight(r: &TestRouter) {
         );
         assert!(matches!(active, Some(0.0) | None), "{w}: {active:?}");
     }
+    r.stop().await;
 }
 
 /// Whether the router credits a worker with some blocks of a prompt.
@@ -70,15 +73,40 @@ fn credited(overlap: Option<u64>) -> bool {
 
 /// Sends `prompt` to `worker` through the router (allow-list hint) and expects success.
 async fn on(r: &TestRouter, worker: &str, prompt: &str) {
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-allowed-workers", worker)],
-        &completion(prompt),
-    )
-    .await;
+    let reply = r
+        .complete(
+            &[("x-kvroute-allowed-workers", worker)],
+            &completion(prompt),
+        )
+        .await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
     assert_eq!(reply.worker(), worker);
+}
+
+/// Sends `n` fresh prompts through the router: each must be answered, by `worker` when given.
+async fn answered(r: &TestRouter, n: u64, worker: Option<&str>) {
+    for i in 0..n {
+        let reply = r.complete(&[], &completion(&text(50, i))).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        if let Some(worker) = worker {
+            assert_eq!(reply.worker(), worker);
+        }
+    }
+}
+
+/// Changes the faults `sim` injects.
+fn set_faults(sim: &SimInstance, change: impl FnOnce(&mut FaultSettings)) {
+    let faults = sim.faults();
+    let mut settings = faults.settings();
+    change(&mut settings);
+    faults.set(settings).unwrap();
+}
+
+/// Sends `prompt` to `worker` through the router and waits until the router credits `worker`
+/// with its blocks.
+async fn cached_on(r: &TestRouter, worker: &str, prompt: &str) {
+    on(r, worker, prompt).await;
+    wait_overlap(r, prompt, worker, credited).await;
 }
 
 #[tokio::test]
@@ -112,23 +140,15 @@ async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_
     // The broken stream was not replayed elsewhere.
     assert_eq!(other.faults().requests_accepted(), other_before);
     // Later requests find the live engine.
-    for i in 0..6 {
-        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
-        assert_eq!(reply.status, 200, "{:?}", reply.body);
-    }
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    answered(&r, 6, None).await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
 async fn an_engine_that_refuses_connections_loses_no_request() {
     let (a, _b, r) = cluster(PolicyKind::RoundRobin, |_| {}).await;
     a.crash();
-    for i in 0..8 {
-        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
-        assert_eq!(reply.status, 200, "{:?}", reply.body);
-        assert_eq!(reply.worker(), "b");
-    }
+    answered(&r, 8, Some("b")).await;
     let m = r.metrics().await;
     let refused = metric_value(
         &m,
@@ -137,12 +157,8 @@ async fn an_engine_that_refuses_connections_loses_no_request() {
     )
     .unwrap();
     assert!(refused >= 1.0, "round robin tried a");
-    assert_eq!(
-        metric_value(&m, "kvroute_request_retries_total", ""),
-        Some(refused)
-    );
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    assert_metric(&m, "kvroute_request_retries_total", "", Some(refused));
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -151,39 +167,18 @@ async fn an_engine_that_stalls_times_out_and_the_request_goes_elsewhere() {
         s.request_timeout = Duration::from_millis(300);
     })
     .await;
-    let f = a.faults();
-    f.set(FaultSettings {
-        stall_ms: 60_000,
-        ..f.settings()
-    })
-    .unwrap();
-    for i in 0..4 {
-        let reply = post(&r.url, "/v1/completions", &[], &completion(&text(50, i))).await;
-        assert_eq!(reply.status, 200, "{:?}", reply.body);
-        assert_eq!(reply.worker(), "b");
-    }
+    set_faults(&a, |f| f.stall_ms = 60_000);
+    answered(&r, 4, Some("b")).await;
     let m = r.metrics().await;
-    assert!(
-        metric_value(
-            &m,
-            "kvroute_upstream_attempts_total",
-            "worker=\"a\",outcome=\"timeout\""
-        )
-        .unwrap()
-            >= 1.0
-    );
+    let timeouts = r#"worker="a",outcome="timeout""#;
+    assert_metric_at_least(&m, "kvroute_upstream_attempts_total", timeouts, 1.0);
     // Pinned to the stalled engine: a clear timeout, not a hang.
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-worker", "a")],
-        &completion("pinned"),
-    )
-    .await;
+    let reply = r
+        .complete(&[("x-kvroute-worker", "a")], &completion("pinned"))
+        .await;
     assert_eq!(reply.status, 504);
     assert_eq!(reply.error_code(), "upstream_timeout");
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -196,8 +191,7 @@ async fn a_restarted_engine_resumes_its_events_without_stale_credit() {
     .await;
     joined(&r, &a.url(), "a").await;
     let before = text(400, 42);
-    on(&r, "a", &before).await;
-    wait_overlap(&r, &before, "a", credited).await;
+    cached_on(&r, "a", &before).await;
     // Restarted with an empty cache: the router must not credit it with what it lost (while
     // it restarts it may also not be a candidate at all).
     let a = a.restart().await.unwrap();
@@ -205,11 +199,9 @@ async fn a_restarted_engine_resumes_its_events_without_stale_credit() {
     // Its new events reach the index again.
     joined(&r, &a.url(), "a").await;
     let after = text(400, 43);
-    on(&r, "a", &after).await;
-    wait_overlap(&r, &after, "a", credited).await;
+    cached_on(&r, "a", &after).await;
     assert_eq!(overlap(&r, &before, "a").await, Some(0));
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -217,21 +209,11 @@ async fn a_gap_in_the_kv_event_stream_is_detected_and_recovered() {
     let (a, _b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
     joined(&r, &a.url(), "a").await;
     let first = text(400, 7);
-    on(&r, "a", &first).await;
-    wait_overlap(&r, &first, "a", credited).await;
-    let f = a.faults();
-    f.set(FaultSettings {
-        drop_kv_events: true,
-        ..f.settings()
-    })
-    .unwrap();
+    cached_on(&r, "a", &first).await;
+    set_faults(&a, |f| f.drop_kv_events = true);
     let unseen = text(400, 8);
     on(&r, "a", &unseen).await;
-    f.set(FaultSettings {
-        drop_kv_events: false,
-        ..f.settings()
-    })
-    .unwrap();
+    set_faults(&a, |f| f.drop_kv_events = false);
     let last = text(400, 9);
     on(&r, "a", &last).await;
     // The gap is noticed: what the router knew of a is dropped (it cannot know what it
@@ -244,8 +226,7 @@ async fn a_gap_in_the_kv_event_stream_is_detected_and_recovered() {
     wait_overlap(&r, &last, "a", credited).await;
     assert_eq!(overlap(&r, &first, "a").await, Some(0));
     assert_eq!(overlap(&r, &unseen, "a").await, Some(0));
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }
 
 #[tokio::test]
@@ -253,21 +234,13 @@ async fn a_worker_added_at_run_time_is_indexed_and_forgotten_when_removed() {
     let (_a, _b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
     let (c, ec) = sim(3).await;
     let add = json!({"id": "c", "url": c.url(), "kv_events": ec}).to_string();
-    let reply = post(&r.url, "/workers", &[], &add).await;
+    let reply = r.post("/workers", &[], &add).await;
     assert_eq!(reply.status, 201, "{:?}", reply.body);
-    let gw = r.gateway.clone();
-    wait_until("c healthy", || {
-        gw.workers()
-            .statuses()
-            .iter()
-            .any(|w| w.id == "c" && w.healthy)
-    })
-    .await;
+    r.wait_healthy("c").await;
     // Its events reach the index.
     joined(&r, &c.url(), "c").await;
     let prompt = text(800, 77);
-    on(&r, "c", &prompt).await;
-    wait_overlap(&r, &prompt, "c", credited).await;
+    cached_on(&r, "c", &prompt).await;
     let blocks = |m: &str| metric_value(m, "kvroute_kv_index_blocks", "").unwrap();
     let before = blocks(&r.metrics().await);
     let reply = send(&r.url, http::Method::DELETE, "/workers/c", &[], "").await;
@@ -277,6 +250,5 @@ async fn a_worker_added_at_run_time_is_indexed_and_forgotten_when_removed() {
     assert_eq!(device_overlap(&d, "c"), None, "{d}");
     let after = blocks(&r.metrics().await);
     assert!(after + 50.0 <= before, "index blocks {before} -> {after}");
-    assert_nothing_in_flight(&r).await;
-    r.stop().await;
+    stop_with_nothing_in_flight(r).await;
 }

@@ -91,9 +91,7 @@ async fn kvroute_sim_events_reach_the_sink() {
 
 #[tokio::test]
 async fn bad_input_is_counted_and_skipped() {
-    let mut publisher = Publisher::bind(0).await;
-    let sub = Running::start(config(publisher.port, None, 1));
-    let (seq, _) = publisher.sync(&sub.sink, 0).await;
+    let (mut publisher, sub, seq) = connected(0, None).await;
     let seq_frame = Bytes::copy_from_slice(&encode_seq(seq));
     let good = payload(vec![]);
     publisher
@@ -127,9 +125,7 @@ async fn bad_input_is_counted_and_skipped() {
 
 #[tokio::test]
 async fn gaps_and_restarts_clear_the_rank() {
-    let mut publisher = Publisher::bind(0).await;
-    let sub = Running::start(config(publisher.port, None, 1));
-    let (seq, _) = publisher.sync(&sub.sink, 10).await;
+    let (mut publisher, sub, seq) = connected(10, None).await;
     publisher
         .publish(seq + 2, payload(vec![stored(&[1], None, 16, 16)]))
         .await;
@@ -155,10 +151,8 @@ async fn gaps_and_restarts_clear_the_rank() {
 
 #[tokio::test]
 async fn a_gap_is_replayed_in_order_before_the_current_batch() {
-    let mut publisher = Publisher::bind(0).await;
     let replay = ReplayServer::start().await;
-    let sub = Running::start(config(publisher.port, Some(replay.port), 1));
-    let (seq, _) = publisher.sync(&sub.sink, 0).await;
+    let (mut publisher, sub, seq) = connected(0, Some(replay.port)).await;
     // seq..seq+2 are only in the replay buffer; seq+3 is published (and buffered, as vLLM does).
     for s in seq..seq + 4 {
         let batch = payload(vec![stored(&[s], None, 16, 16)]);

@@ -131,7 +131,7 @@ const BODY: &str = r#"{"model":"m","prompt":"hello there","max_tokens":20}"#;
 async fn vllm_protocol_prefills_then_decodes_with_the_transfer_params() {
     let c = cluster(PdProtocol::Vllm, |_| {}).await;
     for _ in 0..4 {
-        let r = post(&c.router.url, "/v1/completions", &[], BODY).await;
+        let r = c.router.complete(&[], BODY).await;
         assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
         let decode = r.worker().to_owned();
         let prefill = r.headers["x-kvroute-prefill-worker"]
@@ -164,29 +164,20 @@ async fn vllm_protocol_prefills_then_decodes_with_the_transfer_params() {
         assert_eq!(d.bodies().len(), 2, "round robin over the decode workers");
     }
     let m = c.router.metrics().await;
-    for w in ["p0", "p1"] {
-        let v = metric_value(
-            &m,
-            "kvroute_pd_prefill_requests_total",
-            &format!("worker=\"{w}\""),
-        );
-        assert_eq!(v, Some(2.0), "{w}");
+    for (w, half) in [
+        ("p0", "prefill"),
+        ("p1", "prefill"),
+        ("d0", "decode"),
+        ("d1", "decode"),
+    ] {
+        let name = format!("kvroute_pd_{half}_requests_total");
+        assert_metric(&m, &name, &format!("worker=\"{w}\""), Some(2.0));
     }
-    for w in ["d0", "d1"] {
-        let v = metric_value(
-            &m,
-            "kvroute_pd_decode_requests_total",
-            &format!("worker=\"{w}\""),
-        );
-        assert_eq!(v, Some(2.0), "{w}");
-    }
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_disagg_decision_total",
-            "decision_type=\"prefill-decode\""
-        ),
-        Some(4.0)
+    assert_metric(
+        &m,
+        "kvroute_disagg_decision_total",
+        "decision_type=\"prefill-decode\"",
+        Some(4.0),
     );
     c.router.stop().await;
 }
@@ -214,8 +205,7 @@ async fn a_streamed_request_streams_from_the_decode_worker() {
     assert!(prefilled[0].get("stream_options").is_none());
     let d = c.decode.iter().find(|e| e.name == decode).unwrap();
     assert_eq!(d.bodies()[0]["stream"], true);
-    wait_all_idle(&c.router).await;
-    c.router.stop().await;
+    c.router.stop_idle().await;
 }
 
 #[tokio::test]
@@ -224,7 +214,7 @@ async fn a_failed_prefill_is_the_answer_and_no_decode_starts() {
     for p in &c.prefill {
         p.fail.store(500, std::sync::atomic::Ordering::SeqCst);
     }
-    let r = post(&c.router.url, "/v1/completions", &[], BODY).await;
+    let r = c.router.complete(&[], BODY).await;
     assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(String::from_utf8_lossy(&r.body).contains("failed"));
     assert!(c.decode.iter().all(|d| d.bodies().is_empty()));
@@ -250,16 +240,16 @@ async fn a_failed_prefill_is_the_answer_and_no_decode_starts() {
 async fn hints_pin_each_half() {
     let c = cluster(PdProtocol::Vllm, |_| {}).await;
     for _ in 0..3 {
-        let r = post(
-            &c.router.url,
-            "/v1/completions",
-            &[
-                ("x-kvroute-prefill-worker", "p1"),
-                ("x-kvroute-worker", "d0"),
-            ],
-            BODY,
-        )
-        .await;
+        let r = c
+            .router
+            .complete(
+                &[
+                    ("x-kvroute-prefill-worker", "p1"),
+                    ("x-kvroute-worker", "d0"),
+                ],
+                BODY,
+            )
+            .await;
         assert_eq!(r.status, StatusCode::OK);
         assert_eq!(r.worker(), "d0");
         assert_eq!(r.headers["x-kvroute-prefill-worker"], "p1");
@@ -267,13 +257,10 @@ async fn hints_pin_each_half() {
     assert_eq!(c.prefill[1].bodies().len(), 3);
     assert!(c.prefill[0].bodies().is_empty());
     // A prefill pin that is not a prefill worker is refused.
-    let r = post(
-        &c.router.url,
-        "/v1/completions",
-        &[("x-kvroute-prefill-worker", "d1")],
-        BODY,
-    )
-    .await;
+    let r = c
+        .router
+        .complete(&[("x-kvroute-prefill-worker", "d1")], BODY)
+        .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.body);
     c.router.stop().await;
 }
@@ -281,13 +268,10 @@ async fn hints_pin_each_half() {
 #[tokio::test]
 async fn sglang_protocol_sends_both_halves_the_same_bootstrap_room() {
     let c = cluster(PdProtocol::Sglang, |_| {}).await;
-    let r = post(
-        &c.router.url,
-        "/generate",
-        &[],
-        r#"{"text":"hello","model":"m"}"#,
-    )
-    .await;
+    let r = c
+        .router
+        .post("/generate", &[], r#"{"text":"hello","model":"m"}"#)
+        .await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
     let decode = r.worker().to_owned();
     assert_eq!(r.json()["from"], decode.as_str());

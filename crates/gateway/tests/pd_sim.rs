@@ -92,7 +92,7 @@ async fn check_both_halves(protocol: PdProtocol) {
         .to_string()
     };
     // Not streamed.
-    let reply = post(&r.url, "/v1/chat/completions", &[], &chat(false)).await;
+    let reply = r.post("/v1/chat/completions", &[], &chat(false)).await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
     let decode = reply.worker().to_owned();
     let prefill = reply.headers["x-kvroute-prefill-worker"]
@@ -137,8 +137,7 @@ async fn check_both_halves(protocol: PdProtocol) {
     let m = r.metrics().await;
     assert_eq!(metric_sum(&m, "kvroute_pd_prefill_requests_total", ""), 2.0);
     assert_eq!(metric_sum(&m, "kvroute_pd_decode_requests_total", ""), 2.0);
-    wait_all_idle(&r).await;
-    r.stop().await;
+    r.stop_idle().await;
 }
 
 #[tokio::test]
@@ -156,42 +155,26 @@ async fn a_decode_worker_that_holds_the_prompt_skips_the_remote_prefill() {
     let (engines, r) = cluster(PdProtocol::Vllm, 64).await;
     let prompt = text(640, 9);
     let body = json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 2}).to_string();
-    let first = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-worker", "d0")],
-        &body,
-    )
-    .await;
+    let first = r.complete(&[("x-kvroute-worker", "d0")], &body).await;
     assert_eq!(first.status, 200, "{:?}", first.body);
     // The decode engine stored the transferred blocks and published them: the router learns
     // that d0 holds the prompt.
     wait_overlap(&r, &prompt, "d0", |o| o.is_some_and(|o| o >= 39)).await;
-    let again = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-worker", "d0")],
-        &body,
-    )
-    .await;
+    let again = r.complete(&[("x-kvroute-worker", "d0")], &body).await;
     assert_eq!(again.status, 200);
     assert!(again.headers.get("x-kvroute-prefill-worker").is_none());
     let m = r.metrics().await;
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_disagg_decision_total",
-            "decision_type=\"decode-only\""
-        ),
-        Some(1.0)
+    assert_metric(
+        &m,
+        "kvroute_disagg_decision_total",
+        "decision_type=\"decode-only\"",
+        Some(1.0),
     );
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_disagg_decision_total",
-            "decision_type=\"prefill-decode\""
-        ),
-        Some(1.0)
+    assert_metric(
+        &m,
+        "kvroute_disagg_decision_total",
+        "decision_type=\"prefill-decode\"",
+        Some(1.0),
     );
     let prefills = sim_metric(
         by_id(&engines, "p0"),
@@ -206,8 +189,7 @@ async fn a_decode_worker_that_holds_the_prompt_skips_the_remote_prefill() {
         )
         .await;
     assert_eq!(prefills, 1.0);
-    wait_all_idle(&r).await;
-    r.stop().await;
+    r.stop_idle().await;
 }
 
 #[tokio::test]
@@ -223,11 +205,10 @@ async fn a_failing_prefill_half_is_reported_and_leaves_nothing_in_flight() {
         .unwrap();
     }
     let body = json!({"model": "kvroute-sim", "prompt": "hello", "max_tokens": 2}).to_string();
-    let reply = post(&r.url, "/v1/completions", &[], &body).await;
+    let reply = r.complete(&[], &body).await;
     assert_eq!(reply.status, 503, "{:?}", reply.body);
     for id in ["d0", "d1"] {
         assert_eq!(by_id(&engines, id).sim.faults().requests_accepted(), 0);
     }
-    wait_all_idle(&r).await;
-    r.stop().await;
+    r.stop_idle().await;
 }

@@ -2,14 +2,11 @@
 
 mod support;
 
-use std::collections::HashMap;
-
 use kvroute_core::PolicyKind;
 use support::*;
 
 async fn two_workers(policy: PolicyKind) -> (MockWorker, MockWorker, TestRouter) {
-    let a = MockWorker::start("a", &["m"]).await;
-    let b = MockWorker::start("b", &["m"]).await;
+    let [a, b] = mocks(["a", "b"]).await;
     let mut s = settings(&[&a, &b]);
     s.policy = policy;
     let r = TestRouter::start(s).await;
@@ -17,27 +14,30 @@ async fn two_workers(policy: PolicyKind) -> (MockWorker, MockWorker, TestRouter)
 }
 
 async fn worker_of(r: &TestRouter, headers: &[(&str, &str)], body: &str) -> String {
-    let reply = post(&r.url, "/v1/chat/completions", headers, body).await;
+    let reply = r.post("/v1/chat/completions", headers, body).await;
     assert_eq!(reply.status, http::StatusCode::OK, "{:?}", reply.body);
     reply.worker().to_owned()
 }
 
-fn count(v: &[String]) -> HashMap<&str, usize> {
-    let mut m = HashMap::new();
-    for w in v {
-        *m.entry(w.as_str()).or_default() += 1;
+/// The workers of chats with these contents, in order.
+async fn workers_of(r: &TestRouter, contents: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut seen = Vec::new();
+    for content in contents {
+        seen.push(worker_of(r, &[], &chat("m", &content)).await);
     }
-    m
+    seen
+}
+
+/// How many workers `seen` names.
+fn spread(seen: &[String]) -> usize {
+    tally(seen).len()
 }
 
 #[tokio::test]
 async fn round_robin_splits_evenly() {
     let (a, b, r) = two_workers(PolicyKind::RoundRobin).await;
-    let mut seen = Vec::new();
-    for i in 0..20 {
-        seen.push(worker_of(&r, &[], &chat("m", &format!("{i}"))).await);
-    }
-    let c = count(&seen);
+    let seen = workers_of(&r, (0..20).map(|i| format!("{i}"))).await;
+    let c = tally(&seen);
     assert_eq!((c[a.url.as_str()], c[b.url.as_str()]), (10, 10));
     // Strict alternation.
     assert!(seen.windows(2).all(|w| w[0] != w[1]));
@@ -47,12 +47,9 @@ async fn round_robin_splits_evenly() {
 #[tokio::test]
 async fn random_uses_every_worker() {
     let (_, _, r) = two_workers(PolicyKind::Random).await;
-    let mut seen = Vec::new();
-    for i in 0..60 {
-        seen.push(worker_of(&r, &[], &chat("m", &format!("{i}"))).await);
-    }
+    let seen = workers_of(&r, (0..60).map(|i| format!("{i}"))).await;
     // P(one worker gets none of 60) = 2^-59.
-    assert_eq!(count(&seen).len(), 2);
+    assert_eq!(spread(&seen), 2);
     r.stop().await;
 }
 
@@ -111,7 +108,7 @@ async fn check_sticky_and_spread(policy: PolicyKind) {
     for s in 0..40 {
         seen.push(worker_of(&r, &[("x-session-id", &format!("s{s}"))], &chat("m", "x")).await);
     }
-    assert_eq!(count(&seen).len(), 2, "{policy}");
+    assert_eq!(spread(&seen), 2, "{policy}");
     r.stop().await;
 }
 
@@ -134,18 +131,17 @@ async fn manual_keeps_sessions() {
 async fn keyless_traffic_spreads_under_every_policy() {
     for policy in PolicyKind::ALL {
         let (_, _, r) = two_workers(policy).await;
-        let mut seen = Vec::new();
-        for i in 0..40 {
+        let contents = (0..40).map(|i| {
             let text = format!("{i} {}", "q".repeat(300));
-            let text = if policy == PolicyKind::PrefixHash {
+            if policy == PolicyKind::PrefixHash {
                 format!("{i} {text}")
             } else {
                 text
-            };
-            seen.push(worker_of(&r, &[], &chat("m", &text)).await);
-        }
+            }
+        });
+        let seen = workers_of(&r, contents).await;
         assert_eq!(
-            count(&seen).len(),
+            spread(&seen),
             2,
             "{policy} sent all keyless traffic to one worker"
         );
@@ -163,11 +159,8 @@ async fn prefix_hash_groups_by_prefix() {
         let w = worker_of(&r, &[], &chat("m", &format!("{system} question {i}"))).await;
         assert_eq!(w, first);
     }
-    let mut seen = Vec::new();
-    for g in 0..30 {
-        seen.push(worker_of(&r, &[], &chat("m", &format!("group {g}: {system}"))).await);
-    }
-    assert_eq!(count(&seen).len(), 2);
+    let seen = workers_of(&r, (0..30).map(|g| format!("group {g}: {system}"))).await;
+    assert_eq!(spread(&seen), 2);
     r.stop().await;
 }
 
@@ -185,7 +178,8 @@ async fn debug_route_changes_no_policy_state() {
         worker_of(&r, &[("x-session-id", "s")], &chat("m", "a short seed")).await;
         let body = chat("m", &"an unrelated longer prompt ".repeat(40));
         let ask = || async {
-            let d = post(&r.url, "/debug/route", &[("x-session-id", "s")], &body)
+            let d = r
+                .post("/debug/route", &[("x-session-id", "s")], &body)
                 .await
                 .json();
             d["worker"].as_str().unwrap().to_owned()

@@ -16,13 +16,9 @@ async fn body_is_forwarded_as_received_with_request_id() {
     let r = TestRouter::start(settings(&[&w])).await;
     // Unknown fields, odd spacing and key order survive byte for byte.
     let body = r#"{ "zeta": [1, {"x": null}], "model":"m","messages":[{"role":"user","content":"hi"}] , "extra_body": {"a": 1}}"#;
-    let reply = post(
-        &r.url,
-        "/v1/chat/completions",
-        &[("x-request-id", "req-123")],
-        body,
-    )
-    .await;
+    let reply = r
+        .post("/v1/chat/completions", &[("x-request-id", "req-123")], body)
+        .await;
     assert_eq!(reply.status, StatusCode::OK);
     let echo = reply.json();
     assert_eq!(echo["body"], body);
@@ -33,13 +29,7 @@ async fn body_is_forwarded_as_received_with_request_id() {
     assert_eq!(reply.headers["x-mock-worker"], "w0");
 
     // Without an id the router makes one, forwards it and returns it.
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"m","prompt":"x"}"#,
-    )
-    .await;
+    let reply = r.complete(&[], r#"{"model":"m","prompt":"x"}"#).await;
     let made = reply.headers["x-request-id"].to_str().unwrap().to_owned();
     assert_eq!(made.len(), 32);
     assert_eq!(reply.json()["request_id"], made);
@@ -65,13 +55,15 @@ async fn every_routed_path_is_forwarded_and_model_may_be_omitted() {
         ("/tokenize", r#"{"model":"only","prompt":"a"}"#),
         ("/detokenize", r#"{"model":"only","tokens":[1,2]}"#),
     ] {
-        let reply = post(&r.url, path, &[], body).await;
+        let reply = r.post(path, &[], body).await;
         assert_eq!(reply.status, StatusCode::OK, "{path}");
         assert_eq!(reply.json()["path"], path);
         assert_eq!(reply.worker(), w.url);
     }
     // Query strings are kept.
-    let reply = post(&r.url, "/v1/completions?foo=bar", &[], r#"{"prompt":"a"}"#).await;
+    let reply = r
+        .post("/v1/completions?foo=bar", &[], r#"{"prompt":"a"}"#)
+        .await;
     assert_eq!(reply.status, StatusCode::OK);
     r.stop().await;
 }
@@ -82,9 +74,7 @@ async fn models_are_the_union_and_pick_the_pool() {
     let b = MockWorker::start("b", &["qwen"]).await;
     let c = MockWorker::start("c", &["llama"]).await;
     let r = TestRouter::start(settings(&[&a, &b, &c])).await;
-    let (status, _, body) = get_url(&format!("{}/v1/models", r.url)).await;
-    assert_eq!(status, StatusCode::OK);
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let v = r.get_json("/v1/models").await;
     let mut ids: Vec<_> = v["data"]
         .as_array()
         .unwrap()
@@ -95,38 +85,28 @@ async fn models_are_the_union_and_pick_the_pool() {
     assert_eq!(ids, ["llama", "llama-lora", "qwen"]);
 
     for _ in 0..6 {
-        let reply = post(&r.url, "/v1/chat/completions", &[], &chat("qwen", "x")).await;
+        let reply = r
+            .post("/v1/chat/completions", &[], &chat("qwen", "x"))
+            .await;
         assert_eq!(reply.worker(), b.url);
-        let reply = post(&r.url, "/v1/chat/completions", &[], &chat("llama", "x")).await;
+        let reply = r
+            .post("/v1/chat/completions", &[], &chat("llama", "x"))
+            .await;
         assert!(reply.worker() == a.url || reply.worker() == c.url);
-        let reply = post(
-            &r.url,
-            "/v1/chat/completions",
-            &[],
-            &chat("llama-lora", "x"),
-        )
-        .await;
+        let reply = r
+            .post("/v1/chat/completions", &[], &chat("llama-lora", "x"))
+            .await;
         assert_eq!(reply.worker(), a.url);
     }
     // Several models: the model field is required.
-    let reply = post(&r.url, "/v1/completions", &[], r#"{"prompt":"x"}"#).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
-    assert_eq!(reply.error_code(), "model_required");
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"gpt-9","prompt":"x"}"#,
-    )
-    .await;
-    assert_eq!(reply.status, StatusCode::NOT_FOUND);
-    assert_eq!(reply.error_code(), "model_not_found");
+    let reply = r.complete(&[], r#"{"prompt":"x"}"#).await;
+    reply.assert_error(400, "model_required");
+    let reply = r.complete(&[], r#"{"model":"gpt-9","prompt":"x"}"#).await;
+    reply.assert_error(404, "model_not_found");
     assert_eq!(reply.json()["error"]["type"], "invalid_request_error");
     assert!(reply.headers.get("x-request-id").is_some());
 
-    let (status, _, body) = get_url(&format!("{}/workers", r.url)).await;
-    assert_eq!(status, StatusCode::OK);
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let v = r.get_json("/workers").await;
     let workers = v["workers"].as_array().unwrap();
     assert_eq!(workers.len(), 3);
     assert_eq!(workers[0]["id"], a.url);
@@ -142,29 +122,14 @@ async fn models_are_the_union_and_pick_the_pool() {
 #[tokio::test]
 async fn config_workers_have_ids_and_models() {
     let w = MockWorker::start("w", &["served-name"]).await;
-    let s = Settings::with_workers(vec![WorkerSpec {
-        id: Some("gpu-0".into()),
-        model: Some("alias".into()),
-        ..WorkerSpec::url(w.url.clone())
-    }])
-    .unwrap();
+    let s = Settings::with_workers(vec![named_spec("gpu-0", "alias", w.url.clone())]).unwrap();
     let r = TestRouter::start(s).await;
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"alias","prompt":"x"}"#,
-    )
-    .await;
+    let reply = r.complete(&[], r#"{"model":"alias","prompt":"x"}"#).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.worker(), "gpu-0");
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"served-name","prompt":"x"}"#,
-    )
-    .await;
+    let reply = r
+        .complete(&[], r#"{"model":"served-name","prompt":"x"}"#)
+        .await;
     assert_eq!(reply.status, StatusCode::NOT_FOUND);
     r.stop().await;
 }
@@ -174,13 +139,9 @@ async fn health_and_readiness() {
     let w = MockWorker::start("w", &["m"]).await;
     let dead = closed_url().await;
     let mut s = settings(&[&w]);
-    s.workers.push(WorkerSpec {
-        id: Some("dead".into()),
-        model: Some("other".into()),
-        ..WorkerSpec::url(dead)
-    });
+    s.workers.push(named_spec("dead", "other", dead));
     let r = TestRouter::start_unready(s).await;
-    let (status, _, _) = get_url(&format!("{}/health", r.url)).await;
+    let (status, _, _) = r.get("/health").await;
     assert_eq!(status, StatusCode::OK);
     // The dead worker is probed (and fails): model "other" has no healthy worker.
     let gw = r.gateway.clone();
@@ -188,7 +149,7 @@ async fn health_and_readiness() {
         gw.workers().statuses().iter().all(|w| w.probed)
     })
     .await;
-    let (status, _, body) = get_url(&format!("{}/readiness", r.url)).await;
+    let (status, _, body) = r.get("/readiness").await;
     assert_eq!(
         status,
         StatusCode::SERVICE_UNAVAILABLE,
@@ -196,29 +157,16 @@ async fn health_and_readiness() {
         String::from_utf8_lossy(&body)
     );
     // Its model is known but has no healthy worker: 503 no_endpoint.
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"other","prompt":"x"}"#,
-    )
-    .await;
-    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(reply.error_code(), "no_endpoint");
+    let reply = r.complete(&[], r#"{"model":"other","prompt":"x"}"#).await;
+    reply.assert_error(503, "no_endpoint");
     assert_eq!(reply.json()["error"]["type"], "server_error");
     // The healthy model still serves.
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"m","prompt":"x"}"#,
-    )
-    .await;
+    let reply = r.complete(&[], r#"{"model":"m","prompt":"x"}"#).await;
     assert_eq!(reply.status, StatusCode::OK);
     r.stop().await;
 
     let r = TestRouter::start(settings(&[&w])).await;
-    let (status, _, _) = get_url(&format!("{}/readiness", r.url)).await;
+    let (status, _, _) = r.get("/readiness").await;
     assert_eq!(status, StatusCode::OK);
     r.stop().await;
 }
@@ -230,26 +178,24 @@ async fn malformed_and_oversized_requests_are_rejected() {
     s.max_payload_size = 1024;
     let r = TestRouter::start(s).await;
     for bad in ["{", "[1,2]", r#"{"model": 5}"#, r#"{"messages": "hi"}"#, ""] {
-        let reply = post(&r.url, "/v1/chat/completions", &[], bad).await;
+        let reply = r.post("/v1/chat/completions", &[], bad).await;
         assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad}");
         assert_eq!(reply.error_code(), "invalid_json", "{bad}");
         assert!(reply.headers.get("x-kvroute-worker").is_none());
     }
     let big = chat("m", &"x".repeat(2000));
-    let reply = post(&r.url, "/v1/chat/completions", &[], &big).await;
-    assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
-    assert_eq!(reply.error_code(), "payload_too_large");
+    let reply = r.post("/v1/chat/completions", &[], &big).await;
+    reply.assert_error(413, "payload_too_large");
     // Unknown paths: a JSON 404.
     let reply = send(&r.url, Method::GET, "/v2/nothing", &[], "").await;
-    assert_eq!(reply.status, StatusCode::NOT_FOUND);
-    assert_eq!(reply.error_code(), "not_found");
+    reply.assert_error(404, "not_found");
     assert_eq!(
         w.requests.load(Ordering::SeqCst),
         0,
         "nothing bad reached the worker"
     );
     // The router is unharmed.
-    let reply = post(&r.url, "/v1/chat/completions", &[], &chat("m", "ok")).await;
+    let reply = r.post("/v1/chat/completions", &[], &chat("m", "ok")).await;
     assert_eq!(reply.status, StatusCode::OK);
     r.stop().await;
 }
@@ -266,15 +212,8 @@ async fn upstream_failure_is_502_and_timeout_is_504() {
         .unwrap(),
     )
     .await;
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"m","prompt":"x"}"#,
-    )
-    .await;
-    assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
-    assert_eq!(reply.error_code(), "upstream_error");
+    let reply = r.complete(&[], r#"{"model":"m","prompt":"x"}"#).await;
+    reply.assert_error(502, "upstream_error");
     assert_eq!(reply.worker(), broken);
     assert_eq!(in_flight(&r, &broken), 0);
     r.stop().await;
@@ -283,23 +222,12 @@ async fn upstream_failure_is_502_and_timeout_is_504() {
     let mut s = settings(&[&w]);
     s.request_timeout = Duration::from_millis(300);
     let r = TestRouter::start(s).await;
-    let reply = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"m","prompt":"hang"}"#,
-    )
-    .await;
-    assert_eq!(reply.status, StatusCode::GATEWAY_TIMEOUT);
-    assert_eq!(reply.error_code(), "upstream_timeout");
+    let reply = r.complete(&[], r#"{"model":"m","prompt":"hang"}"#).await;
+    reply.assert_error(504, "upstream_timeout");
     assert_eq!(reply.worker(), w.url);
     assert_eq!(in_flight(&r, &w.url), 0);
     let m = r.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_requests_total", r#"status="504""#),
-        Some(1.0),
-        "{m}"
-    );
+    assert_metric(&m, "kvroute_requests_total", r#"status="504""#, Some(1.0));
     r.stop().await;
 }
 
@@ -323,10 +251,7 @@ async fn streams_pass_through_chunk_by_chunk() {
     );
     assert_eq!(in_flight(&r, &w.url), 1);
     let m = r.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_worker_requests_active", &w.url),
-        Some(1.0)
-    );
+    assert_metric(&m, "kvroute_worker_requests_active", &w.url, Some(1.0));
     w.release.add_permits(1);
     let mut rest = Vec::new();
     while let Some(frame) = body.frame().await {
@@ -363,11 +288,7 @@ async fn in_flight_returns_to_zero_when_the_client_drops_a_stream() {
     })
     .await;
     let m = r.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_worker_requests_active", &w.url),
-        Some(0.0),
-        "{m}"
-    );
+    assert_metric(&m, "kvroute_worker_requests_active", &w.url, Some(0.0));
     r.stop().await;
 }
 
@@ -377,61 +298,35 @@ async fn metrics_count_requests_decisions_and_routing_time() {
     let b = MockWorker::start("b", &["m"]).await;
     let r = TestRouter::start(settings(&[&a, &b])).await;
     for i in 0..4 {
-        post(
-            &r.url,
-            "/v1/chat/completions",
-            &[],
-            &chat("m", &format!("{i}")),
-        )
-        .await;
+        r.post("/v1/chat/completions", &[], &chat("m", &format!("{i}")))
+            .await;
     }
-    post(&r.url, "/v1/chat/completions", &[], "{").await;
+    r.post("/v1/chat/completions", &[], "{").await;
     let m = r.metrics().await;
     let route = r#"route="/v1/chat/completions""#;
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_requests_total",
-            &format!(r#"{route},status="200""#)
-        ),
+    assert_metric(
+        &m,
+        "kvroute_requests_total",
+        &format!(r#"{route},status="200""#),
         Some(4.0),
-        "{m}"
     );
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_requests_total",
-            &format!(r#"{route},status="400""#)
-        ),
+    assert_metric(
+        &m,
+        "kvroute_requests_total",
+        &format!(r#"{route},status="400""#),
         Some(1.0),
-        "{m}"
     );
     for w in [&a, &b] {
         let worker = format!(r#"worker="{}""#, w.url);
-        assert_eq!(
-            metric_value(&m, "kvroute_processed_requests_total", &worker),
+        assert_metric(&m, "kvroute_processed_requests_total", &worker, Some(2.0));
+        assert_metric(
+            &m,
+            "kvroute_policy_decisions_total",
+            &format!(r#"policy="round_robin",{worker}"#),
             Some(2.0),
-            "{m}"
         );
-        assert_eq!(
-            metric_value(
-                &m,
-                "kvroute_policy_decisions_total",
-                &format!(r#"policy="round_robin",{worker}"#)
-            ),
-            Some(2.0),
-            "{m}"
-        );
-        assert_eq!(
-            metric_value(&m, "kvroute_worker_requests_active", &worker),
-            Some(0.0),
-            "{m}"
-        );
+        assert_metric(&m, "kvroute_worker_requests_active", &worker, Some(0.0));
     }
-    assert_eq!(
-        metric_value(&m, "kvroute_routing_seconds_count", ""),
-        Some(4.0),
-        "{m}"
-    );
+    assert_metric(&m, "kvroute_routing_seconds_count", "", Some(4.0));
     r.stop().await;
 }

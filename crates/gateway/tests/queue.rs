@@ -2,14 +2,12 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::PolicyKind;
 use kvroute_gateway::config::QueueSettings;
 use kvroute_gateway::{Settings, WorkerSpec};
-use kvroute_tokenizer::Tokenizer;
 use serde_json::json;
 use support::*;
 use tokio_util::sync::CancellationToken;
@@ -32,21 +30,41 @@ fn class(name: &str, weight: u64, max_queued: Option<usize>) -> PolicyClass {
     }
 }
 
+/// A kv_aware router over one mock worker, queueing at a threshold of 0.01 (any held request
+/// saturates the worker) in `classes`, for `wait` at most; requests time out after `timeout`.
+async fn queued(
+    classes: Vec<PolicyClass>,
+    wait: Duration,
+    timeout: Duration,
+) -> (MockWorker, TestRouter) {
+    let w = MockWorker::start("w", &["m"]).await;
+    let mut s = settings(&[&w]);
+    s.policy = PolicyKind::KvAware;
+    s.request_timeout = timeout;
+    s.queue = queue(0.01, classes, wait);
+    (w, TestRouter::start(s).await)
+}
+
+/// A completion of `prompt` for the mock workers.
+fn prompt(prompt: &str) -> String {
+    json!({"model": "m", "prompt": prompt}).to_string()
+}
+
+/// Holds a request that never answers, of 500 tokens: it saturates its rank.
+fn hold(r: &TestRouter) -> tokio::task::JoinHandle<Reply> {
+    r.spawn_complete(&[], hanging(&"x".repeat(500)))
+}
+
 #[tokio::test]
 async fn a_burst_is_held_and_drained_with_nothing_dropped() {
     let shutdown = CancellationToken::new();
     let mut workers = Vec::new();
     for i in 0..2 {
-        let args =
-            <kvroute_sim::SimArgs as clap::Parser>::parse_from(["kvroute-sim", "--speedup", "2"]);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         workers.push(WorkerSpec {
             id: Some(format!("w{i}")),
             max_num_batched_tokens: Some(512),
-            ..WorkerSpec::url(format!("http://{}", listener.local_addr().unwrap()))
+            ..WorkerSpec::url(serve_sim(&["--speedup", "2"], &shutdown).await)
         });
-        let server = kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()));
-        tokio::spawn(server.serve(listener, shutdown.clone()));
     }
     let mut s = Settings::with_workers(workers).unwrap();
     s.policy = PolicyKind::KvAware;
@@ -60,13 +78,8 @@ async fn a_burst_is_held_and_drained_with_nothing_dropped() {
     // its first token, so at most one per rank is let through at a time.
     let mut tasks = Vec::new();
     for i in 0..16 {
-        let url = r.url.clone();
-        tasks.push(tokio::spawn(async move {
-            let body =
-                json!({"model": "kvroute-sim", "prompt": text(2000, 500 + i), "max_tokens": 2})
-                    .to_string();
-            post(&url, "/v1/completions", &[], &body).await
-        }));
+        let body = json!({"model": "kvroute-sim", "prompt": text(2000, 500 + i), "max_tokens": 2});
+        tasks.push(r.spawn_complete(&[], body.to_string()));
     }
     let mut max_pending = 0.0f64;
     let mut done = 0;
@@ -85,101 +98,36 @@ async fn a_burst_is_held_and_drained_with_nothing_dropped() {
             || metric_value(&m, "kvroute_queue_wait_seconds_count", "").unwrap() > 0.0,
         "the burst was queued"
     );
-    assert!(
-        metric_value(&m, "kvroute_queue_wait_seconds_count", "").unwrap() >= 8.0,
-        "{m}"
-    );
-    assert_eq!(
-        metric_value(&m, "kvroute_queue_pending", r#"class="default""#),
-        Some(0.0)
-    );
+    assert_metric_at_least(&m, "kvroute_queue_wait_seconds_count", "", 8.0);
+    assert_metric(&m, "kvroute_queue_pending", r#"class="default""#, Some(0.0));
     // Scored once each, when leaving the queue.
-    assert_eq!(
-        metric_value(&m, "kvroute_routing_seconds_count", ""),
-        Some(16.0),
-        "{m}"
-    );
+    assert_metric(&m, "kvroute_routing_seconds_count", "", Some(16.0));
     r.stop().await;
     shutdown.cancel();
 }
 
 #[tokio::test]
 async fn a_full_class_and_a_long_wait_are_errors() {
-    let w = MockWorker::start("w", &["m"]).await;
-    let mut s = settings(&[&w]);
-    s.policy = PolicyKind::KvAware;
-    s.request_timeout = Duration::from_secs(60);
-    s.queue = queue(
-        0.01,
-        vec![class("default", 1, None), class("small", 1, Some(1))],
-        Duration::from_secs(1),
-    );
-    let r = TestRouter::start(s).await;
+    let classes = vec![class("default", 1, None), class("small", 1, Some(1))];
+    let (w, r) = queued(classes, Duration::from_secs(1), Duration::from_secs(60)).await;
     // A request that never answers saturates the only rank (500 tokens > 0.01 x 8192).
-    let url = r.url.clone();
-    let held = tokio::spawn(async move {
-        post(
-            &url,
-            "/v1/completions",
-            &[],
-            &json!({"model": "m", "prompt": "x".repeat(500), "mode": "hang"}).to_string(),
-        )
-        .await
-    });
-    let gw = r.gateway.clone();
-    wait_until("saturated", || gw.workers().statuses()[0].in_flight == 1).await;
+    let held = hold(&r);
+    r.wait_in_flight(&w.url, |n| n == 1).await;
     // One waits in "small" (and times out after 1 s); the next finds it full.
-    let url = r.url.clone();
-    let waiting = tokio::spawn(async move {
-        post(
-            &url,
-            "/v1/completions",
-            &[("x-kvroute-class", "small")],
-            &json!({"model": "m", "prompt": "a"}).to_string(),
-        )
-        .await
-    });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let m = r.metrics().await;
-        if metric_value(&m, "kvroute_queue_pending", r#"class="small""#) == Some(1.0) {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let full = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-class", "small")],
-        &json!({"model": "m", "prompt": "b"}).to_string(),
-    )
-    .await;
-    assert_eq!(
-        (full.status.as_u16(), full.error_code().as_str()),
-        (429, "queue_full")
-    );
-    let unknown = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-class", "vip")],
-        &json!({"model": "m", "prompt": "b"}).to_string(),
-    )
-    .await;
-    assert_eq!(
-        (unknown.status.as_u16(), unknown.error_code().as_str()),
-        (400, "invalid_hint")
-    );
+    let small = [("x-kvroute-class", "small")];
+    let waiting = r.spawn_complete(&small, prompt("a"));
+    r.wait_metric("kvroute_queue_pending", r#"class="small""#, Some(1.0))
+        .await;
+    let full = r.complete(&small, &prompt("b")).await;
+    full.assert_error(429, "queue_full");
+    let unknown = r
+        .complete(&[("x-kvroute-class", "vip")], &prompt("b"))
+        .await;
+    unknown.assert_error(400, "invalid_hint");
     let timed_out = waiting.await.unwrap();
-    assert_eq!(
-        (timed_out.status.as_u16(), timed_out.error_code().as_str()),
-        (503, "queue_timeout")
-    );
+    timed_out.assert_error(503, "queue_timeout");
     let m = r.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_queue_pending", r#"class="small""#),
-        Some(0.0)
-    );
+    assert_metric(&m, "kvroute_queue_pending", r#"class="small""#, Some(0.0));
     held.abort();
     r.stop().await;
 }
@@ -201,36 +149,13 @@ async fn a_class_may_have_its_own_busy_thresholds() {
         Some(100)
     );
     let r = TestRouter::start(s).await;
-    let url = r.url.clone();
-    let held = tokio::spawn(async move {
-        post(
-            &url,
-            "/v1/completions",
-            &[],
-            &json!({"model": "m", "prompt": "x".repeat(500), "mode": "hang"}).to_string(),
-        )
-        .await
-    });
-    let gw = r.gateway.clone();
-    wait_until("busy", || gw.workers().statuses()[0].in_flight == 1).await;
-    let strict = post(
-        &r.url,
-        "/v1/completions",
-        &[("x-kvroute-class", "strict")],
-        &json!({"model": "m", "prompt": "a"}).to_string(),
-    )
-    .await;
-    assert_eq!(
-        (strict.status.as_u16(), strict.error_code().as_str()),
-        (503, "all_workers_overloaded")
-    );
-    let default = post(
-        &r.url,
-        "/v1/completions",
-        &[],
-        &json!({"model": "m", "prompt": "a"}).to_string(),
-    )
-    .await;
+    let held = hold(&r);
+    r.wait_in_flight(&w.url, |n| n == 1).await;
+    let strict = r
+        .complete(&[("x-kvroute-class", "strict")], &prompt("a"))
+        .await;
+    strict.assert_error(503, "all_workers_overloaded");
+    let default = r.complete(&[], &prompt("a")).await;
     assert_eq!(default.status, 200);
     held.abort();
     r.stop().await;
@@ -238,68 +163,17 @@ async fn a_class_may_have_its_own_busy_thresholds() {
 
 #[tokio::test]
 async fn a_client_that_leaves_leaves_the_queue() {
-    let w = MockWorker::start("w", &["m"]).await;
-    let mut s = settings(&[&w]);
-    s.policy = PolicyKind::KvAware;
-    s.request_timeout = Duration::from_secs(120);
-    s.queue = queue(
-        0.01,
-        vec![class("default", 1, None)],
-        Duration::from_secs(120),
-    );
-    let r = TestRouter::start(s).await;
-    let url = r.url.clone();
-    let held = tokio::spawn(async move {
-        post(
-            &url,
-            "/v1/completions",
-            &[],
-            &json!({"model": "m", "prompt": "x".repeat(500), "mode": "hang"}).to_string(),
-        )
-        .await
-    });
-    let gw = r.gateway.clone();
-    wait_until("saturated", || gw.workers().statuses()[0].in_flight == 1).await;
-    let url = r.url.clone();
-    let waiting = tokio::spawn(async move {
-        post(
-            &url,
-            "/v1/completions",
-            &[],
-            &json!({"model": "m", "prompt": "a"}).to_string(),
-        )
-        .await
-    });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while metric_value(
-        &r.metrics().await,
-        "kvroute_queue_pending",
-        r#"class="default""#,
-    ) != Some(1.0)
-    {
-        assert!(tokio::time::Instant::now() < deadline, "never queued");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let classes = vec![class("default", 1, None)];
+    let (w, r) = queued(classes, Duration::from_secs(120), Duration::from_secs(120)).await;
+    let held = hold(&r);
+    r.wait_in_flight(&w.url, |n| n == 1).await;
+    let waiting = r.spawn_complete(&[], prompt("a"));
+    let pending = ("kvroute_queue_pending", r#"class="default""#);
+    r.wait_metric(pending.0, pending.1, Some(1.0)).await;
     // The client gives up: its connection closes, and the router drops the request.
     waiting.abort();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while metric_value(
-        &r.metrics().await,
-        "kvroute_queue_pending",
-        r#"class="default""#,
-    ) != Some(0.0)
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the abandoned request stayed queued"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        w.requests.load(std::sync::atomic::Ordering::SeqCst),
-        1,
-        "it never reached the worker"
-    );
+    r.wait_metric(pending.0, pending.1, Some(0.0)).await;
+    assert_eq!(w.requests(), 1, "it never reached the worker");
     held.abort();
     r.stop().await;
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use axum::body::Body;
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
-use kvroute_gateway::{Settings, WorkerSpec};
+use kvroute_gateway::Settings;
 use support::*;
 
 /// Settings for these workers (whose answers and health the tests set), each named by its
@@ -17,11 +17,7 @@ use support::*;
 fn named_settings(workers: &[&MockWorker]) -> Settings {
     let specs = workers
         .iter()
-        .map(|w| WorkerSpec {
-            id: Some(w.name.clone()),
-            model: Some("m".into()),
-            ..w.spec()
-        })
+        .map(|w| named_spec(&w.name, "m", w.url.clone()))
         .collect();
     let mut s = Settings::with_workers(specs).unwrap();
     s.policy = kvroute_core::PolicyKind::RoundRobin;
@@ -29,19 +25,30 @@ fn named_settings(workers: &[&MockWorker]) -> Settings {
     s
 }
 
+/// [`named_settings`] for `w` with the client key `client-key`.
+fn client_keyed(w: &MockWorker) -> Settings {
+    let mut s = named_settings(&[w]);
+    s.client_api_key = kvroute_gateway::auth::Secret::new("client-key".into());
+    s
+}
+
 const BODY: &str = r#"{"model":"m","prompt":"hello"}"#;
+
+/// Sends `n` completions through `router`: each must be answered, by the worker named `name`.
+async fn assert_served_by(router: &TestRouter, n: usize, name: &str) {
+    for _ in 0..n {
+        let r = router.complete(&[], BODY).await;
+        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+        assert_eq!(r.json()["worker"], name);
+    }
+}
 
 #[tokio::test]
 async fn a_failed_attempt_is_retried_on_another_worker() {
-    let bad = MockWorker::start("bad", &["m"]).await;
-    let good = MockWorker::start("good", &["m"]).await;
+    let [bad, good] = mocks(["bad", "good"]).await;
     bad.status.store(503, Ordering::SeqCst);
     let router = TestRouter::start(named_settings(&[&bad, &good])).await;
-    for _ in 0..6 {
-        let r = post(&router.url, "/v1/completions", &[], BODY).await;
-        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
-        assert_eq!(r.json()["worker"], "good");
-    }
+    assert_served_by(&router, 6, "good").await;
     assert!(
         bad.requests() >= 1,
         "round robin sent some to the bad worker"
@@ -49,16 +56,13 @@ async fn a_failed_attempt_is_retried_on_another_worker() {
     let m = router.metrics().await;
     let retries = metric_value(&m, "kvroute_request_retries_total", "").unwrap();
     assert_eq!(retries as usize, bad.requests());
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_upstream_attempts_total",
-            "worker=\"bad\",outcome=\"server_error\""
-        ),
-        Some(bad.requests() as f64)
+    assert_metric(
+        &m,
+        "kvroute_upstream_attempts_total",
+        "worker=\"bad\",outcome=\"server_error\"",
+        Some(bad.requests() as f64),
     );
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
@@ -66,40 +70,26 @@ async fn a_dropped_connection_is_retried_and_a_4xx_is_not() {
     let broken = broken_worker("m").await;
     let good = MockWorker::start("good", &["m"]).await;
     let mut settings = named_settings(&[&good]);
-    settings.workers.push(WorkerSpec {
-        id: Some("broken".into()),
-        model: Some("m".into()),
-        ..WorkerSpec::url(broken)
-    });
+    settings.workers.push(named_spec("broken", "m", broken));
     let router = TestRouter::start(settings).await;
-    for _ in 0..4 {
-        let r = post(&router.url, "/v1/completions", &[], BODY).await;
-        assert_eq!(r.status, StatusCode::OK);
-        assert_eq!(r.json()["worker"], "good");
-    }
+    assert_served_by(&router, 4, "good").await;
     // A client error is the answer: not retried.
     good.status.store(400, Ordering::SeqCst);
     let before = good.requests();
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        &[("x-kvroute-allowed-workers", "good,broken")],
-        BODY,
-    )
-    .await;
+    let r = router
+        .complete(&[("x-kvroute-allowed-workers", "good,broken")], BODY)
+        .await;
     // Whichever worker came first (the broken one is retried), the 400 is the answer, sent
     // once: retrying it would end on the broken worker with a 502.
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.headers["x-kvroute-worker"], "good");
     assert_eq!(good.requests(), before + 1);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
 async fn hard_session_affinity_pins_bound_sessions_only() {
-    let bad = MockWorker::start("bad", &["m"]).await;
-    let good = MockWorker::start("good", &["m"]).await;
+    let [bad, good] = mocks(["bad", "good"]).await;
     let mut settings = named_settings(&[&bad, &good]);
     settings.session_affinity = Some((
         kvroute_core::affinity::AffinityMode::Hard,
@@ -110,13 +100,7 @@ async fn hard_session_affinity_pins_bound_sessions_only() {
     let mut session = None;
     for i in 0..8 {
         let key = format!("s{i}");
-        let r = post(
-            &router.url,
-            "/v1/completions",
-            &[("x-session-id", &key)],
-            BODY,
-        )
-        .await;
+        let r = router.complete(&[("x-session-id", &key)], BODY).await;
         if r.json()["worker"] == "bad" {
             session = Some(key);
             break;
@@ -125,58 +109,38 @@ async fn hard_session_affinity_pins_bound_sessions_only() {
     let session = session.expect("round robin binds some session to the bad worker");
     bad.status.store(503, Ordering::SeqCst);
     // Requests without a session are retried elsewhere, as without affinity.
-    for _ in 0..4 {
-        let r = post(&router.url, "/v1/completions", &[], BODY).await;
-        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
-        assert_eq!(r.json()["worker"], "good");
-    }
+    assert_served_by(&router, 4, "good").await;
     // The bound session is pinned: the bad worker's answer, not a move.
     let before = good.requests();
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        &[("x-session-id", &session)],
-        BODY,
-    )
-    .await;
+    let r = router.complete(&[("x-session-id", &session)], BODY).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(good.requests(), before);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
 async fn a_pinned_request_is_never_moved_and_retries_give_up() {
-    let a = MockWorker::start("a", &["m"]).await;
-    let b = MockWorker::start("b", &["m"]).await;
+    let [a, b] = mocks(["a", "b"]).await;
     a.status.store(503, Ordering::SeqCst);
     let mut settings = named_settings(&[&a, &b]);
     settings.retry.max_retries = 1;
     let router = TestRouter::start(settings).await;
     // Pinned to the failing worker: its answer, once, nowhere else.
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        &[("x-kvroute-worker", "a")],
-        BODY,
-    )
-    .await;
+    let r = router.complete(&[("x-kvroute-worker", "a")], BODY).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.worker(), "a");
     assert_eq!((a.requests(), b.requests()), (1, 0));
     // Both failing, one retry allowed: two attempts, then the last answer.
     b.status.store(502, Ordering::SeqCst);
-    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    let r = router.complete(&[], BODY).await;
     assert!(r.status.is_server_error(), "{}", r.status);
     assert_eq!(a.requests() + b.requests(), 3);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
 async fn the_circuit_opens_on_failures_and_closes_after_a_probe() {
-    let a = MockWorker::start("a", &["m"]).await;
-    let b = MockWorker::start("b", &["m"]).await;
+    let [a, b] = mocks(["a", "b"]).await;
     a.status.store(500, Ordering::SeqCst);
     let mut settings = named_settings(&[&a, &b]);
     settings.retry.max_retries = 0;
@@ -187,75 +151,51 @@ async fn the_circuit_opens_on_failures_and_closes_after_a_probe() {
     });
     let router = TestRouter::start(settings).await;
     while a.requests() < 3 {
-        post(&router.url, "/v1/completions", &[], BODY).await;
+        router.complete(&[], BODY).await;
     }
     let m = router.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_worker_circuit_state", "worker=\"a\""),
-        Some(1.0)
+    assert_metric(
+        &m,
+        "kvroute_worker_circuit_state",
+        "worker=\"a\"",
+        Some(1.0),
     );
     // Open: everything goes to b (until the timeout lets a probe through).
-    let gw = router.gateway.clone();
-    let status = |id: &str| {
-        gw.workers()
-            .statuses()
-            .into_iter()
-            .find(|w| w.id == id)
-            .unwrap()
-            .circuit
-    };
-    assert_eq!(status("a"), "open");
-    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    assert_eq!(router.circuit("a"), "open");
+    let r = router.complete(&[], BODY).await;
     assert_eq!(r.json()["worker"], "b");
     // a recovers; after the timeout one probe goes to it and closes the circuit.
     a.status.store(0, Ordering::SeqCst);
     wait_until_async("the probe to reach the recovered worker", || async {
-        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        let r = router.complete(&[], BODY).await;
         assert_eq!(r.status, StatusCode::OK);
         r.json()["worker"] == "a"
     })
     .await;
-    assert_eq!(status("a"), "closed");
-    wait_all_idle(&router).await;
-    router.stop().await;
+    assert_eq!(router.circuit("a"), "closed");
+    router.stop_idle().await;
 }
 
 #[tokio::test]
 async fn an_unhealthy_worker_leaves_and_returns() {
-    let a = MockWorker::start("a", &["m"]).await;
-    let b = MockWorker::start("b", &["m"]).await;
+    let [a, b] = mocks(["a", "b"]).await;
     let mut settings = named_settings(&[&a, &b]);
     settings.health.interval = std::time::Duration::from_millis(50);
     settings.health.failure_threshold = 2;
     settings.health.success_threshold = 2;
     let router = TestRouter::start(settings).await;
-    let gw = router.gateway.clone();
-    let healthy = move |id: &str| {
-        gw.workers()
-            .statuses()
-            .into_iter()
-            .find(|w| w.id == id)
-            .unwrap()
-            .healthy
-    };
     a.healthy.store(false, Ordering::SeqCst);
-    wait_until("a unhealthy", || !healthy("a")).await;
+    wait_until("a unhealthy", || !router.is_healthy("a")).await;
     let before = a.requests();
-    for _ in 0..6 {
-        let r = post(&router.url, "/v1/completions", &[], BODY).await;
-        assert_eq!(r.json()["worker"], "b");
-    }
+    assert_served_by(&router, 6, "b").await;
     assert_eq!(a.requests(), before);
     let m = router.metrics().await;
-    assert_eq!(
-        metric_value(&m, "kvroute_worker_healthy", "worker=\"a\""),
-        Some(0.0)
-    );
+    assert_metric(&m, "kvroute_worker_healthy", "worker=\"a\"", Some(0.0));
     a.healthy.store(true, Ordering::SeqCst);
-    wait_until("a healthy again", || healthy("a")).await;
+    wait_until("a healthy again", || router.is_healthy("a")).await;
     let mut workers = std::collections::HashSet::new();
     for _ in 0..4 {
-        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        let r = router.complete(&[], BODY).await;
         workers.insert(r.json()["worker"].as_str().unwrap().to_owned());
     }
     assert!(workers.contains("a"), "{workers:?}");
@@ -275,7 +215,7 @@ async fn beyond_the_concurrency_limit_requests_get_429() {
     )
     .await;
     assert_eq!(stream.status(), StatusCode::OK);
-    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    let r = router.complete(&[], BODY).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(r.error_code(), "too_many_requests");
     assert!(r.headers.contains_key("retry-after"));
@@ -284,36 +224,29 @@ async fn beyond_the_concurrency_limit_requests_get_429() {
     let body = stream.into_body().collect().await.unwrap().to_bytes();
     assert!(String::from_utf8_lossy(&body).contains("[DONE]"));
     wait_idle(&router, &w.url).await;
-    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    let r = router.complete(&[], BODY).await;
     assert_eq!(r.status, StatusCode::OK);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }
 
 #[tokio::test]
 async fn the_client_key_guards_inference_and_the_worker_key_replaces_it() {
     let w = MockWorker::start("w", &["m"]).await;
-    let mut settings = named_settings(&[&w]);
-    settings.client_api_key = kvroute_gateway::auth::Secret::new("client-key".into());
-    let router = TestRouter::start(settings).await;
+    let router = TestRouter::start(client_keyed(&w)).await;
     for headers in [vec![], vec![("authorization", "Bearer nope")]] {
-        let r = post(&router.url, "/v1/completions", &headers, BODY).await;
+        let r = router.complete(&headers, BODY).await;
         assert_eq!(r.status, StatusCode::UNAUTHORIZED);
         assert_eq!(r.error_code(), "unauthorized");
         assert!(!String::from_utf8_lossy(&r.body).contains("client-key"));
     }
-    let (status, _, _) = get_url(&format!("{}/v1/models", router.url)).await;
+    let (status, _, _) = router.get("/v1/models").await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let (status, _, _) = get_url(&format!("{}/health", router.url)).await;
+    let (status, _, _) = router.get("/health").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(w.requests(), 0);
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        &[("authorization", "Bearer client-key")],
-        BODY,
-    )
-    .await;
+    let r = router
+        .complete(&[("authorization", "Bearer client-key")], BODY)
+        .await;
     assert_eq!(r.status, StatusCode::OK);
     // The client's key is not the workers' business.
     assert_eq!(
@@ -322,17 +255,12 @@ async fn the_client_key_guards_inference_and_the_worker_key_replaces_it() {
     );
     router.stop().await;
 
-    let mut settings = named_settings(&[&w]);
-    settings.client_api_key = kvroute_gateway::auth::Secret::new("client-key".into());
+    let mut settings = client_keyed(&w);
     settings.api_key = kvroute_gateway::auth::Secret::new("worker-key".into());
     let router = TestRouter::start(settings).await;
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        &[("authorization", "Bearer client-key")],
-        BODY,
-    )
-    .await;
+    let r = router
+        .complete(&[("authorization", "Bearer client-key")], BODY)
+        .await;
     assert_eq!(r.json()["headers"]["authorization"], "Bearer worker-key");
     let m = router.metrics().await;
     assert!(!m.contains("worker-key") && !m.contains("client-key"));
@@ -367,35 +295,61 @@ async fn admin_call(
         .status()
 }
 
+/// One admin call: method, path, peer, key, body, and the status it must get.
+type AdminCall<'a> = (
+    &'a Method,
+    &'a str,
+    &'a str,
+    Option<&'a str>,
+    &'a str,
+    StatusCode,
+);
+
+/// Makes each call in turn, asserting its status.
+async fn assert_admin<const N: usize>(
+    gateway: &kvroute_gateway::Gateway,
+    calls: [AdminCall<'_>; N],
+) {
+    for (method, path, peer, key, body, want) in calls {
+        let got = admin_call(gateway, method.clone(), path, peer, key, body).await;
+        assert_eq!(got, want, "{method} {path} from {peer} with key {key:?}");
+    }
+}
+
 #[tokio::test]
 async fn admin_changes_need_loopback_or_the_admin_key() {
-    let w = MockWorker::start("w", &["m"]).await;
-    let extra = MockWorker::start("extra", &["m"]).await;
+    let [w, extra] = mocks(["w", "extra"]).await;
     let router = TestRouter::start(named_settings(&[&w])).await;
     let gw = &router.gateway;
     let add = serde_json::json!({"id": "extra", "url": extra.url, "model": "m"}).to_string();
     let far = "10.1.2.3:5000";
     let near = "127.0.0.1:5000";
-    assert_eq!(
-        admin_call(gw, Method::POST, "/workers", far, None, &add).await,
-        StatusCode::UNAUTHORIZED
-    );
-    assert_eq!(
-        admin_call(gw, Method::DELETE, "/workers/w", far, None, "").await,
-        StatusCode::UNAUTHORIZED
-    );
-    assert_eq!(
-        admin_call(gw, Method::GET, "/workers", far, None, "").await,
-        StatusCode::OK
-    );
-    assert_eq!(
-        admin_call(gw, Method::POST, "/workers", near, None, &add).await,
-        StatusCode::CREATED
-    );
-    assert_eq!(
-        admin_call(gw, Method::POST, "/workers", near, None, &add).await,
-        StatusCode::CONFLICT
-    );
+    let (post, get, delete) = (Method::POST, Method::GET, Method::DELETE);
+    assert_admin(
+        gw,
+        [
+            (
+                &post,
+                "/workers",
+                far,
+                None,
+                &*add,
+                StatusCode::UNAUTHORIZED,
+            ),
+            (
+                &delete,
+                "/workers/w",
+                far,
+                None,
+                "",
+                StatusCode::UNAUTHORIZED,
+            ),
+            (&get, "/workers", far, None, "", StatusCode::OK),
+            (&post, "/workers", near, None, &add, StatusCode::CREATED),
+            (&post, "/workers", near, None, &add, StatusCode::CONFLICT),
+        ],
+    )
+    .await;
     router.stop().await;
 
     let mut settings = named_settings(&[&w]);
@@ -404,43 +358,44 @@ async fn admin_changes_need_loopback_or_the_admin_key() {
     let gw = &router.gateway;
     for key in [None, Some("wrong")] {
         for peer in [near, far] {
-            assert_eq!(
-                admin_call(gw, Method::POST, "/workers", peer, key, &add).await,
-                StatusCode::UNAUTHORIZED
-            );
-            assert_eq!(
-                admin_call(gw, Method::GET, "/workers", peer, key, "").await,
-                StatusCode::UNAUTHORIZED
-            );
+            assert_admin(
+                gw,
+                [
+                    (
+                        &post,
+                        "/workers",
+                        peer,
+                        key,
+                        &*add,
+                        StatusCode::UNAUTHORIZED,
+                    ),
+                    (&get, "/workers", peer, key, "", StatusCode::UNAUTHORIZED),
+                ],
+            )
+            .await;
         }
     }
-    assert_eq!(
-        admin_call(gw, Method::POST, "/workers", far, Some("adm"), &add).await,
-        StatusCode::CREATED
-    );
-    assert_eq!(
-        admin_call(gw, Method::DELETE, "/workers/extra", far, Some("adm"), "").await,
-        StatusCode::OK
-    );
+    let adm = Some("adm");
+    assert_admin(
+        gw,
+        [
+            (&post, "/workers", far, adm, &*add, StatusCode::CREATED),
+            (&delete, "/workers/extra", far, adm, "", StatusCode::OK),
+        ],
+    )
+    .await;
     router.stop().await;
 }
 
 #[tokio::test]
 async fn workers_come_and_go_at_run_time_without_losing_requests() {
-    let a = MockWorker::start("a", &["m"]).await;
-    let b = MockWorker::start("b", &["m"]).await;
+    let [a, b] = mocks(["a", "b"]).await;
     let router = TestRouter::start(settings(&[&a])).await;
     let add = serde_json::json!({"id": "b", "url": b.url}).to_string();
-    let r = post(&router.url, "/workers", &[], &add).await;
+    let r = router.post("/workers", &[], &add).await;
     assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    router.wait_healthy("b").await;
     let gw = router.gateway.clone();
-    wait_until("b healthy", || {
-        gw.workers()
-            .statuses()
-            .iter()
-            .any(|w| w.id == "b" && w.healthy)
-    })
-    .await;
     // A stream on b, open while b is removed.
     let mut stream = None;
     for _ in 0..4 {
@@ -463,7 +418,7 @@ async fn workers_come_and_go_at_run_time_without_losing_requests() {
     assert_eq!(r.json()["draining"], 1);
     // No new request goes to b; the open stream completes.
     for _ in 0..4 {
-        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        let r = router.complete(&[], BODY).await;
         assert_eq!(r.worker(), a.url);
     }
     b.release.add_permits(1);
@@ -478,8 +433,7 @@ async fn workers_come_and_go_at_run_time_without_losing_requests() {
     let r = send(&router.url, Method::DELETE, "/workers/b", &[], "").await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.error_code(), "worker_not_found");
-    let r = post(&router.url, "/workers", &[], r#"{"url":"ftp://x"}"#).await;
+    let r = router.post("/workers", &[], r#"{"url":"ftp://x"}"#).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
-    wait_all_idle(&router).await;
-    router.stop().await;
+    router.stop_idle().await;
 }

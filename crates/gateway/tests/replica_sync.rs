@@ -43,57 +43,56 @@ fn rank_in_flight(r: &TestRouter) -> u64 {
     r.gateway.workers().statuses()[0].ranks[0].in_flight
 }
 
+/// Waits until each of `routers` counts `n` requests in flight on the worker's rank.
+async fn wait_load(what: &str, routers: &[&TestRouter], n: u64) {
+    wait_until(what, || routers.iter().all(|r| rank_in_flight(r) == n)).await;
+}
+
+/// Waits until each of `routers` counts `n` peers.
+async fn wait_peers(routers: &[&TestRouter], n: f64) {
+    for r in routers {
+        r.wait_metric("kvroute_replica_peers", "", Some(n)).await;
+    }
+}
+
+/// A completion the mock worker answers at once.
+const BODY: &str = r#"{"model":"m","prompt":"x"}"#;
+
+/// A stream the mock worker holds open until released.
+const STREAM: &str = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
+
 #[tokio::test]
 async fn each_replica_sees_the_load_of_both() {
     let nats = nats().await;
     let w = MockWorker::start("w", &["m"]).await;
     let a = TestRouter::start(synced(&nats, "sum", &[&w])).await;
     let b = TestRouter::start(synced(&nats, "sum", &[&w])).await;
-    wait_until_async("the replicas hear each other", || async {
-        let (ma, mb) = (a.metrics().await, b.metrics().await);
-        metric_value(&ma, "kvroute_replica_peers", "") == Some(1.0)
-            && metric_value(&mb, "kvroute_replica_peers", "") == Some(1.0)
-    })
-    .await;
-    let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
+    wait_peers(&[&a, &b], 1.0).await;
     let mut streams = Vec::new();
     for url in [&a.url, &a.url, &b.url] {
-        streams.push(open_stream(url, "/v1/completions", body).await);
+        streams.push(open_stream(url, "/v1/completions", STREAM).await);
     }
-    wait_until("both see three", || {
-        rank_in_flight(&a) == 3 && rank_in_flight(&b) == 3
-    })
-    .await;
+    wait_load("both see three", &[&a, &b], 3).await;
     let m = a.metrics().await;
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_replica_sync_messages_total",
-            "direction=\"out\",kind=\"routed\""
-        ),
-        Some(2.0)
+    assert_metric(
+        &m,
+        "kvroute_replica_sync_messages_total",
+        "direction=\"out\",kind=\"routed\"",
+        Some(2.0),
     );
-    assert_eq!(
-        metric_value(
-            &m,
-            "kvroute_replica_sync_messages_total",
-            "direction=\"in\",kind=\"routed\""
-        ),
-        Some(1.0)
+    assert_metric(
+        &m,
+        "kvroute_replica_sync_messages_total",
+        "direction=\"in\",kind=\"routed\"",
+        Some(1.0),
     );
-    assert_eq!(
-        metric_value(&m, "kvroute_replica_sync_connected", ""),
-        Some(1.0)
-    );
+    assert_metric(&m, "kvroute_replica_sync_connected", "", Some(1.0));
     assert!(metric_value(&m, "kvroute_replica_sync_lag_seconds", "").is_some());
     w.release.add_permits(3);
     for s in streams {
         s.into_body().collect().await.unwrap();
     }
-    wait_until("both see none", || {
-        rank_in_flight(&a) == 0 && rank_in_flight(&b) == 0
-    })
-    .await;
+    wait_load("both see none", &[&a, &b], 0).await;
     a.stop().await;
     b.stop().await;
 }
@@ -125,12 +124,17 @@ async fn replica_process(nats: &str, prefix: &str, worker: &str) -> (ChildGuard,
 /// Settings for `workers` with replica sync on `nats` under `prefix`.
 fn synced(nats: &Nats, prefix: &str, workers: &[&MockWorker]) -> kvroute_gateway::Settings {
     let mut s = settings(workers);
-    s.replica_sync = Some(kvroute_gateway::config::SyncConfig {
-        url: nats.1.clone(),
+    s.replica_sync = Some(sync_config(nats.1.clone(), prefix));
+    s
+}
+
+/// Sync on the NATS at `url` under `prefix`, peers forgotten after 2 s of silence.
+fn sync_config(url: String, prefix: &str) -> kvroute_gateway::config::SyncConfig {
+    kvroute_gateway::config::SyncConfig {
+        url,
         prefix: prefix.into(),
         timeout: std::time::Duration::from_secs(2),
-    });
-    s
+    }
 }
 
 #[tokio::test]
@@ -139,27 +143,16 @@ async fn a_killed_replicas_load_is_gone_within_the_timeout() {
     let w = MockWorker::start("w", &["m"]).await;
     let a = TestRouter::start(synced(&nats, "kill", &[&w])).await;
     let (mut b, b_url) = replica_process(&nats.1, "kill", &w.url).await;
-    let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
     // The replicas hear each other, then B's stream shows on A.
-    wait_until_async("A hears B", || async {
-        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
-    })
-    .await;
-    let held = open_stream(&b_url, "/v1/completions", body).await;
+    wait_peers(&[&a], 1.0).await;
+    let held = open_stream(&b_url, "/v1/completions", STREAM).await;
     wait_until("A sees B's stream", || rank_in_flight(&a) == 1).await;
     b.0.kill().unwrap();
     let _ = b.0.wait();
     drop(held);
     // No phantom load once B is silent past the timeout; A serves on.
     wait_until("B's load dropped", || rank_in_flight(&a) == 0).await;
-    let r = post(
-        &a.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"m","prompt":"x"}"#,
-    )
-    .await;
-    assert_eq!(r.status, 200);
+    assert_eq!(a.complete(&[], BODY).await.status, 200);
     w.release.add_permits(8);
     a.stop().await;
 }
@@ -171,43 +164,23 @@ async fn replicas_serve_without_nats_and_resync_when_it_returns() {
     let w = MockWorker::start("w", &["m"]).await;
     let a = TestRouter::start(synced(&nats, "outage", &[&w])).await;
     let b = TestRouter::start(synced(&nats, "outage", &[&w])).await;
-    wait_until_async("the replicas hear each other", || async {
-        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
-    })
-    .await;
+    wait_peers(&[&a], 1.0).await;
     let _ = nats.0.kill();
     let _ = nats.0.wait();
     // Both serve on their own state.
     for r in [&a, &b] {
-        let reply = post(
-            &r.url,
-            "/v1/completions",
-            &[],
-            r#"{"model":"m","prompt":"x"}"#,
-        )
-        .await;
-        assert_eq!(reply.status, 200);
+        assert_eq!(r.complete(&[], BODY).await.status, 200);
     }
-    wait_until_async("A forgets silent B", || async {
-        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(0.0)
-    })
-    .await;
+    // A forgets silent B.
+    wait_peers(&[&a], 0.0).await;
     // NATS returns on the same port: the replicas reconnect and share load again.
     let _restarted = nats_on(port).await;
-    wait_until_async("both hear each other again", || async {
-        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
-            && metric_value(&b.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
-    })
-    .await;
-    let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
-    let held = open_stream(&b.url, "/v1/completions", body).await;
+    wait_peers(&[&a, &b], 1.0).await;
+    let held = open_stream(&b.url, "/v1/completions", STREAM).await;
     wait_until("A sees B's load again", || rank_in_flight(&a) == 1).await;
     w.release.add_permits(1);
     held.into_body().collect().await.unwrap();
-    wait_until("both see none", || {
-        rank_in_flight(&a) == 0 && rank_in_flight(&b) == 0
-    })
-    .await;
+    wait_load("both see none", &[&a, &b], 0).await;
     a.stop().await;
     b.stop().await;
 }
@@ -223,10 +196,8 @@ async fn start_ready(settings: kvroute_gateway::Settings) -> TestRouter {
 /// Starts a router, ready and connected to NATS.
 async fn start_synced(settings: kvroute_gateway::Settings) -> TestRouter {
     let r = start_ready(settings).await;
-    wait_until_async("the replica connected", || async {
-        metric_value(&r.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
-    })
-    .await;
+    r.wait_metric("kvroute_replica_sync_connected", "", Some(1.0))
+        .await;
     r
 }
 
@@ -305,12 +276,7 @@ async fn route_six(router: &TestRouter) -> Vec<String> {
 }
 
 async fn four_workers() -> [MockWorker; 4] {
-    [
-        MockWorker::start("w0", &["m"]).await,
-        MockWorker::start("w1", &["m"]).await,
-        MockWorker::start("w2", &["m"]).await,
-        MockWorker::start("w3", &["m"]).await,
-    ]
+    mocks(["w0", "w1", "w2", "w3"]).await
 }
 
 #[tokio::test]
@@ -322,10 +288,7 @@ async fn replicas_learn_each_others_prefix_trees_and_sessions() {
         let mk = || case_settings(&nats, &format!("learn-{name}"), &refs, case);
         let a = TestRouter::start(mk()).await;
         let b = TestRouter::start(mk()).await;
-        wait_until_async("the replicas hear each other", || async {
-            metric_value(&b.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
-        })
-        .await;
+        wait_peers(&[&b], 1.0).await;
         for (i, chosen) in route_six(&a).await.into_iter().enumerate() {
             // B, which never saw this prompt or session, routes it where A did.
             wait_until_async(&format!("{name}: B learnt A's decision"), || {
@@ -366,17 +329,13 @@ async fn a_starting_replica_takes_a_snapshot_before_it_is_ready() {
     let nats = nats().await;
     let w = MockWorker::start("w", &["m"]).await;
     let a = start_synced(synced(&nats, "snapshot", &[&w])).await;
-    let body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
-    let held = open_stream(&a.url, "/v1/completions", body).await;
+    let held = open_stream(&a.url, "/v1/completions", STREAM).await;
     // B starts after A's request: it must know of it as soon as it says it is ready.
     let b = start_ready(synced(&nats, "snapshot", &[&w])).await;
     assert_eq!(rank_in_flight(&b), 1, "B is ready with A's load in view");
     w.release.add_permits(1);
     held.into_body().collect().await.unwrap();
-    wait_until("both see none", || {
-        rank_in_flight(&a) == 0 && rank_in_flight(&b) == 0
-    })
-    .await;
+    wait_load("both see none", &[&a, &b], 0).await;
     a.stop().await;
     b.stop().await;
 }
@@ -451,28 +410,14 @@ async fn garbage_and_foreign_messages_on_the_sync_subjects_are_counted_and_ignor
         matches!(answer.part, snapshot::Part::End { state: false }),
         "A has nothing in flight: {answer:?}"
     );
-    wait_until_async("A counted the two malformed messages", || async {
-        metric_value(
-            &a.metrics().await,
-            "kvroute_replica_sync_messages_total",
-            r#"direction="in",kind="malformed""#,
-        ) == Some(2.0)
-    })
-    .await;
+    // A counts the two malformed messages.
+    let malformed = r#"direction="in",kind="malformed""#;
+    a.wait_metric("kvroute_replica_sync_messages_total", malformed, Some(2.0))
+        .await;
     // The well-formed foreign request counts on A's worker; then its sender falls silent
     // (no heartbeat) and it is taken back. A serves throughout.
     wait_until("the foreign request counts", || rank_in_flight(&a) == 1).await;
-    assert_eq!(
-        post(
-            &a.url,
-            "/v1/completions",
-            &[],
-            r#"{"model":"m","prompt":"x"}"#
-        )
-        .await
-        .status,
-        200
-    );
+    assert_eq!(a.complete(&[], BODY).await.status, 200);
     wait_until("the silent sender's request is taken back", || {
         rank_in_flight(&a) == 0
     })
@@ -485,34 +430,22 @@ async fn a_replica_started_without_nats_is_ready_and_syncs_once_nats_comes() {
     let port = free_port();
     let w = MockWorker::start("w", &["m"]).await;
     let mut s = settings(&[&w]);
-    s.replica_sync = Some(kvroute_gateway::config::SyncConfig {
-        url: format!("nats://127.0.0.1:{port}"),
-        prefix: "late".into(),
-        timeout: std::time::Duration::from_secs(2),
-    });
+    s.replica_sync = Some(sync_config(format!("nats://127.0.0.1:{port}"), "late"));
     // Nothing listens on the port: A routes on its own state, and says it is ready.
     let a = start_ready(s).await;
-    let reply = post(
-        &a.url,
-        "/v1/completions",
-        &[],
-        r#"{"model":"m","prompt":"x"}"#,
-    )
-    .await;
-    assert_eq!(reply.status, 200);
-    assert_eq!(
-        metric_value(&a.metrics().await, "kvroute_replica_sync_connected", ""),
-        Some(0.0)
+    assert_eq!(a.complete(&[], BODY).await.status, 200);
+    assert_metric(
+        &a.metrics().await,
+        "kvroute_replica_sync_connected",
+        "",
+        Some(0.0),
     );
     // NATS comes up and a second replica joins: they find each other.
     let nats = nats_on(port).await;
     let b = TestRouter::start(synced(&nats, "late", &[&w])).await;
-    wait_until_async("the replicas hear each other", || async {
-        metric_value(&a.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
-            && metric_value(&b.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
-            && metric_value(&a.metrics().await, "kvroute_replica_sync_connected", "") == Some(1.0)
-    })
-    .await;
+    wait_peers(&[&a, &b], 1.0).await;
+    a.wait_metric("kvroute_replica_sync_connected", "", Some(1.0))
+        .await;
     a.stop().await;
     b.stop().await;
 }

@@ -208,6 +208,15 @@ pub struct Publisher {
     pub port: u16,
 }
 
+/// A publisher on a free port and a subscriber to it (one rank, replay at `replay_port` if
+/// any), in sync from `seq`: the next seq to publish.
+pub async fn connected(seq: u64, replay_port: Option<u16>) -> (Publisher, Running, u64) {
+    let mut publisher = Publisher::bind(0).await;
+    let sub = Running::start(config(publisher.port, replay_port, 1));
+    let (seq, _) = publisher.sync(&sub.sink, seq).await;
+    (publisher, sub, seq)
+}
+
 impl Publisher {
     pub async fn bind(port: u16) -> Publisher {
         let mut socket = PubSocket::new();

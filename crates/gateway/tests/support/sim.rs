@@ -1,0 +1,121 @@
+//! kvroute-sim replicas, and what the router's KV index credits them with.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+use kvroute_sim::{SimArgs, SimInstance};
+use kvroute_tokenizer::Tokenizer;
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::{free_port, holds_within, post, text, wait_until_async, TestRouter};
+
+/// A kvroute-sim replica with the command line `argv` (less the program's name), serving on
+/// loopback until `shutdown`: its URL.
+pub async fn serve_sim(argv: &[&str], shutdown: &CancellationToken) -> String {
+    let argv = std::iter::once("kvroute-sim").chain(argv.iter().copied());
+    let args = <SimArgs as clap::Parser>::parse_from(argv);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()));
+    tokio::spawn(server.serve(listener, shutdown.clone()));
+    url
+}
+
+/// A kvroute-sim replica serving on a port of its own and publishing KV events on a free one:
+/// `args` makes its arguments from that endpoint (`tcp://127.0.0.1:PORT`). Returns once the
+/// replica has bound its sockets, with the endpoint. The replica binds the event port (and any
+/// other it is given) itself, so another test may take one first: then it is started again
+/// with fresh ports.
+pub async fn sim_with_events(mut args: impl FnMut(&str) -> SimArgs) -> (SimInstance, String) {
+    let mut error = None;
+    for _ in 0..20 {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let events = format!("tcp://127.0.0.1:{}", free_port());
+        match SimInstance::start(args(&events), Arc::new(Tokenizer::fallback()), listener).await {
+            Ok(sim) => return (sim, events),
+            Err(e) => error = Some(e),
+        }
+    }
+    panic!("no engine could bind its ports: {error:?}");
+}
+
+/// `POST /debug/route` for `prompt`: the router's decision and its candidates.
+pub async fn debug_route(r: &TestRouter, prompt: &str) -> Value {
+    let body = serde_json::json!({ "prompt": prompt }).to_string();
+    let reply = post(&r.url, "/debug/route", &[], &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    reply.json()
+}
+
+/// The device blocks a `/debug/route` answer credits `worker` with (its first rank listed);
+/// `None` when `worker` is not a candidate.
+pub fn device_overlap(debug: &Value, worker: &str) -> Option<u64> {
+    debug["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["worker"] == worker)
+        .map(|c| c["overlap_blocks"]["device"].as_u64().unwrap())
+}
+
+/// The device blocks the router's index credits `worker` with for `prompt`; `None` when
+/// `worker` is not a candidate.
+pub async fn overlap(r: &TestRouter, prompt: &str, worker: &str) -> Option<u64> {
+    device_overlap(&debug_route(r, prompt).await, worker)
+}
+
+/// Waits until the device blocks the router credits `worker` with for `prompt` satisfy `cond`
+/// (`None`: `worker` is not a candidate).
+pub async fn wait_overlap(
+    r: &TestRouter,
+    prompt: &str,
+    worker: &str,
+    cond: impl Fn(Option<u64>) -> bool,
+) {
+    let what = format!("the router's credit to {worker} for the prompt");
+    wait_until_async(&what, || async { cond(overlap(r, prompt, worker).await) }).await;
+}
+
+/// Waits until the router hears the KV events of worker `id`, the engine at `engine_url`: a
+/// ZMQ subscriber joins asynchronously, and what the engine published before it did is lost.
+/// Probes go straight to the engine until the index credits each of the worker's ranks with
+/// one of them.
+pub async fn joined(r: &TestRouter, engine_url: &str, id: &str) {
+    let heard = std::cell::RefCell::new(std::collections::HashSet::new());
+    for i in 0..400u64 {
+        let probe = format!("probe {id} {i} {}", text(64, 1000 + i));
+        let body = serde_json::json!({"prompt": probe, "max_tokens": 1}).to_string();
+        let reply = post(engine_url, "/v1/completions", &[], &body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        // The probe's events reach the index a moment later, or never (published before the
+        // subscriber joined): then the next probe tries again.
+        let all_heard = std::cell::Cell::new(false);
+        holds_within(Duration::from_millis(100), || async {
+            let d = debug_route(r, &probe).await;
+            let ranks: Vec<&Value> = d["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|c| c["worker"] == id)
+                .collect();
+            let Some(c) = ranks
+                .iter()
+                .find(|c| c["overlap_blocks"]["device"].as_u64().unwrap() > 0)
+            else {
+                return false;
+            };
+            let mut heard = heard.borrow_mut();
+            heard.insert(c["dp_rank"].to_string());
+            all_heard.set(heard.len() == ranks.len());
+            true
+        })
+        .await;
+        if all_heard.get() {
+            return;
+        }
+    }
+    panic!("the router never received {id}'s KV events");
+}
