@@ -4,6 +4,8 @@
 //! Staleness is checked by passing `now` to `EngineGauges::load`, never by sleeping; the
 //! waits below only poll for what a real-time engine or scraper has done, with a deadline.
 
+mod support;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,19 +24,12 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use support::wait_until;
+
 const FAST: ScrapeTiming = ScrapeTiming {
     interval: Duration::from_millis(10),
     timeout: Duration::from_millis(500),
 };
-
-/// Polls `cond` every 10 ms until it holds; fails after 20 s.
-async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 struct Running {
     shutdown: CancellationToken,
