@@ -1,5 +1,7 @@
-//! Worker health: the per-worker circuit breaker fed by request outcomes, and the active
-//! health checks.
+//! Worker health: the per-worker circuit breaker fed by request outcomes, the active
+//! health checks' counting, and one probe of an engine (`probe`: its health endpoint or its
+//! `/v1/models`). The loop that probes each worker and changes the worker set is the
+//! state layer's (`workers`).
 //!
 //! The circuit opens after `failure_threshold` consecutive failed attempts (connection
 //! errors, timeouts, 5xx; a 4xx is the client's fault and counts as a success of the
@@ -16,6 +18,10 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::config::CircuitSettings;
+
+mod probe;
+
+pub(crate) use probe::probe;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CircuitState {

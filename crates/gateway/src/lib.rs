@@ -13,7 +13,7 @@
 //! The modules stand in five layers; each imports only from its own layer or below, with no
 //! cycle between modules (`tests/layers.rs` checks it):
 //! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`;
-//! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health`;
+//! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `busy`;
 //! 4. request path: `routing`, `queue`, `proxy`, `sync`, `context`, `pd`, `forward`, `discovery`;
 //! 5. server: `server` (the axum app, admin API, background tasks) and `main`.

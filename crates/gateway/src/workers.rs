@@ -37,7 +37,7 @@ use crate::error::GatewayError;
 use crate::health::Circuit;
 use crate::metrics::GatewayMetrics;
 
-mod probe;
+mod monitor;
 mod table;
 mod worker;
 

@@ -1,0 +1,78 @@
+//! Watching a worker: probed until it answers once (its models), then health-checked; each
+//! answer changes the worker set.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{lock, Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
+use crate::health::{jittered, probe, HealthCounter};
+use crate::http::HttpClient;
+
+impl WorkerSet {
+    /// Watches one worker until it is removed or the gateway shuts down (its tasks token):
+    /// probes it until it answers once (with backoff), then checks its health every
+    /// interval.
+    pub async fn watch(self: Arc<Self>, worker: Arc<Worker>, client: HttpClient) {
+        let stop = worker.tasks.clone();
+        let sleep = |d: Duration| {
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    _ = stop.cancelled() => false,
+                    _ = tokio::time::sleep(d) => true,
+                }
+            }
+        };
+        let key = self.api_key.as_ref();
+        let timeout = self.health.timeout;
+        let mut delay = PROBE_RETRY_MIN;
+        loop {
+            // The first probe reads the models of a worker whose model is not configured.
+            let lists = worker.configured_model.is_none();
+            let path = if lists { "/v1/models" } else { "/health" };
+            match probe(&client, &worker.url, path, lists, key, timeout).await {
+                Ok(models) => {
+                    tracing::info!(worker = %worker.id, models = ?models.iter().map(|m| m.0.as_str()).collect::<Vec<_>>(), "Worker ready");
+                    if worker.configured_model.is_none() {
+                        *lock(&worker.models) = models;
+                    }
+                    worker.probed.store(true, Ordering::Relaxed);
+                    worker.set_health(true);
+                    self.rebuild();
+                    break;
+                }
+                Err(error) => {
+                    tracing::warn!(worker = %worker.id, %error, retry_in = ?delay, "Worker probe failed");
+                    worker.probed.store(true, Ordering::Relaxed);
+                    self.rebuild();
+                }
+            }
+            if !sleep(delay).await {
+                return;
+            }
+            delay = (delay * 2).min(PROBE_RETRY_MAX);
+        }
+        let mut counter =
+            HealthCounter::new(self.health.failure_threshold, self.health.success_threshold);
+        let endpoint = self.health.endpoint.as_str();
+        loop {
+            if !sleep(jittered(self.health.interval, 0.1)).await {
+                return;
+            }
+            let result = probe(&client, &worker.url, endpoint, false, key, timeout).await;
+            if let Err(error) = &result {
+                tracing::debug!(worker = %worker.id, %error, "Health check failed");
+            }
+            if let Some(healthy) = counter.observe(worker.is_healthy(), result.is_ok()) {
+                if healthy {
+                    tracing::info!(worker = %worker.id, "Worker healthy again");
+                } else {
+                    tracing::warn!(worker = %worker.id, failures = self.health.failure_threshold, "Worker unhealthy: no longer a candidate");
+                }
+                worker.set_health(healthy);
+                self.rebuild();
+            }
+        }
+    }
+}
