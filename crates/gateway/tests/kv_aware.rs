@@ -39,7 +39,8 @@ impl Engine {
     }
 }
 
-async fn complete(r: &TestRouter, prompt: &str) -> Reply {
+/// A two-token completion of `prompt` through `r`, which must answer 200.
+async fn complete_ok(r: &TestRouter, prompt: &str) -> Reply {
     let reply = r
         .complete(&[], &json!({"prompt": prompt, "max_tokens": 2}).to_string())
         .await;
@@ -61,7 +62,7 @@ async fn two_engines(extra: &[&str]) -> (Engine, Engine, TestRouter) {
 async fn a_shared_prefix_goes_where_it_is_cached_and_is_credited_exactly() {
     let (_a, _b, r) = two_engines(&["--speedup", "100"]).await;
     let prefix = text(1600, 1); // 100 blocks of 16 bytes-as-tokens
-    let first = complete(&r, &prefix).await;
+    let first = complete_ok(&r, &prefix).await;
     let home = first.worker().to_owned();
     wait_overlap(&r, &format!("{prefix} tail"), &home, |o| o == Some(100)).await;
     let follow = format!("{prefix} and a different question");
@@ -69,7 +70,7 @@ async fn a_shared_prefix_goes_where_it_is_cached_and_is_credited_exactly() {
     assert_eq!(debug["policy"], "kv_aware");
     assert_eq!(debug["worker"], home.as_str(), "{debug}");
     let credited = device_overlap(&debug, &home).unwrap();
-    let reply = complete(&r, &follow).await;
+    let reply = complete_ok(&r, &follow).await;
     assert_eq!(reply.worker(), home);
     let cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -114,7 +115,7 @@ async fn a_shared_prefix_goes_where_it_is_cached_and_is_credited_exactly() {
 async fn a_reset_cache_is_no_longer_credited() {
     let (a, b, r) = two_engines(&["--speedup", "100"]).await;
     let prefix = text(800, 2);
-    let home = complete(&r, &prefix).await.worker().to_owned();
+    let home = complete_ok(&r, &prefix).await.worker().to_owned();
     // 50 blocks stored; a prompt of exactly 50 blocks can reuse 49 (its last token is
     // always computed), and the router credits what the engine will reuse.
     wait_overlap(&r, &prefix, &home, |o| o == Some(49)).await;
@@ -130,7 +131,7 @@ async fn a_reset_cache_is_no_longer_credited() {
 async fn a_burst_on_one_prefix_spreads_once_the_home_is_loaded() {
     let (_a, _b, r) = two_engines(&["--speedup", "1"]).await;
     let prefix = text(2048, 3);
-    let home = complete(&r, &prefix).await.worker().to_owned();
+    let home = complete_ok(&r, &prefix).await.worker().to_owned();
     wait_overlap(&r, &format!("{prefix}x"), &home, |o| o == Some(128)).await;
     // 40 streams sharing the prefix, each with its own 320-token question, held open until
     // all are routed: each adds ~21 decode blocks to its replica.
@@ -216,7 +217,7 @@ async fn data_parallel_ranks_are_candidates_and_are_named() {
     let r = TestRouter::start(Settings::with_workers(vec![spec]).unwrap()).await;
     joined(&r, &e.url(), "dp").await;
     let prefix = text(640, 5);
-    let first = complete(&r, &prefix).await;
+    let first = complete_ok(&r, &prefix).await;
     let rank: u32 = first.headers["x-kvroute-dp-rank"]
         .to_str()
         .unwrap()
@@ -238,7 +239,7 @@ async fn data_parallel_ranks_are_candidates_and_are_named() {
     assert_eq!(on(&d, rank), 39, "{d}");
     assert_eq!(on(&d, 1 - rank), 0, "{d}");
     assert_eq!(d["dp_rank"], rank);
-    let again = complete(&r, &format!("{prefix}!")).await;
+    let again = complete_ok(&r, &format!("{prefix}!")).await;
     assert_eq!(
         again.headers["x-kvroute-dp-rank"],
         rank.to_string().as_str()

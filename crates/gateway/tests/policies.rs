@@ -28,8 +28,8 @@ async fn workers_of(r: &TestRouter, contents: impl IntoIterator<Item = String>) 
     seen
 }
 
-/// How many workers `seen` names.
-fn spread(seen: &[String]) -> usize {
+/// How many distinct workers `seen` names.
+fn distinct_workers(seen: &[String]) -> usize {
     tally(seen).len()
 }
 
@@ -49,7 +49,7 @@ async fn random_uses_every_worker() {
     let (_, _, r) = two_workers(PolicyKind::Random).await;
     let seen = workers_of(&r, (0..60).map(|i| format!("{i}"))).await;
     // P(one worker gets none of 60) = 2^-59.
-    assert_eq!(spread(&seen), 2);
+    assert_eq!(distinct_workers(&seen), 2);
     r.stop().await;
 }
 
@@ -108,7 +108,7 @@ async fn check_sticky_and_spread(policy: PolicyKind) {
     for s in 0..40 {
         seen.push(worker_of(&r, &[("x-session-id", &format!("s{s}"))], &chat("m", "x")).await);
     }
-    assert_eq!(spread(&seen), 2, "{policy}");
+    assert_eq!(distinct_workers(&seen), 2, "{policy}");
     r.stop().await;
 }
 
@@ -141,7 +141,7 @@ async fn keyless_traffic_spreads_under_every_policy() {
         });
         let seen = workers_of(&r, contents).await;
         assert_eq!(
-            spread(&seen),
+            distinct_workers(&seen),
             2,
             "{policy} sent all keyless traffic to one worker"
         );
@@ -160,7 +160,7 @@ async fn prefix_hash_groups_by_prefix() {
         assert_eq!(w, first);
     }
     let seen = workers_of(&r, (0..30).map(|g| format!("group {g}: {system}"))).await;
-    assert_eq!(spread(&seen), 2);
+    assert_eq!(distinct_workers(&seen), 2);
     r.stop().await;
 }
 

@@ -168,11 +168,11 @@ async fn a_client_that_leaves_leaves_the_queue() {
     let held = hold(&r);
     r.wait_in_flight(&w.url, |n| n == 1).await;
     let waiting = r.spawn_complete(&[], prompt("a"));
-    let pending = ("kvroute_queue_pending", r#"class="default""#);
-    r.wait_metric(pending.0, pending.1, Some(1.0)).await;
+    let (pending, default) = ("kvroute_queue_pending", r#"class="default""#);
+    r.wait_metric(pending, default, Some(1.0)).await;
     // The client gives up: its connection closes, and the router drops the request.
     waiting.abort();
-    r.wait_metric(pending.0, pending.1, Some(0.0)).await;
+    r.wait_metric(pending, default, Some(0.0)).await;
     assert_eq!(w.requests(), 1, "it never reached the worker");
     held.abort();
     r.stop().await;

@@ -325,27 +325,18 @@ async fn admin_changes_need_loopback_or_the_admin_key() {
     let far = "10.1.2.3:5000";
     let near = "127.0.0.1:5000";
     let (post, get, delete) = (Method::POST, Method::GET, Method::DELETE);
+    let (refused, ok, created) = (
+        StatusCode::UNAUTHORIZED,
+        StatusCode::OK,
+        StatusCode::CREATED,
+    );
     assert_admin(
         gw,
         [
-            (
-                &post,
-                "/workers",
-                far,
-                None,
-                &*add,
-                StatusCode::UNAUTHORIZED,
-            ),
-            (
-                &delete,
-                "/workers/w",
-                far,
-                None,
-                "",
-                StatusCode::UNAUTHORIZED,
-            ),
-            (&get, "/workers", far, None, "", StatusCode::OK),
-            (&post, "/workers", near, None, &add, StatusCode::CREATED),
+            (&post, "/workers", far, None, &*add, refused),
+            (&delete, "/workers/w", far, None, "", refused),
+            (&get, "/workers", far, None, "", ok),
+            (&post, "/workers", near, None, &add, created),
             (&post, "/workers", near, None, &add, StatusCode::CONFLICT),
         ],
     )
@@ -361,15 +352,8 @@ async fn admin_changes_need_loopback_or_the_admin_key() {
             assert_admin(
                 gw,
                 [
-                    (
-                        &post,
-                        "/workers",
-                        peer,
-                        key,
-                        &*add,
-                        StatusCode::UNAUTHORIZED,
-                    ),
-                    (&get, "/workers", peer, key, "", StatusCode::UNAUTHORIZED),
+                    (&post, "/workers", peer, key, &*add, refused),
+                    (&get, "/workers", peer, key, "", refused),
                 ],
             )
             .await;
@@ -379,8 +363,8 @@ async fn admin_changes_need_loopback_or_the_admin_key() {
     assert_admin(
         gw,
         [
-            (&post, "/workers", far, adm, &*add, StatusCode::CREATED),
-            (&delete, "/workers/extra", far, adm, "", StatusCode::OK),
+            (&post, "/workers", far, adm, &*add, created),
+            (&delete, "/workers/extra", far, adm, "", ok),
         ],
     )
     .await;

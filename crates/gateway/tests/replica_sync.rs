@@ -48,11 +48,17 @@ async fn wait_load(what: &str, routers: &[&TestRouter], n: u64) {
     wait_until(what, || routers.iter().all(|r| rank_in_flight(r) == n)).await;
 }
 
-/// Waits until each of `routers` counts `n` peers.
+/// Waits until every one of `routers` counts `n` peers, all at once.
 async fn wait_peers(routers: &[&TestRouter], n: f64) {
-    for r in routers {
-        r.wait_metric("kvroute_replica_peers", "", Some(n)).await;
-    }
+    wait_until_async("the replicas' peer counts", || async {
+        for r in routers {
+            if metric_value(&r.metrics().await, "kvroute_replica_peers", "") != Some(n) {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
 }
 
 /// A completion the mock worker answers at once.
