@@ -5,24 +5,24 @@
 //! finish), new ids are added. Today's source is the config file, re-read on SIGHUP
 //! ([`config_file_workers`]).
 
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::config::{Args, ConfigError, Settings, WorkerSpec};
 use crate::error::GatewayError;
 use crate::workers::Worker;
 
-/// The workers the config file lists now, under the command line's worker flags (merged
-/// as at start); `None` without a config file.
+/// The config file, and the workers it lists now under the command line's worker flags
+/// (merged as at start); `None` without a config file.
 pub(crate) fn config_file_workers(
     settings: &Settings,
-) -> Result<Option<Vec<WorkerSpec>>, ConfigError> {
+) -> Result<Option<(&Path, Vec<WorkerSpec>)>, ConfigError> {
     let Some(path) = &settings.config_path else {
         return Ok(None);
     };
     let file = Args::from_file(path)?;
-    Ok(Some(
-        settings.cli_workers.over(file).into_settings()?.workers,
-    ))
+    let workers = settings.cli_workers.over(file).into_settings()?.workers;
+    Ok(Some((path, workers)))
 }
 
 /// Brings `current` to `wanted`: removes every worker whose spec is not wanted, then adds

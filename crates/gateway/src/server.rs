@@ -138,10 +138,9 @@ impl Gateway {
     /// as at start) and applies the difference: new ids added, missing ids removed, changed
     /// ones replaced.
     pub fn reload(&self) -> Result<(usize, usize), ConfigError> {
-        let Some(wanted) = discovery::config_file_workers(&self.state.settings)? else {
+        let Some((path, wanted)) = discovery::config_file_workers(&self.state.settings)? else {
             return Ok((0, 0));
         };
-        let path = self.state.settings.config_path.clone().unwrap_or_default();
         if wanted.is_empty() {
             tracing::warn!(path = %path.display(), "The reloaded config lists no worker: keeping the current ones");
             return Ok((0, 0));

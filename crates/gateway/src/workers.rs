@@ -51,6 +51,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Every worker, and the routing table built from them.
 #[derive(Debug)]
 pub struct WorkerSet {
     workers: ArcSwap<Vec<Arc<Worker>>>,

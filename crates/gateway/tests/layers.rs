@@ -5,7 +5,7 @@
 //! A module may use (`crate::…`, or `super::…` climbing to the crate root) only modules of
 //! its own layer or below, and the modules' graph has no cycle; an item re-exported by
 //! `lib.rs` counts as the module it comes from. Test code (`#[cfg(test)]`
-//! onwards, `tests.rs` files) is not counted: a test may reach across the crate.
+//! items, `tests.rs` files) is not counted: a test may reach across the crate.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -37,9 +37,83 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// The text before the first `#[cfg(test)]`.
-fn non_test(text: &str) -> &str {
-    text.find("#[cfg(test)]").map_or(text, |i| &text[..i])
+/// How many lines a file has before its first `#[cfg(test)]` (in code, not in a comment or
+/// a string).
+fn lines_before_tests(text: &str) -> usize {
+    let code = code_only(text);
+    code.find("#[cfg(test)]")
+        .map_or(code.as_str(), |i| &code[..i])
+        .lines()
+        .count()
+}
+
+/// The code with every `#[cfg(test)]` item blanked out (lines kept): the attribute and the
+/// item after it, up to its `;` or the brace that closes its body.
+fn without_test_items(code: &str) -> String {
+    const ATTR: &str = "#[cfg(test)]";
+    let mut out = code.to_owned();
+    while let Some(at) = out.find(ATTR) {
+        let rest = &out[at + ATTR.len()..];
+        let mut depth = 0i32;
+        let mut end = rest.len();
+        for (i, c) in rest.char_indices() {
+            match c {
+                '{' | '(' | '[' => depth += 1,
+                ')' | ']' => depth -= 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = i + 1;
+                        break;
+                    }
+                }
+                ';' if depth == 0 => {
+                    end = i + 1;
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let span = at..at + ATTR.len() + end;
+        let blank: String = out[span.clone()]
+            .chars()
+            .map(|c| if c == '\n' { '\n' } else { ' ' })
+            .collect();
+        out.replace_range(span, &blank);
+    }
+    out
+}
+
+/// The byte spans of the inline `mod name { ... }` blocks in `code`.
+fn inline_modules(code: &str) -> Vec<std::ops::Range<usize>> {
+    let b = code.as_bytes();
+    let mut spans = Vec::new();
+    for (at, _) in code.match_indices("mod ") {
+        if at > 0 && (b[at - 1].is_ascii_alphanumeric() || b[at - 1] == b'_') {
+            continue;
+        }
+        let name = ident(&code[at + 4..]);
+        let after = code[at + 4 + name.len()..].trim_start();
+        if name.is_empty() || !after.starts_with('{') {
+            continue;
+        }
+        let open = code.len() - after.len();
+        let mut depth = 0;
+        for (i, c) in code[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        spans.push(open..open + i);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    spans
 }
 
 /// `// N. Name.` then `pub mod x;` lines: each module's layer.
@@ -152,12 +226,12 @@ fn group_heads(s: &str) -> Vec<&str> {
         match c {
             '{' => depth += 1,
             '}' if depth == 0 => {
-                heads.push(ident(s[start..].trim_start()));
+                heads.push(head(&s[start..]));
                 break;
             }
             '}' => depth -= 1,
             ',' if depth == 0 => {
-                heads.push(ident(s[start..].trim_start()));
+                heads.push(head(&s[start..]));
                 start = i + 1;
             }
             _ => {}
@@ -167,8 +241,19 @@ fn group_heads(s: &str) -> Vec<&str> {
     heads
 }
 
-/// The top-level modules a file refers to, with the line of each reference. `depth` is how
-/// deep the file's module is below the crate root (1 for `src/foo.rs`).
+/// The first segment of a path: a name, or `*` for a glob.
+fn head(path: &str) -> &str {
+    let path = path.trim_start();
+    if path.starts_with('*') {
+        "*"
+    } else {
+        ident(path)
+    }
+}
+
+/// The top-level modules a file refers to, with the line of each reference (`*` for a glob
+/// of the crate root, `crate` for a renamed crate root). `depth` is how deep the file's
+/// module is below the crate root (1 for `src/foo.rs`); inline `mod x { }` blocks add one.
 fn references(code: &str, depth: usize) -> Vec<(String, usize)> {
     let mut out = Vec::new();
     let line_of = |i: usize| code[..i].matches('\n').count() + 1;
@@ -178,7 +263,7 @@ fn references(code: &str, depth: usize) -> Vec<(String, usize)> {
                 out.push((head.to_owned(), line_of(at)));
             }
         } else {
-            let head = ident(rest);
+            let head = head(rest);
             if !head.is_empty() && head != "self" {
                 out.push((head.to_owned(), line_of(at)));
             }
@@ -187,9 +272,17 @@ fn references(code: &str, depth: usize) -> Vec<(String, usize)> {
     let boundary = |i: usize| {
         i == 0 || !code.as_bytes()[i - 1].is_ascii_alphanumeric() && code.as_bytes()[i - 1] != b'_'
     };
-    for (i, _) in code.match_indices("crate::") {
-        if boundary(i) {
-            push_path(&code[i + "crate::".len()..], i);
+    let modules = inline_modules(code);
+    let depth_at = |i: usize| depth + modules.iter().filter(|m| m.contains(&i)).count();
+    for (i, _) in code.match_indices("crate") {
+        let rest = &code[i + "crate".len()..];
+        if !boundary(i) {
+            continue;
+        }
+        if let Some(path) = rest.strip_prefix("::") {
+            push_path(path, i);
+        } else if rest.trim_start().starts_with("as ") && rest.starts_with(char::is_whitespace) {
+            push_path("crate", i);
         }
     }
     for (i, _) in code.match_indices("super::") {
@@ -202,7 +295,7 @@ fn references(code: &str, depth: usize) -> Vec<(String, usize)> {
             climbs += 1;
             rest = r;
         }
-        if climbs == depth {
+        if climbs == depth_at(i) {
             push_path(rest, i);
         }
     }
@@ -245,22 +338,24 @@ fn no_module_imports_from_a_layer_above_it_or_in_a_cycle() {
             );
         };
         let text = std::fs::read_to_string(&file).unwrap();
-        for (used, line) in references(&code_only(non_test(&text)), depth) {
+        let code = without_test_items(&code_only(&text));
+        for (used, line) in references(&code, depth) {
+            let at = format!("{}:{line}", file.strip_prefix(&src).unwrap().display());
+            assert!(
+                used != "*" && used != "crate",
+                "{at}: a glob of the crate root, or the root renamed, hides what {module} uses"
+            );
+            // A re-export through lib.rs is counted as the module it comes from.
+            let used = reexports.get(&used).cloned().unwrap_or(used);
             if used == module {
                 continue;
             }
-            // A re-export through lib.rs is counted as the module it comes from.
-            let used = reexports.get(&used).cloned().unwrap_or(used);
             let Some(&theirs) = layers.get(&used) else {
-                panic!(
-                    "{}:{line}: crate::{used} is neither a module nor a re-export of lib.rs",
-                    file.display()
-                );
+                panic!("{at}: crate::{used} is neither a module nor a re-export of lib.rs");
             };
             if theirs > own {
                 upward.push(format!(
-                    "{}:{line}: {module} (layer {own}) uses {used} (layer {theirs})",
-                    file.strip_prefix(&src).unwrap().display()
+                    "{at}: {module} (layer {own}) uses {used} (layer {theirs})"
                 ));
             }
             edges.entry(module.clone()).or_default().insert(used);
@@ -313,6 +408,20 @@ fn the_checker_sees_imports_in_every_form() {
     assert_eq!(found, ["a", "b", "c", "d", "e", "j"]);
     let found: Vec<String> = references(&code, 1).into_iter().map(|(m, _)| m).collect();
     assert_eq!(found, ["a", "b", "c", "d", "e", "h"]);
+    // Test items are left out, and only they; a comment naming them hides nothing.
+    let code = without_test_items(&code_only(
+        "//! no #[cfg(test)] here\n#[cfg(test)]\nmod tests;\nuse crate::m;\n#[cfg(test)]\nmod t {\n    use crate::n;\n}\n#[cfg(test)]\nconst A: [u8; 2] = crate::o::B;\nfn f() { crate::p::q() }\n",
+    ));
+    let found: Vec<String> = references(&code, 1).into_iter().map(|(m, _)| m).collect();
+    assert_eq!(found, ["m", "p"]);
+    // Globs of the root and a renamed root are reported; an inline module climbs one more.
+    let code = code_only(
+        "use super::*;\nuse crate::{x, *};\nuse crate as root;\nmod inner {\n    use super::super::y;\n}\n",
+    );
+    let found: Vec<String> = references(&code, 1).into_iter().map(|(m, _)| m).collect();
+    assert_eq!(found, ["x", "*", "crate", "*", "y"]);
+    let text = "//! #[cfg(test)] in a comment\nfn a() {}\nfn b() {}\n#[cfg(test)]\nmod tests {}\n";
+    assert_eq!(lines_before_tests(text), 3);
     let lib = reexports("pub use config::{Args, Settings};\npub use server::Gateway;\n");
     assert_eq!(
         (lib["Args"].as_str(), lib["Settings"].as_str()),
@@ -342,9 +451,7 @@ fn source_files_stay_within_the_house_style() {
             if file.ends_with("tests.rs") || rel.iter().any(|p| p == "tests") {
                 continue;
             }
-            let lines = non_test(&std::fs::read_to_string(&file).unwrap())
-                .lines()
-                .count();
+            let lines = lines_before_tests(&std::fs::read_to_string(&file).unwrap());
             if lines > MAX_FILE_LINES {
                 long.push(format!("{}: {lines} lines", file.display()));
             }

@@ -12,12 +12,14 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+#[cfg(unix)]
 use super::Gateway;
 use crate::config::Settings;
 use crate::context::AppState;
 use crate::engine_metrics::ScrapeTiming;
 use crate::kv::WorkerSink;
 use crate::kv_events::KvEventSubscriber;
+#[cfg(unix)]
 use crate::metrics::ReloadLabels;
 use crate::workers::Worker;
 /// Starts a worker's background tasks: health checks, the KV-event subscription (while it
