@@ -1,16 +1,15 @@
 //! The sources that change the worker set at run time, and how a wanted list is applied.
 //!
-//! A source says which workers it wants; [`reconcile`] brings the set to that list: ids
+//! A source says which workers it wants; [`reconcile`] brings the worker set to that list: ids
 //! whose spec changed or that are no longer wanted are removed (their in-flight requests
 //! finish), new ids are added. Today's source is the config file, re-read on SIGHUP
 //! ([`config_file_workers`]).
 
 use std::path::Path;
-use std::sync::Arc;
 
 use crate::config::{Args, ConfigError, Settings, WorkerSpec};
 use crate::error::GatewayError;
-use crate::workers::Worker;
+use crate::workers::WorkerSet;
 
 /// The config file, and the workers it lists now under the command line's worker flags
 /// (merged as at start); `None` without a config file.
@@ -25,17 +24,17 @@ pub(crate) fn config_file_workers(
     Ok(Some((path, workers)))
 }
 
-/// Brings `current` to `wanted`: removes every worker whose spec is not wanted, then adds
-/// every wanted id that is not there. Returns how many were added and removed.
+/// Brings `set` to `wanted`: removes every worker whose spec is not wanted, then adds every
+/// wanted id that is not there (`add` and `remove` also start and stop the worker's tasks).
+/// Returns how many were added and removed.
 pub(crate) fn reconcile(
-    current: &[Arc<Worker>],
+    set: &WorkerSet,
     wanted: Vec<WorkerSpec>,
-    mut is_present: impl FnMut(&str) -> bool,
     mut add: impl FnMut(WorkerSpec) -> Result<(), GatewayError>,
     mut remove: impl FnMut(&str) -> bool,
 ) -> (usize, usize) {
     let (mut added, mut removed) = (0, 0);
-    for w in current {
+    for w in set.workers().iter() {
         let keep = wanted.iter().any(|s| w.spec == *s);
         if !keep && remove(w.id.as_str()) {
             removed += 1;
@@ -43,7 +42,7 @@ pub(crate) fn reconcile(
     }
     for spec in wanted {
         let id = spec.id.clone().unwrap_or_default();
-        if !is_present(&id) {
+        if set.get(&id).is_none() {
             match add(spec) {
                 Ok(()) => added += 1,
                 Err(error) => tracing::warn!(worker = %id, %error, "Cannot add worker"),

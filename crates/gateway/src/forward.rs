@@ -23,6 +23,8 @@ use crate::proxy::{self, Admitted, Forward, InFlight};
 use crate::routing;
 use crate::workers::Pool;
 
+/// Reads a request body of at most `limit` bytes (413 beyond it, also when the declared
+/// `content-length` says so before reading).
 pub(crate) async fn read_body(
     body: Body,
     limit: usize,
@@ -45,7 +47,7 @@ pub(crate) async fn read_body(
 }
 
 /// Admits a request under `--max-concurrent-requests` (429 beyond it).
-pub(crate) fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
+fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
     let permit = match &state.limit {
         Some(limit) => Some(limit.clone().try_acquire_owned().map_err(|_| {
             GatewayError::TooManyRequests(state.settings.max_concurrent_requests.unwrap_or(0))
@@ -56,8 +58,10 @@ pub(crate) fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
 }
 
 /// Routes that are disaggregated when prefill/decode disaggregation is on.
-pub(crate) const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
+const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
 
+/// Routes one request and forwards it, retrying as the module doc says; P/D routes go
+/// through [`crate::pd::route`].
 pub(crate) async fn route_and_forward(
     state: &AppState,
     route: &'static str,

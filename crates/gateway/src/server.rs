@@ -145,11 +145,9 @@ impl Gateway {
             tracing::warn!(path = %path.display(), "The reloaded config lists no worker: keeping the current ones");
             return Ok((0, 0));
         }
-        let current = self.state.workers.workers();
         let (added, removed) = discovery::reconcile(
-            &current,
+            &self.state.workers,
             wanted,
-            |id| self.state.workers.get(id).is_some(),
             |spec| self.add_worker(spec).map(drop),
             |id| self.remove_worker(id).is_ok(),
         );

@@ -217,22 +217,12 @@ async fn admin_changes_need_the_admin_key_when_one_is_set() {
     let update = json!({"model": "m", "active_prefill_tokens_threshold": 5}).to_string();
     let denied = r.post("/busy_threshold", &[], &update).await;
     denied.assert_error(401, "unauthorized");
-    let wrong = r
-        .post(
-            "/busy_threshold",
-            &[("authorization", "Bearer nope")],
-            &update,
-        )
-        .await;
-    assert_eq!(wrong.status, 401);
-    let ok = r
-        .post(
-            "/busy_threshold",
-            &[("authorization", "Bearer s3cret")],
-            &update,
-        )
-        .await;
-    assert_eq!(ok.status, 200);
+    for (key, status) in [("Bearer nope", 401), ("Bearer s3cret", 200)] {
+        let reply = r
+            .post("/busy_threshold", &[("authorization", key)], &update)
+            .await;
+        assert_eq!(reply.status, status, "{key}");
+    }
     r.stop().await;
 }
 

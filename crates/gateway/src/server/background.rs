@@ -22,6 +22,7 @@ use crate::kv_events::KvEventSubscriber;
 #[cfg(unix)]
 use crate::metrics::ReloadLabels;
 use crate::workers::Worker;
+
 /// Starts a worker's background tasks: health checks, the KV-event subscription (while it
 /// is healthy) and the engine-metrics scraper (for the policies that read it).
 pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
