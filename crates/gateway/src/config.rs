@@ -8,14 +8,16 @@
 use std::path::PathBuf;
 
 mod args;
+mod discovery;
 mod merge;
 mod settings;
 mod validate;
 
 pub use args::{AffinityModeArg, Args, AssignmentModeArg, CliWorkers, LogLevel, QueueOrderArg};
+pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
 pub use settings::{
     CircuitSettings, HealthSettings, KvEventsMode, PdProtocol, PdSettings, PolicyClassSpec,
-    QueueSettings, RetrySettings, Settings, SyncConfig, WorkerRole, WorkerSpec,
+    QueueSettings, RetrySettings, Settings, SyncConfig, WorkerRole, WorkerSource, WorkerSpec,
 };
 
 /// Errors in the configuration; `kvroute` exits with status 2 on any of them.

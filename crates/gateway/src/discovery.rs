@@ -1,15 +1,34 @@
 //! The sources that change the worker set at run time, and how a wanted list is applied.
 //!
-//! A source says which workers it wants; [`reconcile`] brings the worker set to that list: ids
-//! whose spec changed or that are no longer wanted are removed (their in-flight requests
-//! finish), new ids are added. Today's source is the config file, re-read on SIGHUP
-//! ([`config_file_workers`]).
+//! A source says which workers it wants; [`reconcile`] brings the worker set to that list,
+//! among the workers of that source only: ids whose spec changed or that are no longer
+//! wanted are removed (their in-flight requests finish), new ids are added. The sources:
+//! - the config file, re-read on SIGHUP ([`config_file_workers`]): static and config workers;
+//! - the `--discovery-file`, watched ([`file`]);
+//! - Kubernetes pods by label selector, watched and re-listed ([`kubernetes`]).
+//!
+//! A source that cannot be read (an API server down or forbidding, a file that does not
+//! parse) changes nothing: it never drops every worker because it went blind.
 
 use std::path::Path;
 
-use crate::config::{Args, ConfigError, Settings, WorkerSpec};
+use crate::config::{Args, ConfigError, Settings, WorkerSource, WorkerSpec};
 use crate::error::GatewayError;
 use crate::workers::WorkerSet;
+
+pub mod file;
+pub mod kubernetes;
+pub mod pods;
+
+/// What a discovery source changes: the worker set, with each worker's background tasks
+/// (the server implements it; a source only decides).
+pub trait Workers: Send + Sync + 'static {
+    fn set(&self) -> &WorkerSet;
+    /// Adds a worker and starts its tasks.
+    fn add(&self, spec: WorkerSpec) -> Result<(), GatewayError>;
+    /// Removes a worker (its in-flight requests finish); whether it was there.
+    fn remove(&self, id: &str) -> bool;
+}
 
 /// The config file, and the workers it lists now under the command line's worker flags
 /// (merged as at start); `None` without a config file.
@@ -24,29 +43,31 @@ pub(crate) fn config_file_workers(
     Ok(Some((path, workers)))
 }
 
-/// Brings `set` to `wanted`: removes every worker whose spec is not wanted, then adds every
-/// wanted id that is not there (`add` and `remove` also start and stop the worker's tasks).
-/// Returns how many were added and removed.
-pub(crate) fn reconcile(
-    set: &WorkerSet,
+/// Brings the workers of `target` whose source is `ours` to `wanted`: removes each of them
+/// whose spec is not wanted, then adds every wanted id that is not there. Returns how many
+/// were added and removed.
+pub fn reconcile(
+    target: &impl Workers,
+    ours: impl Fn(&WorkerSource) -> bool,
     wanted: Vec<WorkerSpec>,
-    mut add: impl FnMut(WorkerSpec) -> Result<(), GatewayError>,
-    mut remove: impl FnMut(&str) -> bool,
 ) -> (usize, usize) {
     let (mut added, mut removed) = (0, 0);
-    for w in set.workers().iter() {
-        let keep = wanted.iter().any(|s| w.spec == *s);
-        if !keep && remove(w.id.as_str()) {
+    for w in target.set().workers().iter() {
+        if ours(&w.spec.source) && !wanted.iter().any(|s| w.spec == *s) && target.remove(w.id.as_str()) {
             removed += 1;
         }
     }
     for spec in wanted {
-        let id = spec.id.clone().unwrap_or_default();
-        if set.get(&id).is_none() {
-            match add(spec) {
+        let id = spec.id.clone().unwrap_or_else(|| spec.url.clone());
+        match target.set().get(&id) {
+            None => match target.add(spec) {
                 Ok(()) => added += 1,
                 Err(error) => tracing::warn!(worker = %id, %error, "Cannot add worker"),
+            },
+            Some(w) if !ours(&w.spec.source) => {
+                tracing::warn!(worker = %id, source = w.spec.source.name(), "A worker with this id already comes from another source: keeping that one")
             }
+            Some(_) => {}
         }
     }
     (added, removed)

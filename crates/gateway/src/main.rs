@@ -105,7 +105,8 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     // Embedded engines stop after the router drained its in-flight requests.
     let engines_stop = CancellationToken::new();
     let mut engines = tokio::task::JoinSet::new();
-    if settings.workers.is_empty() {
+    // Any discovery source turns the embedded engines off, even before it finds a worker.
+    if settings.workers.is_empty() && !settings.discovery.any() {
         let workers = start_embedded_engines(&tokenizer, &engines_stop, &mut engines).await?;
         tracing::info!(
             engines = EMBEDDED_ENGINES,

@@ -9,7 +9,8 @@
 //! `kvroute_kv_hit_ratio`, `kvroute_worker_circuit_state{worker}` (0 closed, 1 open, 2
 //! half-open), `kvroute_worker_healthy{worker}`, `kvroute_upstream_attempts_total{worker,outcome}`
 //! (every attempt, retries included), `kvroute_request_retries_total`,
-//! `kvroute_requests_in_router`.
+//! `kvroute_requests_in_router`, `kvroute_discovered_workers{source}`,
+//! `kvroute_discovery_errors_total{reason}`.
 //! Label values are bounded: routes are the fixed set of proxied paths, workers are
 //! configured ids.
 
@@ -87,6 +88,45 @@ pub struct ReloadLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    pub source: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DiscoveryErrorLabels {
+    pub reason: &'static str,
+}
+
+/// Discovery: `kvroute_discovered_workers{source}` (the workers of each source now) and
+/// `kvroute_discovery_errors_total{reason}` (failed API calls and unreadable files).
+#[derive(Debug, Clone, Default)]
+pub struct DiscoveryMetrics {
+    pub workers: Family<SourceLabels, Gauge>,
+    pub errors: Family<DiscoveryErrorLabels, Counter>,
+}
+
+impl DiscoveryMetrics {
+    pub fn error(&self, reason: &'static str) {
+        self.errors
+            .get_or_create(&DiscoveryErrorLabels { reason })
+            .inc();
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "kvroute_discovered_workers",
+            "Workers in the set, by where they came from (static, config, admin, kubernetes, file)",
+            self.workers.clone(),
+        );
+        registry.register(
+            "kvroute_discovery_errors",
+            "Failed discovery calls and reads, by reason (unreachable, forbidden, gone, api, file)",
+            self.errors.clone(),
+        );
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DisaggLabels {
     pub decision_type: &'static str,
 }
@@ -105,6 +145,7 @@ pub struct GatewayMetrics {
     pub retries: Counter,
     /// Config reloads (SIGHUP), by result: ok, error.
     pub reloads: Family<ReloadLabels, Counter>,
+    pub discovery: DiscoveryMetrics,
     /// Requests inside the router (admitted, not yet answered in full).
     pub in_router: Gauge,
     rank_prefill: Family<RankLabels, Gauge>,
@@ -170,6 +211,7 @@ impl GatewayMetrics {
             attempts: Family::default(),
             retries: Counter::default(),
             reloads: Family::default(),
+            discovery: DiscoveryMetrics::default(),
             in_router: Gauge::default(),
             rank_prefill: Family::default(),
             rank_decode: Family::default(),
@@ -288,6 +330,7 @@ impl GatewayMetrics {
             "Requests inside the router (admitted and not yet answered in full)",
             m.in_router.clone(),
         );
+        m.discovery.register(registry);
         m
     }
 

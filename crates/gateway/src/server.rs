@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::auth;
-use crate::config::{ConfigError, Settings, WorkerSpec};
+use crate::config::{ConfigError, Settings, WorkerSource, WorkerSpec};
 use crate::context::AppState;
 use crate::discovery;
 use crate::error::GatewayError;
@@ -35,7 +35,7 @@ mod background;
 use admin::{add_worker, debug_route, get_busy, remove_worker, set_busy, workers};
 #[cfg(unix)]
 use background::spawn_reload_on_hangup;
-use background::{serve_api, spawn_upkeep, start_worker};
+use background::{serve_api, spawn_discovery, spawn_upkeep, start_worker};
 
 /// Routes whose requests are routed by the policy and forwarded to a worker.
 const ROUTED: [&str; 7] = [
@@ -141,15 +141,14 @@ impl Gateway {
         let Some((path, wanted)) = discovery::config_file_workers(&self.state.settings)? else {
             return Ok((0, 0));
         };
-        if wanted.is_empty() {
+        if wanted.is_empty() && !self.state.settings.discovery.any() {
             tracing::warn!(path = %path.display(), "The reloaded config lists no worker: keeping the current ones");
             return Ok((0, 0));
         }
         let (added, removed) = discovery::reconcile(
-            &self.state.workers,
+            self,
+            |s| matches!(s, WorkerSource::Static | WorkerSource::Config),
             wanted,
-            |spec| self.add_worker(spec).map(drop),
-            |id| self.remove_worker(id).is_ok(),
         );
         tracing::info!(path = %path.display(), added, removed, "Config reloaded");
         Ok((added, removed))
@@ -200,6 +199,7 @@ impl Gateway {
             let _ = state.sync.set(handle);
         }
         spawn_upkeep(&state);
+        spawn_discovery(&self);
         #[cfg(unix)]
         if state.settings.config_path.is_some() {
             spawn_reload_on_hangup(self.clone());
@@ -223,6 +223,22 @@ impl Gateway {
         state.tasks.close();
         state.tasks.wait().await;
         served.and(metrics)
+    }
+}
+
+/// Discovery sources change the set through the gateway, which starts and stops each
+/// worker's tasks.
+impl discovery::Workers for Gateway {
+    fn set(&self) -> &WorkerSet {
+        &self.state.workers
+    }
+
+    fn add(&self, spec: WorkerSpec) -> Result<(), GatewayError> {
+        self.add_worker(spec).map(drop)
+    }
+
+    fn remove(&self, id: &str) -> bool {
+        self.remove_worker(id).is_ok()
     }
 }
 

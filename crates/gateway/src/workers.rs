@@ -258,6 +258,8 @@ impl WorkerSet {
                         }
                     })
                     .collect(),
+                source: w.spec.source.name(),
+                pod: w.spec.source.pod().map(str::to_owned),
             })
             .collect()
     }

@@ -7,7 +7,7 @@ use clap::{Parser, ValueEnum};
 use kvroute_core::PolicyKind;
 use serde::{Deserialize, Deserializer};
 
-use super::{ConfigError, PdProtocol, PolicyClassSpec, Settings, WorkerSpec};
+use super::{ConfigError, DiscoveryProvider, PdProtocol, PolicyClassSpec, Settings, WorkerSpec};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -87,6 +87,41 @@ pub struct Args {
     /// Workers with an id and a model (config file only).
     #[arg(skip)]
     pub workers: Vec<WorkerSpec>,
+
+    /// Find workers among Kubernetes pods by label selector (`--selector`).
+    #[arg(long)]
+    #[serde(default)]
+    pub service_discovery: bool,
+    /// smg's name for the discovery source: kubernetes (the same as --service-discovery) or
+    /// file (with --discovery-file).
+    #[arg(long, value_enum)]
+    pub discovery_provider: Option<DiscoveryProvider>,
+    /// Pods whose labels match all of these are workers (`key=value`).
+    #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
+    pub selector: Vec<String>,
+    /// Pods matching all of these are prefill workers (disaggregation).
+    #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
+    pub prefill_selector: Vec<String>,
+    /// Pods matching all of these are decode workers (disaggregation).
+    #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
+    pub decode_selector: Vec<String>,
+    /// The port the engines listen on in their pods [default: 80].
+    #[arg(long)]
+    pub service_discovery_port: Option<u16>,
+    /// The namespace whose pods are watched [default: all namespaces].
+    #[arg(long)]
+    pub service_discovery_namespace: Option<String>,
+    /// The kubeconfig to reach the API with; else the in-cluster config, $KUBECONFIG or
+    /// ~/.kube/config.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Workers listed in this file (the config file's `workers:`), watched for changes.
+    #[arg(long, value_name = "PATH")]
+    pub discovery_file: Option<PathBuf>,
+    /// Seconds between full re-lists of the pods and re-reads of the discovery file, which
+    /// catch what a watch missed [default: 30].
+    #[arg(long)]
+    pub discovery_check_interval_secs: Option<u64>,
 
     /// Prefill/decode disaggregation: requests are prefilled on a prefill worker and
     /// decoded on a decode worker (on by itself when workers have roles).

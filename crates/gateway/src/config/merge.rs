@@ -17,6 +17,32 @@ impl Args {
                 self.worker_urls
             },
             workers: file.workers,
+            service_discovery: self.service_discovery || file.service_discovery,
+            discovery_provider: self.discovery_provider.or(file.discovery_provider),
+            selector: if self.selector.is_empty() {
+                file.selector
+            } else {
+                self.selector
+            },
+            prefill_selector: if self.prefill_selector.is_empty() {
+                file.prefill_selector
+            } else {
+                self.prefill_selector
+            },
+            decode_selector: if self.decode_selector.is_empty() {
+                file.decode_selector
+            } else {
+                self.decode_selector
+            },
+            service_discovery_port: self.service_discovery_port.or(file.service_discovery_port),
+            service_discovery_namespace: self
+                .service_discovery_namespace
+                .or(file.service_discovery_namespace),
+            kubeconfig: self.kubeconfig.or(file.kubeconfig),
+            discovery_file: self.discovery_file.or(file.discovery_file),
+            discovery_check_interval_secs: self
+                .discovery_check_interval_secs
+                .or(file.discovery_check_interval_secs),
             pd_disaggregation: self.pd_disaggregation || file.pd_disaggregation,
             prefill: if self.prefill.is_empty() {
                 file.prefill

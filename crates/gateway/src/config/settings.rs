@@ -11,7 +11,7 @@ use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::{PolicyConfig, PolicyKind};
 use serde::Deserialize;
 
-use super::{Args, CliWorkers, ConfigError, LogLevel};
+use super::{Args, CliWorkers, ConfigError, DiscoverySettings, LogLevel};
 use crate::auth::Secret;
 
 /// A policy class as the config file describes it.
@@ -80,6 +80,49 @@ pub struct WorkerSpec {
     /// A prefill worker's bootstrap port (SGLang's disaggregation protocol).
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
+    /// Where the worker came from (not part of the schema: set by whoever adds it).
+    #[serde(skip)]
+    pub source: WorkerSource,
+}
+
+/// Where a worker came from, as `GET /workers` shows it. Each source reconciles only its
+/// own workers.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum WorkerSource {
+    /// `--worker-urls`, `--prefill`, `--decode` (or their config-file keys).
+    Static,
+    /// The config file's `workers:` list.
+    #[default]
+    Config,
+    /// `POST /workers`.
+    Admin,
+    /// A Kubernetes pod, `namespace/name`.
+    Kubernetes { pod: String },
+    /// The `--discovery-file`.
+    File,
+}
+
+impl WorkerSource {
+    /// Every source's name, as the `source` label and `GET /workers` write it.
+    pub const NAMES: [&'static str; 5] = ["static", "config", "admin", "kubernetes", "file"];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            WorkerSource::Static => "static",
+            WorkerSource::Config => "config",
+            WorkerSource::Admin => "admin",
+            WorkerSource::Kubernetes { .. } => "kubernetes",
+            WorkerSource::File => "file",
+        }
+    }
+
+    /// The pod, for a discovered one.
+    pub fn pod(&self) -> Option<&str> {
+        match self {
+            WorkerSource::Kubernetes { pod } => Some(pod),
+            _ => None,
+        }
+    }
 }
 
 /// A worker's part in prefill/decode disaggregation.
@@ -143,6 +186,7 @@ impl WorkerSpec {
             taints: Vec::new(),
             role: WorkerRole::Both,
             bootstrap_port: None,
+            source: WorkerSource::Static,
         }
     }
 
@@ -251,6 +295,8 @@ pub struct Settings {
     /// The admission queue, when `--router-queue-threshold` is set.
     pub queue: Option<QueueSettings>,
     pub tokenizer: Option<PathBuf>,
+    /// Kubernetes and file discovery.
+    pub discovery: DiscoverySettings,
 }
 
 impl Settings {

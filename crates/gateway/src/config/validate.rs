@@ -19,6 +19,7 @@ impl Args {
     /// Applies the defaults and validates.
     pub fn into_settings(self) -> Result<Settings, ConfigError> {
         let defaults = PolicyConfig::default();
+        let discovery = self.discovery_settings()?;
         let mut workers: Vec<WorkerSpec> =
             self.worker_urls.into_iter().map(WorkerSpec::url).collect();
         // `--prefill URL [PORT]` occurrences arrive flattened: a number is the bootstrap port
@@ -272,7 +273,12 @@ impl Args {
             llm_d,
             ..defaults
         };
-        let pd_on = self.pd_disaggregation || workers.iter().any(|w| w.role != WorkerRole::Both);
+        let discovers_halves = discovery.kubernetes.as_ref().is_some_and(|k| {
+            k.selectors.iter().any(|s| s.role != WorkerRole::Both)
+        });
+        let pd_on = self.pd_disaggregation
+            || discovers_halves
+            || workers.iter().any(|w| w.role != WorkerRole::Both);
         let pd = if pd_on {
             let complete = workers.iter().any(|w| w.role.prefills())
                 && workers.iter().any(|w| w.role.decodes());
@@ -445,6 +451,7 @@ impl Args {
                 (mode, Duration::from_secs(secs))
             }),
             tokenizer: self.tokenizer,
+            discovery,
         })
     }
 }

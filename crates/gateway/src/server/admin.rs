@@ -13,7 +13,7 @@ use kvroute_protocol::RoutingFields;
 use super::Gateway;
 use crate::auth;
 use crate::busy::{BusyControl, ThresholdsBody};
-use crate::config::WorkerSpec;
+use crate::config::{WorkerSource, WorkerSpec};
 use crate::context::AppState;
 use crate::error::GatewayError;
 use crate::forward::read_body;
@@ -120,8 +120,9 @@ pub(super) async fn add_worker(State(state): State<Arc<AppState>>, req: Request)
         check_admin(&state, &req, true)?;
         let (parts, body) = req.into_parts();
         let body = read_body(body, 1 << 20, &parts.headers).await?;
-        let spec: WorkerSpec =
+        let mut spec: WorkerSpec =
             serde_json::from_slice(&body).map_err(|e| GatewayError::InvalidAdmin(e.to_string()))?;
+        spec.source = WorkerSource::Admin;
         let worker = Gateway {
             state: state.clone(),
         }

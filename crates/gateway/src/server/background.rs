@@ -12,10 +12,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-#[cfg(unix)]
 use super::Gateway;
 use crate::config::Settings;
 use crate::context::AppState;
+use crate::discovery;
 use crate::engine_metrics::ScrapeTiming;
 use crate::kv::WorkerSink;
 use crate::kv_events::KvEventSubscriber;
@@ -131,6 +131,52 @@ pub(super) fn spawn_upkeep(state: &AppState) {
             }
         }
     });
+}
+
+/// Starts the discovery sources in force: the watched file, and the Kubernetes watch
+/// (once its client is configured; retried every interval until then).
+pub(super) fn spawn_discovery(gateway: &Gateway) {
+    let state = &gateway.state;
+    let discovery = &state.settings.discovery;
+    let metrics = state.metrics.discovery.clone();
+    if let Some(path) = &discovery.file {
+        state.tasks.spawn(discovery::file::run(
+            Arc::new(gateway.clone()),
+            path.clone(),
+            discovery.interval,
+            metrics.clone(),
+            state.shutdown.clone(),
+        ));
+    }
+    if let Some(settings) = discovery.kubernetes.clone() {
+        let (target, interval, stop) = (
+            Arc::new(gateway.clone()),
+            discovery.interval,
+            state.shutdown.clone(),
+        );
+        state.tasks.spawn(async move {
+            let client = loop {
+                match discovery::kubernetes::client(&settings).await {
+                    Ok(client) => break client,
+                    Err(error) => {
+                        metrics.error("config");
+                        tracing::error!(%error, "Cannot configure the Kubernetes client; retrying");
+                        tokio::select! {
+                            _ = tokio::time::sleep(interval) => {}
+                            _ = stop.cancelled() => return,
+                        }
+                    }
+                }
+            };
+            tracing::info!(
+                selectors = ?settings.selectors.iter().map(|s| s.query()).collect::<Vec<_>>(),
+                namespace = settings.namespace.as_deref().unwrap_or("(all)"),
+                port = settings.port,
+                "Watching Kubernetes pods for workers"
+            );
+            discovery::kubernetes::run(target, client, settings, interval, metrics, stop).await
+        });
+    }
 }
 
 /// Re-reads the config file's workers on every SIGHUP, until the gateway stops.

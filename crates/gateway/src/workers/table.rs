@@ -9,7 +9,9 @@ use kvroute_protocol::ModelId;
 use serde::Serialize;
 
 use super::{lock, Worker, WorkerSet};
+use crate::config::WorkerSource;
 use crate::error::GatewayError;
+use crate::metrics::SourceLabels;
 
 /// The workers serving one model, and that model's policy.
 #[derive(Debug)]
@@ -37,6 +39,8 @@ pub struct RoutingTable {
     cards: Vec<serde_json::Value>,
     /// Whether every worker had been probed when the table was built.
     complete: bool,
+    /// Whether there was no worker at all (discovery has found none yet).
+    empty: bool,
 }
 
 impl RoutingTable {
@@ -68,7 +72,9 @@ impl RoutingTable {
     ) -> Result<&'a Pool, GatewayError> {
         match model {
             Some(name) => pools.get(name).ok_or_else(|| {
-                if self.complete {
+                if self.empty {
+                    GatewayError::NoEndpoint("no worker is known yet")
+                } else if self.complete {
                     GatewayError::UnknownModel(name.to_owned())
                 } else {
                     GatewayError::NoEndpoint("workers are still being probed for their models")
@@ -123,6 +129,11 @@ pub struct WorkerStatus {
     pub probed: bool,
     pub in_flight: u64,
     pub ranks: Vec<RankStatus>,
+    /// Where it came from: static, config, admin, kubernetes or file.
+    pub source: &'static str,
+    /// Its pod (`namespace/name`), when discovered in Kubernetes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
 }
 
 /// A rank as `GET /workers` shows it.
@@ -227,7 +238,18 @@ impl WorkerSet {
             decode,
             cards: cards.into_values().collect(),
             complete,
+            empty: workers.is_empty(),
         }));
+        let mut by_source = [0i64; WorkerSource::NAMES.len()];
+        for w in workers.iter() {
+            let name = w.spec.source.name();
+            if let Some(i) = WorkerSource::NAMES.iter().position(|n| *n == name) {
+                by_source[i] += 1;
+            }
+        }
+        for (source, n) in WorkerSource::NAMES.into_iter().zip(by_source) {
+            self.metrics.discovery.workers.get_or_create(&SourceLabels { source }).set(n);
+        }
         self.ready.send_replace(ready);
     }
 }
