@@ -53,7 +53,10 @@ pub fn reconcile(
 ) -> (usize, usize) {
     let (mut added, mut removed) = (0, 0);
     for w in target.set().workers().iter() {
-        if ours(&w.spec.source) && !wanted.iter().any(|s| w.spec == *s) && target.remove(w.id.as_str()) {
+        if ours(&w.spec.source)
+            && !wanted.iter().any(|s| w.spec == *s)
+            && target.remove(w.id.as_str())
+        {
             removed += 1;
         }
     }

@@ -30,7 +30,11 @@ pub struct Selector {
 impl Selector {
     /// The selector as the Kubernetes API takes it: `k=v,k2=v2`.
     pub fn query(&self) -> String {
-        let pairs: Vec<String> = self.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let pairs: Vec<String> = self
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         pairs.join(",")
     }
 

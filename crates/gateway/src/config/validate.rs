@@ -273,9 +273,10 @@ impl Args {
             llm_d,
             ..defaults
         };
-        let discovers_halves = discovery.kubernetes.as_ref().is_some_and(|k| {
-            k.selectors.iter().any(|s| s.role != WorkerRole::Both)
-        });
+        let discovers_halves = discovery
+            .kubernetes
+            .as_ref()
+            .is_some_and(|k| k.selectors.iter().any(|s| s.role != WorkerRole::Both));
         let pd_on = self.pd_disaggregation
             || discovers_halves
             || workers.iter().any(|w| w.role != WorkerRole::Both);

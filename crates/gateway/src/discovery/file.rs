@@ -199,7 +199,10 @@ mod tests {
         for (text, says) in [
             ("", "empty"),
             ("workers: [", "not YAML"),
-            ("workers:\n  - url: http://a:1\n    colour: red\n", "unknown field"),
+            (
+                "workers:\n  - url: http://a:1\n    colour: red\n",
+                "unknown field",
+            ),
             ("workers:\n  - url: ftp://a:1\n", "must start with http"),
             ("- url: http://a:1\n- url: http://a:1/\n", "duplicate"),
             ("wokers: []\n", "unknown field"),

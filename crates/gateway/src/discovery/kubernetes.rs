@@ -101,7 +101,12 @@ impl Discovered {
     }
 
     /// Stores `worker` under `key`, warning about its annotations when it is new or changed.
-    fn store(map: &mut BTreeMap<String, PodWorker>, key: String, worker: Option<PodWorker>, old: Option<&PodWorker>) {
+    fn store(
+        map: &mut BTreeMap<String, PodWorker>,
+        key: String,
+        worker: Option<PodWorker>,
+        old: Option<&PodWorker>,
+    ) {
         match worker {
             Some(w) => {
                 if !w.warnings.is_empty() && old != Some(&w) {

@@ -49,7 +49,11 @@ fn serving(pod: &Pod) -> Option<IpAddr> {
     if status.phase.as_deref() != Some("Running") {
         return None;
     }
-    let ready = status.conditions.iter().flatten().any(|c| c.type_ == "Ready" && c.status == "True");
+    let ready = status
+        .conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
     if !ready {
         return None;
     }
@@ -65,7 +69,11 @@ pub fn pod_worker(pod: &Pod, selector: &Selector, port: u16) -> Option<PodWorker
     }
     let ip = serving(pod)?;
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
-    let get = |name: &str| annotations.get(&format!("{PREFIX}{name}")).map(|v| v.trim());
+    let get = |name: &str| {
+        annotations
+            .get(&format!("{PREFIX}{name}"))
+            .map(|v| v.trim())
+    };
     let mut warnings = Vec::new();
     let mut bad = |name: &str, value: &str, expected: &str| {
         warnings.push(format!("{name}: '{value}' is not {expected}"));
@@ -83,9 +91,7 @@ pub fn pod_worker(pod: &Pod, selector: &Selector, port: u16) -> Option<PodWorker
         }
     };
     let mut spec = WorkerSpec::url(format!("{scheme}://{host}:{port}"));
-    spec.source = WorkerSource::Kubernetes {
-        pod: pod_name(pod),
-    };
+    spec.source = WorkerSource::Kubernetes { pod: pod_name(pod) };
     let mut endpoint = |name: &str| -> Option<String> {
         let value = get(name)?;
         let endpoint = match value.parse::<u16>() {
@@ -99,7 +105,11 @@ pub fn pod_worker(pod: &Pod, selector: &Selector, port: u16) -> Option<PodWorker
         if port_ok {
             Some(endpoint)
         } else {
-            bad(&format!("{PREFIX}{name}"), value, "a port or tcp://HOST:PORT");
+            bad(
+                &format!("{PREFIX}{name}"),
+                value,
+                "a port or tcp://HOST:PORT",
+            );
             None
         }
     };
@@ -110,7 +120,11 @@ pub fn pod_worker(pod: &Pod, selector: &Selector, port: u16) -> Option<PodWorker
         match value.parse::<u64>() {
             Ok(n) if n <= max => Some(n),
             _ => {
-                bad(&format!("{PREFIX}{name}"), value, &format!("a number up to {max}"));
+                bad(
+                    &format!("{PREFIX}{name}"),
+                    value,
+                    &format!("a number up to {max}"),
+                );
                 None
             }
         }
@@ -170,7 +184,9 @@ mod tests {
 
     fn pod(labels: &[(&str, &str)], annotations: &[(&str, &str)], ip: &str) -> Pod {
         let map = |kv: &[(&str, &str)]| -> BTreeMap<String, String> {
-            kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
         };
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": "engine-0", "namespace": "ml", "uid": "u1",
@@ -213,7 +229,14 @@ mod tests {
         assert!(pod_worker(&pod(&[("app", "sglang")], &[], "10.0.0.7"), &s, 80).is_none());
         assert!(pod_worker(&pod(&[], &[], "10.0.0.7"), &s, 80).is_none());
         let mut not_ready = pod(&[("app", "vllm")], &[], "10.0.0.7");
-        not_ready.status.as_mut().unwrap().conditions.as_mut().unwrap()[0].status = "False".into();
+        not_ready
+            .status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap()[0]
+            .status = "False".into();
         assert!(pod_worker(&not_ready, &s, 80).is_none());
         let mut pending = pod(&[("app", "vllm")], &[], "10.0.0.7");
         pending.status.as_mut().unwrap().phase = Some("Pending".into());
@@ -222,7 +245,8 @@ mod tests {
         no_ip.status.as_mut().unwrap().pod_ip = None;
         assert!(pod_worker(&no_ip, &s, 80).is_none());
         let mut deleting = pod(&[("app", "vllm")], &[], "10.0.0.7");
-        deleting.metadata.deletion_timestamp = Some(serde_json::from_value(serde_json::json!("2026-12-01T00:00:00Z")).unwrap());
+        deleting.metadata.deletion_timestamp =
+            Some(serde_json::from_value(serde_json::json!("2026-12-01T00:00:00Z")).unwrap());
         assert!(pod_worker(&deleting, &s, 80).is_none());
     }
 
@@ -283,6 +307,9 @@ mod tests {
         assert_eq!(w.spec.role, WorkerRole::Both);
         assert_eq!(w.spec.bootstrap_port, None);
         assert_eq!(w.warnings.len(), 5, "{:?}", w.warnings);
-        assert!(w.warnings.iter().any(|m| m.contains("kvroute.io/dp-size") && m.contains("four")));
+        assert!(w
+            .warnings
+            .iter()
+            .any(|m| m.contains("kvroute.io/dp-size") && m.contains("four")));
     }
 }

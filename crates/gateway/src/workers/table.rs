@@ -248,7 +248,11 @@ impl WorkerSet {
             }
         }
         for (source, n) in WorkerSource::NAMES.into_iter().zip(by_source) {
-            self.metrics.discovery.workers.get_or_create(&SourceLabels { source }).set(n);
+            self.metrics
+                .discovery
+                .workers
+                .get_or_create(&SourceLabels { source })
+                .set(n);
         }
         self.ready.send_replace(ready);
     }

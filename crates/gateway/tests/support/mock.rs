@@ -41,6 +41,11 @@ pub struct MockWorker {
 impl MockWorker {
     pub async fn start(name: &str, models: &[&str]) -> MockWorker {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::start_on(listener, name, models)
+    }
+
+    /// A mock serving on `listener` (an address of the test's choosing).
+    pub fn start_on(listener: TcpListener, name: &str, models: &[&str]) -> MockWorker {
         let addr = listener.local_addr().unwrap();
         let mock = MockWorker {
             name: name.to_owned(),

@@ -4,14 +4,18 @@
 //!
 //! - [`mock`]: fake engines ([`MockWorker`]).
 //! - [`sim`]: kvroute-sim replicas and the router's KV-index credit.
+//! - [`kube_api`]: a Kubernetes API server's pod list and watch ([`FakeApi`]).
 //! - [`requests`]: the requests and waits the tests repeat, as [`TestRouter`] methods.
 
 #![allow(dead_code)]
 
+mod kube_api;
 mod mock;
 mod requests;
 mod sim;
 
+#[allow(unused_imports)]
+pub use kube_api::*;
 #[allow(unused_imports)]
 pub use mock::*;
 #[allow(unused_imports)]

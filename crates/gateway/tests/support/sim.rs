@@ -24,6 +24,39 @@ pub async fn serve_sim(argv: &[&str], shutdown: &CancellationToken) -> String {
     url
 }
 
+/// Listeners on `127.0.0.2`, `127.0.0.3`, ... (`n` of them) sharing one port, as pods share
+/// their container port: the port and the listeners.
+pub async fn pod_listeners(n: usize) -> (u16, Vec<TcpListener>) {
+    'retry: for _ in 0..50 {
+        let first = TcpListener::bind("127.0.0.2:0").await.unwrap();
+        let port = first.local_addr().unwrap().port();
+        let mut listeners = vec![first];
+        for i in 1..n {
+            match TcpListener::bind(format!("127.0.0.{}:{port}", i + 2)).await {
+                Ok(l) => listeners.push(l),
+                Err(_) => continue 'retry,
+            }
+        }
+        return (port, listeners);
+    }
+    panic!("no port free on every loopback address");
+}
+
+/// kvroute-sim replicas with `argv` on `n` "pods" (see [`pod_listeners`]), serving until
+/// `shutdown`: the port and their URLs.
+pub async fn sim_pods(n: usize, argv: &[&str], shutdown: &CancellationToken) -> (u16, Vec<String>) {
+    let (port, listeners) = pod_listeners(n).await;
+    let mut urls = Vec::new();
+    for listener in listeners {
+        let argv = std::iter::once("kvroute-sim").chain(argv.iter().copied());
+        let args = <SimArgs as clap::Parser>::parse_from(argv);
+        urls.push(format!("http://{}", listener.local_addr().unwrap()));
+        let server = kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()));
+        tokio::spawn(server.serve(listener, shutdown.clone()));
+    }
+    (port, urls)
+}
+
 /// A kvroute-sim replica serving on a port of its own and publishing KV events on a free one:
 /// `args` makes its arguments from that endpoint (`tcp://127.0.0.1:PORT`). Returns once the
 /// replica has bound its sockets, with the endpoint. The replica binds the event port (and any
