@@ -271,3 +271,55 @@ async fn a_forbidding_api_is_counted_and_requests_get_no_endpoint() {
     .await;
     r.stop().await;
 }
+
+/// Figures, not a test (`cargo test --release -p kvroute-gateway --test kubernetes -- --ignored
+/// --nocapture`): how long a pod change takes to reach routing, and the API calls made at
+/// rest with the default re-list interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn figures_pod_change_to_routing_and_api_calls_at_rest() {
+    use std::time::{Duration, Instant};
+    let engines = CancellationToken::new();
+    let (port, urls) = sim_pods(1, &[], &engines).await;
+    let api = FakeApi::start().await;
+    let r = TestRouter::start_unready(discovering(&api, port, 30)).await;
+    let gw = r.gateway.clone();
+    let until = |cond: &dyn Fn() -> bool| {
+        let start = Instant::now();
+        while !cond() {
+            std::thread::sleep(Duration::from_micros(200));
+            assert!(start.elapsed() < Duration::from_secs(20));
+        }
+        start.elapsed()
+    };
+    let (mut join, mut leave) = (Vec::new(), Vec::new());
+    for _ in 0..20 {
+        api.put(pod("a", "127.0.0.2", ENGINE, true));
+        // Routable: in the table, probed and healthy.
+        join.push(until(&|| gw.workers().statuses().iter().any(|w| w.id == urls[0] && w.healthy)));
+        api.delete("a");
+        leave.push(until(&|| gw.workers().statuses().is_empty()));
+    }
+    let ms = |v: &mut Vec<Duration>| {
+        v.sort();
+        format!(
+            "p50 {:.1} ms, max {:.1} ms",
+            v[v.len() / 2].as_secs_f64() * 1e3,
+            v[v.len() - 1].as_secs_f64() * 1e3
+        )
+    };
+    println!("pod Ready -> worker routable: {}", ms(&mut join));
+    println!("pod deleted -> worker out of routing: {}", ms(&mut leave));
+    api.put(pod("a", "127.0.0.2", ENGINE, true));
+    until(&|| gw.workers().statuses().iter().any(|w| w.healthy));
+    let before = api.calls();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let after = api.calls();
+    println!(
+        "API calls in 60 s at rest (default --discovery-check-interval-secs 30): {} lists, {} watches",
+        after.0 - before.0,
+        after.1 - before.1
+    );
+    r.stop().await;
+    engines.cancel();
+}
