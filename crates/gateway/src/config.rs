@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 mod args;
+mod certs;
 mod merge;
 mod settings;
 mod validate;
@@ -40,6 +41,8 @@ pub enum ConfigError {
         name: &'static str,
         reason: &'static str,
     },
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 #[cfg(test)]
