@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 mod args;
+mod certs;
 mod discovery;
 mod merge;
 mod settings;
@@ -42,6 +43,8 @@ pub enum ConfigError {
         name: &'static str,
         reason: &'static str,
     },
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 #[cfg(test)]

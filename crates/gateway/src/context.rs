@@ -16,7 +16,7 @@ use tokio_util::task::TaskTracker;
 use crate::auth::WorkerAuth;
 use crate::busy::BusyControl;
 use crate::config::Settings;
-use crate::http::{build_client, HttpClient};
+use crate::http::{build_client_with, HttpClient};
 use crate::kv::KvState;
 use crate::kv_events::KvEventMetrics;
 use crate::metrics::GatewayMetrics;
@@ -43,6 +43,8 @@ pub(crate) struct AppState {
     pub(crate) tasks: TaskTracker,
     /// Cancelled when serving ends: stops every background task.
     pub(crate) shutdown: CancellationToken,
+    /// The API's TLS configuration, swapped by a certificate reload; plain HTTP when `None`.
+    pub(crate) api_tls: Option<arc_swap::ArcSwap<rustls::ServerConfig>>,
     /// Replica sync, once serving started with it.
     pub(crate) sync: std::sync::OnceLock<SyncHandle>,
     pub(crate) sync_metrics: SyncMetrics,
@@ -71,6 +73,7 @@ impl AppState {
             ),
         ));
         let kv_event_metrics = KvEventMetrics::register(registry);
+        let client = build_client_with(settings.tls.workers.clone());
         Self {
             queue: settings.queue.as_ref().map(|q| {
                 Arc::new(
@@ -95,13 +98,18 @@ impl AppState {
             worker_auth,
             tasks: TaskTracker::new(),
             shutdown: workers.shutdown().clone(),
+            api_tls: settings
+                .tls
+                .api
+                .as_ref()
+                .map(|api| arc_swap::ArcSwap::new(api.config.clone())),
             sync: std::sync::OnceLock::new(),
             sync_metrics: SyncMetrics::register(registry),
             settings,
             kv,
             kv_event_metrics,
             workers,
-            client: build_client(),
+            client,
             metrics,
         }
     }

@@ -1,9 +1,10 @@
 //! The edges of kvroute: the `kvroute` binary's HTTP gateway.
 //!
 //! Owns the axum server (OpenAI-compatible routes, SGLang's `/generate`, health, readiness,
-//! `/workers`), the pooled HTTP client to the workers, streaming passthrough with in-flight
-//! accounting, worker discovery, configuration and Prometheus metrics. Routing decisions
-//! are delegated to `kvroute-core`, synchronously, over a snapshot of the workers.
+//! `/workers`; over TLS when configured), the pooled HTTP client to the workers (TLS to
+//! `https://` ones), streaming passthrough with in-flight accounting, worker discovery,
+//! configuration and Prometheus metrics. Routing decisions are delegated to `kvroute-core`,
+//! synchronously, over a snapshot of the workers.
 //!
 //! Invariants: request bodies are forwarded as received; a response stream is never
 //! buffered; every in-flight count is a guard owned by the response body; errors become
@@ -12,7 +13,7 @@
 //!
 //! The modules stand in five layers; each imports only from its own layer or below, with no
 //! cycle between modules (`tests/layers.rs` checks it):
-//! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`;
+//! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`, `tls`;
 //! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `busy`;
 //! 4. request path: `routing`, `queue`, `proxy`, `sync`, `context`, `pd`, `forward`, `discovery`;
@@ -24,6 +25,7 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod tls;
 
 // 2. The engine edge.
 pub mod engine_metrics;

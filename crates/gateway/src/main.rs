@@ -125,9 +125,14 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
         .with_context(|| format!("cannot serve metrics on {metrics_addr}"))?;
     let mut registry = prometheus_client::registry::Registry::default();
     let workers = settings.workers.len();
+    let scheme = if settings.tls.api.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let gateway = Gateway::with_tokenizer(settings, &mut registry, tokenizer);
     tracing::info!("policy: {}", gateway.policy_description());
-    tracing::info!(addr = %api_addr, metrics = %metrics_addr, workers, "kvroute listening");
+    tracing::info!(addr = %api_addr, scheme, metrics = %metrics_addr, workers, "kvroute listening");
 
     let on_signal = shutdown.clone();
     tokio::spawn(async move {

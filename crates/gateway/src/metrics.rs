@@ -143,7 +143,8 @@ pub struct GatewayMetrics {
     attempts: Family<AttemptLabels, Counter>,
     /// Attempts after the first, over all requests.
     pub retries: Counter,
-    /// Config reloads (SIGHUP), by result: ok, error.
+    /// Reloads on SIGHUP (the config file's workers, the API's certificate), by result: ok,
+    /// error (either failed).
     pub reloads: Family<ReloadLabels, Counter>,
     pub discovery: DiscoveryMetrics,
     /// Requests inside the router (admitted, not yet answered in full).
@@ -317,7 +318,7 @@ impl GatewayMetrics {
         );
         registry.register(
             "kvroute_config_reloads",
-            "Re-readings of the config file on SIGHUP, by result (ok, error)",
+            "Re-readings of the config file and the API certificate on SIGHUP, by result (ok, error)",
             m.reloads.clone(),
         );
         registry.register(

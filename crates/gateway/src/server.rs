@@ -27,6 +27,7 @@ use crate::discovery;
 use crate::error::GatewayError;
 use crate::forward::route_and_forward;
 use crate::http::REQUEST_ID_HEADER;
+use crate::tls::TlsError;
 use crate::workers::{Worker, WorkerSet};
 
 mod admin;
@@ -154,6 +155,19 @@ impl Gateway {
         Ok((added, removed))
     }
 
+    /// Re-reads the API's certificate and key files (what SIGHUP does): connections accepted
+    /// from now on use them, open ones keep theirs. On an error the current certificate
+    /// stays. `Ok(false)` when the API does not serve TLS.
+    pub fn reload_tls(&self) -> Result<bool, TlsError> {
+        let (Some(files), Some(current)) = (&self.state.settings.tls.api, &self.state.api_tls)
+        else {
+            return Ok(false);
+        };
+        current.store(files.reload()?);
+        tracing::info!(cert = %files.cert_path.display(), "API certificate reloaded: new connections use it");
+        Ok(true)
+    }
+
     /// Serves the API on `listener` and the metrics on `metrics_listener` until `shutdown`,
     /// then stops accepting, lets in-flight requests finish for up to the grace period, and
     /// joins the background tasks.
@@ -201,7 +215,7 @@ impl Gateway {
         spawn_upkeep(&state);
         spawn_discovery(&self);
         #[cfg(unix)]
-        if state.settings.config_path.is_some() {
+        if state.settings.config_path.is_some() || state.api_tls.is_some() {
             spawn_reload_on_hangup(self.clone());
         }
         let metrics_stop = state.shutdown.clone();
@@ -213,6 +227,7 @@ impl Gateway {
         let served = serve_api(
             listener,
             self.app(),
+            state.api_tls.as_ref(),
             state.settings.header_read_timeout,
             state.settings.shutdown_grace,
             &state.shutdown,

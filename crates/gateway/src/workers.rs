@@ -137,6 +137,7 @@ impl WorkerSet {
             spec: s.clone(),
             models: Mutex::new(Vec::new()),
             probed: AtomicBool::new(false),
+            last_error: Mutex::new(None),
             healthy: watch::channel(false).0,
             in_flight: AtomicU64::new(0),
             tasks: self.shutdown.child_token(),
@@ -243,6 +244,7 @@ impl WorkerSet {
                 healthy: w.is_healthy(),
                 circuit: w.circuit.state().name(),
                 probed: w.probed.load(Ordering::Relaxed),
+                last_error: w.last_error(),
                 in_flight: w.in_flight(),
                 ranks: w
                     .ranks

@@ -129,3 +129,82 @@ fn startup_logs_the_policy_with_its_parameters() {
         "{line}"
     );
 }
+
+#[test]
+fn bad_certificate_files_exit_2_naming_the_file() {
+    let dir = CertDir::new("cli");
+    let ca = TestCa::new("kvroute test CA");
+    let (cert, key) = dir.identity("router", &ca.issue("router"));
+    let (_, other_key) = dir.identity("other", &ca.issue("other"));
+    let not_pem = dir.write("not-pem.txt", "this is no certificate\n");
+    let missing = dir.write("gone.pem", "");
+    std::fs::remove_file(&missing).unwrap();
+    let config = dir.write(
+        "router.yaml",
+        &format!(
+            "tls_cert_path: {}\ntls_key_path: {}\n",
+            arg(&cert),
+            arg(&not_pem)
+        ),
+    );
+    let cases: [(&[&str], &str); 8] = [
+        (
+            &[
+                "--tls-cert-path",
+                arg(&missing),
+                "--tls-key-path",
+                arg(&key),
+            ],
+            arg(&missing),
+        ),
+        (
+            &[
+                "--tls-cert-path",
+                arg(&not_pem),
+                "--tls-key-path",
+                arg(&key),
+            ],
+            arg(&not_pem),
+        ),
+        (
+            &[
+                "--tls-cert-path",
+                arg(&cert),
+                "--tls-key-path",
+                arg(&not_pem),
+            ],
+            arg(&not_pem),
+        ),
+        (
+            &[
+                "--tls-cert-path",
+                arg(&cert),
+                "--tls-key-path",
+                arg(&other_key),
+            ],
+            arg(&other_key),
+        ),
+        (&["--ca-cert-paths", arg(&key), arg(&not_pem)], arg(&key)),
+        (
+            &[
+                "--client-cert-path",
+                arg(&cert),
+                "--client-key-path",
+                arg(&missing),
+            ],
+            arg(&missing),
+        ),
+        (&["--client-cert-path", arg(&cert)], "--client-key-path"),
+        (&["--config", arg(&config)], arg(&not_pem)),
+    ];
+    for (flags, named) in cases {
+        let out = kvroute()
+            .args(["--worker-urls", "https://127.0.0.1:1"])
+            .args(flags)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(named), "{flags:?} should name {named}: {err}");
+    }
+}

@@ -296,7 +296,12 @@ async fn figures_pod_change_to_routing_and_api_calls_at_rest() {
     for _ in 0..20 {
         api.put(pod("a", "127.0.0.2", ENGINE, true));
         // Routable: in the table, probed and healthy.
-        join.push(until(&|| gw.workers().statuses().iter().any(|w| w.id == urls[0] && w.healthy)));
+        join.push(until(&|| {
+            gw.workers()
+                .statuses()
+                .iter()
+                .any(|w| w.id == urls[0] && w.healthy)
+        }));
         api.delete("a");
         leave.push(until(&|| gw.workers().statuses().is_empty()));
     }

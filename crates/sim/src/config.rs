@@ -126,6 +126,16 @@ pub struct SimArgs {
     /// TCP port (on --host); without it, decode engines do not wait for the prefill.
     #[arg(long, help_heading = "Disaggregation")]
     pub bootstrap_port: Option<u16>,
+    /// Serve https only, with this certificate (PEM, with its chain); with --tls-key-path.
+    #[arg(long, value_name = "FILE", help_heading = "TLS")]
+    pub tls_cert_path: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert-path.
+    #[arg(long, value_name = "FILE", help_heading = "TLS")]
+    pub tls_key_path: Option<PathBuf>,
+    /// Require a client certificate (mTLS), verified against the CA certificates of this
+    /// PEM file.
+    #[arg(long, value_name = "FILE", help_heading = "TLS")]
+    pub tls_client_ca_path: Option<PathBuf>,
     /// Log level (trace, debug, info, warn, error).
     #[arg(long, default_value = "info")]
     pub log_level: String,
@@ -255,7 +265,28 @@ impl SimArgs {
                 reason: "only a prefill engine (--role prefill) serves bootstrap rooms",
             });
         }
+        if self.tls_cert_path.is_some() != self.tls_key_path.is_some() {
+            return Err(SimConfigError {
+                flag: "tls-cert-path",
+                reason: "--tls-cert-path and --tls-key-path go together",
+            });
+        }
+        if self.tls_client_ca_path.is_some() && self.tls_cert_path.is_none() {
+            return Err(SimConfigError {
+                flag: "tls-client-ca-path",
+                reason: "needs --tls-cert-path and --tls-key-path (client certificates are a TLS matter)",
+            });
+        }
         self.faults.validate()
+    }
+
+    /// The scheme of its URLs: https with the TLS flags.
+    pub fn scheme(&self) -> &'static str {
+        if self.tls_cert_path.is_some() {
+            "https"
+        } else {
+            "http"
+        }
     }
 
     /// The engine configuration of data-parallel rank `rank`.

@@ -3,8 +3,9 @@
 //! [`SimServer::new`] builds the state (no I/O); [`SimServer::serve`] binds the KV-event
 //! sockets (and a prefill engine's bootstrap port), starts one `driver::Driver` per rank, a
 //! publisher per socket and the bootstrap server, serves the API on the listener it is
-//! given until the shutdown token fires (or the engine crashes, see the `faults` module), and joins
-//! them all. [`SimInstance`] runs one on a task, for tests that crash and restart engines.
+//! given until the shutdown token fires (or the engine crashes, see the `faults` module),
+//! and joins them all. With the TLS flags the API is https only (the `tls` module).
+//! [`SimInstance`] runs one on a task, for tests that crash and restart engines.
 //! Prefill/decode disaggregation (`--role`) is in the `pd` module.
 //!
 //! The routes are in [`SimServer::app`]; their handlers live by what they serve: `completions`
@@ -23,6 +24,7 @@ mod kv_publisher;
 mod metrics;
 mod openai;
 mod pd;
+mod tls;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
@@ -56,6 +58,8 @@ struct Pending {
     cores: Vec<EngineCore>,
     receivers: Vec<mpsc::UnboundedReceiver<Command>>,
     series: Vec<metrics::EngineSeries>,
+    /// With https, its handshakes' counters.
+    handshakes: Option<tls::Handshakes>,
 }
 
 struct AppState {
@@ -131,6 +135,10 @@ impl SimServer {
             "Decode engines waiting for the prefill of one of this engine's bootstrap rooms",
             rooms.waiting(),
         );
+        let handshakes = args
+            .tls_cert_path
+            .is_some()
+            .then(|| tls::Handshakes::register(&mut registry));
         let stopping = faults.crash_token().child_token();
         let outputs = output_tokens(&tokenizer);
         let mut senders = Vec::new();
@@ -164,6 +172,7 @@ impl SimServer {
                 cores,
                 receivers,
                 series,
+                handshakes,
             })),
         }
     }
@@ -206,8 +215,8 @@ impl SimServer {
         self.bind().await?.run(listener, shutdown).await
     }
 
-    /// Binds the KV-event sockets and the bootstrap port: what can fail before the engine
-    /// runs.
+    /// Reads the TLS files and binds the KV-event sockets and the bootstrap port: what can
+    /// fail before the engine runs.
     async fn bind(self) -> anyhow::Result<Bound> {
         let pending = self
             .pending
@@ -216,6 +225,7 @@ impl SimServer {
             .take()
             .ok_or_else(|| anyhow::anyhow!("SimServer::serve called twice"))?;
         let args = &self.state.args;
+        let tls = tls::server_config(args)?;
         let mut publishers = Vec::with_capacity(pending.cores.len());
         for rank in 0..pending.cores.len() {
             publishers.push(match &args.kv_events_endpoint {
@@ -249,6 +259,7 @@ impl SimServer {
             pending,
             publishers,
             bootstrap,
+            tls,
         })
     }
 }
@@ -259,6 +270,8 @@ struct Bound {
     pending: Pending,
     publishers: Vec<Option<kv_publisher::Publisher>>,
     bootstrap: Option<TcpListener>,
+    /// The https configuration, when the API is served over TLS.
+    tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Bound {
@@ -268,6 +281,7 @@ impl Bound {
         if let Ok(addr) = listener.local_addr() {
             let _ = state.http_addr.set(addr);
         }
+        let handshakes = self.pending.handshakes.clone().unwrap_or_default();
         let mut tasks = tokio::task::JoinSet::new();
         if let Some(bootstrap) = self.bootstrap {
             tasks.spawn(bootstrap::serve(
@@ -298,7 +312,6 @@ impl Bound {
             tasks.spawn(driver.run(stopping.clone()));
         }
         let app = self.server.app();
-        let listener = CrashListener::new(listener, state.faults.clone());
         let signal = {
             let stopping = stopping.clone();
             async move {
@@ -308,9 +321,23 @@ impl Bound {
                 }
             }
         };
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(signal)
-            .await;
+        let served = match self.tls {
+            None => {
+                let listener = CrashListener::new(listener, state.faults.clone());
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(signal)
+                    .await
+            }
+            Some(config) => {
+                let faults = state.faults.clone();
+                let (listener, accept) =
+                    tls::listen(listener, config, faults, handshakes, stopping.clone())?;
+                tasks.spawn(accept);
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(signal)
+                    .await
+            }
+        };
         stopping.cancel();
         while tasks.join_next().await.is_some() {}
         if state.faults.is_crashed() {

@@ -279,6 +279,24 @@ pub struct Args {
     /// The key sent to the workers as `Authorization: Bearer KEY`, as the peers' --api-key.
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// TLS to workers: CA certificates (PEM files, one or more certificates each) trusted
+    /// for `https://` workers, besides the system's roots.
+    #[arg(long, num_args = 1.., value_name = "FILE")]
+    pub ca_cert_paths: Vec<PathBuf>,
+    /// mTLS to workers: the certificate (PEM, with its chain) presented to https workers;
+    /// with --client-key-path.
+    #[arg(long, value_name = "FILE")]
+    pub client_cert_path: Option<PathBuf>,
+    /// mTLS to workers: the private key (PEM) of --client-cert-path.
+    #[arg(long, value_name = "FILE")]
+    pub client_key_path: Option<PathBuf>,
+    /// Serve the API over https with this certificate (PEM, with its chain); with
+    /// --tls-key-path. Both files are re-read on SIGHUP.
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert_path: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert-path.
+    #[arg(long, value_name = "FILE")]
+    pub tls_key_path: Option<PathBuf>,
 
     /// Seconds between health checks of each worker [default: 60].
     #[arg(long)]

@@ -117,6 +117,15 @@ impl Args {
                 .or(file.replica_sync_subject_prefix),
             replica_timeout_secs: self.replica_timeout_secs.or(file.replica_timeout_secs),
             api_key: self.api_key.or(file.api_key),
+            ca_cert_paths: if self.ca_cert_paths.is_empty() {
+                file.ca_cert_paths
+            } else {
+                self.ca_cert_paths
+            },
+            client_cert_path: self.client_cert_path.or(file.client_cert_path),
+            client_key_path: self.client_key_path.or(file.client_key_path),
+            tls_cert_path: self.tls_cert_path.or(file.tls_cert_path),
+            tls_key_path: self.tls_key_path.or(file.tls_key_path),
             health_check_interval_secs: self
                 .health_check_interval_secs
                 .or(file.health_check_interval_secs),

@@ -13,6 +13,7 @@ use serde::Deserialize;
 
 use super::{Args, CliWorkers, ConfigError, DiscoverySettings, LogLevel};
 use crate::auth::Secret;
+use crate::tls::TlsSettings;
 
 /// A policy class as the config file describes it.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -274,6 +275,8 @@ pub struct Settings {
     pub client_api_key: Option<Secret>,
     /// The key sent to the workers.
     pub api_key: Option<Secret>,
+    /// TLS to https workers (trust, mTLS identity) and the API's certificate.
+    pub tls: TlsSettings,
     pub health: HealthSettings,
     /// Retries; `max_retries` 0 when disabled.
     pub retry: RetrySettings,

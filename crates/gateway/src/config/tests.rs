@@ -114,7 +114,7 @@ fn bad_configs_are_clear_errors() {
         dup.into_settings(),
         Err(ConfigError::DuplicateWorker(_))
     ));
-    for url in ["a:1", "ftp://a:1", "https://a:1", "http://a:1/?x=1"] {
+    for url in ["a:1", "ftp://a:1", "https://a:1/?x=1", "http://a:1/?x=1"] {
         let e = Args {
             worker_urls: vec![url.into()],
             ..Args::default()
@@ -312,5 +312,38 @@ fn the_admission_queue_is_refused_with_disaggregation() {
             })
         ),
         "{r:?}"
+    );
+}
+
+#[test]
+fn https_workers_are_accepted_and_tls_files_go_in_pairs() {
+    let s = Args::try_parse_from(["kvroute", "--worker-urls", "https://a:8443/"])
+        .unwrap()
+        .into_settings()
+        .unwrap();
+    assert_eq!(s.workers[0].url, "https://a:8443");
+    assert!(s.tls.api.is_none());
+    for (flags, name) in [
+        (&["--client-cert-path", "c.pem"][..], "client_cert_path"),
+        (&["--client-key-path", "k.pem"], "client_cert_path"),
+        (&["--tls-cert-path", "c.pem"], "tls_cert_path"),
+        (&["--tls-key-path", "k.pem"], "tls_cert_path"),
+    ] {
+        let r = Args::try_parse_from(["kvroute"].iter().chain(flags))
+            .unwrap()
+            .into_settings();
+        assert!(
+            matches!(r, Err(ConfigError::Invalid { name: n, .. }) if n == name),
+            "{flags:?}: {r:?}"
+        );
+    }
+    // The file's names are the flags' in snake_case; the command line wins.
+    let file = Args::from_text("ca_cert_paths: [a.pem, b.pem]\ntls_cert_path: f.pem\n").unwrap();
+    let cli = Args::try_parse_from(["kvroute", "--tls-cert-path", "cli.pem"]).unwrap();
+    let merged = cli.merge(file);
+    assert_eq!(merged.ca_cert_paths.len(), 2);
+    assert_eq!(
+        merged.tls_cert_path.as_deref(),
+        Some(std::path::Path::new("cli.pem"))
     );
 }

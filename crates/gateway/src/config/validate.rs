@@ -336,6 +336,13 @@ impl Args {
                 }
                 key => key,
             },
+            tls: super::certs::tls_settings(
+                &self.ca_cert_paths,
+                self.client_cert_path.as_deref(),
+                self.client_key_path.as_deref(),
+                self.tls_cert_path,
+                self.tls_key_path,
+            )?,
             health,
             retry,
             circuit,
@@ -457,7 +464,7 @@ impl Args {
     }
 }
 
-/// Checks a worker base URL (`http://host:port[/prefix]`) and drops a trailing slash.
+/// Checks a worker base URL (`http[s]://host:port[/prefix]`) and drops a trailing slash.
 /// `v` (or `default` when unset), refusing zero.
 fn positive<T: PartialEq + Default>(
     name: &'static str,
@@ -522,9 +529,8 @@ fn normalize_url(url: &str) -> Result<String, ConfigError> {
     };
     let uri: http::Uri = url.parse().map_err(|_| bad("not a URL"))?;
     match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => return Err(bad("https workers are not supported yet; use http")),
-        _ => return Err(bad("must start with http://")),
+        Some("http" | "https") => {}
+        _ => return Err(bad("must start with http:// or https://")),
     }
     if uri.authority().is_none() {
         return Err(bad("has no host"));

@@ -9,12 +9,17 @@ use http_body_util::{BodyExt, Full};
 use kvroute_protocol::ModelId;
 
 use crate::http::HttpClient;
+use crate::tls::tls_cause;
 
 /// Why a probe failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ProbeError {
+    /// The TLS handshake or session failed: a certificate that does not verify, or the
+    /// worker's alert (e.g. it requires a client certificate).
+    #[error("TLS: {0}")]
+    Tls(rustls::Error),
     #[error("request failed: {0}")]
-    Http(#[from] hyper_util::client::legacy::Error),
+    Http(hyper_util::client::legacy::Error),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
     #[error("answered HTTP {0}")]
@@ -44,7 +49,11 @@ pub(crate) async fn probe(
         .map_err(|_| ProbeError::Models("bad url"))?;
     let resp = tokio::time::timeout(timeout, client.request(req))
         .await
-        .map_err(|_| ProbeError::Timeout(timeout))??;
+        .map_err(|_| ProbeError::Timeout(timeout))?
+        .map_err(|e| match tls_cause(&e) {
+            Some(tls) => ProbeError::Tls(tls.clone()),
+            None => ProbeError::Http(e),
+        })?;
     if !resp.status().is_success() {
         return Err(ProbeError::Status(resp.status()));
     }

@@ -1,14 +1,17 @@
-//! The gateway's background work: each worker's tasks, policy upkeep, the config reload on
-//! SIGHUP, and the API's accept loop.
+//! The gateway's background work: each worker's tasks, policy upkeep, the config and
+//! certificate reload on SIGHUP, and the API's accept loop (plain or TLS).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::Router;
 use kvroute_core::PolicyKind;
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -179,7 +182,8 @@ pub(super) fn spawn_discovery(gateway: &Gateway) {
     }
 }
 
-/// Re-reads the config file's workers on every SIGHUP, until the gateway stops.
+/// On every SIGHUP, until the gateway stops: re-reads the config file's workers, and the
+/// API's certificate files.
 #[cfg(unix)]
 pub(super) fn spawn_reload_on_hangup(gateway: Gateway) {
     let state = gateway.state.clone();
@@ -190,13 +194,15 @@ pub(super) fn spawn_reload_on_hangup(gateway: Gateway) {
                 loop {
                     tokio::select! {
                         _ = hup.recv() => {
-                            let result = match gateway.reload() {
-                                Ok(_) => "ok",
-                                Err(error) => {
-                                    tracing::error!(%error, "Config reload failed; nothing changed");
-                                    "error"
-                                }
-                            };
+                            let mut result = "ok";
+                            if let Err(error) = gateway.reload() {
+                                tracing::error!(%error, "Config reload failed; nothing changed");
+                                result = "error";
+                            }
+                            if let Err(error) = gateway.reload_tls() {
+                                tracing::error!(%error, "API certificate reload failed; keeping the current one");
+                                result = "error";
+                            }
                             gateway
                                 .state
                                 .metrics
@@ -213,11 +219,14 @@ pub(super) fn spawn_reload_on_hangup(gateway: Gateway) {
     }
 }
 
-/// The API's accept loop: HTTP/1.1 with a header read timeout; on `shutdown`, stops
-/// accepting, closes idle connections, and waits up to `grace` for in-flight requests.
+/// The API's accept loop: HTTP/1.1 with a header read timeout, over TLS with `tls`'s
+/// configuration as it is when each connection is accepted (a reload changes it for the
+/// next ones); a failed handshake ends that connection only. On `shutdown`, stops accepting,
+/// closes idle connections, and waits up to `grace` for in-flight requests.
 pub(super) async fn serve_api(
     listener: TcpListener,
     app: Router,
+    tls: Option<&ArcSwap<rustls::ServerConfig>>,
     header_read_timeout: Duration,
     grace: Duration,
     shutdown: &CancellationToken,
@@ -245,6 +254,7 @@ pub(super) async fn serve_api(
             _ = shutdown.cancelled() => break,
         };
         let _ = tcp.set_nodelay(true);
+        let acceptor = tls.map(|config| TlsAcceptor::from(config.load_full()));
         let app = app.clone();
         let service =
             hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
@@ -252,10 +262,32 @@ pub(super) async fn serve_api(
                 let mut app = app.clone();
                 async move { tower_service::Service::call(&mut app, req.map(Body::new)).await }
             });
-        let conn = builder.serve_connection(TokioIo::new(tcp), service);
+        let http1 = builder.clone();
         let stop = shutdown.clone();
         let close = close.clone();
         connections.spawn(async move {
+            let io = match acceptor {
+                None => Either::Left(tcp),
+                Some(acceptor) => {
+                    // The client has as long for its handshake as for its headers.
+                    let handshake = tokio::select! {
+                        done = tokio::time::timeout(header_read_timeout, acceptor.accept(tcp)) => done,
+                        _ = stop.cancelled() => return,
+                    };
+                    match handshake {
+                        Ok(Ok(tls)) => Either::Right(tls),
+                        Ok(Err(error)) => {
+                            tracing::debug!(%peer, %error, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    }
+                }
+            };
+            let conn = http1.serve_connection(TokioIo::new(io), service);
             let mut conn = std::pin::pin!(conn);
             tokio::select! {
                 result = conn.as_mut() => {

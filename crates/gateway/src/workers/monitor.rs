@@ -38,12 +38,14 @@ impl WorkerSet {
                         *lock(&worker.models) = models;
                     }
                     worker.probed.store(true, Ordering::Relaxed);
+                    worker.set_last_error(None);
                     worker.set_health(true);
                     self.rebuild();
                     break;
                 }
                 Err(error) => {
                     tracing::warn!(worker = %worker.id, %error, retry_in = ?delay, "Worker probe failed");
+                    worker.set_last_error(Some(error.to_string()));
                     worker.probed.store(true, Ordering::Relaxed);
                     self.rebuild();
                 }
@@ -61,14 +63,19 @@ impl WorkerSet {
                 return;
             }
             let result = probe(&client, &worker.url, endpoint, false, key, timeout).await;
-            if let Err(error) = &result {
-                tracing::debug!(worker = %worker.id, %error, "Health check failed");
+            match &result {
+                Ok(_) => worker.set_last_error(None),
+                Err(error) => {
+                    tracing::debug!(worker = %worker.id, %error, "Health check failed");
+                    worker.set_last_error(Some(error.to_string()));
+                }
             }
             if let Some(healthy) = counter.observe(worker.is_healthy(), result.is_ok()) {
                 if healthy {
                     tracing::info!(worker = %worker.id, "Worker healthy again");
                 } else {
-                    tracing::warn!(worker = %worker.id, failures = self.health.failure_threshold, "Worker unhealthy: no longer a candidate");
+                    let error = worker.last_error().unwrap_or_default();
+                    tracing::warn!(worker = %worker.id, failures = self.health.failure_threshold, %error, "Worker unhealthy: no longer a candidate");
                 }
                 worker.set_health(healthy);
                 self.rebuild();

@@ -127,6 +127,9 @@ pub struct WorkerStatus {
     /// The circuit breaker: closed, open or half_open.
     pub circuit: &'static str,
     pub probed: bool,
+    /// Why its last probe or health check failed (e.g. "TLS: invalid peer certificate:
+    /// UnknownIssuer"), until one passes.
+    pub last_error: Option<String>,
     pub in_flight: u64,
     pub ranks: Vec<RankStatus>,
     /// Where it came from: static, config, admin, kubernetes or file.

@@ -117,6 +117,8 @@ pub struct Worker {
     /// The `/v1/models` entries it serves, once probed.
     pub(super) models: Mutex<Vec<(ModelId, serde_json::Value)>>,
     pub(super) probed: AtomicBool,
+    /// Why its last probe or health check failed, until one passes (`GET /workers`).
+    pub(super) last_error: Mutex<Option<String>>,
     /// Passes its health checks (sends on change: the KV-event subscription follows it).
     pub(super) healthy: watch::Sender<bool>,
     pub(super) in_flight: AtomicU64,
@@ -173,6 +175,15 @@ impl Worker {
 
     pub fn is_healthy(&self) -> bool {
         *self.healthy.borrow()
+    }
+
+    /// Why its last probe or health check failed; `None` once one passed.
+    pub fn last_error(&self) -> Option<String> {
+        lock(&self.last_error).clone()
+    }
+
+    pub(super) fn set_last_error(&self, error: Option<String>) {
+        *lock(&self.last_error) = error;
     }
 
     /// Changes of its health (the current value first).

@@ -6,6 +6,7 @@
 //! - [`sim`]: kvroute-sim replicas and the router's KV-index credit.
 //! - [`kube_api`]: a Kubernetes API server's pod list and watch ([`FakeApi`]).
 //! - [`requests`]: the requests and waits the tests repeat, as [`TestRouter`] methods.
+//! - [`tls`]: certificates made in the test, and https clients.
 
 #![allow(dead_code)]
 
@@ -13,6 +14,7 @@ mod kube_api;
 mod mock;
 mod requests;
 mod sim;
+mod tls;
 
 #[allow(unused_imports)]
 pub use kube_api::*;
@@ -22,6 +24,8 @@ pub use mock::*;
 pub use requests::*;
 #[allow(unused_imports)]
 pub use sim::*;
+#[allow(unused_imports)]
+pub use tls::*;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -58,7 +62,12 @@ impl TestRouter {
     pub async fn start_unready(settings: Settings) -> TestRouter {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
+        let scheme = if settings.tls.api.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let url = format!("{scheme}://{}", listener.local_addr().unwrap());
         let metrics_url = format!("http://{}", metrics_listener.local_addr().unwrap());
         let mut registry = prometheus_client::registry::Registry::default();
         let gateway = Gateway::new(settings, &mut registry);
@@ -162,6 +171,21 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: impl Into<Bytes>,
 ) -> Reply {
+    send_via(&client(), url, method, path, headers, body).await
+}
+
+/// [`send`] with `client` (an https one, say).
+pub async fn send_via<C>(
+    client: &Client<C, Full<Bytes>>,
+    url: &str,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Reply
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
+{
     let mut req = http::Request::builder()
         .method(method)
         .uri(format!("{url}{path}"))
@@ -169,7 +193,7 @@ pub async fn send(
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let resp = client()
+    let resp = client
         .request(req.body(Full::new(body.into())).unwrap())
         .await
         .unwrap();
@@ -269,7 +293,10 @@ pub fn in_flight(router: &TestRouter, worker_url: &str) -> u64 {
 }
 
 pub fn addr_of(url: &str) -> SocketAddr {
-    url.trim_start_matches("http://").parse().unwrap()
+    url.trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .parse()
+        .unwrap()
 }
 
 /// Posts `body` and returns the response with its body unread (for streams).

@@ -268,13 +268,7 @@ impl axum::serve::Listener for CrashListener {
 
     async fn accept(&mut self) -> (CrashIo, SocketAddr) {
         let (io, addr) = axum::serve::Listener::accept(&mut self.inner).await;
-        let crash = Box::pin(self.faults.crash.clone().cancelled_owned());
-        let io = CrashIo {
-            io,
-            faults: self.faults.clone(),
-            crash,
-        };
-        (io, addr)
+        (CrashIo::new(io, self.faults.clone()), addr)
     }
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -288,6 +282,14 @@ pub(super) struct CrashIo {
     io: TcpStream,
     faults: Arc<Faults>,
     crash: Pin<Box<WaitForCancellationFutureOwned>>,
+}
+
+impl CrashIo {
+    /// `io`, cut when the engine crashes.
+    pub(super) fn new(io: TcpStream, faults: Arc<Faults>) -> Self {
+        let crash = Box::pin(faults.crash.clone().cancelled_owned());
+        Self { io, faults, crash }
+    }
 }
 
 fn cut() -> io::Error {

@@ -87,9 +87,9 @@ impl SimInstance {
         self.addr
     }
 
-    /// `http://` and the HTTP address.
+    /// `http://` (`https://` with the TLS flags) and the HTTP address.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", self.args.scheme(), self.addr)
     }
 
     pub fn args(&self) -> &SimArgs {
