@@ -122,17 +122,14 @@ async fn a_deleted_pod_leaves_and_its_open_stream_completes() {
     let body = json!({"model": "kvroute-sim", "prompt": "x", "max_tokens": 3, "stream": true,
                       "user": "s"})
     .to_string();
-    let stream = loop {
-        let resp = open_stream_with(
-            &r.url,
-            "/v1/completions",
-            &[("x-kvroute-worker", &a.url)],
-            &body,
-        )
-        .await;
-        assert_eq!(resp.status(), StatusCode::OK);
-        break resp;
-    };
+    let stream = open_stream_with(
+        &r.url,
+        "/v1/completions",
+        &[("x-kvroute-worker", &a.url)],
+        &body,
+    )
+    .await;
+    assert_eq!(stream.status(), StatusCode::OK);
     r.wait_in_flight(&a.url, |n| n == 1).await;
     api.delete("a");
     wait_workers(&r, &[&b.url]).await;
