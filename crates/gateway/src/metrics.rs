@@ -120,7 +120,7 @@ impl DiscoveryMetrics {
         );
         registry.register(
             "kvroute_discovery_errors",
-            "Failed discovery calls and reads, by reason (unreachable, forbidden, gone, api, file)",
+            "Failed discovery calls and reads, by reason (unreachable, forbidden, unauthorized, gone, invalid, api, config, file)",
             self.errors.clone(),
         );
     }

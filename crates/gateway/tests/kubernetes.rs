@@ -230,6 +230,38 @@ async fn an_api_server_that_goes_away_leaves_the_workers_in_place() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_that_do_not_parse_are_counted_and_change_nothing() {
+    let engines = CancellationToken::new();
+    let (port, urls) = sim_pods(2, &[], &engines).await;
+    let api = FakeApi::start().await;
+    api.put(pod("a", "127.0.0.2", ENGINE, true));
+    api.put(pod("b", "127.0.0.3", ENGINE, true));
+    let r = TestRouter::start_unready(discovering(&api, port, 1)).await;
+    wait_workers(&r, &[&urls[0], &urls[1]]).await;
+    api.garble(true);
+    let m = r.metrics_url.clone();
+    wait_until_async("unparsable answers counted", || {
+        let m = m.clone();
+        async move {
+            metric_value(
+                &scrape(&m).await,
+                "kvroute_discovery_errors_total",
+                "reason=\"invalid\"",
+            )
+            .is_some_and(|n| n >= 2.0)
+        }
+    })
+    .await;
+    assert_eq!(ids(&r), BTreeSet::from([urls[0].clone(), urls[1].clone()]));
+    // Sense again: a delete made meanwhile is seen by the next list.
+    api.delete_unseen("b", false);
+    api.garble(false);
+    wait_workers(&r, &[&urls[0]]).await;
+    r.stop_idle().await;
+    engines.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forbidding_api_is_counted_and_requests_get_no_endpoint() {
     let api = FakeApi::start().await;
     api.forbid(true);

@@ -347,3 +347,67 @@ fn https_workers_are_accepted_and_tls_files_go_in_pairs() {
         Some(std::path::Path::new("cli.pem"))
     );
 }
+
+#[test]
+fn discovery_flags_take_the_peers_names_and_defaults() {
+    let parse = |argv: &[&str]| {
+        let argv = std::iter::once("kvroute").chain(argv.iter().copied());
+        Args::try_parse_from(argv).unwrap().into_settings()
+    };
+    let s = parse(&[
+        "--service-discovery",
+        "--selector",
+        "app=vllm",
+        "tier=gpu,zone=a",
+    ])
+    .unwrap();
+    let k = s.discovery.kubernetes.as_ref().unwrap();
+    assert_eq!(k.selectors.len(), 1);
+    assert_eq!(k.selectors[0].query(), "app=vllm,tier=gpu,zone=a");
+    assert_eq!((k.port, k.namespace.as_deref()), (80, None));
+    assert_eq!(s.discovery.interval, Duration::from_secs(30));
+    assert!(s.pd.is_none(), "one selector: no disaggregation");
+    // smg's provider name, and the halves' selectors, which turn disaggregation on.
+    let s = parse(&[
+        "--discovery-provider",
+        "kubernetes",
+        "--prefill-selector",
+        "role=p",
+        "--decode-selector",
+        "role=d",
+        "--service-discovery-port",
+        "8000",
+        "--service-discovery-namespace",
+        "ml",
+    ])
+    .unwrap();
+    let k = s.discovery.kubernetes.as_ref().unwrap();
+    let roles: Vec<WorkerRole> = k.selectors.iter().map(|s| s.role).collect();
+    assert_eq!(roles, [WorkerRole::Prefill, WorkerRole::Decode]);
+    assert_eq!((k.port, k.namespace.as_deref()), (8000, Some("ml")));
+    assert!(s.pd.is_some(), "prefill and decode selectors disaggregate");
+    assert!(s.workers.is_empty() && s.discovery.any());
+    // The same from a config file, under the command line.
+    let file = Args::from_text(
+        "service_discovery: true\nselector: [app=vllm]\ndiscovery_file: /etc/w.yaml\ndiscovery_check_interval_secs: 5\n",
+    )
+    .unwrap();
+    let cli = Args::try_parse_from(["kvroute", "--selector", "app=sglang"]).unwrap();
+    let s = cli.merge(file).into_settings().unwrap();
+    assert_eq!(
+        s.discovery.kubernetes.unwrap().selectors[0].query(),
+        "app=sglang"
+    );
+    assert_eq!(
+        s.discovery.file.as_deref(),
+        Some(std::path::Path::new("/etc/w.yaml"))
+    );
+    assert_eq!(s.discovery.interval, Duration::from_secs(5));
+    // A static worker is a static one; the file's workers are the config's.
+    let s = Args::from_text("worker_urls: [http://a:1]\nworkers: [{url: http://b:1}]\n")
+        .unwrap()
+        .into_settings()
+        .unwrap();
+    let sources: Vec<&str> = s.workers.iter().map(|w| w.source.name()).collect();
+    assert_eq!(sources, ["static", "config"]);
+}

@@ -53,6 +53,7 @@ fn reason(error: &kube::Error) -> &'static str {
         kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => {
             "unreachable"
         }
+        kube::Error::SerdeError(_) => "invalid",
         _ => "api",
     }
 }

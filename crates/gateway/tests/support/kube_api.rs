@@ -9,8 +9,8 @@
 //!   watch, as the API server does.
 //! - A watch from a `resourceVersion` older than the compacted history gets an `ERROR` event
 //!   with a `410 Expired` status.
-//! - [`FakeApi::forbid`]: every call answers `403 Forbidden`; [`FakeApi::stop`]: the server
-//!   goes away.
+//! - [`FakeApi::forbid`]: every call answers `403 Forbidden`; [`FakeApi::garble`]: every call
+//!   answers nonsense; [`FakeApi::stop`]: the server goes away.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -50,6 +50,7 @@ struct Shared {
     store: Mutex<Store>,
     changes: broadcast::Sender<Change>,
     forbidden: std::sync::atomic::AtomicBool,
+    garbled: std::sync::atomic::AtomicBool,
     /// Cancelled (and replaced) to end every open watch.
     watches: Mutex<CancellationToken>,
     stop: CancellationToken,
@@ -121,6 +122,7 @@ impl FakeApi {
             store: Mutex::new(Store::default()),
             changes: broadcast::channel(1024).0,
             forbidden: Default::default(),
+            garbled: Default::default(),
             watches: Mutex::new(CancellationToken::new()),
             stop: CancellationToken::new(),
             lists: AtomicUsize::new(0),
@@ -205,6 +207,11 @@ impl FakeApi {
         self.shared.forbidden.store(on, Ordering::SeqCst);
     }
 
+    /// While on, every call answers 200 with a body that is no pod list.
+    pub fn garble(&self, on: bool) {
+        self.shared.garbled.store(on, Ordering::SeqCst);
+    }
+
     /// The server goes away: open watches end, new connections are refused.
     pub fn stop(&self) {
         self.shared.watches.lock().unwrap().cancel();
@@ -245,6 +252,10 @@ fn json_response(code: StatusCode, body: &Value) -> Response {
 }
 
 fn pods(s: Arc<Shared>, ns: Option<String>, q: HashMap<String, String>) -> Response {
+    if s.garbled.load(Ordering::SeqCst) {
+        let nonsense = json!({"kind": "PodList", "apiVersion": "v1", "items": "not a list"});
+        return json_response(StatusCode::OK, &nonsense);
+    }
     if s.forbidden.load(Ordering::SeqCst) {
         let message = "pods is forbidden: User \"system:serviceaccount:ml:kvroute\" cannot list resource \"pods\"";
         return json_response(StatusCode::FORBIDDEN, &status(403, "Forbidden", message));
