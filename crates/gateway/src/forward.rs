@@ -5,13 +5,14 @@
 //! backoff; never after a response started, never when it is pinned. Every attempt feeds
 //! the worker's circuit breaker.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderValue, Method};
 use http_body_util::{BodyExt, Limited};
 use kvroute_core::PolicyKind;
 use kvroute_protocol::{RoutingFields, WorkerId};
@@ -19,9 +20,13 @@ use kvroute_protocol::{RoutingFields, WorkerId};
 use crate::auth;
 use crate::context::AppState;
 use crate::error::GatewayError;
+use crate::http::WORKER_HEADER;
+use crate::migrate::{self, stream::Api, Migration, Sent};
 use crate::proxy::{self, Admitted, Forward, InFlight};
+use crate::queue::Released;
 use crate::routing;
 use crate::workers::Pool;
+use kvroute_core::eligibility::Hints;
 
 /// Reads a request body of at most `limit` bytes (413 beyond it, also when the declared
 /// `content-length` says so before reading).
@@ -60,10 +65,24 @@ fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
 /// Routes that are disaggregated when prefill/decode disaggregation is on.
 const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
 
+/// What every attempt of one request shares.
+struct Attempt<'a> {
+    method: &'a Method,
+    path_and_query: &'a str,
+    headers: &'a HeaderMap,
+    fields: &'a RoutingFields<'a>,
+    tokens: &'a [u32],
+    hints: &'a Hints,
+    request_id: &'a HeaderValue,
+    arrived: Instant,
+    /// The queue's policy class, when the queue is on.
+    class: Option<usize>,
+}
+
 /// Routes one request and forwards it, retrying as the module doc says; P/D routes go
-/// through [`crate::pd::route`].
+/// through [`crate::pd::route`]; streams migrate ([`crate::migrate`]).
 pub(crate) async fn route_and_forward(
-    state: &AppState,
+    state: &Arc<AppState>,
     route: &'static str,
     req: Request,
     request_id: &HeaderValue,
@@ -81,13 +100,7 @@ pub(crate) async fn route_and_forward(
         .pd
         .as_ref()
         .filter(|_| PD_ROUTES.contains(&route));
-    let tokenize_as = match pd {
-        // The decode-only decision needs the prompt's tokens whatever the policies.
-        Some(pd) if pd.min_uncached_tokens > 0 => PolicyKind::KvAware,
-        Some(pd) if pd.decode_policy == PolicyKind::KvAware => PolicyKind::KvAware,
-        Some(pd) => pd.prefill_policy,
-        None => state.settings.policy,
-    };
+    let tokenize_as = tokenize_as(state, pd.is_some());
     let tokens = routing::tokens_for(&state.kv, tokenize_as, &body).await;
 
     let hints = routing::parse_hints(&parts.headers)?;
@@ -138,12 +151,175 @@ pub(crate) async fn route_and_forward(
         };
         released = Some(queue.admit(c, ranks, cost).await?);
     }
-    let max_retries = state.settings.retry.max_retries;
     let path_and_query = parts
         .uri
         .path_and_query()
         .map_or(parts.uri.path(), |pq| pq.as_str());
-    let mut tried: Vec<WorkerId> = Vec::new();
+    let attempt = Attempt {
+        method: &parts.method,
+        path_and_query,
+        headers: &parts.headers,
+        fields: &fields,
+        tokens: &tokens,
+        hints: &hints,
+        request_id,
+        arrived,
+        class,
+    };
+    let api = Api::of(route).filter(|_| state.settings.migration.limit > 0);
+    let Some(api) = api else {
+        let mut sent = attempts(state, &attempt, body.clone(), Vec::new(), released).await?;
+        sent.response.body_mut().hold(admitted);
+        return Ok(sent.response.map(Body::new));
+    };
+    if !fields.stream {
+        return whole_answer(state, &attempt, body.clone(), released, admitted).await;
+    }
+    // A stream that may migrate: the worker is asked for its usage on every chunk.
+    let original: serde_json::Value =
+        serde_json::from_slice(&body).map_err(GatewayError::InvalidJson)?;
+    let allowed = match migrate::stream::unmigratable(api, &original) {
+        Some(why) => Err(why),
+        None if hints_pin(&attempt) => Err("the request is pinned to its worker"),
+        None => Ok(state.settings.migration.limit),
+    };
+    let sent_body = match allowed {
+        Ok(_) => Bytes::from(migrate::stream::with_usage_stats(api, &original).to_string()),
+        Err(_) => body.clone(),
+    };
+    let mut sent = attempts(state, &attempt, sent_body, Vec::new(), released).await?;
+    sent.response.body_mut().hold(admitted);
+    if !sent.response.status().is_success() {
+        return Ok(sent.response.map(Body::new));
+    }
+    let injected = allowed.is_ok();
+    let migration = Migration {
+        api,
+        original,
+        // Pinned by hard session affinity, known once routed.
+        allowed: allowed.and_then(|n| {
+            if sent.pinned {
+                Err("the request is pinned to its worker")
+            } else {
+                Ok(n)
+            }
+        }),
+        injected,
+        stall: state.settings.migration.stall,
+        metrics: state.metrics.migrations.clone(),
+    };
+    let resend = resender(state, &parts, request_id, arrived, class);
+    Ok(migrate::migrating(migration, sent, resend))
+}
+
+/// The policy whose tokens the request needs.
+fn tokenize_as(state: &AppState, pd: bool) -> PolicyKind {
+    match state.settings.pd.as_ref().filter(|_| pd) {
+        // The decode-only decision needs the prompt's tokens whatever the policies.
+        Some(pd) if pd.min_uncached_tokens > 0 => PolicyKind::KvAware,
+        Some(pd) if pd.decode_policy == PolicyKind::KvAware => PolicyKind::KvAware,
+        Some(pd) => pd.prefill_policy,
+        None => state.settings.policy,
+    }
+}
+
+/// Whether a routing hint pins the request (it is then never moved elsewhere).
+fn hints_pin(attempt: &Attempt<'_>) -> bool {
+    attempt.headers.contains_key(WORKER_HEADER)
+}
+
+/// Sends a continuation of this request: routed afresh, the failed workers excluded.
+fn resender(
+    state: &Arc<AppState>,
+    parts: &http::request::Parts,
+    request_id: &HeaderValue,
+    arrived: Instant,
+    class: Option<usize>,
+) -> migrate::Resend {
+    let (state, method, uri, headers, request_id) = (
+        state.clone(),
+        parts.method.clone(),
+        parts.uri.clone(),
+        parts.headers.clone(),
+        request_id.clone(),
+    );
+    Box::new(move |body: Bytes, tried: Vec<WorkerId>| {
+        let (state, method, uri, headers, request_id) = (
+            state.clone(),
+            method.clone(),
+            uri.clone(),
+            headers.clone(),
+            request_id.clone(),
+        );
+        Box::pin(async move {
+            let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
+            let tokens = routing::tokens_for(&state.kv, tokenize_as(&state, false), &body).await;
+            let hints = routing::parse_hints(&headers)?;
+            let path_and_query = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
+            let attempt = Attempt {
+                method: &method,
+                path_and_query,
+                headers: &headers,
+                fields: &fields,
+                tokens: &tokens,
+                hints: &hints,
+                request_id: &request_id,
+                arrived,
+                class,
+            };
+            attempts(&state, &attempt, body.clone(), tried, None).await
+        })
+    })
+}
+
+/// A non-streaming answer, read whole before the client sees it: a body cut mid-way is
+/// retried on another worker like a failure before the first byte (the client has seen
+/// nothing).
+async fn whole_answer(
+    state: &AppState,
+    attempt: &Attempt<'_>,
+    body: Bytes,
+    mut released: Option<Released<'_>>,
+    admitted: Admitted,
+) -> Result<Response, GatewayError> {
+    let mut tried = Vec::new();
+    loop {
+        let sent = attempts(state, attempt, body.clone(), tried.clone(), released.take()).await?;
+        let (parts, tracked) = sent.response.into_parts();
+        let worker = tracked.worker().clone();
+        match tracked.collect().await {
+            Ok(whole) => {
+                drop(admitted);
+                return Ok(Response::from_parts(parts, Body::from(whole.to_bytes())));
+            }
+            Err(error) => {
+                tracing::warn!(worker = %worker.id, %error, "Answer cut mid-way; retrying the request whole");
+                worker.circuit.record(false, Instant::now());
+                if sent.pinned || tried.len() as u32 >= state.settings.retry.max_retries {
+                    return Err(GatewayError::Upstream {
+                        worker: worker.id.clone(),
+                        source: error.into(),
+                    });
+                }
+                tried.push(worker.id.clone());
+                state.metrics.retries.inc();
+            }
+        }
+    }
+}
+
+/// Sends the request to a worker chosen by the policy, retrying on another (never one in
+/// `tried`) while attempts fail before their first byte.
+async fn attempts(
+    state: &AppState,
+    a: &Attempt<'_>,
+    body: Bytes,
+    mut tried: Vec<WorkerId>,
+    mut released: Option<Released<'_>>,
+) -> Result<Sent, GatewayError> {
+    let started = Instant::now();
+    let first = tried.is_empty();
+    let max_retries = state.settings.retry.max_retries;
     let mut last_error = None;
     for attempt in 0..=max_retries {
         if attempt > 0 {
@@ -157,7 +333,7 @@ pub(crate) async fn route_and_forward(
         }
         let now = Instant::now();
         let table = state.workers.table();
-        let pool = table.resolve(fields.model.as_deref())?;
+        let pool = table.resolve(a.fields.model.as_deref())?;
         let untried;
         let pool = if tried.is_empty() {
             pool
@@ -175,18 +351,18 @@ pub(crate) async fn route_and_forward(
             &untried
         };
         let mut busy = state.busy.get(pool.model.as_str());
-        if let (Some(queue), Some(c)) = (&state.queue, class) {
+        if let (Some(queue), Some(c)) = (&state.queue, a.class) {
             busy = queue.thresholds(c, busy);
         }
         let plan = match routing::plan(
             &state.kv,
             pool,
-            &parts.headers,
-            &hints,
+            a.headers,
+            a.hints,
             &busy,
             state.affinity.as_deref(),
-            &fields,
-            &tokens,
+            a.fields,
+            a.tokens,
             now,
             false,
         ) {
@@ -194,7 +370,7 @@ pub(crate) async fn route_and_forward(
             // Nowhere left to retry: the last failure is the answer.
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
-        if attempt == 0 {
+        if attempt == 0 && first {
             state
                 .metrics
                 .routing_seconds
@@ -217,9 +393,9 @@ pub(crate) async fn route_and_forward(
             state.queue.clone(),
         )
         .with_sync(state.sync.get(), || {
-            let key = routing::session_key(&parts.headers, &fields).map(str::to_owned);
+            let key = routing::session_key(a.headers, a.fields).map(str::to_owned);
             let text = if policy == PolicyKind::CacheAware {
-                fields.routing_text().into_owned()
+                a.fields.routing_text().into_owned()
             } else {
                 String::new()
             };
@@ -231,7 +407,7 @@ pub(crate) async fn route_and_forward(
                 text,
                 // llm_d keys on tokens: a peer needs them to learn this decision.
                 tokens: if policy == PolicyKind::LlmD {
-                    tokens.clone()
+                    a.tokens.to_vec()
                 } else {
                     Vec::new()
                 },
@@ -239,18 +415,18 @@ pub(crate) async fn route_and_forward(
         });
         // Its load is counted: the queue may consider the next request.
         released.take();
-        if fields.stream {
-            guard = guard.with_ttft(arrived, state.metrics.ttft_seconds.clone());
+        if a.fields.stream {
+            guard = guard.with_ttft(a.arrived, state.metrics.ttft_seconds.clone());
         }
         let result = proxy::forward(
             &state.client,
             guard,
             Forward {
-                method: parts.method.clone(),
-                path_and_query,
-                headers: &parts.headers,
+                method: a.method.clone(),
+                path_and_query: a.path_and_query,
+                headers: a.headers,
                 body: body.clone(),
-                request_id,
+                request_id: a.request_id,
                 timeout: state.settings.request_timeout,
                 auth: &state.worker_auth,
             },
@@ -289,9 +465,11 @@ pub(crate) async fn route_and_forward(
                     .record_routed(choice.worker.ranks[choice.rank].replica, &plan.hashes, now);
             }
         }
-        let mut response = result?;
-        response.body_mut().hold(admitted);
-        return Ok(response.map(Body::new));
+        return Ok(Sent {
+            response: result?,
+            worker: worker.id.clone(),
+            pinned: plan.pinned,
+        });
     }
     Err(last_error.unwrap_or(GatewayError::NoEndpoint("no worker left to try")))
 }

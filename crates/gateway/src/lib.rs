@@ -16,7 +16,8 @@
 //! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`, `tls`;
 //! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `busy`;
-//! 4. request path: `routing`, `queue`, `proxy`, `sync`, `context`, `pd`, `forward`, `discovery`;
+//! 4. request path: `routing`, `queue`, `proxy`, `sync`, `context`, `migrate`, `pd`, `forward`,
+//!    `discovery`;
 //! 5. server: `server` (the axum app, admin API, background tasks) and `main`.
 
 // 1. Foundation.
@@ -41,6 +42,7 @@ pub mod workers;
 pub(crate) mod context;
 pub(crate) mod discovery;
 pub(crate) mod forward;
+pub mod migrate;
 pub mod pd;
 pub mod proxy;
 pub mod queue;

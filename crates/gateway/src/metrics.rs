@@ -10,7 +10,7 @@
 //! half-open), `kvroute_worker_healthy{worker}`, `kvroute_upstream_attempts_total{worker,outcome}`
 //! (every attempt, retries included), `kvroute_request_retries_total`,
 //! `kvroute_requests_in_router`, `kvroute_discovered_workers{source}`,
-//! `kvroute_discovery_errors_total{reason}`.
+//! `kvroute_discovery_errors_total{reason}`, `kvroute_request_migrations_total{outcome}`.
 //! Label values are bounded: routes are the fixed set of proxied paths, workers are
 //! configured ids.
 
@@ -88,6 +88,11 @@ pub struct ReloadLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MigrationLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabels {
     pub source: &'static str,
 }
@@ -147,6 +152,8 @@ pub struct GatewayMetrics {
     /// error (either failed).
     pub reloads: Family<ReloadLabels, Counter>,
     pub discovery: DiscoveryMetrics,
+    /// Streams carried on by another worker after theirs failed, by outcome.
+    pub migrations: Family<MigrationLabels, Counter>,
     /// Requests inside the router (admitted, not yet answered in full).
     pub in_router: Gauge,
     rank_prefill: Family<RankLabels, Gauge>,
@@ -213,6 +220,7 @@ impl GatewayMetrics {
             retries: Counter::default(),
             reloads: Family::default(),
             discovery: DiscoveryMetrics::default(),
+            migrations: Family::default(),
             in_router: Gauge::default(),
             rank_prefill: Family::default(),
             rank_decode: Family::default(),
@@ -332,6 +340,11 @@ impl GatewayMetrics {
             m.in_router.clone(),
         );
         m.discovery.register(registry);
+        registry.register(
+            "kvroute_request_migrations",
+            "Streams whose worker failed mid-way, by outcome (migrated, limit_reached, no_worker, not_migratable, completed)",
+            m.migrations.clone(),
+        );
         m
     }
 

@@ -185,9 +185,22 @@ pub struct TrackedBody {
     admitted: Option<Admitted>,
     sse: bool,
     ended: bool,
+    /// Migration reads the worker's failure itself: no error event in its place.
+    raw_errors: bool,
 }
 
 impl TrackedBody {
+    /// The worker answering.
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.guard.worker
+    }
+
+    /// A failure mid-response is returned as the error it is (migration decides what the
+    /// client sees), not turned into an error event.
+    pub fn raw_errors(&mut self) {
+        self.raw_errors = true;
+    }
+
     /// Keeps the request's admission until the body ends.
     pub fn hold(&mut self, admitted: Admitted) {
         self.admitted = Some(admitted);
@@ -212,7 +225,7 @@ impl Body for TrackedBody {
                 let worker = self.guard.worker.clone();
                 worker.circuit.record(false, Instant::now());
                 tracing::warn!(worker = %worker.id, %error, "Worker failed mid-response");
-                if self.sse {
+                if self.sse && !self.raw_errors {
                     self.ended = true;
                     let event = serde_json::json!({"error": {
                         "message": format!("worker {} failed mid-stream: {error}", worker.id),
@@ -356,6 +369,7 @@ async fn send(
             admitted: None,
             sse,
             ended: false,
+            raw_errors: false,
         },
     ))
 }

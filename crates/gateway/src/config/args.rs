@@ -333,6 +333,13 @@ pub struct Args {
     /// No retries: a failed attempt is the client's answer.
     #[arg(long)]
     pub disable_retries: bool,
+    /// Times a stream whose worker fails after its first bytes is carried on by another
+    /// worker, with what was generated so far; 0 turns migration off [default: 3].
+    #[arg(long)]
+    pub migration_limit: Option<u32>,
+    /// A stream silent this long counts as its worker failing (migration) [default: 120].
+    #[arg(long)]
+    pub migration_stall_timeout_secs: Option<u64>,
 
     /// Consecutive failures that open a worker's circuit [default: 10].
     #[arg(long)]

@@ -149,6 +149,10 @@ impl Args {
                 .or(file.retry_backoff_multiplier),
             retry_jitter_factor: self.retry_jitter_factor.or(file.retry_jitter_factor),
             disable_retries: self.disable_retries || file.disable_retries,
+            migration_limit: self.migration_limit.or(file.migration_limit),
+            migration_stall_timeout_secs: self
+                .migration_stall_timeout_secs
+                .or(file.migration_stall_timeout_secs),
             cb_failure_threshold: self.cb_failure_threshold.or(file.cb_failure_threshold),
             cb_success_threshold: self.cb_success_threshold.or(file.cb_success_threshold),
             cb_timeout_duration_secs: self

@@ -232,6 +232,15 @@ impl RetrySettings {
     }
 }
 
+/// Migration of streams whose worker fails mid-way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigrationSettings {
+    /// The most times one request moves; 0: off.
+    pub limit: u32,
+    /// A stream silent this long has failed.
+    pub stall: Duration,
+}
+
 /// The per-worker circuit breaker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CircuitSettings {
@@ -280,6 +289,8 @@ pub struct Settings {
     pub health: HealthSettings,
     /// Retries; `max_retries` 0 when disabled.
     pub retry: RetrySettings,
+    /// Migration of failed streams.
+    pub migration: MigrationSettings,
     /// The circuit breaker, unless disabled.
     pub circuit: Option<CircuitSettings>,
     pub max_concurrent_requests: Option<usize>,

@@ -235,6 +235,14 @@ impl Args {
             multiplier,
             jitter,
         };
+        let migration = MigrationSettings {
+            limit: self.migration_limit.unwrap_or(3),
+            stall: Duration::from_secs(positive(
+                "migration_stall_timeout_secs",
+                self.migration_stall_timeout_secs,
+                120,
+            )?),
+        };
         let circuit = (!self.disable_circuit_breaker)
             .then(|| -> Result<CircuitSettings, ConfigError> {
                 Ok(CircuitSettings {
@@ -346,6 +354,7 @@ impl Args {
             health,
             retry,
             circuit,
+            migration,
             max_concurrent_requests: match self.max_concurrent_requests {
                 Some(n) => Some(positive("max_concurrent_requests", Some(n), 0)?),
                 None => None,
