@@ -110,8 +110,9 @@ async fn cached_on(r: &TestRouter, worker: &str, prompt: &str) {
 }
 
 #[tokio::test]
-async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_not_retried() {
-    let (a, b, r) = cluster(PolicyKind::KvAware, |_| {}).await;
+async fn without_migration_an_engine_killed_mid_stream_ends_the_stream_with_an_error_event() {
+    // --migration-limit 0: the behaviour before migration (tests/migration.rs has it on).
+    let (a, b, r) = cluster(PolicyKind::KvAware, |s| s.migration.limit = 0).await;
     let body = json!({"model": "kvroute-sim", "prompt": text(200, 1), "max_tokens": 100000, "stream": true})
         .to_string();
     let resp = open_stream(&r.url, "/v1/completions", &body).await;

@@ -432,3 +432,205 @@ pub fn with_usage_stats(api: Api, body: &Value) -> Value {
     }
     body
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(id: &str, text: &str, usage: Option<(u64, u64)>) -> String {
+        let mut v = json!({"id": id, "created": 7, "model": "m", "object": "chat.completion.chunk",
+                           "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]});
+        if let Some((p, c)) = usage {
+            v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+        }
+        format!("data: {v}\n\n")
+    }
+
+    fn events(out: &BytesMut) -> Vec<Value> {
+        std::str::from_utf8(out)
+            .unwrap()
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_stream_is_followed_across_a_cut_event_and_its_usage_stripped() {
+        let mut e = Editor::new(Api::Chat, UsageWanted::default());
+        let mut out = BytesMut::new();
+        let first = chunk("a", "Hel", Some((10, 1)));
+        // Cut in the middle of the second event: only the first is complete.
+        let second = chunk("a", "lo", Some((10, 2)));
+        let (head, tail) = second.split_at(9);
+        e.feed(format!("{first}{head}").as_bytes(), &mut out)
+            .unwrap();
+        assert_eq!(e.text(), "Hel");
+        e.feed(tail.as_bytes(), &mut out).unwrap();
+        assert_eq!((e.text(), e.tokens()), ("Hello", 2));
+        let sent = events(&out);
+        assert_eq!(sent.len(), 2);
+        assert!(sent.iter().all(|c| c.get("usage").is_none()), "{sent:?}");
+        // The closing usage chunk is the router's, not the client's: dropped.
+        let closing = json!({"id": "a", "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 2}});
+        let mut out = BytesMut::new();
+        e.feed(
+            format!("data: {closing}\n\ndata: [DONE]\n\n").as_bytes(),
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(std::str::from_utf8(&out).unwrap(), "data: [DONE]\n\n");
+        assert!(e.is_done());
+    }
+
+    #[test]
+    fn a_continuation_takes_the_first_identity_and_the_usage_is_the_whole_requests() {
+        let wanted = UsageWanted {
+            last: true,
+            every: false,
+        };
+        let mut e = Editor::new(Api::Chat, wanted);
+        let mut out = BytesMut::new();
+        e.feed(chunk("first", "ab", Some((10, 1))).as_bytes(), &mut out)
+            .unwrap();
+        e.continue_elsewhere();
+        let mut out = BytesMut::new();
+        let mut second = json!({"id": "second", "created": 9, "model": "m2",
+                                "choices": [{"index": 0, "delta": {"content": "cd"}}],
+                                "usage": {"prompt_tokens": 12, "completion_tokens": 1}});
+        e.feed(format!("data: {second}\n\n").as_bytes(), &mut out)
+            .unwrap();
+        second = json!({"id": "second", "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 1}});
+        e.feed(format!("data: {second}\n\n").as_bytes(), &mut out)
+            .unwrap();
+        let sent = events(&out);
+        assert_eq!(
+            (sent[0]["id"].as_str(), sent[0]["created"].as_u64()),
+            (Some("first"), Some(7))
+        );
+        assert_eq!(sent[0]["model"], "m");
+        assert!(sent[0].get("usage").is_none());
+        assert_eq!(sent[1]["usage"]["prompt_tokens"], 10, "the first prompt");
+        assert_eq!(sent[1]["usage"]["completion_tokens"], 2, "every token");
+        assert_eq!(sent[1]["usage"]["total_tokens"], 12);
+        assert_eq!(e.text(), "abcd");
+    }
+
+    #[test]
+    fn a_5xx_error_event_is_a_failure_and_a_4xx_one_is_passed_through() {
+        let mut e = Editor::new(Api::Completion, UsageWanted::default());
+        let mut out = BytesMut::new();
+        let bad_request =
+            json!({"error": {"message": "too long", "type": "BadRequestError", "code": 400}});
+        e.feed(format!("data: {bad_request}\n\n").as_bytes(), &mut out)
+            .unwrap();
+        assert_eq!(events(&out)[0]["error"]["code"], 400);
+        let died = json!({"error": {"message": "engine dead", "type": "InternalServerError", "code": 500}});
+        let failure = e.feed(
+            format!("data: {died}\n\ndata: [DONE]\n\n").as_bytes(),
+            &mut out,
+        );
+        assert_eq!(failure, Err(EngineFailure("engine dead".into())));
+        assert!(!e.is_done());
+    }
+
+    #[test]
+    fn without_usage_the_tokens_are_the_content_chunks() {
+        let mut e = Editor::new(Api::Completion, UsageWanted::default());
+        let mut out = BytesMut::new();
+        for t in ["a", "", "b", "c"] {
+            let c = json!({"id": "x", "choices": [{"index": 0, "text": t}]});
+            e.feed(format!("data: {c}\r\n\r\n").as_bytes(), &mut out)
+                .unwrap();
+        }
+        assert_eq!((e.text(), e.tokens()), ("abc", 3));
+    }
+
+    #[test]
+    fn generate_streams_keep_their_cumulative_text_and_counts_across_the_cut() {
+        let mut e = Editor::new(Api::Generate, UsageWanted::default());
+        let mut out = BytesMut::new();
+        let c = json!({"text": "ab", "meta_info": {"prompt_tokens": 5, "completion_tokens": 2}});
+        e.feed(format!("data: {c}\n\n").as_bytes(), &mut out)
+            .unwrap();
+        e.continue_elsewhere();
+        let mut out = BytesMut::new();
+        let c = json!({"text": "c", "meta_info": {"prompt_tokens": 7, "completion_tokens": 1}});
+        e.feed(format!("data: {c}\n\n").as_bytes(), &mut out)
+            .unwrap();
+        let sent = events(&out);
+        assert_eq!(sent[0]["text"], "abc");
+        assert_eq!(sent[0]["meta_info"]["completion_tokens"], 3);
+        assert_eq!(sent[0]["meta_info"]["prompt_tokens"], 5);
+        assert_eq!(e.tokens(), 3);
+    }
+
+    #[test]
+    fn continuations_carry_the_text_and_what_is_left_of_the_budget() {
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 10, "min_tokens": 2, "stream": true, "temperature": 0.5});
+        let next = continuation(Api::Chat, &chat, "Hello", 3).unwrap();
+        assert_eq!(
+            next["messages"][1],
+            json!({"role": "assistant", "content": "Hello"})
+        );
+        assert_eq!(
+            (
+                next["continue_final_message"].as_bool(),
+                next["add_generation_prompt"].as_bool()
+            ),
+            (Some(true), Some(false))
+        );
+        assert_eq!(
+            (next["max_tokens"].as_u64(), next["min_tokens"].as_u64()),
+            (Some(7), Some(0))
+        );
+        assert_eq!(next["temperature"], 0.5);
+        // A second cut extends the same open message.
+        let again = continuation(Api::Chat, &next, " world", 2).unwrap();
+        assert_eq!(again["messages"].as_array().unwrap().len(), 2);
+        assert_eq!(again["messages"][1]["content"], "Hello world");
+        assert_eq!(again["max_tokens"], 5);
+        // Nothing left: no continuation.
+        assert!(continuation(Api::Chat, &chat, "x", 10).is_none());
+        let completion = json!({"prompt": "Once", "max_tokens": 4});
+        let next = continuation(Api::Completion, &completion, " upon", 1).unwrap();
+        assert_eq!(
+            (next["prompt"].as_str(), next["max_tokens"].as_u64()),
+            (Some("Once upon"), Some(3))
+        );
+        let generate = json!({"text": "Once", "sampling_params": {"max_new_tokens": 4}});
+        let next = continuation(Api::Generate, &generate, " upon", 1).unwrap();
+        assert_eq!(next["text"], "Once upon");
+        assert_eq!(next["sampling_params"]["max_new_tokens"], 3);
+    }
+
+    #[test]
+    fn what_cannot_migrate_says_why() {
+        let chat = |extra: Value| {
+            let mut v = json!({"messages": [{"role": "user", "content": "hi"}]});
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            v
+        };
+        assert_eq!(unmigratable(Api::Chat, &chat(json!({}))), None);
+        assert_eq!(
+            unmigratable(Api::Chat, &chat(json!({"n": 2}))),
+            Some("n > 1")
+        );
+        assert_eq!(
+            unmigratable(Api::Chat, &chat(json!({"logprobs": true}))),
+            Some("logprobs requested")
+        );
+        assert_eq!(
+            unmigratable(Api::Completion, &json!({"prompt": [1, 2]})),
+            Some("the prompt is not text")
+        );
+        assert_eq!(
+            unmigratable(Api::Completion, &json!({"prompt": "a", "logprobs": 1})),
+            Some("logprobs requested")
+        );
+    }
+}

@@ -1,0 +1,360 @@
+//! Migration: a stream whose engine dies goes on from another, and the client's stream is
+//! whole. Real kvroute-sim engines crashed mid-stream, and scripted engines for the error
+//! events and cut bodies the sim does not produce.
+
+mod support;
+
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use kvroute_core::PolicyKind;
+use kvroute_gateway::{Settings, WorkerSpec};
+use kvroute_sim::{SimArgs, SimInstance};
+use serde_json::{json, Value};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+async fn sims(n: u64) -> Vec<SimInstance> {
+    sims_at(n, 1.0).await
+}
+
+/// `n` engines whose simulated time runs `speedup` times as fast as real time (below 1: slower).
+async fn sims_at(n: u64, speedup: f64) -> Vec<SimInstance> {
+    let mut out = Vec::new();
+    for seed in 0..n {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let args = SimArgs {
+            seed,
+            speedup,
+            ..SimArgs::default()
+        };
+        let tokenizer = std::sync::Arc::new(kvroute_tokenizer::Tokenizer::fallback());
+        out.push(SimInstance::start(args, tokenizer, listener).await.unwrap());
+    }
+    out
+}
+
+fn router_settings(urls: Vec<String>, tweak: impl FnOnce(&mut Settings)) -> Settings {
+    let specs = urls.into_iter().map(WorkerSpec::url).collect();
+    let mut s = Settings::with_workers(specs).unwrap();
+    s.policy = PolicyKind::RoundRobin;
+    s.retry.initial_backoff = Duration::from_millis(1);
+    tweak(&mut s);
+    s
+}
+
+/// The `data:` events of an SSE body, `[DONE]` as the string.
+fn events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap_or(Value::String(d.to_owned())))
+        .collect()
+}
+
+/// The text of a completion stream's chunks, and how many carried text.
+fn completion_text(events: &[Value]) -> (String, usize) {
+    let mut text = String::new();
+    let mut chunks = 0;
+    for e in events {
+        if let Some(t) = e["choices"][0]["text"].as_str().filter(|t| !t.is_empty()) {
+            text.push_str(t);
+            chunks += 1;
+        }
+    }
+    (text, chunks)
+}
+
+/// Reads `body` until `chunks` text chunks arrived; what was read.
+async fn read_until(body: &mut hyper::body::Incoming, chunks: usize) -> String {
+    let mut seen = String::new();
+    while completion_text(&events(&seen)).1 < chunks {
+        let frame = body.frame().await.expect("a frame").expect("no error");
+        if let Ok(data) = frame.into_data() {
+            seen.push_str(&String::from_utf8_lossy(&data));
+        }
+    }
+    seen
+}
+
+fn migrations(m: &str, outcome: &str) -> f64 {
+    metric_value(
+        m,
+        "kvroute_request_migrations_total",
+        &format!("outcome=\"{outcome}\""),
+    )
+    .unwrap_or(0.0)
+}
+
+/// How many chunks of a chat stream carried text.
+fn chat_chunks(s: &str) -> usize {
+    events(s)
+        .iter()
+        .filter(|e| {
+            e["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
+        .count()
+}
+
+/// Reads a chat stream until `want` text chunks arrived, into `seen`.
+async fn read(body: &mut hyper::body::Incoming, want: usize, seen: &mut String) {
+    while chat_chunks(seen) < want {
+        let frame = body.frame().await.expect("a frame").expect("no error");
+        if let Ok(d) = frame.into_data() {
+            seen.push_str(&String::from_utf8_lossy(&d));
+        }
+    }
+}
+
+/// The sim that served the stream (by the router's header), and the others.
+fn split<'a>(sims: &'a [SimInstance], worker: &str) -> (&'a SimInstance, Vec<&'a SimInstance>) {
+    let victim = sims
+        .iter()
+        .find(|s| s.url() == worker)
+        .expect("a sim served it");
+    (victim, sims.iter().filter(|s| s.url() != worker).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_killed_mid_stream_is_migrated_and_the_stream_is_whole() {
+    let sims = sims_at(2, 0.1).await;
+    let r = TestRouter::start(router_settings(
+        sims.iter().map(|s| s.url()).collect(),
+        |_| {},
+    ))
+    .await;
+    let body = json!({"model": "kvroute-sim", "prompt": text(200, 1), "max_tokens": 24,
+                      "stream": true, "stream_options": {"include_usage": true}})
+    .to_string();
+    let resp = open_stream(&r.url, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let (victim, others) = split(&sims, resp.headers()["x-kvroute-worker"].to_str().unwrap());
+    let before = others[0].faults().requests_accepted();
+    let mut body = resp.into_body();
+    let mut seen = read_until(&mut body, 3).await;
+    victim.crash();
+    let rest = body
+        .collect()
+        .await
+        .expect("the stream ends cleanly")
+        .to_bytes();
+    seen.push_str(&String::from_utf8_lossy(&rest));
+    let events = events(&seen);
+    assert_eq!(
+        events.last(),
+        Some(&Value::String("[DONE]".into())),
+        "{seen}"
+    );
+    assert!(!seen.contains("\"error\""), "{seen}");
+    // Every token asked for, once: the continuation asked for what was left.
+    assert_eq!(completion_text(&events).1, 24, "{seen}");
+    let ids: std::collections::BTreeSet<&str> =
+        events.iter().filter_map(|e| e["id"].as_str()).collect();
+    assert_eq!(ids.len(), 1, "one id for the whole stream: {ids:?}");
+    let usage = events
+        .iter()
+        .find(|e| e["usage"].is_object())
+        .expect("the usage asked for");
+    assert_eq!(usage["usage"]["completion_tokens"], 24);
+    assert_eq!(
+        others[0].faults().requests_accepted(),
+        before + 1,
+        "the continuation"
+    );
+    let m = r.metrics().await;
+    assert_eq!(migrations(&m, "migrated"), 1.0);
+    r.stop_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_killed_in_turn_and_the_second_migration_works_too() {
+    // Slow engines: each stream is still going when its engine is killed.
+    let sims = sims_at(3, 0.1).await;
+    let r = TestRouter::start(router_settings(
+        sims.iter().map(|s| s.url()).collect(),
+        |_| {},
+    ))
+    .await;
+    let body =
+        json!({"model": "kvroute-sim", "messages": [{"role": "user", "content": text(100, 2)}],
+                      "max_tokens": 40, "stream": true})
+        .to_string();
+    let resp = open_stream(&r.url, "/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    let (first, _) = split(&sims, resp.headers()["x-kvroute-worker"].to_str().unwrap());
+    let mut body = resp.into_body();
+    let mut seen = String::new();
+    read(&mut body, 3, &mut seen).await;
+    first.crash();
+    // The continuation streams from one of the two others: kill it too.
+    read(&mut body, 8, &mut seen).await;
+    let first_url = first.url();
+    let serving = |gw: &kvroute_gateway::Gateway| {
+        gw.workers()
+            .statuses()
+            .into_iter()
+            .find(|w| w.url != first_url && w.in_flight == 1)
+    };
+    let gw = r.gateway.clone();
+    wait_until("the stream moved", || serving(&gw).is_some()).await;
+    let second_url = serving(&r.gateway).unwrap().url;
+    split(&sims, &second_url).0.crash();
+    let rest = body.collect().await.unwrap().to_bytes();
+    seen.push_str(&String::from_utf8_lossy(&rest));
+    assert!(seen.trim_end().ends_with("data: [DONE]"), "{seen}");
+    assert!(!seen.contains("\"error\""), "{seen}");
+    assert_eq!(chat_chunks(&seen), 40, "{seen}");
+    let m = r.metrics().await;
+    assert_eq!(migrations(&m, "migrated"), 2.0);
+    r.stop_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_logprobs_is_not_migrated_and_says_so() {
+    let sims = sims_at(2, 0.1).await;
+    let r = TestRouter::start(router_settings(
+        sims.iter().map(|s| s.url()).collect(),
+        |_| {},
+    ))
+    .await;
+    let body = json!({"model": "kvroute-sim", "prompt": text(100, 3), "max_tokens": 40,
+                      "stream": true, "logprobs": 1})
+    .to_string();
+    let resp = open_stream(&r.url, "/v1/completions", &body).await;
+    let (victim, others) = split(&sims, resp.headers()["x-kvroute-worker"].to_str().unwrap());
+    let before = others[0].faults().requests_accepted();
+    let mut body = resp.into_body();
+    let mut seen = read_until(&mut body, 2).await;
+    victim.crash();
+    seen.push_str(&String::from_utf8_lossy(
+        &body.collect().await.unwrap().to_bytes(),
+    ));
+    assert!(seen.contains("\"code\":\"upstream_error\""), "{seen}");
+    assert!(seen.contains("not migrated: logprobs requested"), "{seen}");
+    assert!(!seen.contains("[DONE]"), "{seen}");
+    assert_eq!(others[0].faults().requests_accepted(), before);
+    assert_eq!(migrations(&r.metrics().await, "not_migratable"), 1.0);
+    r.stop_idle().await;
+}
+
+/// An engine that answers every POST with `reply` (raw HTTP, the connection closed after
+/// it) and lists `kvroute-sim` on any GET.
+async fn scripted(reply: &'static str) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = vec![0u8; 65536];
+                // Headers, then the body its content-length announces.
+                loop {
+                    let n = match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    seen.extend_from_slice(&buf[..n]);
+                    let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+                    let length = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if seen.len() >= end + 4 + length {
+                        break;
+                    }
+                }
+                let resp = if seen.starts_with(b"GET") {
+                    let models = r#"{"object":"list","data":[{"id":"kvroute-sim"}]}"#;
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{models}",
+                        models.len()
+                    )
+                } else {
+                    reply.to_owned()
+                };
+                let _ = sock.write_all(resp.as_bytes()).await;
+            });
+        }
+    });
+    url
+}
+
+const SSE_HEAD: &str =
+    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engines_5xx_error_event_is_migrated_and_a_4xx_one_passed_through() {
+    const DIED: &str = concat!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n",
+        "data: {\"id\":\"cmpl-1\",\"created\":1,\"model\":\"kvroute-sim\",\"choices\":[{\"index\":0,\"text\":\"ab\"}]}\n\n",
+        "data: {\"error\":{\"object\":\"error\",\"message\":\"EngineDeadError\",\"type\":\"InternalServerError\",\"code\":500}}\n\n",
+        "data: [DONE]\n\n"
+    );
+    const REFUSED: &str = concat!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n",
+        "data: {\"error\":{\"object\":\"error\",\"message\":\"bad stop\",\"type\":\"BadRequestError\",\"code\":400}}\n\n",
+        "data: [DONE]\n\n"
+    );
+    let _ = SSE_HEAD;
+    let sims = sims(1).await;
+    for (script, migrated) in [(DIED, true), (REFUSED, false)] {
+        let engine = scripted(script).await;
+        let r =
+            TestRouter::start(router_settings(vec![engine.clone(), sims[0].url()], |_| {})).await;
+        let body = json!({"model": "kvroute-sim", "prompt": "x", "max_tokens": 5, "stream": true})
+            .to_string();
+        // Round robin: one of two requests lands on the scripted engine.
+        let mut found = false;
+        for _ in 0..2 {
+            let resp = open_stream(&r.url, "/v1/completions", &body).await;
+            let on_script = resp.headers()["x-kvroute-worker"] == engine.as_str();
+            let text =
+                String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes())
+                    .into_owned();
+            if !on_script {
+                continue;
+            }
+            found = true;
+            assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+            if migrated {
+                assert!(!text.contains("error"), "{text}");
+                let (delivered, chunks) = completion_text(&events(&text));
+                assert!(delivered.starts_with("ab"), "{delivered}");
+                assert_eq!(chunks, 1 + 4, "ab, then the 4 tokens left: {text}");
+            } else {
+                assert!(text.contains("\"code\":400"), "{text}");
+            }
+            break;
+        }
+        assert!(found);
+        let m = r.metrics().await;
+        assert_eq!(migrations(&m, "migrated"), if migrated { 1.0 } else { 0.0 });
+        r.stop_idle().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_answer_cut_mid_way_is_retried_whole() {
+    const CUT: &str = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\nconnection: close\r\n\r\n{\"id\":\"cmpl-1\",\"choi";
+    let engine = scripted(CUT).await;
+    let sims = sims(1).await;
+    let r = TestRouter::start(router_settings(vec![engine.clone(), sims[0].url()], |_| {})).await;
+    for i in 0..4 {
+        let reply = r
+            .complete(
+                &[],
+                &json!({"model": "kvroute-sim", "prompt": format!("p{i}"), "max_tokens": 2})
+                    .to_string(),
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.json()["usage"]["completion_tokens"], 2);
+    }
+    r.stop_idle().await;
+}
