@@ -13,8 +13,7 @@ use kvroute_core::{
 };
 use kvroute_index::{block_hashes, BlockHash, TierCounts};
 use kvroute_protocol::{Prompt, RoutingFields};
-use kvroute_tokenizer::{ChatOptions, Tokenizer};
-use serde::Deserialize;
+use kvroute_tokenizer::{ChatFields, Tokenizer};
 
 use crate::error::GatewayError;
 use crate::kv::KvState;
@@ -160,20 +159,6 @@ fn ineligible(e: Ineligible) -> GatewayError {
     }
 }
 
-/// The chat fields a template reads, beside the messages.
-#[derive(Deserialize)]
-struct ChatBody {
-    messages: serde_json::Value,
-    #[serde(default)]
-    tools: Option<serde_json::Value>,
-    #[serde(default)]
-    chat_template_kwargs: Option<serde_json::Value>,
-    #[serde(default)]
-    add_generation_prompt: Option<bool>,
-    #[serde(default)]
-    continue_final_message: Option<bool>,
-}
-
 /// The request's prompt token ids as the engine will see them, or `None` when it has no
 /// single prompt (batched prompts, embeddings of several inputs) or the tokenizer cannot
 /// render it (then routing goes on without KV overlap).
@@ -183,15 +168,9 @@ pub fn prompt_tokens(
     fields: &RoutingFields<'_>,
 ) -> Option<Vec<u32>> {
     let result = if fields.messages.is_some() {
-        let chat: ChatBody = serde_json::from_slice(body).ok()?;
-        let options = ChatOptions {
-            add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
-            continue_final_message: chat.continue_final_message.unwrap_or(false),
-            tools: chat.tools.as_ref(),
-            chat_template_kwargs: chat.chat_template_kwargs.as_ref(),
-            ..ChatOptions::default()
-        };
-        tokenizer.encode_chat(&chat.messages, &options)
+        // The same fields, read the same way, as kvroute-sim reads them.
+        let chat: ChatFields = serde_json::from_slice(body).ok()?;
+        tokenizer.encode_chat(&chat.messages, &chat.options())
     } else {
         match fields
             .prompt

@@ -4,7 +4,10 @@
 //! - Text is tokenised as its UTF-8 bytes: token id = byte value (0..=255). No special
 //!   tokens are added.
 //! - A chat is rendered as one `role: content\n` line per message (content parts' texts
-//!   joined with single spaces), then `assistant: `, and that text is tokenised as above.
+//!   joined with single spaces), then, as a chat template ends (see [`ChatEnd`]): by default
+//!   `assistant: ` (the generation prompt); nothing more without a generation prompt; or,
+//!   to continue the final message, that message's line without its newline. That text is
+//!   tokenised as above.
 //! - Token ids become text again as bytes, decoded lossily as UTF-8.
 
 /// Token ids of `text`: its bytes.
@@ -18,8 +21,26 @@ pub fn decode(ids: &[u32]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// The chat rendering: `role: content\n` per message, then `assistant: `.
-pub fn render_chat<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+/// How a rendered chat ends after its messages, as vLLM's chat options make a chat
+/// template end it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChatEnd {
+    /// The assistant's turn is opened: `assistant: ` (`add_generation_prompt`, vLLM's
+    /// default).
+    #[default]
+    GenerationPrompt,
+    /// Nothing after the last message's line (`add_generation_prompt: false`).
+    Closed,
+    /// The final message is left open, its line without the newline, so the model
+    /// continues its text (`continue_final_message: true`). An empty chat renders empty.
+    ContinueFinal,
+}
+
+/// The chat rendering: `role: content\n` per message, ended as `end` says.
+pub fn render_chat<'a>(
+    messages: impl IntoIterator<Item = (&'a str, &'a str)>,
+    end: ChatEnd,
+) -> String {
     let mut out = String::new();
     for (role, content) in messages {
         out.push_str(role);
@@ -27,7 +48,13 @@ pub fn render_chat<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -
         out.push_str(content);
         out.push('\n');
     }
-    out.push_str("assistant: ");
+    match end {
+        ChatEnd::GenerationPrompt => out.push_str("assistant: "),
+        ChatEnd::Closed => {}
+        ChatEnd::ContinueFinal => {
+            out.pop();
+        }
+    }
     out
 }
 
@@ -39,10 +66,31 @@ mod tests {
     fn bytes_are_tokens_and_chats_are_lines() {
         assert_eq!(encode("hi é"), vec![104, 105, 32, 195, 169]);
         assert_eq!(decode(&encode("hi é")), "hi é");
+        let chat = [("system", "be brief"), ("user", "hello")];
         assert_eq!(
-            render_chat([("system", "be brief"), ("user", "hello")]),
+            render_chat(chat, ChatEnd::default()),
             "system: be brief\nuser: hello\nassistant: "
         );
-        assert_eq!(render_chat([]), "assistant: ");
+        assert_eq!(render_chat([], ChatEnd::GenerationPrompt), "assistant: ");
+    }
+
+    #[test]
+    fn a_chat_ends_as_its_options_say() {
+        let chat = [("user", "hello"), ("assistant", "Hi, I am")];
+        assert_eq!(
+            render_chat(chat, ChatEnd::Closed),
+            "user: hello\nassistant: Hi, I am\n"
+        );
+        // Continuing: the generated text so far, with nothing after it.
+        assert_eq!(
+            render_chat(chat, ChatEnd::ContinueFinal),
+            "user: hello\nassistant: Hi, I am"
+        );
+        assert_eq!(
+            render_chat([("user", "hi"), ("assistant", "")], ChatEnd::ContinueFinal),
+            "user: hi\nassistant: "
+        );
+        assert_eq!(render_chat([], ChatEnd::Closed), "");
+        assert_eq!(render_chat([], ChatEnd::ContinueFinal), "");
     }
 }

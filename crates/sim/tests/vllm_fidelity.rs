@@ -5,8 +5,8 @@
 //!     KVROUTE_VLLM_URL=http://127.0.0.1:8100 KVROUTE_VLLM_KV_EVENTS=tcp://127.0.0.1:5557 \
 //!         cargo test -p kvroute-sim --test vllm_fidelity -- --nocapture
 //!
-//! Sends the same request sequence (completions and chats sharing prefixes, one output
-//! token each, nothing evicted) to that vLLM and to kvroute-sim with the same tokenizer
+//! Sends the same request sequence (completions and chats sharing prefixes, a chat's
+//! continuation with `continue_final_message`, one output token each, nothing evicted) to that vLLM and to kvroute-sim with the same tokenizer
 //! (testdata/tiny-llama, vLLM's tiny model) and block size (32), then requires the same
 //! `cached_tokens` for every request and the same sequence of stored blocks (token ids and
 //! parent links). Without the environment variables it says so and checks nothing.
@@ -138,6 +138,14 @@ fn requests(model: &str) -> Vec<(&'static str, Value)> {
             "/v1/chat/completions",
             chat(json!([sys, user("what is the capital of france?"),
             {"role": "assistant", "content": "paris"}, user("and of italy, if you please, in one word?")])),
+        ),
+        // A migrated chat's continuation: the first chat's prompt, then the text so far.
+        (
+            "/v1/chat/completions",
+            json!({"model": model, "max_tokens": 1,
+                   "messages": [sys, user("what is the capital of france?"),
+                                {"role": "assistant", "content": "The capital of France is"}],
+                   "continue_final_message": true, "add_generation_prompt": false}),
         ),
     ]
 }

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::path::Path;
 
+use kvroute_protocol::fallback::ChatEnd;
 use minijinja::Value;
 use serde_json::{Map, Value as Json};
 
@@ -14,10 +15,6 @@ use crate::{ChatOptions, TokenizerError};
 /// transformers' marker for `continue_final_message`, appended to the final message's text
 /// before rendering and cut off (with everything after it) afterwards.
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
-
-/// `chat_template_kwargs` keys that would clash with the call itself (vLLM and transformers
-/// refuse them too).
-const RESERVED_KWARGS: [&str; 4] = ["chat_template", "tokenize", "messages", "conversation"];
 
 pub(crate) struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -113,20 +110,13 @@ impl HfTokenizer {
             .templates
             .as_ref()
             .ok_or(TokenizerError::NoChatTemplate)?;
-        if opts.add_generation_prompt && opts.continue_final_message {
-            return Err(TokenizerError::InvalidOptions(
-                "add_generation_prompt and continue_final_message cannot both be set".into(),
-            ));
-        }
-        let kwargs = template_kwargs(opts.chat_template_kwargs)?;
         // Request kwargs override the request's own fields, as in vLLM.
+        let kwargs = opts.kwargs()?;
+        let continue_final = opts.chat_end()? == ChatEnd::ContinueFinal;
         let tools = match kwargs.get("tools").or(opts.tools) {
             None | Some(Json::Null) => None,
             Some(t) => Some(conversation::tools(t)?),
         };
-        let continue_final = kwargs
-            .get("continue_final_message")
-            .map_or(opts.continue_final_message, truthy);
         let (name, format) = templates.select(tools.is_some())?;
         let mut messages = conversation::conversation(messages, format)?;
         let final_text = if continue_final {
@@ -189,26 +179,6 @@ impl HfTokenizer {
             }
         }
         Value::from_iter(ctx)
-    }
-}
-
-/// The request's `chat_template_kwargs`: an object (or absent), without the reserved keys.
-fn template_kwargs(kwargs: Option<&Json>) -> Result<&Map<String, Json>, TokenizerError> {
-    static EMPTY: std::sync::OnceLock<Map<String, Json>> = std::sync::OnceLock::new();
-    let kwargs = match kwargs {
-        None | Some(Json::Null) => EMPTY.get_or_init(Map::new),
-        Some(Json::Object(m)) => m,
-        Some(_) => {
-            return Err(TokenizerError::InvalidOptions(
-                "chat_template_kwargs must be an object".into(),
-            ))
-        }
-    };
-    match RESERVED_KWARGS.iter().find(|k| kwargs.contains_key(**k)) {
-        Some(k) => Err(TokenizerError::InvalidOptions(format!(
-            "chat_template_kwargs may not set {k:?}"
-        ))),
-        None => Ok(kwargs),
     }
 }
 
@@ -277,18 +247,6 @@ fn cut_at_final_message(mut rendered: String, final_text: &str) -> Result<String
         rendered.truncate(rendered.trim_end().len());
     }
     Ok(rendered)
-}
-
-/// Python truthiness of a JSON value.
-fn truthy(v: &Json) -> bool {
-    match v {
-        Json::Null => false,
-        Json::Bool(b) => *b,
-        Json::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
-        Json::String(s) => !s.is_empty(),
-        Json::Array(a) => !a.is_empty(),
-        Json::Object(o) => !o.is_empty(),
-    }
 }
 
 /// transformers' `clean_up_tokenization`, applied by `decode` when the config asks.

@@ -14,7 +14,8 @@
 //!   jinja environment set up like transformers' (see the `template` module), and that text
 //!   is tokenised *without* special tokens: whatever the template writes (a BOS included)
 //!   is all there is ([`Tokenizer::encode_chat`]).
-//! - The fallback tokenises text as its bytes and renders chats as `role: content` lines.
+//! - The fallback tokenises text as its bytes and renders chats as `role: content` lines,
+//!   honouring `add_generation_prompt` and `continue_final_message` as a template does.
 //!
 //! **Invariants.** Loading is the only I/O and happens once; a loaded tokenizer is immutable,
 //! `Send + Sync`, and meant to be shared behind an `Arc`. Every chat template is compiled at
@@ -34,15 +35,17 @@ mod conversation;
 mod error;
 mod hf;
 mod load;
+mod options;
 mod template;
 
 use std::fmt;
 use std::path::Path;
 
-use kvroute_protocol::fallback;
+use kvroute_protocol::fallback::{self, ChatEnd};
 use serde_json::Value as Json;
 
 pub use error::TokenizerError;
+pub use options::{ChatFields, ChatOptions};
 
 use hf::HfTokenizer;
 
@@ -54,39 +57,6 @@ pub struct Tokenizer {
 enum Kind {
     Fallback,
     HuggingFace(Box<HfTokenizer>),
-}
-
-/// A chat request's fields that change its prompt, besides the messages. The defaults are
-/// vLLM's for `/v1/chat/completions`.
-#[derive(Debug, Clone, Copy)]
-pub struct ChatOptions<'a> {
-    /// End with the assistant's turn opening. Default true.
-    pub add_generation_prompt: bool,
-    /// Leave the final (assistant) message open so the model continues it. Default false;
-    /// setting both this and `add_generation_prompt` is an error, as in vLLM.
-    pub continue_final_message: bool,
-    /// The request's `tools`, as given; `None` when absent.
-    pub tools: Option<&'a Json>,
-    /// The request's `documents`, as given; `None` when absent.
-    pub documents: Option<&'a Json>,
-    /// The request's `chat_template_kwargs`, an object of extra template variables, which
-    /// override the fields above and the special tokens.
-    pub chat_template_kwargs: Option<&'a Json>,
-    /// Let the tokenizer add special tokens to the rendered chat too. Default false.
-    pub add_special_tokens: bool,
-}
-
-impl Default for ChatOptions<'_> {
-    fn default() -> Self {
-        Self {
-            add_generation_prompt: true,
-            continue_final_message: false,
-            tools: None,
-            documents: None,
-            chat_template_kwargs: None,
-            add_special_tokens: false,
-        }
-    }
 }
 
 impl Tokenizer {
@@ -125,15 +95,15 @@ impl Tokenizer {
     }
 
     /// The text a chat becomes before tokenising: the chat template's rendering of vLLM's
-    /// conversation, or the fallback's `role: content` lines (which ignore `options`).
-    /// `messages` is the request's `messages` array.
+    /// conversation, or the fallback's `role: content` lines (ended as the options say, as
+    /// a template would end them). `messages` is the request's `messages` array.
     pub fn render_chat(
         &self,
         messages: &Json,
         options: &ChatOptions<'_>,
     ) -> Result<String, TokenizerError> {
         match &self.kind {
-            Kind::Fallback => render_fallback_chat(messages),
+            Kind::Fallback => render_fallback_chat(messages, options),
             Kind::HuggingFace(hf) => hf.render_chat(messages, options),
         }
     }
@@ -190,8 +160,13 @@ impl fmt::Debug for Tokenizer {
 }
 
 /// The fallback chat: each message's role and text (a string, its parts' texts joined with
-/// single spaces, or empty for null), through [`fallback::render_chat`].
-fn render_fallback_chat(messages: &Json) -> Result<String, TokenizerError> {
+/// single spaces, or empty for null), through [`fallback::render_chat`], ended as `options`
+/// say (`chat_template_kwargs` count as for a template; see the `options` module).
+fn render_fallback_chat(
+    messages: &Json,
+    options: &ChatOptions<'_>,
+) -> Result<String, TokenizerError> {
+    let end = options.chat_end()?;
     let invalid = |m: &str| TokenizerError::InvalidMessages(m.to_owned());
     let Json::Array(messages) = messages else {
         return Err(invalid("messages must be an array"));
@@ -221,7 +196,13 @@ fn render_fallback_chat(messages: &Json) -> Result<String, TokenizerError> {
         };
         lines.push((role, content));
     }
+    if end == ChatEnd::ContinueFinal && lines.is_empty() {
+        return Err(TokenizerError::InvalidOptions(
+            "continue_final_message is set but there is no message to continue".into(),
+        ));
+    }
     Ok(fallback::render_chat(
         lines.iter().map(|(r, c)| (*r, c.as_str())),
+        end,
     ))
 }

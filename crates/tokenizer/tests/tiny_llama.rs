@@ -147,6 +147,34 @@ fn continue_final_message_leaves_the_last_message_open() {
 }
 
 #[test]
+fn the_template_and_the_fallback_end_a_chat_alike() {
+    // The tiny template writes the fallback's `role: content` lines, so for plain string
+    // contents the two renderings agree for every way a chat can end: that pins the
+    // fallback's continuation to transformers' (the template's text cut at the final
+    // message's end).
+    let (tiny, fallback) = (tiny(), Tokenizer::fallback());
+    let ends = [(true, false), (false, false), (false, true)];
+    for messages in [
+        json!([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi, I am"}]),
+        json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]),
+        json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "go on"}]),
+    ] {
+        for (add_generation_prompt, continue_final_message) in ends {
+            let opts = ChatOptions {
+                add_generation_prompt,
+                continue_final_message,
+                ..ChatOptions::default()
+            };
+            assert_eq!(
+                tiny.render_chat(&messages, &opts).unwrap(),
+                fallback.render_chat(&messages, &opts).unwrap(),
+                "{messages} {opts:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn decode_skips_special_tokens() {
     let t = tiny();
     let ids = t.encode_prompt("hello there, router").unwrap();

@@ -10,7 +10,8 @@ use axum::extract::{Request, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kvroute_tokenizer::ChatOptions;
+use kvroute_tokenizer::ChatFields;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::{bad_request, json_body, ApiError};
@@ -79,12 +80,14 @@ impl AppState {
             .map_err(|e| bad_request(format!("cannot tokenize the prompt: {e}")))
     }
 
-    fn chat_tokens(&self, messages: &Value) -> Result<Vec<u32>, ApiError> {
-        if !messages.is_array() {
+    /// A chat's prompt ids, its options (`continue_final_message`, ...) honoured as vLLM
+    /// honours them and as the router reads them, so both derive the same ids.
+    fn chat_tokens(&self, chat: &ChatFields) -> Result<Vec<u32>, ApiError> {
+        if !chat.messages.is_array() {
             return Err(bad_request("messages must be a list"));
         }
         self.tokenizer
-            .encode_chat(messages, &ChatOptions::default())
+            .encode_chat(&chat.messages, &chat.options())
             .map_err(|e| bad_request(format!("cannot render the chat: {e}")))
     }
 }
@@ -110,6 +113,7 @@ pub(super) async fn completions(
             prompt,
             max_tokens,
             stream: body.stream.unwrap_or(false),
+            usage: openai::StreamUsage::of(body.stream_options.as_ref()),
             salt: salt_of(body.cache_salt.as_deref()),
             disagg: body.disagg,
         },
@@ -124,7 +128,7 @@ pub(super) async fn chat(
     state.faults.before_inference(&state.stopping).await?;
     let (headers, body) = json_body::<openai::ChatRequest>(req).await?;
     state.check_model(body.model.as_deref())?;
-    let prompt = state.chat_tokens(&body.messages)?;
+    let prompt = state.chat_tokens(&body.prompt)?;
     let max_tokens = body
         .max_completion_tokens
         .or(body.max_tokens)
@@ -137,6 +141,7 @@ pub(super) async fn chat(
             prompt,
             max_tokens,
             stream: body.stream.unwrap_or(false),
+            usage: openai::StreamUsage::of(body.stream_options.as_ref()),
             salt: salt_of(body.cache_salt.as_deref()),
             disagg: body.disagg,
         },
@@ -158,7 +163,7 @@ pub(super) async fn render_chat(
     req: Request,
 ) -> Result<Response, ApiError> {
     let (_, body) = json_body::<openai::ChatRequest>(req).await?;
-    let ids = state.chat_tokens(&body.messages)?;
+    let ids = state.chat_tokens(&body.prompt)?;
     Ok(Json(json!({"token_ids": ids})).into_response())
 }
 
@@ -167,8 +172,10 @@ pub(super) async fn tokenize(
     req: Request,
 ) -> Result<Response, ApiError> {
     let (_, body) = json_body::<Value>(req).await?;
-    let tokens = if let Some(messages) = body.get("messages") {
-        state.chat_tokens(messages)?
+    let tokens = if body.get("messages").is_some() {
+        let chat = ChatFields::deserialize(&body)
+            .map_err(|e| bad_request(format!("invalid chat request: {e}")))?;
+        state.chat_tokens(&chat)?
     } else if let Some(prompt) = body.get("prompt") {
         state.completion_tokens(prompt)?
     } else {

@@ -24,6 +24,8 @@ pub(super) struct Generate {
     pub(super) prompt: Vec<u32>,
     pub(super) max_tokens: usize,
     pub(super) stream: bool,
+    /// Which chunks of a stream carry usage (`stream_options`).
+    pub(super) usage: openai::StreamUsage,
     pub(super) salt: u64,
     pub(super) disagg: pd::DisaggFields,
 }
@@ -53,6 +55,7 @@ pub(super) async fn generate(
         prompt,
         max_tokens,
         stream,
+        usage,
         salt,
         disagg,
     } = g;
@@ -157,10 +160,15 @@ pub(super) async fn generate(
         }
         return Err(ApiError::unavailable("engine stopped"));
     }
-    // Streaming: one SSE event per token, then the usage chunk and [DONE].
+    // Streaming: one SSE event per token, then the usage chunk (unless `include_usage` is
+    // off) and [DONE].
     let mut prelude = String::new();
     if api == Api::Chat {
-        prelude.push_str(&openai::sse(&openai::role_chunk(&meta)));
+        let mut role = openai::role_chunk(&meta);
+        if usage == openai::StreamUsage::Continuous {
+            role["usage"] = openai::running_usage(&meta, 0);
+        }
+        prelude.push_str(&openai::sse(&role));
     }
     struct StreamState {
         rx: mpsc::UnboundedReceiver<Delivery>,
@@ -169,6 +177,7 @@ pub(super) async fn generate(
         guard: AbortOnDrop,
         meta: ResponseMeta,
         chunk: openai::ChunkTemplate,
+        usage: openai::StreamUsage,
         tokenizer: Arc<Tokenizer>,
         count: usize,
         ended: bool,
@@ -183,6 +192,7 @@ pub(super) async fn generate(
         prelude: Some(prelude),
         guard,
         chunk: openai::ChunkTemplate::new(&meta),
+        usage,
         meta,
         tokenizer,
         count: 0,
@@ -224,23 +234,27 @@ pub(super) async fn generate(
             any = true;
             st.count += 1;
             let text = st.tokenizer.decode(&[token]).unwrap_or_default();
+            let running = (st.usage == openai::StreamUsage::Continuous)
+                .then(|| openai::running_usage(&st.meta, st.count));
             if st.crash.is_some() {
                 // The first token only, never the end.
-                st.chunk.push(&mut out, &text, false);
+                st.chunk.push(&mut out, &text, false, running.as_ref());
                 break;
             }
-            st.chunk.push(&mut out, &text, finished);
+            st.chunk.push(&mut out, &text, finished, running.as_ref());
             if finished {
                 st.guard.done = true;
                 st.ended = true;
                 if let Some(prefill) = st.remote_prefill.take() {
                     prefill.done(st.meta.prompt_tokens, cached_tokens);
                 }
-                out.push_str(&openai::sse(&openai::usage_chunk(
-                    &st.meta,
-                    st.count,
-                    st.cached_report.report(cached_tokens),
-                )));
+                if st.usage != openai::StreamUsage::None {
+                    out.push_str(&openai::sse(&openai::usage_chunk(
+                        &st.meta,
+                        st.count,
+                        st.cached_report.report(cached_tokens),
+                    )));
+                }
                 out.push_str("data: [DONE]\n\n");
                 break;
             }

@@ -1,11 +1,14 @@
 //! vLLM's OpenAI-compatible request and response bodies, as far as the simulator needs.
 //!
 //! Differences from vLLM, on purpose: a request produces exactly `max_tokens` tokens (16
-//! when absent, for chats too: vLLM's chat default is the rest of the context), and every
-//! stream ends with a usage chunk (vLLM sends it only with `stream_options.include_usage`),
-//! so clients always see `usage.prompt_tokens_details.cached_tokens`.
+//! when absent, for chats too: vLLM's chat default is the rest of the context), and a
+//! stream without `stream_options` ends with a usage chunk (vLLM sends it only with
+//! `stream_options.include_usage`), so clients always see
+//! `usage.prompt_tokens_details.cached_tokens`. Given `stream_options`, the sim reads them as
+//! vLLM does (see [`StreamUsage`]).
 
 use axum::http::StatusCode;
+use kvroute_tokenizer::ChatFields;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -23,6 +26,8 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub stream: Option<bool>,
     #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
     pub cache_salt: Option<String>,
     #[serde(flatten)]
     pub disagg: DisaggFields,
@@ -32,7 +37,11 @@ pub struct CompletionRequest {
 pub struct ChatRequest {
     #[serde(default)]
     pub model: Option<String>,
-    pub messages: Value,
+    /// The messages and the options that shape the prompt (`add_generation_prompt`,
+    /// `continue_final_message`, `chat_template_kwargs`, `tools`, ...), read as the router
+    /// reads them.
+    #[serde(flatten)]
+    pub prompt: ChatFields,
     #[serde(default)]
     pub max_tokens: Option<usize>,
     #[serde(default)]
@@ -40,9 +49,52 @@ pub struct ChatRequest {
     #[serde(default)]
     pub stream: Option<bool>,
     #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
     pub cache_salt: Option<String>,
     #[serde(flatten)]
     pub disagg: DisaggFields,
+}
+
+/// vLLM's `stream_options`; inside it `include_usage` defaults to true.
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
+}
+
+/// Which chunks of a stream carry a `usage` object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamUsage {
+    /// None (`include_usage: false`).
+    None,
+    /// A closing chunk with no choices and the whole usage, before `[DONE]` (the sim's
+    /// default, and `include_usage`).
+    Final,
+    /// That closing chunk, and every chunk before it with the usage so far: the prompt's
+    /// tokens and the completion tokens sent up to and including that chunk (0 in a chat's
+    /// role chunk) (`continuous_usage_stats`, which vLLM honours only with `include_usage`).
+    Continuous,
+}
+
+impl StreamUsage {
+    /// vLLM's reading of `stream_options`, except that without them the sim still closes
+    /// the stream with a usage chunk.
+    pub fn of(options: Option<&StreamOptions>) -> Self {
+        let Some(options) = options else {
+            return Self::Final;
+        };
+        match (
+            options.include_usage.unwrap_or(true),
+            options.continuous_usage_stats.unwrap_or(false),
+        ) {
+            (false, _) => Self::None,
+            (true, false) => Self::Final,
+            (true, true) => Self::Continuous,
+        }
+    }
 }
 
 /// Which API a request came through: it decides the shape of every answer.
@@ -118,6 +170,15 @@ pub fn role_chunk(meta: &ResponseMeta) -> Value {
     json!({
         "id": meta.id, "object": chunk_object(meta.api), "created": meta.created, "model": meta.model,
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
+    })
+}
+
+/// The usage a chunk carries with `continuous_usage_stats`: counts only, as vLLM writes it.
+pub fn running_usage(meta: &ResponseMeta, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": meta.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": meta.prompt_tokens + completion_tokens,
     })
 }
 
@@ -199,14 +260,26 @@ impl ChunkTemplate {
         }
     }
 
-    /// Appends the SSE event of one token to `out`.
-    pub fn push(&self, out: &mut String, text: &str, finished: bool) {
+    /// Appends the SSE event of one token to `out`; with `usage`, the chunk carries it
+    /// (see [`running_usage`]).
+    pub fn push(&self, out: &mut String, text: &str, finished: bool, usage: Option<&Value>) {
         out.push_str(&self.prefix);
         out.push_str(&serde_json::to_string(text).expect("a string serialises"));
-        out.push_str(if finished {
+        let suffix = if finished {
             &self.final_suffix
         } else {
             &self.suffix
-        });
+        };
+        match usage {
+            None => out.push_str(suffix),
+            Some(usage) => {
+                // The suffix closes the chunk's object with `}\n\n`: the usage goes before.
+                let open = suffix.trim_end().strip_suffix('}').expect("a JSON object");
+                out.push_str(open);
+                out.push_str(",\"usage\":");
+                out.push_str(&usage.to_string());
+                out.push_str("}\n\n");
+            }
+        }
     }
 }

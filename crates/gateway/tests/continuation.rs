@@ -1,0 +1,145 @@
+//! A migrated chat's continuation (the messages, then an assistant message holding the text
+//! so far, with `continue_final_message: true` and `add_generation_prompt: false`, vLLM's
+//! parameters) is tokenised alike by the router and by kvroute-sim, with the fallback
+//! tokenizer and with a real one (testdata/tiny-llama): the ids the router routes on are the
+//! ids the engine caches.
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_gateway::{routing, Gateway, Settings};
+use kvroute_protocol::RoutingFields;
+use kvroute_sim::{SimArgs, SimServer};
+use kvroute_tokenizer::Tokenizer;
+use serde_json::{json, Value};
+use support::*;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// A kvroute-sim with `tokenizer`, serving until `shutdown`: its URL.
+async fn sim(tokenizer: &Arc<Tokenizer>, shutdown: &CancellationToken) -> String {
+    let args = <SimArgs as clap::Parser>::parse_from(["kvroute-sim", "--speedup", "1000"]);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = SimServer::new(args, tokenizer.clone());
+    tokio::spawn(server.serve(listener, shutdown.clone()));
+    url
+}
+
+/// A router (the default policy, kv_aware) with `tokenizer` in front of `worker`, serving
+/// until `shutdown`: its URL, once ready.
+async fn router(worker: &str, tokenizer: &Arc<Tokenizer>, shutdown: &CancellationToken) -> String {
+    let settings = Settings::with_workers(vec![named_spec("sim", "kvroute-sim", worker)]).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let mut registry = prometheus_client::registry::Registry::default();
+    let gateway = Gateway::with_tokenizer(settings, &mut registry, tokenizer.clone());
+    tokio::spawn(gateway.clone().serve(
+        listener,
+        metrics_listener,
+        Arc::new(registry),
+        shutdown.clone(),
+    ));
+    tokio::time::timeout(Duration::from_secs(20), gateway.wait_ready())
+        .await
+        .expect("router ready");
+    url
+}
+
+/// A chat, and the continuations of it a migration may send.
+fn chats() -> Vec<Value> {
+    let messages = json!([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "tell me about routers, please"}
+    ]);
+    let so_far = "Routers pick, for each request, the engine";
+    let mut continued = messages.as_array().unwrap().clone();
+    continued.push(json!({"role": "assistant", "content": so_far}));
+    let mut in_parts = messages.as_array().unwrap().clone();
+    in_parts.push(json!({"role": "assistant", "content": [{"type": "text", "text": so_far}]}));
+    vec![
+        json!({"messages": messages, "max_tokens": 8, "stream": true}),
+        json!({"messages": continued, "max_tokens": 4, "stream": true,
+               "continue_final_message": true, "add_generation_prompt": false}),
+        json!({"messages": in_parts, "max_tokens": 4,
+               "continue_final_message": true, "add_generation_prompt": false}),
+        json!({"messages": continued, "max_tokens": 4,
+               "chat_template_kwargs": {"continue_final_message": true,
+                                        "add_generation_prompt": false}}),
+        json!({"messages": continued, "add_generation_prompt": false}),
+    ]
+}
+
+/// The ids the router derives for `body` (what it routes and indexes on).
+fn router_ids(tokenizer: &Tokenizer, body: &Value) -> Vec<u32> {
+    let bytes = body.to_string().into_bytes();
+    let fields = RoutingFields::from_json(&bytes).unwrap();
+    routing::prompt_tokens(tokenizer, &bytes, &fields).expect("the router tokenises the chat")
+}
+
+async fn check_same_ids(tokenizer: Tokenizer) -> Vec<Vec<u32>> {
+    let tokenizer = Arc::new(tokenizer);
+    let shutdown = CancellationToken::new();
+    let engine = sim(&tokenizer, &shutdown).await;
+    let router = router(&engine, &tokenizer, &shutdown).await;
+    let mut all = Vec::new();
+    for body in chats() {
+        let ids = router_ids(&tokenizer, &body);
+        let tokenized = post(&engine, "/tokenize", &[], &body.to_string()).await;
+        assert_eq!(tokenized.status, 200, "{body}: {:?}", tokenized.body);
+        assert_eq!(tokenized.json()["tokens"], json!(ids), "{body}");
+        let render = post(
+            &engine,
+            "/v1/chat/completions/render",
+            &[],
+            &body.to_string(),
+        )
+        .await;
+        assert_eq!(render.json()["token_ids"], json!(ids), "{body}");
+        // End to end: the router's own count, and the engine's, for the request itself.
+        let debug = post(&router, "/debug/route", &[], &body.to_string()).await;
+        assert_eq!(debug.status, 200, "{:?}", debug.body);
+        assert_eq!(debug.json()["prompt_tokens"], ids.len(), "{body}");
+        let mut once = body.clone();
+        once["stream"] = json!(false);
+        let reply = post(&router, "/v1/chat/completions", &[], &once.to_string()).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.json()["usage"]["prompt_tokens"], ids.len(), "{body}");
+        all.push(ids);
+    }
+    shutdown.cancel();
+    all
+}
+
+#[tokio::test]
+async fn router_and_sim_agree_on_a_continuation_with_the_fallback() {
+    let ids = check_same_ids(Tokenizer::fallback()).await;
+    // The continuation extends the original prompt's ids up to its generation prompt
+    // (`assistant: `, the last 11 bytes), so the engine's cached blocks are reused.
+    let (original, continuation) = (&ids[0], &ids[1]);
+    assert_eq!(&continuation[..original.len()], &original[..]);
+    assert_eq!(
+        kvroute_protocol::fallback::decode(&continuation[original.len()..]),
+        "Routers pick, for each request, the engine"
+    );
+    assert_eq!(ids[2], ids[1], "a final message given in parts");
+    assert_eq!(ids[3], ids[1], "the options given as chat_template_kwargs");
+}
+
+#[tokio::test]
+async fn router_and_sim_agree_on_a_continuation_with_a_real_tokenizer() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/tiny-llama");
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let decode = Tokenizer::load(&dir).unwrap();
+    let ids = check_same_ids(tokenizer).await;
+    assert_eq!(
+        decode.decode(&ids[1]).unwrap(),
+        "system: be brief\nuser: tell me about routers, please\n\
+         assistant: Routers pick, for each request, the engine"
+    );
+    assert_eq!(ids[3], ids[1], "the options given as chat_template_kwargs");
+}
