@@ -57,6 +57,16 @@ impl UsageWanted {
     }
 }
 
+/// What becomes of one chunk.
+enum Edit {
+    /// Sent as the worker wrote it.
+    Keep,
+    /// Sent rewritten.
+    Changed,
+    /// Not sent.
+    Drop,
+}
+
 /// Why the worker's stream is a failure to migrate from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineFailure(pub String);
@@ -181,16 +191,21 @@ impl Editor {
             out.extend_from_slice(raw);
             return Ok(());
         }
-        if self.edit(&mut chunk) {
-            out.extend_from_slice(b"data: ");
-            out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
-            out.extend_from_slice(b"\n\n");
+        match self.edit(&mut chunk) {
+            Edit::Keep => out.extend_from_slice(raw),
+            Edit::Changed => {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
+                out.extend_from_slice(b"\n\n");
+            }
+            Edit::Drop => {}
         }
         Ok(())
     }
 
-    /// Accounts for one chunk and rewrites it; `false` drops it.
-    fn edit(&mut self, chunk: &mut Map<String, Value>) -> bool {
+    /// Accounts for one chunk and rewrites it.
+    fn edit(&mut self, chunk: &mut Map<String, Value>) -> Edit {
+        let mut changed = false;
         // Identity: the first worker's, on every chunk of the request.
         match &self.identity {
             None => {
@@ -206,6 +221,7 @@ impl Editor {
                 for (k, v) in id {
                     chunk.insert(k.clone(), v.clone());
                 }
+                changed = true;
             }
             Some(_) => {}
         }
@@ -226,9 +242,10 @@ impl Editor {
         if content_chunk {
             self.attempt_chunks += 1;
         }
+        let keep = if changed { Edit::Changed } else { Edit::Keep };
         let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) else {
             self.tokens = self.tokens_before + self.attempt_chunks;
-            return true;
+            return keep;
         };
         if let Some(n) = usage["completion_tokens"].as_u64() {
             self.attempt_usage = Some(n);
@@ -241,18 +258,25 @@ impl Editor {
             .get("choices")
             .and_then(Value::as_array)
             .is_some_and(Vec::is_empty);
-        let keep = if closing {
+        let wanted = if closing {
             self.wanted.last
         } else {
             self.wanted.every
         };
-        if !keep {
+        if !wanted {
+            if closing {
+                return Edit::Drop;
+            }
             chunk.remove("usage");
-            return !closing;
+            return Edit::Changed;
+        }
+        if !self.continued {
+            // One worker so far: its usage is the request's.
+            return keep;
         }
         let whole = self.whole_usage(usage);
         chunk.insert("usage".into(), whole);
-        true
+        Edit::Changed
     }
 
     /// The usage of the whole request: the first prompt, every completion token.
@@ -268,7 +292,7 @@ impl Editor {
         whole
     }
 
-    fn edit_generate(&mut self, chunk: &mut Map<String, Value>) -> bool {
+    fn edit_generate(&mut self, chunk: &mut Map<String, Value>) -> Edit {
         if let Some(text) = chunk.get("text").and_then(Value::as_str) {
             let whole = format!("{}{text}", self.text_before);
             self.text.clone_from(&whole);
@@ -289,7 +313,11 @@ impl Editor {
                 }
             }
         }
-        true
+        if self.continued {
+            Edit::Changed
+        } else {
+            Edit::Keep
+        }
     }
 }
 
