@@ -4,7 +4,7 @@
 # SIGKILL every KILL_MIN..KILL_MAX seconds (at random) and restarts it DOWN_MIN..DOWN_MAX
 # seconds later. Two runs: migration off (--migration-limit 0) and on (the default limit).
 # Each prints, from the clients' side (crates/gateway/examples/chaos.rs): completed normally,
-# completed after a migration (the router's kvroute_request_migrations_total{outcome="ok"},
+# completed after a migration (the router's kvroute_request_migrations_total{outcome="migrated"},
 # before and after), failed with an error event, failed otherwise, tokens delivered against
 # max_tokens per request, and the router's in-flight gauges after the run.
 #   bench/chaos.sh                  # N=2000 CONCURRENCY=32 SPEEDUP=1 KILL_MIN=1 KILL_MAX=4 DOWN_MIN=1 DOWN_MAX=3

@@ -245,7 +245,7 @@ fn report(answers: &[Answer], elapsed: f64, before: &str, after: &str) {
         sum(after, name, label) - sum(before, name, label)
     };
     let has_migrations = after.contains("kvroute_request_migrations");
-    let migrated_ok = migrations("outcome=\"ok\"");
+    let migrated_ok = migrations("outcome=\"migrated\"");
     let migrated = if has_migrations {
         format!("{migrated_ok:.0}")
     } else {
