@@ -105,21 +105,21 @@ pub(crate) async fn route_and_forward(
 
     let hints = routing::parse_hints(&parts.headers)?;
     if pd.is_some() {
-        let arrived_at = arrived;
-        return crate::pd::route(
-            state,
-            crate::pd::PdRequest {
-                parts: &parts,
-                body: body.clone(),
-                fields: &fields,
-                tokens,
-                hints: &hints,
-                request_id,
-                arrived: arrived_at,
-            },
-            admitted,
-        )
-        .await;
+        let api = Api::of(route).filter(|_| state.settings.migration.limit > 0 && fields.stream);
+        let req = crate::pd::PdRequest {
+            parts: &parts,
+            body: body.clone(),
+            fields: &fields,
+            tokens,
+            hints: &hints,
+            request_id,
+            arrived,
+            excluded: &[],
+        };
+        let Some(api) = api else {
+            return crate::pd::route(state, req, admitted).await;
+        };
+        return pd_stream(state, api, req, admitted).await;
     }
     let mut released = None;
     let mut class = None;
@@ -210,6 +210,117 @@ pub(crate) async fn route_and_forward(
     };
     let resend = resender(state, &parts, request_id, arrived, class);
     Ok(migrate::migrating(migration, sent, resend))
+}
+
+/// A disaggregated stream that may migrate: its decode half, wrapped so that a failure
+/// mid-stream goes on from a new prefill/decode pair.
+async fn pd_stream(
+    state: &Arc<AppState>,
+    api: Api,
+    mut req: crate::pd::PdRequest<'_>,
+    admitted: Admitted,
+) -> Result<Response, GatewayError> {
+    let original: serde_json::Value =
+        serde_json::from_slice(&req.body).map_err(GatewayError::InvalidJson)?;
+    let allowed = match migrate::stream::unmigratable(api, &original) {
+        Some(why) => Err(why),
+        None if req.parts.headers.contains_key(WORKER_HEADER) => {
+            Err("the request is pinned to its worker")
+        }
+        None => Ok(state.settings.migration.limit),
+    };
+    if allowed.is_ok() {
+        req.body = Bytes::from(migrate::stream::with_usage_stats(api, &original).to_string());
+    }
+    let (mut response, worker, prefill) = match crate::pd::halves(state, &req).await? {
+        crate::pd::PdAnswer::Answered(response) => return Ok(response),
+        crate::pd::PdAnswer::Decode {
+            response,
+            worker,
+            prefill,
+        } => (response, worker, prefill),
+    };
+    response.body_mut().hold(admitted);
+    if let Some(p) = prefill {
+        response
+            .headers_mut()
+            .insert(crate::pd::PREFILL_WORKER_HEADER, p);
+    }
+    if !response.status().is_success() {
+        return Ok(response.map(Body::new));
+    }
+    let migration = Migration {
+        api,
+        original,
+        injected: allowed.is_ok(),
+        allowed,
+        stall: state.settings.migration.stall,
+        metrics: state.metrics.migrations.clone(),
+    };
+    let sent = Sent {
+        response,
+        worker,
+        pinned: false,
+    };
+    let resend = pd_resender(state, req.parts, req.request_id, req.arrived);
+    Ok(migrate::migrating(migration, sent, resend))
+}
+
+/// Sends a continuation of a disaggregated request: both halves chosen afresh, the failed
+/// workers excluded.
+fn pd_resender(
+    state: &Arc<AppState>,
+    parts: &http::request::Parts,
+    request_id: &HeaderValue,
+    arrived: Instant,
+) -> migrate::Resend {
+    let (state, method, uri, headers, request_id) = (
+        state.clone(),
+        parts.method.clone(),
+        parts.uri.clone(),
+        parts.headers.clone(),
+        request_id.clone(),
+    );
+    Box::new(move |body: Bytes, tried: Vec<WorkerId>| {
+        let (state, method, uri, headers, request_id) = (
+            state.clone(),
+            method.clone(),
+            uri.clone(),
+            headers.clone(),
+            request_id.clone(),
+        );
+        Box::pin(async move {
+            let (mut parts, ()) = http::Request::new(()).into_parts();
+            parts.method = method;
+            parts.uri = uri;
+            parts.headers = headers;
+            let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
+            let tokens = routing::tokens_for(&state.kv, tokenize_as(&state, true), &body).await;
+            let hints = routing::parse_hints(&parts.headers)?;
+            let req = crate::pd::PdRequest {
+                parts: &parts,
+                body: body.clone(),
+                fields: &fields,
+                tokens,
+                hints: &hints,
+                request_id: &request_id,
+                arrived,
+                excluded: &tried,
+            };
+            match crate::pd::halves(&state, &req).await? {
+                crate::pd::PdAnswer::Decode {
+                    response, worker, ..
+                } => Ok(Sent {
+                    response,
+                    worker,
+                    pinned: false,
+                }),
+                crate::pd::PdAnswer::Answered(_) => Err(GatewayError::NoEndpoint(
+                    "the prefill half of the continuation failed",
+                )),
+            }
+        })
+    })
 }
 
 /// The policy whose tokens the request needs.

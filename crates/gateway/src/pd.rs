@@ -16,7 +16,10 @@
 //!   prefill fails first.
 //!
 //! Each half holds its own in-flight guard (the prefill half's load is the prompt, the decode
-//! half's the blocks it decodes over), released on every outcome. Halves are not retried.
+//! half's the blocks it decodes over), released on every outcome. A vLLM prefill half that
+//! fails before any byte is retried on another prefill worker; a decode half that fails
+//! mid-stream migrates ([`crate::migrate`]) to a new pair chosen for the prompt and the text so
+//! far, the failed workers excluded.
 
 use std::time::Instant;
 
@@ -27,7 +30,7 @@ use http::HeaderValue;
 use http_body_util::BodyExt;
 use kvroute_core::eligibility::Hints;
 use kvroute_core::{PolicyKind, RequestLoad};
-use kvroute_protocol::RoutingFields;
+use kvroute_protocol::{RoutingFields, WorkerId};
 
 use crate::config::PdProtocol;
 use crate::context::AppState;
@@ -52,6 +55,19 @@ pub(crate) struct PdRequest<'a> {
     pub hints: &'a Hints,
     pub request_id: &'a HeaderValue,
     pub arrived: Instant,
+    /// Workers this request failed on (a migrated stream): neither half goes there.
+    pub excluded: &'a [WorkerId],
+}
+
+/// What the halves answered: the decode worker's response, or an answer that ends the
+/// request (a failed prefill's).
+pub(crate) enum PdAnswer {
+    Decode {
+        response: http::Response<proxy::TrackedBody>,
+        worker: WorkerId,
+        prefill: Option<HeaderValue>,
+    },
+    Answered(Response),
 }
 
 pub(crate) async fn route(
@@ -59,6 +75,19 @@ pub(crate) async fn route(
     req: PdRequest<'_>,
     admitted: Admitted,
 ) -> Result<Response, GatewayError> {
+    Ok(match halves(state, &req).await? {
+        PdAnswer::Decode {
+            response, prefill, ..
+        } => finish(response, admitted, prefill),
+        PdAnswer::Answered(response) => response,
+    })
+}
+
+/// Sends the halves of `req`: the decode worker's response, or the answer that ends it.
+pub(crate) async fn halves(
+    state: &AppState,
+    req: &PdRequest<'_>,
+) -> Result<PdAnswer, GatewayError> {
     let pd = state
         .settings
         .pd
@@ -72,7 +101,7 @@ pub(crate) async fn route(
     let (decode, decode_load, cached) = {
         let table = state.workers.table();
         let pool = table.resolve_half(Half::Decode, model)?;
-        let plan = plan_half(state, pool, &req, req.hints, true, now)?;
+        let plan = plan_half(state, pool, req, req.hints, true, now)?;
         let choice = plan.choice().clone();
         // What the decode worker holds matters only for --pd-min-uncached-tokens; kv_aware's
         // plan has already looked it up.
@@ -95,8 +124,12 @@ pub(crate) async fn route(
         state.metrics.disagg_decode_only.inc();
         decode.worker.series.pd_decode.inc();
         tracing::debug!(worker = %decode.worker.id, uncached, "Decode-only: the decode worker holds the prompt");
-        let response = send_decode(state, &req, &decode, decode_load, req.body.clone()).await?;
-        return Ok(finish(response, admitted, None));
+        let response = send_decode(state, req, &decode, decode_load, req.body.clone()).await?;
+        return Ok(PdAnswer::Decode {
+            response,
+            worker: decode.worker.id.clone(),
+            prefill: None,
+        });
     }
     state.metrics.disagg_remote.inc();
 
@@ -108,7 +141,7 @@ pub(crate) async fn route(
             pinned_rank: None,
             ..req.hints.clone()
         };
-        let plan = plan_half(state, pool, &req, &hints, false, now)?;
+        let plan = plan_half(state, pool, req, &hints, false, now)?;
         let choice = plan.choice().clone();
         if plan.policy == PolicyKind::KvAware && !state.kv.uses_events(&choice.worker) {
             state
@@ -156,16 +189,20 @@ pub(crate) async fn route(
                 }),
             );
             let first = Bytes::from(serde_json::to_vec(&first).expect("a JSON object"));
-            let answer = prefill_task(state, &req, &prefill, prefill_load, first).await?;
-            let params = match answer {
-                Ok(params) => params,
-                // The prefill's own error is the client's answer.
-                Err(response) => return Ok(response),
-            };
+            let (params, prefill_name) =
+                match prefill_retried(state, req, prefill, prefill_load, first).await? {
+                    Ok(done) => done,
+                    // The prefill's own error is the client's answer.
+                    Err(response) => return Ok(PdAnswer::Answered(response)),
+                };
             object.insert("kv_transfer_params".into(), params);
             let second = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
-            let response = send_decode(state, &req, &decode, decode_load, second).await?;
-            Ok(finish(response, admitted, prefill_name))
+            let response = send_decode(state, req, &decode, decode_load, second).await?;
+            Ok(PdAnswer::Decode {
+                response,
+                worker: decode.worker.id.clone(),
+                prefill: prefill_name,
+            })
         }
         PdProtocol::Sglang => {
             let host = host_of(&prefill.worker.url);
@@ -184,12 +221,12 @@ pub(crate) async fn route(
             // (an engine aborts a request whose client went away).
             let mut prefill_half = tokio::spawn(prefill_task(
                 state,
-                &req,
+                req,
                 &prefill,
                 prefill_load,
                 both.clone(),
             ));
-            let decode_half = send_decode(state, &req, &decode, decode_load, both);
+            let decode_half = send_decode(state, req, &decode, decode_load, both);
             tokio::pin!(decode_half);
             // Whichever ends first; a failed prefill stops the decode half.
             let response = tokio::select! {
@@ -200,13 +237,17 @@ pub(crate) async fn route(
                     })?;
                     match prefilled? {
                         Ok(_) => decode_half.await?,
-                        Err(response) => return Ok(response),
+                        Err(response) => return Ok(PdAnswer::Answered(response)),
                     }
                 }
                 // The prefill half goes on in its task, with its guard.
                 decoded = &mut decode_half => decoded?,
             };
-            Ok(finish(response, admitted, prefill_name))
+            Ok(PdAnswer::Decode {
+                response,
+                worker: decode.worker.id.clone(),
+                prefill: prefill_name,
+            })
         }
     }
 }
@@ -221,6 +262,22 @@ fn plan_half(
     now: Instant,
 ) -> Result<Plan, GatewayError> {
     let busy = state.busy.get(pool.model.as_str());
+    let kept;
+    let pool = if req.excluded.is_empty() {
+        pool
+    } else {
+        kept = Pool {
+            model: pool.model.clone(),
+            workers: pool
+                .workers
+                .iter()
+                .filter(|w| !req.excluded.contains(&w.id))
+                .cloned()
+                .collect(),
+            policy: pool.policy.clone(),
+        };
+        &kept
+    };
     routing::plan(
         &state.kv,
         pool,
@@ -237,6 +294,85 @@ fn plan_half(
         now,
         false,
     )
+}
+
+/// The vLLM prefill half, retried on another prefill worker while it fails before any byte
+/// reached the client (connection errors, timeouts, 502-504), as single requests are: its
+/// `kv_transfer_params` and the prefill worker that gave them, or the failed answer.
+async fn prefill_retried(
+    state: &AppState,
+    req: &PdRequest<'_>,
+    first: Choice,
+    first_load: RequestLoad,
+    body: Bytes,
+) -> Result<Result<(serde_json::Value, Option<HeaderValue>), Response>, GatewayError> {
+    let (mut prefill, mut load) = (first, first_load);
+    let mut tried: Vec<WorkerId> = req.excluded.to_vec();
+    let max_retries = state.settings.retry.max_retries;
+    for attempt in 0..=max_retries {
+        let answer = prefill_task(state, req, &prefill, load, body.clone()).await;
+        let retryable = match &answer {
+            Err(GatewayError::Upstream { .. } | GatewayError::UpstreamTimeout { .. }) => true,
+            Ok(Err(r)) => matches!(r.status().as_u16(), 502..=504),
+            _ => false,
+        };
+        if !retryable || attempt == max_retries {
+            let name = HeaderValue::from_str(prefill.worker.id.as_str()).ok();
+            return Ok(answer?.map(|params| (params, name)));
+        }
+        tracing::warn!(worker = %prefill.worker.id, attempt = attempt + 1, "Prefill half failed before any byte; retrying on another prefill worker");
+        state.metrics.retries.inc();
+        tried.push(prefill.worker.id.clone());
+        let next = {
+            let table = state.workers.table();
+            let pool = table.resolve_half(Half::Prefill, req.fields.model.as_deref())?;
+            let retry = PdRequest {
+                excluded: &tried,
+                ..req.clone_parts()
+            };
+            let hints = Hints {
+                pinned_worker: None,
+                pinned_rank: None,
+                ..req.hints.clone()
+            };
+            match plan_half(state, pool, &retry, &hints, false, Instant::now()) {
+                Ok(plan) => Some((
+                    plan.choice().clone(),
+                    plan.request_load(state.kv.block_size),
+                )),
+                Err(_) => None,
+            }
+        };
+        match next {
+            Some((choice, l)) => {
+                choice.worker.series.pd_prefill.inc();
+                prefill = choice;
+                load = l;
+            }
+            // No other prefill worker: the last failure is the answer.
+            None => {
+                let name = HeaderValue::from_str(prefill.worker.id.as_str()).ok();
+                return Ok(answer?.map(|params| (params, name)));
+            }
+        }
+    }
+    unreachable!("the last attempt returns")
+}
+
+impl<'a> PdRequest<'a> {
+    /// The same request (its body shared).
+    fn clone_parts(&self) -> PdRequest<'a> {
+        PdRequest {
+            parts: self.parts,
+            body: self.body.clone(),
+            fields: self.fields,
+            tokens: self.tokens.clone(),
+            hints: self.hints,
+            request_id: self.request_id,
+            arrived: self.arrived,
+            excluded: self.excluded,
+        }
+    }
 }
 
 fn host_of(url: &str) -> String {

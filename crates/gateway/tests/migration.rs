@@ -358,3 +358,98 @@ async fn a_non_streaming_answer_cut_mid_way_is_retried_whole() {
     }
     r.stop_idle().await;
 }
+
+/// A kvroute-sim with a P/D role (`prefill` or `decode`), slowed down, as a worker spec.
+async fn pd_engine(role: &str, seed: u64) -> (SimInstance, WorkerSpec) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let argv = ["kvroute-sim", "--role", role, "--speedup", "0.1"];
+    let args = SimArgs {
+        seed,
+        ..<SimArgs as clap::Parser>::parse_from(argv)
+    };
+    let tokenizer = std::sync::Arc::new(kvroute_tokenizer::Tokenizer::fallback());
+    let sim = SimInstance::start(args, tokenizer, listener).await.unwrap();
+    let spec = WorkerSpec {
+        role: if role == "prefill" {
+            kvroute_gateway::config::WorkerRole::Prefill
+        } else {
+            kvroute_gateway::config::WorkerRole::Decode
+        },
+        ..WorkerSpec::url(sim.url())
+    };
+    (sim, spec)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_half_killed_mid_stream_goes_on_from_a_new_pair() {
+    let (p0, s0) = pd_engine("prefill", 0).await;
+    let (d0, s1) = pd_engine("decode", 1).await;
+    let (d1, s2) = pd_engine("decode", 2).await;
+    let mut s = Settings::with_workers(vec![s0, s1, s2]).unwrap();
+    s.retry.initial_backoff = Duration::from_millis(1);
+    let r = TestRouter::start(s).await;
+    let body =
+        json!({"model": "kvroute-sim", "prompt": text(200, 4), "max_tokens": 24, "stream": true})
+            .to_string();
+    let resp = open_stream(&r.url, "/v1/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.headers()["x-kvroute-prefill-worker"],
+        p0.url().as_str()
+    );
+    let decoder = resp.headers()["x-kvroute-worker"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let (victim, other) = if decoder == d0.url() {
+        (&d0, &d1)
+    } else {
+        (&d1, &d0)
+    };
+    let prefills = p0.faults().requests_accepted();
+    let mut body = resp.into_body();
+    let mut seen = read_until(&mut body, 3).await;
+    victim.crash();
+    seen.push_str(&String::from_utf8_lossy(
+        &body.collect().await.unwrap().to_bytes(),
+    ));
+    let events = events(&seen);
+    assert_eq!(
+        events.last(),
+        Some(&Value::String("[DONE]".into())),
+        "{seen}"
+    );
+    assert!(!seen.contains("\"error\""), "{seen}");
+    assert_eq!(completion_text(&events).1, 24, "{seen}");
+    // The continuation was prefilled again and decoded by the other decode worker.
+    assert_eq!(p0.faults().requests_accepted(), prefills + 1);
+    assert!(other.faults().requests_accepted() >= 1);
+    assert_eq!(migrations(&r.metrics().await, "migrated"), 1.0);
+    r.stop_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_half_that_fails_before_any_byte_is_retried_on_another_prefill_worker() {
+    let (p0, s0) = pd_engine("prefill", 0).await;
+    let (p1, s1) = pd_engine("prefill", 1).await;
+    let (_d0, s2) = pd_engine("decode", 2).await;
+    let mut s = Settings::with_workers(vec![s0, s1, s2]).unwrap();
+    s.retry.initial_backoff = Duration::from_millis(1);
+    s.pd.as_mut().unwrap().prefill_policy = PolicyKind::RoundRobin;
+    let r = TestRouter::start(s).await;
+    p0.crash();
+    for i in 0..4 {
+        let reply = r
+            .complete(
+                &[],
+                &json!({"model": "kvroute-sim", "prompt": format!("q{i}"), "max_tokens": 2})
+                    .to_string(),
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.headers["x-kvroute-prefill-worker"], p1.url().as_str());
+    }
+    let m = r.metrics().await;
+    assert_metric_at_least(&m, "kvroute_request_retries_total", "", 1.0);
+    r.stop_idle().await;
+}
