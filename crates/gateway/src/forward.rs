@@ -238,7 +238,7 @@ async fn pd_stream(
             response,
             worker,
             prefill,
-        } => (response, worker, prefill),
+        } => (*response, worker, prefill),
     };
     response.body_mut().hold(admitted);
     if let Some(p) = prefill {
@@ -311,7 +311,7 @@ fn pd_resender(
                 crate::pd::PdAnswer::Decode {
                     response, worker, ..
                 } => Ok(Sent {
-                    response,
+                    response: *response,
                     worker,
                     pinned: false,
                 }),

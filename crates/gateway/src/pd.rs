@@ -63,7 +63,7 @@ pub(crate) struct PdRequest<'a> {
 /// request (a failed prefill's).
 pub(crate) enum PdAnswer {
     Decode {
-        response: http::Response<proxy::TrackedBody>,
+        response: Box<http::Response<proxy::TrackedBody>>,
         worker: WorkerId,
         prefill: Option<HeaderValue>,
     },
@@ -78,7 +78,7 @@ pub(crate) async fn route(
     Ok(match halves(state, &req).await? {
         PdAnswer::Decode {
             response, prefill, ..
-        } => finish(response, admitted, prefill),
+        } => finish(*response, admitted, prefill),
         PdAnswer::Answered(response) => response,
     })
 }
@@ -126,7 +126,7 @@ pub(crate) async fn halves(
         tracing::debug!(worker = %decode.worker.id, uncached, "Decode-only: the decode worker holds the prompt");
         let response = send_decode(state, req, &decode, decode_load, req.body.clone()).await?;
         return Ok(PdAnswer::Decode {
-            response,
+            response: Box::new(response),
             worker: decode.worker.id.clone(),
             prefill: None,
         });
@@ -199,7 +199,7 @@ pub(crate) async fn halves(
             let second = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
             let response = send_decode(state, req, &decode, decode_load, second).await?;
             Ok(PdAnswer::Decode {
-                response,
+                response: Box::new(response),
                 worker: decode.worker.id.clone(),
                 prefill: prefill_name,
             })
@@ -244,7 +244,7 @@ pub(crate) async fn halves(
                 decoded = &mut decode_half => decoded?,
             };
             Ok(PdAnswer::Decode {
-                response,
+                response: Box::new(response),
                 worker: decode.worker.id.clone(),
                 prefill: prefill_name,
             })

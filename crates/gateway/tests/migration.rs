@@ -242,10 +242,20 @@ async fn a_request_with_logprobs_is_not_migrated_and_says_so() {
 /// An engine that answers every POST with `reply` (raw HTTP, the connection closed after
 /// it) and lists `kvroute-sim` on any GET.
 async fn scripted(reply: &'static str) -> String {
+    scripted_recording(reply).await.0
+}
+
+/// [`scripted`], with the bodies of the POSTs it received.
+async fn scripted_recording(
+    reply: &'static str,
+) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen_bodies = bodies.clone();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
         while let Ok((mut sock, _)) = listener.accept().await {
+            let bodies = seen_bodies.clone();
             tokio::spawn(async move {
                 let mut seen = Vec::new();
                 let mut buf = vec![0u8; 65536];
@@ -266,6 +276,10 @@ async fn scripted(reply: &'static str) -> String {
                         .and_then(|v| v.trim().parse::<usize>().ok())
                         .unwrap_or(0);
                     if seen.len() >= end + 4 + length {
+                        if seen.starts_with(b"POST") {
+                            let body = String::from_utf8_lossy(&seen[end + 4..]).into_owned();
+                            bodies.lock().unwrap().push(body);
+                        }
                         break;
                     }
                 }
@@ -282,7 +296,7 @@ async fn scripted(reply: &'static str) -> String {
             });
         }
     });
-    url
+    (url, bodies)
 }
 
 const SSE_HEAD: &str =
@@ -451,5 +465,51 @@ async fn a_prefill_half_that_fails_before_any_byte_is_retried_on_another_prefill
     }
     let m = r.metrics().await;
     assert_metric_at_least(&m, "kvroute_request_retries_total", "", 1.0);
+    r.stop_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generate_stream_cut_mid_way_goes_on_with_its_cumulative_text() {
+    // SGLang's /generate: every chunk carries the whole text so far.
+    const CUT: &str = concat!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n",
+        "data: {\"text\":\"ab\",\"meta_info\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n"
+    );
+    const REST: &str = concat!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n",
+        "data: {\"text\":\"c\",\"meta_info\":{\"prompt_tokens\":5,\"completion_tokens\":1}}\n\n",
+        "data: {\"text\":\"cd\",\"meta_info\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n",
+        "data: [DONE]\n\n"
+    );
+    let cut = scripted(CUT).await;
+    let (rest, bodies) = scripted_recording(REST).await;
+    let r = TestRouter::start(router_settings(vec![cut.clone(), rest.clone()], |_| {})).await;
+    let body = json!({"text": "hi!", "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "stream": true})
+        .to_string();
+    // Round robin: one of two requests starts on the engine that cuts.
+    let mut found = false;
+    for _ in 0..2 {
+        let resp = open_stream(&r.url, "/generate", &body).await;
+        let on_cut = resp.headers()["x-kvroute-worker"] == cut.as_str();
+        let text = String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes())
+            .into_owned();
+        if !on_cut {
+            continue;
+        }
+        found = true;
+        let events = events(&text);
+        let texts: Vec<&str> = events.iter().filter_map(|e| e["text"].as_str()).collect();
+        assert_eq!(texts, ["ab", "abc", "abcd"], "{text}");
+        assert_eq!(events[2]["meta_info"]["completion_tokens"], 4);
+        assert_eq!(events[2]["meta_info"]["prompt_tokens"], 3);
+        assert_eq!(events.last(), Some(&Value::String("[DONE]".into())));
+        let sent: Value = serde_json::from_str(bodies.lock().unwrap().last().unwrap()).unwrap();
+        assert_eq!(sent["text"], "hi!ab");
+        assert_eq!(sent["sampling_params"]["max_new_tokens"], 2);
+        assert_eq!(sent["sampling_params"]["temperature"], 0);
+        break;
+    }
+    assert!(found);
+    assert_eq!(migrations(&r.metrics().await, "migrated"), 1.0);
     r.stop_idle().await;
 }
