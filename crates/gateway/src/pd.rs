@@ -16,8 +16,9 @@
 //!   prefill fails first.
 //!
 //! Each half holds its own in-flight guard (the prefill half's load is the prompt, the decode
-//! half's the blocks it decodes over), released on every outcome. A vLLM prefill half that
-//! fails before any byte is retried on another prefill worker; a decode half that fails
+//! half's the blocks it decodes over), released on every outcome. A prefill half that fails
+//! before any byte is retried on another prefill worker (SGLang's: both halves sent again with
+//! a new bootstrap room); a decode half that fails
 //! mid-stream migrates ([`crate::migrate`]) to a new pair chosen for the prompt and the text so
 //! far, the failed workers excluded.
 
@@ -88,6 +89,40 @@ pub(crate) async fn halves(
     state: &AppState,
     req: &PdRequest<'_>,
 ) -> Result<PdAnswer, GatewayError> {
+    // SGLang's halves go out together: a prefill that fails before any byte sends both again,
+    // with another prefill worker (vLLM's prefill is retried alone, in `prefill_retried`).
+    let mut excluded = req.excluded.to_vec();
+    let max_retries = state.settings.retry.max_retries;
+    for attempt in 0..=max_retries {
+        let this = PdRequest {
+            excluded: &excluded,
+            ..req.clone_parts()
+        };
+        match halves_once(state, &this).await? {
+            Once::Done(answer) => return Ok(answer),
+            Once::RetryPrefill(worker) if attempt < max_retries => {
+                tracing::warn!(%worker, attempt = attempt + 1, "Prefill half failed before any byte; sending both halves again with another prefill worker");
+                state.metrics.retries.inc();
+                excluded.push(worker);
+            }
+            Once::RetryPrefill(worker) => {
+                return Err(GatewayError::UpstreamStatus {
+                    worker,
+                    status: 502,
+                })
+            }
+        }
+    }
+    unreachable!("the last attempt returns")
+}
+
+/// One try of the halves: their answer, or a prefill worker to leave out and try again.
+enum Once {
+    Done(PdAnswer),
+    RetryPrefill(WorkerId),
+}
+
+async fn halves_once(state: &AppState, req: &PdRequest<'_>) -> Result<Once, GatewayError> {
     let pd = state
         .settings
         .pd
@@ -125,11 +160,11 @@ pub(crate) async fn halves(
         decode.worker.series.pd_decode.inc();
         tracing::debug!(worker = %decode.worker.id, uncached, "Decode-only: the decode worker holds the prompt");
         let response = send_decode(state, req, &decode, decode_load, req.body.clone()).await?;
-        return Ok(PdAnswer::Decode {
+        return Ok(Once::Done(PdAnswer::Decode {
             response: Box::new(response),
             worker: decode.worker.id.clone(),
             prefill: None,
-        });
+        }));
     }
     state.metrics.disagg_remote.inc();
 
@@ -193,16 +228,16 @@ pub(crate) async fn halves(
                 match prefill_retried(state, req, prefill, prefill_load, first).await? {
                     Ok(done) => done,
                     // The prefill's own error is the client's answer.
-                    Err(response) => return Ok(PdAnswer::Answered(response)),
+                    Err(response) => return Ok(Once::Done(PdAnswer::Answered(response))),
                 };
             object.insert("kv_transfer_params".into(), params);
             let second = Bytes::from(serde_json::to_vec(&body).expect("a JSON value"));
             let response = send_decode(state, req, &decode, decode_load, second).await?;
-            Ok(PdAnswer::Decode {
+            Ok(Once::Done(PdAnswer::Decode {
                 response: Box::new(response),
                 worker: decode.worker.id.clone(),
                 prefill: prefill_name,
-            })
+            }))
         }
         PdProtocol::Sglang => {
             let host = host_of(&prefill.worker.url);
@@ -235,19 +270,27 @@ pub(crate) async fn halves(
                         worker: prefill.worker.id.clone(),
                         source: e.into(),
                     })?;
-                    match prefilled? {
-                        Ok(_) => decode_half.await?,
-                        Err(response) => return Ok(PdAnswer::Answered(response)),
+                    let retry = Once::RetryPrefill(prefill.worker.id.clone());
+                    match prefilled {
+                        Ok(Ok(_)) => decode_half.await?,
+                        Ok(Err(response)) if matches!(response.status().as_u16(), 502..=504) => {
+                            return Ok(retry)
+                        }
+                        Ok(Err(response)) => return Ok(Once::Done(PdAnswer::Answered(response))),
+                        Err(GatewayError::Upstream { .. } | GatewayError::UpstreamTimeout { .. }) => {
+                            return Ok(retry)
+                        }
+                        Err(error) => return Err(error),
                     }
                 }
                 // The prefill half goes on in its task, with its guard.
                 decoded = &mut decode_half => decoded?,
             };
-            Ok(PdAnswer::Decode {
+            Ok(Once::Done(PdAnswer::Decode {
                 response: Box::new(response),
                 worker: decode.worker.id.clone(),
                 prefill: prefill_name,
-            })
+            }))
         }
     }
 }

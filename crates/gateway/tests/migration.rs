@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use http_body_util::BodyExt;
 use kvroute_core::PolicyKind;
+use kvroute_gateway::config::PdProtocol;
 use kvroute_gateway::{Settings, WorkerSpec};
 use kvroute_sim::{SimArgs, SimInstance};
 use serde_json::{json, Value};
@@ -376,7 +377,11 @@ async fn a_non_streaming_answer_cut_mid_way_is_retried_whole() {
 /// A kvroute-sim with a P/D role (`prefill` or `decode`), slowed down, as a worker spec.
 async fn pd_engine(role: &str, seed: u64) -> (SimInstance, WorkerSpec) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let argv = ["kvroute-sim", "--role", role, "--speedup", "0.1"];
+    let bootstrap = free_port().to_string();
+    let mut argv = vec!["kvroute-sim", "--role", role, "--speedup", "0.1"];
+    if role == "prefill" {
+        argv.extend(["--bootstrap-port", &bootstrap]);
+    }
     let args = SimArgs {
         seed,
         ..<SimArgs as clap::Parser>::parse_from(argv)
@@ -384,6 +389,7 @@ async fn pd_engine(role: &str, seed: u64) -> (SimInstance, WorkerSpec) {
     let tokenizer = std::sync::Arc::new(kvroute_tokenizer::Tokenizer::fallback());
     let sim = SimInstance::start(args, tokenizer, listener).await.unwrap();
     let spec = WorkerSpec {
+        bootstrap_port: sim.args().bootstrap_port,
         role: if role == "prefill" {
             kvroute_gateway::config::WorkerRole::Prefill
         } else {
@@ -444,12 +450,20 @@ async fn a_decode_half_killed_mid_stream_goes_on_from_a_new_pair() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_half_that_fails_before_any_byte_is_retried_on_another_prefill_worker() {
+    for protocol in [PdProtocol::Vllm, PdProtocol::Sglang] {
+        prefill_retried(protocol).await;
+    }
+}
+
+async fn prefill_retried(protocol: PdProtocol) {
     let (p0, s0) = pd_engine("prefill", 0).await;
     let (p1, s1) = pd_engine("prefill", 1).await;
     let (_d0, s2) = pd_engine("decode", 2).await;
     let mut s = Settings::with_workers(vec![s0, s1, s2]).unwrap();
     s.retry.initial_backoff = Duration::from_millis(1);
-    s.pd.as_mut().unwrap().prefill_policy = PolicyKind::RoundRobin;
+    let pd = s.pd.as_mut().unwrap();
+    pd.prefill_policy = PolicyKind::RoundRobin;
+    pd.protocol = protocol;
     let r = TestRouter::start(s).await;
     p0.crash();
     for i in 0..4 {
@@ -460,7 +474,7 @@ async fn a_prefill_half_that_fails_before_any_byte_is_retried_on_another_prefill
                     .to_string(),
             )
             .await;
-        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.status, 200, "{protocol:?}: {:?}", reply.body);
         assert_eq!(reply.headers["x-kvroute-prefill-worker"], p1.url().as_str());
     }
     let m = r.metrics().await;
