@@ -5,6 +5,7 @@
 #
 #   ../shared/peers/setup_peers.sh sgl vllmr wrk     # once: the peers, the mocks' venv, wrk
 #   bench/overhead.sh                                # DUR=10 POLICY=round_robin ROUTERS="kvroute sglang vllm"
+#   ROUTERS="kvroute kvroute-nomig" bench/overhead.sh  # kvroute with and without --migration-limit 0
 #
 # All traffic stays on 127.0.0.1. Results are appended to $OUT (default bench/overhead-results.txt).
 set -u
@@ -22,7 +23,8 @@ PY="$PEERS_DIR/venv-sgl/bin/python"
 command -v wrk >/dev/null || { echo "wrk missing: $SHARED/setup_peers.sh wrk"; exit 1; }
 [ -x "$PY" ] || { echo "peers missing: $SHARED/setup_peers.sh sgl vllmr wrk"; exit 1; }
 build -p kvroute-gateway
-KVROUTE="$BIN/kvroute"
+# KVROUTE=path/to/kvroute measures another build (an older commit's, say) in the same way.
+KVROUTE=${KVROUTE:-$BIN/kvroute}
 
 # Ready: answers a chat completion.
 chat_ready() {
@@ -58,6 +60,9 @@ for r in $ROUTERS; do
   case $r in
     kvroute) "$KVROUTE" --host 127.0.0.1 --port $RP --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 \
                --policy "$POLICY" --prometheus-port 29013 --log-level warn > "$LOGS/$r.log" 2>&1 & ;;
+    # The same with migration off: what reading non-streaming answers whole costs.
+    kvroute-nomig) "$KVROUTE" --host 127.0.0.1 --port $RP --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 \
+               --policy "$POLICY" --prometheus-port 29013 --log-level warn --migration-limit 0 > "$LOGS/$r.log" 2>&1 & ;;
     sglang)  "$PEERS_DIR/venv-sgl/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port $RP \
                --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 --policy "$POLICY" \
                --prometheus-host 127.0.0.1 --prometheus-port 29013 --log-level warn > "$LOGS/$r.log" 2>&1 & ;;
