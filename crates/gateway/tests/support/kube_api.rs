@@ -93,6 +93,16 @@ fn key(pod: &Value) -> String {
     )
 }
 
+impl Drop for FakeApi {
+    /// Stops the server and removes its kubeconfig's directory.
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(dir) = self.kubeconfig.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
 /// `k=v,k2=v2` against a pod's labels.
 fn selects(selector: Option<&str>, pod: &Value) -> bool {
     selector
