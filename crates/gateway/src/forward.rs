@@ -1,9 +1,12 @@
-//! A routed request: admission, routing, forwarding, and retries on another worker.
+//! A routed request: admission, routing, forwarding, retries on another worker, and the
+//! migration of its stream.
 //!
 //! A request is retried on another eligible worker when its attempt fails before the first
 //! response byte (connection error, timeout, 502/503/504), with jittered exponential
-//! backoff; never after a response started, never when it is pinned. Every attempt feeds
-//! the worker's circuit breaker.
+//! backoff; never when it is pinned. Every attempt feeds the worker's circuit breaker. A
+//! stream on an inference route is wrapped by [`crate::migrate`], which sends the
+//! continuation through the same attempts (or both P/D halves again) when its worker fails
+//! mid-way; a non-streaming answer there is read whole, so one cut mid-body is retried.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -176,40 +179,60 @@ pub(crate) async fn route_and_forward(
         return whole_answer(state, &attempt, body.clone(), released, admitted).await;
     }
     // A stream that may migrate: the worker is asked for its usage on every chunk.
-    let original: serde_json::Value =
-        serde_json::from_slice(&body).map_err(GatewayError::InvalidJson)?;
-    let allowed = match migrate::stream::unmigratable(api, &original) {
-        Some(why) => Err(why),
-        None if hints_pin(&attempt) => Err("the request is pinned to its worker"),
-        None => Ok(state.settings.migration.limit),
-    };
-    let sent_body = match allowed {
-        Ok(_) => Bytes::from(migrate::stream::with_usage_stats(api, &original).to_string()),
-        Err(_) => body.clone(),
-    };
+    let (original, allowed, sent_body) = stream_request(state, api, &body, &parts.headers)?;
     let mut sent = attempts(state, &attempt, sent_body, Vec::new(), released).await?;
     sent.response.body_mut().hold(admitted);
     if !sent.response.status().is_success() {
         return Ok(sent.response.map(Body::new));
     }
-    let injected = allowed.is_ok();
-    let migration = Migration {
+    // Pinned by hard session affinity, known once routed.
+    let pinned = sent.pinned;
+    let migration = migration(state, api, original, allowed, pinned);
+    let resend = resender(state, &parts, request_id, arrived, Route::Single { class });
+    Ok(migrate::migrating(migration, sent, resend))
+}
+
+/// A stream's request as sent, when it may migrate: the client's body (kept to build
+/// continuations), whether it may move (and how often), and the body sent, which asks for
+/// usage on every chunk when it may. A routing hint pinning the worker keeps it in place.
+fn stream_request(
+    state: &AppState,
+    api: Api,
+    body: &Bytes,
+    headers: &HeaderMap,
+) -> Result<(serde_json::Value, Result<u32, &'static str>, Bytes), GatewayError> {
+    let original: serde_json::Value =
+        serde_json::from_slice(body).map_err(GatewayError::InvalidJson)?;
+    let allowed = match migrate::stream::unmigratable(api, &original) {
+        Some(why) => Err(why),
+        None if headers.contains_key(WORKER_HEADER) => Err(PINNED),
+        None => Ok(state.settings.migration.limit),
+    };
+    let sent = match allowed {
+        Ok(_) => Bytes::from(migrate::stream::with_usage_stats(api, &original).to_string()),
+        Err(_) => body.clone(),
+    };
+    Ok((original, allowed, sent))
+}
+
+const PINNED: &str = "the request is pinned to its worker";
+
+/// How a stream migrates; `pinned` when routing pinned it (then it stays).
+fn migration(
+    state: &AppState,
+    api: Api,
+    original: serde_json::Value,
+    allowed: Result<u32, &'static str>,
+    pinned: bool,
+) -> Migration {
+    Migration {
         api,
         original,
-        // Pinned by hard session affinity, known once routed.
-        allowed: allowed.and_then(|n| {
-            if sent.pinned {
-                Err("the request is pinned to its worker")
-            } else {
-                Ok(n)
-            }
-        }),
-        injected,
+        injected: allowed.is_ok(),
+        allowed: allowed.and_then(|n| if pinned { Err(PINNED) } else { Ok(n) }),
         stall: state.settings.migration.stall,
         metrics: state.metrics.migrations.clone(),
-    };
-    let resend = resender(state, &parts, request_id, arrived, class);
-    Ok(migrate::migrating(migration, sent, resend))
+    }
 }
 
 /// A disaggregated stream that may migrate: its decode half, wrapped so that a failure
@@ -220,18 +243,8 @@ async fn pd_stream(
     mut req: crate::pd::PdRequest<'_>,
     admitted: Admitted,
 ) -> Result<Response, GatewayError> {
-    let original: serde_json::Value =
-        serde_json::from_slice(&req.body).map_err(GatewayError::InvalidJson)?;
-    let allowed = match migrate::stream::unmigratable(api, &original) {
-        Some(why) => Err(why),
-        None if req.parts.headers.contains_key(WORKER_HEADER) => {
-            Err("the request is pinned to its worker")
-        }
-        None => Ok(state.settings.migration.limit),
-    };
-    if allowed.is_ok() {
-        req.body = Bytes::from(migrate::stream::with_usage_stats(api, &original).to_string());
-    }
+    let (original, allowed, sent_body) = stream_request(state, api, &req.body, &req.parts.headers)?;
+    req.body = sent_body;
     let (mut response, worker, prefill) = match crate::pd::halves(state, &req).await? {
         crate::pd::PdAnswer::Answered(response) => return Ok(response),
         crate::pd::PdAnswer::Decode {
@@ -249,78 +262,20 @@ async fn pd_stream(
     if !response.status().is_success() {
         return Ok(response.map(Body::new));
     }
-    let migration = Migration {
-        api,
-        original,
-        injected: allowed.is_ok(),
-        allowed,
-        stall: state.settings.migration.stall,
-        metrics: state.metrics.migrations.clone(),
-    };
+    let migration = migration(state, api, original, allowed, false);
     let sent = Sent {
         response,
         worker,
         pinned: false,
     };
-    let resend = pd_resender(state, req.parts, req.request_id, req.arrived);
-    Ok(migrate::migrating(migration, sent, resend))
-}
-
-/// Sends a continuation of a disaggregated request: both halves chosen afresh, the failed
-/// workers excluded.
-fn pd_resender(
-    state: &Arc<AppState>,
-    parts: &http::request::Parts,
-    request_id: &HeaderValue,
-    arrived: Instant,
-) -> migrate::Resend {
-    let (state, method, uri, headers, request_id) = (
-        state.clone(),
-        parts.method.clone(),
-        parts.uri.clone(),
-        parts.headers.clone(),
-        request_id.clone(),
+    let resend = resender(
+        state,
+        req.parts,
+        req.request_id,
+        req.arrived,
+        Route::Disaggregated,
     );
-    Box::new(move |body: Bytes, tried: Vec<WorkerId>| {
-        let (state, method, uri, headers, request_id) = (
-            state.clone(),
-            method.clone(),
-            uri.clone(),
-            headers.clone(),
-            request_id.clone(),
-        );
-        Box::pin(async move {
-            let (mut parts, ()) = http::Request::new(()).into_parts();
-            parts.method = method;
-            parts.uri = uri;
-            parts.headers = headers;
-            let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
-            let tokens = routing::tokens_for(&state.kv, tokenize_as(&state, true), &body).await;
-            let hints = routing::parse_hints(&parts.headers)?;
-            let req = crate::pd::PdRequest {
-                parts: &parts,
-                body: body.clone(),
-                fields: &fields,
-                tokens,
-                hints: &hints,
-                request_id: &request_id,
-                arrived,
-                excluded: &tried,
-            };
-            match crate::pd::halves(&state, &req).await? {
-                crate::pd::PdAnswer::Decode {
-                    response, worker, ..
-                } => Ok(Sent {
-                    response: *response,
-                    worker,
-                    pinned: false,
-                }),
-                crate::pd::PdAnswer::Answered(_) => Err(GatewayError::NoEndpoint(
-                    "the prefill half of the continuation failed",
-                )),
-            }
-        })
-    })
+    Ok(migrate::migrating(migration, sent, resend))
 }
 
 /// The policy whose tokens the request needs.
@@ -334,43 +289,70 @@ fn tokenize_as(state: &AppState, pd: bool) -> PolicyKind {
     }
 }
 
-/// Whether a routing hint pins the request (it is then never moved elsewhere).
-fn hints_pin(attempt: &Attempt<'_>) -> bool {
-    attempt.headers.contains_key(WORKER_HEADER)
+/// How a continuation is routed.
+#[derive(Debug, Clone, Copy)]
+enum Route {
+    /// Through the attempts of a single request, in its queue class if any.
+    Single { class: Option<usize> },
+    /// As a disaggregated request, both halves chosen again.
+    Disaggregated,
 }
 
-/// Sends a continuation of this request: routed afresh, the failed workers excluded.
+/// Sends a continuation of this request, routed afresh with the failed workers excluded.
 fn resender(
     state: &Arc<AppState>,
     parts: &http::request::Parts,
     request_id: &HeaderValue,
     arrived: Instant,
-    class: Option<usize>,
+    route: Route,
 ) -> migrate::Resend {
-    let (state, method, uri, headers, request_id) = (
-        state.clone(),
-        parts.method.clone(),
-        parts.uri.clone(),
-        parts.headers.clone(),
-        request_id.clone(),
-    );
+    let (mut owned, ()) = http::Request::new(()).into_parts();
+    owned.method = parts.method.clone();
+    owned.uri = parts.uri.clone();
+    owned.headers = parts.headers.clone();
+    let (state, parts, request_id) = (state.clone(), Arc::new(owned), request_id.clone());
     Box::new(move |body: Bytes, tried: Vec<WorkerId>| {
-        let (state, method, uri, headers, request_id) = (
-            state.clone(),
-            method.clone(),
-            uri.clone(),
-            headers.clone(),
-            request_id.clone(),
-        );
+        let (state, parts, request_id) = (state.clone(), parts.clone(), request_id.clone());
         Box::pin(async move {
             let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
-            let tokens = routing::tokens_for(&state.kv, tokenize_as(&state, false), &body).await;
-            let hints = routing::parse_hints(&headers)?;
-            let path_and_query = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
+            let tokens = routing::tokens_for(
+                &state.kv,
+                tokenize_as(&state, matches!(route, Route::Disaggregated)),
+                &body,
+            )
+            .await;
+            let hints = routing::parse_hints(&parts.headers)?;
+            let Route::Single { class } = route else {
+                let req = crate::pd::PdRequest {
+                    parts: &parts,
+                    body: body.clone(),
+                    fields: &fields,
+                    tokens,
+                    hints: &hints,
+                    request_id: &request_id,
+                    arrived,
+                    excluded: &tried,
+                };
+                return match crate::pd::halves(&state, &req).await? {
+                    crate::pd::PdAnswer::Decode {
+                        response, worker, ..
+                    } => Ok(Sent {
+                        response: *response,
+                        worker,
+                        pinned: false,
+                    }),
+                    crate::pd::PdAnswer::Answered(_) => Err(GatewayError::NoEndpoint(
+                        "the prefill half of the continuation failed",
+                    )),
+                };
+            };
             let attempt = Attempt {
-                method: &method,
-                path_and_query,
-                headers: &headers,
+                method: &parts.method,
+                path_and_query: parts
+                    .uri
+                    .path_and_query()
+                    .map_or(parts.uri.path(), |pq| pq.as_str()),
+                headers: &parts.headers,
                 fields: &fields,
                 tokens: &tokens,
                 hints: &hints,

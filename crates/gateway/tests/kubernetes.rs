@@ -64,6 +64,20 @@ async fn wait_workers(r: &TestRouter, urls: &[&String]) {
     .await;
 }
 
+/// Two Ready `app=engine` pods, a and b, on kvroute-sim engines at 127.0.0.2 and 127.0.0.3,
+/// and a router (re-listing every `relist_secs`) that has found both: the engines' stop
+/// token, their URLs, the API and the router.
+async fn two_pods(relist_secs: u64) -> (CancellationToken, Vec<String>, FakeApi, TestRouter) {
+    let engines = CancellationToken::new();
+    let (port, urls) = sim_pods(2, &[], &engines).await;
+    let api = FakeApi::start().await;
+    api.put(pod("a", "127.0.0.2", ENGINE, true));
+    api.put(pod("b", "127.0.0.3", ENGINE, true));
+    let r = TestRouter::start_unready(discovering(&api, port, relist_secs)).await;
+    wait_workers(&r, &[&urls[0], &urls[1]]).await;
+    (engines, urls, api, r)
+}
+
 /// Sends `n` completions: the workers that served them (each must succeed).
 async fn served_by(r: &TestRouter, n: usize) -> BTreeSet<String> {
     let bodies = (0..n).map(|i| completion(&format!("hello {i}")));
@@ -144,13 +158,7 @@ async fn a_deleted_pod_leaves_and_its_open_stream_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relabelled_pod_leaves() {
-    let engines = CancellationToken::new();
-    let (port, urls) = sim_pods(2, &[], &engines).await;
-    let api = FakeApi::start().await;
-    api.put(pod("a", "127.0.0.2", ENGINE, true));
-    api.put(pod("b", "127.0.0.3", ENGINE, true));
-    let r = TestRouter::start_unready(discovering(&api, port, 30)).await;
-    wait_workers(&r, &[&urls[0], &urls[1]]).await;
+    let (engines, urls, api, r) = two_pods(30).await;
     api.put(pod("b", "127.0.0.3", &[("app", "retired")], true));
     wait_workers(&r, &[&urls[0]]).await;
     assert_eq!(served_by(&r, 3).await, BTreeSet::from([urls[0].clone()]));
@@ -160,14 +168,8 @@ async fn a_relabelled_pod_leaves() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_the_watch_missed_is_reconciled_by_the_relist_after_410() {
-    let engines = CancellationToken::new();
-    let (port, urls) = sim_pods(2, &[], &engines).await;
-    let api = FakeApi::start().await;
-    api.put(pod("a", "127.0.0.2", ENGINE, true));
-    api.put(pod("b", "127.0.0.3", ENGINE, true));
     // The periodic relist is far off: only the watcher's own relist can find the delete.
-    let r = TestRouter::start_unready(discovering(&api, port, 3600)).await;
-    wait_workers(&r, &[&urls[0], &urls[1]]).await;
+    let (engines, urls, api, r) = two_pods(3600).await;
     let (lists, _) = api.calls();
     // b goes while the watch is down; the watch resumes from before it and gets 410.
     api.delete_unseen("b", true);
@@ -183,13 +185,7 @@ async fn a_delete_the_watch_missed_is_reconciled_by_the_relist_after_410() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_no_watch_reported_is_reconciled_by_the_periodic_relist() {
-    let engines = CancellationToken::new();
-    let (port, urls) = sim_pods(2, &[], &engines).await;
-    let api = FakeApi::start().await;
-    api.put(pod("a", "127.0.0.2", ENGINE, true));
-    api.put(pod("b", "127.0.0.3", ENGINE, true));
-    let r = TestRouter::start_unready(discovering(&api, port, 1)).await;
-    wait_workers(&r, &[&urls[0], &urls[1]]).await;
+    let (engines, urls, api, r) = two_pods(1).await;
     // The watch stays open and never hears of it: only a full list shows b gone.
     api.delete_unseen("b", false);
     wait_workers(&r, &[&urls[0]]).await;
@@ -199,13 +195,7 @@ async fn a_delete_no_watch_reported_is_reconciled_by_the_periodic_relist() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_server_that_goes_away_leaves_the_workers_in_place() {
-    let engines = CancellationToken::new();
-    let (port, urls) = sim_pods(2, &[], &engines).await;
-    let api = FakeApi::start().await;
-    api.put(pod("a", "127.0.0.2", ENGINE, true));
-    api.put(pod("b", "127.0.0.3", ENGINE, true));
-    let r = TestRouter::start_unready(discovering(&api, port, 1)).await;
-    wait_workers(&r, &[&urls[0], &urls[1]]).await;
+    let (engines, urls, api, r) = two_pods(1).await;
     api.stop();
     let m = r.metrics_url.clone();
     wait_until_async("an unreachable API counted", || {
@@ -231,13 +221,7 @@ async fn an_api_server_that_goes_away_leaves_the_workers_in_place() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_that_do_not_parse_are_counted_and_change_nothing() {
-    let engines = CancellationToken::new();
-    let (port, urls) = sim_pods(2, &[], &engines).await;
-    let api = FakeApi::start().await;
-    api.put(pod("a", "127.0.0.2", ENGINE, true));
-    api.put(pod("b", "127.0.0.3", ENGINE, true));
-    let r = TestRouter::start_unready(discovering(&api, port, 1)).await;
-    wait_workers(&r, &[&urls[0], &urls[1]]).await;
+    let (engines, urls, api, r) = two_pods(1).await;
     api.garble(true);
     let m = r.metrics_url.clone();
     wait_until_async("unparsable answers counted", || {

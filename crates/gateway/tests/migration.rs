@@ -53,12 +53,17 @@ fn events(text: &str) -> Vec<Value> {
         .collect()
 }
 
-/// The text of a completion stream's chunks, and how many carried text.
+/// The text of a stream's chunks (a completion's `text`, a chat's `delta.content`), and how
+/// many carried some.
 fn completion_text(events: &[Value]) -> (String, usize) {
     let mut text = String::new();
     let mut chunks = 0;
     for e in events {
-        if let Some(t) = e["choices"][0]["text"].as_str().filter(|t| !t.is_empty()) {
+        let choice = &e["choices"][0];
+        let t = choice["text"]
+            .as_str()
+            .or(choice["delta"]["content"].as_str());
+        if let Some(t) = t.filter(|t| !t.is_empty()) {
             text.push_str(t);
             chunks += 1;
         }
@@ -66,16 +71,35 @@ fn completion_text(events: &[Value]) -> (String, usize) {
     (text, chunks)
 }
 
-/// Reads `body` until `chunks` text chunks arrived; what was read.
-async fn read_until(body: &mut hyper::body::Incoming, chunks: usize) -> String {
-    let mut seen = String::new();
-    while completion_text(&events(&seen)).1 < chunks {
+/// How many chunks of a stream carried text.
+fn text_chunks(seen: &str) -> usize {
+    completion_text(&events(seen)).1
+}
+
+/// Reads `body` into `seen` until `want` text chunks arrived.
+async fn read(body: &mut hyper::body::Incoming, want: usize, seen: &mut String) {
+    while text_chunks(seen) < want {
         let frame = body.frame().await.expect("a frame").expect("no error");
         if let Ok(data) = frame.into_data() {
             seen.push_str(&String::from_utf8_lossy(&data));
         }
     }
+}
+
+/// Reads `body` until `chunks` text chunks arrived; what was read.
+async fn read_until(body: &mut hyper::body::Incoming, chunks: usize) -> String {
+    let mut seen = String::new();
+    read(body, chunks, &mut seen).await;
     seen
+}
+
+/// `n` engines slowed tenfold (each stream is still going when its engine is killed), behind
+/// a round-robin router.
+async fn slow_cluster(n: u64) -> (Vec<SimInstance>, TestRouter) {
+    let sims = sims_at(n, 0.1).await;
+    let urls = sims.iter().map(|s| s.url()).collect();
+    let r = TestRouter::start(router_settings(urls, |_| {})).await;
+    (sims, r)
 }
 
 fn migrations(m: &str, outcome: &str) -> f64 {
@@ -85,28 +109,6 @@ fn migrations(m: &str, outcome: &str) -> f64 {
         &format!("outcome=\"{outcome}\""),
     )
     .unwrap_or(0.0)
-}
-
-/// How many chunks of a chat stream carried text.
-fn chat_chunks(s: &str) -> usize {
-    events(s)
-        .iter()
-        .filter(|e| {
-            e["choices"][0]["delta"]["content"]
-                .as_str()
-                .is_some_and(|t| !t.is_empty())
-        })
-        .count()
-}
-
-/// Reads a chat stream until `want` text chunks arrived, into `seen`.
-async fn read(body: &mut hyper::body::Incoming, want: usize, seen: &mut String) {
-    while chat_chunks(seen) < want {
-        let frame = body.frame().await.expect("a frame").expect("no error");
-        if let Ok(d) = frame.into_data() {
-            seen.push_str(&String::from_utf8_lossy(&d));
-        }
-    }
 }
 
 /// The sim that served the stream (by the router's header), and the others.
@@ -120,12 +122,7 @@ fn split<'a>(sims: &'a [SimInstance], worker: &str) -> (&'a SimInstance, Vec<&'a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_killed_mid_stream_is_migrated_and_the_stream_is_whole() {
-    let sims = sims_at(2, 0.1).await;
-    let r = TestRouter::start(router_settings(
-        sims.iter().map(|s| s.url()).collect(),
-        |_| {},
-    ))
-    .await;
+    let (sims, r) = slow_cluster(2).await;
     let body = json!({"model": "kvroute-sim", "prompt": text(200, 1), "max_tokens": 24,
                       "stream": true, "stream_options": {"include_usage": true}})
     .to_string();
@@ -171,13 +168,7 @@ async fn an_engine_killed_mid_stream_is_migrated_and_the_stream_is_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_engines_killed_in_turn_and_the_second_migration_works_too() {
-    // Slow engines: each stream is still going when its engine is killed.
-    let sims = sims_at(3, 0.1).await;
-    let r = TestRouter::start(router_settings(
-        sims.iter().map(|s| s.url()).collect(),
-        |_| {},
-    ))
-    .await;
+    let (sims, r) = slow_cluster(3).await;
     let body =
         json!({"model": "kvroute-sim", "messages": [{"role": "user", "content": text(100, 2)}],
                       "max_tokens": 40, "stream": true})
@@ -206,7 +197,7 @@ async fn two_engines_killed_in_turn_and_the_second_migration_works_too() {
     seen.push_str(&String::from_utf8_lossy(&rest));
     assert!(seen.trim_end().ends_with("data: [DONE]"), "{seen}");
     assert!(!seen.contains("\"error\""), "{seen}");
-    assert_eq!(chat_chunks(&seen), 40, "{seen}");
+    assert_eq!(text_chunks(&seen), 40, "{seen}");
     let m = r.metrics().await;
     assert_eq!(migrations(&m, "migrated"), 2.0);
     r.stop_idle().await;
@@ -214,12 +205,7 @@ async fn two_engines_killed_in_turn_and_the_second_migration_works_too() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_with_logprobs_is_not_migrated_and_says_so() {
-    let sims = sims_at(2, 0.1).await;
-    let r = TestRouter::start(router_settings(
-        sims.iter().map(|s| s.url()).collect(),
-        |_| {},
-    ))
-    .await;
+    let (sims, r) = slow_cluster(2).await;
     let body = json!({"model": "kvroute-sim", "prompt": text(100, 3), "max_tokens": 40,
                       "stream": true, "logprobs": 1})
     .to_string();
