@@ -24,7 +24,8 @@ use crate::auth;
 use crate::context::AppState;
 use crate::error::GatewayError;
 use crate::http::WORKER_HEADER;
-use crate::migrate::{self, stream::Api, Migration, Sent};
+use crate::migrate::stream::{Api, UsageWanted};
+use crate::migrate::{self, Migration, Sent};
 use crate::proxy::{self, Admitted, Forward, InFlight};
 use crate::queue::Released;
 use crate::routing;
@@ -179,7 +180,7 @@ pub(crate) async fn route_and_forward(
         return whole_answer(state, &attempt, body.clone(), released, admitted).await;
     }
     // A stream that may migrate: the worker is asked for its usage on every chunk.
-    let (original, allowed, sent_body) = stream_request(state, api, &body, &parts.headers)?;
+    let (allowed, sent_body, wanted) = stream_request(state, api, &body, &parts.headers);
     let mut sent = attempts(state, &attempt, sent_body, Vec::new(), released).await?;
     sent.response.body_mut().hold(admitted);
     if !sent.response.status().is_success() {
@@ -187,32 +188,25 @@ pub(crate) async fn route_and_forward(
     }
     // Pinned by hard session affinity, known once routed.
     let pinned = sent.pinned;
-    let migration = migration(state, api, original, allowed, pinned);
+    let migration = migration(state, api, body, allowed, wanted, pinned);
     let resend = resender(state, &parts, request_id, arrived, Route::Single { class });
     Ok(migrate::migrating(migration, sent, resend))
 }
 
-/// A stream's request as sent, when it may migrate: the client's body (kept to build
-/// continuations), whether it may move (and how often), and the body sent, which asks for
-/// usage on every chunk when it may. A routing hint pinning the worker keeps it in place.
+/// A stream's request as sent, when it may migrate: whether it may move (and how often), the
+/// body sent (asking for usage on every chunk when it may move) and the usage its client
+/// asked for. A routing hint pinning the worker keeps it in place and the body as it came.
 fn stream_request(
     state: &AppState,
     api: Api,
     body: &Bytes,
     headers: &HeaderMap,
-) -> Result<(serde_json::Value, Result<u32, &'static str>, Bytes), GatewayError> {
-    let original: serde_json::Value =
-        serde_json::from_slice(body).map_err(GatewayError::InvalidJson)?;
-    let allowed = match migrate::stream::unmigratable(api, &original) {
-        Some(why) => Err(why),
-        None if headers.contains_key(WORKER_HEADER) => Err(PINNED),
-        None => Ok(state.settings.migration.limit),
-    };
-    let sent = match allowed {
-        Ok(_) => Bytes::from(migrate::stream::with_usage_stats(api, &original).to_string()),
-        Err(_) => body.clone(),
-    };
-    Ok((original, allowed, sent))
+) -> (Result<u32, &'static str>, Bytes, Option<UsageWanted>) {
+    if headers.contains_key(WORKER_HEADER) {
+        return (Err(PINNED), body.clone(), None);
+    }
+    let (sent, wanted) = migrate::stream::with_usage_stats(api, body);
+    (Ok(state.settings.migration.limit), sent, Some(wanted))
 }
 
 const PINNED: &str = "the request is pinned to its worker";
@@ -221,14 +215,15 @@ const PINNED: &str = "the request is pinned to its worker";
 fn migration(
     state: &AppState,
     api: Api,
-    original: serde_json::Value,
+    original: Bytes,
     allowed: Result<u32, &'static str>,
+    wanted: Option<UsageWanted>,
     pinned: bool,
 ) -> Migration {
     Migration {
         api,
         original,
-        injected: allowed.is_ok(),
+        wanted,
         allowed: allowed.and_then(|n| if pinned { Err(PINNED) } else { Ok(n) }),
         stall: state.settings.migration.stall,
         metrics: state.metrics.migrations.clone(),
@@ -243,7 +238,8 @@ async fn pd_stream(
     mut req: crate::pd::PdRequest<'_>,
     admitted: Admitted,
 ) -> Result<Response, GatewayError> {
-    let (original, allowed, sent_body) = stream_request(state, api, &req.body, &req.parts.headers)?;
+    let original = req.body.clone();
+    let (allowed, sent_body, wanted) = stream_request(state, api, &req.body, &req.parts.headers);
     req.body = sent_body;
     let (mut response, worker, prefill) = match crate::pd::halves(state, &req).await? {
         crate::pd::PdAnswer::Answered(response) => return Ok(response),
@@ -262,7 +258,7 @@ async fn pd_stream(
     if !response.status().is_success() {
         return Ok(response.map(Body::new));
     }
-    let migration = migration(state, api, original, allowed, false);
+    let migration = migration(state, api, original, allowed, wanted, false);
     let sent = Sent {
         response,
         worker,

@@ -59,13 +59,13 @@ fn count(metrics: &MigrationMetrics, outcome: &'static str) {
 #[derive(Debug, Clone)]
 pub struct Migration {
     pub api: Api,
-    /// The client's request, as it sent it.
-    pub original: Value,
-    /// Migrations left; `Err(why)` when this request may not migrate.
+    /// The client's request, as it sent it (parsed only when the stream fails).
+    pub original: Bytes,
+    /// Migrations left; `Err(why)` when this request may not migrate (a pin).
     pub allowed: Result<u32, &'static str>,
-    /// Whether the request sent asked for usage on every chunk (then stripped of what the
-    /// client did not ask for).
-    pub injected: bool,
+    /// The usage the client asked for, when the router asked for more (what it did not ask
+    /// for is stripped); `None` when the request went as it came (usage passes through).
+    pub wanted: Option<UsageWanted>,
     pub stall: Duration,
     pub metrics: MigrationMetrics,
 }
@@ -85,16 +85,10 @@ struct Migrating {
 
 /// Wraps `sent`'s body so that the stream migrates when its worker fails.
 pub fn migrating(m: Migration, sent: Sent, resend: Resend) -> Response<Body> {
-    let wanted = if m.injected {
-        // The router asked for every chunk's usage: strip what the client did not ask for.
-        UsageWanted::of(&m.original)
-    } else {
-        // Nothing was added to the request: pass the worker's usage through.
-        UsageWanted {
-            last: true,
-            every: true,
-        }
-    };
+    let wanted = m.wanted.unwrap_or(UsageWanted {
+        last: true,
+        every: true,
+    });
     let (parts, mut body) = sent.response.into_parts();
     body.raw_errors();
     let state = Migrating {
@@ -186,6 +180,17 @@ impl Migrating {
             Ok(left) => left,
             Err(why) => return Some(self.give_up(&from, &reason, "not_migratable", why)),
         };
+        // The client's request, parsed now that it is needed.
+        let original = match serde_json::from_slice::<Value>(&self.m.original) {
+            Ok(v) => v,
+            Err(_) => {
+                let why = "the request is not JSON";
+                return Some(self.give_up(&from, &reason, "not_migratable", why));
+            }
+        };
+        if let Some(why) = stream::unmigratable(self.m.api, &original) {
+            return Some(self.give_up(&from, &reason, "not_migratable", why));
+        }
         loop {
             if left == 0 {
                 return Some(self.give_up(
@@ -196,17 +201,16 @@ impl Migrating {
                 ));
             }
             let delivered = (self.editor.text(), self.editor.tokens());
-            let Some(next) = continuation(self.m.api, &self.m.original, delivered.0, delivered.1)
-            else {
+            let Some(next) = continuation(self.m.api, &original, delivered.0, delivered.1) else {
                 // Every token asked for was delivered: the stream is complete.
                 count(&self.m.metrics, "completed");
                 self.ended = true;
                 return Some(Bytes::from_static(b"data: [DONE]\n\n"));
             };
-            let body = stream::with_usage_stats(self.m.api, &next);
+            let (body, _) = stream::with_usage_stats(self.m.api, &Bytes::from(next.to_string()));
             left -= 1;
             self.m.allowed = Ok(left);
-            let sent = (self.resend)(Bytes::from(body.to_string()), self.failed.clone()).await;
+            let sent = (self.resend)(body, self.failed.clone()).await;
             match sent {
                 Ok(sent) if sent.response.status().is_success() => {
                     tracing::warn!(from = %from, to = %sent.worker, reason, delivered_tokens = delivered.1, "Stream migrated to another worker");

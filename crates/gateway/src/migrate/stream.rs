@@ -451,14 +451,43 @@ pub fn continuation(api: Api, original: &Value, text: &str, tokens: u64) -> Opti
     }
 }
 
-/// The request as sent to a worker: with `stream_options` asking for usage on every chunk
-/// (chat and completions), so the tokens delivered are counted as the engine counts them.
-pub fn with_usage_stats(api: Api, body: &Value) -> Value {
-    let mut body = body.clone();
-    if api != Api::Generate {
-        body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+/// The request as sent to a worker, and the usage its client asked for: with
+/// `stream_options` asking for usage on every chunk (chat and completions), so the tokens
+/// delivered are counted as the engine counts them.
+///
+/// This is on the path of every stream, so the body is not parsed: `stream_options` is added
+/// after the object's last member (a body that has its own is parsed and the key replaced,
+/// since a repeated key is an error for some parsers).
+pub fn with_usage_stats(api: Api, body: &Bytes) -> (Bytes, UsageWanted) {
+    const ASK: &str = r#""stream_options":{"include_usage":true,"continuous_usage_stats":true}"#;
+    if api == Api::Generate {
+        return (body.clone(), UsageWanted::default());
     }
-    body
+    let has_own = body.windows(16).any(|w| w == b"\"stream_options\"");
+    let trimmed = body.trim_ascii_end();
+    match (has_own, trimmed.strip_suffix(b"}")) {
+        (false, Some(head)) if trimmed.trim_ascii_start().starts_with(b"{") => {
+            let empty = head.trim_ascii() == b"{";
+            let mut out = Vec::with_capacity(body.len() + ASK.len() + 2);
+            out.extend_from_slice(head);
+            if !empty {
+                out.push(b',');
+            }
+            out.extend_from_slice(ASK.as_bytes());
+            out.push(b'}');
+            (Bytes::from(out), UsageWanted::default())
+        }
+        _ => match serde_json::from_slice::<Value>(body) {
+            Ok(mut v) if v.is_object() => {
+                let wanted = UsageWanted::of(&v);
+                v["stream_options"] =
+                    json!({"include_usage": true, "continuous_usage_stats": true});
+                (Bytes::from(v.to_string()), wanted)
+            }
+            // Not an object: sent as it came (the engine will say what is wrong).
+            _ => (body.clone(), UsageWanted::default()),
+        },
+    }
 }
 
 #[cfg(test)]
@@ -632,6 +661,35 @@ mod tests {
         let next = continuation(Api::Generate, &generate, " upon", 1).unwrap();
         assert_eq!(next["text"], "Once upon");
         assert_eq!(next["sampling_params"]["max_new_tokens"], 3);
+    }
+
+    #[test]
+    fn usage_is_asked_for_without_parsing_unless_the_client_set_its_own() {
+        let asked = |body: &str| {
+            let (sent, wanted) = with_usage_stats(Api::Chat, &Bytes::from(body.to_owned()));
+            (serde_json::from_slice::<Value>(&sent).unwrap(), wanted)
+        };
+        let every = json!({"include_usage": true, "continuous_usage_stats": true});
+        let (v, wanted) = asked("{\"model\": \"m\", \"stream\": true}\n");
+        assert_eq!(
+            (v["stream_options"].clone(), v["model"].clone()),
+            (every.clone(), json!("m"))
+        );
+        assert_eq!(wanted, UsageWanted::default());
+        assert_eq!(asked("{ }").0, json!({"stream_options": every}));
+        // The client's own stream_options: replaced, and what it asked for remembered.
+        let (v, wanted) = asked(r#"{"stream_options": {"include_usage": true}}"#);
+        assert_eq!(v["stream_options"], every);
+        assert_eq!(
+            wanted,
+            UsageWanted {
+                last: true,
+                every: false
+            }
+        );
+        // /generate has no stream_options.
+        let raw = Bytes::from_static(b"{\"text\": \"x\"}");
+        assert_eq!(with_usage_stats(Api::Generate, &raw).0, raw);
     }
 
     #[test]
