@@ -9,6 +9,7 @@ use serde_json::{Map, Value as Json};
 
 use crate::conversation;
 use crate::load::{ModelFiles, TokenizerConfig};
+use crate::prefix::Cuts;
 use crate::template::ChatTemplates;
 use crate::{ChatOptions, TokenizerError};
 
@@ -21,6 +22,8 @@ pub(crate) struct HfTokenizer {
     templates: Option<ChatTemplates>,
     config: TokenizerConfig,
     eos_token_id: Option<u32>,
+    /// Where its prompts may be cut for the prefix cache.
+    pub cuts: Cuts,
 }
 
 impl fmt::Debug for HfTokenizer {
@@ -30,6 +33,7 @@ impl fmt::Debug for HfTokenizer {
             .field("special_tokens", &self.config.special_tokens)
             .field("eos_token_id", &self.eos_token_id)
             .field("templates", &self.templates)
+            .field("cuts", &self.cuts)
             .finish_non_exhaustive()
     }
 }
@@ -64,11 +68,13 @@ impl HfTokenizer {
         let eos_token_id = config
             .special_token("eos_token")
             .and_then(|t| tokenizer.token_to_id(t));
+        let cuts = Cuts::of(&tokenizer);
         Ok(Self {
             tokenizer,
             templates,
             config,
             eos_token_id,
+            cuts,
         })
     }
 

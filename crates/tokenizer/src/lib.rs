@@ -31,11 +31,13 @@
 //! serde_json's `preserve_order` feature sorts them, which shows in templates that print
 //! whole objects with `tojson`.
 
+mod cache;
 mod conversation;
 mod error;
 mod hf;
 mod load;
 mod options;
+mod prefix;
 mod template;
 
 use std::fmt;
@@ -44,6 +46,7 @@ use std::path::Path;
 use kvroute_protocol::fallback::{self, ChatEnd};
 use serde_json::Value as Json;
 
+pub use cache::{BlockChain, Encoded, Lookup, PrefixCache, MIN_CACHED_BYTES};
 pub use error::TokenizerError;
 pub use options::{ChatFields, ChatOptions};
 
@@ -117,6 +120,46 @@ impl Tokenizer {
     ) -> Result<Vec<u32>, TokenizerError> {
         let text = self.render_chat(messages, options)?;
         self.encode(&text, options.add_special_tokens)
+    }
+
+    /// [`Self::encode`] through a prefix cache: the same ids, with the prefix's tokenisation
+    /// reused when a prompt goes on from one seen before (see the `cache` module). The
+    /// fallback, a prompt under [`MIN_CACHED_BYTES`] and a tokenizer with no safe cut point
+    /// are tokenised whole.
+    pub fn encode_cached(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        cache: &PrefixCache,
+    ) -> Result<Encoded, TokenizerError> {
+        let Kind::HuggingFace(hf) = &self.kind else {
+            return Ok(cache.bypass(self.encode(text, add_special_tokens)?));
+        };
+        let start = match (add_special_tokens, &hf.cuts.special_prefix) {
+            (false, _) => &[][..],
+            (true, Some(prefix)) => prefix.as_slice(),
+            (true, None) => return Ok(cache.bypass(hf.encode(text, true)?)),
+        };
+        let cuts = if text.len() < MIN_CACHED_BYTES || !hf.cuts.any() {
+            Vec::new()
+        } else {
+            hf.cuts.find(text)
+        };
+        cache.encode(text, u64::from(add_special_tokens), &cuts, start, |piece| {
+            hf.encode(piece, false)
+        })
+    }
+
+    /// [`Self::encode_chat`] through a prefix cache (see [`Self::encode_cached`]): the chat
+    /// template is rendered as always, its text tokenised through the cache.
+    pub fn encode_chat_cached(
+        &self,
+        messages: &Json,
+        options: &ChatOptions<'_>,
+        cache: &PrefixCache,
+    ) -> Result<Encoded, TokenizerError> {
+        let text = self.render_chat(messages, options)?;
+        self.encode_cached(&text, options.add_special_tokens, cache)
     }
 
     /// The text of `ids`, special tokens skipped.
