@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use http::HeaderMap;
 use kvroute_core::PolicyKind;
 use kvroute_gateway::kv::KvState;
+use kvroute_gateway::prompts::Prompts;
 use kvroute_gateway::routing;
 use kvroute_gateway::workers::WorkerSet;
 use kvroute_gateway::{Settings, WorkerSpec};
@@ -61,9 +62,11 @@ fn main() {
     for i in 0..16 {
         set.set_healthy(&format!("w{i}"), true);
     }
+    // No prefix cache: every decision tokenises afresh (bench/tokenize.sh measures the cache).
+    let prompts = Prompts::new(tokenizer.clone(), settings.block_size, 0, &mut registry);
     let kv = KvState::new(
         &settings,
-        tokenizer.clone(),
+        prompts,
         (
             metrics.kv_index_blocks.clone(),
             metrics.kv_index_bytes.clone(),
@@ -123,7 +126,7 @@ fn main() {
     for _ in 0..iters {
         let fields = RoutingFields::from_json(body.as_bytes()).unwrap();
         let t = Instant::now();
-        let toks = routing::prompt_tokens(&tokenizer, body.as_bytes(), &fields).unwrap();
+        let toks = routing::prompt_tokens(&kv.prompts, body.as_bytes(), &fields).unwrap();
         let plan = routing::plan(
             &kv,
             pool,
@@ -140,10 +143,10 @@ fn main() {
         plan_t.push(t.elapsed());
         chosen = plan.choice().worker.id.to_string();
         let t = Instant::now();
-        let toks = routing::prompt_tokens(&tokenizer, body.as_bytes(), &fields).unwrap();
+        let toks = routing::prompt_tokens(&kv.prompts, body.as_bytes(), &fields).unwrap();
         tok_t.push(t.elapsed());
         let t = Instant::now();
-        let hashes = block_hashes(&toks, bs, 0);
+        let hashes = block_hashes(&toks.ids, bs, 0);
         hash_t.push(t.elapsed());
         let t = Instant::now();
         let _ = kv.overlaps(&hashes, Instant::now());
@@ -152,7 +155,7 @@ fn main() {
     // The decision without tokenising (what the event loop spends when a long prompt is
     // tokenised on the blocking pool).
     let mut score_t = Vec::new();
-    let toks = tokens.clone();
+    let toks = kv.prompts.hashed(tokens.clone());
     for _ in 0..iters {
         let fields = RoutingFields::from_json(body.as_bytes()).unwrap();
         let t = Instant::now();

@@ -64,9 +64,15 @@ impl AppState {
             (None, Some(_)) => WorkerAuth::Strip,
             (None, None) => WorkerAuth::PassThrough,
         };
+        let prompts = crate::prompts::Prompts::new(
+            tokenizer,
+            settings.block_size,
+            settings.tokenizer_cache_bytes,
+            registry,
+        );
         let kv = Arc::new(KvState::new(
             &settings,
-            tokenizer,
+            prompts,
             (
                 metrics.kv_index_blocks.clone(),
                 metrics.kv_index_bytes.clone(),

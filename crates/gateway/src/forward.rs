@@ -26,6 +26,7 @@ use crate::error::GatewayError;
 use crate::http::WORKER_HEADER;
 use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
+use crate::prompts::Tokens;
 use crate::proxy::{self, Admitted, Forward, InFlight};
 use crate::queue::Released;
 use crate::routing;
@@ -75,7 +76,7 @@ struct Attempt<'a> {
     path_and_query: &'a str,
     headers: &'a HeaderMap,
     fields: &'a RoutingFields<'a>,
-    tokens: &'a [u32],
+    tokens: &'a Tokens,
     hints: &'a Hints,
     request_id: &'a HeaderValue,
     arrived: Instant,
@@ -143,8 +144,7 @@ pub(crate) async fn route_and_forward(
             let busy = queue.thresholds(c, state.busy.get(pool.model.as_str()));
             let ranks = routing::eligible_ranks(pool, &hints, &busy, started)?;
             // The cost for ordering and DRR: uncached tokens as the index sees them now.
-            let hashes = kvroute_index::block_hashes(&tokens, state.kv.block_size, 0);
-            let overlaps = state.kv.overlaps(&hashes, started);
+            let overlaps = state.kv.overlaps(&tokens.hashes, started);
             let best = ranks
                 .iter()
                 .map(|(w, r)| state.kv.counts(&overlaps, w, w.ranks[*r].replica).total())
@@ -496,7 +496,7 @@ async fn attempts(
                 text,
                 // llm_d keys on tokens: a peer needs them to learn this decision.
                 tokens: if policy == PolicyKind::LlmD {
-                    a.tokens.to_vec()
+                    a.tokens.ids.clone()
                 } else {
                     Vec::new()
                 },

@@ -1,5 +1,5 @@
 //! What the router knows of the engines' KV caches: the event-fed index, the approximate
-//! index of its own decisions, and the tokenizer that turns requests into block hashes.
+//! index of its own decisions, and the prompts' tokens and block hashes ([`Prompts`]).
 //!
 //! A worker's blocks come from its KV events when it has `kv_events` configured and the
 //! router runs with events (the default); otherwise the router approximates: each routing
@@ -14,17 +14,18 @@ use kvroute_index::{
     ApproxIndex, ApproxIndexer, BlockHash, EngineHash, IndexError, KvIndex, KvIndexer,
     OverlapScores, ReplicaId, StorageTier, StoredBlocks, TierCounts,
 };
-use kvroute_tokenizer::Tokenizer;
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::config::{KvEventsMode, Settings};
+use crate::prompts::Prompts;
 use crate::workers::Worker;
 
 /// The router's view of every engine's KV cache.
 pub struct KvState {
     pub block_size: usize,
     pub mode: KvEventsMode,
-    pub tokenizer: Arc<Tokenizer>,
+    /// The tokenizer and its prefix cache.
+    pub prompts: Prompts,
     index: RwLock<KvIndex>,
     approx: Mutex<ApproxIndex>,
     size: (Gauge, Gauge),
@@ -35,7 +36,7 @@ impl std::fmt::Debug for KvState {
         f.debug_struct("KvState")
             .field("block_size", &self.block_size)
             .field("mode", &self.mode)
-            .field("tokenizer", &!self.tokenizer.is_fallback())
+            .field("prompts", &self.prompts)
             .finish()
     }
 }
@@ -54,11 +55,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl KvState {
     /// `size` receives the index's block count and heap bytes as they change.
-    pub fn new(settings: &Settings, tokenizer: Arc<Tokenizer>, size: (Gauge, Gauge)) -> Self {
+    pub fn new(settings: &Settings, prompts: Prompts, size: (Gauge, Gauge)) -> Self {
         Self {
             block_size: settings.block_size,
             mode: settings.kv_events,
-            tokenizer,
+            prompts,
             index: RwLock::new(KvIndex::with_max_blocks(
                 settings.block_size,
                 settings.max_indexed_blocks,

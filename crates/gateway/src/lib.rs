@@ -15,7 +15,8 @@
 //! cycle between modules (`tests/layers.rs` checks it):
 //! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`, `tls`;
 //! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
-//! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `busy`;
+//! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `prompts` (tokens and
+//!    the tokenizer prefix cache), `busy`;
 //! 4. request path: `routing`, `queue`, `proxy`, `sync`, `context`, `migrate`, `pd`, `forward`,
 //!    `discovery`;
 //! 5. server: `server` (the axum app, admin API, background tasks) and `main`.
@@ -36,6 +37,7 @@ pub mod kv_events;
 // 3. State.
 pub mod busy;
 pub mod kv;
+pub mod prompts;
 pub mod workers;
 
 // 4. The request path.

@@ -36,6 +36,7 @@ use kvroute_protocol::{RoutingFields, WorkerId};
 use crate::config::PdProtocol;
 use crate::context::AppState;
 use crate::error::GatewayError;
+use crate::prompts::Tokens;
 use crate::proxy::{self, Admitted, Forward, InFlight};
 use crate::routing::{self, Choice, Plan};
 use crate::workers::{Half, Pool};
@@ -52,7 +53,7 @@ pub(crate) struct PdRequest<'a> {
     pub parts: &'a http::request::Parts,
     pub body: Bytes,
     pub fields: &'a RoutingFields<'a>,
-    pub tokens: Vec<u32>,
+    pub tokens: Tokens,
     pub hints: &'a Hints,
     pub request_id: &'a HeaderValue,
     pub arrived: Instant,
@@ -145,8 +146,7 @@ async fn halves_once(state: &AppState, req: &PdRequest<'_>) -> Result<Once, Gate
         } else if plan.policy == PolicyKind::KvAware {
             choice.kv.overlap.total()
         } else {
-            let hashes = kvroute_index::block_hashes(&req.tokens, bs, 0);
-            let overlaps = state.kv.overlaps(&hashes, now);
+            let overlaps = state.kv.overlaps(&req.tokens.hashes, now);
             let replica = choice.worker.ranks[choice.rank].replica;
             state.kv.counts(&overlaps, &choice.worker, replica).total()
         };

@@ -11,12 +11,13 @@ use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, Wor
 use kvroute_core::{
     Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };
-use kvroute_index::{block_hashes, BlockHash, TierCounts};
+use kvroute_index::{BlockHash, TierCounts};
 use kvroute_protocol::{Prompt, RoutingFields};
-use kvroute_tokenizer::{ChatFields, Tokenizer};
+use kvroute_tokenizer::ChatFields;
 
 use crate::error::GatewayError;
 use crate::kv::KvState;
+use crate::prompts::{Prompts, Tokens};
 use crate::workers::{Pool, Worker};
 
 /// Session-key headers, in order of precedence (then the body's `user`).
@@ -159,18 +160,14 @@ fn ineligible(e: Ineligible) -> GatewayError {
     }
 }
 
-/// The request's prompt token ids as the engine will see them, or `None` when it has no
+/// The request's prompt tokens as the engine will see them, or `None` when it has no
 /// single prompt (batched prompts, embeddings of several inputs) or the tokenizer cannot
 /// render it (then routing goes on without KV overlap).
-pub fn prompt_tokens(
-    tokenizer: &Tokenizer,
-    body: &[u8],
-    fields: &RoutingFields<'_>,
-) -> Option<Vec<u32>> {
+pub fn prompt_tokens(prompts: &Prompts, body: &[u8], fields: &RoutingFields<'_>) -> Option<Tokens> {
     let result = if fields.messages.is_some() {
         // The same fields, read the same way, as kvroute-sim reads them.
         let chat: ChatFields = serde_json::from_slice(body).ok()?;
-        tokenizer.encode_chat(&chat.messages, &chat.options())
+        prompts.encode_chat(&chat.messages, &chat.options())
     } else {
         match fields
             .prompt
@@ -178,10 +175,10 @@ pub fn prompt_tokens(
             .or(fields.text.as_ref())
             .or(fields.input_ids.as_ref())
         {
-            Some(Prompt::Text(text)) => tokenizer.encode_prompt(text),
-            Some(Prompt::Tokens(ids)) => Ok(ids.clone()),
-            Some(Prompt::Texts(texts)) if texts.len() == 1 => tokenizer.encode_prompt(&texts[0]),
-            Some(Prompt::TokenBatches(b)) if b.len() == 1 => Ok(b[0].clone()),
+            Some(Prompt::Text(text)) => prompts.encode_prompt(text),
+            Some(Prompt::Tokens(ids)) => Ok(prompts.hashed(ids.clone())),
+            Some(Prompt::Texts(texts)) if texts.len() == 1 => prompts.encode_prompt(&texts[0]),
+            Some(Prompt::TokenBatches(b)) if b.len() == 1 => Ok(prompts.hashed(b[0].clone())),
             _ => return None,
         }
     };
@@ -210,21 +207,21 @@ const BLOCKING_TOKENIZE_BYTES: usize = 16 * 1024;
 
 /// The request's prompt tokens when `policy` uses them (else empty), off the async threads
 /// when the work is long.
-pub async fn tokens_for(kv: &KvState, policy: PolicyKind, body: &bytes::Bytes) -> Vec<u32> {
+pub async fn tokens_for(kv: &Arc<KvState>, policy: PolicyKind, body: &bytes::Bytes) -> Tokens {
     if !matches!(policy, PolicyKind::KvAware | PolicyKind::LlmD) {
-        return Vec::new();
+        return Tokens::default();
     }
     let work = {
-        let tokenizer = kv.tokenizer.clone();
+        let kv = kv.clone();
         let body = body.clone();
         move || {
             RoutingFields::from_json(&body)
                 .ok()
-                .and_then(|fields| prompt_tokens(&tokenizer, &body, &fields))
+                .and_then(|fields| prompt_tokens(&kv.prompts, &body, &fields))
                 .unwrap_or_default()
         }
     };
-    if kv.tokenizer.is_fallback() || body.len() < BLOCKING_TOKENIZE_BYTES {
+    if kv.prompts.tokenizer.is_fallback() || body.len() < BLOCKING_TOKENIZE_BYTES {
         work()
     } else {
         tokio::task::spawn_blocking(work).await.unwrap_or_default()
@@ -282,8 +279,9 @@ pub fn eligible_ranks(
         .collect())
 }
 
-/// Builds the candidates of `pool` for the request and lets its policy choose. `tokens` are
-/// the prompt's token ids (from [`tokens_for`]; empty for policies that do not use them).
+/// Builds the candidates of `pool` for the request and lets its policy choose. `prompt` is
+/// the prompt's tokens and block hashes (from [`tokens_for`]; empty for policies that do not
+/// use them).
 /// A `dry_run` (`/debug/route`) leaves every policy's state as it was.
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
@@ -294,10 +292,11 @@ pub fn plan(
     busy: &BusyThresholds,
     affinity: Option<&Affinity>,
     fields: &RoutingFields<'_>,
-    tokens: &[u32],
+    prompt: &Tokens,
     started: Instant,
     dry_run: bool,
 ) -> Result<Plan, GatewayError> {
+    let tokens = prompt.ids.as_slice();
     let policy = pool.policy.kind();
     let key = session_key(headers, fields);
     // Session affinity: the (worker, rank) the session used last, as a pin (hard) or a
@@ -319,7 +318,7 @@ pub fn plan(
         _ => hints,
     };
     let (hashes, scores) = if policy == PolicyKind::KvAware {
-        let hashes = block_hashes(tokens, kv.block_size, 0);
+        let hashes = prompt.hashes.clone();
         let scores = kv.overlaps(&hashes, started);
         (hashes, scores)
     } else {

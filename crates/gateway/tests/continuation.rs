@@ -10,10 +10,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvroute_gateway::prompts::Prompts;
 use kvroute_gateway::{routing, Gateway, Settings};
 use kvroute_protocol::RoutingFields;
 use kvroute_sim::{SimArgs, SimServer};
 use kvroute_tokenizer::Tokenizer;
+use prometheus_client::registry::Registry;
 use serde_json::{json, Value};
 use support::*;
 use tokio::net::TcpListener;
@@ -74,11 +76,14 @@ fn chats() -> Vec<Value> {
     ]
 }
 
-/// The ids the router derives for `body` (what it routes and indexes on).
-fn router_ids(tokenizer: &Tokenizer, body: &Value) -> Vec<u32> {
+/// The ids the router derives for `body` (what it routes and indexes on), through its
+/// prefix cache as the router does.
+fn router_ids(prompts: &Prompts, body: &Value) -> Vec<u32> {
     let bytes = body.to_string().into_bytes();
     let fields = RoutingFields::from_json(&bytes).unwrap();
-    routing::prompt_tokens(tokenizer, &bytes, &fields).expect("the router tokenises the chat")
+    routing::prompt_tokens(prompts, &bytes, &fields)
+        .expect("the router tokenises the chat")
+        .ids
 }
 
 async fn check_same_ids(tokenizer: Tokenizer) -> Vec<Vec<u32>> {
@@ -87,8 +92,9 @@ async fn check_same_ids(tokenizer: Tokenizer) -> Vec<Vec<u32>> {
     let engine = sim(&tokenizer, &shutdown).await;
     let router = router(&engine, &tokenizer, &shutdown).await;
     let mut all = Vec::new();
+    let prompts = Prompts::new(tokenizer.clone(), 16, 1 << 20, &mut Registry::default());
     for body in chats() {
-        let ids = router_ids(&tokenizer, &body);
+        let ids = router_ids(&prompts, &body);
         let tokenized = post(&engine, "/tokenize", &[], &body.to_string()).await;
         assert_eq!(tokenized.status, 200, "{body}: {:?}", tokenized.body);
         assert_eq!(tokenized.json()["tokens"], json!(ids), "{body}");

@@ -153,11 +153,12 @@ fn special_prefix(tokenizer: &Tk) -> Option<Vec<u32>> {
     match tokenizer.get_post_processor() {
         None | Some(PostProcessorWrapper::ByteLevel(_)) => Some(Vec::new()),
         Some(p @ PostProcessorWrapper::Template(t)) => {
-            // `$A` (or `$0`, `$B`...) last, special tokens only before it.
-            let single = t.get_single();
-            let pieces: Vec<&str> = single.split_whitespace().collect();
-            let (last, before) = pieces.split_last()?;
-            if !last.starts_with('$') || before.iter().any(|p| p.starts_with('$')) {
+            // The single-sequence template: special tokens, then the sequence, last.
+            let template = serde_json::to_value(t).ok()?;
+            let (last, before) = template.get("single")?.as_array()?.split_last()?;
+            if last.get("Sequence").is_none()
+                || before.iter().any(|p| p.get("SpecialToken").is_none())
+            {
                 return None;
             }
             let ids = tokenizer.encode_fast("", true).ok()?.get_ids().to_vec();

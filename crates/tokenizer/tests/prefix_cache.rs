@@ -111,7 +111,11 @@ fn messages(system: &Option<String>, turns: &[String]) -> Value {
         .map(|s| json!({"role": "system", "content": s}))
         .collect();
     for (i, t) in turns.iter().enumerate() {
-        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        let role = if i.is_multiple_of(2) {
+            "user"
+        } else {
+            "assistant"
+        };
         m.push(json!({"role": role, "content": t}));
     }
     Value::Array(m)
@@ -156,6 +160,13 @@ proptest! {
                 prop_assert_eq!(t.encode_cached(&prompt, special, &cache).unwrap().ids, fresh);
             }
         }
+        // A long prompt gone on with is a hit, BOS and all.
+        let long = format!("{}{prompt}", "Context line.\n".repeat(60));
+        t.encode_cached(&long, true, &cache).unwrap();
+        let more = format!("{long}\nA question?");
+        let got = t.encode_cached(&more, true, &cache).unwrap();
+        prop_assert_eq!(got.lookup, Lookup::Hit);
+        prop_assert_eq!(got.ids, t.encode_prompt(&more).unwrap());
     }
 }
 

@@ -234,6 +234,18 @@ pub struct Args {
     /// tokenise like the engines; without it, the fallback shared with kvroute-sim.
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
+    /// Bytes the tokenizer's prefix cache may hold (token ids, block hashes and per-entry
+    /// overhead); 0 turns it off [default: 268435456]. On by default, unlike smg's.
+    #[arg(long, value_name = "BYTES")]
+    pub tokenizer_cache_l1_max_memory: Option<usize>,
+    /// smg's flag, accepted: exact repeats are served by the one prefix cache.
+    #[arg(long)]
+    #[serde(default)]
+    pub tokenizer_cache_enable_l0: bool,
+    /// smg's flag, accepted: the prefix cache is on unless its memory is 0.
+    #[arg(long)]
+    #[serde(default)]
+    pub tokenizer_cache_enable_l1: bool,
 
     /// A rank is busy with more active prefill tokens than this.
     #[arg(long)]

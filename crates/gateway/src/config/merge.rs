@@ -100,6 +100,13 @@ impl Args {
                 .router_max_indexed_blocks
                 .or(file.router_max_indexed_blocks),
             tokenizer: self.tokenizer.or(file.tokenizer),
+            tokenizer_cache_l1_max_memory: self
+                .tokenizer_cache_l1_max_memory
+                .or(file.tokenizer_cache_l1_max_memory),
+            tokenizer_cache_enable_l0: self.tokenizer_cache_enable_l0
+                || file.tokenizer_cache_enable_l0,
+            tokenizer_cache_enable_l1: self.tokenizer_cache_enable_l1
+                || file.tokenizer_cache_enable_l1,
             active_prefill_tokens_threshold: self
                 .active_prefill_tokens_threshold
                 .or(file.active_prefill_tokens_threshold),

@@ -309,6 +309,8 @@ pub struct Settings {
     /// The admission queue, when `--router-queue-threshold` is set.
     pub queue: Option<QueueSettings>,
     pub tokenizer: Option<PathBuf>,
+    /// The tokenizer prefix cache's bound in bytes (0: off).
+    pub tokenizer_cache_bytes: usize,
     /// Kubernetes and file discovery.
     pub discovery: DiscoverySettings,
 }

@@ -411,3 +411,30 @@ fn discovery_flags_take_the_peers_names_and_defaults() {
     let sources: Vec<&str> = s.workers.iter().map(|w| w.source.name()).collect();
     assert_eq!(sources, ["static", "config"]);
 }
+
+#[test]
+fn the_tokenizer_cache_takes_smgs_flags_and_is_on_by_default() {
+    let s = Args::default().into_settings().unwrap();
+    assert_eq!(s.tokenizer_cache_bytes, 256 << 20);
+    let cli = Args::try_parse_from([
+        "kvroute",
+        "--tokenizer-cache-l1-max-memory",
+        "1048576",
+        "--tokenizer-cache-enable-l0",
+        "--tokenizer-cache-enable-l1",
+    ])
+    .unwrap();
+    assert_eq!(cli.into_settings().unwrap().tokenizer_cache_bytes, 1 << 20);
+    let off = Args::from_text("tokenizer_cache_l1_max_memory: 0\n").unwrap();
+    assert_eq!(off.into_settings().unwrap().tokenizer_cache_bytes, 0);
+    for bad in [
+        "--tokenizer-cache-l1-max-memory=50MB",
+        "--tokenizer-cache-l1-max-memory=-1",
+    ] {
+        let e = Args::try_parse_from(["kvroute", bad]);
+        assert!(e
+            .unwrap_err()
+            .to_string()
+            .contains("tokenizer-cache-l1-max-memory"));
+    }
+}

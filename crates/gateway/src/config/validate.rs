@@ -468,6 +468,7 @@ impl Args {
                 (mode, Duration::from_secs(secs))
             }),
             tokenizer: self.tokenizer,
+            tokenizer_cache_bytes: self.tokenizer_cache_l1_max_memory.unwrap_or(256 << 20),
             discovery,
         })
     }

@@ -60,6 +60,25 @@ impl TestRouter {
     }
 
     pub async fn start_unready(settings: Settings) -> TestRouter {
+        Self::start_unready_with(settings, Arc::new(kvroute_tokenizer::Tokenizer::fallback())).await
+    }
+
+    /// A ready router that tokenises with `tokenizer`.
+    pub async fn start_with(
+        settings: Settings,
+        tokenizer: Arc<kvroute_tokenizer::Tokenizer>,
+    ) -> TestRouter {
+        let r = Self::start_unready_with(settings, tokenizer).await;
+        tokio::time::timeout(Duration::from_secs(20), r.gateway.wait_ready())
+            .await
+            .expect("router ready");
+        r
+    }
+
+    pub async fn start_unready_with(
+        settings: Settings,
+        tokenizer: Arc<kvroute_tokenizer::Tokenizer>,
+    ) -> TestRouter {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let scheme = if settings.tls.api.is_some() {
@@ -70,7 +89,7 @@ impl TestRouter {
         let url = format!("{scheme}://{}", listener.local_addr().unwrap());
         let metrics_url = format!("http://{}", metrics_listener.local_addr().unwrap());
         let mut registry = prometheus_client::registry::Registry::default();
-        let gateway = Gateway::new(settings, &mut registry);
+        let gateway = Gateway::with_tokenizer(settings, &mut registry, tokenizer);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(gateway.clone().serve(
             listener,
