@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::queue::{DrrQueue, PolicyClass, QueueError, QueueOrder, Ticket};
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -32,6 +33,11 @@ pub const DEFAULT_BATCH_TOKENS: u64 = 8192;
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClassLabel {
     class: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
 }
 
 /// A waiting request: the ranks it may go to, and how to wake it.
@@ -62,6 +68,8 @@ pub struct AdmissionQueue {
     in_transit: AtomicBool,
     pending: Vec<Gauge>,
     waited: Histogram,
+    /// Requests refused by the queue: [full, timed out].
+    refused: [Counter; 2],
 }
 
 /// Held by a request the queue let go, until its load is counted (or it failed); dropping
@@ -112,6 +120,17 @@ impl AdmissionQueue {
             "Time requests spent in the router's queue",
             waited.clone(),
         );
+        let refused_family = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "kvroute_queue_refused",
+            "Requests the router's queue refused: full (429) or timed out (503)",
+            refused_family.clone(),
+        );
+        let refused = ["full", "timeout"].map(|reason| {
+            refused_family
+                .get_or_create(&ReasonLabel { reason })
+                .clone()
+        });
         let pending = classes
             .iter()
             .map(|c| {
@@ -136,6 +155,7 @@ impl AdmissionQueue {
             in_transit: AtomicBool::new(false),
             pending,
             waited,
+            refused,
         })
     }
 
@@ -192,7 +212,8 @@ impl AdmissionQueue {
             match q.push(class, Waiter { ranks, wake }, cost) {
                 Ok(t) => t,
                 Err(QueueError::Full { .. }) => {
-                    return Err(GatewayError::QueueFull(self.classes[class].name.clone()))
+                    self.refused[0].inc();
+                    return Err(GatewayError::QueueFull(self.classes[class].name.clone()));
                 }
                 Err(QueueError::UnknownClass { .. }) => {
                     return Err(GatewayError::NoEndpoint("unknown policy class"))
@@ -214,7 +235,10 @@ impl AdmissionQueue {
                 leave.ticket = None;
                 Ok(Released { queue: Some(self) })
             }
-            _ => Err(GatewayError::QueueTimeout(self.timeout.as_secs())),
+            _ => {
+                self.refused[1].inc();
+                Err(GatewayError::QueueTimeout(self.timeout.as_secs()))
+            }
         }
     }
 

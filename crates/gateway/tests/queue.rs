@@ -128,6 +128,18 @@ async fn a_full_class_and_a_long_wait_are_errors() {
     timed_out.assert_error(503, "queue_timeout");
     let m = r.metrics().await;
     assert_metric(&m, "kvroute_queue_pending", r#"class="small""#, Some(0.0));
+    assert_metric(
+        &m,
+        "kvroute_queue_refused_total",
+        r#"reason="full""#,
+        Some(1.0),
+    );
+    assert_metric(
+        &m,
+        "kvroute_queue_refused_total",
+        r#"reason="timeout""#,
+        Some(1.0),
+    );
     held.abort();
     r.stop().await;
 }
