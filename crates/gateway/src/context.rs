@@ -48,6 +48,8 @@ pub(crate) struct AppState {
     /// Replica sync, once serving started with it.
     pub(crate) sync: std::sync::OnceLock<SyncHandle>,
     pub(crate) sync_metrics: SyncMetrics,
+    /// The last routing decisions, for the dashboard.
+    pub(crate) recent: crate::recent::Recent,
 }
 
 impl AppState {
@@ -111,6 +113,7 @@ impl AppState {
                 .map(|api| arc_swap::ArcSwap::new(api.config.clone())),
             sync: std::sync::OnceLock::new(),
             sync_metrics: SyncMetrics::register(registry),
+            recent: Default::default(),
             settings,
             kv,
             kv_event_metrics,

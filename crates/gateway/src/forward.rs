@@ -469,6 +469,7 @@ async fn attempts(
         let rank = &choice.worker.ranks[choice.rank];
         let load = plan.request_load(state.kv.block_size);
         let synced_model = state.sync.get().map(|_| pool.model.as_str().to_owned());
+        let model = pool.model.clone();
         let policy = plan.policy;
         drop(table);
         tracing::debug!(worker = %choice.worker.id, dp_rank = ?rank.dp_rank, attempt, "Routed");
@@ -543,21 +544,30 @@ async fn attempts(
         }
         // The attempt that answers is the one the router learns from.
         if plan.policy == PolicyKind::KvAware && plan.prompt_tokens > 0 {
-            let cached = choice.kv.overlap.total() as f64 * state.kv.block_size as f64;
+            let cached =
+                (choice.kv.overlap.total() as usize * state.kv.block_size).min(plan.prompt_tokens);
             state
                 .metrics
                 .kv_hit_ratio
-                .observe((cached / plan.prompt_tokens as f64).min(1.0));
+                .observe(cached as f64 / plan.prompt_tokens as f64);
+            choice
+                .worker
+                .series
+                .prompt_tokens
+                .inc_by(plan.prompt_tokens as u64);
+            choice.worker.series.cached_tokens.inc_by(cached as u64);
             if !state.kv.uses_events(&choice.worker) {
                 state
                     .kv
                     .record_routed(choice.worker.ranks[choice.rank].replica, &plan.hashes, now);
             }
         }
+        let (response, pinned) = (result?, plan.pinned);
+        state.recent.record(&model, plan);
         return Ok(Sent {
-            response: result?,
+            response,
             worker: worker.id.clone(),
-            pinned: plan.pinned,
+            pinned,
         });
     }
     Err(last_error.unwrap_or(GatewayError::NoEndpoint("no worker left to try")))

@@ -150,6 +150,11 @@ impl KvState {
         lock(&self.approx).clear_replica(replica);
     }
 
+    /// The engine blocks a replica holds per tier, in the event-fed index.
+    pub fn replica_blocks(&self, replica: ReplicaId) -> TierCounts {
+        read(&self.index).replica_blocks(replica)
+    }
+
     /// (indexed blocks, approximate bytes) of the event-fed index.
     pub fn index_size(&self) -> (usize, usize) {
         let index = read(&self.index);

@@ -17,7 +17,8 @@
 //! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `prompts` (tokens and
 //!    the tokenizer prefix cache), `busy`;
-//! 4. request path: `routing`, `queue`, `proxy`, `sync`, `context`, `migrate`, `pd`, `forward`,
+//! 4. request path: `routing`, `recent` (the last decisions), `queue`, `proxy`, `sync`, `context`,
+//!    `migrate`, `pd`, `forward`,
 //!    `discovery`;
 //! 5. server: `server` (the axum app, admin API, background tasks) and `main`.
 
@@ -48,6 +49,7 @@ pub mod migrate;
 pub mod pd;
 pub mod proxy;
 pub mod queue;
+pub mod recent;
 pub mod routing;
 pub mod sync;
 

@@ -169,6 +169,8 @@ pub struct GatewayMetrics {
     processed: Family<WorkerLabels, Counter>,
     decisions: Family<DecisionLabels, Counter>,
     active: Family<WorkerLabels, Gauge>,
+    prompt_tokens: Family<WorkerLabels, Counter>,
+    cached_tokens: Family<WorkerLabels, Counter>,
     pub routing_seconds: Histogram,
 }
 
@@ -193,6 +195,9 @@ pub struct WorkerSeries {
     pub processed: Counter,
     pub decisions: Counter,
     pub active: Gauge,
+    /// kv_aware: prompt tokens routed here, and those found cached (its hit ratio).
+    pub prompt_tokens: Counter,
+    pub cached_tokens: Counter,
 }
 
 impl GatewayMetrics {
@@ -234,6 +239,8 @@ impl GatewayMetrics {
             processed: Family::default(),
             decisions: Family::default(),
             active: Family::default(),
+            prompt_tokens: Family::default(),
+            cached_tokens: Family::default(),
             // 1 µs .. ~16 ms in powers of two.
             routing_seconds: Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(1e-6, 2.0, 15),
@@ -258,6 +265,16 @@ impl GatewayMetrics {
             "kvroute_worker_requests_active",
             "Requests in flight on each worker",
             m.active.clone(),
+        );
+        registry.register(
+            "kvroute_worker_prompt_tokens",
+            "kv_aware: prompt tokens routed to each worker",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            "kvroute_worker_cached_tokens",
+            "kv_aware: prompt tokens routed to each worker that it held cached",
+            m.cached_tokens.clone(),
         );
         registry.register(
             "kvroute_worker_active_prefill_tokens",
@@ -359,6 +376,8 @@ impl GatewayMetrics {
         self.healthy.remove(&w);
         self.processed.remove(&w);
         self.active.remove(&w);
+        self.prompt_tokens.remove(&w);
+        self.cached_tokens.remove(&w);
         self.decisions.remove(&DecisionLabels {
             policy,
             worker: worker.to_owned(),
@@ -418,6 +437,8 @@ impl GatewayMetrics {
             }),
             processed: self.processed.get_or_create(&w).clone(),
             active: self.active.get_or_create(&w).clone(),
+            prompt_tokens: self.prompt_tokens.get_or_create(&w).clone(),
+            cached_tokens: self.cached_tokens.get_or_create(&w).clone(),
             decisions: self
                 .decisions
                 .get_or_create(&DecisionLabels {

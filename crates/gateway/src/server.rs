@@ -32,6 +32,7 @@ use crate::workers::{Worker, WorkerSet};
 
 mod admin;
 mod background;
+mod dashboard;
 
 use admin::{add_worker, debug_route, get_busy, remove_worker, set_busy, workers};
 #[cfg(unix)]
@@ -218,9 +219,13 @@ impl Gateway {
         if state.settings.config_path.is_some() || state.api_tls.is_some() {
             spawn_reload_on_hangup(self.clone());
         }
+        let dashboard =
+            dashboard::Dashboard::new(state.clone(), registry.clone(), self.policy_description());
+        dashboard.spawn_sampler();
+        let metrics_routes = metrics_app(registry).merge(dashboard::routes(dashboard));
         let metrics_stop = state.shutdown.clone();
         let metrics = tokio::spawn(async move {
-            axum::serve(metrics_listener, metrics_app(registry))
+            axum::serve(metrics_listener, metrics_routes)
                 .with_graceful_shutdown(metrics_stop.cancelled_owned())
                 .await
         });

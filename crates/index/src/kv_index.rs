@@ -57,7 +57,7 @@ use crate::hasher::{map_bytes, MixMap};
 use crate::slots::Slots;
 use crate::{
     BlockHash, EngineHash, IndexError, KvIndexer, OverlapScores, ReplicaId, StorageTier,
-    StoredBlocks,
+    StoredBlocks, TierCounts,
 };
 use record::{tier_bits, Record};
 use table::BlockTable;
@@ -136,6 +136,29 @@ impl KvIndex {
     /// Replicas holding at least one engine block.
     pub fn num_replicas(&self) -> usize {
         self.replicas.iter().filter(|r| !r.is_empty()).count()
+    }
+
+    /// The engine blocks `replica` holds, per tier (a block in two tiers counts in both).
+    /// Walks the replica's blocks: for a dashboard's once-a-second read, not a request path.
+    pub fn replica_blocks(&self, replica: ReplicaId) -> TierCounts {
+        let mut counts = [0u32; 4];
+        if let Some(blocks) = self
+            .slots
+            .get(replica)
+            .and_then(|s| self.replicas.get(s as usize))
+        {
+            for record in blocks.values() {
+                for tier in tier_bits(record.tiers()) {
+                    counts[tier] += 1;
+                }
+            }
+        }
+        TierCounts {
+            device: counts[0],
+            host: counts[1],
+            disk: counts[2],
+            external: counts[3],
+        }
     }
 
     /// Engine hashes removed that the replica did not hold in that tier, since creation.

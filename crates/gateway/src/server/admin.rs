@@ -7,7 +7,6 @@ use axum::extract::{ConnectInfo, Path, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::StatusCode;
-use kvroute_core::{EngineLoad, PolicyKind};
 use kvroute_protocol::RoutingFields;
 
 use super::Gateway;
@@ -43,49 +42,7 @@ pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request
             Instant::now(),
             true,
         )?;
-        let kv_aware = plan.policy == PolicyKind::KvAware;
-        let candidates: Vec<serde_json::Value> = plan
-            .choices
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut v = serde_json::json!({
-                    "worker": c.worker.id.as_str(),
-                    "dp_rank": c.worker.ranks[c.rank].dp_rank,
-                    "eligible": true,
-                    "active_requests": c.in_flight,
-                });
-                if kv_aware {
-                    let o = c.kv.overlap;
-                    v["overlap_blocks"] = serde_json::json!({
-                        "device": o.device, "host": o.host, "disk": o.disk, "external": o.external,
-                    });
-                    v["prefill_tokens"] = c.kv.prefill_tokens.into();
-                    v["decode_blocks"] = c.kv.decode_blocks.into();
-                    v["new_blocks"] = c.kv.new_blocks.into();
-                }
-                if let Some(costs) = &plan.costs {
-                    v["cost"] = costs[i].into();
-                }
-                let e = c.engine;
-                if e != EngineLoad::default() {
-                    v["engine"] = serde_json::json!({
-                        "waiting": e.waiting, "running": e.running, "kv_usage": e.kv_usage,
-                        "num_gpu_blocks": e.num_gpu_blocks,
-                    });
-                }
-                v
-            })
-            .collect();
-        let chosen = plan.choice();
-        Ok::<_, GatewayError>(Json(serde_json::json!({
-            "policy": plan.policy.name(),
-            "worker": chosen.worker.id.as_str(),
-            "dp_rank": chosen.worker.ranks[chosen.rank].dp_rank,
-            "prompt_tokens": plan.prompt_tokens,
-            "block_size": state.kv.block_size,
-            "candidates": candidates,
-        })))
+        Ok::<_, GatewayError>(Json(crate::recent::plan_json(&plan, state.kv.block_size)))
     }
     .await;
     match result {

@@ -181,3 +181,18 @@ fn memory_estimate_is_close_to_the_tables() {
     // hashbrown's load factor.
     assert!((89..400).contains(&per_block), "{per_block}");
 }
+
+#[test]
+fn replica_blocks_counts_each_replicas_engine_blocks_per_tier() {
+    let mut index = KvIndex::new(BS);
+    let a = prompt(0, 5);
+    store(&mut index, 0, &a, BS, StorageTier::Device);
+    store(&mut index, 0, &a[..2 * BS], BS, StorageTier::Host);
+    store(&mut index, 1, &prompt(500, 3), BS, StorageTier::Disk);
+    let zero = index.replica_blocks(ReplicaId(0));
+    assert_eq!((zero.device, zero.host, zero.disk), (5, 2, 0));
+    assert_eq!(index.replica_blocks(ReplicaId(1)).disk, 3);
+    assert_eq!(index.replica_blocks(ReplicaId(7)).total(), 0);
+    index.clear_replica(ReplicaId(0));
+    assert_eq!(index.replica_blocks(ReplicaId(0)).device, 0);
+}
