@@ -46,7 +46,11 @@ impl Text {
     }
 
     fn turn(&mut self, i: usize) -> Value {
-        let role = if i.is_multiple_of(2) { "user" } else { "assistant" };
+        let role = if i.is_multiple_of(2) {
+            "user"
+        } else {
+            "assistant"
+        };
         let mut content = self.words(120);
         if i % 2 == 1 {
             content.push_str("```rust\n");

@@ -45,12 +45,20 @@ fn init_tracing(settings: &Settings) {
             settings.log_level.as_filter()
         ))
     });
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         // A closed stderr must not bring the server down (eprintln! would panic).
-        .log_internal_errors(false)
-        .init();
+        .log_internal_errors(false);
+    if settings.log_json {
+        // The request's span (route, request id, trace id) on each of its lines.
+        fmt.json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init();
+    } else {
+        fmt.init();
+    }
 }
 
 /// Simulated engines started in-process when no worker is given.

@@ -298,7 +298,26 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
         .get(REQUEST_ID_HEADER)
         .cloned()
         .unwrap_or_else(new_request_id);
-    let span = tracing::debug_span!("request", route, request_id = ?request_id);
+    // At info level when logging JSON, so that each of the request's lines carries its ids.
+    let trace_id = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| trace_id(v.as_bytes()));
+    let span = if state.settings.log_json {
+        tracing::info_span!(
+            "request",
+            route,
+            request_id = request_id.to_str().unwrap_or_default(),
+            trace_id
+        )
+    } else {
+        tracing::debug_span!(
+            "request",
+            route,
+            request_id = request_id.to_str().unwrap_or_default(),
+            trace_id
+        )
+    };
     let mut response = match route_and_forward(&state, route, req, &request_id)
         .instrument(span)
         .await
@@ -312,6 +331,16 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
         .or_insert(request_id);
     state.metrics.request(route, response.status().as_u16());
     response
+}
+
+/// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`), when well formed.
+fn trace_id(traceparent: &[u8]) -> Option<&str> {
+    let s = std::str::from_utf8(traceparent).ok()?;
+    let mut parts = s.trim().split('-');
+    let (_version, trace, span, _flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_hexdigit());
+    (hex(trace, 32) && hex(span, 16) && trace.bytes().any(|b| b != b'0')).then_some(trace)
 }
 
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {

@@ -395,6 +395,11 @@ pub struct Args {
     /// Log level: trace, debug, info, warn (or warning), error [default: info].
     #[arg(long, value_enum)]
     pub log_level: Option<LogLevel>,
+    /// Logs as one JSON object per line, each request's lines with its request id (and the
+    /// trace id of its `traceparent`, when it has one). smg's flag.
+    #[arg(long)]
+    #[serde(default)]
+    pub log_json: bool,
 }
 
 fn parse_policy(s: &str) -> Result<PolicyKind, String> {

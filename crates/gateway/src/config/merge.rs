@@ -188,6 +188,7 @@ impl Args {
             max_payload_size: self.max_payload_size.or(file.max_payload_size),
             request_timeout_secs: self.request_timeout_secs.or(file.request_timeout_secs),
             log_level: self.log_level.or(file.log_level),
+            log_json: self.log_json || file.log_json,
         }
     }
 }

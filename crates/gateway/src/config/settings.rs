@@ -272,6 +272,8 @@ pub struct Settings {
     pub max_payload_size: usize,
     pub request_timeout: Duration,
     pub log_level: LogLevel,
+    /// One JSON object per log line.
+    pub log_json: bool,
     pub block_size: usize,
     pub kv_events: KvEventsMode,
     pub router_ttl: Duration,

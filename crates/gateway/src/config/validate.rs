@@ -323,6 +323,7 @@ impl Args {
             max_payload_size,
             request_timeout: Duration::from_secs(request_timeout_secs),
             log_level: self.log_level.unwrap_or(LogLevel::Info),
+            log_json: self.log_json,
             block_size,
             kv_events: if self.no_router_kv_events {
                 KvEventsMode::Approximate
