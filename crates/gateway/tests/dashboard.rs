@@ -17,25 +17,11 @@ struct Kvroute {
 }
 
 async fn kvroute(args: &[&str]) -> Kvroute {
-    let (port, metrics_port) = (free_port(), free_port());
-    let child = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["--port", &port.to_string()])
-            .args(["--prometheus-port", &metrics_port.to_string()])
-            .args(args)
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let url = format!("http://127.0.0.1:{port}");
-    let ready = format!("{url}/readiness");
-    wait_until_async("kvroute ready", || answers(&ready)).await;
+    let (child, url, metrics_url) = kvroute_process(args).await;
     Kvroute {
         _child: child,
         url,
-        metrics_url: format!("http://127.0.0.1:{metrics_port}"),
+        metrics_url,
     }
 }
 

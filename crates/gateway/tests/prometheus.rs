@@ -76,20 +76,9 @@ fn promtool_accepts_the_rules() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_panel_has_data_from_a_default_kvroute() {
-    let (port, metrics_port, prom_port) = (free_port(), free_port(), free_port());
-    let _kvroute = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["--port", &port.to_string()])
-            .args(["--prometheus-port", &metrics_port.to_string()])
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let url = format!("http://127.0.0.1:{port}");
-    let ready = format!("{url}/readiness");
-    wait_until_async("kvroute ready", || answers(&ready)).await;
+    let (_kvroute, url, metrics_url) = kvroute_process(&[]).await;
+    let metrics_port = metrics_url.rsplit(':').next().unwrap().to_owned();
+    let prom_port = free_port();
 
     let dir = std::env::temp_dir().join(format!("kvroute-prometheus-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

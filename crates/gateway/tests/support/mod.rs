@@ -388,6 +388,27 @@ pub async fn wait_all_idle(router: &TestRouter) {
 }
 
 /// A loopback port free at the time of asking.
+/// A `kvroute` process run with `args` on free ports, once its `/readiness` answers: the
+/// process, its API URL and its metrics URL.
+pub async fn kvroute_process(args: &[&str]) -> (ChildGuard, String, String) {
+    let (port, metrics_port) = (free_port(), free_port());
+    let child = ChildGuard(
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["--port", &port.to_string()])
+            .args(["--prometheus-port", &metrics_port.to_string()])
+            .args(args)
+            .env_remove("RUST_LOG")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let url = format!("http://127.0.0.1:{port}");
+    let ready = format!("{url}/readiness");
+    wait_until_async("kvroute ready", || answers(&ready)).await;
+    (child, url, format!("http://127.0.0.1:{metrics_port}"))
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
