@@ -11,6 +11,7 @@
 #   KVROUTE_BASE=/tmp/old/kvroute ROUTERS="nginx kvroute-base kvroute" bench/overhead.sh
 #                                                    # another build beside this one, same run
 #   ROUTERS="nginx kvroute-kv" bench/overhead.sh     # kvroute kv_aware (fallback tokenizer), any POLICY
+#   ROUTERS="nginx kvroute kvroute-1t" bench/overhead.sh  # and with one runtime thread, like nginx's one worker
 #
 # REPEAT=N runs the router list N times in a row (the mocks stay up), for the spread.
 #
@@ -85,6 +86,9 @@ for r in $ROUTERS; do
     kvroute-base)
       [ -x "$KVROUTE_BASE" ] || { echo "kvroute-base: set KVROUTE_BASE to a kvroute binary"; continue; }
       "$KVROUTE_BASE" "${kvroute_flags[@]}" --policy "$POLICY" > "$LOGS/$r.log" 2>&1 & ;;
+    # One runtime thread (tokio reads TOKIO_WORKER_THREADS), as nginx runs one worker here.
+    kvroute-1t) TOKIO_WORKER_THREADS=1 "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" > "$LOGS/$r.log" 2>&1 & ;;
+    kvroute-1t-kv) TOKIO_WORKER_THREADS=1 "$KVROUTE" "${kvroute_flags[@]}" --policy kv_aware > "$LOGS/$r.log" 2>&1 & ;;
     # The same with migration off: what reading non-streaming answers whole costs.
     kvroute-nomig) "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" --migration-limit 0 > "$LOGS/$r.log" 2>&1 & ;;
     # kv_aware with the fallback tokenizer (no --tokenizer, no KV events: routed blocks are recorded).
