@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Router overhead, side by side in one run: wrk against two fast mock engines directly, then
-# through kvroute, sglang-router and vllm-router (round_robin each, same mocks, same flags).
-# Prints req/s, p50, p99 at concurrency 1 and 64 and the router's CPU time per request.
+# through nginx (a plain round-robin proxy, the yardstick), kvroute, sglang-router, vllm-router
+# and smg (round_robin each, same mocks, same flags). Prints req/s, p50, p99 at concurrency 1
+# and 64 and the router's CPU time per request (its process and children, from /proc).
 #
-#   ../shared/peers/setup_peers.sh sgl vllmr wrk     # once: the peers, the mocks' venv, wrk
-#   bench/overhead.sh                                # DUR=10 POLICY=round_robin ROUTERS="kvroute sglang vllm"
+#   ../shared/peers/setup_peers.sh sgl vllmr smg wrk # once: the peers, the mocks' venv, wrk
+#   apt-get install nginx-light                      # once: the yardstick
+#   bench/overhead.sh                                # DUR=10 POLICY=round_robin ROUTERS="nginx kvroute sglang vllm smg"
 #   ROUTERS="kvroute kvroute-nomig" bench/overhead.sh  # kvroute with and without --migration-limit 0
+#   KVROUTE_BASE=/tmp/old/kvroute ROUTERS="nginx kvroute-base kvroute" bench/overhead.sh
+#                                                    # another build beside this one, same run
+#   ROUTERS="nginx kvroute-kv" bench/overhead.sh     # kvroute kv_aware (fallback tokenizer), any POLICY
+#   ROUTERS="nginx kvroute kvroute-1t" bench/overhead.sh  # and with one runtime thread, like nginx's one worker
+#
+# REPEAT=N runs the router list N times in a row (the mocks stay up), for the spread.
 #
 # All traffic stays on 127.0.0.1. Results are appended to $OUT (default bench/overhead-results.txt).
 set -u
@@ -15,23 +23,34 @@ PEERS_DIR=${PEERS_DIR:-/tmp/kvroute-peers}
 SHARED=${SHARED:-$ROOT/../shared/peers}
 DUR=${DUR:-10}
 POLICY=${POLICY:-round_robin}
-ROUTERS=${ROUTERS:-kvroute sglang vllm}
+ROUTERS=${ROUTERS:-nginx kvroute sglang vllm smg}
+REPEAT=${REPEAT:-1}
 OUT=${OUT:-$ROOT/bench/overhead-results.txt}
 M1=19001; M2=19002; RP=30013
 PY="$PEERS_DIR/venv-sgl/bin/python"
 
 command -v wrk >/dev/null || { echo "wrk missing: $SHARED/setup_peers.sh wrk"; exit 1; }
 [ -x "$PY" ] || { echo "peers missing: $SHARED/setup_peers.sh sgl vllmr wrk"; exit 1; }
-build -p kvroute-gateway
-# KVROUTE=path/to/kvroute measures another build (an older commit's, say) in the same way.
+# KVROUTE=path/to/kvroute measures another build (an older commit's, say) in the same way;
+# without it this checkout is built.
+[ -n "${KVROUTE:-}" ] || build -p kvroute-gateway
 KVROUTE=${KVROUTE:-$BIN/kvroute}
+KVROUTE_BASE=${KVROUTE_BASE:-}
 
 # Ready: answers a chat completion.
 chat_ready() {
   wait_ready "$1/v1/chat/completions" -XPOST -H 'content-type: application/json' \
     -d '{"model":"mock-model","messages":[{"role":"user","content":"warm"}]}'
 }
-cpu_ticks() { [ -n "${1:-}" ] && [ -r "/proc/$1/stat" ] && awk '{print $14+$15}' "/proc/$1/stat" || echo 0; }
+# utime+stime of a process and its children (nginx's worker, a launcher's server).
+cpu_ticks() {
+  [ -n "${1:-}" ] || { echo 0; return; }
+  local t=0 p
+  for p in "$1" $(pgrep -P "$1"); do
+    [ -r "/proc/$p/stat" ] && t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat")))
+  done
+  echo $t
+}
 
 run_wrk() { # label url [pid]
   local label=$1 url=$2 pid=${3:-}
@@ -56,21 +75,49 @@ echo "=== $(date -u +%FT%TZ) DUR=${DUR}s nproc=$(nproc) policy=$POLICY" | tee -a
 for p in $M1 $M2; do "$PY" "$SHARED/fast_mock.py" $p f$p > "$LOGS/mock-$p.log" 2>&1 & pids+=($!); done
 chat_ready http://127.0.0.1:$M1 && run_wrk direct-mock http://127.0.0.1:$M1
 
+kvroute_flags=(--host 127.0.0.1 --port $RP --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2
+  --prometheus-port 29013 --log-level warn)
+for round in $(seq 1 "$REPEAT"); do
 for r in $ROUTERS; do
+  [ "$REPEAT" -gt 1 ] && echo "--- round $round: $r" >> "$OUT"
   case $r in
-    kvroute) "$KVROUTE" --host 127.0.0.1 --port $RP --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 \
-               --policy "$POLICY" --prometheus-port 29013 --log-level warn > "$LOGS/$r.log" 2>&1 & ;;
+    kvroute) "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" > "$LOGS/$r.log" 2>&1 & ;;
+    # A second build (KVROUTE_BASE), measured beside this one.
+    kvroute-base)
+      [ -x "$KVROUTE_BASE" ] || { echo "kvroute-base: set KVROUTE_BASE to a kvroute binary"; continue; }
+      "$KVROUTE_BASE" "${kvroute_flags[@]}" --policy "$POLICY" > "$LOGS/$r.log" 2>&1 & ;;
+    # One runtime thread (tokio reads TOKIO_WORKER_THREADS), as nginx runs one worker here.
+    kvroute-1t) TOKIO_WORKER_THREADS=1 "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" > "$LOGS/$r.log" 2>&1 & ;;
+    kvroute-1t-kv) TOKIO_WORKER_THREADS=1 "$KVROUTE" "${kvroute_flags[@]}" --policy kv_aware > "$LOGS/$r.log" 2>&1 & ;;
     # The same with migration off: what reading non-streaming answers whole costs.
-    kvroute-nomig) "$KVROUTE" --host 127.0.0.1 --port $RP --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 \
-               --policy "$POLICY" --prometheus-port 29013 --log-level warn --migration-limit 0 > "$LOGS/$r.log" 2>&1 & ;;
+    kvroute-nomig) "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" --migration-limit 0 > "$LOGS/$r.log" 2>&1 & ;;
+    # kv_aware with the fallback tokenizer (no --tokenizer, no KV events: routed blocks are recorded).
+    kvroute-kv) "$KVROUTE" "${kvroute_flags[@]}" --policy kv_aware > "$LOGS/$r.log" 2>&1 & ;;
+    kvroute-base-kv)
+      [ -x "$KVROUTE_BASE" ] || { echo "kvroute-base-kv: set KVROUTE_BASE to a kvroute binary"; continue; }
+      "$KVROUTE_BASE" "${kvroute_flags[@]}" --policy kv_aware > "$LOGS/$r.log" 2>&1 & ;;
+    # nginx round robin whatever POLICY: one worker process, keep-alive to the mocks.
+    nginx)
+      command -v nginx >/dev/null || { echo "nginx missing: apt-get install nginx-light"; continue; }
+      sed "s#@DIR@#$LOGS#; s#@PORT@#$RP#; s#@B1@#127.0.0.1:$M1#; s#@B2@#127.0.0.1:$M2#" \
+        "$SHARED/nginx_rr.conf" > "$LOGS/nginx.conf"
+      nginx -c "$LOGS/nginx.conf" -g 'daemon off;' > "$LOGS/$r.log" 2>&1 & ;;
     sglang)  "$PEERS_DIR/venv-sgl/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port $RP \
                --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 --policy "$POLICY" \
                --prometheus-host 127.0.0.1 --prometheus-port 29013 --log-level warn > "$LOGS/$r.log" 2>&1 & ;;
     vllm)    "$PEERS_DIR/venv-vllmr/bin/vllm-router" --host 127.0.0.1 --port $RP \
                --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 --policy "$POLICY" \
                --prometheus-host 127.0.0.1 --prometheus-port 29013 --log-level warning > "$LOGS/$r.log" 2>&1 & ;;
+    # smg 1.13 (SGLang's gateway now); venv-sgl's `smg` is sglang-router's, not this one.
+    smg)     "$PEERS_DIR/venv-smg/bin/smg" launch --host 127.0.0.1 --port $RP \
+               --worker-urls http://127.0.0.1:$M1 http://127.0.0.1:$M2 --policy "$POLICY" \
+               --prometheus-host 127.0.0.1 --prometheus-port 29013 --log-level warn > "$LOGS/$r.log" 2>&1 & ;;
+    *) echo "unknown router $r"; continue ;;
   esac
   pid=$!; pids+=("$pid")
-  if chat_ready http://127.0.0.1:$RP; then run_wrk "$r-$POLICY" http://127.0.0.1:$RP $pid; else tail -5 "$LOGS/$r.log"; fi
+  label="$r-$POLICY"
+  case $r in nginx) label=nginx-round_robin ;; *-kv) label=$r-kv_aware ;; esac
+  if chat_ready http://127.0.0.1:$RP; then run_wrk "$label" http://127.0.0.1:$RP $pid; else tail -5 "$LOGS/$r.log"; fi
   stop $pid; sleep 1
+done
 done

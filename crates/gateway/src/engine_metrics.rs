@@ -72,7 +72,7 @@ pub enum ScrapeError {
         source: http::uri::InvalidUri,
     },
     #[error("request failed: {0}")]
-    Request(#[source] hyper_util::client::legacy::Error),
+    Request(#[source] crate::http::ClientError),
     #[error("answered {0}")]
     Status(StatusCode),
     #[error("cannot read the body: {0}")]

@@ -122,9 +122,9 @@ pub(crate) async fn route_and_forward(
             excluded: &[],
         };
         let Some(api) = api else {
-            return crate::pd::route(state, req, admitted).await;
+            return Box::pin(crate::pd::route(state, req, admitted)).await;
         };
-        return pd_stream(state, api, req, admitted).await;
+        return Box::pin(pd_stream(state, api, req, admitted)).await;
     }
     let mut released = None;
     let mut class = None;

@@ -16,7 +16,6 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
-use hyper::body::Incoming;
 
 use kvroute_core::RequestLoad;
 use prometheus_client::metrics::gauge::Gauge;
@@ -26,7 +25,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use crate::auth::WorkerAuth;
 use crate::error::GatewayError;
 use crate::http::{
-    HttpClient, DP_RANK_HEADER, ENGINE_DP_RANK_HEADER, REQUEST_ID_HEADER, WORKER_HEADER,
+    HttpClient, PooledBody, DP_RANK_HEADER, ENGINE_DP_RANK_HEADER, REQUEST_ID_HEADER, WORKER_HEADER,
 };
 use crate::metrics::Outcome;
 use crate::queue::AdmissionQueue;
@@ -180,7 +179,7 @@ impl Drop for Admitted {
 /// connection, and the failure counts against the worker's circuit. Other bodies are cut.
 #[derive(Debug)]
 pub struct TrackedBody {
-    inner: Incoming,
+    inner: PooledBody,
     guard: InFlight,
     admitted: Option<Admitted>,
     sse: bool,

@@ -8,7 +8,7 @@ use http::HeaderValue;
 use http_body_util::{BodyExt, Full};
 use kvroute_protocol::ModelId;
 
-use crate::http::HttpClient;
+use crate::http::{ClientError, HttpClient};
 use crate::tls::tls_cause;
 
 /// Why a probe failed.
@@ -19,7 +19,7 @@ pub(crate) enum ProbeError {
     #[error("TLS: {0}")]
     Tls(rustls::Error),
     #[error("request failed: {0}")]
-    Http(hyper_util::client::legacy::Error),
+    Http(ClientError),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
     #[error("answered HTTP {0}")]
