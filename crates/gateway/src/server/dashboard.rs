@@ -257,11 +257,15 @@ impl Dashboard {
                 v["hit_ratio"] = (prompt > 0.0).then(|| (n[3] - o[3]) / prompt).into();
                 if let Some(w) = workers.iter().find(|w| w.id.as_str() == st.id) {
                     for (i, rank) in w.ranks.iter().enumerate() {
+                        // The worker may have changed between the two reads: skip, never panic.
+                        let Some(r) = v["ranks"].get_mut(i) else {
+                            continue;
+                        };
                         let e = rank.engine.load(when);
                         let b = self.state.kv.replica_blocks(rank.replica);
-                        v["ranks"][i]["engine"] =
+                        r["engine"] =
                             json!({"kv_usage": e.kv_usage, "waiting": e.waiting, "running": e.running});
-                        v["ranks"][i]["blocks"] = json!({
+                        r["blocks"] = json!({
                             "device": b.device, "host": b.host, "disk": b.disk, "external": b.external,
                         });
                     }
