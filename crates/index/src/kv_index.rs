@@ -69,6 +69,8 @@ pub struct KvIndex {
     table: BlockTable,
     /// Per slot, the replica's engine blocks.
     replicas: Vec<MixMap<EngineHash, Record>>,
+    /// Per slot, its engine blocks in each tier (kept as records change).
+    tier_counts: Vec<[u32; 4]>,
     /// Engine blocks remembered, all replicas together.
     records: usize,
     /// Heap bytes behind the records (multi-block and piece records).
@@ -105,6 +107,7 @@ impl KvIndex {
             slots: Slots::default(),
             table: BlockTable::default(),
             replicas: Vec::new(),
+            tier_counts: Vec::new(),
             records: 0,
             record_heap: 0,
             next_stamp: 0,
@@ -139,20 +142,13 @@ impl KvIndex {
     }
 
     /// The engine blocks `replica` holds, per tier (a block in two tiers counts in both).
-    /// Walks the replica's blocks: for a dashboard's once-a-second read, not a request path.
     pub fn replica_blocks(&self, replica: ReplicaId) -> TierCounts {
-        let mut counts = [0u32; 4];
-        if let Some(blocks) = self
+        let counts = self
             .slots
             .get(replica)
-            .and_then(|s| self.replicas.get(s as usize))
-        {
-            for record in blocks.values() {
-                for tier in tier_bits(record.tiers()) {
-                    counts[tier] += 1;
-                }
-            }
-        }
+            .and_then(|s| self.tier_counts.get(s as usize))
+            .copied()
+            .unwrap_or_default();
         TierCounts {
             device: counts[0],
             host: counts[1],
@@ -182,6 +178,7 @@ impl KvIndex {
             return false;
         }
         record.set_tiers(record.tiers() & !(1 << tier));
+        self.tier_counts[slot as usize][tier] -= 1;
         for block in record.kind.covered() {
             self.table.dec(block, slot, tier, groups);
         }
@@ -291,6 +288,7 @@ impl KvIndexer for KvIndex {
         };
         let groups = self.slots.groups();
         let engine = std::mem::take(&mut self.replicas[slot as usize]);
+        self.tier_counts[slot as usize] = [0; 4];
         self.records -= engine.len();
         for record in engine.into_values() {
             self.record_heap -= record.kind.heap_bytes();

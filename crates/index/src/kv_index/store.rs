@@ -54,6 +54,7 @@ impl KvIndex {
             if self.replicas.len() <= slot as usize {
                 self.replicas
                     .resize_with(slot as usize + 1, MixMap::default);
+                self.tier_counts.resize(slot as usize + 1, [0; 4]);
             }
             if engine >= router {
                 self.store_whole(slot, event, base, &mut scratch.bytes);
@@ -256,6 +257,7 @@ impl KvIndex {
                 record.set_stamp(stamp);
                 if record.tiers() & (1 << tier) == 0 {
                     record.set_tiers(record.tiers() | 1 << tier);
+                    self.tier_counts[slot as usize][tier] += 1;
                     for &block in record.kind.own() {
                         self.table.inc(block, slot, tier, groups);
                     }
@@ -271,6 +273,7 @@ impl KvIndex {
                 }
                 self.records += 1;
                 self.record_heap += kind.heap_bytes();
+                self.tier_counts[slot as usize][tier] += 1;
                 vacant.insert(Record::new(kind, stamp, 1 << tier));
             }
         }
@@ -284,6 +287,7 @@ impl KvIndex {
         }
         self.records += 1;
         self.record_heap += kind.heap_bytes();
+        self.tier_counts[slot as usize][tier] += 1;
         self.replicas[slot as usize].insert(hash, Record::new(kind, stamp, 1 << tier));
     }
 }

@@ -196,3 +196,47 @@ fn replica_blocks_counts_each_replicas_engine_blocks_per_tier() {
     index.clear_replica(ReplicaId(0));
     assert_eq!(index.replica_blocks(ReplicaId(0)).device, 0);
 }
+
+/// The per-tier counts by walking the replica's records, to check the kept ones against.
+fn walked(index: &KvIndex, replica: u32) -> [u32; 4] {
+    let mut counts = [0; 4];
+    if let Some(slot) = index.slots.get(ReplicaId(replica)) {
+        for record in index.replicas[slot as usize].values() {
+            for tier in tier_bits(record.tiers()) {
+                counts[tier] += 1;
+            }
+        }
+    }
+    counts
+}
+
+#[test]
+fn kept_tier_counts_match_the_records_through_stores_removals_and_evictions() {
+    let mut index = KvIndex::with_max_blocks(BS, 40);
+    for i in 0..60u32 {
+        let tier = [StorageTier::Device, StorageTier::Host, StorageTier::Disk][i as usize % 3];
+        store(
+            &mut index,
+            i % 3,
+            &prompt(i * 37 % 500, 1 + i as usize % 6),
+            BS,
+            tier,
+        );
+        if i % 7 == 0 {
+            let gone = engine(&prompt(i * 37 % 500, 2), BS);
+            index.apply_removed(ReplicaId(i % 3), StorageTier::Device, &gone);
+        }
+        if i == 45 {
+            index.clear_replica(ReplicaId(1));
+        }
+        for r in 0..3 {
+            let b = index.replica_blocks(ReplicaId(r));
+            assert_eq!(
+                [b.device, b.host, b.disk, b.external],
+                walked(&index, r),
+                "step {i}, replica {r}"
+            );
+        }
+    }
+    assert!(index.evicted_blocks() > 0);
+}
