@@ -15,7 +15,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method};
+use http::{HeaderMap, HeaderValue};
 use http_body_util::{BodyExt, Limited};
 use kvroute_core::PolicyKind;
 use kvroute_protocol::{RoutingFields, WorkerId};
@@ -72,9 +72,8 @@ const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/gener
 
 /// What every attempt of one request shares.
 struct Attempt<'a> {
-    method: &'a Method,
-    path_and_query: &'a str,
-    headers: &'a HeaderMap,
+    /// The client's method, URI and headers.
+    parts: &'a http::request::Parts,
     fields: &'a RoutingFields<'a>,
     tokens: &'a Tokens,
     hints: &'a Hints,
@@ -82,6 +81,13 @@ struct Attempt<'a> {
     arrived: Instant,
     /// The queue's policy class, when the queue is on.
     class: Option<usize>,
+}
+
+impl Attempt<'_> {
+    fn path_and_query(&self) -> &str {
+        let uri = &self.parts.uri;
+        uri.path_and_query().map_or(uri.path(), |pq| pq.as_str())
+    }
 }
 
 /// Routes one request and forwards it, retrying as the module doc says; P/D routes go
@@ -155,14 +161,8 @@ pub(crate) async fn route_and_forward(
         };
         released = Some(queue.admit(c, ranks, cost).await?);
     }
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |pq| pq.as_str());
     let attempt = Attempt {
-        method: &parts.method,
-        path_and_query,
-        headers: &parts.headers,
+        parts: &parts,
         fields: &fields,
         tokens: &tokens,
         hints: &hints,
@@ -343,12 +343,7 @@ fn resender(
                 };
             };
             let attempt = Attempt {
-                method: &parts.method,
-                path_and_query: parts
-                    .uri
-                    .path_and_query()
-                    .map_or(parts.uri.path(), |pq| pq.as_str()),
-                headers: &parts.headers,
+                parts: &parts,
                 fields: &fields,
                 tokens: &tokens,
                 hints: &hints,
@@ -446,7 +441,7 @@ async fn attempts(
         let plan = match routing::plan(
             &state.kv,
             pool,
-            a.headers,
+            &a.parts.headers,
             a.hints,
             &busy,
             state.affinity.as_deref(),
@@ -483,7 +478,7 @@ async fn attempts(
             state.queue.clone(),
         )
         .with_sync(state.sync.get(), || {
-            let key = routing::session_key(a.headers, a.fields).map(str::to_owned);
+            let key = routing::session_key(&a.parts.headers, a.fields).map(str::to_owned);
             let text = if policy == PolicyKind::CacheAware {
                 a.fields.routing_text().into_owned()
             } else {
@@ -512,9 +507,9 @@ async fn attempts(
             &state.client,
             guard,
             Forward {
-                method: a.method.clone(),
-                path_and_query: a.path_and_query,
-                headers: a.headers,
+                method: a.parts.method.clone(),
+                path_and_query: a.path_and_query(),
+                headers: &a.parts.headers,
                 body: body.clone(),
                 request_id: a.request_id,
                 timeout: state.settings.request_timeout,

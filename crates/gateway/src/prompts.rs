@@ -134,7 +134,8 @@ impl Prompts {
             Lookup::Miss => self.misses.inc(),
             Lookup::Bypassed => 0,
         };
-        if let (Some(cache), Lookup::Miss) = (&self.cache, encoded.lookup) {
+        // A hit can insert too (the prompt's new last cut): the size after either.
+        if let (Some(cache), Lookup::Hit | Lookup::Miss) = (&self.cache, encoded.lookup) {
             self.bytes.set(cache.bytes() as i64);
         }
         Tokens {

@@ -68,8 +68,9 @@ pub struct AdmissionQueue {
     in_transit: AtomicBool,
     pending: Vec<Gauge>,
     waited: Histogram,
-    /// Requests refused by the queue: [full, timed out].
-    refused: [Counter; 2],
+    /// Requests refused by the queue because their class was full, or their wait too long.
+    refused_full: Counter,
+    refused_timeout: Counter,
 }
 
 /// Held by a request the queue let go, until its load is counted (or it failed); dropping
@@ -126,7 +127,7 @@ impl AdmissionQueue {
             "Requests the router's queue refused: full (429) or timed out (503)",
             refused_family.clone(),
         );
-        let refused = ["full", "timeout"].map(|reason| {
+        let [refused_full, refused_timeout] = ["full", "timeout"].map(|reason| {
             refused_family
                 .get_or_create(&ReasonLabel { reason })
                 .clone()
@@ -155,7 +156,8 @@ impl AdmissionQueue {
             in_transit: AtomicBool::new(false),
             pending,
             waited,
-            refused,
+            refused_full,
+            refused_timeout,
         })
     }
 
@@ -212,7 +214,7 @@ impl AdmissionQueue {
             match q.push(class, Waiter { ranks, wake }, cost) {
                 Ok(t) => t,
                 Err(QueueError::Full { .. }) => {
-                    self.refused[0].inc();
+                    self.refused_full.inc();
                     return Err(GatewayError::QueueFull(self.classes[class].name.clone()));
                 }
                 Err(QueueError::UnknownClass { .. }) => {
@@ -236,7 +238,7 @@ impl AdmissionQueue {
                 Ok(Released { queue: Some(self) })
             }
             _ => {
-                self.refused[1].inc();
+                self.refused_timeout.inc();
                 Err(GatewayError::QueueTimeout(self.timeout.as_secs()))
             }
         }

@@ -8,49 +8,15 @@ mod support;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kvroute_gateway::prompts::Prompts;
-use kvroute_gateway::{routing, Gateway, Settings};
+use kvroute_gateway::{routing, Settings};
 use kvroute_protocol::RoutingFields;
-use kvroute_sim::{SimArgs, SimServer};
 use kvroute_tokenizer::Tokenizer;
 use prometheus_client::registry::Registry;
 use serde_json::{json, Value};
 use support::*;
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-
-/// A kvroute-sim with `tokenizer`, serving until `shutdown`: its URL.
-async fn sim(tokenizer: &Arc<Tokenizer>, shutdown: &CancellationToken) -> String {
-    let args = <SimArgs as clap::Parser>::parse_from(["kvroute-sim", "--speedup", "1000"]);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let server = SimServer::new(args, tokenizer.clone());
-    tokio::spawn(server.serve(listener, shutdown.clone()));
-    url
-}
-
-/// A router (the default policy, kv_aware) with `tokenizer` in front of `worker`, serving
-/// until `shutdown`: its URL, once ready.
-async fn router(worker: &str, tokenizer: &Arc<Tokenizer>, shutdown: &CancellationToken) -> String {
-    let settings = Settings::with_workers(vec![named_spec("sim", "kvroute-sim", worker)]).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let mut registry = prometheus_client::registry::Registry::default();
-    let gateway = Gateway::with_tokenizer(settings, &mut registry, tokenizer.clone());
-    tokio::spawn(gateway.clone().serve(
-        listener,
-        metrics_listener,
-        Arc::new(registry),
-        shutdown.clone(),
-    ));
-    tokio::time::timeout(Duration::from_secs(20), gateway.wait_ready())
-        .await
-        .expect("router ready");
-    url
-}
 
 /// A chat, and the continuations of it a migration may send.
 fn chats() -> Vec<Value> {
@@ -89,8 +55,12 @@ fn router_ids(prompts: &Prompts, body: &Value) -> Vec<u32> {
 async fn check_same_ids(tokenizer: Tokenizer) -> Vec<Vec<u32>> {
     let tokenizer = Arc::new(tokenizer);
     let shutdown = CancellationToken::new();
-    let engine = sim(&tokenizer, &shutdown).await;
-    let router = router(&engine, &tokenizer, &shutdown).await;
+    let engine = serve_sim_with(&["--speedup", "1000"], tokenizer.clone(), &shutdown).await;
+    // The default policy, kv_aware, in front of the engine.
+    let settings =
+        Settings::with_workers(vec![named_spec("sim", "kvroute-sim", engine.as_str())]).unwrap();
+    let r = TestRouter::start_with(settings, tokenizer.clone()).await;
+    let router = r.url.clone();
     let mut all = Vec::new();
     let prompts = Prompts::new(tokenizer.clone(), 16, 1 << 20, &mut Registry::default());
     for body in chats() {
@@ -117,6 +87,7 @@ async fn check_same_ids(tokenizer: Tokenizer) -> Vec<Vec<u32>> {
         assert_eq!(reply.json()["usage"]["prompt_tokens"], ids.len(), "{body}");
         all.push(ids);
     }
+    r.stop().await;
     shutdown.cancel();
     all
 }

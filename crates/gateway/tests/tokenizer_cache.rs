@@ -6,24 +6,14 @@ mod support;
 
 use std::sync::Arc;
 
-use kvroute_sim::{SimArgs, SimServer};
 use kvroute_tokenizer::{ChatOptions, Tokenizer};
 use serde_json::{json, Value};
 use support::*;
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 fn tiny() -> Arc<Tokenizer> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/tiny-llama");
     Arc::new(Tokenizer::load(std::path::Path::new(dir)).unwrap())
-}
-
-async fn sim(tokenizer: &Arc<Tokenizer>, shutdown: &CancellationToken) -> String {
-    let args = <SimArgs as clap::Parser>::parse_from(["kvroute-sim", "--speedup", "1000"]);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(SimServer::new(args, tokenizer.clone()).serve(listener, shutdown.clone()));
-    url
 }
 
 fn turn(i: usize) -> Value {
@@ -63,7 +53,7 @@ async fn counts(router: &TestRouter) -> (f64, f64) {
 async fn start(cache_bytes: usize) -> (TestRouter, CancellationToken) {
     let tokenizer = tiny();
     let shutdown = CancellationToken::new();
-    let engine = sim(&tokenizer, &shutdown).await;
+    let engine = serve_sim_with(&["--speedup", "1000"], tokenizer.clone(), &shutdown).await;
     let mut settings =
         kvroute_gateway::Settings::with_workers(vec![named_spec("sim", "kvroute-sim", engine)])
             .unwrap();

@@ -15,11 +15,20 @@ use super::{free_port, holds_within, post, text, wait_until_async, TestRouter};
 /// A kvroute-sim replica with the command line `argv` (less the program's name), serving on
 /// loopback until `shutdown`: its URL (`https://` with the TLS flags).
 pub async fn serve_sim(argv: &[&str], shutdown: &CancellationToken) -> String {
+    serve_sim_with(argv, Arc::new(Tokenizer::fallback()), shutdown).await
+}
+
+/// [`serve_sim`], tokenising with `tokenizer`.
+pub async fn serve_sim_with(
+    argv: &[&str],
+    tokenizer: Arc<Tokenizer>,
+    shutdown: &CancellationToken,
+) -> String {
     let argv = std::iter::once("kvroute-sim").chain(argv.iter().copied());
     let args = <SimArgs as clap::Parser>::parse_from(argv);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("{}://{}", args.scheme(), listener.local_addr().unwrap());
-    let server = kvroute_sim::SimServer::new(args, Arc::new(Tokenizer::fallback()));
+    let server = kvroute_sim::SimServer::new(args, tokenizer);
     tokio::spawn(server.serve(listener, shutdown.clone()));
     url
 }
