@@ -44,6 +44,8 @@ pub enum ConfigError {
         name: &'static str,
         reason: &'static str,
     },
+    #[error("invalid value for otlp_traces_endpoint: {0}")]
+    OtlpEndpoint(String),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
 }

@@ -50,6 +50,8 @@ pub(crate) struct AppState {
     pub(crate) sync_metrics: SyncMetrics,
     /// The last routing decisions, for the dashboard.
     pub(crate) recent: crate::recent::Recent,
+    /// OpenTelemetry traces, when on.
+    pub(crate) tracer: Option<Arc<crate::otlp::Tracer>>,
 }
 
 impl AppState {
@@ -114,6 +116,12 @@ impl AppState {
             sync: std::sync::OnceLock::new(),
             sync_metrics: SyncMetrics::register(registry),
             recent: Default::default(),
+            tracer: settings.trace.clone().map(|t| {
+                Arc::new(crate::otlp::Tracer::new(
+                    t,
+                    crate::otlp::TraceMetrics::register(registry),
+                ))
+            }),
             settings,
             kv,
             kv_event_metrics,

@@ -26,6 +26,7 @@ use crate::error::GatewayError;
 use crate::http::WORKER_HEADER;
 use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
+use crate::otlp::RequestSpan;
 use crate::prompts::Tokens;
 use crate::proxy::{self, Admitted, Forward, InFlight};
 use crate::queue::Released;
@@ -81,6 +82,8 @@ struct Attempt<'a> {
     arrived: Instant,
     /// The queue's policy class, when the queue is on.
     class: Option<usize>,
+    /// The request's trace span, when it is traced.
+    span: Option<&'a Arc<RequestSpan>>,
 }
 
 impl Attempt<'_> {
@@ -97,6 +100,7 @@ pub(crate) async fn route_and_forward(
     route: &'static str,
     req: Request,
     request_id: &HeaderValue,
+    span: Option<&Arc<RequestSpan>>,
 ) -> Result<Response, GatewayError> {
     let arrived = Instant::now();
     let (parts, body) = req.into_parts();
@@ -105,6 +109,9 @@ pub(crate) async fn route_and_forward(
     let admitted = admit(state)?;
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
+    if let (Some(span), Some(model)) = (span, fields.model.as_deref()) {
+        span.set_str("kvroute.model", model);
+    }
     let started = Instant::now();
     let pd = state
         .settings
@@ -126,6 +133,7 @@ pub(crate) async fn route_and_forward(
             request_id,
             arrived,
             excluded: &[],
+            span,
         };
         let Some(api) = api else {
             return Box::pin(crate::pd::route(state, req, admitted)).await;
@@ -159,7 +167,14 @@ pub(crate) async fn route_and_forward(
             let cached = best * state.kv.block_size;
             (ranks, tokens.len().saturating_sub(cached) as u64)
         };
+        let queued = Instant::now();
         released = Some(queue.admit(c, ranks, cost).await?);
+        if let Some(span) = span {
+            span.set_double(
+                "kvroute.queue_wait_ms",
+                queued.elapsed().as_secs_f64() * 1e3,
+            );
+        }
     }
     let attempt = Attempt {
         parts: &parts,
@@ -169,6 +184,7 @@ pub(crate) async fn route_and_forward(
         request_id,
         arrived,
         class,
+        span,
     };
     let api = Api::of(route).filter(|_| state.settings.migration.limit > 0);
     let Some(api) = api else {
@@ -188,8 +204,15 @@ pub(crate) async fn route_and_forward(
     }
     // Pinned by hard session affinity, known once routed.
     let pinned = sent.pinned;
-    let migration = migration(state, api, body, allowed, wanted, pinned);
-    let resend = resender(state, &parts, request_id, arrived, Route::Single { class });
+    let migration = migration(state, api, body, allowed, wanted, pinned, span);
+    let resend = resender(
+        state,
+        &parts,
+        request_id,
+        arrived,
+        Route::Single { class },
+        span,
+    );
     Ok(migrate::migrating(migration, sent, resend))
 }
 
@@ -219,6 +242,7 @@ fn migration(
     allowed: Result<u32, &'static str>,
     wanted: Option<UsageWanted>,
     pinned: bool,
+    span: Option<&Arc<RequestSpan>>,
 ) -> Migration {
     Migration {
         api,
@@ -227,6 +251,7 @@ fn migration(
         allowed: allowed.and_then(|n| if pinned { Err(PINNED) } else { Ok(n) }),
         stall: state.settings.migration.stall,
         metrics: state.metrics.migrations.clone(),
+        span: span.cloned(),
     }
 }
 
@@ -258,7 +283,7 @@ async fn pd_stream(
     if !response.status().is_success() {
         return Ok(response.map(Body::new));
     }
-    let migration = migration(state, api, original, allowed, wanted, false);
+    let migration = migration(state, api, original, allowed, wanted, false, req.span);
     let sent = Sent {
         response,
         worker,
@@ -270,6 +295,7 @@ async fn pd_stream(
         req.request_id,
         req.arrived,
         Route::Disaggregated,
+        req.span,
     );
     Ok(migrate::migrating(migration, sent, resend))
 }
@@ -301,14 +327,17 @@ fn resender(
     request_id: &HeaderValue,
     arrived: Instant,
     route: Route,
+    span: Option<&Arc<RequestSpan>>,
 ) -> migrate::Resend {
     let (mut owned, ()) = http::Request::new(()).into_parts();
     owned.method = parts.method.clone();
     owned.uri = parts.uri.clone();
     owned.headers = parts.headers.clone();
     let (state, parts, request_id) = (state.clone(), Arc::new(owned), request_id.clone());
+    let span = span.cloned();
     Box::new(move |body: Bytes, tried: Vec<WorkerId>| {
         let (state, parts, request_id) = (state.clone(), parts.clone(), request_id.clone());
+        let span = span.clone();
         Box::pin(async move {
             let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
             let tokens = routing::tokens_for(
@@ -328,6 +357,7 @@ fn resender(
                     request_id: &request_id,
                     arrived,
                     excluded: &tried,
+                    span: span.as_ref(),
                 };
                 return match crate::pd::halves(&state, &req).await? {
                     crate::pd::PdAnswer::Decode {
@@ -350,6 +380,7 @@ fn resender(
                 request_id: &request_id,
                 arrived,
                 class,
+                span: span.as_ref(),
             };
             attempts(&state, &attempt, body.clone(), tried, None).await
         })
@@ -387,6 +418,9 @@ async fn whole_answer(
                 }
                 tried.push(worker.id.clone());
                 state.metrics.retries.inc();
+                if let Some(span) = attempt.span {
+                    span.add("kvroute.retries", 1);
+                }
             }
         }
     }
@@ -414,6 +448,9 @@ async fn attempts(
             ))
             .await;
             state.metrics.retries.inc();
+            if let Some(span) = a.span {
+                span.add("kvroute.retries", 1);
+            }
         }
         let now = Instant::now();
         let table = state.workers.table();
@@ -503,6 +540,11 @@ async fn attempts(
         if a.fields.stream {
             guard = guard.with_ttft(a.arrived, state.metrics.ttft_seconds.clone());
         }
+        if let Some(span) = a.span {
+            decided(span, &plan, state.kv.block_size);
+            let n = tried.len() as u32 + 1;
+            guard = guard.with_span(span.attempt(choice.worker.id.as_str(), rank.dp_rank, n));
+        }
         let result = proxy::forward(
             &state.client,
             guard,
@@ -566,4 +608,26 @@ async fn attempts(
         });
     }
     Err(last_error.unwrap_or(GatewayError::NoEndpoint("no worker left to try")))
+}
+
+/// The decision's attributes on the request's span: the last attempt's win.
+pub(crate) fn decided(span: &RequestSpan, plan: &routing::Plan, block_size: usize) {
+    let choice = plan.choice();
+    span.set_str("kvroute.policy", plan.policy.name());
+    span.set_str("kvroute.worker", choice.worker.id.as_str());
+    if let Some(rank) = choice.worker.ranks[choice.rank].dp_rank {
+        span.set_int("kvroute.dp_rank", rank.into());
+    }
+    if plan.policy == PolicyKind::KvAware {
+        let o = choice.kv.overlap;
+        span.set_int("kvroute.overlap_blocks.device", o.device.into());
+        span.set_int("kvroute.overlap_blocks.host", o.host.into());
+        span.set_int("kvroute.overlap_blocks.disk", o.disk.into());
+        span.set_int("kvroute.overlap_blocks.external", o.external.into());
+        span.set_int("kvroute.prompt_tokens", plan.prompt_tokens as i64);
+        span.set_int("kvroute.block_size", block_size as i64);
+    }
+    if let Some(costs) = &plan.costs {
+        span.set_double("kvroute.cost", costs[plan.chosen]);
+    }
 }

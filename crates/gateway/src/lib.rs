@@ -13,7 +13,8 @@
 //!
 //! The modules stand in five layers; each imports only from its own layer or below, with no
 //! cycle between modules (`tests/layers.rs` checks it):
-//! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`, `tls`;
+//! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`, `otlp`
+//!    (the trace exporter and spans), `tls`;
 //! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `prompts` (tokens and
 //!    the tokenizer prefix cache), `busy`;
@@ -28,6 +29,7 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod otlp;
 pub mod tls;
 
 // 2. The engine edge.

@@ -68,6 +68,8 @@ pub struct Migration {
     pub wanted: Option<UsageWanted>,
     pub stall: Duration,
     pub metrics: MigrationMetrics,
+    /// The request's trace span, counting its migrations.
+    pub span: Option<std::sync::Arc<crate::otlp::RequestSpan>>,
 }
 
 /// The body of a migrating stream.
@@ -215,6 +217,9 @@ impl Migrating {
                 Ok(sent) if sent.response.status().is_success() => {
                     tracing::warn!(from = %from, to = %sent.worker, reason, delivered_tokens = delivered.1, "Stream migrated to another worker");
                     count(&self.m.metrics, "migrated");
+                    if let Some(span) = &self.m.span {
+                        span.add("kvroute.migrations", 1);
+                    }
                     self.editor.continue_elsewhere();
                     let mut body = sent.response.into_body();
                     body.raw_errors();

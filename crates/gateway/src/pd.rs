@@ -59,6 +59,8 @@ pub(crate) struct PdRequest<'a> {
     pub arrived: Instant,
     /// Workers this request failed on (a migrated stream): neither half goes there.
     pub excluded: &'a [WorkerId],
+    /// The request's trace span, when it is traced.
+    pub span: Option<&'a std::sync::Arc<crate::otlp::RequestSpan>>,
 }
 
 /// What the halves answered: the decode worker's response, or an answer that ends the
@@ -104,6 +106,9 @@ pub(crate) async fn halves(
             Once::RetryPrefill(worker) if attempt < max_retries => {
                 tracing::warn!(%worker, attempt = attempt + 1, "Prefill half failed before any byte; sending both halves again with another prefill worker");
                 state.metrics.retries.inc();
+                if let Some(span) = req.span {
+                    span.add("kvroute.retries", 1);
+                }
                 excluded.push(worker);
             }
             Once::RetryPrefill(worker) => {
@@ -138,6 +143,9 @@ async fn halves_once(state: &AppState, req: &PdRequest<'_>) -> Result<Once, Gate
         let table = state.workers.table();
         let pool = table.resolve_half(Half::Decode, model)?;
         let plan = plan_half(state, pool, req, req.hints, true, now)?;
+        if let Some(span) = req.span {
+            crate::forward::decided(span, &plan, bs);
+        }
         let choice = plan.choice().clone();
         // What the decode worker holds matters only for --pd-min-uncached-tokens; kv_aware's
         // plan has already looked it up.
@@ -365,6 +373,9 @@ async fn prefill_retried(
         }
         tracing::warn!(worker = %prefill.worker.id, attempt = attempt + 1, "Prefill half failed before any byte; retrying on another prefill worker");
         state.metrics.retries.inc();
+        if let Some(span) = req.span {
+            span.add("kvroute.retries", 1);
+        }
         tried.push(prefill.worker.id.clone());
         let next = {
             let table = state.workers.table();
@@ -414,6 +425,7 @@ impl<'a> PdRequest<'a> {
             request_id: self.request_id,
             arrived: self.arrived,
             excluded: self.excluded,
+            span: self.span,
         }
     }
 }
@@ -439,8 +451,14 @@ fn prefill_task(
 ) -> impl std::future::Future<Output = Result<Result<serde_json::Value, Response>, GatewayError>>
        + Send
        + 'static {
-    let guard = InFlight::new(prefill.worker.clone(), prefill.rank, load, None)
+    let mut guard = InFlight::new(prefill.worker.clone(), prefill.rank, load, None)
         .with_sync(state.sync.get(), || synced(state, req, Half::Prefill));
+    if let Some(span) = req.span {
+        let rank = prefill.worker.ranks[prefill.rank].dp_rank;
+        span.set_str("kvroute.prefill_worker", prefill.worker.id.as_str());
+        let attempt = span.attempt(prefill.worker.id.as_str(), rank, 1);
+        guard = guard.with_span(attempt.named("prefill"));
+    }
     let client = state.client.clone();
     let auth = state.worker_auth.clone();
     let timeout = state.settings.request_timeout;
@@ -504,6 +522,11 @@ async fn send_decode(
         .with_sync(state.sync.get(), || synced(state, req, Half::Decode));
     if req.fields.stream {
         guard = guard.with_ttft(req.arrived, state.metrics.ttft_seconds.clone());
+    }
+    if let Some(span) = req.span {
+        let rank = decode.worker.ranks[decode.rank].dp_rank;
+        let attempt = span.attempt(decode.worker.id.as_str(), rank, 1);
+        guard = guard.with_span(attempt.named("decode"));
     }
     decode.worker.series.decisions.inc();
     decode.worker.series.processed.inc();

@@ -31,6 +31,8 @@ use crate::metrics::Outcome;
 use crate::queue::AdmissionQueue;
 use crate::workers::Worker;
 
+const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
 /// Hop-by-hop headers (RFC 9110 7.6.1) and the ones the proxy sets itself.
 fn is_hop_by_hop(name: &HeaderName) -> bool {
     name == header::CONNECTION
@@ -61,6 +63,8 @@ pub struct InFlight {
     queue: Option<Arc<AdmissionQueue>>,
     /// Router replicas told of its load (replica sync), with its id among this replica's.
     sync: Option<(crate::sync::transport::SyncHandle, u64)>,
+    /// The attempt's trace span, when the request is traced; ends with the guard.
+    span: Option<crate::otlp::AttemptSpan>,
 }
 
 impl InFlight {
@@ -80,7 +84,14 @@ impl InFlight {
             ttft: None,
             queue,
             sync: None,
+            span: None,
         }
+    }
+
+    /// Traces this attempt: its `traceparent` goes to the worker.
+    pub fn with_span(mut self, span: crate::otlp::AttemptSpan) -> Self {
+        self.span = Some(span);
+        self
     }
 
     /// Tells the peer replicas about this request's load, now and as it changes.
@@ -292,7 +303,7 @@ fn outcome_of(result: &Result<Response<TrackedBody>, GatewayError>) -> Outcome {
 
 async fn send(
     client: &HttpClient,
-    guard: InFlight,
+    mut guard: InFlight,
     fwd: Forward<'_>,
 ) -> Result<Response<TrackedBody>, GatewayError> {
     let worker = &guard.worker;
@@ -326,22 +337,36 @@ async fn send(
     if let Some(rank) = dp_rank {
         headers.insert(ENGINE_DP_RANK_HEADER, HeaderValue::from(rank));
     }
+    if let Some(span) = &guard.span {
+        headers.insert(TRACEPARENT, span.traceparent());
+    }
 
     let response = match tokio::time::timeout(fwd.timeout, client.request(req)).await {
         Ok(Ok(response)) => response,
         Ok(Err(e)) => {
-            return Err(GatewayError::Upstream {
+            let error = GatewayError::Upstream {
                 worker: worker.id.clone(),
                 source: e.into(),
-            })
+            };
+            if let Some(span) = &mut guard.span {
+                span.error(error.to_string());
+            }
+            return Err(error);
         }
         Err(_) => {
-            return Err(GatewayError::UpstreamTimeout {
+            let error = GatewayError::UpstreamTimeout {
                 worker: worker.id.clone(),
                 secs: fwd.timeout.as_secs(),
-            })
+            };
+            if let Some(span) = &mut guard.span {
+                span.error(error.to_string());
+            }
+            return Err(error);
         }
     };
+    if let Some(span) = &mut guard.span {
+        span.status(response.status().as_u16());
+    }
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     let sse = parts

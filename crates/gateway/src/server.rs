@@ -9,6 +9,7 @@
 
 use std::sync::Arc;
 
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -215,6 +216,16 @@ impl Gateway {
         }
         spawn_upkeep(&state);
         spawn_discovery(&self);
+        // The exporter outlives the grace period: the last requests' spans go out too.
+        let export_stop = CancellationToken::new();
+        if let Some(tracer) = &state.tracer {
+            tracing::info!(endpoint = %tracer.settings.endpoint, ratio = tracer.settings.sampling_ratio, "Tracing to an OTLP collector");
+            state.tasks.spawn(crate::otlp::export::run(
+                tracer.clone(),
+                state.client.clone(),
+                export_stop.clone(),
+            ));
+        }
         #[cfg(unix)]
         if state.settings.config_path.is_some() || state.api_tls.is_some() {
             spawn_reload_on_hangup(self.clone());
@@ -239,6 +250,7 @@ impl Gateway {
         )
         .await;
         state.shutdown.cancel();
+        export_stop.cancel();
         let metrics = metrics.await.unwrap_or(Ok(()));
         state.tasks.close();
         state.tasks.wait().await;
@@ -298,12 +310,28 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
         .get(REQUEST_ID_HEADER)
         .cloned()
         .unwrap_or_else(new_request_id);
-    // At info level when logging JSON, so that each of the request's lines carries its ids.
-    let trace_id = req
+    let parent = req
         .headers()
         .get("traceparent")
-        .and_then(|v| trace_id(v.as_bytes()));
-    let span = if state.settings.log_json {
+        .and_then(|v| crate::otlp::Parent::parse(v.as_bytes()));
+    let span = state.tracer.as_ref().and_then(|t| {
+        let span = t.start(
+            format!("{} {route}", req.method()),
+            parent.as_ref(),
+            req.headers().get("tracestate"),
+        )?;
+        span.set_str("kvroute.route", route);
+        span.set_str("http.request.method", req.method().as_str());
+        Some(span)
+    });
+    // At info level when logging JSON, so that each of the request's lines carries its ids.
+    let trace_hex = match (&span, &parent) {
+        (Some(span), _) => Some(span.trace_id()),
+        (None, Some(p)) => Some(crate::otlp::to_hex(&p.trace_id)),
+        (None, None) => None,
+    };
+    let trace_id = trace_hex.as_deref();
+    let log_span = if state.settings.log_json {
         tracing::info_span!(
             "request",
             route,
@@ -318,29 +346,34 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
             trace_id
         )
     };
-    let mut response = match route_and_forward(&state, route, req, &request_id)
-        .instrument(span)
+    let mut response = match route_and_forward(&state, route, req, &request_id, span.as_ref())
+        .instrument(log_span)
         .await
     {
         Ok(response) => response,
-        Err(error) => error.into_response(),
+        Err(error) => {
+            if let Some(span) = &span {
+                span.error(error.to_string());
+            }
+            error.into_response()
+        }
     };
     response
         .headers_mut()
         .entry(REQUEST_ID_HEADER)
         .or_insert(request_id);
-    state.metrics.request(route, response.status().as_u16());
-    response
-}
-
-/// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`), when well formed.
-fn trace_id(traceparent: &[u8]) -> Option<&str> {
-    let s = std::str::from_utf8(traceparent).ok()?;
-    let mut parts = s.trim().split('-');
-    let (_version, trace, span, _flags) =
-        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_hexdigit());
-    (hex(trace, 32) && hex(span, 16) && trace.bytes().any(|b| b != b'0')).then_some(trace)
+    let status = response.status();
+    state.metrics.request(route, status.as_u16());
+    match span {
+        Some(span) => {
+            span.set_int("http.response.status_code", status.as_u16().into());
+            if status.is_server_error() {
+                span.error(format!("answered {status}"));
+            }
+            response.map(|body| Body::new(crate::otlp::Traced::new(body, span)))
+        }
+        None => response,
+    }
 }
 
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {

@@ -13,7 +13,6 @@ use kvroute_gateway::{Settings, WorkerSpec};
 use kvroute_sim::{SimArgs, SimInstance};
 use serde_json::{json, Value};
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 async fn sims(n: u64) -> Vec<SimInstance> {
@@ -224,66 +223,6 @@ async fn a_request_with_logprobs_is_not_migrated_and_says_so() {
     assert_eq!(others[0].faults().requests_accepted(), before);
     assert_eq!(migrations(&r.metrics().await, "not_migratable"), 1.0);
     r.stop_idle().await;
-}
-
-/// An engine that answers every POST with `reply` (raw HTTP, the connection closed after
-/// it) and lists `kvroute-sim` on any GET.
-async fn scripted(reply: &'static str) -> String {
-    scripted_recording(reply).await.0
-}
-
-/// [`scripted`], with the bodies of the POSTs it received.
-async fn scripted_recording(
-    reply: &'static str,
-) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
-    let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen_bodies = bodies.clone();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        while let Ok((mut sock, _)) = listener.accept().await {
-            let bodies = seen_bodies.clone();
-            tokio::spawn(async move {
-                let mut seen = Vec::new();
-                let mut buf = vec![0u8; 65536];
-                // Headers, then the body its content-length announces.
-                loop {
-                    let n = match sock.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    seen.extend_from_slice(&buf[..n]);
-                    let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
-                    let length = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .and_then(|v| v.trim().parse::<usize>().ok())
-                        .unwrap_or(0);
-                    if seen.len() >= end + 4 + length {
-                        if seen.starts_with(b"POST") {
-                            let body = String::from_utf8_lossy(&seen[end + 4..]).into_owned();
-                            bodies.lock().unwrap().push(body);
-                        }
-                        break;
-                    }
-                }
-                let resp = if seen.starts_with(b"GET") {
-                    let models = r#"{"object":"list","data":[{"id":"kvroute-sim"}]}"#;
-                    format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{models}",
-                        models.len()
-                    )
-                } else {
-                    reply.to_owned()
-                };
-                let _ = sock.write_all(resp.as_bytes()).await;
-            });
-        }
-    });
-    (url, bodies)
 }
 
 const SSE_HEAD: &str =

@@ -400,6 +400,21 @@ pub struct Args {
     #[arg(long)]
     #[serde(default)]
     pub log_json: bool,
+
+    /// Sends OpenTelemetry traces to this collector (turns tracing on): an
+    /// `http(s)://host[:port][/path]` URL is OTLP over HTTP/protobuf (to `/v1/traces` when no
+    /// path is given); a bare `host:port` is OTLP/gRPC. smg's flag.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub otlp_traces_endpoint: Option<String>,
+    /// Turns tracing on; with no --otlp-traces-endpoint, to smg's default `localhost:4317`
+    /// (gRPC). smg's flag.
+    #[arg(long)]
+    #[serde(default)]
+    pub enable_trace: bool,
+    /// The share of requests without a sampled `traceparent` that are traced, 0 to 1; a
+    /// client's sampled `traceparent` is always traced [default: 1.0].
+    #[arg(long, value_name = "RATIO")]
+    pub otlp_sampling_ratio: Option<f64>,
 }
 
 fn parse_policy(s: &str) -> Result<PolicyKind, String> {

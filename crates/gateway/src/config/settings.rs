@@ -274,6 +274,8 @@ pub struct Settings {
     pub log_level: LogLevel,
     /// One JSON object per log line.
     pub log_json: bool,
+    /// OpenTelemetry traces, when on.
+    pub trace: Option<crate::otlp::TraceSettings>,
     pub block_size: usize,
     pub kv_events: KvEventsMode,
     pub router_ttl: Duration,

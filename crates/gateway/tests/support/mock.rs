@@ -1,4 +1,5 @@
-//! Fake engines: [`MockWorker`], one whose connections break, and a URL where nothing listens.
+//! Fake engines: [`MockWorker`], one whose connections break, a scripted one that answers
+//! raw HTTP, and a URL where nothing listens.
 
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -229,4 +230,65 @@ pub async fn mocks<const N: usize>(names: [&str; N]) -> [MockWorker; N] {
         Ok(workers) => workers,
         Err(_) => unreachable!("one worker a name"),
     }
+}
+
+/// An engine that answers every POST with `reply` (raw HTTP, the connection closed after
+/// it) and lists `kvroute-sim` on any GET.
+pub async fn scripted(reply: &'static str) -> String {
+    scripted_recording(reply).await.0
+}
+
+/// [`scripted`], with the bodies of the POSTs it received.
+pub async fn scripted_recording(
+    reply: &'static str,
+) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen_bodies = bodies.clone();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let bodies = seen_bodies.clone();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = vec![0u8; 65536];
+                // Headers, then the body its content-length announces.
+                loop {
+                    let n = match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    seen.extend_from_slice(&buf[..n]);
+                    let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+                    let length = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if seen.len() >= end + 4 + length {
+                        if seen.starts_with(b"POST") {
+                            let body = String::from_utf8_lossy(&seen[end + 4..]).into_owned();
+                            bodies.lock().unwrap().push(body);
+                        }
+                        break;
+                    }
+                }
+                let resp = if seen.starts_with(b"GET") {
+                    let models = r#"{"object":"list","data":[{"id":"kvroute-sim"}]}"#;
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{models}",
+                        models.len()
+                    )
+                } else {
+                    reply.to_owned()
+                };
+                let _ = sock.write_all(resp.as_bytes()).await;
+            });
+        }
+    });
+    (url, bodies)
 }
