@@ -16,7 +16,7 @@ use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use kvroute_core::PolicyKind;
 use kvroute_protocol::{RoutingFields, WorkerId};
 
@@ -28,34 +28,11 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::prompts::Tokens;
-use crate::proxy::{self, Admitted, Forward, InFlight};
+use crate::proxy::{self, read_body, Admitted, Forward, InFlight};
 use crate::queue::Released;
 use crate::routing;
 use crate::workers::Pool;
 use kvroute_core::eligibility::Hints;
-
-/// Reads a request body of at most `limit` bytes (413 beyond it, also when the declared
-/// `content-length` says so before reading).
-pub(crate) async fn read_body(
-    body: Body,
-    limit: usize,
-    headers: &HeaderMap,
-) -> Result<Bytes, GatewayError> {
-    let declared = headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(GatewayError::PayloadTooLarge { limit });
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(GatewayError::PayloadTooLarge { limit })
-        }
-        Err(e) => Err(GatewayError::BodyRead(e)),
-    }
-}
 
 /// Admits a request under `--max-concurrent-requests` (429 beyond it).
 fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
@@ -541,7 +518,7 @@ async fn attempts(
             guard = guard.with_ttft(a.arrived, state.metrics.ttft_seconds.clone());
         }
         if let Some(span) = a.span {
-            decided(span, &plan, state.kv.block_size);
+            routing::trace_decision(span, &plan, state.kv.block_size);
             let n = tried.len() as u32 + 1;
             guard = guard.with_span(span.attempt(choice.worker.id.as_str(), rank.dp_rank, n));
         }
@@ -608,26 +585,4 @@ async fn attempts(
         });
     }
     Err(last_error.unwrap_or(GatewayError::NoEndpoint("no worker left to try")))
-}
-
-/// The decision's attributes on the request's span: the last attempt's win.
-pub(crate) fn decided(span: &RequestSpan, plan: &routing::Plan, block_size: usize) {
-    let choice = plan.choice();
-    span.set_str("kvroute.policy", plan.policy.name());
-    span.set_str("kvroute.worker", choice.worker.id.as_str());
-    if let Some(rank) = choice.worker.ranks[choice.rank].dp_rank {
-        span.set_int("kvroute.dp_rank", rank.into());
-    }
-    if plan.policy == PolicyKind::KvAware {
-        let o = choice.kv.overlap;
-        span.set_int("kvroute.overlap_blocks.device", o.device.into());
-        span.set_int("kvroute.overlap_blocks.host", o.host.into());
-        span.set_int("kvroute.overlap_blocks.disk", o.disk.into());
-        span.set_int("kvroute.overlap_blocks.external", o.external.into());
-        span.set_int("kvroute.prompt_tokens", plan.prompt_tokens as i64);
-        span.set_int("kvroute.block_size", block_size as i64);
-    }
-    if let Some(costs) = &plan.costs {
-        span.set_double("kvroute.cost", costs[plan.chosen]);
-    }
 }

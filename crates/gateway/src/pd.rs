@@ -144,7 +144,7 @@ async fn halves_once(state: &AppState, req: &PdRequest<'_>) -> Result<Once, Gate
         let pool = table.resolve_half(Half::Decode, model)?;
         let plan = plan_half(state, pool, req, req.hints, true, now)?;
         if let Some(span) = req.span {
-            crate::forward::decided(span, &plan, bs);
+            routing::trace_decision(span, &plan, bs);
         }
         let choice = plan.choice().clone();
         // What the decode worker holds matters only for --pd-min-uncached-tokens; kv_aware's

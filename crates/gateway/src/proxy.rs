@@ -261,6 +261,29 @@ impl Body for TrackedBody {
     }
 }
 
+/// Reads a request body of at most `limit` bytes (413 beyond it, also when the declared
+/// `content-length` says so before reading).
+pub(crate) async fn read_body(
+    body: axum::body::Body,
+    limit: usize,
+    headers: &http::HeaderMap,
+) -> Result<Bytes, crate::error::GatewayError> {
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(crate::error::GatewayError::PayloadTooLarge { limit });
+    }
+    match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, limit)).await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(crate::error::GatewayError::PayloadTooLarge { limit })
+        }
+        Err(e) => Err(crate::error::GatewayError::BodyRead(e)),
+    }
+}
+
 /// One request to forward.
 #[derive(Debug)]
 pub struct Forward<'a> {

@@ -419,3 +419,25 @@ pub fn plan(
         pinned: hints.pinned_worker.is_some(),
     })
 }
+
+/// The decision's attributes on the request's span: the last attempt's win.
+pub(crate) fn trace_decision(span: &crate::otlp::RequestSpan, plan: &Plan, block_size: usize) {
+    let choice = plan.choice();
+    span.set_str("kvroute.policy", plan.policy.name());
+    span.set_str("kvroute.worker", choice.worker.id.as_str());
+    if let Some(rank) = choice.worker.ranks[choice.rank].dp_rank {
+        span.set_int("kvroute.dp_rank", rank.into());
+    }
+    if plan.policy == PolicyKind::KvAware {
+        let o = choice.kv.overlap;
+        span.set_int("kvroute.overlap_blocks.device", o.device.into());
+        span.set_int("kvroute.overlap_blocks.host", o.host.into());
+        span.set_int("kvroute.overlap_blocks.disk", o.disk.into());
+        span.set_int("kvroute.overlap_blocks.external", o.external.into());
+        span.set_int("kvroute.prompt_tokens", plan.prompt_tokens as i64);
+        span.set_int("kvroute.block_size", block_size as i64);
+    }
+    if let Some(costs) = &plan.costs {
+        span.set_double("kvroute.cost", costs[plan.chosen]);
+    }
+}

@@ -15,7 +15,7 @@ use crate::busy::{BusyControl, ThresholdsBody};
 use crate::config::{WorkerSource, WorkerSpec};
 use crate::context::AppState;
 use crate::error::GatewayError;
-use crate::forward::read_body;
+use crate::proxy::read_body;
 use crate::routing;
 /// `POST /debug/route`: the decision the router would make for this request, with every
 /// candidate's terms, without sending it or changing any state.
