@@ -12,6 +12,10 @@
 #                                                    # another build beside this one, same run
 #   ROUTERS="nginx kvroute-kv" bench/overhead.sh     # kvroute kv_aware (fallback tokenizer), any POLICY
 #   ROUTERS="nginx kvroute kvroute-1t" bench/overhead.sh  # and with one runtime thread, like nginx's one worker
+#   ROUTERS="kvroute kvroute-trace kvroute-trace-10 kvroute-trace-away" bench/overhead.sh
+#                                                    # tracing off, on (every request, then one in
+#                                                    # ten, to a sink collector, bench/otlp_sink.py),
+#                                                    # and on with the collector away (all dropped)
 #
 # REPEAT=N runs the router list N times in a row (the mocks stay up), for the spread.
 #
@@ -71,6 +75,14 @@ run_wrk() { # label url [pid]
   done
 }
 
+# The tracing runs' collector: bench/otlp_sink.py on 4318, listening before kvroute starts.
+start_sink() {
+  python3 "$ROOT/bench/otlp_sink.py" 4318 > "$LOGS/otlp-sink.log" 2>&1 & pids+=($!)
+  sink=$!
+  for _ in $(seq 100); do (echo > /dev/tcp/127.0.0.1/4318) 2>/dev/null && return; sleep 0.05; done
+  echo "the OTLP sink did not start"; exit 1
+}
+
 echo "=== $(date -u +%FT%TZ) DUR=${DUR}s nproc=$(nproc) policy=$POLICY" | tee -a "$OUT"
 for p in $M1 $M2; do "$PY" "$SHARED/fast_mock.py" $p f$p > "$LOGS/mock-$p.log" 2>&1 & pids+=($!); done
 chat_ready http://127.0.0.1:$M1 && run_wrk direct-mock http://127.0.0.1:$M1
@@ -91,6 +103,18 @@ for r in $ROUTERS; do
     kvroute-1t-kv) TOKIO_WORKER_THREADS=1 "$KVROUTE" "${kvroute_flags[@]}" --policy kv_aware > "$LOGS/$r.log" 2>&1 & ;;
     # The same with migration off: what reading non-streaming answers whole costs.
     kvroute-nomig) "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" --migration-limit 0 > "$LOGS/$r.log" 2>&1 & ;;
+    # Every request traced (ratio 1.0), exported over OTLP/HTTP to a sink that reads and drops.
+    kvroute-trace)
+      start_sink
+      "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" --otlp-traces-endpoint http://127.0.0.1:4318 > "$LOGS/$r.log" 2>&1 & ;;
+    # One request in ten traced (--otlp-sampling-ratio 0.1), to the same sink.
+    kvroute-trace-10)
+      start_sink
+      "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" --otlp-traces-endpoint http://127.0.0.1:4318 \
+        --otlp-sampling-ratio 0.1 > "$LOGS/$r.log" 2>&1 & ;;
+    # Traced, the collector away: every export fails and its spans are dropped.
+    kvroute-trace-away)
+      "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" --otlp-traces-endpoint http://127.0.0.1:9 > "$LOGS/$r.log" 2>&1 & ;;
     # kv_aware with the fallback tokenizer (no --tokenizer, no KV events: routed blocks are recorded).
     kvroute-kv) "$KVROUTE" "${kvroute_flags[@]}" --policy kv_aware > "$LOGS/$r.log" 2>&1 & ;;
     kvroute-base-kv)
@@ -118,6 +142,11 @@ for r in $ROUTERS; do
   label="$r-$POLICY"
   case $r in nginx) label=nginx-round_robin ;; *-kv) label=$r-kv_aware ;; esac
   if chat_ready http://127.0.0.1:$RP; then run_wrk "$label" http://127.0.0.1:$RP $pid; else tail -5 "$LOGS/$r.log"; fi
+  case $r in
+    kvroute-trace*)
+      curl -s "http://127.0.0.1:29013/metrics" | grep -E '^kvroute_otlp_spans' | tr '\n' ' ' | tee -a "$OUT"; echo | tee -a "$OUT" ;;
+  esac
   stop $pid; sleep 1
+  case $r in kvroute-trace|kvroute-trace-10) stop "$sink"; sleep 0.5; tee -a "$OUT" < "$LOGS/otlp-sink.log" ;; esac
 done
 done
