@@ -58,6 +58,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
+/// Anthropic's key header, accepted as the client key beside `Authorization: Bearer`.
+pub const API_KEY_HEADER: http::HeaderName = http::HeaderName::from_static("x-api-key");
+
 /// The bearer token of `Authorization: Bearer TOKEN` (the scheme is case-insensitive).
 pub fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
     let value = headers.get(http::header::AUTHORIZATION)?.as_bytes();
@@ -92,7 +95,9 @@ impl Refusal {
 /// An inference call: allowed without a client key, else only with it.
 pub fn check_client(key: Option<&Secret>, headers: &HeaderMap) -> Result<(), Refusal> {
     let Some(key) = key else { return Ok(()) };
-    match bearer(headers) {
+    // Anthropic's clients send theirs as `x-api-key`.
+    let given = bearer(headers).or_else(|| headers.get(API_KEY_HEADER).map(|v| v.as_bytes()));
+    match given {
         None => Err(Refusal::MissingKey),
         Some(given) if key.matches(given) => Ok(()),
         Some(_) => Err(Refusal::WrongKey),

@@ -53,6 +53,8 @@ pub enum GatewayError {
     Unauthorized(&'static str),
     #[error("invalid admin request: {0}")]
     InvalidAdmin(String),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
     #[error("policy class '{0}' has no room in the queue")]
     QueueFull(String),
     #[error("waited longer than {0} s in the queue")]
@@ -76,7 +78,8 @@ impl GatewayError {
             GatewayError::BodyRead(_)
             | GatewayError::InvalidHint { .. }
             | GatewayError::InvalidPin(_)
-            | GatewayError::InvalidAdmin(_) => StatusCode::BAD_REQUEST,
+            | GatewayError::InvalidAdmin(_)
+            | GatewayError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
             GatewayError::AllWorkersOverloaded | GatewayError::PinnedWorkerOverloaded => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -115,7 +118,7 @@ impl GatewayError {
             GatewayError::AllWorkersOverloaded => "all_workers_overloaded",
             GatewayError::PinnedWorkerOverloaded => "pinned_worker_overloaded",
             GatewayError::Unauthorized(_) => "unauthorized",
-            GatewayError::InvalidAdmin(_) => "invalid_request",
+            GatewayError::InvalidAdmin(_) | GatewayError::InvalidRequest(_) => "invalid_request",
             GatewayError::QueueFull(_) => "queue_full",
             GatewayError::QueueTimeout(_) => "queue_timeout",
             GatewayError::TooManyRequests(_) => "too_many_requests",
@@ -160,13 +163,40 @@ impl GatewayError {
 
 impl IntoResponse for GatewayError {
     fn into_response(self) -> Response {
+        let body = serde_json::to_value(ErrorBody::new(self.message(), self.kind(), self.code()))
+            .expect("an error body serialises");
+        self.respond(body)
+    }
+}
+
+impl GatewayError {
+    /// The answer on Anthropic's routes: `{"type": "error", "error": {"type", "message"}}`,
+    /// the type named after the status as Anthropic names it.
+    pub fn into_anthropic_response(self) -> Response {
+        let kind = match self.status().as_u16() {
+            400 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        };
+        let body = serde_json::json!({
+            "type": "error",
+            "error": {"type": kind, "message": self.message()},
+        });
+        self.respond(body)
+    }
+
+    fn respond(self, body: serde_json::Value) -> Response {
         let status = self.status();
         if status.is_server_error() {
             tracing::warn!(error = %self.message(), code = self.code(), "Request failed");
         } else {
             tracing::debug!(error = %self, code = self.code(), "Request rejected");
         }
-        let body = ErrorBody::new(self.message(), self.kind(), self.code());
         let retry = matches!(
             self,
             GatewayError::AllWorkersOverloaded

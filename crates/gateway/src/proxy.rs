@@ -194,6 +194,8 @@ pub struct TrackedBody {
     guard: InFlight,
     admitted: Option<Admitted>,
     sse: bool,
+    /// An Anthropic Messages stream: its error event is Anthropic's.
+    anthropic: bool,
     ended: bool,
     /// Migration reads the worker's failure itself: no error event in its place.
     raw_errors: bool,
@@ -237,14 +239,19 @@ impl Body for TrackedBody {
                 tracing::warn!(worker = %worker.id, %error, "Worker failed mid-response");
                 if self.sse && !self.raw_errors {
                     self.ended = true;
-                    let event = serde_json::json!({"error": {
-                        "message": format!("worker {} failed mid-stream: {error}", worker.id),
-                        "type": "server_error",
-                        "code": "upstream_error",
-                    }});
-                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
-                        "data: {event}\n\n"
-                    ))))));
+                    let message = format!("worker {} failed mid-stream: {error}", worker.id);
+                    let text = if self.anthropic {
+                        let event = serde_json::json!({"type": "error", "error": {
+                            "type": "api_error", "message": message,
+                        }});
+                        format!("event: error\ndata: {event}\n\n")
+                    } else {
+                        let event = serde_json::json!({"error": {
+                            "message": message, "type": "server_error", "code": "upstream_error",
+                        }});
+                        format!("data: {event}\n\n")
+                    };
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(text)))));
                 }
             }
             _ => {}
@@ -348,7 +355,7 @@ async fn send(
     for (name, value) in fwd.headers {
         if !is_hop_by_hop(name)
             && name != REQUEST_ID_HEADER
-            && (pass_auth || name != header::AUTHORIZATION)
+            && (pass_auth || (name != header::AUTHORIZATION && name != crate::auth::API_KEY_HEADER))
         {
             headers.append(name.clone(), value.clone());
         }
@@ -415,6 +422,7 @@ async fn send(
             guard,
             admitted: None,
             sse,
+            anthropic: fwd.path_and_query.starts_with("/v1/messages"),
             ended: false,
             raw_errors: false,
         },

@@ -41,8 +41,10 @@ use background::spawn_reload_on_hangup;
 use background::{serve_api, spawn_discovery, spawn_upkeep, start_worker};
 
 /// Routes whose requests are routed by the policy and forwarded to a worker.
-const ROUTED: [&str; 7] = [
+const ROUTED: [&str; 9] = [
     "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/completions",
     "/generate",
     "/v1/embeddings",
@@ -355,7 +357,11 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
             if let Some(span) = &span {
                 span.error(error.to_string());
             }
-            error.into_response()
+            if crate::forward::ANTHROPIC_ROUTES.contains(&route) {
+                error.into_anthropic_response()
+            } else {
+                error.into_response()
+            }
         }
     };
     response

@@ -13,20 +13,6 @@ use clap::Parser;
 use serde_json::Value;
 use support::*;
 
-fn python() -> String {
-    if let Ok(p) = std::env::var("KVROUTE_PYTHON") {
-        return p;
-    }
-    let venv = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../target/ci-tools/bin/python"
-    );
-    if std::path::Path::new(venv).exists() {
-        return venv.to_owned();
-    }
-    "python3".to_owned()
-}
-
 /// The receiver process and the spans it printed.
 struct Receiver {
     _child: ChildGuard,
@@ -41,7 +27,7 @@ impl Receiver {
             "/tests/support/otlp_receiver.py"
         );
         let mut child = ChildGuard(
-            Command::new(python())
+            Command::new(test_python())
                 .args([script, mode])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())

@@ -9,7 +9,7 @@
 //! Prefill/decode disaggregation (`--role`) is in the `pd` module.
 //!
 //! The routes are in [`SimServer::app`]; their handlers live by what they serve: `completions`
-//! (the endpoints that take a prompt), `admin` (model and server info, `/metrics`, the cache
+//! (the endpoints that take a prompt), `messages` (Anthropic's Messages API), `admin` (model and server info, `/metrics`, the cache
 //! reset) and `faults` (`/fault`). Errors become responses in one place, `error`.
 
 mod admin;
@@ -21,6 +21,7 @@ mod faults;
 mod generate;
 mod instance;
 mod kv_publisher;
+mod messages;
 mod metrics;
 mod openai;
 mod pd;
@@ -187,6 +188,8 @@ impl SimServer {
         Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat))
+            .route("/v1/messages", post(messages::messages))
+            .route("/v1/messages/count_tokens", post(messages::count_tokens))
             .route("/v1/completions/render", post(render_completion))
             .route("/v1/chat/completions/render", post(render_chat))
             .route("/v1/models", get(models))

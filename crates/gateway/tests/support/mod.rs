@@ -457,3 +457,20 @@ impl Drop for ChildGuard {
         let _ = self.0.wait();
     }
 }
+
+/// The Python the tests' real clients and receivers run with (the `anthropic` SDK,
+/// `opentelemetry-proto`): `$KVROUTE_PYTHON`, else `target/ci-tools/bin/python` (where
+/// `.ci/run` installs them), else `python3`.
+pub fn test_python() -> String {
+    if let Ok(p) = std::env::var("KVROUTE_PYTHON") {
+        return p;
+    }
+    let venv = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../target/ci-tools/bin/python"
+    );
+    if std::path::Path::new(venv).exists() {
+        return venv.to_owned();
+    }
+    "python3".to_owned()
+}

@@ -20,7 +20,7 @@ use super::openai::{self, Api};
 use super::{AppState, DP_RANK_HEADER};
 
 impl AppState {
-    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    pub(super) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             Some(m) if m != self.args.model => Err(ApiError::not_found(format!(
                 "The model `{m}` does not exist."
@@ -82,7 +82,7 @@ impl AppState {
 
     /// A chat's prompt ids, its options (`continue_final_message`, ...) honoured as vLLM
     /// honours them and as the router reads them, so both derive the same ids.
-    fn chat_tokens(&self, chat: &ChatFields) -> Result<Vec<u32>, ApiError> {
+    pub(super) fn chat_tokens(&self, chat: &ChatFields) -> Result<Vec<u32>, ApiError> {
         if !chat.messages.is_array() {
             return Err(bad_request("messages must be a list"));
         }

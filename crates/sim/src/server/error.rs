@@ -40,6 +40,10 @@ impl ApiError {
         Self::new(status, "injected fault (kvroute-sim fail_rate)")
     }
 
+    pub(super) fn message(&self) -> &str {
+        &self.message
+    }
+
     /// The error's `type`, named after its status (see [`openai::error_type`]).
     pub(super) fn kind(&self) -> &'static str {
         openai::error_type(self.status)

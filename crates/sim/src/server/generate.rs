@@ -74,7 +74,11 @@ pub(super) async fn generate(
         api,
         id: format!(
             "{}-{:016x}",
-            if api == Api::Chat { "chatcmpl" } else { "cmpl" },
+            match api {
+                Api::Chat => "chatcmpl",
+                Api::Completion => "cmpl",
+                Api::Messages => "msg",
+            },
             rand::random::<u64>()
         ),
         created: state.created,
@@ -163,6 +167,13 @@ pub(super) async fn generate(
     // Streaming: one SSE event per token, then the usage chunk (unless `include_usage` is
     // off) and [DONE].
     let mut prelude = String::new();
+    if api == Api::Messages {
+        let cached = match &first {
+            Delivery::Token { cached_tokens, .. } => cached_report.report(*cached_tokens),
+            _ => 0,
+        };
+        prelude.push_str(&openai::messages_prelude(&meta, cached));
+    }
     if api == Api::Chat {
         let mut role = openai::role_chunk(&meta);
         if usage == openai::StreamUsage::Continuous {
@@ -247,6 +258,11 @@ pub(super) async fn generate(
                 st.ended = true;
                 if let Some(prefill) = st.remote_prefill.take() {
                     prefill.done(st.meta.prompt_tokens, cached_tokens);
+                }
+                if st.meta.api == Api::Messages {
+                    let cached = st.cached_report.report(cached_tokens);
+                    out.push_str(&openai::messages_end(&st.meta, st.count, cached));
+                    break;
                 }
                 if st.usage != openai::StreamUsage::None {
                     out.push_str(&openai::sse(&openai::usage_chunk(

@@ -102,6 +102,8 @@ impl StreamUsage {
 pub enum Api {
     Completion,
     Chat,
+    /// Anthropic's Messages API: its bodies and its stream's events.
+    Messages,
 }
 
 /// What the answers of one request share.
@@ -117,6 +119,14 @@ pub struct ResponseMeta {
 }
 
 pub fn usage(meta: &ResponseMeta, completion_tokens: usize, cached_tokens: usize) -> Value {
+    if meta.api == Api::Messages {
+        return json!({
+            "input_tokens": meta.prompt_tokens - cached_tokens.min(meta.prompt_tokens),
+            "cache_read_input_tokens": cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": completion_tokens,
+        });
+    }
     json!({
         "prompt_tokens": meta.prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -133,6 +143,14 @@ pub fn full_response(
     cached_tokens: usize,
 ) -> Value {
     let choice = match meta.api {
+        Api::Messages => {
+            return json!({
+                "id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": "max_tokens", "stop_sequence": null,
+                "usage": usage(meta, completion_tokens, cached_tokens),
+            })
+        }
         Api::Completion => json!({
             "index": 0, "text": text, "logprobs": null,
             "finish_reason": "length", "stop_reason": null,
@@ -144,7 +162,7 @@ pub fn full_response(
     };
     json!({
         "id": meta.id,
-        "object": match meta.api { Api::Completion => "text_completion", Api::Chat => "chat.completion" },
+        "object": match meta.api { Api::Completion => "text_completion", Api::Chat | Api::Messages => "chat.completion" },
         "created": meta.created,
         "model": meta.model,
         "system_fingerprint": meta.fingerprint,
@@ -156,7 +174,7 @@ pub fn full_response(
 fn chunk_object(api: Api) -> &'static str {
     match api {
         Api::Completion => "text_completion",
-        Api::Chat => "chat.completion.chunk",
+        Api::Chat | Api::Messages => "chat.completion.chunk",
     }
 }
 
@@ -182,8 +200,48 @@ pub fn running_usage(meta: &ResponseMeta, completion_tokens: usize) -> Value {
     })
 }
 
+/// An Anthropic stream event: `event: <type>`, then its data.
+pub fn event(value: &Value) -> String {
+    format!(
+        "event: {}\ndata: {value}\n\n",
+        value["type"].as_str().unwrap_or("")
+    )
+}
+
+/// A Messages stream's opening events: the message (its input usage known once the engine
+/// took the request), its text block, a ping.
+pub fn messages_prelude(meta: &ResponseMeta, cached_tokens: usize) -> String {
+    let mut message = full_response(meta, "", 0, cached_tokens);
+    message["content"] = json!([]);
+    message["stop_reason"] = Value::Null;
+    let mut out = event(&json!({"type": "message_start", "message": message}));
+    out.push_str(&event(&json!({
+        "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""},
+    })));
+    out.push_str(&event(&json!({"type": "ping"})));
+    out
+}
+
+/// A Messages stream's closing events, with its usage (`output_tokens` cumulative).
+pub fn messages_end(meta: &ResponseMeta, completion_tokens: usize, cached_tokens: usize) -> String {
+    let mut out = event(&json!({"type": "content_block_stop", "index": 0}));
+    out.push_str(&event(&json!({
+        "type": "message_delta",
+        "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+        "usage": usage(meta, completion_tokens, cached_tokens),
+    })));
+    out.push_str(&event(&json!({"type": "message_stop"})));
+    out
+}
+
 /// A token's chunk.
 pub fn token_chunk(meta: &ResponseMeta, text: &str, finished: bool) -> Value {
+    if meta.api == Api::Messages {
+        return json!({
+            "type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": text},
+        });
+    }
     let finish = if finished {
         json!("length")
     } else {
@@ -193,7 +251,7 @@ pub fn token_chunk(meta: &ResponseMeta, text: &str, finished: bool) -> Value {
         Api::Completion => {
             json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null})
         }
-        Api::Chat => {
+        Api::Chat | Api::Messages => {
             json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish, "stop_reason": null})
         }
     };
@@ -247,7 +305,11 @@ impl ChunkTemplate {
         const MARK: &str = "\u{1}kvroute-token\u{1}";
         let quoted = serde_json::to_string(MARK).expect("a string serialises");
         let split = |finished| {
-            let text = sse(&token_chunk(meta, MARK, finished));
+            let chunk = token_chunk(meta, MARK, finished);
+            let text = match meta.api {
+                Api::Messages => event(&chunk),
+                _ => sse(&chunk),
+            };
             let at = text.find(&quoted).expect("the mark is in the chunk");
             (text[..at].to_owned(), text[at + quoted.len()..].to_owned())
         };
