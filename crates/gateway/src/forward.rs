@@ -45,20 +45,6 @@ fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
     Ok(Admitted::new(permit, state.metrics.in_router.clone()))
 }
 
-/// Anthropic's Messages API: its errors are Anthropic-shaped too.
-pub(crate) const ANTHROPIC_ROUTES: [&str; 2] = ["/v1/messages", "/v1/messages/count_tokens"];
-
-/// The OpenAI chat request vLLM makes of a Messages body (a clear 400 when it cannot).
-fn messages_as_chat(body: &Bytes) -> Result<Bytes, GatewayError> {
-    let value: serde_json::Value =
-        serde_json::from_slice(body).map_err(GatewayError::InvalidJson)?;
-    let chat = kvroute_protocol::anthropic::chat_request(&value)
-        .map_err(|e| GatewayError::InvalidRequest(e.0))?;
-    Ok(Bytes::from(
-        serde_json::to_vec(&chat).expect("JSON serialises"),
-    ))
-}
-
 /// Routes that are disaggregated when prefill/decode disaggregation is on.
 const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
 
@@ -101,8 +87,8 @@ pub(crate) async fn route_and_forward(
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     // Anthropic's Messages: routed on the chat request vLLM makes of it, forwarded as sent.
     let chat;
-    let routing_body = if ANTHROPIC_ROUTES.contains(&route) {
-        chat = messages_as_chat(&body)?;
+    let routing_body = if routing::ANTHROPIC_ROUTES.contains(&route) {
+        chat = routing::messages_as_chat(&body)?;
         &chat
     } else {
         &body
@@ -120,7 +106,7 @@ pub(crate) async fn route_and_forward(
     let tokenize_as = tokenize_as(state, pd.is_some());
     let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
 
-    let hints = routing::parse_hints(&parts.headers)?;
+    let hints = routing::parse_hints(&parts.headers, &state.settings.workers)?;
     if pd.is_some() {
         let api = Api::of(route).filter(|_| state.settings.migration.limit > 0 && fields.stream);
         let req = crate::pd::PdRequest {
@@ -345,7 +331,7 @@ fn resender(
                 &body,
             )
             .await;
-            let hints = routing::parse_hints(&parts.headers)?;
+            let hints = routing::parse_hints(&parts.headers, &state.settings.workers)?;
             let Route::Single { class } = route else {
                 let req = crate::pd::PdRequest {
                     parts: &parts,

@@ -31,6 +31,9 @@ use crate::metrics::Outcome;
 use crate::queue::AdmissionQueue;
 use crate::workers::Worker;
 
+/// smg's name for the routed worker, beside [`WORKER_HEADER`].
+pub const SMG_ROUTED_HEADER: HeaderName = HeaderName::from_static("x-smg-routed-worker-id");
+
 const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// Hop-by-hop headers (RFC 9110 7.6.1) and the ones the proxy sets itself.
@@ -405,6 +408,14 @@ async fn send(
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     if let Ok(v) = HeaderValue::from_str(worker.id.as_str()) {
         parts.headers.insert(WORKER_HEADER, v);
+    }
+    // smg's: the worker's URL, with `@RANK` for a data-parallel rank.
+    let routed = match dp_rank {
+        Some(rank) => HeaderValue::from_str(&format!("{}@{rank}", worker.url)),
+        None => HeaderValue::from_str(&worker.url),
+    };
+    if let Ok(v) = routed {
+        parts.headers.insert(SMG_ROUTED_HEADER, v);
     }
     if let Some(rank) = dp_rank {
         parts

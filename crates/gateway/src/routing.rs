@@ -15,6 +15,7 @@ use kvroute_index::{BlockHash, TierCounts};
 use kvroute_protocol::{Prompt, RoutingFields};
 use kvroute_tokenizer::ChatFields;
 
+use crate::config::WorkerSpec;
 use crate::error::GatewayError;
 use crate::kv::KvState;
 use crate::prompts::{Prompts, Tokens};
@@ -86,6 +87,28 @@ fn text<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str
     }
 }
 
+/// The worker smg's `x-smg-target-worker` names: an id, or an index into `workers`.
+fn smg_target(headers: &HeaderMap, workers: &[WorkerSpec]) -> Result<Option<String>, GatewayError> {
+    let Some(value) = pinned_worker(headers, SMG_TARGET_HEADER)? else {
+        return Ok(None);
+    };
+    if !value.bytes().all(|b| b.is_ascii_digit()) {
+        return Ok(Some(value));
+    }
+    let spec = value
+        .parse::<usize>()
+        .ok()
+        .and_then(|i| workers.get(i))
+        .ok_or_else(|| GatewayError::InvalidHint {
+            header: SMG_TARGET_HEADER,
+            reason: format!(
+                "worker index {value} is out of range ({} configured workers)",
+                workers.len()
+            ),
+        })?;
+    Ok(Some(spec.id.clone().unwrap_or_else(|| spec.url.clone())))
+}
+
 /// The worker a pin header (`x-kvroute-worker`, `x-kvroute-prefill-worker`) names.
 pub fn pinned_worker(
     headers: &HeaderMap,
@@ -100,8 +123,12 @@ pub fn pinned_worker(
     }
 }
 
+/// smg's pin: a worker id, or the 0-based index of a `--worker-urls` worker when all digits.
+pub const SMG_TARGET_HEADER: &str = "x-smg-target-worker";
+
 /// The routing hints of a request's headers; a malformed one is a 400 naming the header.
-pub fn parse_hints(headers: &HeaderMap) -> Result<Hints, GatewayError> {
+/// `workers` are the configured workers, in order (smg's pin by index).
+pub fn parse_hints(headers: &HeaderMap, workers: &[WorkerSpec]) -> Result<Hints, GatewayError> {
     fn list(headers: &HeaderMap, name: &'static str) -> Result<Option<Vec<String>>, GatewayError> {
         let Some(v) = text(headers, name)? else {
             return Ok(None);
@@ -121,7 +148,10 @@ pub fn parse_hints(headers: &HeaderMap) -> Result<Hints, GatewayError> {
         required_taints: list(headers, "x-kvroute-required-taints")?.unwrap_or_default(),
         ..Hints::default()
     };
-    hints.pinned_worker = pinned_worker(headers, "x-kvroute-worker")?;
+    hints.pinned_worker = match pinned_worker(headers, "x-kvroute-worker")? {
+        Some(w) => Some(w),
+        None => smg_target(headers, workers)?,
+    };
     if let Some(r) = text(headers, "x-kvroute-dp-rank")? {
         hints.pinned_rank = Some(r.parse().map_err(|_| GatewayError::InvalidHint {
             header: "x-kvroute-dp-rank",
@@ -226,6 +256,20 @@ pub async fn tokens_for(kv: &Arc<KvState>, policy: PolicyKind, body: &bytes::Byt
     } else {
         tokio::task::spawn_blocking(work).await.unwrap_or_default()
     }
+}
+
+/// Anthropic's Messages API: its errors are Anthropic-shaped too.
+pub(crate) const ANTHROPIC_ROUTES: [&str; 2] = ["/v1/messages", "/v1/messages/count_tokens"];
+
+/// The OpenAI chat request vLLM makes of a Messages body (a clear 400 when it cannot).
+pub(crate) fn messages_as_chat(body: &bytes::Bytes) -> Result<bytes::Bytes, GatewayError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(GatewayError::InvalidJson)?;
+    let chat = kvroute_protocol::anthropic::chat_request(&value)
+        .map_err(|e| GatewayError::InvalidRequest(e.0))?;
+    Ok(bytes::Bytes::from(
+        serde_json::to_vec(&chat).expect("JSON serialises"),
+    ))
 }
 
 /// The (worker, rank) indexes of `pool` eligible for a request (see `core::eligibility`).

@@ -357,7 +357,7 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
             if let Some(span) = &span {
                 span.error(error.to_string());
             }
-            if crate::forward::ANTHROPIC_ROUTES.contains(&route) {
+            if crate::routing::ANTHROPIC_ROUTES.contains(&route) {
                 error.into_anthropic_response()
             } else {
                 error.into_response()
