@@ -11,15 +11,16 @@ mod args;
 mod certs;
 mod discovery;
 mod merge;
+mod service;
 mod settings;
 mod validate;
 
 pub use args::{AffinityModeArg, Args, AssignmentModeArg, CliWorkers, LogLevel, QueueOrderArg};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
 pub use settings::{
-    CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings, PdProtocol, PdSettings,
-    PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig, WorkerRole, WorkerSource,
-    WorkerSpec,
+    AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
+    PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,
+    WorkerRole, WorkerSource, WorkerSpec,
 };
 
 /// Errors in the configuration; `kvroute` exits with status 2 on any of them.

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use kvroute_core::affinity::Affinity;
 use kvroute_tokenizer::Tokenizer;
 use prometheus_client::registry::Registry;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -36,8 +35,8 @@ pub(crate) struct AppState {
     pub(crate) workers: Arc<WorkerSet>,
     pub(crate) client: HttpClient,
     pub(crate) metrics: GatewayMetrics,
-    /// `--max-concurrent-requests`.
-    pub(crate) limit: Option<Arc<Semaphore>>,
+    /// `--max-concurrent-requests`, its queue and rate.
+    pub(crate) admission: Option<crate::admission::Admission>,
     pub(crate) worker_auth: WorkerAuth,
     /// Background tasks (per worker, upkeep); joined when serving ends.
     pub(crate) tasks: TaskTracker,
@@ -102,9 +101,15 @@ impl AppState {
             affinity: settings
                 .session_affinity
                 .map(|(mode, ttl)| Arc::new(Affinity::new(mode, ttl, 1 << 20))),
-            limit: settings
-                .max_concurrent_requests
-                .map(|n| Arc::new(Semaphore::new(n))),
+            admission: settings.admission.clone().map(|a| {
+                let waiting = prometheus_client::metrics::gauge::Gauge::default();
+                registry.register(
+                    "kvroute_admission_waiting",
+                    "Requests waiting for admission (--max-concurrent-requests, --queue-size)",
+                    waiting.clone(),
+                );
+                crate::admission::Admission::new(a, tokio::time::Instant::now(), waiting)
+            }),
             worker_auth,
             tasks: TaskTracker::new(),
             shutdown: workers.shutdown().clone(),

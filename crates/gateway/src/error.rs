@@ -59,8 +59,12 @@ pub enum GatewayError {
     QueueFull(String),
     #[error("waited longer than {0} s in the queue")]
     QueueTimeout(u64),
-    #[error("the router is at its limit of {0} concurrent requests")]
+    #[error(
+        "the router is at its limit of {0} concurrent requests, and its admission queue is full"
+    )]
     TooManyRequests(usize),
+    #[error("waited longer than {0} s for admission")]
+    AdmissionTimeout(u64),
     #[error("no worker with id '{0}'")]
     UnknownWorker(String),
     #[error("a worker with id '{0}' exists already")]
@@ -90,7 +94,9 @@ impl GatewayError {
             GatewayError::UnknownWorker(_) => StatusCode::NOT_FOUND,
             GatewayError::WorkerExists(_) => StatusCode::CONFLICT,
             GatewayError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            GatewayError::QueueTimeout(_) => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::QueueTimeout(_) | GatewayError::AdmissionTimeout(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::UnknownModel(_) | GatewayError::NotFound(_) => StatusCode::NOT_FOUND,
             GatewayError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -122,6 +128,7 @@ impl GatewayError {
             GatewayError::QueueFull(_) => "queue_full",
             GatewayError::QueueTimeout(_) => "queue_timeout",
             GatewayError::TooManyRequests(_) => "too_many_requests",
+            GatewayError::AdmissionTimeout(_) => "admission_timeout",
             GatewayError::UnknownWorker(_) => "worker_not_found",
             GatewayError::WorkerExists(_) => "worker_exists",
             GatewayError::ShuttingDown => "shutting_down",
@@ -201,6 +208,7 @@ impl GatewayError {
             self,
             GatewayError::AllWorkersOverloaded
                 | GatewayError::TooManyRequests(_)
+                | GatewayError::AdmissionTimeout(_)
                 | GatewayError::ShuttingDown
         );
         let mut response = (status, axum::Json(body)).into_response();

@@ -34,12 +34,10 @@ use crate::routing;
 use crate::workers::Pool;
 use kvroute_core::eligibility::Hints;
 
-/// Admits a request under `--max-concurrent-requests` (429 beyond it).
-fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
-    let permit = match &state.limit {
-        Some(limit) => Some(limit.clone().try_acquire_owned().map_err(|_| {
-            GatewayError::TooManyRequests(state.settings.max_concurrent_requests.unwrap_or(0))
-        })?),
+/// Admits a request (see [`crate::admission`]).
+async fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
+    let permit = match &state.admission {
+        Some(admission) => admission.admit().await?,
         None => None,
     };
     Ok(Admitted::new(permit, state.metrics.in_router.clone()))
@@ -83,7 +81,7 @@ pub(crate) async fn route_and_forward(
     let (parts, body) = req.into_parts();
     auth::check_client(state.settings.client_api_key.as_ref(), &parts.headers)
         .map_err(|r| GatewayError::Unauthorized(r.message(false)))?;
-    let admitted = admit(state)?;
+    let admitted = admit(state).await?;
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     // Anthropic's Messages: routed on the chat request vLLM makes of it, forwarded as sent.
     let chat;

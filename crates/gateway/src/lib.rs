@@ -18,7 +18,7 @@
 //! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `prompts` (tokens and
 //!    the tokenizer prefix cache), `busy`;
-//! 4. request path: `routing`, `recent` (the last decisions), `queue`, `proxy`, `sync`, `context`,
+//! 4. request path: `admission` (the concurrency limit, its queue and rate), `routing`, `recent` (the last decisions), `queue`, `proxy`, `sync`, `context`,
 //!    `migrate`, `pd`, `forward`,
 //!    `discovery`;
 //! 5. server: `server` (the axum app, admin API, background tasks) and `main`.
@@ -44,6 +44,7 @@ pub mod prompts;
 pub mod workers;
 
 // 4. The request path.
+pub mod admission;
 pub(crate) mod context;
 pub(crate) mod discovery;
 pub(crate) mod forward;

@@ -203,10 +203,15 @@ async fn an_unhealthy_worker_leaves_and_returns() {
 }
 
 #[tokio::test]
-async fn beyond_the_concurrency_limit_requests_get_429() {
+async fn beyond_the_concurrency_limit_with_no_queue_requests_get_429() {
     let w = MockWorker::start("w", &["m"]).await;
     let mut settings = settings(&[&w]);
-    settings.max_concurrent_requests = Some(1);
+    settings.admission = Some(kvroute_gateway::config::AdmissionSettings {
+        limit: Some(1),
+        queue_size: 0,
+        queue_timeout: std::time::Duration::from_secs(60),
+        rate: None,
+    });
     let router = TestRouter::start(settings).await;
     let stream = open_stream(
         &router.url,
@@ -419,5 +424,59 @@ async fn workers_come_and_go_at_run_time_without_losing_requests() {
     assert_eq!(r.error_code(), "worker_not_found");
     let r = router.post("/workers", &[], r#"{"url":"ftp://x"}"#).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    router.stop_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_the_limit_requests_wait_in_a_bounded_queue_and_time_out() {
+    let w = MockWorker::start("w", &["m"]).await;
+    let argv = [
+        "kvroute",
+        "--worker-urls",
+        &w.url,
+        "--max-concurrent-requests",
+        "1",
+        "--queue-size",
+        "1",
+        "--queue-timeout-secs",
+        "2",
+    ];
+    let settings = <kvroute_gateway::Args as clap::Parser>::parse_from(argv)
+        .load()
+        .unwrap();
+    let router = TestRouter::start(settings).await;
+    let waiting = || async {
+        let m = router.metrics().await;
+        metric_value(&m, "kvroute_admission_waiting", "")
+    };
+    let stream_body = r#"{"model":"m","prompt":"x","stream":true,"max_tokens":1}"#;
+    // The stream holds the one place; the next request waits for it.
+    let stream = open_stream(&router.url, "/v1/completions", stream_body).await;
+    assert_eq!(stream.status(), StatusCode::OK);
+    let url = router.url.clone();
+    let queued = tokio::spawn(async move { post(&url, "/v1/completions", &[], BODY).await });
+    wait_until_async("one request waiting", || async {
+        waiting().await == Some(1.0)
+    })
+    .await;
+    // The queue (of 1) is full: one more is refused at once.
+    let r = router.complete(&[], BODY).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.error_code(), "too_many_requests");
+    // The stream ends: the waiting request goes through.
+    w.release.add_permits(1);
+    let body = stream.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("[DONE]"));
+    let r = queued.await.unwrap();
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(waiting().await, Some(0.0));
+
+    // Held again, a wait past --queue-timeout-secs is a 503 of its own.
+    let stream = open_stream(&router.url, "/v1/completions", stream_body).await;
+    let r = router.complete(&[], BODY).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.error_code(), "admission_timeout");
+    w.release.add_permits(1);
+    drop(stream.into_body().collect().await);
     router.stop_idle().await;
 }

@@ -376,9 +376,22 @@ pub struct Args {
     /// A peer replica silent this long is gone: its load is dropped [default: 10].
     #[arg(long)]
     pub replica_timeout_secs: Option<u64>,
-    /// Requests in the router at once; more are refused with 429 [default: unlimited].
+    /// Requests in the router at once; more wait in the admission queue (--queue-size).
+    /// 0: no limit; -1: 1024 per core, at least 4096 (smg's "derived") [default: no limit].
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_concurrent_requests: Option<i64>,
+    /// Requests that may wait for admission (under --max-concurrent-requests or the rate);
+    /// one more is refused with 429. 0: refuse at once [default: 100]. smg's.
     #[arg(long)]
-    pub max_concurrent_requests: Option<usize>,
+    pub queue_size: Option<usize>,
+    /// The longest a request waits for admission, then 503 `admission_timeout`
+    /// [default: 60]. smg's.
+    #[arg(long)]
+    pub queue_timeout_secs: Option<u64>,
+    /// Sustained admissions per second, bursting up to --max-concurrent-requests (or one
+    /// second's worth without it); 0: no rate limit [default: none]. smg's.
+    #[arg(long, value_name = "RATE", allow_negative_numbers = true)]
+    pub rate_limit_tokens_per_second: Option<f64>,
     /// On SIGTERM, how long in-flight requests may take to finish [default: 180].
     #[arg(long)]
     pub shutdown_grace_period_secs: Option<u64>,

@@ -169,6 +169,11 @@ impl Args {
             max_concurrent_requests: self
                 .max_concurrent_requests
                 .or(file.max_concurrent_requests),
+            queue_size: self.queue_size.or(file.queue_size),
+            queue_timeout_secs: self.queue_timeout_secs.or(file.queue_timeout_secs),
+            rate_limit_tokens_per_second: self
+                .rate_limit_tokens_per_second
+                .or(file.rate_limit_tokens_per_second),
             shutdown_grace_period_secs: self
                 .shutdown_grace_period_secs
                 .or(file.shutdown_grace_period_secs),

@@ -297,7 +297,8 @@ pub struct Settings {
     pub migration: MigrationSettings,
     /// The circuit breaker, unless disabled.
     pub circuit: Option<CircuitSettings>,
-    pub max_concurrent_requests: Option<usize>,
+    /// Admission control, when a concurrency limit or a rate is set.
+    pub admission: Option<AdmissionSettings>,
     pub shutdown_grace: Duration,
     pub header_read_timeout: Duration,
     /// Prefill/decode disaggregation, when on.
@@ -328,6 +329,18 @@ impl Settings {
         }
         .into_settings()
     }
+}
+
+/// `--max-concurrent-requests`, `--queue-size`, `--queue-timeout-secs` and
+/// `--rate-limit-tokens-per-second` (see the `admission` module).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmissionSettings {
+    /// Requests in the router at once; unlimited when `None`.
+    pub limit: Option<usize>,
+    pub queue_size: usize,
+    pub queue_timeout: Duration,
+    /// Admissions per second, when rate limited.
+    pub rate: Option<f64>,
 }
 
 /// Replica sync: where the peers meet (NATS) and how long a start-up snapshot may take.

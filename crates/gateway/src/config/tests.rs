@@ -269,7 +269,7 @@ fn retry_backoff_grows_and_is_capped() {
 fn zero_is_refused_wherever_a_positive_number_is_needed() {
     for flag in [
         "--header-read-timeout-secs",
-        "--max-concurrent-requests",
+        "--queue-timeout-secs",
         "--request-timeout-secs",
         "--block-size",
         "--health-check-interval-secs",
@@ -436,5 +436,62 @@ fn the_tokenizer_cache_takes_smgs_flags_and_is_on_by_default() {
             .unwrap_err()
             .to_string()
             .contains("tokenizer-cache-l1-max-memory"));
+    }
+}
+
+#[test]
+fn admission_takes_smgs_values() {
+    let admission = |args: &[&str]| {
+        let argv = std::iter::once("kvroute").chain(args.iter().copied());
+        Args::try_parse_from(argv)
+            .unwrap()
+            .into_settings()
+            .map(|s| s.admission)
+    };
+    assert_eq!(admission(&[]).unwrap(), None);
+    assert_eq!(
+        admission(&["--max-concurrent-requests", "0"]).unwrap(),
+        None
+    );
+    let a = admission(&["--max-concurrent-requests", "8"])
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (a.limit, a.queue_size, a.queue_timeout, a.rate),
+        (Some(8), 100, Duration::from_secs(60), None)
+    );
+    let derived = admission(&["--max-concurrent-requests", "-1"])
+        .unwrap()
+        .unwrap();
+    assert!(derived.limit.unwrap() >= 4096);
+    let a = admission(&[
+        "--rate-limit-tokens-per-second",
+        "5",
+        "--queue-size",
+        "0",
+        "--queue-timeout-secs",
+        "3",
+    ])
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        (a.limit, a.queue_size, a.queue_timeout, a.rate),
+        (None, 0, Duration::from_secs(3), Some(5.0))
+    );
+    assert_eq!(
+        admission(&["--rate-limit-tokens-per-second", "0"]).unwrap(),
+        None
+    );
+    for bad in [
+        &["--max-concurrent-requests", "-2"][..],
+        &["--rate-limit-tokens-per-second", "-1"],
+        &[
+            "--queue-timeout-secs",
+            "0",
+            "--max-concurrent-requests",
+            "1",
+        ],
+    ] {
+        assert!(admission(bad).is_err(), "{bad:?}");
     }
 }

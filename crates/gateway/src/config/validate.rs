@@ -324,7 +324,7 @@ impl Args {
             request_timeout: Duration::from_secs(request_timeout_secs),
             log_level: self.log_level.unwrap_or(LogLevel::Info),
             log_json: self.log_json,
-            trace: trace_settings(
+            trace: super::service::trace_settings(
                 self.otlp_traces_endpoint.as_deref(),
                 self.enable_trace,
                 self.otlp_sampling_ratio,
@@ -361,10 +361,12 @@ impl Args {
             retry,
             circuit,
             migration,
-            max_concurrent_requests: match self.max_concurrent_requests {
-                Some(n) => Some(positive("max_concurrent_requests", Some(n), 0)?),
-                None => None,
-            },
+            admission: super::service::admission(
+                self.max_concurrent_requests,
+                self.queue_size,
+                self.queue_timeout_secs,
+                self.rate_limit_tokens_per_second,
+            )?,
             shutdown_grace: Duration::from_secs(self.shutdown_grace_period_secs.unwrap_or(180)),
             header_read_timeout: Duration::from_secs(positive(
                 "header_read_timeout_secs",
@@ -482,7 +484,7 @@ impl Args {
 
 /// Checks a worker base URL (`http[s]://host:port[/prefix]`) and drops a trailing slash.
 /// `v` (or `default` when unset), refusing zero.
-fn positive<T: PartialEq + Default>(
+pub(super) fn positive<T: PartialEq + Default>(
     name: &'static str,
     v: Option<T>,
     default: T,
@@ -555,35 +557,4 @@ fn normalize_url(url: &str) -> Result<String, ConfigError> {
         return Err(bad("must not have a query"));
     }
     Ok(url.trim_end_matches('/').to_owned())
-}
-
-/// `--otlp-traces-endpoint`, `--enable-trace` and `--otlp-sampling-ratio`: tracing is on with
-/// an endpoint, or with `--enable-trace` to smg's default.
-fn trace_settings(
-    endpoint: Option<&str>,
-    enabled: bool,
-    ratio: Option<f64>,
-) -> Result<Option<crate::otlp::TraceSettings>, ConfigError> {
-    let ratio = ratio.unwrap_or(1.0);
-    if !(0.0..=1.0).contains(&ratio) {
-        return Err(ConfigError::Invalid {
-            name: "otlp_sampling_ratio",
-            reason: "must be between 0 and 1",
-        });
-    }
-    let endpoint = match (endpoint, enabled) {
-        (Some(e), _) => e,
-        (None, true) => crate::otlp::DEFAULT_ENDPOINT,
-        (None, false) => return Ok(None),
-    };
-    let endpoint = crate::otlp::Endpoint::parse(endpoint).map_err(ConfigError::OtlpEndpoint)?;
-    let service_name = std::env::var("OTEL_SERVICE_NAME")
-        .ok()
-        .filter(|s| !s.trim().is_empty())
-        .unwrap_or_else(|| "kvroute".to_owned());
-    Ok(Some(crate::otlp::TraceSettings {
-        endpoint,
-        sampling_ratio: ratio,
-        service_name,
-    }))
 }
