@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use http::HeaderMap;
 use kvroute_core::PolicyKind;
 use kvroute_gateway::kv::KvState;
 use kvroute_gateway::prompts::Prompts;
@@ -115,7 +114,6 @@ fn main() {
         }
     }
     let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
-    let headers = HeaderMap::new();
     let table = set.table();
     let pool = table.resolve(Some("m")).unwrap();
 
@@ -130,7 +128,7 @@ fn main() {
         let plan = routing::plan(
             &kv,
             pool,
-            &headers,
+            None,
             &Default::default(),
             &Default::default(),
             None,
@@ -162,7 +160,7 @@ fn main() {
         let _ = routing::plan(
             &kv,
             pool,
-            &headers,
+            None,
             &Default::default(),
             &Default::default(),
             None,

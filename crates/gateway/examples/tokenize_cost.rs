@@ -11,7 +11,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use http::HeaderMap;
 use kvroute_core::PolicyKind;
 use kvroute_gateway::kv::KvState;
 use kvroute_gateway::prompts::Prompts;
@@ -132,7 +131,7 @@ impl Router {
         let plan = routing::plan(
             &self.kv,
             table.resolve(Some("m")).unwrap(),
-            &HeaderMap::new(),
+            None,
             &Default::default(),
             &Default::default(),
             None,

@@ -180,20 +180,7 @@ impl GatewayError {
     /// The answer on Anthropic's routes: `{"type": "error", "error": {"type", "message"}}`,
     /// the type named after the status as Anthropic names it.
     pub fn into_anthropic_response(self) -> Response {
-        let kind = match self.status().as_u16() {
-            400 | 422 => "invalid_request_error",
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 => "not_found_error",
-            413 => "request_too_large",
-            429 => "rate_limit_error",
-            503 | 529 => "overloaded_error",
-            _ => "api_error",
-        };
-        let body = serde_json::json!({
-            "type": "error",
-            "error": {"type": kind, "message": self.message()},
-        });
+        let body = kvroute_protocol::anthropic::error_body(self.status().as_u16(), &self.message());
         self.respond(body)
     }
 

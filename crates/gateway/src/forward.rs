@@ -458,10 +458,11 @@ async fn attempts(
         if let (Some(queue), Some(c)) = (&state.queue, a.class) {
             busy = queue.thresholds(c, busy);
         }
+        let keys = &state.settings.routing_key_headers;
         let plan = match routing::plan(
             &state.kv,
             pool,
-            &a.parts.headers,
+            routing::session_key(keys, &a.parts.headers, a.fields),
             a.hints,
             &busy,
             state.affinity.as_deref(),
@@ -498,7 +499,7 @@ async fn attempts(
             state.queue.clone(),
         )
         .with_sync(state.sync.get(), || {
-            let key = routing::session_key(&a.parts.headers, a.fields).map(str::to_owned);
+            let key = routing::session_key(keys, &a.parts.headers, a.fields).map(str::to_owned);
             let text = if policy == PolicyKind::CacheAware {
                 a.fields.routing_text().into_owned()
             } else {

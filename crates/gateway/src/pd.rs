@@ -332,7 +332,11 @@ fn plan_half(
     routing::plan(
         &state.kv,
         pool,
-        &req.parts.headers,
+        routing::session_key(
+            &state.settings.routing_key_headers,
+            &req.parts.headers,
+            req.fields,
+        ),
         hints,
         &busy,
         if decode {
@@ -577,7 +581,12 @@ fn finish(
 fn synced(state: &AppState, req: &PdRequest<'_>, half: Half) -> crate::sync::Learnt {
     crate::sync::Learnt {
         model: req.fields.model.as_deref().unwrap_or_default().to_owned(),
-        session_key: routing::session_key(&req.parts.headers, req.fields).map(str::to_owned),
+        session_key: routing::session_key(
+            &state.settings.routing_key_headers,
+            &req.parts.headers,
+            req.fields,
+        )
+        .map(str::to_owned),
         // Sessions are bound to the decode half (see `plan_half`).
         bind: half == Half::Decode && state.affinity.is_some(),
         half: Some(half),

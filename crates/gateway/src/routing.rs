@@ -21,9 +21,6 @@ use crate::kv::KvState;
 use crate::prompts::{Prompts, Tokens};
 use crate::workers::{Pool, Worker};
 
-/// Session-key headers, in order of precedence (then the body's `user`).
-const SESSION_HEADERS: [&str; 3] = ["x-session-id", "x-smg-routing-key", "x-user-id"];
-
 /// One (worker, rank) considered for a request.
 #[derive(Debug, Clone)]
 pub struct Choice {
@@ -65,11 +62,20 @@ impl Plan {
     }
 }
 
-pub fn session_key<'a>(headers: &'a HeaderMap, fields: &'a RoutingFields<'a>) -> Option<&'a str> {
-    SESSION_HEADERS
-        .iter()
-        .find_map(|h| headers.get(*h).and_then(|v| v.to_str().ok()))
-        .filter(|k| !k.is_empty())
+/// A request's session key: the first of `keys` (`--routing-key-headers`) present with a
+/// non-empty visible value, else the body's `user`.
+pub fn session_key<'a>(
+    keys: &[http::HeaderName],
+    headers: &'a HeaderMap,
+    fields: &'a RoutingFields<'a>,
+) -> Option<&'a str> {
+    keys.iter()
+        .find_map(|h| {
+            headers
+                .get(h)
+                .and_then(|v| v.to_str().ok())
+                .filter(|k| !k.is_empty())
+        })
         .or(fields.user.as_deref().filter(|u| !u.is_empty()))
 }
 
@@ -331,7 +337,7 @@ pub fn eligible_ranks(
 pub fn plan(
     kv: &KvState,
     pool: &Pool,
-    headers: &HeaderMap,
+    session: Option<&str>,
     hints: &Hints,
     busy: &BusyThresholds,
     affinity: Option<&Affinity>,
@@ -342,7 +348,7 @@ pub fn plan(
 ) -> Result<Plan, GatewayError> {
     let tokens = prompt.ids.as_slice();
     let policy = pool.policy.kind();
-    let key = session_key(headers, fields);
+    let key = session;
     // Session affinity: the (worker, rank) the session used last, as a pin (hard) or a
     // preference (soft).
     let bound = match (affinity, key) {

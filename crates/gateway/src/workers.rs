@@ -57,6 +57,9 @@ pub struct WorkerSet {
     workers: ArcSwap<Vec<Arc<Worker>>>,
     /// Serialises changes of the worker list.
     changes: Mutex<()>,
+    /// Serialises rebuilds of the routing table: two probes finishing at once must not store
+    /// their tables in the other order (the older one, missing a worker, last).
+    rebuilds: Mutex<()>,
     next_replica: AtomicU32,
     table: ArcSwap<RoutingTable>,
     policy: PolicyKind,
@@ -80,6 +83,7 @@ impl WorkerSet {
         let set = Self {
             workers: ArcSwap::from_pointee(Vec::new()),
             changes: Mutex::new(()),
+            rebuilds: Mutex::new(()),
             next_replica: AtomicU32::new(0),
             table: ArcSwap::from_pointee(RoutingTable::default()),
             policy: settings.policy,

@@ -23,6 +23,8 @@
 
 use serde_json::{json, Map, Value};
 
+use crate::python::{float_repr, json_string};
+
 /// Why a Messages body cannot be read (Anthropic's `invalid_request_error`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -310,6 +312,25 @@ fn tools(
     Ok(())
 }
 
+/// Anthropic's error `type` for an HTTP status.
+pub fn error_type(status: u16) -> &'static str {
+    match status {
+        400 | 422 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        _ => "api_error",
+    }
+}
+
+/// Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`.
+pub fn error_body(status: u16, message: &str) -> Value {
+    json!({"type": "error", "error": {"type": error_type(status), "message": message}})
+}
+
 /// `json.dumps(value)` as Python writes it: `", "` and `": "` separators, non-ASCII as
 /// `\uXXXX` escapes (surrogate pairs beyond the BMP), keys in the order given.
 pub fn python_json(value: &Value) -> String {
@@ -322,8 +343,11 @@ fn write_python(value: &Value, out: &mut String) {
     match value {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Value::Number(n) => out.push_str(&python_number(n)),
-        Value::String(s) => write_python_str(s, out),
+        Value::Number(n) => match n.as_f64().filter(|_| n.is_f64()) {
+            Some(f) => out.push_str(&float_repr(f, true)),
+            None => out.push_str(&n.to_string()),
+        },
+        Value::String(s) => json_string(out, s, true),
         Value::Array(items) => {
             out.push('[');
             for (i, v) in items.iter().enumerate() {
@@ -340,49 +364,13 @@ fn write_python(value: &Value, out: &mut String) {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_python_str(k, out);
+                json_string(out, k, true);
                 out.push_str(": ");
                 write_python(v, out);
             }
             out.push('}');
         }
     }
-}
-
-/// Python's float repr writes `1.0` where serde writes `1.0` too, and `1e+20` as `1e+20`;
-/// integers as they are.
-fn python_number(n: &serde_json::Number) -> String {
-    if n.is_f64() {
-        let f = n.as_f64().unwrap_or_default();
-        if f.is_finite() && f == f.trunc() && f.abs() < 1e16 {
-            return format!("{f:.1}");
-        }
-    }
-    n.to_string()
-}
-
-fn write_python_str(s: &str, out: &mut String) {
-    use std::fmt::Write;
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
-                let mut units = [0u16; 2];
-                for unit in c.encode_utf16(&mut units) {
-                    let _ = write!(out, "\\u{unit:04x}");
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ mod hash;
 mod ids;
 pub mod kv_events;
 mod openai;
+pub mod python;
 
 pub use error::{ErrorBody, ErrorDetail};
 pub use hash::{mix64, stable_hash};

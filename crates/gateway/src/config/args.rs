@@ -408,6 +408,12 @@ pub struct Args {
     /// Log level: trace, debug, info, warn (or warning), error [default: info].
     #[arg(long, value_enum)]
     pub log_level: Option<LogLevel>,
+    /// The headers a session key is read from, in order: the first present with a value
+    /// wins, then the body's `user` [default: x-session-id x-smg-routing-key x-user-id].
+    /// smg's flag.
+    #[arg(long, num_args = 1.., value_name = "HEADER")]
+    #[serde(default)]
+    pub routing_key_headers: Vec<String>,
     /// Logs as one JSON object per line, each request's lines with its request id (and the
     /// trace id of its `traceparent`, when it has one). smg's flag.
     #[arg(long)]

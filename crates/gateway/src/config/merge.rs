@@ -194,6 +194,11 @@ impl Args {
             request_timeout_secs: self.request_timeout_secs.or(file.request_timeout_secs),
             log_level: self.log_level.or(file.log_level),
             log_json: self.log_json || file.log_json,
+            routing_key_headers: if self.routing_key_headers.is_empty() {
+                file.routing_key_headers
+            } else {
+                self.routing_key_headers
+            },
             otlp_traces_endpoint: self.otlp_traces_endpoint.or(file.otlp_traces_endpoint),
             enable_trace: self.enable_trace || file.enable_trace,
             otlp_sampling_ratio: self.otlp_sampling_ratio.or(file.otlp_sampling_ratio),

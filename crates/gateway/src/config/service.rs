@@ -80,3 +80,28 @@ pub(super) fn admission(
         }),
     )
 }
+
+/// The headers a session key is read from, in order, unless `--routing-key-headers` says
+/// otherwise; the body's `user` comes after them.
+pub const DEFAULT_ROUTING_KEY_HEADERS: [&str; 3] =
+    ["x-session-id", "x-smg-routing-key", "x-user-id"];
+
+/// `--routing-key-headers`, as header names (smg's default list when none is given).
+pub(super) fn routing_key_headers(names: &[String]) -> Result<Vec<http::HeaderName>, ConfigError> {
+    let names: Vec<&str> = if names.is_empty() {
+        DEFAULT_ROUTING_KEY_HEADERS.to_vec()
+    } else {
+        names.iter().map(String::as_str).collect()
+    };
+    names
+        .iter()
+        .map(|n| {
+            http::HeaderName::from_bytes(n.trim().to_ascii_lowercase().as_bytes()).map_err(|_| {
+                ConfigError::Invalid {
+                    name: "routing_key_headers",
+                    reason: "must be HTTP header names",
+                }
+            })
+        })
+        .collect()
+}

@@ -274,6 +274,8 @@ pub struct Settings {
     pub log_level: LogLevel,
     /// One JSON object per log line.
     pub log_json: bool,
+    /// The headers a session key is read from, in order (`--routing-key-headers`).
+    pub routing_key_headers: Vec<http::HeaderName>,
     /// OpenTelemetry traces, when on.
     pub trace: Option<crate::otlp::TraceSettings>,
     pub block_size: usize,

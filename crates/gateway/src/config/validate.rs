@@ -324,6 +324,7 @@ impl Args {
             request_timeout: Duration::from_secs(request_timeout_secs),
             log_level: self.log_level.unwrap_or(LogLevel::Info),
             log_json: self.log_json,
+            routing_key_headers: super::service::routing_key_headers(&self.routing_key_headers)?,
             trace: super::service::trace_settings(
                 self.otlp_traces_endpoint.as_deref(),
                 self.enable_trace,

@@ -33,7 +33,7 @@ pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request
         let plan = routing::plan(
             &state.kv,
             pool,
-            &parts.headers,
+            routing::session_key(&state.settings.routing_key_headers, &parts.headers, &fields),
             &hints,
             &busy,
             state.affinity.as_deref(),

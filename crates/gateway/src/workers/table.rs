@@ -151,6 +151,7 @@ pub struct RankStatus {
 impl WorkerSet {
     /// Publishes a new table from the workers as they are now, and the readiness with it.
     pub(super) fn rebuild(&self) {
+        let _one_at_a_time = lock(&self.rebuilds);
         let workers = self.workers.load_full();
         let mut members: BTreeMap<ModelId, Vec<Arc<Worker>>> = BTreeMap::new();
         let mut cards: BTreeMap<ModelId, serde_json::Value> = BTreeMap::new();

@@ -86,16 +86,6 @@ pub(super) async fn count_tokens(State(state): State<Arc<AppState>>, req: Reques
 
 /// An error in Anthropic's shape, its type named after the status.
 fn anthropic_error(e: ApiError) -> Response {
-    let kind = match e.status.as_u16() {
-        400 | 422 => "invalid_request_error",
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 | 529 => "overloaded_error",
-        _ => "api_error",
-    };
-    let body = json!({"type": "error", "error": {"type": kind, "message": e.message()}});
+    let body = kvroute_protocol::anthropic::error_body(e.status.as_u16(), e.message());
     (e.status, Json(body)).into_response()
 }
