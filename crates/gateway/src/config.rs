@@ -11,6 +11,7 @@ mod args;
 mod certs;
 mod discovery;
 mod merge;
+pub mod peers;
 mod service;
 mod settings;
 mod validate;

@@ -9,6 +9,11 @@ use kvroute_gateway::{Args, Gateway, Settings};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
+    // A peer router's flag that kvroute does not take: refused by name, with the reason.
+    if let Some(refused) = kvroute_gateway::config::peers::refusal(std::env::args_os()) {
+        eprintln!("kvroute: {refused}");
+        return ExitCode::from(2);
+    }
     let args = Args::parse();
     let settings = match args.load() {
         Ok(s) => s,

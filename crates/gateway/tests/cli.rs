@@ -208,3 +208,22 @@ fn bad_certificate_files_exit_2_naming_the_file() {
         assert!(err.contains(named), "{flags:?} should name {named}: {err}");
     }
 }
+
+#[test]
+fn a_peers_flag_kvroute_does_not_take_exits_2_naming_it_and_why() {
+    for (args, says) in [
+        (
+            &["--job-queue-capacity", "5"][..],
+            "--job-queue-capacity is refused: not applicable",
+        ),
+        (
+            &["--kv-cache-block-size=16"],
+            "--kv-cache-block-size is not supported yet",
+        ),
+    ] {
+        let out = kvroute().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
