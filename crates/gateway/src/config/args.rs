@@ -69,10 +69,10 @@ pub struct Args {
     pub config: Option<PathBuf>,
 
     /// Address to serve the API on [default: 127.0.0.1].
-    #[arg(long)]
+    #[arg(alias = "http-host", long)]
     pub host: Option<String>,
     /// Port to serve the API on [default: 30000].
-    #[arg(long)]
+    #[arg(alias = "http-port", long)]
     pub port: Option<u16>,
     /// Address to serve Prometheus metrics on [default: the --host].
     #[arg(long)]
@@ -162,20 +162,20 @@ pub struct Args {
     #[arg(long)]
     pub prefix_hash_load_factor: Option<f64>,
     /// manual: forget a session key idle this long [default: 14400].
-    #[arg(long)]
+    #[arg(alias = "sticky-key-idle-secs", long)]
     pub max_idle_secs: Option<u64>,
     /// manual: how a new session key is placed [default: min_load].
     #[arg(long, value_enum)]
     pub assignment_mode: Option<AssignmentModeArg>,
 
     /// cache_aware: route by the tree when the matched share of the prompt exceeds this [default: 0.3].
-    #[arg(long)]
+    #[arg(alias = "cache-match-threshold", long)]
     pub cache_threshold: Option<f64>,
     /// cache_aware: the load is imbalanced when max - min exceeds this... [default: 64].
-    #[arg(long)]
+    #[arg(alias = "spill-abs-threshold", long)]
     pub balance_abs_threshold: Option<u64>,
     /// cache_aware: ...and max exceeds this times min [default: 1.5].
-    #[arg(long)]
+    #[arg(alias = "spill-rel-threshold", long)]
     pub balance_rel_threshold: Option<f64>,
     /// cache_aware: seconds between tree evictions [default: 120].
     #[arg(long, alias = "eviction-interval")]
@@ -197,7 +197,7 @@ pub struct Args {
     #[arg(long)]
     pub metrics_refresh_ms: Option<u64>,
     /// The router's KV block size in tokens [default: 16].
-    #[arg(long)]
+    #[arg(aliases = ["kv-event-block-size", "kv-cache-block-size"], long)]
     pub block_size: Option<usize>,
     /// kv_aware: credit per prefix block cached on the device [default: 1.0].
     #[arg(long)]
@@ -212,16 +212,16 @@ pub struct Args {
     #[arg(long)]
     pub router_temperature: Option<f64>,
     /// kv_aware: credit per prefix block cached in host memory [default: 0.75].
-    #[arg(long)]
+    #[arg(alias = "kv-penalty-host", long)]
     pub router_host_cache_hit_weight: Option<f64>,
     /// kv_aware: credit per prefix block cached on disk [default: 0.25].
-    #[arg(long)]
+    #[arg(alias = "kv-penalty-disk", long)]
     pub router_disk_cache_hit_weight: Option<f64>,
     /// kv_aware: credit per prefix block in a shared external cache [default: 0].
-    #[arg(long)]
+    #[arg(alias = "kv-penalty-external", long)]
     pub shared_cache_multiplier: Option<f64>,
     /// Ignore engines' KV events: approximate their caches from the router's own decisions.
-    #[arg(long)]
+    #[arg(alias = "no-kv-events", long)]
     #[serde(default)]
     pub no_router_kv_events: bool,
     /// The most KV blocks the router indexes; the least recently stored go first [default: 4194304].
@@ -274,11 +274,11 @@ pub struct Args {
     pub policy_classes: Vec<PolicyClassSpec>,
     /// Session affinity: a session's requests go to the (worker, rank) it used last, if
     /// within this many seconds (off when absent).
-    #[arg(long)]
+    #[arg(aliases = ["kv-aware-session-affinity-ttl-secs", "router-session-affinity-ttl-secs"], long)]
     pub session_affinity_ttl_secs: Option<u64>,
     /// hard: the binding is a pin; soft: the policy may choose another when the bound worker
     /// is ineligible or overloaded [default: soft].
-    #[arg(long, value_enum)]
+    #[arg(alias = "router-session-affinity-mode", long, value_enum)]
     pub session_affinity_mode: Option<AffinityModeArg>,
     /// The key admin calls must carry (`Authorization: Bearer KEY`); without it, changes
     /// through the admin API are accepted from loopback only.

@@ -495,3 +495,43 @@ fn admission_takes_smgs_values() {
         assert!(admission(bad).is_err(), "{bad:?}");
     }
 }
+
+#[test]
+fn the_peers_names_of_kvroutes_flags_are_aliases() {
+    let s = Args::try_parse_from([
+        "kvroute",
+        "--kv-cache-block-size",
+        "32",
+        "--http-port",
+        "8001",
+        "--http-host",
+        "0.0.0.0",
+        "--no-kv-events",
+        "--router-session-affinity-ttl-secs",
+        "90",
+        "--router-session-affinity-mode",
+        "hard",
+        "--kv-penalty-host",
+        "0.5",
+    ])
+    .unwrap()
+    .into_settings()
+    .unwrap();
+    assert_eq!(
+        (s.block_size, s.port, s.host.as_str()),
+        (32, 8001, "0.0.0.0")
+    );
+    assert_eq!(s.kv_events, KvEventsMode::Approximate);
+    assert_eq!(
+        s.session_affinity,
+        Some((
+            kvroute_core::affinity::AffinityMode::Hard,
+            Duration::from_secs(90)
+        ))
+    );
+    let s = Args::try_parse_from(["kvroute", "--kv-event-block-size", "64"])
+        .unwrap()
+        .into_settings()
+        .unwrap();
+    assert_eq!(s.block_size, 64);
+}

@@ -390,22 +390,49 @@ pub async fn wait_all_idle(router: &TestRouter) {
 /// A loopback port free at the time of asking.
 /// A `kvroute` process run with `args` on free ports, once its `/readiness` answers: the
 /// process, its API URL and its metrics URL.
+/// A process that exits before it is ready fails the test with its status and its log.
 pub async fn kvroute_process(args: &[&str]) -> (ChildGuard, String, String) {
-    let (port, metrics_port) = (free_port(), free_port());
-    let child = ChildGuard(
+    // Two listeners held at once: the two ports differ.
+    let (a, b) = (
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+    );
+    let (port, metrics_port) = (
+        a.local_addr().unwrap().port(),
+        b.local_addr().unwrap().port(),
+    );
+    drop((a, b));
+    let log = std::env::temp_dir().join(format!("kvroute-test-{port}.log"));
+    let mut child = ChildGuard(
         std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["--port", &port.to_string()])
             .args(["--prometheus-port", &metrics_port.to_string()])
             .args(args)
             .env_remove("RUST_LOG")
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap(),
     );
     let url = format!("http://127.0.0.1:{port}");
     let ready = format!("{url}/readiness");
-    wait_until_async("kvroute ready", || answers(&ready)).await;
+    let up = holds_within(Duration::from_secs(60), || {
+        let exited = child.0.try_wait().ok().flatten();
+        let (ready, log) = (ready.clone(), log.as_path());
+        async move {
+            if let Some(status) = exited {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                panic!("kvroute exited before it was ready ({status}):\n{text}");
+            }
+            answers(&ready).await
+        }
+    })
+    .await;
+    assert!(
+        up,
+        "kvroute not ready within 60 s:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
     (child, url, format!("http://127.0.0.1:{metrics_port}"))
 }
 
