@@ -217,8 +217,8 @@ fn a_peers_flag_kvroute_does_not_take_exits_2_naming_it_and_why() {
             "--job-queue-capacity is refused: not applicable",
         ),
         (
-            &["--kv-cache-block-size=16"],
-            "--kv-cache-block-size is not supported yet",
+            &["--load-monitor-interval=10"],
+            "--load-monitor-interval is not supported yet",
         ),
     ] {
         let out = kvroute().args(args).output().unwrap();

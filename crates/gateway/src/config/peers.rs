@@ -128,11 +128,13 @@ mod tests {
             msg.starts_with("--job-queue-capacity is refused: not applicable"),
             "{msg}"
         );
-        let msg = refusal(args(&["--kv-cache-block-size", "16"])).unwrap();
+        let msg = refusal(args(&["--load-monitor-interval", "10"])).unwrap();
         assert!(
-            msg.contains("not supported yet") && msg.contains("--block-size"),
+            msg.contains("not supported yet") && msg.contains("--metrics-refresh-ms"),
             "{msg}"
         );
+        // A peer's name kvroute takes as an alias is not refused.
+        assert_eq!(refusal(args(&["--kv-cache-block-size", "16"])), None);
         assert_eq!(
             refusal(args(&["--worker-urls", "http://a", "--queue-size", "3"])),
             None
