@@ -147,6 +147,6 @@ for r in $ROUTERS; do
       curl -s "http://127.0.0.1:29013/metrics" | grep -E '^kvroute_otlp_spans' | tr '\n' ' ' | tee -a "$OUT"; echo | tee -a "$OUT" ;;
   esac
   stop $pid; sleep 1
-  case $r in kvroute-trace|kvroute-trace-10) stop "$sink"; sleep 0.5; tee -a "$OUT" < "$LOGS/otlp-sink.log" ;; esac
+  case $r in kvroute-trace|kvroute-trace-10) stop "$sink"; tee -a "$OUT" < "$LOGS/otlp-sink.log" ;; esac
 done
 done

@@ -9,7 +9,8 @@
 //! a code distinct from the routing queue's `queue_timeout`. With a rate, each admission also
 //! takes a token from a bucket that refills at that rate and holds at most the concurrency
 //! limit (or one second of the rate without a limit); waiting for a token counts against the
-//! same queue and timeout.
+//! same queue and timeout, and a request whose token would come after its timeout is told at
+//! once.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -134,8 +135,8 @@ impl Admission {
                 place = Some(self.enqueue()?);
             }
             let at = tokio::time::Instant::now() + wait;
+            // No token comes in time: say so now rather than at the deadline.
             if at > deadline {
-                tokio::time::sleep_until(deadline).await;
                 return Err(timeout());
             }
             tokio::time::sleep_until(at).await;
@@ -208,6 +209,20 @@ mod tests {
             a.admit().await,
             Err(GatewayError::TooManyRequests(1))
         ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_due_after_the_timeout_is_refused_at_once() {
+        // One request per 100 s, a 60 s timeout: the second cannot be admitted in time.
+        let a = admission(None, 10, Some(0.01));
+        assert!(a.admit().await.unwrap().is_none());
+        let started = tokio::time::Instant::now();
+        assert!(matches!(
+            a.admit().await,
+            Err(GatewayError::AdmissionTimeout(60))
+        ));
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        assert_eq!(a.waiting(), 0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -238,11 +238,12 @@ impl Tracer {
         }
     }
 
-    /// The span of a request named `name`, when it is sampled: continuing `parent` (the
-    /// client's `traceparent`, with its `tracestate`) or starting a trace.
+    /// The span of a request, when it is sampled: continuing `parent` (the client's
+    /// `traceparent`, with its `tracestate`) or starting a trace. `name` is called only for a
+    /// sampled request.
     pub fn start(
         self: &Arc<Self>,
-        name: String,
+        name: impl FnOnce() -> String,
         parent: Option<&Parent>,
         trace_state: Option<&HeaderValue>,
     ) -> Option<Arc<RequestSpan>> {
@@ -272,7 +273,7 @@ impl Tracer {
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or_default()
                 .to_owned(),
-            name,
+            name: name(),
             start: unix_nanos(),
             started: Instant::now(),
             fields: Mutex::new(Fields::default()),

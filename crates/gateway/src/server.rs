@@ -318,7 +318,7 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
         .and_then(|v| crate::otlp::Parent::parse(v.as_bytes()));
     let span = state.tracer.as_ref().and_then(|t| {
         let span = t.start(
-            format!("{} {route}", req.method()),
+            || format!("{} {route}", req.method()),
             parent.as_ref(),
             req.headers().get("tracestate"),
         )?;

@@ -90,29 +90,31 @@ fn sampling_is_parent_based_then_by_ratio() {
         ..sampled.clone()
     };
     for _ in 0..100 {
-        assert!(never.start("r".into(), None, None).is_none());
+        assert!(never.start(|| "r".into(), None, None).is_none());
     }
     // A sampled parent is traced whatever the ratio, in its trace.
-    let span = never.start("r".into(), Some(&sampled), None).unwrap();
+    let span = never.start(|| "r".into(), Some(&sampled), None).unwrap();
     assert_eq!(span.trace_id(), "0af7651916cd43dd8448eb211c80319c");
     assert_eq!(span.parent, Some(sampled.span_id));
     assert!(tracer(1.0)
-        .start("r".into(), Some(&unsampled), None)
+        .start(|| "r".into(), Some(&unsampled), None)
         .is_none());
 
     let half = tracer(0.5);
     let traced = (0..10_000)
-        .filter(|_| half.start("r".into(), None, None).is_some())
+        .filter(|_| half.start(|| "r".into(), None, None).is_some())
         .count();
     assert!((4_500..5_500).contains(&traced), "{traced} of 10000 at 0.5");
-    assert!((0..100).all(|_| tracer(1.0).start("r".into(), None, None).is_some()));
+    assert!((0..100).all(|_| tracer(1.0).start(|| "r".into(), None, None).is_some()));
 }
 
 #[test]
 fn a_request_span_ends_once_with_its_attempts_as_children() {
     let t = tracer(1.0);
     let mut rx = t.take_receiver().unwrap();
-    let span = t.start("POST /v1/completions".into(), None, None).unwrap();
+    let span = t
+        .start(|| "POST /v1/completions".into(), None, None)
+        .unwrap();
     span.set_str("kvroute.worker", "w1");
     span.add("kvroute.retries", 1);
     span.add("kvroute.retries", 1);
@@ -151,7 +153,7 @@ fn a_full_queue_drops_and_counts() {
     let t = tracer(1.0);
     let _rx = t.take_receiver().unwrap();
     for _ in 0..QUEUE + 10 {
-        t.start("r".into(), None, None).unwrap().end();
+        t.start(|| "r".into(), None, None).unwrap().end();
     }
     let dropped = t
         .metrics
