@@ -16,6 +16,7 @@ pub mod affinity;
 mod candidate;
 pub mod eligibility;
 pub mod load;
+pub mod overload;
 pub mod policy;
 pub mod queue;
 pub mod sessions;
@@ -23,6 +24,6 @@ pub mod sessions;
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
 pub use policy::{
-    build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, Observation,
-    Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
+    build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LeastLoadConfig, LlmDConfig,
+    Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
 };

@@ -12,6 +12,8 @@
 //! | `cache_aware` | SGLang's approximate radix tree over request text (see [`CacheAware`]) |
 //! | `llm_d` | llm-d's weighted scorers: prefix cache, queue, KV utilisation (see [`LlmD`]) |
 //! | `kv_aware` | Dynamo's cost over KV overlap and load (see [`KvAware`]) |
+//! | `least_load` | smg's: the shortest expected wait from the engines' reported load (see [`LeastLoad`]) |
+//! | `passthrough` | smg's: the first eligible candidate, for a gateway in front of one engine |
 //!
 //! "Least loaded" always breaks ties at random, so keyless serial traffic (every load zero)
 //! spreads instead of piling onto the first worker.
@@ -19,6 +21,7 @@
 mod cache_aware;
 mod hashing;
 mod kv_aware;
+mod least_load;
 mod llm_d;
 mod load;
 mod manual;
@@ -36,6 +39,7 @@ use crate::{Candidate, Decision, RouteRequest};
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
 pub use kv_aware::{KvAware, KvAwareConfig};
+pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
 pub use llm_d::{LlmD, LlmDConfig};
 pub use load::{PowerOfTwo, Random, RoundRobin};
 pub use manual::{AssignmentMode, Manual};
@@ -154,6 +158,8 @@ pub enum PolicyKind {
     CacheAware,
     LlmD,
     KvAware,
+    LeastLoad,
+    Passthrough,
 }
 
 impl PolicyKind {
@@ -164,11 +170,12 @@ impl PolicyKind {
         match self {
             ConsistentHash | RendezvousHash => session_key.is_none(),
             PrefixHash | CacheAware => true,
-            Random | RoundRobin | PowerOfTwo | Manual | LlmD | KvAware => false,
+            Random | RoundRobin | PowerOfTwo | Manual | LlmD | KvAware | LeastLoad
+            | Passthrough => false,
         }
     }
 
-    pub const ALL: [PolicyKind; 10] = [
+    pub const ALL: [PolicyKind; 12] = [
         PolicyKind::Random,
         PolicyKind::RoundRobin,
         PolicyKind::PowerOfTwo,
@@ -179,6 +186,8 @@ impl PolicyKind {
         PolicyKind::CacheAware,
         PolicyKind::LlmD,
         PolicyKind::KvAware,
+        PolicyKind::LeastLoad,
+        PolicyKind::Passthrough,
     ];
 
     pub fn name(self) -> &'static str {
@@ -193,6 +202,8 @@ impl PolicyKind {
             PolicyKind::CacheAware => "cache_aware",
             PolicyKind::LlmD => "llm_d",
             PolicyKind::KvAware => "kv_aware",
+            PolicyKind::LeastLoad => "least_load",
+            PolicyKind::Passthrough => "passthrough",
         }
     }
 
@@ -261,6 +272,7 @@ pub struct PolicyConfig {
     pub kv_aware: KvAwareConfig,
     pub cache_aware: CacheAwareConfig,
     pub llm_d: LlmDConfig,
+    pub least_load: LeastLoadConfig,
 }
 
 impl Default for PolicyConfig {
@@ -275,6 +287,7 @@ impl Default for PolicyConfig {
             kv_aware: KvAwareConfig::default(),
             cache_aware: CacheAwareConfig::default(),
             llm_d: LlmDConfig::default(),
+            least_load: LeastLoadConfig::default(),
         }
     }
 }
@@ -300,6 +313,8 @@ pub fn build_policy(kind: PolicyKind, config: &PolicyConfig) -> Box<dyn Policy> 
         PolicyKind::KvAware => Box::new(KvAware::new(config.kv_aware.clone())),
         PolicyKind::CacheAware => Box::new(CacheAware::new(config.cache_aware.clone())),
         PolicyKind::LlmD => Box::new(LlmD::new(config.llm_d.clone())),
+        PolicyKind::LeastLoad => Box::new(LeastLoad::new(config.least_load.clone())),
+        PolicyKind::Passthrough => Box::new(Passthrough),
     }
 }
 

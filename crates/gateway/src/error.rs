@@ -49,6 +49,9 @@ pub enum GatewayError {
     AllWorkersOverloaded,
     #[error("the pinned worker is overloaded")]
     PinnedWorkerOverloaded,
+    /// smg's overload protection with `--worker-overload-shed`.
+    #[error("every compatible worker is overloaded (its engine's waiting requests or KV usage)")]
+    OverloadShed,
     #[error("{0}")]
     Unauthorized(&'static str),
     #[error("invalid admin request: {0}")]
@@ -84,9 +87,9 @@ impl GatewayError {
             | GatewayError::InvalidPin(_)
             | GatewayError::InvalidAdmin(_)
             | GatewayError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
-            GatewayError::AllWorkersOverloaded | GatewayError::PinnedWorkerOverloaded => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            GatewayError::AllWorkersOverloaded
+            | GatewayError::PinnedWorkerOverloaded
+            | GatewayError::OverloadShed => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             GatewayError::QueueFull(_) | GatewayError::TooManyRequests(_) => {
                 StatusCode::TOO_MANY_REQUESTS
@@ -123,6 +126,7 @@ impl GatewayError {
             GatewayError::InvalidPin(_) => "invalid_pin",
             GatewayError::AllWorkersOverloaded => "all_workers_overloaded",
             GatewayError::PinnedWorkerOverloaded => "pinned_worker_overloaded",
+            GatewayError::OverloadShed => "worker_overload_protection_shed",
             GatewayError::Unauthorized(_) => "unauthorized",
             GatewayError::InvalidAdmin(_) | GatewayError::InvalidRequest(_) => "invalid_request",
             GatewayError::QueueFull(_) => "queue_full",
@@ -194,6 +198,7 @@ impl GatewayError {
         let retry = matches!(
             self,
             GatewayError::AllWorkersOverloaded
+                | GatewayError::OverloadShed
                 | GatewayError::TooManyRequests(_)
                 | GatewayError::AdmissionTimeout(_)
                 | GatewayError::ShuttingDown

@@ -464,7 +464,10 @@ async fn attempts(
             pool,
             routing::session_key(keys, &a.parts.headers, a.fields),
             a.hints,
-            &busy,
+            &routing::Limits {
+                busy,
+                overload: state.settings.overload,
+            },
             state.affinity.as_deref(),
             a.fields,
             a.tokens,

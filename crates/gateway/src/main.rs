@@ -138,6 +138,15 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
         .with_context(|| format!("cannot serve metrics on {metrics_addr}"))?;
     let mut registry = prometheus_client::registry::Registry::default();
     let workers = settings.workers.len();
+    if settings.overload.is_on() {
+        let o = settings.overload;
+        tracing::info!(
+            waiting_requests = ?o.waiting_requests,
+            token_usage = ?o.token_usage,
+            shed = o.shed,
+            "Worker overload protection on"
+        );
+    }
     let scheme = if settings.tls.api.is_some() {
         "https"
     } else {

@@ -338,7 +338,10 @@ fn plan_half(
             req.fields,
         ),
         hints,
-        &busy,
+        &routing::Limits {
+            busy,
+            overload: state.settings.overload,
+        },
         if decode {
             state.affinity.as_deref()
         } else {

@@ -8,6 +8,7 @@ use std::time::Instant;
 use http::HeaderMap;
 use kvroute_core::affinity::{Affinity, AffinityMode};
 use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
+use kvroute_core::overload::{OverloadProtection, PressureSum, Protected, WorkerPressure};
 use kvroute_core::{
     Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };
@@ -316,6 +317,52 @@ fn eligible_pairs(
     eligible(&views, hints).map_err(ineligible)
 }
 
+/// The load limits a request's candidates must pass.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Limits {
+    /// Dynamo's busy thresholds, per rank, on the router's own load accounting.
+    pub busy: BusyThresholds,
+    /// smg's overload protection, per worker, on its engine's reported load.
+    pub overload: OverloadProtection,
+}
+
+/// The pairs of the workers overload protection lets through (see
+/// `kvroute_core::overload`): all of them with protection off.
+fn protect(
+    pool: &Pool,
+    pairs: Vec<(usize, usize)>,
+    overload: &OverloadProtection,
+    now: Instant,
+) -> Result<Vec<(usize, usize)>, GatewayError> {
+    if !overload.is_on() {
+        return Ok(pairs);
+    }
+    // The pairs come worker by worker.
+    let mut workers: Vec<usize> = pairs.iter().map(|&(w, _)| w).collect();
+    workers.dedup();
+    let pressures: Vec<WorkerPressure> = workers
+        .iter()
+        .map(|&w| {
+            let mut sum = PressureSum::default();
+            for rank in &pool.workers[w].ranks {
+                let engine = rank.engine.load(now);
+                sum.add_rank(engine.waiting, engine.kv_usage, rank.in_flight());
+            }
+            sum.finish()
+        })
+        .collect();
+    match overload.protect(&pressures, &mut rand::rng()) {
+        Protected::Shed => Err(GatewayError::OverloadShed),
+        Protected::Keep(kept) => {
+            let kept: Vec<usize> = kept.into_iter().map(|i| workers[i]).collect();
+            Ok(pairs
+                .into_iter()
+                .filter(|(w, _)| kept.contains(w))
+                .collect())
+        }
+    }
+}
+
 /// The ranks a request may go to, for queue admission.
 pub fn eligible_ranks(
     pool: &Pool,
@@ -339,7 +386,7 @@ pub fn plan(
     pool: &Pool,
     session: Option<&str>,
     hints: &Hints,
-    busy: &BusyThresholds,
+    limits: &Limits,
     affinity: Option<&Affinity>,
     fields: &RoutingFields<'_>,
     prompt: &Tokens,
@@ -375,7 +422,8 @@ pub fn plan(
         Default::default()
     };
 
-    let eligible_pairs = eligible_pairs(pool, hints, busy, started)?;
+    let eligible_pairs = eligible_pairs(pool, hints, &limits.busy, started)?;
+    let eligible_pairs = protect(pool, eligible_pairs, &limits.overload, started)?;
 
     // The request's blocks, once, for the new-blocks term of every candidate.
     let request_blocks = RequestLoad::for_prompt(

@@ -193,6 +193,41 @@ pub struct Args {
     /// llm_d: weight of the KV-cache utilisation scorer [default: 2].
     #[arg(long)]
     pub llm_d_kv_weight: Option<f64>,
+    /// least_load: seconds of expected wait per unit of `k / (1 - k)` of an engine's KV
+    /// usage k [default: 0.15]. smg's.
+    #[arg(long)]
+    pub least_load_kv_pressure_weight: Option<f64>,
+    /// least_load: tokens per second an engine is assumed to prefill [default: 2000].
+    #[arg(long)]
+    pub least_load_default_throughput: Option<f64>,
+    /// least_load: prefill tokens assumed per waiting request [default: 1024].
+    #[arg(long)]
+    pub least_load_mean_prefill_tokens: Option<u64>,
+    /// least_load: skip a worker with this many waiting requests; 0: never [default: 0].
+    #[arg(long)]
+    pub least_load_max_waiting_requests: Option<u64>,
+    /// Overload protection: pass over a worker whose engine reports at least this many
+    /// waiting requests (summed over its ranks); turns protection on. smg's.
+    #[arg(long)]
+    pub worker_overload_waiting_requests: Option<u64>,
+    /// Overload protection: pass over a worker whose engine's KV usage (the mean over its
+    /// ranks) is at least this, in (0, 1]; turns protection on. smg's.
+    #[arg(long)]
+    pub worker_overload_token_usage: Option<f64>,
+    /// Overload protection on with smg's thresholds (8 waiting requests, 0.8 KV usage) where
+    /// not given [default: off].
+    #[arg(long)]
+    #[serde(default)]
+    pub worker_overload_protection: bool,
+    /// Overload protection off (smg's flag; kvroute's default).
+    #[arg(long, conflicts_with_all = ["worker_overload_protection", "worker_overload_waiting_requests", "worker_overload_token_usage", "worker_overload_shed"])]
+    #[serde(default)]
+    pub disable_worker_overload_protection: bool,
+    /// When every worker is overloaded, answer 503 `worker_overload_protection_shed` instead
+    /// of sending the request to the least loaded.
+    #[arg(long)]
+    #[serde(default)]
+    pub worker_overload_shed: bool,
     /// How often each engine's /metrics is read, when the policy uses engine metrics [default: 50].
     #[arg(long)]
     pub metrics_refresh_ms: Option<u64>,

@@ -73,6 +73,29 @@ impl Args {
             llm_d_prefix_weight: self.llm_d_prefix_weight.or(file.llm_d_prefix_weight),
             llm_d_queue_weight: self.llm_d_queue_weight.or(file.llm_d_queue_weight),
             llm_d_kv_weight: self.llm_d_kv_weight.or(file.llm_d_kv_weight),
+            least_load_kv_pressure_weight: self
+                .least_load_kv_pressure_weight
+                .or(file.least_load_kv_pressure_weight),
+            least_load_default_throughput: self
+                .least_load_default_throughput
+                .or(file.least_load_default_throughput),
+            least_load_mean_prefill_tokens: self
+                .least_load_mean_prefill_tokens
+                .or(file.least_load_mean_prefill_tokens),
+            least_load_max_waiting_requests: self
+                .least_load_max_waiting_requests
+                .or(file.least_load_max_waiting_requests),
+            worker_overload_waiting_requests: self
+                .worker_overload_waiting_requests
+                .or(file.worker_overload_waiting_requests),
+            worker_overload_token_usage: self
+                .worker_overload_token_usage
+                .or(file.worker_overload_token_usage),
+            worker_overload_protection: self.worker_overload_protection
+                || file.worker_overload_protection,
+            disable_worker_overload_protection: self.disable_worker_overload_protection
+                || file.disable_worker_overload_protection,
+            worker_overload_shed: self.worker_overload_shed || file.worker_overload_shed,
             metrics_refresh_ms: self.metrics_refresh_ms.or(file.metrics_refresh_ms),
             block_size: self.block_size.or(file.block_size),
             router_kv_overlap_score_credit: self

@@ -1,7 +1,10 @@
-//! The settings of the service around routing: admission control and tracing, validated
-//! from their flags.
+//! The settings of the service around routing: admission control, tracing, overload
+//! protection and `least_load`'s knobs, validated from their flags.
 
 use std::time::Duration;
+
+use kvroute_core::overload::{OverloadProtection, SMG_TOKEN_USAGE, SMG_WAITING_REQUESTS};
+use kvroute_core::LeastLoadConfig;
 
 use super::validate::positive;
 use super::{AdmissionSettings, ConfigError};
@@ -104,4 +107,198 @@ pub(super) fn routing_key_headers(names: &[String]) -> Result<Vec<http::HeaderNa
             })
         })
         .collect()
+}
+
+/// Overload protection (smg's flags): on with a threshold or `--worker-overload-protection`
+/// (smg's thresholds where not given), off with `--disable-worker-overload-protection`, which
+/// the others contradict.
+pub(super) fn overload_protection(
+    waiting_requests: Option<u64>,
+    token_usage: Option<f64>,
+    protection: bool,
+    disable: bool,
+    shed: bool,
+) -> Result<OverloadProtection, ConfigError> {
+    if disable {
+        if protection || shed || waiting_requests.is_some() || token_usage.is_some() {
+            return Err(ConfigError::Invalid {
+                name: "disable_worker_overload_protection",
+                reason: "contradicts the other worker_overload settings given",
+            });
+        }
+        return Ok(OverloadProtection::default());
+    }
+    if waiting_requests == Some(0) {
+        return Err(ConfigError::Invalid {
+            name: "worker_overload_waiting_requests",
+            reason: "must be at least 1",
+        });
+    }
+    if token_usage.is_some_and(|u| !(u > 0.0 && u <= 1.0)) {
+        return Err(ConfigError::Invalid {
+            name: "worker_overload_token_usage",
+            reason: "must be in (0, 1]",
+        });
+    }
+    let on = protection || waiting_requests.is_some() || token_usage.is_some();
+    if shed && !on {
+        return Err(ConfigError::Invalid {
+            name: "worker_overload_shed",
+            reason: "needs overload protection on (a threshold or --worker-overload-protection)",
+        });
+    }
+    // `--worker-overload-protection` fills in smg's thresholds where none is given.
+    let (waiting_requests, token_usage) = match (protection, waiting_requests, token_usage) {
+        (true, None, None) => (Some(SMG_WAITING_REQUESTS), Some(SMG_TOKEN_USAGE)),
+        (true, w, None) => (w, Some(SMG_TOKEN_USAGE)),
+        (true, None, u) => (Some(SMG_WAITING_REQUESTS), u),
+        (_, w, u) => (w, u),
+    };
+    Ok(OverloadProtection {
+        waiting_requests,
+        token_usage,
+        shed,
+    })
+}
+
+/// `least_load`'s knobs, smg's defaults where not given.
+pub(super) fn least_load(
+    kv_pressure_weight: Option<f64>,
+    default_throughput: Option<f64>,
+    mean_prefill_tokens: Option<u64>,
+    max_waiting_requests: Option<u64>,
+) -> Result<LeastLoadConfig, ConfigError> {
+    let d = LeastLoadConfig::default();
+    let weight = kv_pressure_weight.unwrap_or(d.kv_pressure_weight);
+    if !(weight.is_finite() && weight >= 0.0) {
+        return Err(ConfigError::Invalid {
+            name: "least_load_kv_pressure_weight",
+            reason: "must be a number of at least 0",
+        });
+    }
+    let throughput = default_throughput.unwrap_or(d.default_throughput);
+    if !(throughput.is_finite() && throughput > 0.0) {
+        return Err(ConfigError::Invalid {
+            name: "least_load_default_throughput",
+            reason: "must be a positive number of tokens per second",
+        });
+    }
+    Ok(LeastLoadConfig {
+        kv_pressure_weight: weight,
+        default_throughput: throughput,
+        mean_prefill_tokens: positive(
+            "least_load_mean_prefill_tokens",
+            mean_prefill_tokens,
+            d.mean_prefill_tokens,
+        )?,
+        max_waiting_requests: max_waiting_requests.unwrap_or(d.max_waiting_requests),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::config::{Args, Settings};
+
+    fn settings(args: &[&str]) -> Result<Settings, String> {
+        let argv = std::iter::once("kvroute").chain(args.iter().copied());
+        Args::try_parse_from(argv)
+            .map_err(|e| e.to_string())?
+            .into_settings()
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn overload_protection_takes_smgs_flags_and_is_off_by_default() {
+        let overload = |args: &[&str]| settings(args).map(|s| s.overload);
+        assert_eq!(overload(&[]).unwrap(), OverloadProtection::default());
+        assert!(!overload(&[]).unwrap().is_on());
+        let smg = overload(&["--worker-overload-protection"]).unwrap();
+        assert_eq!(
+            (smg.waiting_requests, smg.token_usage, smg.shed),
+            (Some(8), Some(0.8), false)
+        );
+        let one = overload(&["--worker-overload-waiting-requests", "3"]).unwrap();
+        assert_eq!((one.waiting_requests, one.token_usage), (Some(3), None));
+        let mixed = overload(&[
+            "--worker-overload-protection",
+            "--worker-overload-token-usage",
+            "0.5",
+            "--worker-overload-shed",
+        ])
+        .unwrap();
+        assert_eq!(
+            (mixed.waiting_requests, mixed.token_usage, mixed.shed),
+            (Some(8), Some(0.5), true)
+        );
+        assert_eq!(
+            overload(&["--disable-worker-overload-protection"]).unwrap(),
+            OverloadProtection::default()
+        );
+        for (bad, names) in [
+            (
+                &[
+                    "--disable-worker-overload-protection",
+                    "--worker-overload-shed",
+                ][..],
+                "--worker-overload-shed",
+            ),
+            (&["--worker-overload-token-usage", "1.5"], "token_usage"),
+            (&["--worker-overload-token-usage", "0"], "token_usage"),
+            (
+                &["--worker-overload-waiting-requests", "0"],
+                "waiting_requests",
+            ),
+            (&["--worker-overload-shed"], "worker_overload_shed"),
+        ] {
+            let e = overload(bad).unwrap_err();
+            assert!(e.contains(names), "{bad:?}: {e}");
+        }
+        // The file and the command line together contradict each other too.
+        let file = Args::from_text("disable_worker_overload_protection: true\n").unwrap();
+        let cli =
+            Args::try_parse_from(["kvroute", "--worker-overload-waiting-requests", "4"]).unwrap();
+        assert!(cli.merge(file).into_settings().is_err());
+    }
+
+    #[test]
+    fn least_load_takes_smgs_knobs_and_defaults() {
+        let config = |args: &[&str]| settings(args).map(|s| s.policy_config.least_load);
+        assert_eq!(config(&[]).unwrap(), LeastLoadConfig::default());
+        let c = config(&[
+            "--policy",
+            "least_load",
+            "--least-load-kv-pressure-weight",
+            "0",
+            "--least-load-default-throughput",
+            "500",
+            "--least-load-mean-prefill-tokens",
+            "64",
+            "--least-load-max-waiting-requests",
+            "4",
+        ])
+        .unwrap();
+        assert_eq!(
+            c,
+            LeastLoadConfig {
+                kv_pressure_weight: 0.0,
+                default_throughput: 500.0,
+                mean_prefill_tokens: 64,
+                max_waiting_requests: 4,
+            }
+        );
+        for bad in [
+            &["--least-load-default-throughput", "0"][..],
+            &["--least-load-kv-pressure-weight", "-1"],
+            &["--least-load-mean-prefill-tokens", "0"],
+        ] {
+            assert!(config(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            settings(&["--policy", "passthrough"]).unwrap().policy,
+            kvroute_core::PolicyKind::Passthrough
+        );
+    }
 }

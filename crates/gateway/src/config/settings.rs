@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::ValueEnum;
 use kvroute_core::affinity::AffinityMode;
 use kvroute_core::eligibility::BusyThresholds;
+use kvroute_core::overload::OverloadProtection;
 use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::{PolicyConfig, PolicyKind};
 use serde::Deserialize;
@@ -286,6 +287,8 @@ pub struct Settings {
     pub metrics_refresh: Duration,
     /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).
     pub busy: BusyThresholds,
+    /// smg's worker overload protection (off unless a threshold is given).
+    pub overload: OverloadProtection,
     pub admin_api_key: Option<Secret>,
     pub client_api_key: Option<Secret>,
     /// The key sent to the workers.

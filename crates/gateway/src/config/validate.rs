@@ -279,6 +279,12 @@ impl Args {
             kv_aware,
             cache_aware,
             llm_d,
+            least_load: super::service::least_load(
+                self.least_load_kv_pressure_weight,
+                self.least_load_default_throughput,
+                self.least_load_mean_prefill_tokens,
+                self.least_load_max_waiting_requests,
+            )?,
             ..defaults
         };
         let discovers_halves = discovery
@@ -340,6 +346,13 @@ impl Args {
             max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
             busy,
+            overload: super::service::overload_protection(
+                self.worker_overload_waiting_requests,
+                self.worker_overload_token_usage,
+                self.worker_overload_protection,
+                self.disable_worker_overload_protection,
+                self.worker_overload_shed,
+            )?,
             admin_api_key: self.admin_api_key.and_then(Secret::new),
             client_api_key: self.client_api_key.and_then(Secret::new),
             api_key: match self.api_key.and_then(Secret::new) {

@@ -35,7 +35,10 @@ pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request
             pool,
             routing::session_key(&state.settings.routing_key_headers, &parts.headers, &fields),
             &hints,
-            &busy,
+            &routing::Limits {
+                busy,
+                overload: state.settings.overload,
+            },
             state.affinity.as_deref(),
             &fields,
             &tokens,

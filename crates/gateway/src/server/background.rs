@@ -326,11 +326,18 @@ pub(super) async fn serve_api(
 }
 
 /// Whether a policy in force reads the engines' own load (`llm_d`'s queue and KV usage,
-/// `kv_aware`'s saturation term, the decode busy threshold).
+/// `kv_aware`'s saturation term, `least_load`'s expected wait, the decode busy threshold,
+/// overload protection).
 fn reads_engine_metrics(settings: &Settings) -> bool {
-    let reads = |p: PolicyKind| matches!(p, PolicyKind::LlmD | PolicyKind::KvAware);
+    let reads = |p: PolicyKind| {
+        matches!(
+            p,
+            PolicyKind::LlmD | PolicyKind::KvAware | PolicyKind::LeastLoad
+        )
+    };
     reads(settings.policy)
         || settings.busy.active_decode_blocks.is_some()
+        || settings.overload.is_on()
         || settings
             .pd
             .as_ref()

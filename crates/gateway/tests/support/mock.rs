@@ -2,7 +2,7 @@
 //! raw HTTP, and a URL where nothing listens.
 
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -26,6 +26,8 @@ use tokio::sync::Semaphore;
 /// - A POST with `"stream": true` answers SSE: one chunk at once, then waits for a permit
 ///   from `release`, then `max_tokens` more chunks 5 ms apart, then `data: [DONE]`.
 /// - A POST whose body contains `"hang"` never answers.
+/// - `GET /metrics` answers the text in `metrics` (Prometheus text, as an engine's), or 404
+///   while it is empty.
 #[derive(Clone)]
 pub struct MockWorker {
     pub name: String,
@@ -36,6 +38,7 @@ pub struct MockWorker {
     /// 0: answer as above; else answer every POST with this status.
     pub status: Arc<AtomicU16>,
     pub healthy: Arc<AtomicBool>,
+    pub metrics: Arc<Mutex<String>>,
     models: Arc<Vec<String>>,
 }
 
@@ -56,11 +59,13 @@ impl MockWorker {
             streams_open: Arc::new(AtomicUsize::new(0)),
             status: Arc::new(AtomicU16::new(0)),
             healthy: Arc::new(AtomicBool::new(true)),
+            metrics: Arc::new(Mutex::new(String::new())),
             models: Arc::new(models.iter().map(|m| m.to_string()).collect()),
         };
         let app = Router::new()
             .route("/v1/models", get(mock_models))
             .route("/health", get(mock_health))
+            .route("/metrics", get(mock_metrics))
             .fallback(post_route(mock_post))
             .with_state(mock.clone());
         tokio::spawn(async move { axum::serve(listener, app).await });
@@ -82,6 +87,15 @@ async fn mock_health(State(m): State<MockWorker>) -> StatusCode {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn mock_metrics(State(m): State<MockWorker>) -> Response {
+    let text = m.metrics.lock().unwrap().clone();
+    if text.is_empty() {
+        StatusCode::NOT_FOUND.into_response()
+    } else {
+        text.into_response()
     }
 }
 

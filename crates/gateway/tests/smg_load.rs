@@ -1,0 +1,177 @@
+//! smg's load-driven routing end to end: worker overload protection and the `least_load`
+//! policy, over engines whose `/metrics` say how loaded they are (mock engines serving
+//! vLLM's gauge names), scraped by the router as in production.
+//!
+//! No sleeps: each test waits (with a deadline) until `/debug/route` shows the router has
+//! read the engines' new numbers, then checks where real requests go.
+
+mod support;
+
+use kvroute_core::overload::OverloadProtection;
+use kvroute_core::PolicyKind;
+
+use support::*;
+
+const BODY: &str = r#"{"model":"m","prompt":"hello"}"#;
+
+/// An engine's `/metrics` with these numbers (vLLM's names, one engine).
+fn engine(waiting: u32, kv_usage: f64) -> String {
+    format!(
+        "# TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {waiting}\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 0\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {kv_usage}\n"
+    )
+}
+
+fn set(worker: &MockWorker, text: String) {
+    *worker.metrics.lock().unwrap() = text;
+}
+
+/// The dry-run decision: its status, chosen worker and candidates.
+async fn decision(router: &TestRouter) -> (u16, String, Vec<String>) {
+    let r = post(&router.url, "/debug/route", &[], BODY).await;
+    if r.status != 200 {
+        return (r.status.as_u16(), r.error_code(), Vec::new());
+    }
+    let v = r.json();
+    let candidates = v["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["worker"].as_str().unwrap().to_owned())
+        .collect();
+    (200, v["worker"].as_str().unwrap().to_owned(), candidates)
+}
+
+async fn wait_candidates(router: &TestRouter, want: &[&str]) {
+    wait_until_async("the router to read the engines' load", || async {
+        decision(router).await.2 == want
+    })
+    .await;
+}
+
+async fn routed_to(router: &TestRouter, n: usize) -> Vec<String> {
+    let mut seen = Vec::new();
+    for _ in 0..n {
+        let r = post(&router.url, "/v1/completions", &[], BODY).await;
+        assert_eq!(r.status, 200, "{:?}", r.body);
+        seen.push(r.worker().to_owned());
+    }
+    seen
+}
+
+const SMG: OverloadProtection = OverloadProtection {
+    waiting_requests: Some(8),
+    token_usage: Some(0.8),
+    shed: false,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overloaded_workers_are_passed_over_by_waiting_requests_and_kv_usage() {
+    let [a, b] = mocks(["a", "b"]).await;
+    set(&a, engine(9, 0.1));
+    set(&b, engine(0, 0.1));
+    let mut s = settings(&[&a, &b]);
+    s.overload = SMG;
+    let router = TestRouter::start(s).await;
+    // 9 waiting >= 8: round robin would alternate, protection sends all to b.
+    wait_candidates(&router, &[&b.url]).await;
+    assert!(routed_to(&router, 6).await.iter().all(|w| *w == b.url));
+    // Now b's cache is 85% full (>= 0.8) and a has drained.
+    set(&a, engine(0, 0.1));
+    set(&b, engine(0, 0.85));
+    wait_candidates(&router, &[&a.url]).await;
+    assert!(routed_to(&router, 6).await.iter().all(|w| *w == a.url));
+    // Both under: round robin over both again.
+    set(&b, engine(7, 0.79));
+    wait_candidates(&router, &[&a.url, &b.url]).await;
+    let seen = routed_to(&router, 6).await;
+    assert!(seen.contains(&a.url) && seen.contains(&b.url), "{seen:?}");
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_overloaded_goes_to_the_least_loaded_or_is_shed() {
+    let [a, b] = mocks(["a", "b"]).await;
+    set(&a, engine(20, 0.5));
+    set(&b, engine(0, 0.95));
+    let mut s = settings(&[&a, &b]);
+    s.overload = SMG;
+    let router = TestRouter::start(s).await;
+    // One stream held open on a: b has fewer requests in flight through the router.
+    let stream = open_stream_with(
+        &router.url,
+        "/v1/completions",
+        &[("x-kvroute-worker", &a.url)],
+        r#"{"model":"m","prompt":"held","stream":true,"max_tokens":2}"#,
+    )
+    .await;
+    assert_eq!(stream.status(), 200);
+    wait_candidates(&router, &[&b.url]).await;
+    assert!(routed_to(&router, 4).await.iter().all(|w| *w == b.url));
+    a.release.add_permits(1);
+    drop(stream);
+    router.stop().await;
+
+    let mut s = settings(&[&a, &b]);
+    s.overload = OverloadProtection { shed: true, ..SMG };
+    let router = TestRouter::start(s).await;
+    wait_until_async("a shed decision", || async {
+        decision(&router).await.0 == 503
+    })
+    .await;
+    let r = post(&router.url, "/v1/completions", &[], BODY).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.error_code(), "worker_overload_protection_shed");
+    assert!(r.headers.contains_key("retry-after"));
+    // Nothing reached an engine.
+    assert_eq!(a.requests() + b.requests(), 5);
+    // One recovers: it takes the traffic.
+    set(&a, engine(1, 0.5));
+    wait_candidates(&router, &[&a.url]).await;
+    assert!(routed_to(&router, 3).await.iter().all(|w| *w == a.url));
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_load_sends_to_the_shortest_expected_wait() {
+    let [a, b] = mocks(["a", "b"]).await;
+    // a: 6 waiting x 1024 tokens / 2000 tok/s = 3.07 s; b: 1 waiting = 0.51 s plus
+    // 0.15 x 0.9 / 0.1 = 1.35 s of KV pressure.
+    set(&a, engine(6, 0.1));
+    set(&b, engine(1, 0.9));
+    let mut s = settings(&[&a, &b]);
+    s.policy = PolicyKind::LeastLoad;
+    let router = TestRouter::start(s).await;
+    wait_until_async("b chosen", || async { decision(&router).await.1 == b.url }).await;
+    let r = post(&router.url, "/debug/route", &[], BODY).await.json();
+    assert_eq!(r["policy"], "least_load");
+    let costs: Vec<f64> = r["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["cost"].as_f64().unwrap())
+        .collect();
+    assert!(
+        (costs[0] - 6.0 * 1024.0 / 2000.0 - 0.15 * 0.1 / 0.9).abs() < 1e-9,
+        "{r}"
+    );
+    assert!(routed_to(&router, 4).await.iter().all(|w| *w == b.url));
+    // b's cache at 99%: 14.85 s of pressure; a is now the shorter wait.
+    set(&b, engine(1, 0.99));
+    wait_until_async("a chosen", || async { decision(&router).await.1 == a.url }).await;
+    assert!(routed_to(&router, 4).await.iter().all(|w| *w == a.url));
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_sends_everything_to_the_first_worker() {
+    let [a, b] = mocks(["a", "b"]).await;
+    let mut s = settings(&[&a, &b]);
+    s.policy = PolicyKind::Passthrough;
+    let router = TestRouter::start(s).await;
+    let first = routed_to(&router, 1).await.remove(0);
+    assert!(routed_to(&router, 8).await.iter().all(|w| *w == first));
+    router.stop().await;
+}
