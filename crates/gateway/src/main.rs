@@ -152,7 +152,23 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     } else {
         "http"
     };
+    let probe_listener = match settings.health_check_port {
+        Some(port) => {
+            let addr = format!("{}:{port}", settings.host);
+            let listener = std::net::TcpListener::bind(&addr)
+                .with_context(|| format!("cannot serve health checks on {addr}"))?;
+            Some(listener)
+        }
+        None => None,
+    };
     let gateway = Gateway::with_tokenizer(settings, &mut registry, tokenizer);
+    let probes = match probe_listener {
+        Some(listener) => {
+            tracing::info!(addr = %listener.local_addr()?, "Health checks served on their own port");
+            Some(gateway.serve_probes(listener)?)
+        }
+        None => None,
+    };
     tracing::info!("policy: {}", gateway.policy_description());
     tracing::info!(addr = %api_addr, scheme, metrics = %metrics_addr, workers, "kvroute listening");
 
@@ -172,6 +188,10 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
         .await
         .context("server failed");
     shutdown.cancel();
+    if let Some(probes) = probes {
+        // The gateway's shutdown stopped it.
+        let _ = tokio::task::spawn_blocking(move || probes.join()).await;
+    }
     engines_stop.cancel();
     while let Some(engine) = engines.join_next().await {
         if let Ok(Err(e)) = engine {

@@ -34,6 +34,7 @@ use crate::workers::{Worker, WorkerSet};
 mod admin;
 mod background;
 mod dashboard;
+mod probes;
 
 use admin::{add_worker, debug_route, get_busy, remove_worker, set_busy, workers};
 #[cfg(unix)]
@@ -109,6 +110,7 @@ impl Gateway {
         router
             .route("/v1/models", get(models))
             .route("/health", get(health))
+            .route("/liveness", get(health))
             .route("/readiness", get(readiness))
             .route("/workers", get(workers).post(add_worker))
             .route("/workers/{*id}", delete(remove_worker))
@@ -129,14 +131,19 @@ impl Gateway {
         Ok(worker)
     }
 
+    /// Serves `/health`, `/liveness` and `/readiness` on `listener` from a thread of their
+    /// own until the gateway shuts down (`--health-check-port`).
+    pub fn serve_probes(
+        &self,
+        listener: std::net::TcpListener,
+    ) -> std::io::Result<std::thread::JoinHandle<()>> {
+        probes::spawn(self.state.clone(), listener, self.state.shutdown.clone())
+    }
+
     /// Removes a worker: no new request goes to it, its in-flight requests finish, its
     /// tasks stop and its KV blocks are forgotten.
     pub fn remove_worker(&self, id: &str) -> Result<Arc<Worker>, GatewayError> {
-        let worker = self.state.workers.remove(id)?;
-        for rank in &worker.ranks {
-            self.state.kv.clear(rank.replica);
-        }
-        Ok(worker)
+        background::remove_worker(&self.state, id)
     }
 
     /// Re-reads the config file's workers (under the command line's worker flags, merged

@@ -38,6 +38,8 @@ use crate::health::Circuit;
 use crate::metrics::GatewayMetrics;
 
 mod monitor;
+
+pub use monitor::Watched;
 mod table;
 mod worker;
 

@@ -360,6 +360,27 @@ pub struct Args {
     /// The path checked [default: /health].
     #[arg(long)]
     pub health_check_endpoint: Option<String>,
+    /// Remove a worker that turns unhealthy instead of keeping and probing it; a discovery
+    /// source adds it back while it still lists it [default: on with discovery]. smg's.
+    #[arg(
+        long,
+        alias = "worker-auto-recovery",
+        conflicts_with = "no_remove_unhealthy_workers"
+    )]
+    #[serde(default)]
+    pub remove_unhealthy_workers: bool,
+    /// Keep unhealthy workers (probed until healthy again), even under discovery.
+    #[arg(long, alias = "no-worker-auto-recovery")]
+    #[serde(default)]
+    pub no_remove_unhealthy_workers: bool,
+    /// Remove a worker that has not answered a probe this many seconds after it was added
+    /// [default: none, probed until it answers]. The peers' flag.
+    #[arg(long)]
+    pub worker_startup_timeout_secs: Option<u64>,
+    /// Also serve /health, /liveness and /readiness on this port, from a thread of its own
+    /// that load on the main port cannot starve [default: none]. smg's.
+    #[arg(long)]
+    pub health_check_port: Option<u16>,
 
     /// Retries of a request that failed before its first response byte, each on another
     /// worker [default: 5].

@@ -169,6 +169,14 @@ impl Args {
                 .health_success_threshold
                 .or(file.health_success_threshold),
             health_check_endpoint: self.health_check_endpoint.or(file.health_check_endpoint),
+            remove_unhealthy_workers: self.remove_unhealthy_workers
+                || (file.remove_unhealthy_workers && !self.no_remove_unhealthy_workers),
+            no_remove_unhealthy_workers: self.no_remove_unhealthy_workers
+                || (file.no_remove_unhealthy_workers && !self.remove_unhealthy_workers),
+            worker_startup_timeout_secs: self
+                .worker_startup_timeout_secs
+                .or(file.worker_startup_timeout_secs),
+            health_check_port: self.health_check_port.or(file.health_check_port),
             retry_max_retries: self.retry_max_retries.or(file.retry_max_retries),
             retry_initial_backoff_ms: self
                 .retry_initial_backoff_ms

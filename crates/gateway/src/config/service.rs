@@ -7,7 +7,7 @@ use kvroute_core::overload::{OverloadProtection, SMG_TOKEN_USAGE, SMG_WAITING_RE
 use kvroute_core::LeastLoadConfig;
 
 use super::validate::positive;
-use super::{AdmissionSettings, ConfigError};
+use super::{AdmissionSettings, ConfigError, HealthSettings};
 
 /// `--otlp-traces-endpoint`, `--enable-trace` and `--otlp-sampling-ratio`: tracing is on with
 /// an endpoint, or with `--enable-trace` to smg's default.
@@ -195,6 +195,63 @@ pub(super) fn least_load(
     })
 }
 
+/// The health flags, for [`health_settings`].
+pub(super) struct HealthFlags {
+    pub interval_secs: Option<u64>,
+    pub timeout_secs: Option<u64>,
+    pub failure_threshold: Option<u32>,
+    pub success_threshold: Option<u32>,
+    pub endpoint: Option<String>,
+    pub remove_unhealthy: bool,
+    pub keep_unhealthy: bool,
+    /// Whether a discovery source is on (it can add a removed worker back).
+    pub discovers: bool,
+    pub startup_timeout_secs: Option<u64>,
+}
+
+/// Health checks of the workers. Unhealthy workers are removed by default only under
+/// discovery, as smg does: a static worker removed is gone for good.
+pub(super) fn health_settings(f: HealthFlags) -> Result<HealthSettings, ConfigError> {
+    let endpoint = match f.endpoint {
+        Some(p) if !p.starts_with('/') => {
+            return Err(ConfigError::Invalid {
+                name: "health_check_endpoint",
+                reason: "must be a path starting with /",
+            })
+        }
+        Some(p) => p,
+        None => "/health".to_owned(),
+    };
+    Ok(HealthSettings {
+        interval: Duration::from_secs(positive("health_check_interval_secs", f.interval_secs, 60)?),
+        timeout: Duration::from_secs(positive("health_check_timeout_secs", f.timeout_secs, 5)?),
+        failure_threshold: positive(
+            "health_failure_threshold",
+            f.failure_threshold.map(u64::from),
+            3,
+        )? as u32,
+        success_threshold: positive(
+            "health_success_threshold",
+            f.success_threshold.map(u64::from),
+            2,
+        )? as u32,
+        endpoint,
+        remove_unhealthy: match (f.remove_unhealthy, f.keep_unhealthy) {
+            (true, true) => {
+                return Err(ConfigError::Invalid {
+                    name: "remove_unhealthy_workers",
+                    reason: "contradicts no_remove_unhealthy_workers",
+                })
+            }
+            (true, false) => true,
+            (false, true) => false,
+            (false, false) => f.discovers,
+        },
+        startup_timeout: positive("worker_startup_timeout_secs", f.startup_timeout_secs, 0)
+            .map(|s| (s > 0).then(|| Duration::from_secs(s)))?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -261,6 +318,34 @@ mod tests {
         let cli =
             Args::try_parse_from(["kvroute", "--worker-overload-waiting-requests", "4"]).unwrap();
         assert!(cli.merge(file).into_settings().is_err());
+    }
+
+    #[test]
+    fn unhealthy_workers_are_removed_by_default_only_under_discovery() {
+        let health = |args: &[&str]| settings(args).map(|s| s.health);
+        let h = health(&[]).unwrap();
+        assert!(!h.remove_unhealthy);
+        assert_eq!(h.startup_timeout, None);
+        let file = ["--discovery-file", "/nonexistent/workers.yaml"];
+        assert!(health(&file).unwrap().remove_unhealthy);
+        let kept = [&file[..], &["--no-worker-auto-recovery"]].concat();
+        assert!(!health(&kept).unwrap().remove_unhealthy);
+        assert!(
+            health(&["--worker-auto-recovery"])
+                .unwrap()
+                .remove_unhealthy
+        );
+        assert!(health(&[
+            "--remove-unhealthy-workers",
+            "--no-remove-unhealthy-workers"
+        ])
+        .is_err());
+        let t = health(&["--worker-startup-timeout-secs", "600"]).unwrap();
+        assert_eq!(t.startup_timeout, Some(Duration::from_secs(600)));
+        let e = health(&["--worker-startup-timeout-secs", "0"]).unwrap_err();
+        assert!(e.contains("worker_startup_timeout_secs"), "{e}");
+        let port = settings(&["--health-check-port", "8081"]).unwrap();
+        assert_eq!(port.health_check_port, Some(8081));
     }
 
     #[test]

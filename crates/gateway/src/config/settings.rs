@@ -212,6 +212,12 @@ pub struct HealthSettings {
     pub failure_threshold: u32,
     pub success_threshold: u32,
     pub endpoint: String,
+    /// A worker that turns unhealthy is removed (a discovery source adds it back when it
+    /// still lists it), instead of kept and probed (`--remove-unhealthy-workers`).
+    pub remove_unhealthy: bool,
+    /// A worker that has not answered its first probe this long after it was added is
+    /// removed (`--worker-startup-timeout-secs`); `None`: probed until it answers.
+    pub startup_timeout: Option<Duration>,
 }
 
 /// Retries of requests that failed before their first response byte.
@@ -287,6 +293,8 @@ pub struct Settings {
     pub metrics_refresh: Duration,
     /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).
     pub busy: BusyThresholds,
+    /// `--health-check-port`: a listener of its own for /health, /liveness and /readiness.
+    pub health_check_port: Option<u16>,
     /// smg's worker overload protection (off unless a threshold is given).
     pub overload: OverloadProtection,
     pub admin_api_key: Option<Secret>,

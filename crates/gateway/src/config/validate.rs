@@ -178,38 +178,17 @@ impl Args {
             kv_weight: weight("llm_d_kv_weight", self.llm_d_kv_weight, ld.kv_weight)?,
             block_size: ld.block_size.max(block_size),
         };
-        let health = HealthSettings {
-            interval: Duration::from_secs(positive(
-                "health_check_interval_secs",
-                self.health_check_interval_secs,
-                60,
-            )?),
-            timeout: Duration::from_secs(positive(
-                "health_check_timeout_secs",
-                self.health_check_timeout_secs,
-                5,
-            )?),
-            failure_threshold: positive(
-                "health_failure_threshold",
-                self.health_failure_threshold.map(u64::from),
-                3,
-            )? as u32,
-            success_threshold: positive(
-                "health_success_threshold",
-                self.health_success_threshold.map(u64::from),
-                2,
-            )? as u32,
-            endpoint: match self.health_check_endpoint {
-                Some(p) if !p.starts_with('/') => {
-                    return Err(ConfigError::Invalid {
-                        name: "health_check_endpoint",
-                        reason: "must be a path starting with /",
-                    })
-                }
-                Some(p) => p,
-                None => "/health".to_owned(),
-            },
-        };
+        let health = super::service::health_settings(super::service::HealthFlags {
+            interval_secs: self.health_check_interval_secs,
+            timeout_secs: self.health_check_timeout_secs,
+            failure_threshold: self.health_failure_threshold,
+            success_threshold: self.health_success_threshold,
+            endpoint: self.health_check_endpoint,
+            remove_unhealthy: self.remove_unhealthy_workers,
+            keep_unhealthy: self.no_remove_unhealthy_workers,
+            discovers: discovery.any(),
+            startup_timeout_secs: self.worker_startup_timeout_secs,
+        })?;
         let multiplier = self.retry_backoff_multiplier.unwrap_or(1.5);
         if !(multiplier.is_finite() && multiplier >= 1.0) {
             return Err(ConfigError::Invalid {
@@ -346,6 +325,7 @@ impl Args {
             max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
             busy,
+            health_check_port: self.health_check_port,
             overload: super::service::overload_protection(
                 self.worker_overload_waiting_requests,
                 self.worker_overload_token_usage,

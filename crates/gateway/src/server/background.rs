@@ -20,21 +20,33 @@ use crate::config::Settings;
 use crate::context::AppState;
 use crate::discovery;
 use crate::engine_metrics::ScrapeTiming;
+use crate::error::GatewayError;
 use crate::kv::WorkerSink;
 use crate::kv_events::KvEventSubscriber;
 #[cfg(unix)]
 use crate::metrics::ReloadLabels;
-use crate::workers::Worker;
+use crate::workers::{Watched, Worker};
 
 /// Starts a worker's background tasks: health checks, the KV-event subscription (while it
 /// is healthy) and the engine-metrics scraper (for the policies that read it).
 pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
-    state.tasks.spawn(
-        state
-            .workers
-            .clone()
-            .watch(worker.clone(), state.client.clone()),
-    );
+    let watch = state
+        .workers
+        .clone()
+        .watch(worker.clone(), state.client.clone());
+    let watching = state.clone();
+    let id = worker.id.clone();
+    state.tasks.spawn(async move {
+        let why = match watch.await {
+            Watched::Stopped => return,
+            Watched::Unhealthy => "unhealthy",
+            Watched::NeverStarted => "never started",
+        };
+        // Gone already if an admin call or discovery removed it meanwhile.
+        if remove_worker(&watching, id.as_str()).is_ok() {
+            tracing::warn!(worker = %id, why, "Worker removed");
+        }
+    });
     if reads_engine_metrics(&state.settings) {
         let timing = ScrapeTiming {
             interval: state.settings.metrics_refresh,
@@ -53,6 +65,16 @@ pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
     if state.kv.uses_events(&worker) && worker.kv_events.is_some() {
         state.tasks.spawn(follow_kv_events(state.clone(), worker));
     }
+}
+
+/// Removes a worker: no new request goes to it, its in-flight requests finish, its tasks
+/// stop and its KV blocks are forgotten.
+pub(super) fn remove_worker(state: &AppState, id: &str) -> Result<Arc<Worker>, GatewayError> {
+    let worker = state.workers.remove(id)?;
+    for rank in &worker.ranks {
+        state.kv.clear(rank.replica);
+    }
+    Ok(worker)
 }
 
 /// Subscribes to a worker's KV events while it is healthy; when it turns unhealthy or is

@@ -9,11 +9,24 @@ use super::{lock, Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
 use crate::health::{jittered, probe, HealthCounter};
 use crate::http::HttpClient;
 
+/// Why watching a worker ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Watched {
+    /// It was removed, or the gateway is shutting down.
+    Stopped,
+    /// It turned unhealthy and `remove_unhealthy` is on: the caller removes it.
+    Unhealthy,
+    /// It did not answer a probe within `startup_timeout`: the caller removes it.
+    NeverStarted,
+}
+
 impl WorkerSet {
     /// Watches one worker until it is removed or the gateway shuts down (its tasks token):
     /// probes it until it answers once (with backoff), then checks its health every
-    /// interval.
-    pub async fn watch(self: Arc<Self>, worker: Arc<Worker>, client: HttpClient) {
+    /// interval. Ends early, for the caller to remove the worker, when it does not start in
+    /// time or turns unhealthy under `remove_unhealthy`.
+    pub async fn watch(self: Arc<Self>, worker: Arc<Worker>, client: HttpClient) -> Watched {
+        let added = tokio::time::Instant::now();
         let stop = worker.tasks.clone();
         let sleep = |d: Duration| {
             let stop = stop.clone();
@@ -50,8 +63,15 @@ impl WorkerSet {
                     self.rebuild();
                 }
             }
+            if let Some(limit) = self.health.startup_timeout {
+                if added.elapsed() >= limit {
+                    tracing::warn!(worker = %worker.id, waited = ?limit, "Worker did not start in time: removing it");
+                    return Watched::NeverStarted;
+                }
+                delay = delay.min(limit.saturating_sub(added.elapsed()));
+            }
             if !sleep(delay).await {
-                return;
+                return Watched::Stopped;
             }
             delay = (delay * 2).min(PROBE_RETRY_MAX);
         }
@@ -60,7 +80,7 @@ impl WorkerSet {
         let endpoint = self.health.endpoint.as_str();
         loop {
             if !sleep(jittered(self.health.interval, 0.1)).await {
-                return;
+                return Watched::Stopped;
             }
             let result = probe(&client, &worker.url, endpoint, false, key, timeout).await;
             match &result {
@@ -79,6 +99,9 @@ impl WorkerSet {
                 }
                 worker.set_health(healthy);
                 self.rebuild();
+                if !healthy && self.health.remove_unhealthy {
+                    return Watched::Unhealthy;
+                }
             }
         }
     }
