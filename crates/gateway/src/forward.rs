@@ -104,7 +104,7 @@ pub(crate) async fn route_and_forward(
     let tokenize_as = tokenize_as(state, pd.is_some());
     let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
 
-    let hints = routing::parse_hints(&parts.headers, &state.settings.workers)?;
+    let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
     if pd.is_some() {
         let api = Api::of(route).filter(|_| state.settings.migration.limit > 0 && fields.stream);
         let req = crate::pd::PdRequest {
@@ -329,7 +329,7 @@ fn resender(
                 &body,
             )
             .await;
-            let hints = routing::parse_hints(&parts.headers, &state.settings.workers)?;
+            let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
             let Route::Single { class } = route else {
                 let req = crate::pd::PdRequest {
                     parts: &parts,

@@ -180,7 +180,7 @@ async fn halves_once(state: &AppState, req: &PdRequest<'_>) -> Result<Once, Gate
         let table = state.workers.table();
         let pool = table.resolve_half(Half::Prefill, model)?;
         let hints = Hints {
-            pinned_worker: routing::pinned_worker(&req.parts.headers, "x-kvroute-prefill-worker")?,
+            pinned_worker: routing::prefill_pin(&req.parts.headers, req.fields)?,
             pinned_rank: None,
             ..req.hints.clone()
         };

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::HeaderMap;
 use kvroute_core::affinity::{Affinity, AffinityMode};
 use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
 use kvroute_core::overload::{OverloadProtection, PressureSum, Protected, WorkerPressure};
@@ -16,11 +15,14 @@ use kvroute_index::{BlockHash, TierCounts};
 use kvroute_protocol::{Prompt, RoutingFields};
 use kvroute_tokenizer::ChatFields;
 
-use crate::config::WorkerSpec;
 use crate::error::GatewayError;
 use crate::kv::KvState;
 use crate::prompts::{Prompts, Tokens};
 use crate::workers::{Pool, Worker};
+
+mod hints;
+
+pub use hints::{parse_hints, pinned_worker, prefill_pin, session_key, SMG_TARGET_HEADER};
 
 /// One (worker, rank) considered for a request.
 #[derive(Debug, Clone)]
@@ -61,129 +63,6 @@ impl Plan {
             block_size,
         )
     }
-}
-
-/// A request's session key: the first of `keys` (`--routing-key-headers`) present with a
-/// non-empty visible value, else the body's `user`.
-pub fn session_key<'a>(
-    keys: &[http::HeaderName],
-    headers: &'a HeaderMap,
-    fields: &'a RoutingFields<'a>,
-) -> Option<&'a str> {
-    keys.iter()
-        .find_map(|h| {
-            headers
-                .get(h)
-                .and_then(|v| v.to_str().ok())
-                .filter(|k| !k.is_empty())
-        })
-        .or(fields.user.as_deref().filter(|u| !u.is_empty()))
-}
-
-/// A hint header's trimmed value; not visible ASCII is a 400 naming the header.
-fn text<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, GatewayError> {
-    match headers.get(name) {
-        None => Ok(None),
-        Some(v) => v
-            .to_str()
-            .map(|s| Some(s.trim()))
-            .map_err(|_| GatewayError::InvalidHint {
-                header: name,
-                reason: "not visible ASCII".into(),
-            }),
-    }
-}
-
-/// The worker smg's `x-smg-target-worker` names: an id, or an index into `workers`.
-fn smg_target(headers: &HeaderMap, workers: &[WorkerSpec]) -> Result<Option<String>, GatewayError> {
-    let Some(value) = pinned_worker(headers, SMG_TARGET_HEADER)? else {
-        return Ok(None);
-    };
-    if !value.bytes().all(|b| b.is_ascii_digit()) {
-        return Ok(Some(value));
-    }
-    let spec = value
-        .parse::<usize>()
-        .ok()
-        .and_then(|i| workers.get(i))
-        .ok_or_else(|| GatewayError::InvalidHint {
-            header: SMG_TARGET_HEADER,
-            reason: format!(
-                "worker index {value} is out of range ({} configured workers)",
-                workers.len()
-            ),
-        })?;
-    Ok(Some(spec.id.clone().unwrap_or_else(|| spec.url.clone())))
-}
-
-/// The worker a pin header (`x-kvroute-worker`, `x-kvroute-prefill-worker`) names.
-pub fn pinned_worker(
-    headers: &HeaderMap,
-    name: &'static str,
-) -> Result<Option<String>, GatewayError> {
-    match text(headers, name)? {
-        Some("") => Err(GatewayError::InvalidHint {
-            header: name,
-            reason: "empty".into(),
-        }),
-        w => Ok(w.map(str::to_owned)),
-    }
-}
-
-/// smg's pin: a worker id, or the 0-based index of a `--worker-urls` worker when all digits.
-pub const SMG_TARGET_HEADER: &str = "x-smg-target-worker";
-
-/// The routing hints of a request's headers; a malformed one is a 400 naming the header.
-/// `workers` are the configured workers, in order (smg's pin by index).
-pub fn parse_hints(headers: &HeaderMap, workers: &[WorkerSpec]) -> Result<Hints, GatewayError> {
-    fn list(headers: &HeaderMap, name: &'static str) -> Result<Option<Vec<String>>, GatewayError> {
-        let Some(v) = text(headers, name)? else {
-            return Ok(None);
-        };
-        let items: Vec<String> = v.split(',').map(|s| s.trim().to_owned()).collect();
-        if items.iter().any(String::is_empty) {
-            return Err(GatewayError::InvalidHint {
-                header: name,
-                reason: "empty entry in the comma-separated list".into(),
-            });
-        }
-        Ok(Some(items))
-    }
-    let mut hints = Hints {
-        allowed_workers: list(headers, "x-kvroute-allowed-workers")?
-            .map(|v| v.into_iter().collect()),
-        required_taints: list(headers, "x-kvroute-required-taints")?.unwrap_or_default(),
-        ..Hints::default()
-    };
-    hints.pinned_worker = match pinned_worker(headers, "x-kvroute-worker")? {
-        Some(w) => Some(w),
-        None => smg_target(headers, workers)?,
-    };
-    if let Some(r) = text(headers, "x-kvroute-dp-rank")? {
-        hints.pinned_rank = Some(r.parse().map_err(|_| GatewayError::InvalidHint {
-            header: "x-kvroute-dp-rank",
-            reason: format!("'{r}' is not a rank number"),
-        })?);
-    }
-    for item in list(headers, "x-kvroute-preferred-taints")?.unwrap_or_default() {
-        let (taint, weight) = match item.split_once('=') {
-            Some((t, w)) => {
-                let w: f64 = w
-                    .trim()
-                    .parse()
-                    .ok()
-                    .filter(|w: &f64| w.is_finite() && *w >= 0.0)
-                    .ok_or_else(|| GatewayError::InvalidHint {
-                        header: "x-kvroute-preferred-taints",
-                        reason: format!("weight of '{t}' is not a non-negative number"),
-                    })?;
-                (t.trim().to_owned(), w)
-            }
-            None => (item, 1.0),
-        };
-        hints.preferred_taints.push((taint, weight));
-    }
-    Ok(hints)
 }
 
 fn ineligible(e: Ineligible) -> GatewayError {

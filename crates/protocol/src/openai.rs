@@ -43,6 +43,27 @@ pub struct RoutingFields<'a> {
     /// `/v1/embeddings`, `/v1/responses`.
     #[serde(borrow, default)]
     pub input: Option<Prompt<'a>>,
+    /// Dynamo's request extension (the fields kvroute reads of it).
+    #[serde(default)]
+    pub nvext: Option<NvExt>,
+}
+
+/// Dynamo's `nvext`: of its fields, those with a counterpart in kvroute's routing hints.
+/// The others (`annotations`, `agent_hints`, `session_control`, ...) are left to the engine.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Deserialize)]
+pub struct NvExt {
+    /// Send to this worker instance: the worker whose id is this number.
+    #[serde(default)]
+    pub backend_instance_id: Option<u64>,
+    /// The decode worker of a disaggregated request (the same pin as `backend_instance_id`).
+    #[serde(default)]
+    pub decode_worker_id: Option<u64>,
+    /// The prefill worker of a disaggregated request.
+    #[serde(default)]
+    pub prefill_worker_id: Option<u64>,
+    /// The data-parallel rank of the pinned worker.
+    #[serde(default)]
+    pub dp_rank: Option<u32>,
 }
 
 fn null_as_false<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
