@@ -12,6 +12,8 @@
 #                                                    # another build beside this one, same run
 #   ROUTERS="nginx kvroute-kv" bench/overhead.sh     # kvroute kv_aware (fallback tokenizer), any POLICY
 #   ROUTERS="nginx kvroute kvroute-1t" bench/overhead.sh  # and with one runtime thread, like nginx's one worker
+#   ROUTERS="kvroute kvroute-overload kvroute-kv kvroute-kv-overload" bench/overhead.sh
+#                                                    # smg's overload protection off and on
 #   ROUTERS="kvroute kvroute-trace kvroute-trace-10 kvroute-trace-away" bench/overhead.sh
 #                                                    # tracing off, on (every request, then one in
 #                                                    # ten, to a sink collector, bench/otlp_sink.py),
@@ -115,6 +117,10 @@ for r in $ROUTERS; do
     # Traced, the collector away: every export fails and its spans are dropped.
     kvroute-trace-away)
       "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" --otlp-traces-endpoint http://127.0.0.1:9 > "$LOGS/$r.log" 2>&1 & ;;
+    # smg's worker overload protection on (its thresholds, 8 waiting and 0.8 KV usage): the
+    # engines' /metrics scraped every 50 ms and each request's workers checked.
+    kvroute-overload) "$KVROUTE" "${kvroute_flags[@]}" --policy "$POLICY" --worker-overload-protection > "$LOGS/$r.log" 2>&1 & ;;
+    kvroute-kv-overload) "$KVROUTE" "${kvroute_flags[@]}" --policy kv_aware --worker-overload-protection > "$LOGS/$r.log" 2>&1 & ;;
     # kv_aware with the fallback tokenizer (no --tokenizer, no KV events: routed blocks are recorded).
     kvroute-kv) "$KVROUTE" "${kvroute_flags[@]}" --policy kv_aware > "$LOGS/$r.log" 2>&1 & ;;
     kvroute-base-kv)
@@ -140,7 +146,7 @@ for r in $ROUTERS; do
   esac
   pid=$!; pids+=("$pid")
   label="$r-$POLICY"
-  case $r in nginx) label=nginx-round_robin ;; *-kv) label=$r-kv_aware ;; esac
+  case $r in nginx) label=nginx-round_robin ;; *-kv|*-kv-*) label=$r-kv_aware ;; esac
   if chat_ready http://127.0.0.1:$RP; then run_wrk "$label" http://127.0.0.1:$RP $pid; else tail -5 "$LOGS/$r.log"; fi
   case $r in
     kvroute-trace*)
