@@ -29,7 +29,11 @@ fn main() -> ExitCode {
     };
     init_tracing(&settings);
     for noop in noops {
-        tracing::info!(flag = noop.flag, why = noop.why, "Peer flag accepted as a no-op");
+        tracing::info!(
+            flag = noop.flag,
+            why = noop.why,
+            "Peer flag accepted as a no-op"
+        );
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

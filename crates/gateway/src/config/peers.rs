@@ -156,9 +156,11 @@ fn router_mode(value: &str) -> Result<String, String> {
             return Err("not applicable: Dynamo's CPU/CUDA device types".to_owned())
         }
         _ => {
-            return Err("expected kv, round-robin, random, power-of-two, least-loaded, \
+            return Err(
+                "expected kv, round-robin, random, power-of-two, least-loaded, \
                         direct or device-aware-weighted"
-                .to_owned())
+                    .to_owned(),
+            )
         }
     }
     .to_owned())
@@ -346,8 +348,7 @@ pub fn readme_table() -> String {
         .collect();
     let count = |p: &str| rows.iter().filter(|(_, k)| k.starts_with(p)).count();
     let mut s = format!("{README_HEADING}\n\n");
-    let _ = writeln!(
-        s,
+    let counts = format!(
         "smg 1.13 `launch`, vllm-router 0.1.17, sglang-router 0.3.2 and Dynamo 1.6.1's frontend \
          have {total} flags between them (`--help` and `--version` aside). kvroute takes \
          {same} under the same name and {alias} as another name of one of its flags (the \
@@ -358,7 +359,8 @@ pub fn readme_table() -> String {
          they are built (refused likewise, as not supported yet). A peer's default is `-` \
          where the peer has no such flag. Generated from \
          `crates/gateway/src/config/peer_flags.tsv` and kvroute's parser by \
-         `config::peers::readme_table`; a test fails when this section differs from it.",
+         `config::peers::readme_table`; a test fails when this section differs from it \
+         (`KVROUTE_BLESS=1 cargo test -p kvroute-gateway --lib readme` rewrites it).",
         total = rows.len(),
         same = count("same"),
         alias = count("alias of"),
@@ -366,6 +368,7 @@ pub fn readme_table() -> String {
         refused = count("refused"),
         planned = count("not supported yet"),
     );
+    s.push_str(&wrap(&counts, 95));
     let _ = writeln!(
         s,
         "\n<details><summary>Every flag of the four peers ({}) and what kvroute does with it\
@@ -393,11 +396,38 @@ pub fn readme_table() -> String {
     s
 }
 
+/// `text` in lines of at most `width` characters (a longer word has a line of its own),
+/// each ending in a newline.
+fn wrap(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.len() + 1 + word.len() > width {
+            out.push_str(&line);
+            out.push('\n');
+            line.clear();
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    out.push_str(&line);
+    out.push('\n');
+    out
+}
+
 /// [`cell`] for text whose backticks are markup of ours.
 fn cell_keeping_code(text: &str) -> String {
     text.split('`')
         .enumerate()
-        .map(|(i, part)| if i % 2 == 1 { part.to_owned() } else { cell(part) })
+        .map(|(i, part)| {
+            if i % 2 == 1 {
+                part.to_owned()
+            } else {
+                cell(part)
+            }
+        })
         .collect::<Vec<_>>()
         .join("`")
 }
@@ -440,13 +470,22 @@ mod tests {
     fn the_table_agrees_with_the_parser() {
         let own = own_flags();
         let rows: Vec<PeerFlag> = peer_flags().collect();
-        assert_eq!(rows.len(), TABLE.lines().count() - 1, "a row without 8 columns");
+        assert_eq!(
+            rows.len(),
+            TABLE.lines().count() - 1,
+            "a row without 8 columns"
+        );
         assert!(rows.len() > 350, "{} rows", rows.len());
         let mut seen = HashSet::new();
         for row in &rows {
             assert!(seen.insert(row.flag), "{} twice", row.flag);
             // Only refused rows say why.
-            assert_eq!(row.why.is_empty(), row.decision != "refused", "{}", row.flag);
+            assert_eq!(
+                row.why.is_empty(),
+                row.decision != "refused",
+                "{}",
+                row.flag
+            );
             match row.decision {
                 // A flag the table calls kvroute's own is one.
                 "same" => assert!(own.contains(row.flag), "{} is not kvroute's", row.flag),
@@ -543,7 +582,10 @@ mod tests {
         assert_eq!(flags, ["--enforce-disagg", "--enable-anthropic-api"]);
         assert!(pre.noops[1].why.contains("/v1/messages"), "{:?}", pre.noops);
         let args = pre.parse().unwrap();
-        assert_eq!(args.peer_noop_flags, ["--enforce-disagg", "--enable-anthropic-api"]);
+        assert_eq!(
+            args.peer_noop_flags,
+            ["--enforce-disagg", "--enable-anthropic-api"]
+        );
         let err = pre_parse(argv(&["--enable-igw=true"])).unwrap_err();
         assert_eq!(err, "--enable-igw takes no value");
     }
@@ -552,10 +594,16 @@ mod tests {
     fn assignment_mode_takes_the_peers_min_load() {
         for v in ["min_load", "min-load"] {
             let args = parsed(&["--assignment-mode", v]).unwrap();
-            assert_eq!(args.assignment_mode, Some(crate::config::AssignmentModeArg::MinLoad));
+            assert_eq!(
+                args.assignment_mode,
+                Some(crate::config::AssignmentModeArg::MinLoad)
+            );
         }
         let err = parsed(&["--assignment-mode", "min_group"]).unwrap_err();
-        assert!(err.contains("min_group") && err.contains("--assignment-mode"), "{err}");
+        assert!(
+            err.contains("min_group") && err.contains("--assignment-mode"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -607,16 +655,23 @@ mod tests {
     #[test]
     fn router_ttl_secs_takes_dynamos_float_spelling() {
         assert_eq!(
-            parsed(&["--router-ttl-secs", "120.0"]).unwrap().router_ttl_secs,
+            parsed(&["--router-ttl-secs", "120.0"])
+                .unwrap()
+                .router_ttl_secs,
             Some(120)
         );
         assert_eq!(
-            parsed(&["--router-ttl-secs", "90"]).unwrap().router_ttl_secs,
+            parsed(&["--router-ttl-secs", "90"])
+                .unwrap()
+                .router_ttl_secs,
             Some(90)
         );
         for bad in ["1.5", "-3", "soon"] {
             let err = parsed(&[&format!("--router-ttl-secs={bad}")]).unwrap_err();
-            assert!(err.contains("--router-ttl-secs") && err.contains(bad), "{err}");
+            assert!(
+                err.contains("--router-ttl-secs") && err.contains(bad),
+                "{err}"
+            );
         }
         let err = parsed(&["--router-ttl-secs", "1.5"]).unwrap_err();
         assert!(err.contains("whole seconds"), "{err}");
@@ -634,8 +689,12 @@ mod tests {
         assert_eq!(err, "--load-monitor-interval 1.5: expected whole seconds");
         let err = parsed(&["--load-monitor-interval"]).unwrap_err();
         assert_eq!(err, "--load-monitor-interval needs a value");
-        let err = parsed(&["--load-monitor-interval", "1", "--metrics-refresh-ms", "5"]).unwrap_err();
-        assert!(err.contains("--load-monitor-interval and --metrics-refresh-ms"), "{err}");
+        let err =
+            parsed(&["--load-monitor-interval", "1", "--metrics-refresh-ms", "5"]).unwrap_err();
+        assert!(
+            err.contains("--load-monitor-interval and --metrics-refresh-ms"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -648,10 +707,16 @@ mod tests {
             ("ucx", "expected nixl, mooncake or moriio"),
         ] {
             let err = parsed(&["--kv-connector", v]).unwrap_err();
-            assert!(err.starts_with(&format!("--kv-connector {v}: {says}")), "{err}");
+            assert!(
+                err.starts_with(&format!("--kv-connector {v}: {says}")),
+                "{err}"
+            );
         }
         let err = parsed(&["--pd-protocol", "sglang", "--kv-connector", "nixl"]).unwrap_err();
-        assert!(err.contains("--kv-connector and --pd-protocol both set"), "{err}");
+        assert!(
+            err.contains("--kv-connector and --pd-protocol both set"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -663,16 +728,28 @@ mod tests {
             ("random", PolicyKind::Random),
             ("power-of-two", PolicyKind::PowerOfTwo),
         ] {
-            assert_eq!(parsed(&["--router-mode", mode]).unwrap().policy, Some(policy));
+            assert_eq!(
+                parsed(&["--router-mode", mode]).unwrap().policy,
+                Some(policy)
+            );
         }
         for (mode, says) in [
-            ("least-loaded", "not supported yet: kvroute has no fewest-in-flight policy"),
-            ("direct", "not supported yet: routing to the worker the request names"),
+            (
+                "least-loaded",
+                "not supported yet: kvroute has no fewest-in-flight policy",
+            ),
+            (
+                "direct",
+                "not supported yet: routing to the worker the request names",
+            ),
             ("device-aware-weighted", "not applicable"),
             ("fastest", "expected kv, round-robin"),
         ] {
             let err = parsed(&["--router-mode", mode]).unwrap_err();
-            assert!(err.starts_with(&format!("--router-mode {mode}: {says}")), "{err}");
+            assert!(
+                err.starts_with(&format!("--router-mode {mode}: {says}")),
+                "{err}"
+            );
         }
         let err = parsed(&["--router-mode", "kv", "--policy", "kv_aware"]).unwrap_err();
         assert_eq!(
@@ -795,7 +872,10 @@ mod tests {
         assert_eq!(d["policy"], "power_of_two");
         assert_eq!(d["pd_protocol"], "vllm");
         assert_eq!(d["metrics_refresh_ms"], 2000);
-        assert_eq!(d["peer_noop_flags"], serde_json::json!(["--no-serve-indexer"]));
+        assert_eq!(
+            d["peer_noop_flags"],
+            serde_json::json!(["--no-serve-indexer"])
+        );
         // The dump loads back with the no-op flags listed.
         let back = Args::from_text(&args.dump_json()).unwrap();
         assert_eq!(back.peer_noop_flags, ["--no-serve-indexer"]);
@@ -841,6 +921,7 @@ mod tests {
             cell_keeping_code("alias of `--x` a|b"),
             "alias of `--x` a\\|b"
         );
+        assert_eq!(wrap("aa bb cc dddddd e", 5), "aa bb\ncc\ndddddd\ne\n");
         let text = "# t\n\n## Flags of the peer routers\n\nx\n\n## Layout\n";
         assert_eq!(
             readme_section(text),
