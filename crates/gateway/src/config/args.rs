@@ -414,7 +414,7 @@ pub struct Args {
     /// Longest wait for a worker's response headers [default: 1800].
     #[arg(long)]
     pub request_timeout_secs: Option<u64>,
-    /// Log level: trace, debug, info, warn (or warning), error [default: info].
+    /// Log level: trace, debug, info, warn (or warning), error (or critical) [default: info].
     #[arg(long, value_enum)]
     pub log_level: Option<LogLevel>,
     /// The headers a session key is read from, in order: the first present with a value
