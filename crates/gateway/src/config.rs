@@ -10,6 +10,7 @@ use std::path::PathBuf;
 mod args;
 mod certs;
 mod discovery;
+mod dump;
 mod merge;
 pub mod peers;
 mod service;
@@ -50,6 +51,11 @@ pub enum ConfigError {
     OtlpEndpoint(String),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    #[error("cannot write --dump-config-to {path}: {source}")]
+    Dump {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 #[cfg(test)]

@@ -4,17 +4,22 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::Parser;
-use kvroute_gateway::{Args, Gateway, Settings};
+use kvroute_gateway::config::peers;
+use kvroute_gateway::{Gateway, Settings};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
-    // A peer router's flag that kvroute does not take: refused by name, with the reason.
-    if let Some(refused) = kvroute_gateway::config::peers::refusal(std::env::args_os()) {
-        eprintln!("kvroute: {refused}");
-        return ExitCode::from(2);
-    }
-    let args = Args::parse();
+    // The peer routers' flags first: a no-op one is taken out (and logged once logging is
+    // set up), a mapped one rewritten, one kvroute does not take refused by name with why.
+    let pre = match peers::pre_parse(std::env::args_os()) {
+        Ok(pre) => pre,
+        Err(refused) => {
+            eprintln!("kvroute: {refused}");
+            return ExitCode::from(2);
+        }
+    };
+    let noops = pre.noops.clone();
+    let args = pre.parse().unwrap_or_else(|e| e.exit());
     let settings = match args.load() {
         Ok(s) => s,
         Err(e) => {
@@ -23,6 +28,13 @@ fn main() -> ExitCode {
         }
     };
     init_tracing(&settings);
+    for noop in noops {
+        tracing::info!(
+            flag = noop.flag,
+            why = noop.why,
+            "Peer flag accepted as a no-op"
+        );
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -217,8 +217,25 @@ fn a_peers_flag_kvroute_does_not_take_exits_2_naming_it_and_why() {
             "--job-queue-capacity is refused: not applicable",
         ),
         (
-            &["--load-monitor-interval=10"],
-            "--load-monitor-interval is not supported yet",
+            &["--cb-window-duration-secs=10"],
+            "--cb-window-duration-secs is not supported yet",
+        ),
+        (
+            &["--no-enable-anthropic-api"],
+            "--no-enable-anthropic-api is refused: not supported yet: turning /v1/messages off",
+        ),
+        (
+            &["--router-mode", "least-loaded"],
+            "--router-mode least-loaded: not supported yet",
+        ),
+        (
+            &["--router-mode", "kv", "--policy", "random"],
+            "--router-mode and --policy both set --policy",
+        ),
+        (&["--kv-connector", "mooncake"], "--kv-connector mooncake"),
+        (
+            &["--router-ttl-secs", "1.5"],
+            "'1.5' for '--router-ttl-secs",
         ),
     ] {
         let out = kvroute().args(args).output().unwrap();
@@ -226,4 +243,139 @@ fn a_peers_flag_kvroute_does_not_take_exits_2_naming_it_and_why() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(says), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn dump_config_to_writes_the_settings_then_starts() {
+    let dir = std::env::temp_dir().join(format!("kvroute-cli-dump-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dump = dir.join("settings.json");
+    let config = dir.join("router.yaml");
+    std::fs::write(
+        &config,
+        "health_check_interval_secs: 7\nrouter_ttl_secs: 30\n",
+    )
+    .unwrap();
+    let mut child = ChildGuard(
+        kvroute()
+            .arg("--dump-config-to")
+            .arg(&dump)
+            .arg("--config")
+            .arg(&config)
+            .args([
+                "--worker-urls",
+                "http://127.0.0.1:1",
+                "--port",
+                "0",
+                "--prometheus-port",
+                "0",
+                "--router-mode",
+                "round-robin",
+                "--router-ttl-secs",
+                "120.0",
+                "--enforce-disagg",
+                "--api-key",
+                "s3cret",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // Polls for the whole file (it may be seen half written), or the process's exit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let text = loop {
+        if let Some(text) = std::fs::read_to_string(&dump)
+            .ok()
+            .filter(|t| serde_json::from_str::<serde_json::Value>(t).is_ok())
+        {
+            break text;
+        }
+        if let Some(status) = child.0.try_wait().unwrap() {
+            panic!(
+                "kvroute exited ({status}) before writing {}",
+                dump.display()
+            );
+        }
+        assert!(std::time::Instant::now() < deadline, "no dump written");
+        // The polling interval (as support's `wait_until`), not a wait for an event.
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    // Written before serving: the process is still up.
+    assert_eq!(child.0.try_wait().unwrap(), None);
+    drop(child);
+    let dumped: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(dumped["policy"], "round_robin");
+    assert_eq!(dumped["router_ttl_secs"], 120);
+    assert_eq!(dumped["health_check_interval_secs"], 7);
+    assert_eq!(dumped["worker_urls"][0], "http://127.0.0.1:1");
+    assert_eq!(dumped["peer_noop_flags"][0], "--enforce-disagg");
+    assert!(
+        !text.contains("s3cret") && dumped.get("api_key").is_none(),
+        "{text}"
+    );
+
+    // The dump loads back as a config file (a bad one exits 2 before anything is written).
+    let again = dir.join("again.json");
+    let out = kvroute()
+        .arg("--config")
+        .arg(&dump)
+        .arg("--dump-config-to")
+        .arg(&again)
+        .args(["--block-size", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!again.exists());
+    // A path that cannot be written exits 2 naming it.
+    let bad = dir.join("missing-dir").join("settings.json");
+    let out = kvroute()
+        .args(["--worker-urls", "http://127.0.0.1:1", "--dump-config-to"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(bad.to_str().unwrap()), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn peer_no_op_flags_are_logged_once_each_at_start() {
+    let mut child = ChildGuard(
+        kvroute()
+            .args([
+                "--worker-urls",
+                "http://127.0.0.1:1",
+                "--no-serve-indexer",
+                "--port",
+                "0",
+                "--enable-anthropic-api",
+                "--prometheus-port",
+                "0",
+            ])
+            .env_remove("RUST_LOG")
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let stderr = BufReader::new(child.0.stderr.take().unwrap());
+    let mut noops = Vec::new();
+    for line in stderr.lines() {
+        let line = line.unwrap();
+        if line.contains("Peer flag accepted as a no-op") {
+            noops.push(line);
+        } else if line.contains("kvroute listening") {
+            break;
+        }
+    }
+    drop(child);
+    assert_eq!(noops.len(), 2, "{noops:#?}");
+    assert!(
+        noops[0].contains("--no-serve-indexer") && noops[0].contains("kvroute serves no indexer"),
+        "{}",
+        noops[0]
+    );
+    assert!(noops[1].contains("--enable-anthropic-api"), "{}", noops[1]);
 }

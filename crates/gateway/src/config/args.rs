@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 
 use clap::{Parser, ValueEnum};
 use kvroute_core::PolicyKind;
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::{ConfigError, DiscoveryProvider, PdProtocol, PolicyClassSpec, Settings, WorkerSpec};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogLevel {
     Trace,
@@ -18,6 +18,9 @@ pub enum LogLevel {
     #[value(alias = "warning")]
     #[serde(alias = "warning")]
     Warn,
+    /// vllm-router's `critical` is `error`: kvroute logs nothing above it.
+    #[value(alias = "critical")]
+    #[serde(alias = "critical")]
     Error,
 }
 
@@ -33,21 +36,23 @@ impl LogLevel {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AssignmentModeArg {
+    /// Also the peers' spelling, `min_load`.
+    #[value(alias = "min_load")]
     MinLoad,
     Random,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QueueOrderArg {
     Fcfs,
     Wspt,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AffinityModeArg {
     Hard,
@@ -55,7 +60,7 @@ pub enum AffinityModeArg {
 }
 
 /// The command line of `kvroute`, and the schema of its config file.
-#[derive(Debug, Default, Parser, Deserialize)]
+#[derive(Debug, Default, Parser, Deserialize, Serialize)]
 #[command(
     name = "kvroute",
     version,
@@ -135,12 +140,12 @@ pub struct Args {
     pub decode: Vec<String>,
     /// Policy choosing the prefill worker [default: kv_aware].
     #[arg(long, value_parser = parse_policy)]
-    #[serde(deserialize_with = "de_policy")]
+    #[serde(deserialize_with = "de_policy", serialize_with = "ser_policy")]
     pub prefill_policy: Option<PolicyKind>,
     /// Policy choosing the decode worker [default: kv_aware with overlap credit 0, i.e. by
     /// load only].
     #[arg(long, value_parser = parse_policy)]
-    #[serde(deserialize_with = "de_policy")]
+    #[serde(deserialize_with = "de_policy", serialize_with = "ser_policy")]
     pub decode_policy: Option<PolicyKind>,
     /// How the halves reach the engines: vllm (NIXL kv_transfer_params) or sglang
     /// (bootstrap) [default: vllm].
@@ -153,7 +158,7 @@ pub struct Args {
 
     /// Routing policy [default: kv_aware].
     #[arg(long, value_parser = parse_policy)]
-    #[serde(deserialize_with = "de_policy")]
+    #[serde(deserialize_with = "de_policy", serialize_with = "ser_policy")]
     pub policy: Option<PolicyKind>,
     /// prefix_hash: characters of the prompt hashed [default: 256].
     #[arg(long)]
@@ -262,8 +267,9 @@ pub struct Args {
     /// The most KV blocks the router indexes; the least recently stored go first [default: 4194304].
     #[arg(long)]
     pub router_max_indexed_blocks: Option<usize>,
-    /// Approximate mode: how long a routed prefix is assumed cached [default: 120].
-    #[arg(long)]
+    /// Approximate mode: how long a routed prefix is assumed cached [default: 120]; whole
+    /// seconds, also written as Dynamo's float (`120.0`).
+    #[arg(long, value_parser = parse_whole_secs)]
     pub router_ttl_secs: Option<u64>,
     /// A model directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json, to
     /// tokenise like the engines; without it, the fallback shared with kvroute-sim.
@@ -318,13 +324,16 @@ pub struct Args {
     /// The key admin calls must carry (`Authorization: Bearer KEY`); without it, changes
     /// through the admin API are accepted from loopback only.
     #[arg(long, env = "KVROUTE_ADMIN_API_KEY", hide_env_values = true)]
+    #[serde(skip_serializing)]
     pub admin_api_key: Option<String>,
     /// The key clients must present (`Authorization: Bearer KEY`) on inference and model
     /// calls; 401 otherwise (off when absent).
     #[arg(long, env = "KVROUTE_CLIENT_API_KEY", hide_env_values = true)]
+    #[serde(skip_serializing)]
     pub client_api_key: Option<String>,
     /// The key sent to the workers as `Authorization: Bearer KEY`, as the peers' --api-key.
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
+    #[serde(skip_serializing)]
     pub api_key: Option<String>,
     /// TLS to workers: CA certificates (PEM files, one or more certificates each) trusted
     /// for `https://` workers, besides the system's roots.
@@ -461,7 +470,7 @@ pub struct Args {
     /// Longest wait for a worker's response headers [default: 1800].
     #[arg(long)]
     pub request_timeout_secs: Option<u64>,
-    /// Log level: trace, debug, info, warn (or warning), error [default: info].
+    /// Log level: trace, debug, info, warn (or warning), error (or critical) [default: info].
     #[arg(long, value_enum)]
     pub log_level: Option<LogLevel>,
     /// The headers a session key is read from, in order: the first present with a value
@@ -490,10 +499,40 @@ pub struct Args {
     /// client's sampled `traceparent` is always traced [default: 1.0].
     #[arg(long, value_name = "RATIO")]
     pub otlp_sampling_ratio: Option<f64>,
+
+    /// Writes the settings (this command line over the --config file) to PATH as JSON in
+    /// the config file's schema, secrets left out, then starts (Dynamo's flag).
+    #[arg(long, value_name = "PATH")]
+    #[serde(skip)]
+    pub dump_config_to: Option<PathBuf>,
+    /// The peers' flags accepted as no-ops on the command line (set from
+    /// [`super::peers::pre_parse`]; in the dump for the record).
+    #[arg(skip)]
+    pub peer_noop_flags: Vec<String>,
 }
 
 fn parse_policy(s: &str) -> Result<PolicyKind, String> {
     s.parse::<PolicyKind>().map_err(|e| e.to_string())
+}
+
+fn ser_policy<S: Serializer>(policy: &Option<PolicyKind>, s: S) -> Result<S::Ok, S::Error> {
+    policy.map(PolicyKind::name).serialize(s)
+}
+
+/// Whole seconds: an integer, or a float with no fraction (Dynamo writes `120.0`).
+fn parse_whole_secs(s: &str) -> Result<u64, String> {
+    if let Ok(secs) = s.parse::<u64>() {
+        return Ok(secs);
+    }
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f >= 0.0 && f.fract() == 0.0 && f < u64::MAX as f64 => {
+            Ok(f as u64)
+        }
+        Ok(f) if f.is_finite() && f > 0.0 && f.fract() != 0.0 => Err(format!(
+            "{s} has a fraction of a second; kvroute takes whole seconds"
+        )),
+        _ => Err(format!("{s} is not a whole number of seconds")),
+    }
 }
 
 fn de_policy<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PolicyKind>, D::Error> {
@@ -536,10 +575,19 @@ impl Args {
             decode: self.decode.clone(),
             pd_disaggregation: self.pd_disaggregation,
         };
-        let mut settings = match self.config.clone() {
-            Some(path) => self.merge(Args::from_file(&path)?).into_settings(),
-            None => self.into_settings(),
-        }?;
+        let merged = match self.config.clone() {
+            Some(path) => self.merge(Args::from_file(&path)?),
+            None => self,
+        };
+        // Written once the settings are known to be valid: a bad config exits first.
+        let dump = merged
+            .dump_config_to
+            .clone()
+            .map(|path| (path, merged.dump_json()));
+        let mut settings = merged.into_settings()?;
+        if let Some((path, text)) = dump {
+            super::dump::write(&path, &text)?;
+        }
         settings.cli_workers = cli_workers;
         Ok(settings)
     }

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use super::{Args, ConfigError, WorkerRole};
 
 /// smg's `--discovery-provider`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DiscoveryProvider {
     /// Pods by label selector (the same as `--service-discovery`).

@@ -17,7 +17,7 @@ use crate::auth::Secret;
 use crate::tls::TlsSettings;
 
 /// A policy class as the config file describes it.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyClassSpec {
     pub name: String,
@@ -45,7 +45,7 @@ pub struct QueueSettings {
 }
 
 /// A worker as the config file describes it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerSpec {
     /// Defaults to the url.
@@ -148,7 +148,7 @@ impl WorkerRole {
 }
 
 /// How the two halves of a disaggregated request reach the engines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PdProtocol {
     /// vLLM (NIXL): prefill with `max_tokens` 1 and `kv_transfer_params`, then decode with

@@ -23,24 +23,32 @@ impl Args {
         let mut workers: Vec<WorkerSpec> =
             self.worker_urls.into_iter().map(WorkerSpec::url).collect();
         // `--prefill URL [PORT]` occurrences arrive flattened: a number is the bootstrap port
-        // of the URL before it.
+        // of the URL before it, and `none` (the peers' spelling) says it has none.
+        let mut port_may_follow = false;
         for value in &self.prefill {
-            match value.parse::<u16>() {
-                Ok(port) => match workers.last_mut() {
-                    Some(w) if w.role == WorkerRole::Prefill && w.bootstrap_port.is_none() => {
-                        w.bootstrap_port = Some(port)
-                    }
-                    _ => {
-                        return Err(ConfigError::Invalid {
-                            name: "prefill",
-                            reason: "expected URL [BOOTSTRAP_PORT]",
-                        })
-                    }
-                },
-                Err(_) => workers.push(WorkerSpec {
-                    role: WorkerRole::Prefill,
-                    ..WorkerSpec::url(value.clone())
-                }),
+            let port = match value.as_str() {
+                "none" | "None" => Some(None),
+                v => v.parse::<u16>().ok().map(Some),
+            };
+            match port {
+                Some(port) if port_may_follow => {
+                    let w = workers.last_mut().expect("the URL before it");
+                    w.bootstrap_port = port;
+                    port_may_follow = false;
+                }
+                Some(_) => {
+                    return Err(ConfigError::Invalid {
+                        name: "prefill",
+                        reason: "expected URL [BOOTSTRAP_PORT|none]",
+                    })
+                }
+                None => {
+                    workers.push(WorkerSpec {
+                        role: WorkerRole::Prefill,
+                        ..WorkerSpec::url(value.clone())
+                    });
+                    port_may_follow = true;
+                }
             }
         }
         for url in &self.decode {
