@@ -240,11 +240,12 @@ impl FromStr for PolicyKind {
     type Err = UnknownPolicy;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        // `consistent_hashing` is SGLang's spelling of the same policy.
-        let s = if s == "consistent_hashing" {
-            "consistent_hash"
-        } else {
-            s
+        // `consistent_hashing` is SGLang's spelling of the same policy; vllm-router's
+        // `sticky_least_loaded` (sticky sessions, new ones to the least loaded) is `manual`.
+        let s = match s {
+            "consistent_hashing" => "consistent_hash",
+            "sticky_least_loaded" => "manual",
+            s => s,
         };
         Self::ALL
             .into_iter()
@@ -356,6 +357,10 @@ mod tests {
         assert_eq!(
             "consistent_hashing".parse::<PolicyKind>().unwrap(),
             PolicyKind::ConsistentHash
+        );
+        assert_eq!(
+            "sticky_least_loaded".parse::<PolicyKind>().unwrap(),
+            PolicyKind::Manual
         );
         let err = "nope".parse::<PolicyKind>().unwrap_err().to_string();
         assert!(err.contains("'nope'"), "{err}");
