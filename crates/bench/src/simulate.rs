@@ -51,6 +51,9 @@ pub struct SimConfig {
 
 /// The engines and how requests are routed over them.
 #[derive(Debug, Clone)]
+// One value per simulation run, never in a collection on a hot path: the size gap between
+// one policy's parameters and a P/D cluster's two is not worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum Cluster {
     /// `workers` engines that each prefill and decode, under one policy.
     Aggregated {

@@ -64,7 +64,7 @@ async fn an_unhealthy_worker_is_removed_only_when_asked() {
         kept.gateway.workers().statuses().iter().all(|w| w.healthy)
     })
     .await;
-    assert_eq!(ids(&removing), [b.url.clone()]);
+    assert_eq!(ids(&removing), vec![b.url.clone()]);
     kept.stop().await;
     removing.stop().await;
 }
