@@ -10,6 +10,7 @@ use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::{KvAwareConfig, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, TimingModel};
+use kvroute_sim::TimingArgs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -133,14 +134,15 @@ impl PdArgs {
         Ok(Some(pd))
     }
 
-    fn timing(&self) -> anyhow::Result<TimingModel> {
+    /// `base` with this link.
+    fn timing(&self, base: TimingModel) -> anyhow::Result<TimingModel> {
         if !(self.kv_transfer_gbps.is_finite() && self.kv_transfer_gbps > 0.0) {
             anyhow::bail!("--kv-transfer-gbps must be a positive number");
         }
         Ok(TimingModel {
             kv_bytes_per_token: self.kv_bytes_per_token,
             kv_transfer_gbps: self.kv_transfer_gbps,
-            ..TimingModel::default()
+            ..base
         })
     }
 }
@@ -305,6 +307,8 @@ enum Command {
         kv_aware: KvAwareArgs,
         #[command(flatten)]
         pd: PdArgs,
+        #[command(flatten)]
+        timing: TimingArgs,
     },
 }
 
@@ -370,13 +374,17 @@ fn main() -> anyhow::Result<()> {
             plot,
             kv_aware,
             pd,
+            timing,
         } => {
+            timing.validate()?;
             let policy_config = PolicyConfig {
                 kv_aware: kv_aware.config()?,
                 ..PolicyConfig::default()
             };
             let pd_cluster = pd.cluster(&policy_config)?;
-            let timing = pd.timing()?;
+            let admission = timing.timing_model.admission();
+            let family = timing.timing_model;
+            let timing = pd.timing(timing.model())?;
             let (name, requests) = workload.load("simulate")?;
             let (hash_block_size, seed) = (workload.hash_block_size, workload.seed);
             let clusters: Vec<Cluster> = match &pd_cluster {
@@ -402,7 +410,7 @@ fn main() -> anyhow::Result<()> {
             };
             let bound = trace::hit_bound(&requests, hash_block_size);
             println!(
-                "{name}; {shape} x {num_gpu_blocks} blocks of {block_size}, rate x{rate_scale}; unbounded-cache hit bound {:.1}%",
+                "{name}; {shape} x {num_gpu_blocks} blocks of {block_size}, rate x{rate_scale}, timing model {family}; unbounded-cache hit bound {:.1}%",
                 bound * 100.0
             );
             println!(
@@ -428,6 +436,7 @@ fn main() -> anyhow::Result<()> {
                             max_num_seqs,
                             max_num_batched_tokens,
                             timing: timing.clone(),
+                            admission,
                             ..EngineConfig::default()
                         },
                         hash_block: hash_block_size,
@@ -469,6 +478,7 @@ fn main() -> anyhow::Result<()> {
                         .as_ref()
                         .map_or(workers, |c| c.prefill_workers + c.decode_workers),
                     "hit_bound": bound,
+                    "timing_model": family.as_str(),
                     "policies": results,
                 });
                 std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
@@ -476,7 +486,7 @@ fn main() -> anyhow::Result<()> {
             }
             if let Some(out) = plot {
                 let subtitle = format!(
-                    "virtual time, {shape} (simulated) x {num_gpu_blocks} blocks of {block_size} tokens, rate x{rate_scale}"
+                    "virtual time, {shape} (simulated) x {num_gpu_blocks} blocks of {block_size} tokens, rate x{rate_scale}, timing model {family}"
                 );
                 let series: Vec<Series<'_>> = results
                     .iter()
@@ -495,6 +505,7 @@ fn main() -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use clap::error::ErrorKind;
+    use kvroute_sim::engine::TimingFamily;
 
     use super::*;
 
@@ -612,6 +623,36 @@ mod tests {
         };
         let c = named.cluster(&base).unwrap().expect("disaggregated");
         assert_eq!(c.decode_config.kv_aware.overlap_score_credit, 2.0);
+    }
+
+    #[test]
+    fn simulate_takes_the_sims_timing_flags() {
+        let timing = |args: &str| match Cli::try_parse_from(args.split_whitespace())
+            .map(|c| c.command)
+        {
+            Ok(Command::Simulate { timing, pd, .. }) => Ok(pd.timing(timing.model()).unwrap()),
+            Ok(_) => panic!("not simulate"),
+            Err(e) => Err(e.kind()),
+        };
+        assert_eq!(timing("b simulate --trace t").unwrap(), TimingModel::default());
+        let dynamo = timing("b simulate --trace t --timing-model dynamo").unwrap();
+        assert_eq!(dynamo, TimingFamily::Dynamo.timing());
+        let t = timing(
+            "b simulate --trace t --timing-model dynamo --prefill-context 1e-6 --decode-quadratic -3 --kv-transfer-gbps 400",
+        )
+        .unwrap();
+        assert_eq!(t.family, TimingFamily::Dynamo);
+        assert_eq!((t.prefill_context, t.decode_quadratic), (1e-6, -3.0));
+        assert_eq!((t.decode_per_seq, t.kv_transfer_gbps), (0.0, 400.0));
+        assert_eq!(
+            timing("b simulate --trace t --timing-model fast").err(),
+            Some(ErrorKind::InvalidValue)
+        );
+        assert_eq!(
+            timing("b replay --url http://x --trace t --timing-model dynamo").err(),
+            Some(ErrorKind::UnknownArgument),
+            "replay has no engine"
+        );
     }
 
     #[test]

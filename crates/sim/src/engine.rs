@@ -13,7 +13,9 @@
 //! running sequence (its blocks are freed, it goes back to the head of the queue and is
 //! recomputed later), as vLLM does. Then, if nothing was preempted, waiting sequences are
 //! admitted in order while fewer than `max_num_seqs` run, budget remains and their blocks
-//! fit.
+//! fit; the head of the queue that does not fit blocks the rest. What must fit is the
+//! [`Admission`] rule: this step's chunk (vLLM v1), or the whole known sequence (Dynamo's
+//! mocker; only the chunk's blocks are taken either way).
 //!
 //! **Prefix cache.** A sequence's full blocks are hashed by prefix (each hash chains the
 //! previous one). At admission the longest run of leading blocks already cached is reused
@@ -40,6 +42,7 @@ mod blocks;
 mod sequence;
 pub mod timing;
 mod transfer;
+mod work;
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -51,7 +54,7 @@ pub use blocks::BlockId;
 use blocks::BlockPool;
 pub use sequence::block_hash;
 use sequence::{PromptSource, Sequence};
-pub use timing::{StepWork, TimingModel};
+pub use timing::{Admission, StepWork, TimingFamily, TimingModel};
 use transfer::Receiving;
 
 /// The engine's configuration (vLLM's defaults).
@@ -62,6 +65,8 @@ pub struct EngineConfig {
     pub num_gpu_blocks: usize,
     pub block_size: usize,
     pub timing: TimingModel,
+    /// What a waiting sequence needs free to start (the timing family's rule, unless set).
+    pub admission: Admission,
     /// Token ids sampled for outputs (uniformly).
     pub output_tokens: Vec<u32>,
     pub seed: u64,
@@ -75,6 +80,7 @@ impl Default for EngineConfig {
             num_gpu_blocks: 16384,
             block_size: 16,
             timing: TimingModel::default(),
+            admission: Admission::default(),
             // Lowercase letters and space: printable through the fallback tokenizer.
             output_tokens: (b'a'..=b'z').chain([b' ']).map(u32::from).collect(),
             seed: 0,
@@ -173,7 +179,7 @@ pub struct StepOutput {
 impl StepOutput {
     /// Whether it computed nothing (KV transfers may be in flight).
     pub fn is_idle(&self) -> bool {
-        self.work.prefill_tokens == 0 && self.work.decode_seqs == 0
+        self.work.scheduled_tokens == 0
     }
 }
 
@@ -390,18 +396,8 @@ impl EngineCore {
 
         // The step's work and time.
         let bs = self.config.block_size;
-        let mut work = StepWork::default();
-        for &(idx, n) in &scheduled {
-            let seq = &self.running[idx];
-            if seq.is_decoding() {
-                work.decode_seqs += 1;
-            } else {
-                work.prefill_tokens += n;
-                work.context_pairs += (n * seq.computed) as u64;
-            }
-        }
-        work.kv_utilisation = self.pool.num_used() as f64 / self.pool.num_blocks().max(1) as f64;
-        self.stats.prefill_tokens_computed += work.prefill_tokens as u64;
+        let (work, computed_prefill) = self.step_work(&scheduled);
+        self.stats.prefill_tokens_computed += computed_prefill as u64;
         out.duration = self.config.timing.step_time(&work);
         out.work = work;
 
@@ -507,8 +503,12 @@ impl EngineCore {
             (len - hit_tokens).min(budget)
         };
         let new_blocks = (hit_tokens + n).div_ceil(bs) - hit.len();
+        let must_fit = match self.config.admission {
+            Admission::Chunk => new_blocks,
+            Admission::WholeSequence => len.div_ceil(bs) - hit.len(),
+        };
         let hits_on_free = hit.iter().filter(|&&b| self.pool.is_free(b)).count();
-        if self.pool.num_free() < new_blocks + hits_on_free {
+        if self.pool.num_free() < must_fit + hits_on_free {
             return Admitted::Blocked;
         }
         let mut seq = self.waiting.pop_front().expect("front exists");
