@@ -382,7 +382,7 @@ fn main() -> anyhow::Result<()> {
                 ..PolicyConfig::default()
             };
             let pd_cluster = pd.cluster(&policy_config)?;
-            let admission = timing.timing_model.admission();
+            let scheduler = timing.timing_model.scheduler();
             let family = timing.timing_model;
             let timing = pd.timing(timing.model())?;
             let (name, requests) = workload.load("simulate")?;
@@ -436,7 +436,7 @@ fn main() -> anyhow::Result<()> {
                             max_num_seqs,
                             max_num_batched_tokens,
                             timing: timing.clone(),
-                            admission,
+                            scheduler,
                             ..EngineConfig::default()
                         },
                         hash_block: hash_block_size,

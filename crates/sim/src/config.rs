@@ -379,7 +379,7 @@ impl SimArgs {
                 speedup: self.speedup,
                 ..self.timing.model()
             },
-            admission: self.timing.timing_model.admission(),
+            scheduler: self.timing.timing_model.scheduler(),
             output_tokens,
             seed: self.seed.wrapping_add(rank as u64),
         }
@@ -389,7 +389,7 @@ impl SimArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::Admission;
+    use crate::engine::Scheduler;
 
     #[test]
     fn defaults_are_vllms_and_flags_validate() {
@@ -421,11 +421,11 @@ mod tests {
     #[test]
     fn the_timing_model_picks_defaults_that_flags_override() {
         let c = SimArgs::default().engine_config(0, vec![1]);
-        assert_eq!((c.timing.family, c.admission), (TimingFamily::Kvroute, Admission::Chunk));
+        assert_eq!((c.timing.family, c.scheduler), (TimingFamily::Kvroute, Scheduler::Kvroute));
         let a = SimArgs::parse_from(["kvroute-sim", "--timing-model", "dynamo", "--speedup", "4"]);
         let c = a.engine_config(0, vec![1]);
         assert_eq!(c.timing.family, TimingFamily::Dynamo);
-        assert_eq!(c.admission, Admission::WholeSequence);
+        assert_eq!(c.scheduler, Scheduler::Dynamo);
         assert_eq!((c.timing.prefill_context, c.timing.decode_per_seq), (0.0, 0.0));
         assert_eq!(c.timing.prefill_constant, 16.50142);
         assert_eq!(c.timing.speedup, 4.0);

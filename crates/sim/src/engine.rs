@@ -13,15 +13,17 @@
 //! running sequence (its blocks are freed, it goes back to the head of the queue and is
 //! recomputed later), as vLLM does. Then, if nothing was preempted, waiting sequences are
 //! admitted in order while fewer than `max_num_seqs` run, budget remains and their blocks
-//! fit; the head of the queue that does not fit blocks the rest. What must fit is the
-//! [`Admission`] rule: this step's chunk (vLLM v1), or the whole known sequence (Dynamo's
-//! mocker; only the chunk's blocks are taken either way).
+//! fit; the head of the queue that does not fit blocks the rest. What must fit is this step's
+//! chunk (vLLM v1), or with [`Scheduler::Dynamo`] the whole known sequence (Dynamo's mocker;
+//! only the chunk's blocks are taken either way).
 //!
 //! **Prefix cache.** A sequence's full blocks are hashed by prefix (each hash chains the
 //! previous one). At admission the longest run of leading blocks already cached is reused
 //! (a hit skips their prefill), capped so that at least one prompt token is computed (vLLM
 //! recomputes the last token of a fully cached prompt). Blocks become cached when their
-//! last token's KV is computed (a `Stored` event per sequence per step); cached blocks of
+//! last token's KV is computed (a `Stored` event per sequence per step), or with
+//! [`Scheduler::Dynamo`] when that token is scheduled, as vLLM v1 does, so that a sequence
+//! admitted later in the same step can reuse them; cached blocks of
 //! finished sequences stay until evicted, least recently used first (a `Removed` event).
 //!
 //! **Outputs.** The step that completes a prompt samples the first token; every later step
@@ -54,7 +56,7 @@ pub use blocks::BlockId;
 use blocks::BlockPool;
 pub use sequence::block_hash;
 use sequence::{PromptSource, Sequence};
-pub use timing::{Admission, StepWork, TimingFamily, TimingModel};
+pub use timing::{Scheduler, StepWork, TimingFamily, TimingModel};
 use transfer::Receiving;
 
 /// The engine's configuration (vLLM's defaults).
@@ -65,8 +67,8 @@ pub struct EngineConfig {
     pub num_gpu_blocks: usize,
     pub block_size: usize,
     pub timing: TimingModel,
-    /// What a waiting sequence needs free to start (the timing family's rule, unless set).
-    pub admission: Admission,
+    /// The scheduler's rules (the timing family's, unless set).
+    pub scheduler: Scheduler,
     /// Token ids sampled for outputs (uniformly).
     pub output_tokens: Vec<u32>,
     pub seed: u64,
@@ -80,7 +82,7 @@ impl Default for EngineConfig {
             num_gpu_blocks: 16384,
             block_size: 16,
             timing: TimingModel::default(),
-            admission: Admission::default(),
+            scheduler: Scheduler::default(),
             // Lowercase letters and space: printable through the fallback tokenizer.
             output_tokens: (b'a'..=b'z').chain([b' ']).map(u32::from).collect(),
             seed: 0,
@@ -367,6 +369,7 @@ impl EngineCore {
             if !scheduled_self {
                 break;
             }
+            self.cache_scheduled(i, n);
             scheduled.push((i, n));
             budget -= n;
             i += 1;
@@ -386,6 +389,7 @@ impl EngineCore {
                     if let Some(cached) = first_cached {
                         out.started.push((self.running[idx].id, cached));
                     }
+                    self.cache_scheduled(idx, tokens);
                     scheduled.push((idx, tokens));
                     budget -= tokens;
                 }
@@ -407,7 +411,7 @@ impl EngineCore {
         for &(idx, n) in &scheduled {
             let seq = &mut self.running[idx];
             seq.computed += n;
-            seq.cache_computed_blocks(&mut self.pool, bs);
+            seq.cache_blocks_through(seq.computed, &mut self.pool, bs);
             if seq.computed == seq.tokens.len() {
                 let pick = self.rng.random_range(0..self.config.output_tokens.len());
                 let token = self.config.output_tokens[pick];
@@ -436,6 +440,16 @@ impl EngineCore {
         }
         out.events = self.pool.take_events();
         out
+    }
+
+    /// With [`Scheduler::Dynamo`], caches the full blocks `running[idx]` computes when it
+    /// computes `n` more tokens, now.
+    fn cache_scheduled(&mut self, idx: usize, n: usize) {
+        if self.config.scheduler == Scheduler::Dynamo {
+            let seq = &mut self.running[idx];
+            let through = seq.computed + n;
+            seq.cache_blocks_through(through, &mut self.pool, self.config.block_size);
+        }
     }
 
     /// Makes `running[i]` hold blocks for `tokens` tokens; false when no block is free.
@@ -503,9 +517,9 @@ impl EngineCore {
             (len - hit_tokens).min(budget)
         };
         let new_blocks = (hit_tokens + n).div_ceil(bs) - hit.len();
-        let must_fit = match self.config.admission {
-            Admission::Chunk => new_blocks,
-            Admission::WholeSequence => len.div_ceil(bs) - hit.len(),
+        let must_fit = match self.config.scheduler {
+            Scheduler::Kvroute => new_blocks,
+            Scheduler::Dynamo => len.div_ceil(bs) - hit.len(),
         };
         let hits_on_free = hit.iter().filter(|&&b| self.pool.is_free(b)).count();
         if self.pool.num_free() < must_fit + hits_on_free {

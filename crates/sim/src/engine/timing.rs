@@ -26,7 +26,7 @@
 //! | `D` | sequences computing one token after an output (or a received prompt) | every sequence sampling a token except those whose first token this step's prefill produced (a preempted sequence's last recompute chunk is a decode) |
 //! | `u` | KV blocks in use / all blocks, at the step's start (after scheduling) | tokens of the `D` sequences (prompt and outputs so far, shared blocks counted per sequence) / (blocks x block size), at most 1 |
 //!
-//! With `dynamo` the scheduler also admits as Dynamo's mocker does ([`Admission`]).
+//! With `dynamo` the scheduler also admits and caches as Dynamo's mocker does ([`Scheduler`]).
 //!
 //! A KV transfer of `T` tokens (prefill/decode disaggregation) takes
 //!
@@ -77,11 +77,11 @@ impl TimingFamily {
         }
     }
 
-    /// The admission rule of the family's scheduler.
-    pub fn admission(self) -> Admission {
+    /// The family's scheduler rules.
+    pub fn scheduler(self) -> Scheduler {
         match self {
-            TimingFamily::Kvroute => Admission::Chunk,
-            TimingFamily::Dynamo => Admission::WholeSequence,
+            TimingFamily::Kvroute => Scheduler::Kvroute,
+            TimingFamily::Dynamo => Scheduler::Dynamo,
         }
     }
 
@@ -99,18 +99,23 @@ impl std::fmt::Display for TimingFamily {
     }
 }
 
-/// When a waiting sequence may start: what must fit in the free KV blocks (cached blocks no
-/// running sequence holds count as free; those it reuses count against it).
+/// The scheduler's rules where kvroute's engine and Dynamo's mocker differ: what must fit in
+/// the free KV blocks for a waiting sequence to start (cached blocks no running sequence
+/// holds count as free; those it reuses count against it), and when computed blocks join the
+/// prefix cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Admission {
-    /// The blocks of this step's chunk (its cached prefix and the tokens the budget lets it
-    /// compute now); later chunks take blocks as they run, preempting if they must. vLLM v1
-    /// does this (`allocate_slots` for the scheduled tokens only).
+pub enum Scheduler {
+    /// A sequence starts when the blocks of this step's chunk fit (its cached prefix and the
+    /// tokens the budget lets it compute now; later chunks take blocks as they run,
+    /// preempting if they must), as vLLM v1 does (`allocate_slots` for the scheduled tokens
+    /// only). Full blocks are cached when the step ends.
     #[default]
-    Chunk,
-    /// The blocks of its whole known sequence (prompt, and outputs of a preempted one),
-    /// though only the chunk's are taken now: Dynamo's mocker.
-    WholeSequence,
+    Kvroute,
+    /// A sequence starts when the blocks of its whole known sequence fit (prompt, and the
+    /// outputs of a preempted one), though only the chunk's are taken now. Full blocks are
+    /// cached as soon as they are scheduled, so a sequence admitted later in the same step
+    /// reuses them, as vLLM v1 does (`allocate_slots` caches them). Dynamo's mocker.
+    Dynamo,
 }
 
 /// The step-time model's coefficients (milliseconds).
@@ -257,7 +262,7 @@ mod tests {
         let want = (m.prefill_ms(1000, 0) + m.decode_ms(3, 0.25)) / 2.0;
         assert!((fast.step_time(&w).as_secs_f64() * 1e3 - want).abs() < 1e-6);
         assert_eq!(TimingFamily::Kvroute.timing(), TimingModel::default());
-        assert_eq!(TimingFamily::Dynamo.admission(), Admission::WholeSequence);
+        assert_eq!(TimingFamily::Dynamo.scheduler(), Scheduler::Dynamo);
     }
 
     #[test]

@@ -77,14 +77,14 @@ fn prompt_span(seq: &Sequence, n: usize) -> (usize, usize) {
 mod tests {
     use std::time::Duration;
 
-    use super::super::{Admission, EngineConfig, EngineCore, EngineRequest, RequestId};
+    use super::super::{EngineConfig, EngineCore, EngineRequest, RequestId, Scheduler};
     use super::super::{StepOutput, TimingFamily};
 
     fn dynamo(num_gpu_blocks: usize) -> EngineCore {
         EngineCore::new(EngineConfig {
             num_gpu_blocks,
             timing: TimingFamily::Dynamo.timing(),
-            admission: TimingFamily::Dynamo.admission(),
+            scheduler: TimingFamily::Dynamo.scheduler(),
             ..EngineConfig::default()
         })
     }
@@ -164,11 +164,11 @@ mod tests {
     fn whole_sequence_admission_waits_for_the_whole_prompt_to_fit() {
         // 30 blocks, 128 tokens a step: a running 128-token prompt holds 9 blocks once it
         // decodes, 21 are free; a 400-token prompt needs 25, its first chunk (127) 8.
-        let run = |admission| {
+        let run = |scheduler| {
             let mut core = EngineCore::new(EngineConfig {
                 num_gpu_blocks: 30,
                 max_num_batched_tokens: 128,
-                admission,
+                scheduler,
                 ..EngineConfig::default()
             });
             add(&mut core, 0, tokens(1, 128), 50);
@@ -176,7 +176,30 @@ mod tests {
             add(&mut core, 1, tokens(2, 400), 5);
             core.step(Duration::ZERO).started
         };
-        assert_eq!(run(Admission::Chunk), vec![(RequestId(1), 0)]);
-        assert_eq!(run(Admission::WholeSequence), vec![]);
+        assert_eq!(run(Scheduler::Kvroute), vec![(RequestId(1), 0)]);
+        assert_eq!(run(Scheduler::Dynamo), vec![]);
+    }
+
+    #[test]
+    fn the_dynamo_scheduler_caches_blocks_as_it_schedules_them() {
+        // Two prompts with the same 64-token prefix in one step: with Dynamo's (and vLLM
+        // v1's) rule the second reuses the first's four blocks, computed in the same step.
+        let run = |scheduler| {
+            let mut core = EngineCore::new(EngineConfig {
+                scheduler,
+                ..EngineConfig::default()
+            });
+            for (id, tail) in [(0, 10), (1, 20)] {
+                let mut p = tokens(1, 64);
+                p.extend(tokens(2 + id as u32, tail));
+                add(&mut core, id, p, 1);
+            }
+            let out = core.step(Duration::ZERO);
+            (out.started, out.work.scheduled_tokens)
+        };
+        let hit = vec![(RequestId(0), 0), (RequestId(1), 64)];
+        assert_eq!(run(Scheduler::Dynamo), (hit, 74 + 20));
+        let miss = vec![(RequestId(0), 0), (RequestId(1), 0)];
+        assert_eq!(run(Scheduler::Kvroute), (miss, 74 + 84));
     }
 }
