@@ -37,8 +37,8 @@ fi
 dynamo() { # file args...
   local file=$1; shift
   [ -s "$file" ] && return 0
-  timeout "$TIMEOUT" "$PY" "$ROOT/bench/dynamo_replay_requests.py" "$trace" "$WORKERS" \
-    --blocks "$BLOCKS" "$@" > "$file.tmp" 2> "$file.log" && mv "$file.tmp" "$file" \
+  timeout "$TIMEOUT" "$PY" "$ROOT/bench/dynamo_replay_requests.py" "$trace" "$WORKERS" "$@" \
+    --blocks "$BLOCKS" > "$file.tmp" 2> "$file.log" && mv "$file.tmp" "$file" \
     || echo "Dynamo run $file failed or timed out (see $file.log)" >&2
 }
 kvroute() { # file args...

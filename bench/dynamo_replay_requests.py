@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--blocks", type=int, default=16384)
     ap.add_argument("--ttft-list", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     engine = {"engine": {"block_size": 16, "num_gpu_blocks": a.blocks, "max_num_batched_tokens": 8192,
                          "max_num_seqs": 256, "backend": "vllm", "worker_type": "aggregated"}}
     for mode in a.modes:

@@ -17,7 +17,8 @@ mod service;
 mod settings;
 mod validate;
 
-pub use args::{AffinityModeArg, Args, AssignmentModeArg, CliWorkers, LogLevel, QueueOrderArg};
+pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, QueueOrderArg};
+pub use merge::CliWorkers;
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,

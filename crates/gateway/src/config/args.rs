@@ -8,7 +8,9 @@ use kvroute_core::PolicyKind;
 use kvroute_sim::engine::TimingFamily;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{ConfigError, DiscoveryProvider, PdProtocol, PolicyClassSpec, Settings, WorkerSpec};
+use super::{
+    CliWorkers, ConfigError, DiscoveryProvider, PdProtocol, PolicyClassSpec, Settings, WorkerSpec,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -545,30 +547,6 @@ fn de_policy<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PolicyKind>, D::E
         return Ok(None);
     };
     name.parse().map(Some).map_err(serde::de::Error::custom)
-}
-
-/// The command line's worker flags: on a reload they stay over the re-read file's, as they
-/// did at start.
-#[derive(Debug, Clone, Default)]
-pub struct CliWorkers {
-    pub worker_urls: Vec<String>,
-    pub prefill: Vec<String>,
-    pub decode: Vec<String>,
-    pub pd_disaggregation: bool,
-}
-
-impl CliWorkers {
-    /// These flags over `file`, merged as at start.
-    pub fn over(&self, file: Args) -> Args {
-        Args {
-            worker_urls: self.worker_urls.clone(),
-            prefill: self.prefill.clone(),
-            decode: self.decode.clone(),
-            pd_disaggregation: self.pd_disaggregation,
-            ..Args::default()
-        }
-        .merge(file)
-    }
 }
 
 impl Args {
