@@ -12,7 +12,7 @@
 # Environment: TRACE (default ../shared/data/mooncake_synthetic_trace.jsonl), RATES, WORKERS,
 # BLOCKS (of 16 tokens), MAX_REQUESTS (the first N requests only), OUT (where each run's JSON
 # is kept; a run whose file is there is not run again), TIMEOUT (seconds per Dynamo run, 3600).
-# About 20 s a run on 2 cores; the whole table (30 runs) in about 10 minutes.
+# 10-20 s a run on 2 cores; the whole table (20 runs) in about 10 minutes.
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"

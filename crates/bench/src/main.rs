@@ -242,6 +242,8 @@ fn write_plot(
 }
 
 #[derive(Debug, Subcommand)]
+// Parsed once per run: the gap between replay's flags and simulate's is not worth a box.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// A trace or a synthetic workload replayed in real time against an OpenAI-compatible
     /// endpoint, streaming.
@@ -627,14 +629,16 @@ mod tests {
 
     #[test]
     fn simulate_takes_the_sims_timing_flags() {
-        let timing = |args: &str| match Cli::try_parse_from(args.split_whitespace())
-            .map(|c| c.command)
-        {
-            Ok(Command::Simulate { timing, pd, .. }) => Ok(pd.timing(timing.model()).unwrap()),
-            Ok(_) => panic!("not simulate"),
-            Err(e) => Err(e.kind()),
-        };
-        assert_eq!(timing("b simulate --trace t").unwrap(), TimingModel::default());
+        let timing =
+            |args: &str| match Cli::try_parse_from(args.split_whitespace()).map(|c| c.command) {
+                Ok(Command::Simulate { timing, pd, .. }) => Ok(pd.timing(timing.model()).unwrap()),
+                Ok(_) => panic!("not simulate"),
+                Err(e) => Err(e.kind()),
+            };
+        assert_eq!(
+            timing("b simulate --trace t").unwrap(),
+            TimingModel::default()
+        );
         let dynamo = timing("b simulate --trace t --timing-model dynamo").unwrap();
         assert_eq!(dynamo, TimingFamily::Dynamo.timing());
         let t = timing(

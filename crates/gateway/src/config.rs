@@ -18,8 +18,8 @@ mod settings;
 mod validate;
 
 pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, QueueOrderArg};
-pub use merge::CliWorkers;
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
+pub use merge::CliWorkers;
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,

@@ -134,9 +134,13 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     let mut engines = tokio::task::JoinSet::new();
     // Any discovery source turns the embedded engines off, even before it finds a worker.
     if settings.workers.is_empty() && !settings.discovery.any() {
-        let workers =
-            start_embedded_engines(settings.timing_model, &tokenizer, &engines_stop, &mut engines)
-                .await?;
+        let workers = start_embedded_engines(
+            settings.timing_model,
+            &tokenizer,
+            &engines_stop,
+            &mut engines,
+        )
+        .await?;
         tracing::info!(
             engines = EMBEDDED_ENGINES,
             timing_model = %settings.timing_model,

@@ -421,12 +421,18 @@ mod tests {
     #[test]
     fn the_timing_model_picks_defaults_that_flags_override() {
         let c = SimArgs::default().engine_config(0, vec![1]);
-        assert_eq!((c.timing.family, c.scheduler), (TimingFamily::Kvroute, Scheduler::Kvroute));
+        assert_eq!(
+            (c.timing.family, c.scheduler),
+            (TimingFamily::Kvroute, Scheduler::Kvroute)
+        );
         let a = SimArgs::parse_from(["kvroute-sim", "--timing-model", "dynamo", "--speedup", "4"]);
         let c = a.engine_config(0, vec![1]);
         assert_eq!(c.timing.family, TimingFamily::Dynamo);
         assert_eq!(c.scheduler, Scheduler::Dynamo);
-        assert_eq!((c.timing.prefill_context, c.timing.decode_per_seq), (0.0, 0.0));
+        assert_eq!(
+            (c.timing.prefill_context, c.timing.decode_per_seq),
+            (0.0, 0.0)
+        );
         assert_eq!(c.timing.prefill_constant, 16.50142);
         assert_eq!(c.timing.speedup, 4.0);
         let a = SimArgs::parse_from([

@@ -179,12 +179,15 @@ fn a_slower_link_delays_the_first_token() {
     );
 }
 
-/// Dynamo 1.6.1's offline replay of a tiny trace, recorded once with
-/// `$PEERS_DIR/venv-dyn/bin/python bench/dynamo_replay_requests.py
-/// crates/bench/testdata/dynamo_tiny_trace.jsonl 2 round_robin --blocks 1024 --ttft-list
-/// > crates/bench/testdata/dynamo_tiny_round_robin.json` (the trace from
-/// `gen_dynamo_tiny_trace.py` beside it): 240 requests of multi-turn conversations on 2 engines
-/// of 1,024 blocks, loaded enough to queue for seconds and to preempt.
+/// Dynamo 1.6.1's offline replay of a tiny trace (`gen_dynamo_tiny_trace.py` in testdata):
+/// 240 requests of multi-turn conversations on 2 engines of 1,024 blocks, loaded enough to
+/// queue for seconds and to preempt. Recorded once, from the repository's root, into
+/// `crates/bench/testdata/dynamo_tiny_round_robin.json`, by
+///
+/// ```text
+/// $PEERS_DIR/venv-dyn/bin/python bench/dynamo_replay_requests.py \
+///     crates/bench/testdata/dynamo_tiny_trace.jsonl 2 round_robin --blocks 1024 --ttft-list
+/// ```
 #[derive(serde::Deserialize)]
 struct DynamoGolden {
     ttft_ms: [f64; 3],
@@ -229,8 +232,16 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
     let ttft = [r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99];
     let e2e = [r.e2e_ms.p50, r.e2e_ms.p90, r.e2e_ms.p99];
     for (i, tol) in [0.03, 0.03, 0.05].into_iter().enumerate() {
-        assert!(close(ttft[i], golden.ttft_ms[i], tol), "TTFT {ttft:?} vs Dynamo {:?}", golden.ttft_ms);
-        assert!(close(e2e[i], golden.e2e_ms[i], tol), "E2E {e2e:?} vs Dynamo {:?}", golden.e2e_ms);
+        assert!(
+            close(ttft[i], golden.ttft_ms[i], tol),
+            "TTFT {ttft:?} vs Dynamo {:?}",
+            golden.ttft_ms
+        );
+        assert!(
+            close(e2e[i], golden.e2e_ms[i], tol),
+            "E2E {e2e:?} vs Dynamo {:?}",
+            golden.e2e_ms
+        );
     }
     // The whole distribution, not three points of it: rank by rank within 1 ms or 1%.
     let mut theirs = golden.ttft_list_ms.clone();
@@ -241,7 +252,21 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
         .zip(&theirs)
         .filter(|&(&a, &b)| (a - b).abs() <= 1.0_f64.max(0.01 * b))
         .count();
-    assert!(near * 100 >= 95 * theirs.len(), "{near} of {} ranks agree", theirs.len());
-    assert!((r.hit_share - golden.hit).abs() < 0.005, "hit {} vs {}", r.hit_share, golden.hit);
-    assert!(r.preemptions.abs_diff(golden.preemptions) <= 1, "preemptions {} vs {}", r.preemptions, golden.preemptions);
+    assert!(
+        near * 100 >= 95 * theirs.len(),
+        "{near} of {} ranks agree",
+        theirs.len()
+    );
+    assert!(
+        (r.hit_share - golden.hit).abs() < 0.005,
+        "hit {} vs {}",
+        r.hit_share,
+        golden.hit
+    );
+    assert!(
+        r.preemptions.abs_diff(golden.preemptions) <= 1,
+        "preemptions {} vs {}",
+        r.preemptions,
+        golden.preemptions
+    );
 }

@@ -542,7 +542,10 @@ fn the_embedded_engines_timing_model_is_a_flag_and_a_key() {
     let s = Args::default().into_settings().unwrap();
     assert_eq!(s.timing_model, TimingFamily::Kvroute);
     let cli = Args::try_parse_from(["kvroute", "--timing-model", "dynamo"]).unwrap();
-    assert_eq!(cli.into_settings().unwrap().timing_model, TimingFamily::Dynamo);
+    assert_eq!(
+        cli.into_settings().unwrap().timing_model,
+        TimingFamily::Dynamo
+    );
     let file = Args::from_text("timing_model: dynamo\n").unwrap();
     let s = Args::default().merge(file).into_settings().unwrap();
     assert_eq!(s.timing_model, TimingFamily::Dynamo);

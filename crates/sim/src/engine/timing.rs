@@ -258,7 +258,10 @@ mod tests {
             kv_utilisation: 0.25,
             ..StepWork::default()
         };
-        let fast = TimingModel { speedup: 2.0, ..m.clone() };
+        let fast = TimingModel {
+            speedup: 2.0,
+            ..m.clone()
+        };
         let want = (m.prefill_ms(1000, 0) + m.decode_ms(3, 0.25)) / 2.0;
         assert!((fast.step_time(&w).as_secs_f64() * 1e3 - want).abs() < 1e-6);
         assert_eq!(TimingFamily::Kvroute.timing(), TimingModel::default());

@@ -123,7 +123,11 @@ mod tests {
         add(&mut core, 0, tokens(1, 64), 1);
         let first = core.step(Duration::ZERO);
         assert_eq!(first.work.prefill_tokens, 64);
-        assert!((ms(&first) - prefill_ms(64.0)).abs() < 1e-6, "{}", ms(&first));
+        assert!(
+            (ms(&first) - prefill_ms(64.0)).abs() < 1e-6,
+            "{}",
+            ms(&first)
+        );
         let mut long = tokens(1, 64);
         long.extend(tokens(2, 37));
         add(&mut core, 1, long, 2);
@@ -142,7 +146,7 @@ mod tests {
         add(&mut core, 0, tokens(1, 300), 3);
         add(&mut core, 1, tokens(2, 100), 3);
         core.step(Duration::ZERO); // both prefills; first tokens from the prefill: no decode
-        // A third prompt arrives: a mixed step, two decodes (301 + 101 tokens) and its prefill.
+                                   // A third prompt arrives: a mixed step, two decodes (301 + 101 tokens) and its prefill.
         add(&mut core, 2, tokens(3, 200), 3);
         let out = core.step(Duration::ZERO);
         assert_eq!((out.work.prefill_tokens, out.work.decode_seqs), (200, 2));
