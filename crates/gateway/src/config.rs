@@ -11,14 +11,16 @@ mod args;
 mod certs;
 mod discovery;
 mod dump;
+mod load;
 mod merge;
 pub mod peers;
 mod service;
 mod settings;
 mod validate;
 
-pub use args::{AffinityModeArg, Args, AssignmentModeArg, CliWorkers, LogLevel, QueueOrderArg};
+pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, QueueOrderArg};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
+pub use load::CliWorkers;
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,
