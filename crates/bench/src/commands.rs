@@ -67,7 +67,10 @@ pub fn simulate_command(
     for cluster in &setup.clusters {
         let started = Instant::now();
         let r = simulate(requests, &setup.config(cluster, rate_scale));
-        println!("{}", report::policy_row(&r, started.elapsed().as_secs_f64()));
+        println!(
+            "{}",
+            report::policy_row(&r, started.elapsed().as_secs_f64())
+        );
         results.push(r);
     }
     let started = Instant::now();
@@ -77,7 +80,10 @@ pub fn simulate_command(
         .first()
         .map(|c| reference(requests, &setup.config(c, rate_scale)));
     if let Some(r) = &reference {
-        println!("{}", report::reference_row(r, started.elapsed().as_secs_f64()));
+        println!(
+            "{}",
+            report::reference_row(r, started.elapsed().as_secs_f64())
+        );
     }
     if let Some(out) = json {
         let doc = serde_json::json!({
@@ -134,13 +140,19 @@ pub fn goodput_command(
     for cluster in &setup.clusters {
         let policy = cluster.name();
         let mut last = Instant::now();
-        let g = goodput(requests, &setup.config(cluster, 1.0), slo, search, |p, b| {
-            eprintln!(
-                "{}",
-                report::goodput_progress(&policy, p, b, last.elapsed().as_secs_f64())
-            );
-            last = Instant::now();
-        });
+        let g = goodput(
+            requests,
+            &setup.config(cluster, 1.0),
+            slo,
+            search,
+            |p, b| {
+                eprintln!(
+                    "{}",
+                    report::goodput_progress(&policy, p, b, last.elapsed().as_secs_f64())
+                );
+                last = Instant::now();
+            },
+        );
         results.push(g);
     }
     println!("{}", report::goodput_table(&results));

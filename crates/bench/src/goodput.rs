@@ -244,7 +244,13 @@ pub fn goodput(
     let mut probes: Vec<Probe> = Vec::new();
     let mut search = Bisection::new(*s);
     while let Some(rate_scale) = search.next_rate() {
-        let result = simulate(trace, &SimConfig { rate_scale, ..cfg.clone() });
+        let result = simulate(
+            trace,
+            &SimConfig {
+                rate_scale,
+                ..cfg.clone()
+            },
+        );
         let probe = Probe {
             rate_scale,
             passes: slo.met_by(&result),
@@ -325,6 +331,33 @@ mod tests {
         let b = search(&s(None, Some(8.0)), threshold(2.5));
         assert_eq!(b.runs[..3], [(8.0, false), (4.0, false), (2.0, true)]);
         assert!(b.pass.unwrap() <= 2.5 && 2.5 < b.fail.unwrap());
+    }
+
+    #[test]
+    fn nonsense_flags_are_refused() {
+        let slo = |ttft, e2e| Slo {
+            ttft_p90_ms: ttft,
+            e2e_p90_ms: e2e,
+        };
+        assert!(slo(2000.0, Some(9000.0)).validate().is_ok());
+        assert!(slo(0.0, None).validate().is_err());
+        assert!(slo(2000.0, Some(f64::NAN)).validate().is_err());
+        let range = |min, max| Search {
+            min,
+            max,
+            ..Search::default()
+        };
+        assert!(range(Some(0.5), Some(4.0)).validate().is_ok());
+        assert_eq!(
+            range(Some(4.0), Some(2.0)).validate(),
+            Err(InvalidGoodput::EmptyRange { min: 4.0, max: 2.0 })
+        );
+        assert!(range(Some(-1.0), None).validate().is_err());
+        let tolerance = Search {
+            tolerance: 0.0,
+            ..Search::default()
+        };
+        assert!(tolerance.validate().is_err());
     }
 
     #[test]

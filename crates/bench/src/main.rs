@@ -485,7 +485,11 @@ mod tests {
 
     #[test]
     fn exactly_one_of_trace_and_synthetic() {
-        for command in ["simulate", "replay --url http://x"] {
+        for command in [
+            "simulate",
+            "replay --url http://x",
+            "goodput --slo-ttft-p90-ms 2000",
+        ] {
             assert_eq!(
                 parse(&format!("b {command}")).err(),
                 Some(ErrorKind::MissingRequiredArgument)
@@ -592,6 +596,42 @@ mod tests {
         };
         let c = named.cluster(&base).unwrap().expect("disaggregated");
         assert_eq!(c.decode_config.kv_aware.overlap_score_credit, 2.0);
+    }
+
+    #[test]
+    fn goodput_takes_simulates_cluster_flags_and_needs_an_slo() {
+        assert_eq!(
+            parse("b goodput --trace t").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
+        let cli = Cli::try_parse_from(
+            "b goodput --trace t --slo-ttft-p90-ms 2000 --slo-e2e-p90-ms 9000 --workers 4 --num-gpu-blocks 99 --policies llm_d --router-kv-overlap-score-credit 2 --max-rate-scale 8"
+                .split_whitespace(),
+        )
+        .unwrap();
+        let Command::Goodput {
+            cluster,
+            slo_ttft_p90_ms,
+            slo_e2e_p90_ms,
+            max_rate_scale,
+            tolerance,
+            max_steps,
+            ..
+        } = cli.command
+        else {
+            panic!("not goodput");
+        };
+        assert_eq!((cluster.workers, cluster.num_gpu_blocks), (4, 99));
+        assert_eq!(cluster.kv_aware.config().unwrap().overlap_score_credit, 2.0);
+        assert_eq!(
+            (slo_ttft_p90_ms, slo_e2e_p90_ms, max_rate_scale),
+            (2000.0, Some(9000.0), Some(8.0))
+        );
+        assert_eq!((tolerance, max_steps), (0.02, 8));
+        assert!(parse(
+            "b goodput --trace t --slo-ttft-p90-ms 1 --prefill-workers 2 --decode-workers 2"
+        )
+        .is_ok());
     }
 
     #[test]

@@ -20,7 +20,13 @@ fn scale(x: Option<f64>) -> String {
 pub fn simulate_header() -> String {
     format!(
         "{:<NAME$} {:>22} {:>22} {:>8} {:>9} {:>7} {:>7}",
-        "policy", "TTFT ms p50/p90/p99", "E2E ms p50/p90/p99", "req/s", "out tok/s", "hit %", "preempt"
+        "policy",
+        "TTFT ms p50/p90/p99",
+        "E2E ms p50/p90/p99",
+        "req/s",
+        "out tok/s",
+        "hit %",
+        "preempt"
     )
 }
 
@@ -87,7 +93,13 @@ pub fn goodput_progress(policy: &str, p: &Probe, b: &Bracket, wall_s: f64) -> St
 pub fn goodput_table(results: &[Goodput]) -> String {
     let mut t = format!(
         "{:<NAME$} {:>9} {:>9} {:>8} {:>22} {:>22} {:>5}",
-        "policy", "passes at", "fails at", "req/s", "TTFT ms p50/p90/p99", "E2E ms p50/p90/p99", "runs"
+        "policy",
+        "passes at",
+        "fails at",
+        "req/s",
+        "TTFT ms p50/p90/p99",
+        "E2E ms p50/p90/p99",
+        "runs"
     );
     for g in results {
         let pass = g.pass.as_ref().map(|p| &p.result);

@@ -29,7 +29,7 @@ fn run(name: &str, args: &str) -> Value {
 
 #[test]
 fn goodput_brackets_each_policys_highest_rate_meeting_the_slo() {
-    let slo = 150.0;
+    let slo = 80.0;
     let doc = run(
         "goodput.json",
         &format!("goodput {WORKLOAD} --policies kv_aware,round_robin --slo-ttft-p90-ms {slo}"),
