@@ -13,6 +13,7 @@ use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::{KvAwareConfig, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, TimingModel};
+use kvroute_sim::TimingArgs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -136,14 +137,15 @@ impl PdArgs {
         Ok(Some(pd))
     }
 
-    fn timing(&self) -> anyhow::Result<TimingModel> {
+    /// `base` with this link.
+    fn timing(&self, base: TimingModel) -> anyhow::Result<TimingModel> {
         if !(self.kv_transfer_gbps.is_finite() && self.kv_transfer_gbps > 0.0) {
             anyhow::bail!("--kv-transfer-gbps must be a positive number");
         }
         Ok(TimingModel {
             kv_bytes_per_token: self.kv_bytes_per_token,
             kv_transfer_gbps: self.kv_transfer_gbps,
-            ..TimingModel::default()
+            ..base
         })
     }
 }
@@ -234,10 +236,13 @@ struct ClusterArgs {
     kv_aware: KvAwareArgs,
     #[command(flatten)]
     pd: PdArgs,
+    #[command(flatten)]
+    timing: TimingArgs,
 }
 
 impl ClusterArgs {
     fn setup(&self, command: &str) -> anyhow::Result<Setup> {
+        self.timing.validate()?;
         let policy_config = PolicyConfig {
             kv_aware: self.kv_aware.config()?,
             ..PolicyConfig::default()
@@ -271,15 +276,16 @@ impl ClusterArgs {
             requests,
             clusters,
             shape: format!(
-                "{workers} x {} blocks of {}",
-                self.num_gpu_blocks, self.block_size
+                "{workers} x {} blocks of {}, timing model {}",
+                self.num_gpu_blocks, self.block_size, self.timing.timing_model
             ),
             engine: EngineConfig {
                 num_gpu_blocks: self.num_gpu_blocks,
                 block_size: self.block_size,
                 max_num_seqs: self.max_num_seqs,
                 max_num_batched_tokens: self.max_num_batched_tokens,
-                timing: self.pd.timing()?,
+                timing: self.pd.timing(self.timing.model())?,
+                scheduler: self.timing.timing_model.scheduler(),
                 ..EngineConfig::default()
             },
             hash_block: self.workload.hash_block_size,
@@ -471,6 +477,7 @@ fn main() -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use clap::error::ErrorKind;
+    use kvroute_sim::engine::TimingFamily;
 
     use super::*;
 
@@ -632,6 +639,39 @@ mod tests {
             "b goodput --trace t --slo-ttft-p90-ms 1 --prefill-workers 2 --decode-workers 2"
         )
         .is_ok());
+    }
+
+    #[test]
+    fn simulate_takes_the_sims_timing_flags() {
+        let timing = |args: &str| match Cli::try_parse_from(args.split_whitespace())
+            .map(|c| c.command)
+        {
+            Ok(Command::Simulate {
+                cluster: ClusterArgs { timing, pd, .. },
+                ..
+            }) => Ok(pd.timing(timing.model()).unwrap()),
+            Ok(_) => panic!("not simulate"),
+            Err(e) => Err(e.kind()),
+        };
+        assert_eq!(timing("b simulate --trace t").unwrap(), TimingModel::default());
+        let dynamo = timing("b simulate --trace t --timing-model dynamo").unwrap();
+        assert_eq!(dynamo, TimingFamily::Dynamo.timing());
+        let t = timing(
+            "b simulate --trace t --timing-model dynamo --prefill-context 1e-6 --decode-quadratic -3 --kv-transfer-gbps 400",
+        )
+        .unwrap();
+        assert_eq!(t.family, TimingFamily::Dynamo);
+        assert_eq!((t.prefill_context, t.decode_quadratic), (1e-6, -3.0));
+        assert_eq!((t.decode_per_seq, t.kv_transfer_gbps), (0.0, 400.0));
+        assert_eq!(
+            timing("b simulate --trace t --timing-model fast").err(),
+            Some(ErrorKind::InvalidValue)
+        );
+        assert_eq!(
+            timing("b replay --url http://x --trace t --timing-model dynamo").err(),
+            Some(ErrorKind::UnknownArgument),
+            "replay has no engine"
+        );
     }
 
     #[test]

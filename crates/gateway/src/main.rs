@@ -84,6 +84,7 @@ const EMBEDDED_ENGINES: usize = 4;
 /// Starts `EMBEDDED_ENGINES` kvroute-sim servers on loopback ports, each publishing KV
 /// events, and returns them as workers.
 async fn start_embedded_engines(
+    timing: kvroute_sim::engine::TimingFamily,
     tokenizer: &Arc<kvroute_tokenizer::Tokenizer>,
     shutdown: &CancellationToken,
     tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
@@ -101,6 +102,7 @@ async fn start_embedded_engines(
         let args = kvroute_sim::SimArgs {
             seed: i as u64,
             kv_events_endpoint: Some(events.clone()),
+            timing: kvroute_sim::TimingArgs::from_family(timing),
             ..kvroute_sim::SimArgs::default()
         };
         workers.push(kvroute_gateway::WorkerSpec {
@@ -132,9 +134,12 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     let mut engines = tokio::task::JoinSet::new();
     // Any discovery source turns the embedded engines off, even before it finds a worker.
     if settings.workers.is_empty() && !settings.discovery.any() {
-        let workers = start_embedded_engines(&tokenizer, &engines_stop, &mut engines).await?;
+        let workers =
+            start_embedded_engines(settings.timing_model, &tokenizer, &engines_stop, &mut engines)
+                .await?;
         tracing::info!(
             engines = EMBEDDED_ENGINES,
+            timing_model = %settings.timing_model,
             urls = ?workers.iter().map(|w| w.url.as_str()).collect::<Vec<_>>(),
             "No worker given: serving from embedded simulated engines (kvroute-sim, model kvroute-sim, KV events on)"
         );

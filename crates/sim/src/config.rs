@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{EngineConfig, TimingModel};
+use crate::engine::{EngineConfig, TimingFamily, TimingModel};
 
 /// The encoding of KV events on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -74,30 +74,8 @@ pub struct SimArgs {
     /// Divides every simulated time.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
-    /// Prefill ms per (new token)^2 in a step.
-    #[arg(long, default_value_t = 4.209989e-7)]
-    pub prefill_quadratic: f64,
-    /// Prefill ms per new token.
-    #[arg(long, default_value_t = 1.518344e-2)]
-    pub prefill_linear: f64,
-    /// Prefill ms per step that prefills.
-    #[arg(long, default_value_t = 16.50142)]
-    pub prefill_constant: f64,
-    /// Prefill ms per (new token, earlier context token) pair.
-    #[arg(long, default_value_t = 8.42e-7)]
-    pub prefill_context: f64,
-    /// Decode ms per (KV utilisation)^2.
-    #[arg(long, default_value_t = -25.74, allow_hyphen_values = true)]
-    pub decode_quadratic: f64,
-    /// Decode ms per KV utilisation.
-    #[arg(long, default_value_t = 54.01)]
-    pub decode_linear: f64,
-    /// Decode ms per step that decodes.
-    #[arg(long, default_value_t = 5.74)]
-    pub decode_constant: f64,
-    /// Decode ms per sequence decoded.
-    #[arg(long, default_value_t = 0.1)]
-    pub decode_per_seq: f64,
+    #[command(flatten)]
+    pub timing: TimingArgs,
     /// A model directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -141,6 +119,104 @@ pub struct SimArgs {
     pub log_level: String,
     #[command(flatten)]
     pub faults: FaultSettings,
+}
+
+/// The step-time model: a family and, to override its defaults, its coefficients (the
+/// same flags in `kvroute-sim`, `kvroute-bench simulate` and `kvroute`'s embedded engines).
+#[derive(Debug, Clone, PartialEq, Args)]
+#[command(next_help_heading = "Step time")]
+pub struct TimingArgs {
+    /// Whose model: kvroute's own, or Dynamo 1.6.1's mocker exactly (its step times, its
+    /// KV-utilisation measure and its admission rule).
+    #[arg(long, value_enum, default_value_t = TimingFamily::Kvroute)]
+    pub timing_model: TimingFamily,
+    /// Prefill ms per (new token)^2 in a step [default: 4.209989e-7].
+    #[arg(long)]
+    pub prefill_quadratic: Option<f64>,
+    /// Prefill ms per new token [default: 1.518344e-2].
+    #[arg(long)]
+    pub prefill_linear: Option<f64>,
+    /// Prefill ms per step that prefills [default: 16.50142].
+    #[arg(long)]
+    pub prefill_constant: Option<f64>,
+    /// Prefill ms per (new token, earlier context token) pair [default: 8.42e-7; dynamo: 0].
+    #[arg(long)]
+    pub prefill_context: Option<f64>,
+    /// Decode ms per (KV utilisation)^2 [default: -25.74].
+    #[arg(long, allow_hyphen_values = true)]
+    pub decode_quadratic: Option<f64>,
+    /// Decode ms per KV utilisation [default: 54.01].
+    #[arg(long)]
+    pub decode_linear: Option<f64>,
+    /// Decode ms per step that decodes [default: 5.74].
+    #[arg(long)]
+    pub decode_constant: Option<f64>,
+    /// Decode ms per sequence decoded [default: 0.1; dynamo: 0].
+    #[arg(long)]
+    pub decode_per_seq: Option<f64>,
+}
+
+impl Default for TimingArgs {
+    fn default() -> Self {
+        Self::from_family(TimingFamily::Kvroute)
+    }
+}
+
+impl TimingArgs {
+    /// A family with its default coefficients.
+    pub fn from_family(timing_model: TimingFamily) -> Self {
+        Self {
+            timing_model,
+            prefill_quadratic: None,
+            prefill_linear: None,
+            prefill_constant: None,
+            prefill_context: None,
+            decode_quadratic: None,
+            decode_linear: None,
+            decode_constant: None,
+            decode_per_seq: None,
+        }
+    }
+
+    /// The family's model with the coefficients given; transfer and speedup as the family's
+    /// defaults (their flags live elsewhere).
+    pub fn model(&self) -> TimingModel {
+        let d = self.timing_model.timing();
+        TimingModel {
+            prefill_quadratic: self.prefill_quadratic.unwrap_or(d.prefill_quadratic),
+            prefill_linear: self.prefill_linear.unwrap_or(d.prefill_linear),
+            prefill_constant: self.prefill_constant.unwrap_or(d.prefill_constant),
+            prefill_context: self.prefill_context.unwrap_or(d.prefill_context),
+            decode_quadratic: self.decode_quadratic.unwrap_or(d.decode_quadratic),
+            decode_linear: self.decode_linear.unwrap_or(d.decode_linear),
+            decode_constant: self.decode_constant.unwrap_or(d.decode_constant),
+            decode_per_seq: self.decode_per_seq.unwrap_or(d.decode_per_seq),
+            ..d
+        }
+    }
+
+    /// Every coefficient given is a finite number.
+    pub fn validate(&self) -> Result<(), SimConfigError> {
+        let coefficients = [
+            ("prefill-quadratic", self.prefill_quadratic),
+            ("prefill-linear", self.prefill_linear),
+            ("prefill-constant", self.prefill_constant),
+            ("prefill-context", self.prefill_context),
+            ("decode-quadratic", self.decode_quadratic),
+            ("decode-linear", self.decode_linear),
+            ("decode-constant", self.decode_constant),
+            ("decode-per-seq", self.decode_per_seq),
+        ];
+        for (flag, v) in coefficients {
+            if v.is_some_and(|v| !v.is_finite()) {
+                return Err(SimConfigError {
+                    flag,
+                    reason: "must be a finite number",
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The status a request failed by `--fail-rate` gets unless `--fail-status` says otherwise.
@@ -277,6 +353,7 @@ impl SimArgs {
                 reason: "needs --tls-cert-path and --tls-key-path (client certificates are a TLS matter)",
             });
         }
+        self.timing.validate()?;
         self.faults.validate()
     }
 
@@ -297,18 +374,12 @@ impl SimArgs {
             num_gpu_blocks: self.num_gpu_blocks,
             block_size: self.block_size,
             timing: TimingModel {
-                prefill_quadratic: self.prefill_quadratic,
-                prefill_linear: self.prefill_linear,
-                prefill_constant: self.prefill_constant,
-                prefill_context: self.prefill_context,
-                decode_quadratic: self.decode_quadratic,
-                decode_linear: self.decode_linear,
-                decode_constant: self.decode_constant,
-                decode_per_seq: self.decode_per_seq,
                 kv_bytes_per_token: self.kv_bytes_per_token,
                 kv_transfer_gbps: self.kv_transfer_gbps,
                 speedup: self.speedup,
+                ..self.timing.model()
             },
+            scheduler: self.timing.timing_model.scheduler(),
             output_tokens,
             seed: self.seed.wrapping_add(rank as u64),
         }
@@ -318,6 +389,7 @@ impl SimArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::Scheduler;
 
     #[test]
     fn defaults_are_vllms_and_flags_validate() {
@@ -341,8 +413,37 @@ mod tests {
             "--served-model-name",
             "x",
         ]);
-        assert_eq!(a.decode_quadratic, -3.0);
+        assert_eq!(a.timing.decode_quadratic, Some(-3.0));
+        assert_eq!(a.engine_config(0, vec![1]).timing.decode_quadratic, -3.0);
         assert_eq!(a.model, "x");
+    }
+
+    #[test]
+    fn the_timing_model_picks_defaults_that_flags_override() {
+        let c = SimArgs::default().engine_config(0, vec![1]);
+        assert_eq!((c.timing.family, c.scheduler), (TimingFamily::Kvroute, Scheduler::Kvroute));
+        let a = SimArgs::parse_from(["kvroute-sim", "--timing-model", "dynamo", "--speedup", "4"]);
+        let c = a.engine_config(0, vec![1]);
+        assert_eq!(c.timing.family, TimingFamily::Dynamo);
+        assert_eq!(c.scheduler, Scheduler::Dynamo);
+        assert_eq!((c.timing.prefill_context, c.timing.decode_per_seq), (0.0, 0.0));
+        assert_eq!(c.timing.prefill_constant, 16.50142);
+        assert_eq!(c.timing.speedup, 4.0);
+        let a = SimArgs::parse_from([
+            "kvroute-sim",
+            "--timing-model",
+            "dynamo",
+            "--decode-per-seq",
+            "0.2",
+        ]);
+        assert_eq!(a.engine_config(0, vec![1]).timing.decode_per_seq, 0.2);
+        assert!(SimArgs::try_parse_from(["kvroute-sim", "--timing-model", "vllm"]).is_err());
+        let bad = SimArgs::parse_from(["kvroute-sim", "--prefill-linear", "inf"]);
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--prefill-linear"));
     }
 
     #[test]

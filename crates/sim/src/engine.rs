@@ -13,13 +13,17 @@
 //! running sequence (its blocks are freed, it goes back to the head of the queue and is
 //! recomputed later), as vLLM does. Then, if nothing was preempted, waiting sequences are
 //! admitted in order while fewer than `max_num_seqs` run, budget remains and their blocks
-//! fit.
+//! fit; the head of the queue that does not fit blocks the rest. What must fit is this step's
+//! chunk (vLLM v1), or with [`Scheduler::Dynamo`] the whole known sequence (Dynamo's mocker;
+//! only the chunk's blocks are taken either way).
 //!
 //! **Prefix cache.** A sequence's full blocks are hashed by prefix (each hash chains the
 //! previous one). At admission the longest run of leading blocks already cached is reused
 //! (a hit skips their prefill), capped so that at least one prompt token is computed (vLLM
 //! recomputes the last token of a fully cached prompt). Blocks become cached when their
-//! last token's KV is computed (a `Stored` event per sequence per step); cached blocks of
+//! last token's KV is computed (a `Stored` event per sequence per step), or with
+//! [`Scheduler::Dynamo`] when that token is scheduled, as vLLM v1 does, so that a sequence
+//! admitted later in the same step can reuse them; cached blocks of
 //! finished sequences stay until evicted, least recently used first (a `Removed` event).
 //!
 //! **Outputs.** The step that completes a prompt samples the first token; every later step
@@ -40,6 +44,7 @@ mod blocks;
 mod sequence;
 pub mod timing;
 mod transfer;
+mod work;
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -51,7 +56,7 @@ pub use blocks::BlockId;
 use blocks::BlockPool;
 pub use sequence::block_hash;
 use sequence::{PromptSource, Sequence};
-pub use timing::{StepWork, TimingModel};
+pub use timing::{Scheduler, StepWork, TimingFamily, TimingModel};
 use transfer::Receiving;
 
 /// The engine's configuration (vLLM's defaults).
@@ -62,6 +67,8 @@ pub struct EngineConfig {
     pub num_gpu_blocks: usize,
     pub block_size: usize,
     pub timing: TimingModel,
+    /// The scheduler's rules (the timing family's, unless set).
+    pub scheduler: Scheduler,
     /// Token ids sampled for outputs (uniformly).
     pub output_tokens: Vec<u32>,
     pub seed: u64,
@@ -75,6 +82,7 @@ impl Default for EngineConfig {
             num_gpu_blocks: 16384,
             block_size: 16,
             timing: TimingModel::default(),
+            scheduler: Scheduler::default(),
             // Lowercase letters and space: printable through the fallback tokenizer.
             output_tokens: (b'a'..=b'z').chain([b' ']).map(u32::from).collect(),
             seed: 0,
@@ -173,7 +181,7 @@ pub struct StepOutput {
 impl StepOutput {
     /// Whether it computed nothing (KV transfers may be in flight).
     pub fn is_idle(&self) -> bool {
-        self.work.prefill_tokens == 0 && self.work.decode_seqs == 0
+        self.work.scheduled_tokens == 0
     }
 }
 
@@ -361,6 +369,7 @@ impl EngineCore {
             if !scheduled_self {
                 break;
             }
+            self.cache_scheduled(i, n);
             scheduled.push((i, n));
             budget -= n;
             i += 1;
@@ -380,6 +389,7 @@ impl EngineCore {
                     if let Some(cached) = first_cached {
                         out.started.push((self.running[idx].id, cached));
                     }
+                    self.cache_scheduled(idx, tokens);
                     scheduled.push((idx, tokens));
                     budget -= tokens;
                 }
@@ -390,18 +400,8 @@ impl EngineCore {
 
         // The step's work and time.
         let bs = self.config.block_size;
-        let mut work = StepWork::default();
-        for &(idx, n) in &scheduled {
-            let seq = &self.running[idx];
-            if seq.is_decoding() {
-                work.decode_seqs += 1;
-            } else {
-                work.prefill_tokens += n;
-                work.context_pairs += (n * seq.computed) as u64;
-            }
-        }
-        work.kv_utilisation = self.pool.num_used() as f64 / self.pool.num_blocks().max(1) as f64;
-        self.stats.prefill_tokens_computed += work.prefill_tokens as u64;
+        let (work, computed_prefill) = self.step_work(&scheduled);
+        self.stats.prefill_tokens_computed += computed_prefill as u64;
         out.duration = self.config.timing.step_time(&work);
         out.work = work;
 
@@ -411,7 +411,7 @@ impl EngineCore {
         for &(idx, n) in &scheduled {
             let seq = &mut self.running[idx];
             seq.computed += n;
-            seq.cache_computed_blocks(&mut self.pool, bs);
+            seq.cache_blocks_through(seq.computed, &mut self.pool, bs);
             if seq.computed == seq.tokens.len() {
                 let pick = self.rng.random_range(0..self.config.output_tokens.len());
                 let token = self.config.output_tokens[pick];
@@ -440,6 +440,16 @@ impl EngineCore {
         }
         out.events = self.pool.take_events();
         out
+    }
+
+    /// With [`Scheduler::Dynamo`], caches the full blocks `running[idx]` computes when it
+    /// computes `n` more tokens, now.
+    fn cache_scheduled(&mut self, idx: usize, n: usize) {
+        if self.config.scheduler == Scheduler::Dynamo {
+            let seq = &mut self.running[idx];
+            let through = seq.computed + n;
+            seq.cache_blocks_through(through, &mut self.pool, self.config.block_size);
+        }
     }
 
     /// Makes `running[i]` hold blocks for `tokens` tokens; false when no block is free.
@@ -507,8 +517,12 @@ impl EngineCore {
             (len - hit_tokens).min(budget)
         };
         let new_blocks = (hit_tokens + n).div_ceil(bs) - hit.len();
+        let must_fit = match self.config.scheduler {
+            Scheduler::Kvroute => new_blocks,
+            Scheduler::Dynamo => len.div_ceil(bs) - hit.len(),
+        };
         let hits_on_free = hit.iter().filter(|&&b| self.pool.is_free(b)).count();
-        if self.pool.num_free() < new_blocks + hits_on_free {
+        if self.pool.num_free() < must_fit + hits_on_free {
             return Admitted::Blocked;
         }
         let mut seq = self.waiting.pop_front().expect("front exists");

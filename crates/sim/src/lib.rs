@@ -23,7 +23,7 @@ pub mod config;
 pub mod engine;
 pub mod server;
 
-pub use config::{FaultSettings, Role, SimArgs};
+pub use config::{FaultSettings, Role, SimArgs, TimingArgs};
 pub use server::{Crashed, FaultHandle, SimInstance, SimServer};
 
 /// `len` pseudo-random lowercase letters from `seed` (xorshift): distinct prompts for tests

@@ -178,3 +178,70 @@ fn a_slower_link_delays_the_first_token() {
         fast.ttft_ms.p50
     );
 }
+
+/// Dynamo 1.6.1's offline replay of a tiny trace, recorded once with
+/// `$PEERS_DIR/venv-dyn/bin/python bench/dynamo_replay_requests.py
+/// crates/bench/testdata/dynamo_tiny_trace.jsonl 2 round_robin --blocks 1024 --ttft-list
+/// > crates/bench/testdata/dynamo_tiny_round_robin.json` (the trace from
+/// `gen_dynamo_tiny_trace.py` beside it): 240 requests of multi-turn conversations on 2 engines
+/// of 1,024 blocks, loaded enough to queue for seconds and to preempt.
+#[derive(serde::Deserialize)]
+struct DynamoGolden {
+    ttft_ms: [f64; 3],
+    e2e_ms: [f64; 3],
+    hit: f64,
+    preemptions: u64,
+    ttft_list_ms: Vec<f64>,
+}
+
+#[test]
+fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata");
+    let trace = crate::trace::load(&dir.join("dynamo_tiny_trace.jsonl")).unwrap();
+    let golden: DynamoGolden = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("dynamo_tiny_round_robin.json")).unwrap(),
+    )
+    .unwrap();
+    let family = kvroute_sim::engine::TimingFamily::Dynamo;
+    let r = simulate(
+        &trace,
+        &SimConfig {
+            cluster: Cluster::Aggregated {
+                workers: 2,
+                policy: PolicyKind::RoundRobin,
+                policy_config: PolicyConfig::default(),
+            },
+            engine: EngineConfig {
+                num_gpu_blocks: 1024,
+                timing: family.timing(),
+                scheduler: family.scheduler(),
+                ..EngineConfig::default()
+            },
+            hash_block: 512,
+            vocab: 32000,
+            rate_scale: 1.0,
+            seed: 0,
+        },
+    );
+    assert_eq!((r.requests, r.rejected), (240, 0));
+    // The parity bar: 3% on TTFT p50 and p90, 5% on p99 (E2E alike).
+    let close = |ours: f64, theirs: f64, tol: f64| (ours - theirs).abs() <= tol * theirs;
+    let ttft = [r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99];
+    let e2e = [r.e2e_ms.p50, r.e2e_ms.p90, r.e2e_ms.p99];
+    for (i, tol) in [0.03, 0.03, 0.05].into_iter().enumerate() {
+        assert!(close(ttft[i], golden.ttft_ms[i], tol), "TTFT {ttft:?} vs Dynamo {:?}", golden.ttft_ms);
+        assert!(close(e2e[i], golden.e2e_ms[i], tol), "E2E {e2e:?} vs Dynamo {:?}", golden.e2e_ms);
+    }
+    // The whole distribution, not three points of it: rank by rank within 1 ms or 1%.
+    let mut theirs = golden.ttft_list_ms.clone();
+    theirs.sort_by(f64::total_cmp);
+    let near = r
+        .ttft_sorted_ms
+        .iter()
+        .zip(&theirs)
+        .filter(|&(&a, &b)| (a - b).abs() <= 1.0_f64.max(0.01 * b))
+        .count();
+    assert!(near * 100 >= 95 * theirs.len(), "{near} of {} ranks agree", theirs.len());
+    assert!((r.hit_share - golden.hit).abs() < 0.005, "hit {} vs {}", r.hit_share, golden.hit);
+    assert!(r.preemptions.abs_diff(golden.preemptions) <= 1, "preemptions {} vs {}", r.preemptions, golden.preemptions);
+}

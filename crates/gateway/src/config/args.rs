@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 use kvroute_core::PolicyKind;
+use kvroute_sim::engine::TimingFamily;
 use serde::{Deserialize, Serialize};
 
 use super::load::{de_policy, parse_policy, parse_whole_secs, ser_policy};
@@ -287,6 +288,10 @@ pub struct Args {
     #[arg(long)]
     #[serde(default)]
     pub tokenizer_cache_enable_l1: bool,
+    /// The step-time model of the embedded simulated engines (started when no worker is
+    /// given): kvroute's own, or Dynamo 1.6.1's mocker exactly [default: kvroute].
+    #[arg(long, value_enum)]
+    pub timing_model: Option<TimingFamily>,
 
     /// A rank is busy with more active prefill tokens than this.
     #[arg(long)]

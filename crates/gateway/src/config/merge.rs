@@ -233,6 +233,7 @@ impl Args {
             otlp_traces_endpoint: self.otlp_traces_endpoint.or(file.otlp_traces_endpoint),
             enable_trace: self.enable_trace || file.enable_trace,
             otlp_sampling_ratio: self.otlp_sampling_ratio.or(file.otlp_sampling_ratio),
+            timing_model: self.timing_model.or(file.timing_model),
             dump_config_to: self.dump_config_to,
             peer_noop_flags: if self.peer_noop_flags.is_empty() {
                 file.peer_noop_flags

@@ -331,6 +331,8 @@ pub struct Settings {
     pub tokenizer_cache_bytes: usize,
     /// Kubernetes and file discovery.
     pub discovery: DiscoverySettings,
+    /// The embedded simulated engines' step-time model.
+    pub timing_model: kvroute_sim::engine::TimingFamily,
 }
 
 impl Settings {

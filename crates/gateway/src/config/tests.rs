@@ -535,3 +535,17 @@ fn the_peers_names_of_kvroutes_flags_are_aliases() {
         .unwrap();
     assert_eq!(s.block_size, 64);
 }
+
+#[test]
+fn the_embedded_engines_timing_model_is_a_flag_and_a_key() {
+    use kvroute_sim::engine::TimingFamily;
+    let s = Args::default().into_settings().unwrap();
+    assert_eq!(s.timing_model, TimingFamily::Kvroute);
+    let cli = Args::try_parse_from(["kvroute", "--timing-model", "dynamo"]).unwrap();
+    assert_eq!(cli.into_settings().unwrap().timing_model, TimingFamily::Dynamo);
+    let file = Args::from_text("timing_model: dynamo\n").unwrap();
+    let s = Args::default().merge(file).into_settings().unwrap();
+    assert_eq!(s.timing_model, TimingFamily::Dynamo);
+    assert!(Args::try_parse_from(["kvroute", "--timing-model", "sglang"]).is_err());
+    assert!(Args::from_text("timing_model: fast\n").is_err());
+}

@@ -56,11 +56,16 @@ impl Sequence {
             && (self.output_len() > 0 || self.prompt_kv == PromptSource::Received)
     }
 
-    /// Registers the full blocks computed since the last call in the prefix cache, with one
-    /// `Stored` event per run of newly cached blocks.
-    pub(super) fn cache_computed_blocks(&mut self, pool: &mut BlockPool, block_size: usize) {
+    /// Registers the full blocks of the first `through` tokens not registered yet in the
+    /// prefix cache, with one `Stored` event per run of newly cached blocks.
+    pub(super) fn cache_blocks_through(
+        &mut self,
+        through: usize,
+        pool: &mut BlockPool,
+        block_size: usize,
+    ) {
         let bs = block_size;
-        let full = self.computed / bs;
+        let full = through / bs;
         if full <= self.registered {
             return;
         }

@@ -51,7 +51,7 @@ impl EngineCore {
             let mut seq = r.seq;
             // vLLM leaves the last prompt token to compute: its logits sample the first token.
             seq.computed = seq.prompt_len - 1;
-            seq.cache_computed_blocks(&mut self.pool, bs);
+            seq.cache_blocks_through(seq.computed, &mut self.pool, bs);
             seq.prompt_kv = PromptSource::Received;
             self.stats.kv_transfers_received += 1;
             self.stats.kv_transfer_tokens_received += r.tokens as u64;
