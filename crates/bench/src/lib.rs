@@ -4,10 +4,16 @@
 //! simulation ([`simulate`]): the real routing core and kvroute-sim's engine core in one
 //! process, deterministic for a seed, and real-time replay against any OpenAI-compatible
 //! endpoint ([`replay`]); synthetic workloads in the trace's form ([`synthetic`]) and TTFT
-//! figures ([`plot`]).
+//! figures ([`plot`]). Beside the policies, the pooled-LRU reference
+//! ([`simulate::reference`]: each request alone on an idle engine with what one LRU cache of
+//! the cluster's capacity would hold) and SLO goodput ([`goodput`]: the highest rate at which
+//! a simulated cluster meets a latency objective, by bisection); the tables printed ([`report`]) and the commands that print them ([`commands`]).
 
+pub mod commands;
+pub mod goodput;
 pub mod plot;
 pub mod replay;
+pub mod report;
 pub mod simulate;
 pub mod synthetic;
 pub mod trace;

@@ -1,11 +1,14 @@
-//! `kvroute-bench`: trace replay tools.
+//! `kvroute-bench`: trace replay, virtual-time simulation and SLO goodput; the flags are parsed
+//! here, the work is the library's.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, CommandFactory, Parser, Subcommand};
-use kvroute_bench::plot::{self, Series};
-use kvroute_bench::simulate::{simulate, Cluster, PdCluster, SimConfig};
+use kvroute_bench::commands::{self, Setup};
+use kvroute_bench::goodput::{Search, Slo};
+use kvroute_bench::plot::Series;
+use kvroute_bench::simulate::{Cluster, PdCluster};
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::{KvAwareConfig, PolicyConfig, PolicyKind};
@@ -211,6 +214,86 @@ impl Workload {
     }
 }
 
+/// The simulated cluster, its engines and the workload (`simulate` and `goodput`).
+#[derive(Debug, Args)]
+struct ClusterArgs {
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Comma-separated policy names.
+    #[arg(long, default_value = "kv_aware,round_robin")]
+    policies: String,
+    #[arg(long, default_value_t = 16384)]
+    num_gpu_blocks: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    #[command(flatten)]
+    workload: Workload,
+    #[command(flatten)]
+    kv_aware: KvAwareArgs,
+    #[command(flatten)]
+    pd: PdArgs,
+    #[command(flatten)]
+    timing: TimingArgs,
+}
+
+impl ClusterArgs {
+    fn setup(&self, command: &str) -> anyhow::Result<Setup> {
+        self.timing.validate()?;
+        let policy_config = PolicyConfig {
+            kv_aware: self.kv_aware.config()?,
+            ..PolicyConfig::default()
+        };
+        let pd_cluster = self.pd.cluster(&policy_config)?;
+        let (name, requests) = self.workload.load(command)?;
+        let clusters: Vec<Cluster> = match &pd_cluster {
+            Some(c) => vec![Cluster::Disaggregated(c.clone())],
+            None => self
+                .policies
+                .split(',')
+                .map(|p| p.trim().parse::<PolicyKind>())
+                .map(|k| {
+                    k.map(|policy| Cluster::Aggregated {
+                        workers: self.workers,
+                        policy,
+                        policy_config: policy_config.clone(),
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let workers = match &pd_cluster {
+            Some(c) => format!(
+                "{} prefill + {} decode workers",
+                c.prefill_workers, c.decode_workers
+            ),
+            None => format!("{} workers", self.workers),
+        };
+        Ok(Setup {
+            name,
+            requests,
+            clusters,
+            shape: format!(
+                "{workers} x {} blocks of {}, timing model {}",
+                self.num_gpu_blocks, self.block_size, self.timing.timing_model
+            ),
+            engine: EngineConfig {
+                num_gpu_blocks: self.num_gpu_blocks,
+                block_size: self.block_size,
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                timing: self.pd.timing(self.timing.model())?,
+                scheduler: self.timing.timing_model.scheduler(),
+                ..EngineConfig::default()
+            },
+            hash_block: self.workload.hash_block_size,
+            seed: self.workload.seed,
+        })
+    }
+}
+
 /// A `--url` entry: non-empty, without its trailing `/`.
 fn base_url(s: &str) -> Result<String, String> {
     let url = s.trim().trim_end_matches('/');
@@ -229,21 +312,7 @@ fn skip(requests: &mut Vec<TraceRequest>, n: usize) {
     }
 }
 
-/// Writes the TTFT figure, saying where.
-fn write_plot(
-    path: &Path,
-    title: &str,
-    subtitle: &str,
-    series: &[Series<'_>],
-) -> anyhow::Result<()> {
-    plot::write_ttft_cdf(path, title, subtitle, series)?;
-    eprintln!("TTFT CDF written to {}", path.display());
-    Ok(())
-}
-
 #[derive(Debug, Subcommand)]
-// Parsed once per run: the gap between replay's flags and simulate's is not worth a box.
-#[allow(clippy::large_enum_variant)]
 enum Command {
     /// A trace or a synthetic workload replayed in real time against an OpenAI-compatible
     /// endpoint, streaming.
@@ -282,35 +351,43 @@ enum Command {
     /// A trace or a synthetic workload through the real routing core and N simulated engines,
     /// in virtual time.
     Simulate {
-        #[arg(long, default_value_t = 8)]
-        workers: usize,
-        /// Comma-separated policy names.
-        #[arg(long, default_value = "kv_aware,round_robin")]
-        policies: String,
+        #[command(flatten)]
+        cluster: ClusterArgs,
         #[arg(long, default_value_t = 1.0)]
         rate_scale: f64,
-        #[arg(long, default_value_t = 16384)]
-        num_gpu_blocks: usize,
-        #[arg(long, default_value_t = 16)]
-        block_size: usize,
-        #[arg(long, default_value_t = 256)]
-        max_num_seqs: usize,
-        #[arg(long, default_value_t = 8192)]
-        max_num_batched_tokens: usize,
-        /// Write the figures as JSON.
+        /// Write the figures as JSON (the reference under "reference").
         #[arg(long)]
         json: Option<PathBuf>,
-        /// Draw the TTFT CDFs, one line per policy, as SVG.
+        /// Draw the TTFT CDFs, one line per policy and the reference's, as SVG.
         #[arg(long, value_name = "FILE.svg")]
         plot: Option<PathBuf>,
+    },
+    /// SLO goodput: for each policy, the highest rate scale at which the simulated cluster
+    /// meets a latency objective (bisection; the same cluster and workload flags as simulate).
+    Goodput {
         #[command(flatten)]
-        workload: Workload,
-        #[command(flatten)]
-        kv_aware: KvAwareArgs,
-        #[command(flatten)]
-        pd: PdArgs,
-        #[command(flatten)]
-        timing: TimingArgs,
+        cluster: ClusterArgs,
+        /// The objective: TTFT p90 at most this many milliseconds.
+        #[arg(long, value_name = "MS")]
+        slo_ttft_p90_ms: f64,
+        /// And E2E p90 at most this many milliseconds.
+        #[arg(long, value_name = "MS")]
+        slo_e2e_p90_ms: Option<f64>,
+        /// Start the search at this rate scale [default: doubling or halving from x1].
+        #[arg(long, value_name = "X")]
+        min_rate_scale: Option<f64>,
+        /// And this one.
+        #[arg(long, value_name = "X")]
+        max_rate_scale: Option<f64>,
+        /// Stop when the bracket is this narrow, relative to its passing end.
+        #[arg(long, default_value_t = Search::default().tolerance)]
+        tolerance: f64,
+        /// Or after this many bisections.
+        #[arg(long, value_name = "N", default_value_t = Search::default().max_steps)]
+        max_steps: usize,
+        /// Write the brackets as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
 }
 
@@ -360,145 +437,38 @@ fn main() -> anyhow::Result<()> {
                     ttft_ms: &r.ttft_sorted_ms,
                 };
                 let subtitle = format!("real time via {url}, rate x{rate_scale}");
-                write_plot(&out, &format!("TTFT: {name}"), &subtitle, &[series])?;
+                commands::write_plot(&out, &format!("TTFT: {name}"), &subtitle, &[series])?;
             }
         }
         Command::Simulate {
-            workload,
-            workers,
-            policies,
+            cluster,
             rate_scale,
-            num_gpu_blocks,
-            block_size,
-            max_num_seqs,
-            max_num_batched_tokens,
             json,
             plot,
-            kv_aware,
-            pd,
-            timing,
+        } => commands::simulate_command(&cluster.setup("simulate")?, rate_scale, json, plot)?,
+        Command::Goodput {
+            cluster,
+            slo_ttft_p90_ms,
+            slo_e2e_p90_ms,
+            min_rate_scale,
+            max_rate_scale,
+            tolerance,
+            max_steps,
+            json,
         } => {
-            timing.validate()?;
-            let policy_config = PolicyConfig {
-                kv_aware: kv_aware.config()?,
-                ..PolicyConfig::default()
+            let slo = Slo {
+                ttft_p90_ms: slo_ttft_p90_ms,
+                e2e_p90_ms: slo_e2e_p90_ms,
             };
-            let pd_cluster = pd.cluster(&policy_config)?;
-            let scheduler = timing.timing_model.scheduler();
-            let family = timing.timing_model;
-            let timing = pd.timing(timing.model())?;
-            let (name, requests) = workload.load("simulate")?;
-            let (hash_block_size, seed) = (workload.hash_block_size, workload.seed);
-            let clusters: Vec<Cluster> = match &pd_cluster {
-                Some(c) => vec![Cluster::Disaggregated(c.clone())],
-                None => policies
-                    .split(',')
-                    .map(|p| p.trim().parse::<PolicyKind>())
-                    .map(|k| {
-                        k.map(|policy| Cluster::Aggregated {
-                            workers,
-                            policy,
-                            policy_config: policy_config.clone(),
-                        })
-                    })
-                    .collect::<Result<_, _>>()?,
+            let search = Search {
+                min: min_rate_scale,
+                max: max_rate_scale,
+                tolerance,
+                max_steps,
             };
-            let shape = match &pd_cluster {
-                Some(c) => format!(
-                    "{} prefill + {} decode workers",
-                    c.prefill_workers, c.decode_workers
-                ),
-                None => format!("{workers} workers"),
-            };
-            let bound = trace::hit_bound(&requests, hash_block_size);
-            println!(
-                "{name}; {shape} x {num_gpu_blocks} blocks of {block_size}, rate x{rate_scale}, timing model {family}; unbounded-cache hit bound {:.1}%",
-                bound * 100.0
-            );
-            println!(
-                "{:<16} {:>22} {:>22} {:>8} {:>9} {:>7} {:>7}",
-                "policy",
-                "TTFT ms p50/p90/p99",
-                "E2E ms p50/p90/p99",
-                "req/s",
-                "out tok/s",
-                "hit %",
-                "preempt"
-            );
-            let mut results = Vec::new();
-            for cluster in clusters {
-                let started = std::time::Instant::now();
-                let r = simulate(
-                    &requests,
-                    &SimConfig {
-                        cluster,
-                        engine: EngineConfig {
-                            num_gpu_blocks,
-                            block_size,
-                            max_num_seqs,
-                            max_num_batched_tokens,
-                            timing: timing.clone(),
-                            scheduler,
-                            ..EngineConfig::default()
-                        },
-                        hash_block: hash_block_size,
-                        vocab: 32000,
-                        rate_scale,
-                        seed,
-                    },
-                );
-                println!(
-                    "{:<16} {:>22} {:>22} {:>8.2} {:>9.0} {:>7.1} {:>7}   ({:.1}s; per worker {:?})",
-                    r.policy,
-                    format!("{:.0}/{:.0}/{:.0}", r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99),
-                    format!("{:.0}/{:.0}/{:.0}", r.e2e_ms.p50, r.e2e_ms.p90, r.e2e_ms.p99),
-                    r.throughput_rps,
-                    r.output_tokens_per_s,
-                    r.hit_share * 100.0,
-                    r.preemptions,
-                    started.elapsed().as_secs_f64(),
-                    r.requests_per_worker
-                );
-                if let Some(pd) = &r.pd {
-                    println!(
-                        "{:<16} decode-only {} / split {} ({:.1}% decode-only); per prefill worker {:?}; per decode worker {:?}; {} KV tokens transferred",
-                        "",
-                        pd.decode_only,
-                        pd.split,
-                        pd.decode_only as f64 * 100.0 / (pd.decode_only + pd.split).max(1) as f64,
-                        pd.prefill_requests_per_worker,
-                        pd.decode_requests_per_worker,
-                        pd.kv_transfer_tokens
-                    );
-                }
-                results.push(r);
-            }
-            if let Some(out) = json {
-                let doc = serde_json::json!({
-                    "trace": name,
-                    "workers": pd_cluster
-                        .as_ref()
-                        .map_or(workers, |c| c.prefill_workers + c.decode_workers),
-                    "hit_bound": bound,
-                    "timing_model": family.as_str(),
-                    "policies": results,
-                });
-                std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
-                    .with_context(|| format!("cannot write {}", out.display()))?;
-            }
-            if let Some(out) = plot {
-                let subtitle = format!(
-                    "virtual time, {shape} (simulated) x {num_gpu_blocks} blocks of {block_size} tokens, rate x{rate_scale}, timing model {family}"
-                );
-                let series: Vec<Series<'_>> = results
-                    .iter()
-                    .map(|r| Series {
-                        label: &r.policy,
-                        ttft_ms: &r.ttft_sorted_ms,
-                    })
-                    .collect();
-                write_plot(&out, &format!("TTFT: {name}"), &subtitle, &series)?;
-            }
+            slo.validate()?;
+            search.validate()?;
+            commands::goodput_command(&cluster.setup("goodput")?, &slo, &search, json)?;
         }
     }
     Ok(())
@@ -522,7 +492,11 @@ mod tests {
 
     #[test]
     fn exactly_one_of_trace_and_synthetic() {
-        for command in ["simulate", "replay --url http://x"] {
+        for command in [
+            "simulate",
+            "replay --url http://x",
+            "goodput --slo-ttft-p90-ms 2000",
+        ] {
             assert_eq!(
                 parse(&format!("b {command}")).err(),
                 Some(ErrorKind::MissingRequiredArgument)
@@ -602,7 +576,11 @@ mod tests {
                 .split_whitespace(),
         )
         .unwrap();
-        let Command::Simulate { kv_aware, pd, .. } = cli.command else {
+        let Command::Simulate {
+            cluster: ClusterArgs { kv_aware, pd, .. },
+            ..
+        } = cli.command
+        else {
             panic!("not simulate");
         };
         let base = PolicyConfig {
@@ -628,10 +606,49 @@ mod tests {
     }
 
     #[test]
+    fn goodput_takes_simulates_cluster_flags_and_needs_an_slo() {
+        assert_eq!(
+            parse("b goodput --trace t").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
+        let cli = Cli::try_parse_from(
+            "b goodput --trace t --slo-ttft-p90-ms 2000 --slo-e2e-p90-ms 9000 --workers 4 --num-gpu-blocks 99 --policies llm_d --router-kv-overlap-score-credit 2 --max-rate-scale 8"
+                .split_whitespace(),
+        )
+        .unwrap();
+        let Command::Goodput {
+            cluster,
+            slo_ttft_p90_ms,
+            slo_e2e_p90_ms,
+            max_rate_scale,
+            tolerance,
+            max_steps,
+            ..
+        } = cli.command
+        else {
+            panic!("not goodput");
+        };
+        assert_eq!((cluster.workers, cluster.num_gpu_blocks), (4, 99));
+        assert_eq!(cluster.kv_aware.config().unwrap().overlap_score_credit, 2.0);
+        assert_eq!(
+            (slo_ttft_p90_ms, slo_e2e_p90_ms, max_rate_scale),
+            (2000.0, Some(9000.0), Some(8.0))
+        );
+        assert_eq!((tolerance, max_steps), (0.02, 8));
+        assert!(parse(
+            "b goodput --trace t --slo-ttft-p90-ms 1 --prefill-workers 2 --decode-workers 2"
+        )
+        .is_ok());
+    }
+
+    #[test]
     fn simulate_takes_the_sims_timing_flags() {
         let timing =
             |args: &str| match Cli::try_parse_from(args.split_whitespace()).map(|c| c.command) {
-                Ok(Command::Simulate { timing, pd, .. }) => Ok(pd.timing(timing.model()).unwrap()),
+                Ok(Command::Simulate {
+                    cluster: ClusterArgs { timing, pd, .. },
+                    ..
+                }) => Ok(pd.timing(timing.model()).unwrap()),
                 Ok(_) => panic!("not simulate"),
                 Err(e) => Err(e.kind()),
             };
@@ -666,7 +683,11 @@ mod tests {
                 .split_whitespace(),
         )
         .unwrap();
-        let Command::Simulate { kv_aware, .. } = cli.command else {
+        let Command::Simulate {
+            cluster: ClusterArgs { kv_aware, .. },
+            ..
+        } = cli.command
+        else {
             panic!("not simulate");
         };
         let c = kv_aware.config().unwrap();

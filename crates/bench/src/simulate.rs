@@ -16,7 +16,12 @@
 //! end to the answer's. A split request's TTFT is what its client sees: from the arrival to
 //! the decode engine's first token (prefill, transfer, first decode step); its cache hits are
 //! the prefill engine's (the decode engine's only shorten the transfer).
+//!
+//! [`reference`] is the yardstick printed beside the policies: each request alone on an idle
+//! engine of the same configuration, with what one LRU cache of the cluster's whole capacity
+//! would hold (see the `reference` module).
 
+pub mod reference;
 mod route;
 
 use std::collections::HashMap;
@@ -33,6 +38,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::trace::{prompt_tokens, TraceRequest};
+pub use reference::{reference, Reference};
 use route::{Arrival, Placement, Router};
 
 /// What a simulation runs.
@@ -103,6 +109,14 @@ impl PdCluster {
 }
 
 impl Cluster {
+    /// How many engines it has (as the router builds them: at least one per pool).
+    pub fn engines(&self) -> usize {
+        match self {
+            Cluster::Aggregated { workers, .. } => (*workers).max(1),
+            Cluster::Disaggregated(pd) => pd.prefill_workers.max(1) + pd.decode_workers.max(1),
+        }
+    }
+
     /// The name of a run, for tables and plots: the policy, or `pd:<prefill>/<decode>` with
     /// the decode-only threshold when set.
     pub fn name(&self) -> String {

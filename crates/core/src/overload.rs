@@ -15,7 +15,9 @@
 //! This is separate from the busy thresholds of [`crate::eligibility`] (Dynamo's), which read
 //! the router's own load accounting per rank and refuse when every rank is busy.
 
-use rand::{Rng, RngCore};
+use rand::RngCore;
+
+use crate::policy::least_at_random;
 
 /// The thresholds; protection is off when both are `None`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -115,18 +117,8 @@ impl OverloadProtection {
         if self.shed {
             return Protected::Shed;
         }
-        let min = workers.iter().map(|w| w.in_flight).min().unwrap_or(0);
-        let mut chosen = 0;
-        let mut ties = 0u32;
-        for (i, w) in workers.iter().enumerate() {
-            if w.in_flight == min {
-                ties += 1;
-                if rng.random_range(0..ties) == 0 {
-                    chosen = i;
-                }
-            }
-        }
-        Protected::Keep(vec![chosen])
+        let least = least_at_random(workers.iter().map(|w| w.in_flight), rng);
+        Protected::Keep(least.into_iter().collect())
     }
 }
 

@@ -41,6 +41,7 @@ pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
 pub use kv_aware::{KvAware, KvAwareConfig};
 pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
 pub use llm_d::{LlmD, LlmDConfig};
+pub(crate) use load::least_at_random;
 pub use load::{PowerOfTwo, Random, RoundRobin};
 pub use manual::{AssignmentMode, Manual};
 

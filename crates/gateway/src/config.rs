@@ -11,6 +11,7 @@ mod args;
 mod certs;
 mod discovery;
 mod dump;
+mod load;
 mod merge;
 pub mod peers;
 mod service;
@@ -19,7 +20,7 @@ mod validate;
 
 pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, QueueOrderArg};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
-pub use merge::CliWorkers;
+pub use load::CliWorkers;
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,

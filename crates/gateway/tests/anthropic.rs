@@ -5,7 +5,6 @@
 
 mod support;
 
-use std::process::Command;
 use std::sync::Arc;
 
 use kvroute_core::PolicyKind;
@@ -16,26 +15,18 @@ use tokio_util::sync::CancellationToken;
 
 /// Runs one scenario of the SDK client against `url`: what it printed.
 async fn sdk(url: &str, scenario: &str, key: Option<&str>) -> Value {
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/support/anthropic_client.py"
-    );
-    let mut cmd = Command::new(test_python());
-    cmd.args([script, url, "kvroute-sim", scenario]);
-    if let Some(key) = key {
-        cmd.arg(key);
-    }
-    let out = tokio::task::spawn_blocking(move || cmd.output())
-        .await
-        .unwrap()
-        .expect("python with the anthropic SDK (pip install anthropic)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{scenario}: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    let mut args = vec![
+        url.to_owned(),
+        "kvroute-sim".to_owned(),
+        scenario.to_owned(),
+    ];
+    args.extend(key.map(str::to_owned));
+    python_json(
+        "anthropic_client.py",
+        args,
+        "the anthropic SDK (pip install anthropic)",
+    )
+    .await
 }
 
 fn tiny() -> Arc<Tokenizer> {

@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::process::Command;
 use std::sync::Arc;
 
 use kvroute_core::PolicyKind;
@@ -14,23 +13,13 @@ use support::*;
 use tokio_util::sync::CancellationToken;
 
 async fn sdk(url: &str) -> Value {
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/support/openai_client.py"
-    );
-    let mut cmd = Command::new(test_python());
-    cmd.args([script, url, "kvroute-sim"]);
-    let out = tokio::task::spawn_blocking(move || cmd.output())
-        .await
-        .unwrap()
-        .expect("python with the openai SDK (pip install openai)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    let args = vec![url.to_owned(), "kvroute-sim".to_owned()];
+    python_json(
+        "openai_client.py",
+        args,
+        "the openai SDK (pip install openai)",
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

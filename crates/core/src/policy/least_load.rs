@@ -27,9 +27,9 @@
 //! candidate whose `waiting + unseen` reaches N is skipped; when every candidate is skipped
 //! the policy chooses none.
 
-use rand::{Rng, RngCore};
+use rand::RngCore;
 
-use super::{Policy, PolicyKind};
+use super::{least_at_random, Policy, PolicyKind};
 use crate::{Candidate, Decision, RouteRequest};
 
 /// `least_load`'s parameters (smg's names and defaults).
@@ -118,18 +118,11 @@ impl Policy for LeastLoad {
         rng: &mut dyn RngCore,
     ) -> Option<Decision> {
         let scores = self.scores(candidates);
-        let min = scores.iter().flatten().copied().reduce(f64::min)?;
-        let mut chosen = None;
-        let mut ties = 0u32;
-        for (i, s) in scores.iter().enumerate() {
-            if *s == Some(min) {
-                ties += 1;
-                if rng.random_range(0..ties) == 0 {
-                    chosen = Some(i);
-                }
-            }
-        }
-        chosen.map(|index| Decision { index })
+        // Skipped candidates score infinity: chosen only when every one is skipped, which
+        // chooses none.
+        let keys = scores.iter().map(|s| s.unwrap_or(f64::INFINITY));
+        let index = least_at_random(keys, rng)?;
+        scores[index].map(|_| Decision { index })
     }
 
     fn costs(&self, candidates: &[Candidate<'_>], _: &RouteRequest<'_>) -> Option<Vec<f64>> {

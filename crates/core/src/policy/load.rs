@@ -103,19 +103,28 @@ impl Policy for PowerOfTwo {
 
 /// The candidate with the fewest requests in flight; ties broken uniformly at random.
 pub(crate) fn least_loaded(candidates: &[Candidate<'_>], rng: &mut dyn RngCore) -> Option<usize> {
-    let min = candidates.iter().map(|c| c.in_flight).min()?;
-    let mut chosen = 0;
+    least_at_random(candidates.iter().map(|c| c.in_flight), rng)
+}
+
+/// The index of the least of `keys`, ties broken uniformly at random; `None` when there
+/// are none (or none compares, as NaN).
+pub(crate) fn least_at_random<K: PartialOrd + Copy>(
+    keys: impl Iterator<Item = K> + Clone,
+    rng: &mut dyn RngCore,
+) -> Option<usize> {
+    let min = keys.clone().reduce(|a, b| if b < a { b } else { a })?;
+    let mut chosen = None;
     let mut ties = 0u32;
-    for (i, c) in candidates.iter().enumerate() {
-        if c.in_flight == min {
+    for (i, k) in keys.enumerate() {
+        if k == min {
             ties += 1;
             // Reservoir sampling: the k-th tie replaces the choice with probability 1/k.
             if rng.random_range(0..ties) == 0 {
-                chosen = i;
+                chosen = Some(i);
             }
         }
     }
-    Some(chosen)
+    chosen
 }
 
 #[cfg(test)]

@@ -1,16 +1,14 @@
-//! The command line of `kvroute`, which is also the config file's schema, and how the two
-//! are read.
+//! The command line of `kvroute`, which is also the config file's schema (read by `load`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 use kvroute_core::PolicyKind;
 use kvroute_sim::engine::TimingFamily;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
-use super::{
-    CliWorkers, ConfigError, DiscoveryProvider, PdProtocol, PolicyClassSpec, Settings, WorkerSpec,
-};
+use super::load::{de_policy, parse_policy, parse_whole_secs, ser_policy};
+use super::{DiscoveryProvider, PdProtocol, PolicyClassSpec, WorkerSpec};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -516,81 +514,4 @@ pub struct Args {
     /// [`super::peers::pre_parse`]; in the dump for the record).
     #[arg(skip)]
     pub peer_noop_flags: Vec<String>,
-}
-
-fn parse_policy(s: &str) -> Result<PolicyKind, String> {
-    s.parse::<PolicyKind>().map_err(|e| e.to_string())
-}
-
-fn ser_policy<S: Serializer>(policy: &Option<PolicyKind>, s: S) -> Result<S::Ok, S::Error> {
-    policy.map(PolicyKind::name).serialize(s)
-}
-
-/// Whole seconds: an integer, or a float with no fraction (Dynamo writes `120.0`).
-fn parse_whole_secs(s: &str) -> Result<u64, String> {
-    if let Ok(secs) = s.parse::<u64>() {
-        return Ok(secs);
-    }
-    match s.parse::<f64>() {
-        Ok(f) if f.is_finite() && f >= 0.0 && f.fract() == 0.0 && f < u64::MAX as f64 => {
-            Ok(f as u64)
-        }
-        Ok(f) if f.is_finite() && f > 0.0 && f.fract() != 0.0 => Err(format!(
-            "{s} has a fraction of a second; kvroute takes whole seconds"
-        )),
-        _ => Err(format!("{s} is not a whole number of seconds")),
-    }
-}
-
-fn de_policy<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PolicyKind>, D::Error> {
-    let Some(name) = Option::<String>::deserialize(d)? else {
-        return Ok(None);
-    };
-    name.parse().map(Some).map_err(serde::de::Error::custom)
-}
-
-impl Args {
-    /// Reads the `--config` file, if any, under the command line.
-    pub fn load(self) -> Result<Settings, ConfigError> {
-        let cli_workers = CliWorkers {
-            worker_urls: self.worker_urls.clone(),
-            prefill: self.prefill.clone(),
-            decode: self.decode.clone(),
-            pd_disaggregation: self.pd_disaggregation,
-        };
-        let merged = match self.config.clone() {
-            Some(path) => self.merge(Args::from_file(&path)?),
-            None => self,
-        };
-        // Written once the settings are known to be valid: a bad config exits first.
-        let dump = merged
-            .dump_config_to
-            .clone()
-            .map(|path| (path, merged.dump_json()));
-        let mut settings = merged.into_settings()?;
-        if let Some((path, text)) = dump {
-            super::dump::write(&path, &text)?;
-        }
-        settings.cli_workers = cli_workers;
-        Ok(settings)
-    }
-
-    pub fn from_file(path: &Path) -> Result<Args, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Args::from_text(&text).map_err(|source| ConfigError::Parse {
-            path: path.to_owned(),
-            source,
-        })
-    }
-
-    /// Parses a config file's text. YAML is a superset of JSON, so one parser reads both.
-    pub fn from_text(text: &str) -> Result<Args, serde_yaml_ng::Error> {
-        if text.trim().is_empty() {
-            return Ok(Args::default());
-        }
-        serde_yaml_ng::from_str(text)
-    }
 }

@@ -243,27 +243,3 @@ impl Args {
         }
     }
 }
-
-/// The command line's worker flags: on a reload they stay over the re-read file's, as they
-/// did at start.
-#[derive(Debug, Clone, Default)]
-pub struct CliWorkers {
-    pub worker_urls: Vec<String>,
-    pub prefill: Vec<String>,
-    pub decode: Vec<String>,
-    pub pd_disaggregation: bool,
-}
-
-impl CliWorkers {
-    /// These flags over `file`, merged as at start.
-    pub fn over(&self, file: Args) -> Args {
-        Args {
-            worker_urls: self.worker_urls.clone(),
-            prefill: self.prefill.clone(),
-            decode: self.decode.clone(),
-            pd_disaggregation: self.pd_disaggregation,
-            ..Args::default()
-        }
-        .merge(file)
-    }
-}

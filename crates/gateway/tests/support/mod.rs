@@ -488,6 +488,26 @@ impl Drop for ChildGuard {
 /// The Python the tests' real clients and receivers run with (the `anthropic` SDK,
 /// `opentelemetry-proto`): `$KVROUTE_PYTHON`, else `target/ci-tools/bin/python` (where
 /// `.ci/run` installs them), else `python3`.
+/// Runs `script` (under `tests/support/`) with the test Python and `args`, and parses the
+/// one JSON object it prints; a failing script fails the test with its output. `needs` names
+/// the packages it imports, for the message when Python cannot start it.
+pub async fn python_json(script: &str, args: Vec<String>, needs: &str) -> serde_json::Value {
+    let path = format!("{}/tests/support/{script}", env!("CARGO_MANIFEST_DIR"));
+    let mut cmd = std::process::Command::new(test_python());
+    cmd.arg(path).args(&args);
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("python with {needs}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{script} {args:?}: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
 pub fn test_python() -> String {
     if let Ok(p) = std::env::var("KVROUTE_PYTHON") {
         return p;

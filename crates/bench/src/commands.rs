@@ -1,0 +1,184 @@
+//! The `simulate` and `goodput` commands, given their resolved [`Setup`] (the binary parses
+//! the flags): they run the simulations, print the tables of [`crate::report`] (progress on
+//! stderr) and write the JSON and the plot asked for.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use kvroute_sim::engine::EngineConfig;
+
+use crate::goodput::{goodput, Search, Slo};
+use crate::plot::{self, Series};
+use crate::report;
+use crate::simulate::{reference, simulate, Cluster, SimConfig};
+use crate::trace::{self, TraceRequest};
+
+/// A simulated cluster's workload, policies and engines, resolved from the flags.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// The workload's name.
+    pub name: String,
+    pub requests: Vec<TraceRequest>,
+    /// One per policy, or the disaggregated cluster.
+    pub clusters: Vec<Cluster>,
+    /// `8 workers`, or `4 prefill + 4 decode workers`, with the engines' cache.
+    pub shape: String,
+    /// Every engine's.
+    pub engine: EngineConfig,
+    pub hash_block: usize,
+    pub seed: u64,
+}
+
+impl Setup {
+    /// The simulation of `cluster` at `rate_scale`.
+    pub fn config(&self, cluster: &Cluster, rate_scale: f64) -> SimConfig {
+        SimConfig {
+            cluster: cluster.clone(),
+            engine: self.engine.clone(),
+            hash_block: self.hash_block,
+            vocab: 32000,
+            rate_scale,
+            seed: self.seed,
+        }
+    }
+}
+
+/// `simulate`: every cluster, then the pooled-LRU reference, as a table.
+pub fn simulate_command(
+    setup: &Setup,
+    rate_scale: f64,
+    json: Option<PathBuf>,
+    plot: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let Setup {
+        name,
+        requests,
+        shape,
+        ..
+    } = setup;
+    let bound = trace::hit_bound(requests, setup.hash_block);
+    println!(
+        "{name}; {shape}, rate x{rate_scale}; unbounded-cache hit bound {:.1}%",
+        bound * 100.0
+    );
+    println!("{}", report::simulate_header());
+    let mut results = Vec::new();
+    for cluster in &setup.clusters {
+        let started = Instant::now();
+        let r = simulate(requests, &setup.config(cluster, rate_scale));
+        println!(
+            "{}",
+            report::policy_row(&r, started.elapsed().as_secs_f64())
+        );
+        results.push(r);
+    }
+    let started = Instant::now();
+    let engines = setup.clusters.first().map_or(1, Cluster::engines);
+    let reference = setup
+        .clusters
+        .first()
+        .map(|c| reference(requests, &setup.config(c, rate_scale)));
+    if let Some(r) = &reference {
+        println!(
+            "{}",
+            report::reference_row(r, started.elapsed().as_secs_f64())
+        );
+    }
+    if let Some(out) = json {
+        let doc = serde_json::json!({
+            "trace": name,
+            "workers": engines,
+            "hit_bound": bound,
+            "policies": results,
+            "reference": reference,
+        });
+        std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("cannot write {}", out.display()))?;
+    }
+    if let Some(out) = plot {
+        let subtitle = format!("virtual time, {shape} tokens (simulated), rate x{rate_scale}");
+        let series: Vec<Series<'_>> = results
+            .iter()
+            .map(|r| Series {
+                label: &r.policy,
+                ttft_ms: &r.ttft_sorted_ms,
+            })
+            .chain(reference.iter().map(|r| Series {
+                label: &r.name,
+                ttft_ms: &r.ttft_sorted_ms,
+            }))
+            .collect();
+        write_plot(&out, &format!("TTFT: {name}"), &subtitle, &series)?;
+    }
+    Ok(())
+}
+
+/// `goodput`: each cluster's bracket, a line per simulation on stderr, then a table.
+pub fn goodput_command(
+    setup: &Setup,
+    slo: &Slo,
+    search: &Search,
+    json: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let Setup {
+        name,
+        requests,
+        shape,
+        ..
+    } = setup;
+    let span_s = requests.last().map_or(0, |r| r.timestamp) as f64 / 1e3;
+    let objective = match slo.e2e_p90_ms {
+        Some(e2e) => format!("TTFT p90 <= {} ms and E2E p90 <= {e2e} ms", slo.ttft_p90_ms),
+        None => format!("TTFT p90 <= {} ms", slo.ttft_p90_ms),
+    };
+    println!(
+        "{name} ({:.2} req/s at x1); {shape}; SLO: {objective}",
+        requests.len() as f64 / span_s.max(1e-3)
+    );
+    let mut results = Vec::new();
+    for cluster in &setup.clusters {
+        let policy = cluster.name();
+        let mut last = Instant::now();
+        let g = goodput(
+            requests,
+            &setup.config(cluster, 1.0),
+            slo,
+            search,
+            |p, b| {
+                eprintln!(
+                    "{}",
+                    report::goodput_progress(&policy, p, b, last.elapsed().as_secs_f64())
+                );
+                last = Instant::now();
+            },
+        );
+        results.push(g);
+    }
+    println!("{}", report::goodput_table(&results));
+    if let Some(out) = json {
+        let doc = serde_json::json!({
+            "trace": name,
+            "workers": setup.clusters.first().map_or(1, Cluster::engines),
+            "slo": slo,
+            "tolerance": search.tolerance,
+            "max_steps": search.max_steps,
+            "policies": results,
+        });
+        std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("cannot write {}", out.display()))?;
+    }
+    Ok(())
+}
+
+/// Writes the TTFT figure, saying where.
+pub fn write_plot(
+    path: &Path,
+    title: &str,
+    subtitle: &str,
+    series: &[Series<'_>],
+) -> anyhow::Result<()> {
+    plot::write_ttft_cdf(path, title, subtitle, series)?;
+    eprintln!("TTFT CDF written to {}", path.display());
+    Ok(())
+}

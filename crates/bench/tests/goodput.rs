@@ -1,0 +1,96 @@
+//! `kvroute-bench goodput` and `simulate`'s reference, end to end: the binary on a tiny
+//! synthetic workload, read back from its JSON.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Small multi-turn chats on two small engines: 24 requests, each simulation milliseconds.
+const WORKLOAD: &str = "--synthetic multi-turn --conversations 8 --turns 3 --turn-len 300 \
+    --output-len 20 --request-rate 4 --workers 2 --num-gpu-blocks 512 --seed 5";
+
+/// Runs the binary with `args` and `--json FILE`; the JSON it wrote.
+fn run(name: &str, args: &str) -> Value {
+    let out: PathBuf = [env!("CARGO_TARGET_TMPDIR"), name].iter().collect();
+    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+        .args(args.split_whitespace())
+        .arg("--json")
+        .arg(&out)
+        .output()
+        .expect("the binary runs");
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
+}
+
+#[test]
+fn goodput_brackets_each_policys_highest_rate_meeting_the_slo() {
+    let slo = 80.0;
+    let doc = run(
+        "goodput.json",
+        &format!("goodput {WORKLOAD} --policies kv_aware,round_robin --slo-ttft-p90-ms {slo}"),
+    );
+    assert_eq!(doc["slo"]["ttft_p90_ms"], slo);
+    let policies = doc["policies"].as_array().unwrap();
+    assert_eq!(policies.len(), 2);
+    for p in policies {
+        let (pass, fail) = (&p["pass"], &p["fail"]);
+        let (lo, hi) = (
+            pass["rate_scale"].as_f64().expect("a passing rate"),
+            fail["rate_scale"].as_f64().expect("a failing rate"),
+        );
+        assert!(lo < hi, "{p}");
+        assert!(pass["passes"].as_bool().unwrap() && !fail["passes"].as_bool().unwrap());
+        assert!(pass["ttft_ms"]["p90"].as_f64().unwrap() <= slo, "{p}");
+        assert!(fail["ttft_ms"]["p90"].as_f64().unwrap() > slo, "{p}");
+        let bisections = p["bisections"].as_u64().unwrap();
+        assert!((hi - lo) / lo <= 0.02 || bisections == 8, "{p}");
+        assert!(bisections <= 8);
+    }
+    // Deterministic: the same run, the same brackets.
+    let again = run(
+        "goodput-again.json",
+        &format!("goodput {WORKLOAD} --policies kv_aware,round_robin --slo-ttft-p90-ms {slo}"),
+    );
+    assert_eq!(again["policies"], doc["policies"]);
+}
+
+#[test]
+fn goodput_reports_an_open_end_when_the_range_given_passes() {
+    let doc = run(
+        "goodput-open.json",
+        &format!(
+            "goodput {WORKLOAD} --policies round_robin --slo-ttft-p90-ms 1e9 --min-rate-scale 0.5 --max-rate-scale 2"
+        ),
+    );
+    let p = &doc["policies"][0];
+    assert_eq!(p["pass"]["rate_scale"], 2.0);
+    assert!(p["fail"].is_null());
+    assert_eq!(p["runs"], 2);
+}
+
+#[test]
+fn simulate_puts_the_reference_beside_the_policies() {
+    let doc = run(
+        "simulate.json",
+        &format!("simulate {WORKLOAD} --policies kv_aware,round_robin"),
+    );
+    assert_eq!(doc["policies"].as_array().unwrap().len(), 2);
+    let r = &doc["reference"];
+    assert_eq!(r["name"], "pooled-LRU reference");
+    // 2 engines x 512 blocks x 16 tokens in 512-token hash blocks.
+    assert_eq!(r["capacity_hash_blocks"], 32);
+    assert_eq!(r["requests"], 24);
+    // No policy's hit share is above the reference's on chats this small (all fit), and no
+    // TTFT p50 below it.
+    let share = r["hit_share"].as_f64().unwrap();
+    assert!(share > 0.3, "{r}");
+    for p in doc["policies"].as_array().unwrap() {
+        assert!(p["hit_share"].as_f64().unwrap() <= share + 1e-9, "{p}");
+        assert!(p["ttft_ms"]["p50"].as_f64().unwrap() >= r["ttft_ms"]["p50"].as_f64().unwrap());
+    }
+}
