@@ -127,7 +127,7 @@ pub struct SimArgs {
 #[command(next_help_heading = "Step time")]
 pub struct TimingArgs {
     /// Whose model: kvroute's own, or Dynamo 1.6.1's mocker exactly (its step times, its
-    /// KV-utilisation measure and its admission rule).
+    /// KV-utilisation measure and its scheduler's admission and caching rules).
     #[arg(long, value_enum, default_value_t = TimingFamily::Kvroute)]
     pub timing_model: TimingFamily,
     /// Prefill ms per (new token)^2 in a step [default: 4.209989e-7].

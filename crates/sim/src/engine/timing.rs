@@ -41,7 +41,7 @@
 use std::time::Duration;
 
 /// Whose step-time model a simulated engine follows (see the module docs): its coefficient
-/// defaults, how a step's work is counted, and its admission rule.
+/// defaults, how a step's work is counted, and its scheduler rules ([`Scheduler`]).
 #[derive(
     Debug,
     Clone,
@@ -59,7 +59,7 @@ pub enum TimingFamily {
     /// vLLM v1's scheduler.
     #[default]
     Kvroute,
-    /// NVIDIA Dynamo 1.6.1's mocker: its fits alone, its counting and its admission rule.
+    /// NVIDIA Dynamo 1.6.1's mocker: its fits alone, its counting and its scheduler rules.
     Dynamo,
 }
 
