@@ -42,17 +42,6 @@ async fn sims(n: usize, tokenizer: &Arc<Tokenizer>, shutdown: &CancellationToken
     urls
 }
 
-fn router_settings(urls: &[String], policy: PolicyKind) -> kvroute_gateway::Settings {
-    let specs = urls
-        .iter()
-        .enumerate()
-        .map(|(i, u)| named_spec(&format!("sim{i}"), "kvroute-sim", u.clone()))
-        .collect();
-    let mut s = kvroute_gateway::Settings::with_workers(specs).unwrap();
-    s.policy = policy;
-    s
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sdk_works_through_every_policy_whole_and_streamed() {
     let tokenizer = Arc::new(Tokenizer::fallback());
@@ -62,7 +51,7 @@ async fn the_sdk_works_through_every_policy_whole_and_streamed() {
         if policy == PolicyKind::Manual {
             continue; // routes only with a routing key; covered by the hints tests
         }
-        let router = TestRouter::start(router_settings(&urls, policy)).await;
+        let router = TestRouter::start(sim_settings(&urls, policy)).await;
         let out = sdk(&router.url, "basic", None).await;
         let m = &out["message"];
         assert_eq!(m["type"], "message", "{policy}: {out}");
@@ -114,11 +103,8 @@ async fn a_conversation_stays_on_its_worker_with_its_prefix_cached_and_ids_as_th
     let tokenizer = tiny();
     let shutdown = CancellationToken::new();
     let urls = sims(3, &tokenizer, &shutdown).await;
-    let router = TestRouter::start_with(
-        router_settings(&urls, PolicyKind::KvAware),
-        tokenizer.clone(),
-    )
-    .await;
+    let router =
+        TestRouter::start_with(sim_settings(&urls, PolicyKind::KvAware), tokenizer.clone()).await;
     let out = sdk(&router.url, "conversation", None).await;
     let turns = out["turns"].as_array().unwrap();
     assert_eq!(turns.len(), 4);
@@ -181,7 +167,7 @@ async fn a_malformed_body_is_a_clear_anthropic_400_and_x_api_key_is_the_client_k
     let tokenizer = Arc::new(Tokenizer::fallback());
     let shutdown = CancellationToken::new();
     let urls = sims(1, &tokenizer, &shutdown).await;
-    let mut settings = router_settings(&urls, PolicyKind::KvAware);
+    let mut settings = sim_settings(&urls, PolicyKind::KvAware);
     settings.client_api_key = kvroute_gateway::auth::Secret::new("sk-client".into());
     let router = TestRouter::start(settings).await;
 
@@ -218,7 +204,7 @@ async fn an_engine_dying_mid_stream_ends_the_stream_with_an_anthropic_error_even
         "24\r\nevent: ping\ndata: {\"type\": \"ping\"}\n\n\r\n",
     );
     let engine = scripted(CUT).await;
-    let router = TestRouter::start(router_settings(&[engine], PolicyKind::RoundRobin)).await;
+    let router = TestRouter::start(sim_settings(&[engine], PolicyKind::RoundRobin)).await;
     let body = json!({"model": "kvroute-sim", "max_tokens": 4, "stream": true,
                       "messages": [{"role": "user", "content": "hi"}]});
     let r = post(&router.url, "/v1/messages", &[], &body.to_string()).await;

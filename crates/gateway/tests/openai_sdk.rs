@@ -34,14 +34,7 @@ async fn the_openai_sdk_works_through_every_policy() {
         if policy == PolicyKind::Manual {
             continue; // routes only with a routing key; covered by the hints tests
         }
-        let specs = urls
-            .iter()
-            .enumerate()
-            .map(|(i, u)| named_spec(&format!("sim{i}"), "kvroute-sim", u.clone()))
-            .collect();
-        let mut s = kvroute_gateway::Settings::with_workers(specs).unwrap();
-        s.policy = policy;
-        let router = TestRouter::start(s).await;
+        let router = TestRouter::start(sim_settings(&urls, policy)).await;
         let out = sdk(&router.url).await;
         assert_eq!(
             out["models"],

@@ -18,6 +18,22 @@ pub async fn serve_sim(argv: &[&str], shutdown: &CancellationToken) -> String {
     serve_sim_with(argv, Arc::new(Tokenizer::fallback()), shutdown).await
 }
 
+/// Settings for simulated engines at `urls`, known as `sim0`, `sim1`, ... serving
+/// `kvroute-sim`, under `policy`.
+pub fn sim_settings(
+    urls: &[String],
+    policy: kvroute_core::PolicyKind,
+) -> kvroute_gateway::Settings {
+    let specs = urls
+        .iter()
+        .enumerate()
+        .map(|(i, u)| super::named_spec(&format!("sim{i}"), "kvroute-sim", u.clone()))
+        .collect();
+    let mut s = kvroute_gateway::Settings::with_workers(specs).unwrap();
+    s.policy = policy;
+    s
+}
+
 /// [`serve_sim`], tokenising with `tokenizer`.
 pub async fn serve_sim_with(
     argv: &[&str],
