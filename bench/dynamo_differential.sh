@@ -13,6 +13,10 @@
 # BLOCKS (of 16 tokens), MAX_REQUESTS (the first N requests only), OUT (where each run's JSON
 # is kept; a run whose file is there is not run again), TIMEOUT (seconds per Dynamo run, 3600).
 # 10-20 s a run on 2 cores; the whole table (20 runs) in about 10 minutes.
+# SLO_TTFT_P90_MS=2000 [SLO_E2E_P90_MS=N] then also finds each router's SLO goodput in this
+# engine model: kvroute-bench goodput --timing-model dynamo for round robin and kv_aware (both
+# configurations), and the same search (from x1, doubling or halving, then bisecting to 2% or 8
+# steps) over Dynamo's replay for its kv_router (both configurations); one table of brackets.
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
@@ -96,4 +100,85 @@ for r in rates:
             ok = abs(gaps[0]) <= 3 and abs(gaps[1]) <= 3 and abs(gaps[2]) <= 5
             print(f"| x{r} | round-robin TTFT gap, Dynamo by {how} ({fmt(theirs)}) | "
                   + " / ".join(f"{g:+.1f}%" for g in gaps) + f" | | | | {'within' if ok else 'OUTSIDE'} 3/3/5% |")
+PY
+
+[ -n "${SLO_TTFT_P90_MS:-}" ] || exit 0
+slo=(--slo-ttft-p90-ms "$SLO_TTFT_P90_MS")
+[ -n "${SLO_E2E_P90_MS:-}" ] && slo+=(--slo-e2e-p90-ms "$SLO_E2E_P90_MS")
+goodput_kvroute() { # file args...
+  local file=$1; shift
+  [ -s "$file" ] && return 0
+  "$BIN/kvroute-bench" goodput --trace "$trace" --workers "$WORKERS" --num-gpu-blocks "$BLOCKS" \
+    --timing-model dynamo "${slo[@]}" --json "$file" "$@" > "$file.log" 2>&1 \
+    || echo "kvroute-bench goodput $file failed (see $file.log)" >&2
+}
+goodput_kvroute "$OUT/goodput-kvroute-defaults.json" --policies kv_aware,round_robin
+goodput_kvroute "$OUT/goodput-kvroute-c2s4.json" --policies kv_aware \
+  --router-kv-overlap-score-credit 2 --router-prefill-load-scale 4
+# Dynamo's side: the same search, one replay per rate.
+"$PY" - "$ROOT/bench/dynamo_replay_requests.py" "$trace" "$WORKERS" "$BLOCKS" "$OUT" \
+  "$SLO_TTFT_P90_MS" "${SLO_E2E_P90_MS:-}" <<'PY'
+import json, os, subprocess, sys
+script, trace, workers, blocks, out, ttft_slo, e2e_slo = sys.argv[1:8]
+ttft_slo = float(ttft_slo)
+e2e_slo = float(e2e_slo) if e2e_slo else None
+for cfg, extra in (("defaults", []), ("c2s4", ["--credit", "2", "--scale", "4"])):
+    path = os.path.join(out, f"goodput-dynamo-{cfg}.json")
+    if os.path.exists(path):
+        continue
+    runs = []
+    def passes(x):
+        cmd = [sys.executable, script, trace, workers, "kv_router", "--speed", repr(x), "--blocks", blocks] + extra
+        d = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        ok = d["ttft_ms"][1] <= ttft_slo and (e2e_slo is None or d["e2e_ms"][1] <= e2e_slo)
+        runs.append(dict(rate_scale=x, passes=ok, ttft_ms=d["ttft_ms"], e2e_ms=d["e2e_ms"], rps=d["rps"]))
+        print(f"Dynamo kv_router {cfg}: x{x:.4g} {'passes' if ok else 'fails'} (TTFT p90 {d['ttft_ms'][1]:.0f} ms)", file=sys.stderr)
+        return ok
+    # kvroute-bench goodput's search: x1, then doubling or halving (at most 10), then bisecting
+    # until the bracket is within 2% of its passing end or after 8 bisections.
+    lo = hi = None
+    x = 1.0
+    for _ in range(11):
+        if passes(x):
+            lo = x
+            if hi is not None:
+                break
+            x *= 2
+        else:
+            hi = x
+            if lo is not None:
+                break
+            x /= 2
+    steps = 0
+    while lo is not None and hi is not None and steps < 8 and (hi - lo) / lo > 0.02:
+        mid = (lo + hi) / 2
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+        steps += 1
+    json.dump(dict(pass_rate=lo, fail_rate=hi, runs=runs), open(path, "w"))
+PY
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+rows = []
+for cfg in ("defaults", "c2s4"):
+    label = cfg.replace("c2s4", "credit 2 / scale 4")
+    p = os.path.join(out, f"goodput-kvroute-{cfg}.json")
+    if os.path.exists(p):
+        for g in json.load(open(p)).get("policies", []):
+            name = "kvroute round_robin" if g["policy"] == "round_robin" else f"kvroute kv_aware, {label}"
+            rows.append((name, (g.get("pass") or {}).get("rate_scale"), (g.get("fail") or {}).get("rate_scale")))
+    p = os.path.join(out, f"goodput-dynamo-{cfg}.json")
+    if os.path.exists(p):
+        d = json.load(open(p))
+        rows.append((f"Dynamo kv_router, {label}", d["pass_rate"], d["fail_rate"]))
+best = max((r[1] or 0 for r in rows if r[0].startswith("Dynamo")), default=0)
+print("\n| router | highest passing rate | lowest failing rate | vs Dynamo's best |")
+print("|---|---|---|---|")
+for name, lo, hi in rows:
+    ratio = f"{lo / best:.2f}x" if lo and best else "-"
+    f = lambda v: f"x{v:.3f}" if v else "-"
+    print(f"| {name} | {f(lo)} | {f(hi)} | {ratio} |")
 PY
