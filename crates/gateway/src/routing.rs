@@ -22,7 +22,7 @@ use crate::workers::{Pool, Worker};
 
 mod hints;
 
-pub use hints::{parse_hints, pinned_worker, prefill_pin, session_key, SMG_TARGET_HEADER};
+pub use hints::{parse_hints, prefill_pin, session_key};
 
 /// One (worker, rank) considered for a request.
 #[derive(Debug, Clone)]

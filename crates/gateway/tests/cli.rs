@@ -245,8 +245,8 @@ fn a_peers_flag_kvroute_does_not_take_exits_2_naming_it_and_why() {
     }
 }
 
-#[test]
-fn dump_config_to_writes_the_settings_then_starts() {
+#[tokio::test]
+async fn dump_config_to_writes_the_settings_then_starts() {
     let dir = std::env::temp_dir().join(format!("kvroute-cli-dump-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let dump = dir.join("settings.json");
@@ -282,25 +282,23 @@ fn dump_config_to_writes_the_settings_then_starts() {
             .spawn()
             .unwrap(),
     );
-    // Polls for the whole file (it may be seen half written), or the process's exit.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let text = loop {
-        if let Some(text) = std::fs::read_to_string(&dump)
+    // The whole file (it may be seen half written), or the process's exit, which fails.
+    let whole = || {
+        std::fs::read_to_string(&dump)
             .ok()
             .filter(|t| serde_json::from_str::<serde_json::Value>(t).is_ok())
-        {
-            break text;
-        }
+    };
+    wait_until("the dump written", || {
         if let Some(status) = child.0.try_wait().unwrap() {
             panic!(
                 "kvroute exited ({status}) before writing {}",
                 dump.display()
             );
         }
-        assert!(std::time::Instant::now() < deadline, "no dump written");
-        // The polling interval (as support's `wait_until`), not a wait for an event.
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    };
+        whole().is_some()
+    })
+    .await;
+    let text = whole().unwrap();
     // Written before serving: the process is still up.
     assert_eq!(child.0.try_wait().unwrap(), None);
     drop(child);

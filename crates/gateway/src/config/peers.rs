@@ -62,14 +62,15 @@ pub fn peer_flags() -> impl Iterator<Item = PeerFlag> {
 /// The long flags (and their aliases) kvroute's parser takes.
 pub fn own_flags() -> HashSet<String> {
     let cmd = <Args as clap::CommandFactory>::command();
-    cmd.get_arguments()
-        .flat_map(|a| {
-            a.get_long()
-                .into_iter()
-                .chain(a.get_all_aliases().unwrap_or_default())
-                .map(|l| format!("--{l}"))
-                .collect::<Vec<_>>()
-        })
+    cmd.get_arguments().flat_map(arg_names).collect()
+}
+
+/// An argument's long name and aliases, as `--name`.
+fn arg_names(a: &clap::Arg) -> Vec<String> {
+    a.get_long()
+        .into_iter()
+        .chain(a.get_all_aliases().unwrap_or_default())
+        .map(|l| format!("--{l}"))
         .collect()
 }
 
@@ -146,11 +147,17 @@ fn router_mode(value: &str) -> Result<String, String> {
         "power-of-two" => "power_of_two",
         "least-loaded" => {
             return Err("not supported yet: kvroute has no fewest-in-flight policy \
-                        (smg's least_load, planned, estimates the expected wait)"
+                        (--policy least_load estimates the expected wait from the engines' \
+                        reports)"
                 .to_owned())
         }
         "direct" => {
-            return Err("not supported yet: routing to the worker the request names".to_owned())
+            return Err(
+                "not supported yet: a mode that refuses requests naming no worker \
+                        (kvroute honours nvext.backend_instance_id and x-worker-instance-id \
+                        as pins under every policy)"
+                    .to_owned(),
+            )
         }
         "device-aware-weighted" => {
             return Err("not applicable: Dynamo's CPU/CUDA device types".to_owned())
@@ -177,13 +184,7 @@ fn names_of(long: &str) -> Vec<String> {
     let names = cmd
         .get_arguments()
         .find(|a| a.get_long().is_some_and(|l| format!("--{l}") == long))
-        .map(|a| {
-            a.get_long()
-                .into_iter()
-                .chain(a.get_all_aliases().unwrap_or_default())
-                .map(|l| format!("--{l}"))
-                .collect()
-        })
+        .map(arg_names)
         .unwrap_or_default();
     names
 }
@@ -289,12 +290,6 @@ pub fn pre_parse(args: impl IntoIterator<Item = OsString>) -> Result<PreParsed, 
         }
     }
     Ok(out)
-}
-
-/// Why the command line (the program's name first) is refused before clap reads it, if it
-/// is: the first peer flag kvroute refuses, or a mapped flag's value it cannot map.
-pub fn refusal(args: impl IntoIterator<Item = OsString>) -> Option<String> {
-    pre_parse(args).err()
 }
 
 /// README.md's heading of the section [`readme_table`] writes.
@@ -449,6 +444,11 @@ mod tests {
     use serde_json::Value;
 
     use super::*;
+
+    /// Why the command line is refused before clap reads it, if it is.
+    fn refusal(args: impl IntoIterator<Item = OsString>) -> Option<String> {
+        pre_parse(args).err()
+    }
 
     fn argv(a: &[&str]) -> Vec<OsString> {
         std::iter::once("kvroute")
@@ -740,7 +740,7 @@ mod tests {
             ),
             (
                 "direct",
-                "not supported yet: routing to the worker the request names",
+                "not supported yet: a mode that refuses requests naming no worker",
             ),
             ("device-aware-weighted", "not applicable"),
             ("fastest", "expected kv, round-robin"),

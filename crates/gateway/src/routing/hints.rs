@@ -111,10 +111,7 @@ pub fn prefill_pin(
 }
 
 /// The worker a pin header (`x-kvroute-worker`, `x-kvroute-prefill-worker`) names.
-pub fn pinned_worker(
-    headers: &HeaderMap,
-    name: &'static str,
-) -> Result<Option<String>, GatewayError> {
+fn pinned_worker(headers: &HeaderMap, name: &'static str) -> Result<Option<String>, GatewayError> {
     match text(headers, name)? {
         Some("") => Err(GatewayError::InvalidHint {
             header: name,
@@ -125,7 +122,7 @@ pub fn pinned_worker(
 }
 
 /// smg's pin: a worker id, or the 0-based index of a `--worker-urls` worker when all digits.
-pub const SMG_TARGET_HEADER: &str = "x-smg-target-worker";
+const SMG_TARGET_HEADER: &str = "x-smg-target-worker";
 
 /// The routing hints of a request's headers; a malformed one is a 400 naming the header.
 /// `workers` are the configured workers, in order (smg's pin by index).

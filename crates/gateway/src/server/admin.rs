@@ -106,10 +106,7 @@ pub(super) async fn remove_worker(
     req: Request,
 ) -> Response {
     let result = check_admin(&state, &req, true).and_then(|()| {
-        let worker = Gateway {
-            state: state.clone(),
-        }
-        .remove_worker(&id)?;
+        let worker = super::background::remove_worker(&state, &id)?;
         Ok(Json(serde_json::json!({
             "id": worker.id.as_str(),
             "removed": true,
