@@ -39,8 +39,13 @@
 //!
 //! Over a long run with every class backlogged, class `i`'s share of dispatched cost tends to
 //! `w_i / sum(w)`: the error is bounded by one head plus one quantum per class.
+//!
+//! When a request waits at all (its ranks saturated with prefill) is [`saturation`]'s.
 
 use std::collections::BTreeMap;
+
+mod saturation;
+pub use saturation::{must_wait, saturated, valid_threshold, DEFAULT_BATCH_TOKENS};
 
 #[cfg(test)]
 mod props;

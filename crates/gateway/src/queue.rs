@@ -3,7 +3,8 @@
 //! leaves the queue, on fresh load and cache state.
 //!
 //! A rank is saturated when its active prefill tokens exceed `--router-queue-threshold` x its
-//! engine's `max_num_batched_tokens` (from the worker's config, else vLLM's default 8192).
+//! engine's `max_num_batched_tokens` (from the worker's config, else vLLM's default 8192);
+//! the test and the rule for waiting are `kvroute_core::queue`'s (`saturated`, `must_wait`).
 //! Which class's head goes next is `kvroute_core::queue::DrrQueue`'s weighted deficit round
 //! robin, in uncached tokens. Capacity is re-examined whenever a request produces its first
 //! token or ends, and every 100 ms. A full class answers `queue_full`; a request waiting
@@ -15,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvroute_core::eligibility::BusyThresholds;
-use kvroute_core::queue::{DrrQueue, PolicyClass, QueueError, QueueOrder, Ticket};
+use kvroute_core::queue::{must_wait, DrrQueue, PolicyClass, QueueError, QueueOrder, Ticket};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -27,8 +28,7 @@ use tokio::sync::oneshot;
 use crate::error::GatewayError;
 use crate::workers::Worker;
 
-/// vLLM's default `max_num_batched_tokens`, for workers whose config does not say.
-pub const DEFAULT_BATCH_TOKENS: u64 = 8192;
+pub use kvroute_core::queue::DEFAULT_BATCH_TOKENS;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClassLabel {
@@ -91,10 +91,8 @@ impl Drop for Released<'_> {
 
 /// Whether the rank is saturated with prefill at `threshold`.
 fn saturated(worker: &Worker, rank: usize, threshold: f64) -> bool {
-    let budget = worker
-        .max_num_batched_tokens
-        .unwrap_or(DEFAULT_BATCH_TOKENS) as f64;
-    worker.ranks[rank].with_load(|l| l.prefill_tokens()) as f64 > threshold * budget
+    let prefill = worker.ranks[rank].with_load(|l| l.prefill_tokens());
+    kvroute_core::queue::saturated(prefill, worker.max_num_batched_tokens, threshold)
 }
 
 impl AdmissionQueue {
@@ -205,7 +203,7 @@ impl AdmissionQueue {
         cost: u64,
     ) -> Result<Released<'_>, GatewayError> {
         let full = ranks.iter().all(|(w, r)| saturated(w, *r, self.threshold));
-        if !full && self.is_empty() && !self.in_transit.load(Ordering::Acquire) {
+        if !must_wait(full, !self.is_empty()) && !self.in_transit.load(Ordering::Acquire) {
             return Ok(Released { queue: None });
         }
         let (wake, woken) = oneshot::channel();

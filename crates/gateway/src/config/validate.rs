@@ -408,7 +408,7 @@ impl Args {
                         reason: "not supported with prefill/decode disaggregation yet",
                     })
                 }
-                Some(t) if !(t.is_finite() && t > 0.0) => {
+                Some(t) if !kvroute_core::queue::valid_threshold(t) => {
                     return Err(ConfigError::Invalid {
                         name: "router_queue_threshold",
                         reason: "must be a positive number",
