@@ -11,7 +11,7 @@ use kvroute_sim::engine::EngineConfig;
 use crate::goodput::{goodput, Search, Slo};
 use crate::plot::{self, Series};
 use crate::report;
-use crate::simulate::{reference, simulate, Cluster, SimConfig};
+use crate::simulate::{reference, simulate, Cluster, QueueConfig, SimConfig};
 use crate::trace::{self, TraceRequest};
 
 /// A simulated cluster's workload, policies and engines, resolved from the flags.
@@ -28,6 +28,8 @@ pub struct Setup {
     pub engine: EngineConfig,
     pub hash_block: usize,
     pub seed: u64,
+    /// The router queue, when on.
+    pub queue: Option<QueueConfig>,
 }
 
 impl Setup {
@@ -40,6 +42,7 @@ impl Setup {
             vocab: 32000,
             rate_scale,
             seed: self.seed,
+            queue: self.queue,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! SLO goodput: the highest rate scale at which a simulated cluster meets a latency SLO.
 //!
 //! A run passes when its TTFT p90 is at most the SLO's (and its E2E p90, when the SLO has
-//! one). Passing is assumed monotone in the rate: if a rate passes, every lower one does.
+//! one), and its router queue (when on) timed no request out. Passing is assumed monotone in the rate: if a rate passes, every lower one does.
 //! [`search`] finds a bracket, a passing rate `pass` and a failing rate `fail` above it:
 //!
 //! 1. The start: `--min-rate-scale` and `--max-rate-scale` when given (each is run; a failing
@@ -54,8 +54,12 @@ impl Slo {
         positive("slo-e2e-p90-ms", self.e2e_p90_ms)
     }
 
+    /// Whether `r` meets the objective; a run whose router queue timed a request out does
+    /// not (that client got an error, which no percentile shows).
     pub fn met_by(&self, r: &PolicyResult) -> bool {
-        r.ttft_ms.p90 <= self.ttft_p90_ms && self.e2e_p90_ms.is_none_or(|e| r.e2e_ms.p90 <= e)
+        r.ttft_ms.p90 <= self.ttft_p90_ms
+            && self.e2e_p90_ms.is_none_or(|e| r.e2e_ms.p90 <= e)
+            && r.queue.as_ref().is_none_or(|q| q.timed_out == 0)
     }
 }
 

@@ -2,15 +2,17 @@
 //! here, the work is the library's.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
 use kvroute_bench::plot::Series;
-use kvroute_bench::simulate::{Cluster, PdCluster};
+use kvroute_bench::simulate::{Cluster, InvalidQueue, PdCluster, QueueConfig};
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
+use kvroute_core::queue::QueueOrder;
 use kvroute_core::{KvAwareConfig, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, TimingModel};
 use kvroute_sim::TimingArgs;
@@ -150,6 +152,51 @@ impl PdArgs {
     }
 }
 
+/// The order within the router queue, with the gateway's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum QueueOrderArg {
+    /// Arrival order.
+    Fcfs,
+    /// Fewest uncached tokens first.
+    Wspt,
+}
+
+/// The gateway's router queue, with its flags and defaults (aggregated clusters only).
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Router queue (as the gateway's flags)")]
+struct QueueArgs {
+    /// Hold a request while every engine has more active prefill tokens than this fraction of
+    /// --max-num-batched-tokens (off when absent).
+    #[arg(long, value_name = "F")]
+    router_queue_threshold: Option<f64>,
+    /// Order of the waiting requests [default: fcfs].
+    #[arg(long, value_enum, requires = "router_queue_threshold")]
+    router_queue_policy: Option<QueueOrderArg>,
+    /// The longest a request may wait in the queue; then it gets no answer [default: 60].
+    #[arg(long, value_name = "S", requires = "router_queue_threshold")]
+    router_queue_timeout_secs: Option<u64>,
+}
+
+impl QueueArgs {
+    /// The queue asked for, if any, before a disaggregated cluster when `pd`.
+    fn config(&self, pd: bool) -> Result<Option<QueueConfig>, InvalidQueue> {
+        let Some(threshold) = self.router_queue_threshold else {
+            return Ok(None);
+        };
+        if pd {
+            return Err(InvalidQueue::Disaggregated);
+        }
+        let order = match self.router_queue_policy {
+            Some(QueueOrderArg::Wspt) => QueueOrder::Wspt,
+            Some(QueueOrderArg::Fcfs) | None => QueueOrder::Fcfs,
+        };
+        let timeout = self
+            .router_queue_timeout_secs
+            .map_or(QueueConfig::DEFAULT_TIMEOUT, Duration::from_secs);
+        QueueConfig::new(threshold, order, timeout).map(Some)
+    }
+}
+
 /// The requests to send.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Workload")]
@@ -237,6 +284,8 @@ struct ClusterArgs {
     #[command(flatten)]
     pd: PdArgs,
     #[command(flatten)]
+    queue: QueueArgs,
+    #[command(flatten)]
     timing: TimingArgs,
 }
 
@@ -248,6 +297,7 @@ impl ClusterArgs {
             ..PolicyConfig::default()
         };
         let pd_cluster = self.pd.cluster(&policy_config)?;
+        let queue = self.queue.config(pd_cluster.is_some())?;
         let (name, requests) = self.workload.load(command)?;
         let clusters: Vec<Cluster> = match &pd_cluster {
             Some(c) => vec![Cluster::Disaggregated(c.clone())],
@@ -290,6 +340,7 @@ impl ClusterArgs {
             },
             hash_block: self.workload.hash_block_size,
             seed: self.workload.seed,
+            queue,
         })
     }
 }
@@ -674,6 +725,75 @@ mod tests {
             Some(ErrorKind::UnknownArgument),
             "replay has no engine"
         );
+    }
+
+    #[test]
+    fn simulate_and_goodput_take_the_gateways_queue_flags() {
+        let queue = |args: &str| {
+            let cluster = match Cli::try_parse_from(args.split_whitespace())
+                .map_err(|e| e.kind().to_string())?
+                .command
+            {
+                Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => cluster,
+                Command::Replay { .. } => panic!("not a simulation"),
+            };
+            // The queue's flags are refused before the trace is read.
+            let setup = cluster.setup("simulate").map(|_| ());
+            let err = setup.err().map(|e| e.to_string()).unwrap_or_default();
+            match cluster.queue.config(cluster.pd.prefill_workers.is_some()) {
+                Ok(q) => Ok(q),
+                Err(e) => {
+                    assert_eq!(err, e.to_string(), "setup fails with the queue's error");
+                    Err(err)
+                }
+            }
+        };
+        assert_eq!(queue("b simulate --trace t"), Ok(None));
+        let q = queue("b simulate --trace t --router-queue-threshold 1.5").unwrap();
+        assert_eq!(
+            q,
+            Some(QueueConfig::new(1.5, QueueOrder::Fcfs, Duration::from_secs(60)).unwrap())
+        );
+        let q = queue(
+            "b goodput --trace t --slo-ttft-p90-ms 1 --router-queue-threshold 2 --router-queue-policy wspt --router-queue-timeout-secs 5",
+        )
+        .unwrap();
+        assert_eq!(
+            q,
+            Some(QueueConfig::new(2.0, QueueOrder::Wspt, Duration::from_secs(5)).unwrap())
+        );
+        assert_eq!(
+            queue("b simulate --trace t --router-queue-threshold 0"),
+            Err("--router-queue-threshold must be a positive number, got 0".into())
+        );
+        assert_eq!(
+            queue("b simulate --trace t --router-queue-threshold NaN"),
+            Err("--router-queue-threshold must be a positive number, got NaN".into())
+        );
+        assert_eq!(
+            queue("b simulate --trace t --router-queue-threshold 1 --router-queue-timeout-secs 0"),
+            Err("--router-queue-timeout-secs must be positive".into())
+        );
+        assert!(queue(
+            "b simulate --trace t --router-queue-threshold 1 --prefill-workers 1 --decode-workers 1"
+        )
+        .unwrap_err()
+        .contains("not supported with prefill/decode disaggregation"));
+        // clap's errors: an unknown order, and an order or timeout without a threshold.
+        assert_eq!(
+            parse("b simulate --trace t --router-queue-threshold 1 --router-queue-policy lifo")
+                .err(),
+            Some(ErrorKind::InvalidValue)
+        );
+        for flag in [
+            "--router-queue-policy fcfs",
+            "--router-queue-timeout-secs 9",
+        ] {
+            assert_eq!(
+                parse(&format!("b simulate --trace t {flag}")).err(),
+                Some(ErrorKind::MissingRequiredArgument)
+            );
+        }
     }
 
     #[test]

@@ -55,6 +55,20 @@ pub fn policy_row(r: &PolicyResult, wall_s: f64) -> String {
             pd.kv_transfer_tokens
         ));
     }
+    if let Some(q) = &r.queue {
+        row.push_str(&format!(
+            "\n{:<NAME$} router queue (threshold {}, {}): {} queued ({:.1}%), {} timed out after {} s; wait ms p50/p90/p99 {}; at most {} waiting",
+            "",
+            q.threshold,
+            q.policy,
+            q.queued,
+            q.queued as f64 * 100.0 / (r.requests + r.rejected + q.timed_out).max(1) as f64,
+            q.timed_out,
+            q.timeout_s,
+            ms(&q.wait_ms),
+            q.longest
+        ));
+    }
     row
 }
 

@@ -94,3 +94,35 @@ fn simulate_puts_the_reference_beside_the_policies() {
         assert!(p["ttft_ms"]["p50"].as_f64().unwrap() >= r["ttft_ms"]["p50"].as_f64().unwrap());
     }
 }
+
+#[test]
+fn simulate_reports_the_router_queue_under_its_own_key() {
+    // Prompts of 300 tokens per turn over engines of 64 tokens a step: a threshold of 1
+    // saturates both engines with two requests each.
+    let engines = "--max-num-batched-tokens 64 --policies kv_aware --rate-scale 8";
+    let plain = run("no_queue.json", &format!("simulate {WORKLOAD} {engines}"));
+    let queued = run(
+        "queue.json",
+        &format!(
+            "simulate {WORKLOAD} {engines} --router-queue-threshold 1 --router-queue-policy wspt"
+        ),
+    );
+    let (plain, queued) = (&plain["policies"][0], &queued["policies"][0]);
+    assert!(plain.get("queue").is_none(), "{plain}");
+    let q = &queued["queue"];
+    assert_eq!(
+        (q["threshold"].as_f64(), q["policy"].as_str()),
+        (Some(1.0), Some("wspt"))
+    );
+    assert!(q["queued"].as_u64().unwrap() > 0, "{q}");
+    assert_eq!(q["timed_out"], 0);
+    assert!(q["wait_ms"]["p99"].as_f64().unwrap() > 0.0, "{q}");
+    // The other keys are as without the queue.
+    let keys = |v: &Value| {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.retain(|k| k != "queue");
+        k
+    };
+    assert_eq!(keys(plain), keys(queued));
+    assert_eq!(queued["requests"], 24);
+}

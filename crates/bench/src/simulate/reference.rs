@@ -287,6 +287,7 @@ mod tests {
             vocab: 32000,
             rate_scale: 1.0,
             seed: 1,
+            queue: None,
         }
     }
 

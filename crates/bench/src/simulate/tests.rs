@@ -1,5 +1,7 @@
 use super::*;
 
+mod queue;
+
 fn small_trace() -> Vec<TraceRequest> {
     (0..120u64)
         .map(|i| TraceRequest {
@@ -26,6 +28,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         vocab: 32000,
         rate_scale: 1.0,
         seed: 3,
+        queue: None,
     }
 }
 
@@ -224,6 +227,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             vocab: 32000,
             rate_scale: 1.0,
             seed: 0,
+            queue: None,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));

@@ -1,0 +1,459 @@
+//! A run's state between events: the engines and their steps in progress, the router's index
+//! and load accounting, the requests in flight, the router queue and the running totals.
+//! [`super::run`] moves it from event to event.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvroute_core::RequestLoad;
+use kvroute_index::{
+    block_hashes, EngineHash, KvIndex, KvIndexer, OverlapScores, ReplicaId, StorageTier,
+    StoredBlocks,
+};
+use kvroute_sim::engine::{
+    CacheEvent, EngineConfig, EngineCore, EngineRequest, PromptKv, RequestId, StepOutput,
+};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+use super::queue::{Queued, RouterQueue};
+use super::result::{percentiles, PdResult, PolicyResult};
+use super::route::{Arrival, Placement, Router};
+use super::{Cluster, Run, SimConfig};
+use crate::trace::{prompt_tokens, TraceRequest};
+
+/// A request on an engine.
+struct Live {
+    arrival: Duration,
+    load: RequestLoad,
+    role: Role,
+}
+
+enum Role {
+    /// Its tokens are the client's; `computes_prompt` says whether its engine's cache hits
+    /// count (not when the prompt's KV was received).
+    Answer {
+        answered: bool,
+        computes_prompt: bool,
+    },
+    /// A split request's prefill: when it ends the request goes to `decode`.
+    Prefill {
+        decode: usize,
+        decode_load: RequestLoad,
+        request: EngineRequest,
+    },
+}
+
+/// Characters standing for tokens, for the text-keyed policies (cache_aware, prefix_hash).
+fn text_of(tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .map(|&t| char::from_u32(0x4E00 + t % 20000).unwrap_or('?'))
+        .collect()
+}
+
+fn apply_events(index: &mut KvIndex, replica: ReplicaId, events: &[CacheEvent], block_size: usize) {
+    for e in events {
+        match e {
+            CacheEvent::Stored {
+                hashes,
+                parent,
+                token_ids,
+            } => {
+                let engine_hashes: Vec<EngineHash> =
+                    hashes.iter().map(|&h| EngineHash(h)).collect();
+                let _ = index.apply_stored(
+                    replica,
+                    &StoredBlocks {
+                        parent: parent.map(EngineHash),
+                        engine_hashes: &engine_hashes,
+                        token_ids,
+                        block_size,
+                        tier: StorageTier::Device,
+                        salt: 0,
+                    },
+                );
+            }
+            CacheEvent::Removed { hash } => {
+                index.apply_removed(replica, StorageTier::Device, &[EngineHash(*hash)])
+            }
+            CacheEvent::Cleared => index.clear_replica(replica),
+        }
+    }
+}
+
+/// Running totals.
+#[derive(Default)]
+struct Tally {
+    ttft: Vec<f64>,
+    e2e: Vec<f64>,
+    prompt: u64,
+    cached: u64,
+    output: u64,
+    rejected: usize,
+    /// Requests answered per engine (all engines; the decode ones are reported).
+    answered_by: Vec<usize>,
+    prefills_on: Vec<usize>,
+    tokens_by: Vec<u64>,
+    decode_only: usize,
+    split: usize,
+}
+
+/// See the module docs.
+pub(super) struct State<'a> {
+    cfg: &'a SimConfig,
+    router: Router,
+    engines: Vec<EngineCore>,
+    /// Each engine's step in progress, with its end.
+    pending: Vec<Option<(Duration, StepOutput)>>,
+    index: KvIndex,
+    rng: SmallRng,
+    base: Instant,
+    /// Keyed by engine: a split request has the same id on both of its engines.
+    live: HashMap<(usize, RequestId), Live>,
+    tally: Tally,
+    queue: Option<RouterQueue>,
+    /// The order requests were routed in (the tests read it).
+    routed: Vec<RequestId>,
+}
+
+impl<'a> State<'a> {
+    pub fn new(cfg: &'a SimConfig) -> Self {
+        let bs = cfg.engine.block_size;
+        let router = Router::new(&cfg.cluster, bs, cfg.engine.num_gpu_blocks);
+        let n = router.engines();
+        let engines = (0..n)
+            .map(|i| {
+                EngineCore::new(EngineConfig {
+                    seed: cfg.seed.wrapping_add(i as u64),
+                    ..cfg.engine.clone()
+                })
+            })
+            .collect();
+        let budget = cfg.engine.max_num_batched_tokens as u64;
+        Self {
+            cfg,
+            router,
+            engines,
+            pending: (0..n).map(|_| None).collect(),
+            index: KvIndex::new(bs),
+            rng: SmallRng::seed_from_u64(cfg.seed),
+            base: Instant::now(),
+            live: HashMap::new(),
+            tally: Tally {
+                answered_by: vec![0; n],
+                prefills_on: vec![0; n],
+                tokens_by: vec![0; n],
+                ..Tally::default()
+            },
+            queue: cfg.queue.map(|q| RouterQueue::new(q, budget)),
+            routed: Vec::new(),
+        }
+    }
+
+    /// The next event after the arrival at `t_arrival`, if any: a step's end, a transfer
+    /// landing on an idle engine, a queued request's deadline.
+    pub fn next_event(&self, t_arrival: Option<Duration>) -> Option<Duration> {
+        let t_engine = self.pending.iter().flatten().map(|(end, _)| *end).min();
+        // An idle engine waiting only for KV wakes when the first transfer lands.
+        let t_transfer = self
+            .engines
+            .iter()
+            .zip(&self.pending)
+            .filter(|(_, slot)| slot.is_none())
+            .filter_map(|(e, _)| e.next_transfer_done())
+            .min();
+        let t_deadline = self.queue.as_ref().and_then(RouterQueue::next_deadline);
+        [t_arrival, t_engine, t_transfer, t_deadline]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// The steps ending at `now` take effect: tokens, cache events, load released.
+    pub fn end_steps(&mut self, now: Duration) {
+        let bs = self.cfg.engine.block_size;
+        for e in 0..self.pending.len() {
+            if self.pending[e].as_ref().is_none_or(|(end, _)| *end > now) {
+                continue;
+            }
+            let (end, out) = self.pending[e].take().expect("checked");
+            apply_events(&mut self.index, ReplicaId(e as u32), &out.events, bs);
+            self.tally.tokens_by[e] += out.tokens.len() as u64;
+            for t in &out.tokens {
+                let key = (e, t.id);
+                let Some(l) = self.live.get_mut(&key) else {
+                    continue;
+                };
+                match &mut l.role {
+                    Role::Answer {
+                        answered,
+                        computes_prompt,
+                    } => {
+                        if !*answered {
+                            *answered = true;
+                            self.tally.ttft.push((end - l.arrival).as_secs_f64() * 1e3);
+                            if *computes_prompt {
+                                self.tally.cached += t.cached_tokens as u64;
+                            }
+                            self.router.loads[e].first_token(&l.load);
+                        }
+                        self.tally.output += 1;
+                        if t.finished {
+                            let l = self.live.remove(&key).expect("live");
+                            self.tally.e2e.push((end - l.arrival).as_secs_f64() * 1e3);
+                            self.router.loads[e].finish(&l.load, false);
+                        }
+                    }
+                    Role::Prefill { .. } => {
+                        // One token: the prefill is done; the decode half goes out.
+                        self.tally.cached += t.cached_tokens as u64;
+                        let l = self.live.remove(&key).expect("live");
+                        self.router.loads[e].first_token(&l.load);
+                        self.router.loads[e].finish(&l.load, false);
+                        self.send_to_decode(l);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A split request's prefill `l` ended: the request goes to its decode engine.
+    fn send_to_decode(&mut self, l: Live) {
+        let Role::Prefill {
+            decode,
+            decode_load,
+            request,
+        } = l.role
+        else {
+            unreachable!("a prefill");
+        };
+        let id = request.id;
+        if self.engines[decode]
+            .add_request_from(request, PromptKv::Transfer)
+            .is_err()
+        {
+            self.tally.rejected += 1;
+            return;
+        }
+        self.router.loads[decode].start(&decode_load);
+        self.tally.answered_by[decode] += 1;
+        self.live.insert(
+            (decode, id),
+            Live {
+                arrival: l.arrival,
+                load: decode_load,
+                role: Role::Answer {
+                    answered: false,
+                    computes_prompt: false,
+                },
+            },
+        );
+    }
+
+    /// The overlaps the index sees for `hashes`, when a policy or the queue needs them.
+    fn scores(&self, hashes: &[kvroute_index::BlockHash]) -> OverlapScores {
+        if self.router.needs_overlaps() || self.queue.is_some() {
+            self.index.find_matches(hashes)
+        } else {
+            Default::default()
+        }
+    }
+
+    /// Request `id`, the trace's `r`, arrives at `now`: it waits in the router queue or is
+    /// routed at once.
+    pub fn arrive(&mut self, id: RequestId, r: &TraceRequest, now: Duration) {
+        let tokens = prompt_tokens(r, self.cfg.hash_block, self.cfg.vocab);
+        let hashes = block_hashes(&tokens, self.cfg.engine.block_size, 0);
+        let req = Queued {
+            id,
+            arrival: now,
+            tokens,
+            hashes,
+            max_tokens: r.output_length.max(1),
+        };
+        let Some(queue) = &self.queue else {
+            return self.route(req, now);
+        };
+        if !queue.must_wait(&self.router.loads) {
+            return self.route(req, now);
+        }
+        // The cost: uncached tokens on the engine holding most of the prompt.
+        let scores = self.scores(&req.hashes);
+        let best = (0..self.engines.len())
+            .map(|e| scores.get(ReplicaId(e as u32)).total() as usize)
+            .max()
+            .unwrap_or(0);
+        let cost = req
+            .tokens
+            .len()
+            .saturating_sub(best * self.cfg.engine.block_size);
+        self.queue.as_mut().expect("checked").push(req, cost as u64);
+        self.dispatch(now);
+    }
+
+    /// Capacity may have freed: the queue lets go what it may, each routed in turn.
+    pub fn dispatch(&mut self, now: Duration) {
+        let Some(queue) = &mut self.queue else {
+            return;
+        };
+        for req in queue.release(&self.router.loads, now) {
+            self.route(req, now);
+        }
+    }
+
+    /// Takes out the queued requests whose wait ran out.
+    pub fn expire(&mut self, now: Duration) {
+        if let Some(queue) = &mut self.queue {
+            queue.expire(now);
+        }
+    }
+
+    /// Scores `req` on the current cache and load state and starts it where it goes.
+    fn route(&mut self, req: Queued, now: Duration) {
+        let scores = self.scores(&req.hashes);
+        let text = if self.router.needs_text() {
+            text_of(&req.tokens)
+        } else {
+            String::new()
+        };
+        let placement = self.router.place(
+            &Arrival {
+                tokens: &req.tokens,
+                hashes: &req.hashes,
+                text: &text,
+                now: self.base + now,
+            },
+            &scores,
+            &self.engines,
+            &mut self.rng,
+        );
+        self.routed.push(req.id);
+        self.tally.prompt += req.tokens.len() as u64;
+        let request = EngineRequest {
+            id: req.id,
+            prompt: req.tokens,
+            max_tokens: req.max_tokens,
+            salt: 0,
+        };
+        let (engine, load, role) = match placement {
+            Placement::Whole { engine, load } => {
+                let role = Role::Answer {
+                    answered: false,
+                    computes_prompt: true,
+                };
+                if self.engines[engine].add_request(request).is_err() {
+                    self.tally.rejected += 1;
+                    return;
+                }
+                self.tally.answered_by[engine] += 1;
+                if self.router.halves().is_some() {
+                    self.tally.decode_only += 1;
+                }
+                (engine, load, role)
+            }
+            Placement::Split {
+                prefill,
+                prefill_load,
+                decode,
+                decode_load,
+            } => {
+                let prefill_request = EngineRequest {
+                    max_tokens: 1,
+                    ..request.clone()
+                };
+                if self.engines[prefill].add_request(prefill_request).is_err() {
+                    self.tally.rejected += 1;
+                    return;
+                }
+                self.tally.prefills_on[prefill] += 1;
+                self.tally.split += 1;
+                let role = Role::Prefill {
+                    decode,
+                    decode_load,
+                    request,
+                };
+                (prefill, prefill_load, role)
+            }
+        };
+        self.router.loads[engine].start(&load);
+        self.live.insert(
+            (engine, req.id),
+            Live {
+                arrival: req.arrival,
+                load,
+                role,
+            },
+        );
+    }
+
+    /// Idle engines with work start a step; one that only admits or lands KV computes
+    /// nothing, and its cache events take effect at once.
+    pub fn start_steps(&mut self, now: Duration) {
+        let bs = self.cfg.engine.block_size;
+        for (e, (slot, engine)) in self
+            .pending
+            .iter_mut()
+            .zip(self.engines.iter_mut())
+            .enumerate()
+        {
+            if slot.is_none() && engine.has_work() {
+                let out = engine.step(now);
+                if out.is_idle() {
+                    apply_events(&mut self.index, ReplicaId(e as u32), &out.events, bs);
+                } else {
+                    *slot = Some((now + out.duration, out));
+                }
+            }
+        }
+    }
+
+    /// The figures of a run that ended at `now`.
+    pub fn finish(self, now: Duration) -> Run {
+        let mut tally = self.tally;
+        let engines = self.engines;
+        let makespan = now.as_secs_f64().max(1e-9);
+        let ttft_ms = percentiles(&mut tally.ttft);
+        let pd = match (&self.cfg.cluster, self.router.halves()) {
+            (Cluster::Disaggregated(c), Some((prefill, decode))) => Some(PdResult {
+                prefill_policy: c.prefill_policy.name().to_owned(),
+                decode_policy: c.decode_policy.name().to_owned(),
+                min_uncached_tokens: c.min_uncached_tokens,
+                prefill_requests_per_worker: tally.prefills_on[prefill].to_vec(),
+                decode_requests_per_worker: tally.answered_by[decode.clone()].to_vec(),
+                decode_only: tally.decode_only,
+                split: tally.split,
+                kv_transfer_tokens: engines[decode]
+                    .iter()
+                    .map(|e| e.stats().kv_transfer_tokens_received)
+                    .sum(),
+            }),
+            _ => None,
+        };
+        let requests_per_worker = match &pd {
+            Some(pd) => pd.decode_requests_per_worker.clone(),
+            None => tally.answered_by,
+        };
+        let result = PolicyResult {
+            policy: self.cfg.cluster.name(),
+            requests: requests_per_worker.iter().sum(),
+            rejected: tally.rejected,
+            ttft_ms,
+            ttft_sorted_ms: tally.ttft,
+            e2e_ms: percentiles(&mut tally.e2e),
+            throughput_rps: tally.e2e.len() as f64 / makespan,
+            output_tokens_per_s: tally.output as f64 / makespan,
+            hit_share: tally.cached as f64 / tally.prompt.max(1) as f64,
+            requests_per_worker,
+            preemptions: engines.iter().map(|e| e.stats().preemptions).sum(),
+            pd,
+            queue: self.queue.map(RouterQueue::result),
+        };
+        Run {
+            result,
+            engines,
+            tokens_by: tally.tokens_by,
+            routed: self.routed,
+        }
+    }
+}
