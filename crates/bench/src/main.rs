@@ -13,7 +13,7 @@ use kvroute_bench::simulate::{Cluster, InvalidQueue, PdCluster, QueueConfig};
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::queue::QueueOrder;
-use kvroute_core::{KvAwareConfig, PolicyConfig, PolicyKind};
+use kvroute_core::{KvAwareConfig, MemoryCost, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, TimingModel};
 use kvroute_sim::TimingArgs;
 
@@ -40,17 +40,31 @@ struct Source {
     synthetic: Option<SyntheticKind>,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum MemoryCostArg {
+    Linear,
+    Utilisation,
+}
+
 /// `kv_aware`'s cost weights, with the gateway's flag names; unset ones keep the gateway's
 /// defaults.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "kv_aware (as the gateway's flags)")]
 struct KvAwareArgs {
-    /// Credit per prefix block cached on the device [default: 1.0].
+    /// Credit per prefix block cached on the device [default: 2.0; Dynamo's: 1.0].
     #[arg(long)]
     router_kv_overlap_score_credit: Option<f64>,
-    /// Weight of the prefill term [default: 1.0].
+    /// Weight of the prefill term [default: 4.0; Dynamo's: 1.0].
     #[arg(long)]
     router_prefill_load_scale: Option<f64>,
+    /// How the memory term counts KV blocks: utilisation (weighted by the engine's KV
+    /// utilisation after the request) or linear (Dynamo's) [default: utilisation].
+    #[arg(long, value_enum)]
+    router_kv_memory_cost: Option<MemoryCostArg>,
+    /// Weight of the prefill-interference term (uncached blocks x requests decoding there;
+    /// 0: Dynamo's model) [default: 0.25].
+    #[arg(long)]
+    router_prefill_interference_weight: Option<f64>,
     /// Weight of each active request [default: 0].
     #[arg(long)]
     router_decode_active_request_weight: Option<f64>,
@@ -86,6 +100,16 @@ impl KvAwareArgs {
                 d.decode_active_request_weight,
             )?,
             temperature: weight("router-temperature", self.router_temperature, d.temperature)?,
+            memory_cost: match self.router_kv_memory_cost {
+                Some(MemoryCostArg::Linear) => MemoryCost::Linear,
+                Some(MemoryCostArg::Utilisation) => MemoryCost::Utilisation,
+                None => d.memory_cost,
+            },
+            prefill_interference_weight: weight(
+                "router-prefill-interference-weight",
+                self.router_prefill_interference_weight,
+                d.prefill_interference_weight,
+            )?,
             ..d
         })
     }

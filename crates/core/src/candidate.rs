@@ -57,6 +57,8 @@ pub struct KvTerms {
     pub new_blocks: u64,
     /// Requests in flight there.
     pub active_requests: u64,
+    /// Of those, the ones that have not produced a first token.
+    pub prefilling_requests: u64,
     /// Sum of the weights of the request's preferred taints this worker has (0 for none).
     pub preferred_taint_weight: f64,
 }

@@ -25,5 +25,5 @@ pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequ
 pub use load::{RankLoad, RequestLoad};
 pub use policy::{
     build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LeastLoadConfig, LlmDConfig,
-    Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
+    MemoryCost, Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
 };

@@ -41,6 +41,7 @@ impl RequestLoad {
 pub struct RankLoad {
     prefill_tokens: u64,
     requests: u64,
+    prefilling: u64,
     shared: HashMap<u64, u32>,
     own_blocks: u64,
 }
@@ -52,6 +53,11 @@ impl RankLoad {
 
     pub fn active_requests(&self) -> u64 {
         self.requests
+    }
+
+    /// Requests routed here that have not produced a first token.
+    pub fn prefilling_requests(&self) -> u64 {
+        self.prefilling
     }
 
     /// Distinct blocks held by the rank's active requests.
@@ -72,6 +78,7 @@ impl RankLoad {
     /// A request was routed here.
     pub fn start(&mut self, load: &RequestLoad) {
         self.requests += 1;
+        self.prefilling += 1;
         self.prefill_tokens += load.prefill_tokens;
         self.own_blocks += load.own_blocks;
         for &h in &load.blocks {
@@ -81,6 +88,7 @@ impl RankLoad {
 
     /// The request produced its first token: its prefill is done.
     pub fn first_token(&mut self, load: &RequestLoad) {
+        self.prefilling = self.prefilling.saturating_sub(1);
         self.prefill_tokens = self.prefill_tokens.saturating_sub(load.prefill_tokens);
     }
 
@@ -117,12 +125,16 @@ impl RankLoad {
             decode_blocks: self.decode_blocks(),
             new_blocks: self.new_blocks(request),
             active_requests: self.active_requests(),
+            prefilling_requests: self.prefilling_requests(),
             preferred_taint_weight,
         }
     }
 
     pub fn is_idle(&self) -> bool {
-        self.requests == 0 && self.prefill_tokens == 0 && self.decode_blocks() == 0
+        self.requests == 0
+            && self.prefilling == 0
+            && self.prefill_tokens == 0
+            && self.decode_blocks() == 0
     }
 }
 
@@ -151,14 +163,21 @@ mod tests {
             (r.prefill_tokens(), r.decode_blocks(), r.active_requests()),
             (140, 6, 2)
         );
+        assert_eq!(r.prefilling_requests(), 2);
         r.first_token(&a);
         assert_eq!(r.prefill_tokens(), 40);
+        assert_eq!(r.prefilling_requests(), 1, "a decodes, b still prefills");
+        assert_eq!(
+            r.kv_terms(Default::default(), &a, 0.0).prefilling_requests,
+            1
+        );
         r.finish(&a, false);
         assert_eq!(
             (r.prefill_tokens(), r.decode_blocks(), r.active_requests()),
             (40, 4, 1)
         );
         r.finish(&b, true);
+        assert_eq!(r.prefilling_requests(), 0);
         assert!(r.is_idle());
     }
 }

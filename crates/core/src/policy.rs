@@ -38,7 +38,7 @@ use crate::{Candidate, Decision, RouteRequest};
 
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
-pub use kv_aware::{KvAware, KvAwareConfig};
+pub use kv_aware::{KvAware, KvAwareConfig, MemoryCost};
 pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
 pub use llm_d::{LlmD, LlmDConfig};
 pub(crate) use load::least_at_random;

@@ -18,7 +18,7 @@ mod service;
 mod settings;
 mod validate;
 
-pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, QueueOrderArg};
+pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, MemoryCostArg, QueueOrderArg};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
 pub use load::CliWorkers;
 pub use settings::{

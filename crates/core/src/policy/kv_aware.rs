@@ -1,4 +1,5 @@
-//! `kv_aware`: NVIDIA Dynamo's KV router cost model. Lower cost wins.
+//! `kv_aware`: NVIDIA Dynamo's KV router cost model, with three terms of kvroute's. Lower cost
+//! wins.
 //!
 //! For a request of `ISL` prompt tokens in blocks of `B` tokens, each candidate
 //! (worker, rank) costs
@@ -9,33 +10,62 @@
 //!        + disk_cache_hit_weight * disk + shared_cache_multiplier * external
 //! cost   = prefill_load_scale * max(0, (P + ISL) / B - credit)
 //!        + prefill_load_scale * S * max(0, ISL / B - credit)
-//!        + (decode_blocks + min(new_blocks, ceil(ISL / B) - device))
+//!        + memory(M)                       M = decode_blocks + min(new_blocks, ceil(ISL / B) - device)
+//!        + prefill_interference_weight * U * D
 //!        + decode_active_request_weight * active_requests
+//! memory(M) = M * M / C   (memory_cost utilisation, C the engine's KV blocks, when known)
+//!           = M           (memory_cost linear, or C unknown: Dynamo's)
 //! pending = max(0, (ceil(ISL / B) - new_blocks) - (device + host + disk + external))
+//! U       = max(0, ceil(ISL / B) - (device + host + disk + external + pending))
 //! S       = min over the candidates of the engine's waiting requests (unknown: 0)
 //! ```
 //!
 //! where `device`, `host`, `disk`, `external` are the leading blocks of the prompt the
 //! candidate holds in each tier, `P` the prompt tokens routed there that have not produced
-//! a first token, `decode_blocks` the distinct blocks of its requests still generating and
-//! `new_blocks` the request's blocks not already among them. When the request names
-//! preferred taints, the cost is multiplied by `exp(-tanh(w))`, `w` the summed weights of
-//! those the worker has. Exact ties are broken uniformly at random. With `temperature > 0`
-//! the choice is sampled from `softmax(-(cost - min) / ((max - min) * temperature))`.
+//! a first token, `decode_blocks` the distinct blocks of its requests still generating,
+//! `new_blocks` the request's blocks not already among them, `U` the blocks the engine must
+//! compute for this request and `D` the requests there that have produced a first token
+//! (decoding). When the request names preferred taints, the cost is multiplied by
+//! `exp(-tanh(w))`, `w` the summed weights of those the worker has. Exact ties are broken
+//! uniformly at random. With `temperature > 0` the choice is sampled from
+//! `softmax(-(cost - min) / ((max - min) * temperature))`.
+//! [`KvAwareConfig::dynamo`] is Dynamo 1.6.1's model exactly (credit 1, scale 1, linear memory,
+//! no interference term); the defaults are kvroute's (credit 2, scale 4, utilisation memory,
+//! interference 0.25), measured in the README and BENCHMARKS.md.
 //!
-//! The two terms estimate what the request adds to the rank: compute (the prefill term:
-//! the work queued ahead of it plus its own uncached prompt) and KV memory (the load term:
-//! the blocks its active requests hold plus the blocks this request would add). A block is
-//! added only if the rank does not already hold it, either for another active request (a
-//! shared prefix) or in its device prefix cache (`device`): a prefix-cache hit pins a block
-//! that is already resident instead of allocating, filling and later evicting a copy. So
-//! `min(new_blocks, ceil(ISL / B) - device)` (the two sets are both leading runs of the
-//! prompt's hash chain, so the resident blocks are the longer of the two). Counting the
-//! cached prefix as new memory, as Dynamo's formula does, charges the warm rank for memory
-//! it does not spend; on decode-heavy traffic, where the ranks' `decode_blocks` differ by
-//! more than a whole prompt, it made the load term drown the overlap and spread
-//! conversations over every rank (half the prefix reuse of `cache_aware` on multi-turn
-//! chats). Host, disk and external hits still allocate device blocks and are counted.
+//! The terms estimate what the request adds to the rank: compute (the prefill term: the
+//! work queued ahead of it plus its own uncached prompt), KV memory (the memory term: the
+//! blocks its active requests hold plus the blocks this request would add) and the decodes its
+//! prefill stalls (the interference term). A block is added only if the rank does not already
+//! hold it, either for another active request (a shared prefix) or in its device prefix cache
+//! (`device`): a prefix-cache hit pins a block that is already resident instead of
+//! allocating, filling and later evicting a copy. So `min(new_blocks, ceil(ISL / B) - device)`
+//! (the two sets are both leading runs of the prompt's hash chain, so the resident blocks are
+//! the longer of the two). Counting the cached prefix as new memory, as Dynamo's formula does,
+//! charges the warm rank for memory it does not spend; on decode-heavy traffic, where the
+//! ranks' `decode_blocks` differ by more than a whole prompt, it made the load term drown the
+//! overlap and spread conversations over every rank (half the prefix reuse of `cache_aware` on
+//! multi-turn chats). Host, disk and external hits still allocate device blocks and are
+//! counted.
+//!
+//! **Memory by utilisation.** A block of KV costs a rank little while it has room and much
+//! as it fills: an engine's decode step slows with the KV its decodes read (Dynamo's fit is
+//! concave in utilisation, steepest when nearly empty but bounded), and only a full engine
+//! preempts or holds arrivals back. Counted linearly, one long conversation still decoding on
+//! a rank (2,500 blocks of 16,384) outweighs a 1,000-block prefix hit there, and an idle
+//! cluster sends the next turn to a cold rank. Weighting each block by the utilisation it
+//! brings the rank to (`M * M / C`) charges that rank 380 blocks instead, and a nearly full
+//! rank nearly all of them. Without the engine's block count (`num_gpu_blocks`, from its
+//! metrics or the worker's config) the term is Dynamo's linear count.
+//!
+//! **Prefill interference.** A chunked prefill runs in the same forward pass as the rank's
+//! decodes, and the step takes as long as both: each of the `D` requests decoding there
+//! waits for every chunk of this request's `U` uncached blocks. Its cost to them is about
+//! `U * D` block-times, which the prefill term (this request's own wait) does not see. The
+//! term moves long uncached prompts away from ranks that are busy decoding, towards ranks
+//! with few decodes or with the prefix cached (a cached block interferes with nothing), and
+//! leaves short or cached prompts where their prefix is. In Dynamo's engine model on the
+//! Mooncake trace at 4x its rate it cut E2E p90 by 28% at the same TTFT (BENCHMARKS.md).
 //!
 //! Two terms keep a shared prefix in one place when the cluster is overloaded:
 //!
@@ -64,7 +94,26 @@ use rand::{Rng, RngCore};
 use super::{Policy, PolicyKind};
 use crate::{Candidate, Decision, RouteRequest};
 
-/// The cost model's weights (Dynamo's flags and defaults).
+/// How the memory term counts KV blocks (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MemoryCost {
+    /// Each block counts once, as in Dynamo's model.
+    Linear,
+    /// Each block counts the engine's KV utilisation after the request (`M * M / C`).
+    #[default]
+    Utilisation,
+}
+
+impl MemoryCost {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryCost::Linear => "linear",
+            MemoryCost::Utilisation => "utilisation",
+        }
+    }
+}
+
+/// The cost model's weights (Dynamo's flags, kvroute's defaults: see the module docs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvAwareConfig {
     pub overlap_score_credit: f64,
@@ -74,10 +123,26 @@ pub struct KvAwareConfig {
     pub host_cache_hit_weight: f64,
     pub disk_cache_hit_weight: f64,
     pub shared_cache_multiplier: f64,
+    pub memory_cost: MemoryCost,
+    pub prefill_interference_weight: f64,
 }
 
 impl Default for KvAwareConfig {
     fn default() -> Self {
+        Self {
+            overlap_score_credit: 2.0,
+            prefill_load_scale: 4.0,
+            memory_cost: MemoryCost::Utilisation,
+            prefill_interference_weight: 0.25,
+            ..Self::dynamo()
+        }
+    }
+}
+
+impl KvAwareConfig {
+    /// NVIDIA Dynamo 1.6.1's KV router model and defaults: credit 1, scale 1, memory counted
+    /// linearly, no interference term.
+    pub fn dynamo() -> Self {
         Self {
             overlap_score_credit: 1.0,
             prefill_load_scale: 1.0,
@@ -86,6 +151,8 @@ impl Default for KvAwareConfig {
             host_cache_hit_weight: 0.75,
             disk_cache_hit_weight: 0.25,
             shared_cache_multiplier: 0.0,
+            memory_cost: MemoryCost::Linear,
+            prefill_interference_weight: 0.0,
         }
     }
 }
@@ -110,6 +177,11 @@ impl std::fmt::Debug for KvAware {
             .field("host_cache_hit_weight", &k.host_cache_hit_weight)
             .field("disk_cache_hit_weight", &k.disk_cache_hit_weight)
             .field("shared_cache_multiplier", &k.shared_cache_multiplier)
+            .field("memory_cost", &k.memory_cost)
+            .field(
+                "prefill_interference_weight",
+                &k.prefill_interference_weight,
+            )
             .finish()
     }
 }
@@ -150,9 +222,22 @@ impl KvAware {
         let new_blocks =
             c.kv.new_blocks
                 .min(prompt_blocks.saturating_sub(u64::from(o.device)));
+        let memory = (c.kv.decode_blocks + new_blocks) as f64;
+        let memory = match (k.memory_cost, c.engine.num_gpu_blocks) {
+            (MemoryCost::Utilisation, Some(capacity)) if capacity > 0 => {
+                memory * memory / capacity as f64
+            }
+            _ => memory,
+        };
+        // The blocks this request's prefill computes, and the requests decoding beside it.
+        let uncached = prompt_blocks.saturating_sub(u64::from(o.total()) + pending) as f64;
+        let decoding =
+            c.kv.active_requests
+                .saturating_sub(c.kv.prefilling_requests) as f64;
         let mut cost = k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
             + k.prefill_load_scale * saturation * (prompt - credit).max(0.0)
-            + (c.kv.decode_blocks + new_blocks) as f64
+            + memory
+            + k.prefill_interference_weight * uncached * decoding
             + k.decode_active_request_weight * c.kv.active_requests as f64;
         if request.has_preferred_taints {
             cost *= (-c.kv.preferred_taint_weight.tanh()).exp();
@@ -234,6 +319,11 @@ mod tests {
     use crate::policy::test_support::ids;
     use crate::{EngineLoad, KvTerms, Overlap};
 
+    /// Dynamo's model: the exact figures below are its formula's.
+    fn dynamo() -> KvAware {
+        KvAware::new(KvAwareConfig::dynamo())
+    }
+
     fn req(prompt_tokens: usize) -> RouteRequest<'static> {
         RouteRequest {
             prompt_tokens,
@@ -252,7 +342,7 @@ mod tests {
     #[test]
     fn the_cost_formula() {
         let ids = ids(1);
-        let p = KvAware::default();
+        let p = dynamo();
         let c = cand(
             &ids[0],
             KvTerms {
@@ -266,6 +356,7 @@ mod tests {
                 decode_blocks: 50,
                 new_blocks: 90,
                 active_requests: 3,
+                prefilling_requests: 0,
                 preferred_taint_weight: 0.0,
             },
         );
@@ -275,7 +366,7 @@ mod tests {
             decode_active_request_weight: 2.0,
             shared_cache_multiplier: 0.5,
             prefill_load_scale: 2.0,
-            ..KvAwareConfig::default()
+            ..KvAwareConfig::dynamo()
         });
         // credit 18; 2 * 102 + 140 + 6.
         assert!((p.cost(&c, &req(1600), 0.0) - 350.0).abs() < 1e-9);
@@ -292,13 +383,13 @@ mod tests {
                 ..KvTerms::default()
             },
         );
-        assert_eq!(KvAware::default().cost(&big, &req(160), 0.0), 0.0);
+        assert_eq!(dynamo().cost(&big, &req(160), 0.0), 0.0);
     }
 
     #[test]
     fn overlap_wins_until_load_outweighs_it() {
         let ids = ids(2);
-        let p = KvAware::default();
+        let p = dynamo();
         let mut rng = SmallRng::seed_from_u64(0);
         let warm = KvTerms {
             overlap: Overlap {
@@ -323,7 +414,7 @@ mod tests {
     #[test]
     fn blocks_cached_on_the_device_are_not_new_memory() {
         let ids = ids(2);
-        let p = KvAware::default();
+        let p = dynamo();
         // 1000 tokens: 63 blocks, the last partial; 40 of them cached on the device.
         let r = req(1000);
         let warm = KvTerms {
@@ -373,7 +464,7 @@ mod tests {
         // 225 + 75 (375). Counting the cached prefix as new memory (44 + 260 + 75 = 379)
         // would move the conversation.
         let ids = ids(2);
-        let p = KvAware::default();
+        let p = dynamo();
         let r = req(75 * 16);
         let warm = KvTerms {
             overlap: Overlap {
@@ -404,7 +495,7 @@ mod tests {
     #[test]
     fn ties_are_broken_at_random_and_temperature_samples() {
         let ids = ids(3);
-        let p = KvAware::default();
+        let p = dynamo();
         // 100 tokens: 7 blocks, none held by an active request.
         let fresh = KvTerms {
             new_blocks: 7,
@@ -420,7 +511,7 @@ mod tests {
         // With temperature, the costlier candidate is chosen sometimes, the cheap one mostly.
         let hot = KvAware::new(KvAwareConfig {
             temperature: 1.0,
-            ..KvAwareConfig::default()
+            ..KvAwareConfig::dynamo()
         });
         let c = [
             cand(
@@ -450,7 +541,7 @@ mod tests {
         // in the queue of rank 1: no KV event reports its blocks yet, but the second
         // request will find them computed. Rank 1 prefills more and decodes more.
         let ids = ids(2);
-        let p = KvAware::default();
+        let p = dynamo();
         let r = req(450 * 16);
         let cold = KvTerms {
             prefill_tokens: 2000 * 16,
@@ -513,7 +604,7 @@ mod tests {
         // one (about two and a half cold prompts). Unsaturated, the queue wins; with 10
         // requests waiting everywhere, recomputing 352 blocks costs more than the wait.
         let ids = ids(2);
-        let p = KvAware::default();
+        let p = dynamo();
         let r = req(450 * 16);
         let waiting = |w: f64| EngineLoad {
             waiting: Some(w),
@@ -554,15 +645,15 @@ mod tests {
     #[test]
     fn debug_names_every_parameter() {
         assert_eq!(
-            format!("{:?}", KvAware::default()),
-            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0 }"
+            format!("{:?}", dynamo()),
+            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0 }"
         );
     }
 
     #[test]
     fn preferred_taints_scale_the_cost() {
         let ids = ids(2);
-        let p = KvAware::default();
+        let p = dynamo();
         let mut r = req(320);
         r.has_preferred_taints = true;
         let fresh = KvTerms {
@@ -581,5 +672,112 @@ mod tests {
         assert!((ratio - (-(1.0f64).tanh()).exp()).abs() < 1e-12);
         let mut rng = SmallRng::seed_from_u64(2);
         assert_eq!(p.select(&[plain, tainted], &r, &mut rng).unwrap().index, 1);
+    }
+
+    fn sized(id: &kvroute_protocol::WorkerId, kv: KvTerms, blocks: Option<u64>) -> Candidate<'_> {
+        Candidate {
+            engine: EngineLoad {
+                num_gpu_blocks: blocks,
+                ..EngineLoad::default()
+            },
+            ..cand(id, kv)
+        }
+    }
+
+    #[test]
+    fn memory_costs_by_utilisation_when_the_engine_size_is_known() {
+        let ids = ids(2);
+        let r = req(200 * 16);
+        // A warm rank with one long conversation decoding, and an idle cold one.
+        let warm = KvTerms {
+            overlap: Overlap {
+                device: 160,
+                ..Overlap::default()
+            },
+            decode_blocks: 2500,
+            new_blocks: 200,
+            active_requests: 1,
+            ..KvTerms::default()
+        };
+        let cold = KvTerms {
+            new_blocks: 200,
+            ..KvTerms::default()
+        };
+        let p = KvAware::default();
+        let w = sized(&ids[0], warm, Some(16384));
+        let c = sized(&ids[1], cold, Some(16384));
+        // 2540 blocks at 2540 / 16384 utilisation, and 40 uncached blocks beside 1 decode.
+        let expected = 2540.0 * 2540.0 / 16384.0 + 0.25 * 40.0;
+        assert!((p.cost(&w, &r, 0.0) - expected).abs() < 1e-9);
+        assert!((p.cost(&c, &r, 0.0) - (4.0 * 200.0 + 200.0 * 200.0 / 16384.0)).abs() < 1e-9);
+        let mut rng = SmallRng::seed_from_u64(0);
+        assert_eq!(p.select(&[c, w], &r, &mut rng).unwrap().index, 1);
+        // Counted linearly (Dynamo's count, or the engine's size unknown) the decode outweighs
+        // the prefix, and the turn goes to the cold rank.
+        let linear = KvAware::new(KvAwareConfig {
+            memory_cost: MemoryCost::Linear,
+            ..KvAwareConfig::default()
+        });
+        assert_eq!(linear.select(&[c, w], &r, &mut rng).unwrap().index, 0);
+        let unknown = [sized(&ids[1], cold, None), sized(&ids[0], warm, None)];
+        assert_eq!(p.select(&unknown, &r, &mut rng).unwrap().index, 0);
+        assert!((p.cost(&unknown[1], &r, 0.0) - (2540.0 + 10.0)).abs() < 1e-9);
+        // A nearly full rank costs nearly all its blocks: the prefix no longer holds it.
+        let full = KvTerms {
+            decode_blocks: 15000,
+            ..warm
+        };
+        let f = sized(&ids[0], full, Some(16384));
+        assert_eq!(p.select(&[c, f], &r, &mut rng).unwrap().index, 0);
+    }
+
+    #[test]
+    fn prefill_interference_moves_long_uncached_prompts_off_decoding_ranks() {
+        let ids = ids(2);
+        let p = KvAware::default();
+        // Rank 0 has 10 requests decoding and 2 prefilling (16 tokens left), rank 1 nothing
+        // but more memory in use.
+        let decoding = KvTerms {
+            prefill_tokens: 16,
+            decode_blocks: 1000,
+            new_blocks: 1000,
+            active_requests: 12,
+            prefilling_requests: 2,
+            ..KvTerms::default()
+        };
+        let quiet = KvTerms {
+            decode_blocks: 3000,
+            new_blocks: 1000,
+            ..KvTerms::default()
+        };
+        let r = req(1000 * 16);
+        let (a, b) = (
+            sized(&ids[0], decoding, Some(16384)),
+            sized(&ids[1], quiet, Some(16384)),
+        );
+        let no_interference = KvAware::new(KvAwareConfig {
+            prefill_interference_weight: 0.0,
+            ..KvAwareConfig::default()
+        });
+        let base = no_interference.cost(&a, &r, 0.0);
+        // 1,000 uncached blocks stall the 10 decodes (not the 2 prefills).
+        assert!((p.cost(&a, &r, 0.0) - (base + 0.25 * 1000.0 * 10.0)).abs() < 1e-9);
+        assert_eq!(p.cost(&b, &r, 0.0), no_interference.cost(&b, &r, 0.0));
+        let mut rng = SmallRng::seed_from_u64(0);
+        assert_eq!(
+            no_interference.select(&[a, b], &r, &mut rng).unwrap().index,
+            0
+        );
+        assert_eq!(p.select(&[a, b], &r, &mut rng).unwrap().index, 1);
+        // A prompt cached there but for its last block interferes with almost nothing: it stays.
+        let cached = KvTerms {
+            overlap: Overlap {
+                device: 999,
+                ..Overlap::default()
+            },
+            ..decoding
+        };
+        let a = sized(&ids[0], cached, Some(16384));
+        assert_eq!(p.select(&[a, b], &r, &mut rng).unwrap().index, 0);
     }
 }

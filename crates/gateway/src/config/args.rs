@@ -55,6 +55,13 @@ pub enum QueueOrderArg {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
+pub enum MemoryCostArg {
+    Linear,
+    Utilisation,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AffinityModeArg {
     Hard,
     Soft,
@@ -240,12 +247,20 @@ pub struct Args {
     /// The router's KV block size in tokens [default: 16].
     #[arg(aliases = ["kv-event-block-size", "kv-cache-block-size"], long)]
     pub block_size: Option<usize>,
-    /// kv_aware: credit per prefix block cached on the device [default: 1.0].
+    /// kv_aware: credit per prefix block cached on the device [default: 2.0; Dynamo's: 1.0].
     #[arg(long)]
     pub router_kv_overlap_score_credit: Option<f64>,
-    /// kv_aware: weight of the prefill term [default: 1.0].
+    /// kv_aware: weight of the prefill term [default: 4.0; Dynamo's: 1.0].
     #[arg(long)]
     pub router_prefill_load_scale: Option<f64>,
+    /// kv_aware: how the memory term counts KV blocks: utilisation (each block weighted by the
+    /// engine's KV utilisation after the request) or linear (Dynamo's) [default: utilisation].
+    #[arg(long, value_enum)]
+    pub router_kv_memory_cost: Option<MemoryCostArg>,
+    /// kv_aware: weight of the prefill-interference term, the request's uncached blocks times
+    /// the requests decoding on the candidate (0: Dynamo's model) [default: 0.25].
+    #[arg(long)]
+    pub router_prefill_interference_weight: Option<f64>,
     /// kv_aware: weight of each active request [default: 0].
     #[arg(long)]
     pub router_decode_active_request_weight: Option<f64>,

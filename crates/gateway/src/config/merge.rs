@@ -107,6 +107,10 @@ impl Args {
             router_decode_active_request_weight: self
                 .router_decode_active_request_weight
                 .or(file.router_decode_active_request_weight),
+            router_kv_memory_cost: self.router_kv_memory_cost.or(file.router_kv_memory_cost),
+            router_prefill_interference_weight: self
+                .router_prefill_interference_weight
+                .or(file.router_prefill_interference_weight),
             router_temperature: self.router_temperature.or(file.router_temperature),
             router_host_cache_hit_weight: self
                 .router_host_cache_hit_weight

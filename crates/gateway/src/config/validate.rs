@@ -6,7 +6,8 @@ use kvroute_core::affinity::AffinityMode;
 use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::{
-    AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, PolicyConfig, PolicyKind,
+    AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, MemoryCost, PolicyConfig,
+    PolicyKind,
 };
 
 use super::*;
@@ -108,6 +109,16 @@ impl Args {
                 "router_decode_active_request_weight",
                 self.router_decode_active_request_weight,
                 kv.decode_active_request_weight,
+            )?,
+            memory_cost: match self.router_kv_memory_cost {
+                Some(MemoryCostArg::Linear) => MemoryCost::Linear,
+                Some(MemoryCostArg::Utilisation) => MemoryCost::Utilisation,
+                None => kv.memory_cost,
+            },
+            prefill_interference_weight: weight(
+                "router_prefill_interference_weight",
+                self.router_prefill_interference_weight,
+                kv.prefill_interference_weight,
             )?,
             temperature: weight(
                 "router_temperature",
