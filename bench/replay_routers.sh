@@ -130,9 +130,10 @@ for group in $GROUP; do
       run 1 "kvroute kv_aware" "$SIM" kvroute-sim -- "${KVROUTE[@]}"
       run 1 "kvroute round_robin" "$SIM" kvroute-sim -- "${KVROUTE[@]}" --policy round_robin
       run 1 "kvroute cache_aware" "$SIM" kvroute-sim -- "${KVROUTE[@]}" --policy cache_aware
-      # Its command is the venv's python: the venv counts as there when it installed its CLI.
+      # The venv's python3 (what its scripts' #! names; its `python` may be another); the venv
+      # counts as there when it installed its CLI.
       have "sglang-router 0.3.2 cache_aware" "$PEERS_DIR/venv-sgl/bin/sglang-router" &&
-      run 1 "sglang-router 0.3.2 cache_aware" "$SIM" kvroute-sim -- "$PEERS_DIR/venv-sgl/bin/python" \
+      run 1 "sglang-router 0.3.2 cache_aware" "$SIM" kvroute-sim -- "$PEERS_DIR/venv-sgl/bin/python3" \
         -m sglang_router.launch_router --host 127.0.0.1 --port $PORT --prometheus-port $((PORT + 1)) \
         --worker-urls "${W[@]}" --policy cache_aware --log-level warn
       run 1 "vllm-router 0.1.17 cache_aware" "$SIM" kvroute-sim -- "$PEERS_DIR/venv-vllmr/bin/vllm-router" \
