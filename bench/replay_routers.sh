@@ -116,7 +116,12 @@ table() { # group
   for row in "${rows[@]}"; do
     IFS='|' read -r group label engines i <<< "$row"
     [ "$group" = "$1" ] || continue
-    jq -r --arg l "$label" --arg e "$engines" '.policies[0] | "| \($l) | \($e) | \(.ttft_ms | "\(.p50|round) / \(.p90|round) / \(.p99|round)") | \(.e2e_ms | "\(.p50|round) / \(.p90|round) / \(.p99|round)") | \(.throughput_rps * 100 | round / 100) | \(.hit_share * 1000 | round / 10) | \(.errors) |"' \
+    jq -r --arg l "$label" --arg e "$engines" '
+      def ms: "\(.p50 | round) / \(.p90 | round) / \(.p99 | round)";
+      def fixed($d): (. * pow(10; $d) | round | tostring) as $s      # $d decimals, $d >= 1
+        | ("0" * ($d + 1 - ($s | length)) + $s) as $z | $z[:-$d] + "." + $z[-$d:];
+      .policies[0]
+      | "| \($l) | \($e) | \(.ttft_ms | ms) | \(.e2e_ms | ms) | \(.throughput_rps | fixed(2)) | \(.hit_share * 100 | fixed(1)) | \(.errors) |"' \
       "$LOGS/row$i.json"
   done
 }
