@@ -25,7 +25,8 @@
 # env: N (requests from the trace's start, 400), SPEEDUP (engines' speedup and the trace's rate
 # scale, 10), WORKERS (engines per row, 4), TRACE, PEERS_DIR (/tmp/kvroute-peers), GROUP (the
 # groups to run, "1 2"), the engines' BLOCK_SIZE (16), NUM_BLOCKS (16384), MAX_BATCHED_TOKENS (8192),
-# MAX_SEQS (256); and lib.sh's BIN, LOGS (each row's logs and JSON stay there).
+# MAX_SEQS (256), RUN_DYNAMO (../shared/peers/run_dynamo.sh), DYN_LOG (Dynamo's log level, warn);
+# and lib.sh's BIN, LOGS (each row's logs and JSON stay there, as rowK.*).
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
