@@ -1,33 +1,172 @@
 #!/usr/bin/env bash
-# The Mooncake trace replayed in real time through kvroute and the peer routers, in front of
-# the same 4 kvroute-sim replicas (each run starts them fresh, so every router meets cold caches).
-#   ../shared/peers/setup_peers.sh sgl vllmr    # once
-#   bench/replay_routers.sh                     # N=400 SPEEDUP=10 (the trace's rate scaled by SPEEDUP too)
+# The Mooncake trace replayed in real time (`kvroute-bench replay`: streaming completions, one
+# client for every row) through kvroute and the peer routers, each run in front of fresh
+# engines (so every router meets cold caches), all on the same trace slice and speedup.
+#
+#   ../shared/peers/setup_peers.sh sgl vllmr smg dyn    # once; a peer whose venv is absent is skipped
+#   bench/replay_routers.sh                             # N=400 SPEEDUP=10 WORKERS=4
+#
+# Two groups of rows, each printed as a table (TTFT and E2E p50/p90/p99, req/s, cached share
+# of prompt tokens, errors):
+#   1. kvroute-sim replicas in kvroute's own timing model, the fallback tokenizer (a letter a
+#      token): kvroute kv_aware, round_robin, cache_aware; sglang-router 0.3.2, vllm-router
+#      0.1.17 and smg 1.13, each cache_aware.
+#   2. Dynamo's engine model, the tiny-llama BPE tokenizer (context raised to 262,144): NVIDIA
+#      Dynamo 1.6.1's frontend with its mocker engines (`../shared/peers/run_dynamo.sh`, the
+#      mockers in one process) under its KV router (defaults; overlap credit 2, prefill load
+#      scale 4) and round robin; then kvroute-sim replicas with `--timing-model dynamo` and the
+#      same tokenizer, block size, block count, batch limits and speedup, behind kvroute
+#      (kv_aware defaults; kv_aware credit 2 / scale 4; round_robin; cache_aware; llm_d) and
+#      smg cache_aware.
+# Dynamo's frontend sends no chunk for a token whose text decodes empty (most of its mocker's,
+# with this tokenizer), so its rows ask for `nvext.worker_id` (`--extra-body`): then it sends a
+# chunk per token, each naming its worker.
+#
+# env: N (requests from the trace's start, 400), SPEEDUP (engines' speedup and the trace's rate
+# scale, 10), WORKERS (engines per row, 4), TRACE, PEERS_DIR (/tmp/kvroute-peers), GROUP (the
+# groups to run, "1 2"), the engines' BLOCK_SIZE (16), NUM_BLOCKS (16384), MAX_BATCHED_TOKENS (8192),
+# MAX_SEQS (256), RUN_DYNAMO (../shared/peers/run_dynamo.sh), DYN_LOG (Dynamo's log level, warn);
+# and lib.sh's BIN, LOGS (each row's logs and JSON stay there, as rowK.*).
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
 PEERS_DIR=${PEERS_DIR:-/tmp/kvroute-peers}
-N=${N:-400}; SPEEDUP=${SPEEDUP:-10}
+export PEERS_DIR
+N=${N:-400}; SPEEDUP=${SPEEDUP:-10}; WORKERS=${WORKERS:-4}; GROUP=${GROUP:-1 2}
+BLOCK_SIZE=${BLOCK_SIZE:-16}; NUM_BLOCKS=${NUM_BLOCKS:-16384}
+MAX_BATCHED_TOKENS=${MAX_BATCHED_TOKENS:-8192}; MAX_SEQS=${MAX_SEQS:-256}
 TRACE=${TRACE:-$ROOT/../shared/data/mooncake_synthetic_trace.jsonl}
+RUN_DYNAMO=${RUN_DYNAMO:-$ROOT/../shared/peers/run_dynamo.sh}
 build -p kvroute-sim -p kvroute-gateway -p kvroute-bench
-workers_yaml 4 19200 19300 > "$LOGS/kvroute.yaml"
-W="http://127.0.0.1:19200 http://127.0.0.1:19201 http://127.0.0.1:19202 http://127.0.0.1:19203"
-run() { # label cmd...
-  local label=$1; shift
-  start_sims 4 19200 19300 --speedup "$SPEEDUP" || return 1
-  "$@" > "$LOGS/$label.log" 2>&1 & local pid=$!; pids+=("$pid")
-  wait_ready http://127.0.0.1:19210/v1/models || { tail -5 "$LOGS/$label.log"; stop $pid; stop_sims; return 1; }
-  sleep 1
-  printf "%-26s " "$label"
-  "$BIN/kvroute-bench" replay --trace "$TRACE" --url http://127.0.0.1:19210 --max-requests "$N" \
-     --rate-scale "$SPEEDUP" --max-concurrency 256 --model kvroute-sim 2>/dev/null
-  stop $pid; stop_sims; sleep 1
+
+PORT=19190          # every router's HTTP port (and Dynamo's frontend's); metrics on PORT+1
+SIM_PORT=19200      # engine i on SIM_PORT+i, its KV events on EVENTS+i
+EVENTS=19300
+URL=http://127.0.0.1:$PORT
+workers_yaml "$WORKERS" $SIM_PORT $EVENTS > "$LOGS/kvroute.yaml"
+W=()
+for ((i = 0; i < WORKERS; i++)); do W+=("http://127.0.0.1:$((SIM_PORT + i))"); done
+KVROUTE=("$BIN/kvroute" --port "$PORT" --prometheus-port "$((PORT + 1))" --config "$LOGS/kvroute.yaml"
+         --log-level warn)
+ENGINE=(--block-size "$BLOCK_SIZE" --num-gpu-blocks "$NUM_BLOCKS"
+        --max-num-batched-tokens "$MAX_BATCHED_TOKENS" --max-num-seqs "$MAX_SEQS" --speedup "$SPEEDUP")
+
+# The tiny-llama tokenizer with a context long enough for the trace's prompts (Dynamo's
+# frontend refuses a prompt beyond the model's context).
+TOK=$LOGS/tiny-llama-long
+cp -r "$ROOT/testdata/tiny-llama" "$TOK"
+sed -i 's/"max_position_embeddings": *[0-9]*/"max_position_embeddings": 262144/' "$TOK/config.json"
+sed -i 's/"model_max_length": *[0-9]*/"model_max_length": 262144/' "$TOK/tokenizer_config.json"
+DYN_MODEL=tiny
+
+dyn_stop() { "$RUN_DYNAMO" stop -p $PORT >/dev/null 2>&1; }
+trap 'cleanup; dyn_stop' EXIT
+
+rows=()             # "group|label|engines|k" of each row measured, in order
+k=0                 # row k's logs: $LOGS/rowk.*
+replay() { # group label engines model [client flags...]
+  local group=$1 label=$2 engines=$3 model=$4; shift 4
+  printf "%-40s " "$label"
+  "$BIN/kvroute-bench" replay --trace "$TRACE" --url "$URL" --max-requests "$N" \
+     --rate-scale "$SPEEDUP" --max-concurrency 256 --model "$model" --json "$LOGS/row$k.json" \
+     "$@" 2> "$LOGS/row$k.client.log"
+  grep -h '^warning' "$LOGS/row$k.client.log"
+  if [ -s "$LOGS/row$k.json" ]; then rows+=("$group|$label|$engines|$k"); fi
 }
-echo "=== $(date -u +%FT%TZ) N=$N SPEEDUP=$SPEEDUP nproc=$(nproc)"
-run kvroute-kv_aware "$BIN/kvroute" --port 19210 --prometheus-port 19211 --config "$LOGS/kvroute.yaml" --log-level warn
-run kvroute-round_robin "$BIN/kvroute" --port 19210 --prometheus-port 19211 --config "$LOGS/kvroute.yaml" --policy round_robin --log-level warn
-run kvroute-cache_aware "$BIN/kvroute" --port 19210 --prometheus-port 19211 --config "$LOGS/kvroute.yaml" --policy cache_aware --log-level warn
-run sglang-cache_aware "$PEERS_DIR/venv-sgl/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port 19210 \
-   --prometheus-port 19211 --worker-urls $W --policy cache_aware --log-level warn
-run vllm-router-cache_aware "$PEERS_DIR/venv-vllmr/bin/vllm-router" --host 127.0.0.1 --port 19210 \
-   --prometheus-port 19211 --worker-urls $W --policy cache_aware --log-level warning
+have() { # label path: whether path is there, else says why the row is skipped
+  [ -e "$2" ] && return 0
+  printf "%-40s skipped: %s absent (../shared/peers/setup_peers.sh)\n" "$1" "$2"
+  return 1
+}
+run() { # group label engines model [sim flags...] -- router cmd...
+  local group=$1 label=$2 engines=$3 model=$4 sim_flags=(); shift 4
+  while [ "$1" != -- ]; do sim_flags+=("$1"); shift; done; shift
+  have "$label" "$1" || return 0
+  k=$((k + 1))
+  start_sims "$WORKERS" $SIM_PORT $EVENTS "${ENGINE[@]}" "${sim_flags[@]}" \
+    || { echo "$label: the engines did not start (see $LOGS/sim*.log)"; stop_sims; return 0; }
+  "$@" > "$LOGS/row$k.log" 2>&1 & local pid=$!; pids+=("$pid")
+  if wait_ready "$URL/v1/models"; then
+    sleep 1
+    replay "$group" "$label" "$engines" "$model"
+  else
+    echo "$label: did not start"; tail -5 "$LOGS/row$k.log"
+  fi
+  stop "$pid"; stop_sims; sleep 1
+}
+run_dyn() { # label [run_dynamo.sh flags...] [-- frontend flags...]
+  local label=$1; shift
+  have "$label" "$PEERS_DIR/venv-dyn/bin/python" || return 0
+  k=$((k + 1))
+  if MOCKER_ARGS="--num-gpu-blocks-override $NUM_BLOCKS --max-num-batched-tokens $MAX_BATCHED_TOKENS --max-num-seqs $MAX_SEQS" \
+     DYN_LOG=${DYN_LOG:-warn} "$RUN_DYNAMO" start -p $PORT -n "$WORKERS" -s "$SPEEDUP" -b "$BLOCK_SIZE" \
+       -m "$TOK" -N "$DYN_MODEL" -1 "$@" > "$LOGS/row$k.log" 2>&1; then
+    sleep 1
+    replay 2 "$label" "Dynamo mocker" "$DYN_MODEL" --extra-body '{"nvext":{"extra_fields":["worker_id"]}}'
+  else
+    echo "$label: did not start"; tail -5 "$LOGS/row$k.log"
+  fi
+  dyn_stop; sleep 1
+}
+
+# One markdown table per group, from each row's JSON.
+table() { # group
+  local row group label engines i
+  echo "| router | engines | TTFT ms p50 / p90 / p99 | E2E ms p50 / p90 / p99 | req/s | cached % | errors |"
+  echo "|---|---|---|---|---|---|---|"
+  for row in "${rows[@]}"; do
+    IFS='|' read -r group label engines i <<< "$row"
+    [ "$group" = "$1" ] || continue
+    jq -r --arg l "$label" --arg e "$engines" '
+      def ms: "\(.p50 | round) / \(.p90 | round) / \(.p99 | round)";
+      def fixed($d): (. * pow(10; $d) | round | tostring) as $s      # $d decimals, $d >= 1
+        | ("0" * ($d + 1 - ($s | length)) + $s) as $z | $z[:-$d] + "." + $z[-$d:];
+      .policies[0]
+      | "| \($l) | \($e) | \(.ttft_ms | ms) | \(.e2e_ms | ms) | \(.throughput_rps | fixed(2)) | \(.hit_share * 100 | fixed(1)) | \(.errors) |"' \
+      "$LOGS/row$i.json"
+  done
+}
+
+echo "=== $(date -u +%FT%TZ) N=$N SPEEDUP=$SPEEDUP WORKERS=$WORKERS nproc=$(nproc) logs $LOGS"
+for group in $GROUP; do
+  case $group in
+    1)
+      echo "--- 1: kvroute-sim, kvroute's timing model, fallback tokenizer"
+      SIM="kvroute-sim"
+      run 1 "kvroute kv_aware" "$SIM" kvroute-sim -- "${KVROUTE[@]}"
+      run 1 "kvroute round_robin" "$SIM" kvroute-sim -- "${KVROUTE[@]}" --policy round_robin
+      run 1 "kvroute cache_aware" "$SIM" kvroute-sim -- "${KVROUTE[@]}" --policy cache_aware
+      # The venv's python3 (what its scripts' #! names; its `python` may be another); the venv
+      # counts as there when it installed its CLI.
+      have "sglang-router 0.3.2 cache_aware" "$PEERS_DIR/venv-sgl/bin/sglang-router" &&
+      run 1 "sglang-router 0.3.2 cache_aware" "$SIM" kvroute-sim -- "$PEERS_DIR/venv-sgl/bin/python3" \
+        -m sglang_router.launch_router --host 127.0.0.1 --port $PORT --prometheus-port $((PORT + 1)) \
+        --worker-urls "${W[@]}" --policy cache_aware --log-level warn
+      run 1 "vllm-router 0.1.17 cache_aware" "$SIM" kvroute-sim -- "$PEERS_DIR/venv-vllmr/bin/vllm-router" \
+        --host 127.0.0.1 --port $PORT --prometheus-port $((PORT + 1)) --worker-urls "${W[@]}" \
+        --policy cache_aware --log-level warning
+      run 1 "smg 1.13 cache_aware" "$SIM" kvroute-sim -- "$PEERS_DIR/venv-smg/bin/smg" launch \
+        --host 127.0.0.1 --port $PORT --prometheus-port $((PORT + 1)) --worker-urls "${W[@]}" \
+        --policy cache_aware --log-level warn
+      ;;
+    2)
+      echo "--- 2: Dynamo's engine model (Dynamo's mocker; kvroute-sim --timing-model dynamo), tiny-llama tokenizer"
+      run_dyn "Dynamo kv"
+      run_dyn "Dynamo kv credit 2 / scale 4" -- --router-kv-overlap-score-credit 2 --router-prefill-load-scale 4
+      run_dyn "Dynamo round-robin" -r round-robin
+      SIM="kvroute-sim (dynamo)"; DSIM=(--timing-model dynamo --tokenizer "$TOK")
+      KVT=("${KVROUTE[@]}" --tokenizer "$TOK")
+      run 2 "kvroute kv_aware (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}"
+      run 2 "kvroute kv_aware credit 2 / scale 4" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" \
+        --router-kv-overlap-score-credit 2 --router-prefill-load-scale 4
+      run 2 "kvroute round_robin (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy round_robin
+      run 2 "kvroute cache_aware (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy cache_aware
+      run 2 "kvroute llm_d (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy llm_d
+      run 2 "smg 1.13 cache_aware (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "$PEERS_DIR/venv-smg/bin/smg" \
+        launch --host 127.0.0.1 --port $PORT --prometheus-port $((PORT + 1)) --worker-urls "${W[@]}" \
+        --policy cache_aware --log-level warn
+      ;;
+    *) echo "unknown group $group (1 or 2)"; exit 2 ;;
+  esac
+done
+for group in $GROUP; do echo; echo "group $group:"; table "$group"; done

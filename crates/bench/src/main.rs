@@ -378,6 +378,15 @@ fn base_url(s: &str) -> Result<String, String> {
     Ok(url.to_owned())
 }
 
+/// `--extra-body`: a JSON object.
+fn json_object(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err("not a JSON object".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Drops the first `n` requests and moves the rest so that the first starts at 0.
 fn skip(requests: &mut Vec<TraceRequest>, n: usize) {
     requests.drain(..n.min(requests.len()));
@@ -405,6 +414,11 @@ enum Command {
         /// The `model` field to send (omit for a router serving one model).
         #[arg(long)]
         model: Option<String>,
+        /// A JSON object whose fields are added to every request's body, e.g. Dynamo's
+        /// '{"nvext":{"extra_fields":["worker_id"]}}' (which also makes its frontend send a
+        /// chunk per token, and name the worker).
+        #[arg(long, value_name = "JSON", value_parser = json_object)]
+        extra_body: Option<serde_json::Map<String, serde_json::Value>>,
         #[arg(long, default_value_t = 1.0)]
         rate_scale: f64,
         #[arg(long, default_value_t = 256)]
@@ -472,6 +486,7 @@ fn main() -> anyhow::Result<()> {
             workload,
             urls,
             model,
+            extra_body,
             rate_scale,
             max_concurrency,
             duration,
@@ -483,6 +498,7 @@ fn main() -> anyhow::Result<()> {
             let cfg = kvroute_bench::replay::ReplayConfig {
                 urls,
                 model,
+                extra_body: extra_body.unwrap_or_default(),
                 hash_block: workload.hash_block_size,
                 rate_scale,
                 max_concurrency,
@@ -500,6 +516,12 @@ fn main() -> anyhow::Result<()> {
                 r.itl_ms.p99, r.e2e_ms.p50, r.e2e_ms.p90, r.e2e_ms.p99, r.throughput_rps, r.output_tokens_per_s,
                 r.hit_share * 100.0, r.requests_per_worker
             );
+            if r.short_streams > 0 {
+                eprintln!(
+                    "warning: {} streams carried fewer chunks than their usage's tokens: their TTFT is a later token's (Dynamo's frontend: --extra-body '{{\"nvext\":{{\"extra_fields\":[\"worker_id\"]}}}}')",
+                    r.short_streams
+                );
+            }
             if let Some(out) = json {
                 let doc = serde_json::json!({"trace": name, "url": url, "policies": [r]});
                 std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
@@ -614,6 +636,32 @@ mod tests {
             urls("b replay --trace t"),
             Err(ErrorKind::MissingRequiredArgument)
         );
+    }
+
+    #[test]
+    fn replay_extra_body_is_a_json_object() {
+        let extra = |args: &[&str]| {
+            let mut all = vec!["b", "replay", "--trace", "t", "--url", "http://a"];
+            all.extend_from_slice(args);
+            match Cli::try_parse_from(all).map(|c| c.command) {
+                Ok(Command::Replay { extra_body, .. }) => Ok(extra_body),
+                Ok(_) => panic!("not replay"),
+                Err(e) => Err(e.kind()),
+            }
+        };
+        let m = extra(&[
+            "--extra-body",
+            r#"{"nvext":{"extra_fields":["worker_id"]}}"#,
+        ])
+        .unwrap();
+        assert_eq!(m.unwrap()["nvext"]["extra_fields"][0], "worker_id");
+        assert_eq!(extra(&[]), Ok(None));
+        for bad in ["[1]", "{"] {
+            assert_eq!(
+                extra(&["--extra-body", bad]),
+                Err(ErrorKind::ValueValidation)
+            );
+        }
     }
 
     #[test]

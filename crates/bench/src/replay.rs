@@ -6,7 +6,14 @@
 //! but equal ids still mean equal prefixes through any tokenizer), cut to the request's
 //! input length. Requests are streamed completions with usage, so the engine-reported
 //! `cached_tokens` comes back; the worker that served each one is read from
-//! `x-kvroute-worker` when the endpoint is kvroute.
+//! `x-kvroute-worker` when the endpoint is kvroute, or from Dynamo's `nvext.worker_id` when
+//! the request asked for it (`extra_body`).
+//!
+//! TTFT is the first chunk that carries a choice, whatever its text; output tokens are the
+//! usage's `completion_tokens` where reported, else the chunks counted. A server may send fewer
+//! chunks than tokens (Dynamo's frontend withholds a token whose text decodes empty, so a
+//! stream of such tokens arrives as one chunk at the end): such requests are counted in
+//! `short_streams`, since their TTFT is not the first token's.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -30,6 +37,9 @@ pub struct ReplayConfig {
     /// load balancer): each request goes to one, picked by its arrival time. At least one.
     pub urls: Vec<String>,
     pub model: Option<String>,
+    /// Fields added to every request's body (a server's extensions, e.g. Dynamo's `nvext`);
+    /// they replace the replay's own fields of the same name.
+    pub extra_body: serde_json::Map<String, serde_json::Value>,
     pub hash_block: usize,
     pub rate_scale: f64,
     pub max_concurrency: usize,
@@ -54,6 +64,9 @@ pub struct ReplayResult {
     pub output_tokens_per_s: f64,
     /// Engine-reported cached prompt tokens over prompt tokens.
     pub hit_share: f64,
+    /// Served requests whose stream carried fewer chunks than the tokens their usage reports:
+    /// their TTFT is a later chunk's than the first token's.
+    pub short_streams: usize,
     pub requests_per_worker: BTreeMap<String, usize>,
 }
 
@@ -63,7 +76,10 @@ struct Outcome {
     ttft: Option<f64>,
     itl: Vec<f64>,
     e2e: f64,
-    output_tokens: u64,
+    /// Chunks that carried a choice.
+    chunks: u64,
+    /// The usage's `completion_tokens`, where reported.
+    completion_tokens: Option<u64>,
     prompt_tokens: u64,
     cached_tokens: u64,
     worker: Option<String>,
@@ -75,11 +91,8 @@ fn pick(r: &TraceRequest, n: usize) -> usize {
     (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33) as usize % n
 }
 
-async fn one(
-    client: &Client<HttpConnector, Full<Bytes>>,
-    cfg: &ReplayConfig,
-    r: &TraceRequest,
-) -> Outcome {
+/// The body `cfg` sends for `r`.
+fn request_body(cfg: &ReplayConfig, r: &TraceRequest) -> serde_json::Value {
     let mut body = serde_json::json!({
         "prompt": prompt_text(r, cfg.hash_block),
         "max_tokens": r.output_length.max(1),
@@ -89,6 +102,46 @@ async fn one(
     if let Some(m) = &cfg.model {
         body["model"] = m.clone().into();
     }
+    for (k, v) in &cfg.extra_body {
+        body[k] = v.clone();
+    }
+    body
+}
+
+impl Outcome {
+    /// Reads one streamed chunk; whether it carried a choice (a token, or several).
+    fn read_chunk(&mut self, v: &serde_json::Value) -> bool {
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            self.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+            self.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            self.completion_tokens = u["completion_tokens"].as_u64();
+        }
+        if self.worker.is_none() {
+            let id = &v["nvext"]["worker_id"]["decode_worker_id"];
+            self.worker = id.as_u64().map(|id| id.to_string());
+        }
+        let choice = v["choices"].as_array().is_some_and(|c| !c.is_empty());
+        self.chunks += u64::from(choice);
+        choice
+    }
+
+    fn output_tokens(&self) -> u64 {
+        self.completion_tokens.unwrap_or(self.chunks)
+    }
+
+    fn short_stream(&self) -> bool {
+        self.completion_tokens.is_some_and(|t| t > self.chunks)
+    }
+}
+
+async fn one(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    cfg: &ReplayConfig,
+    r: &TraceRequest,
+) -> Outcome {
+    let body = request_body(cfg, r);
     let base = &cfg.urls[pick(r, cfg.urls.len())];
     let req = match http::Request::post(format!("{base}/v1/completions"))
         .header("content-type", "application/json")
@@ -134,20 +187,13 @@ async fn one(
             let Ok(v) = serde_json::from_str::<serde_json::Value>(json) else {
                 continue;
             };
-            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
-                out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
-                    .as_u64()
-                    .unwrap_or(0);
-            }
-            if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+            if out.read_chunk(&v) {
                 let now = Instant::now();
                 match last {
                     None => out.ttft = Some(now.duration_since(start).as_secs_f64() * 1e3),
                     Some(l) => out.itl.push(now.duration_since(l).as_secs_f64() * 1e3),
                 }
                 last = Some(now);
-                out.output_tokens += 1;
             }
         }
     }
@@ -229,8 +275,9 @@ pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult 
         ),
         e2e_ms: percentiles(&mut ok.iter().map(|o| o.e2e).collect::<Vec<_>>()),
         throughput_rps: ok.len() as f64 / elapsed,
-        output_tokens_per_s: ok.iter().map(|o| o.output_tokens).sum::<u64>() as f64 / elapsed,
+        output_tokens_per_s: ok.iter().map(|o| o.output_tokens()).sum::<u64>() as f64 / elapsed,
         hit_share: ok.iter().map(|o| o.cached_tokens).sum::<u64>() as f64 / prompt.max(1) as f64,
+        short_streams: ok.iter().filter(|o| o.short_stream()).count(),
         requests_per_worker: per_worker,
     }
 }
@@ -254,5 +301,67 @@ mod tests {
             }
             assert!(hits.iter().all(|&h| h > 0), "{n} URLs: {hits:?}");
         }
+    }
+
+    #[test]
+    fn extra_body_fields_join_and_replace_the_replays_own() {
+        let cfg = ReplayConfig {
+            urls: vec!["http://x".into()],
+            model: Some("tiny".into()),
+            extra_body:
+                serde_json::json!({"nvext": {"extra_fields": ["worker_id"]}, "max_tokens": 2})
+                    .as_object()
+                    .unwrap()
+                    .clone(),
+            hash_block: 4,
+            rate_scale: 1.0,
+            max_concurrency: 1,
+            duration: None,
+            progress: false,
+        };
+        let r = TraceRequest {
+            timestamp: 0,
+            input_length: 6,
+            output_length: 9,
+            hash_ids: vec![1, 2],
+        };
+        let body = request_body(&cfg, &r);
+        assert_eq!(body["model"], "tiny");
+        assert_eq!(body["nvext"]["extra_fields"][0], "worker_id");
+        assert_eq!(body["max_tokens"], 2);
+        assert_eq!(body["stream"], true);
+    }
+
+    #[test]
+    fn tokens_come_from_usage_and_a_withheld_stream_is_counted() {
+        // Dynamo's frontend, tokens decoding to empty text: one chunk at the end, then usage.
+        let mut o = Outcome::default();
+        assert!(o.read_chunk(&serde_json::json!(
+            {"choices": [{"text": "", "finish_reason": "length"}], "usage": null}
+        )));
+        assert!(!o.read_chunk(&serde_json::json!({"choices": [], "usage":
+            {"prompt_tokens": 22, "completion_tokens": 4,
+             "prompt_tokens_details": {"audio_tokens": null, "cached_tokens": 16}}})));
+        assert_eq!(
+            (o.output_tokens(), o.prompt_tokens, o.cached_tokens),
+            (4, 22, 16)
+        );
+        assert!(o.short_stream());
+        assert_eq!(o.worker, None);
+
+        // Asked for nvext's worker_id: a chunk per token, each naming the worker.
+        let mut o = Outcome::default();
+        for _ in 0..2 {
+            assert!(o.read_chunk(&serde_json::json!({"choices": [{"text": ""}],
+                "nvext": {"worker_id": {"decode_worker_id": 99u64, "prefill_worker_id": 99u64}}})));
+        }
+        o.read_chunk(&serde_json::json!({"choices": [], "usage": {"completion_tokens": 2}}));
+        assert_eq!((o.output_tokens(), o.short_stream()), (2, false));
+        assert_eq!(o.worker.as_deref(), Some("99"));
+
+        // No usage: the chunks counted.
+        let mut o = Outcome::default();
+        o.read_chunk(&serde_json::json!({"choices": [{"text": "a"}]}));
+        assert_eq!((o.output_tokens(), o.short_stream()), (1, false));
     }
 }

@@ -139,6 +139,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
         &ReplayConfig {
             urls: vec![url],
             model: None,
+            extra_body: Default::default(),
             hash_block: 512,
             rate_scale: 1.0,
             max_concurrency: 16,
@@ -155,6 +156,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
         "conversations reuse their prefixes: {r:?}"
     );
     assert!(r.output_tokens_per_s > 0.0);
+    assert_eq!(r.short_streams, 0, "kvroute-sim streams a chunk per token");
 
     // The virtual-time path agrees: the same trace and engines (the replicas run 50x fast,
     // so in engine time the requests arrive 50x further apart).
