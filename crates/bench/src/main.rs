@@ -57,8 +57,8 @@ struct KvAwareArgs {
     /// Weight of the prefill term [default: 4.0; Dynamo's: 1.0].
     #[arg(long)]
     router_prefill_load_scale: Option<f64>,
-    /// How the memory term counts KV blocks: utilisation (weighted by the engine's KV
-    /// utilisation after the request) or linear (Dynamo's) [default: utilisation].
+    /// How the memory term counts KV blocks: linear (Dynamo's) or utilisation (weighted by the
+    /// engine's KV utilisation after the request) [default: linear].
     #[arg(long, value_enum)]
     router_kv_memory_cost: Option<MemoryCostArg>,
     /// Weight of the prefill-interference term (uncached blocks x requests decoding there;
@@ -720,6 +720,8 @@ mod tests {
         );
         assert_eq!(c.prefill_config.kv_aware.overlap_score_credit, 2.0);
         assert_eq!(c.decode_config.kv_aware.overlap_score_credit, 0.0);
+        assert_eq!(c.decode_config.kv_aware.prefill_interference_weight, 0.0);
+        assert_eq!(c.prefill_config.kv_aware.prefill_interference_weight, 0.25);
         let named = PdArgs {
             decode_policy: Some(PolicyKind::KvAware),
             ..pd
@@ -871,7 +873,7 @@ mod tests {
     #[test]
     fn simulate_passes_kv_aware_weights_through() {
         let cli = Cli::try_parse_from(
-            "b simulate --trace t --router-kv-overlap-score-credit 2 --router-prefill-load-scale 4"
+            "b simulate --trace t --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 --router-kv-memory-cost linear --router-prefill-interference-weight 0"
                 .split_whitespace(),
         )
         .unwrap();
@@ -882,16 +884,22 @@ mod tests {
         else {
             panic!("not simulate");
         };
-        let c = kv_aware.config().unwrap();
-        assert_eq!((c.overlap_score_credit, c.prefill_load_scale), (2.0, 4.0));
-        assert_eq!(
-            c.decode_active_request_weight,
-            KvAwareConfig::default().decode_active_request_weight
-        );
+        // Dynamo's model, flag by flag.
+        assert_eq!(kv_aware.config().unwrap(), KvAwareConfig::dynamo());
         let bad = KvAwareArgs {
-            router_temperature: Some(-1.0),
+            router_prefill_interference_weight: Some(-1.0),
             ..kv_aware
         };
         assert!(bad.config().is_err());
+        let bad = KvAwareArgs {
+            router_prefill_interference_weight: None,
+            router_temperature: Some(-1.0),
+            ..bad
+        };
+        assert!(bad.config().is_err());
+        assert!(Cli::try_parse_from(
+            "b simulate --trace t --router-kv-memory-cost quadratic".split_whitespace()
+        )
+        .is_err());
     }
 }

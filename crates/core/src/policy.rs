@@ -137,11 +137,13 @@ impl Observed {
 
 /// The decode half's policy of a disaggregated cluster and its parameters: the one named,
 /// with `base`'s parameters; by default `kv_aware` scoring load only (overlap credit 0, as
-/// Dynamo's decode half).
+/// Dynamo's decode half, and no prefill-interference term: a decode engine receives the
+/// prompt's KV and computes none of it).
 pub fn decode_policy(named: Option<PolicyKind>, base: &PolicyConfig) -> (PolicyKind, PolicyConfig) {
     let mut config = base.clone();
     if named.is_none() {
         config.kv_aware.overlap_score_credit = 0.0;
+        config.kv_aware.prefill_interference_weight = 0.0;
     }
     (named.unwrap_or(PolicyKind::KvAware), config)
 }

@@ -30,7 +30,7 @@
 //! uniformly at random. With `temperature > 0` the choice is sampled from
 //! `softmax(-(cost - min) / ((max - min) * temperature))`.
 //! [`KvAwareConfig::dynamo`] is Dynamo 1.6.1's model exactly (credit 1, scale 1, linear memory,
-//! no interference term); the defaults are kvroute's (credit 2, scale 4, utilisation memory,
+//! no interference term); the defaults are kvroute's (credit 2, scale 4, linear memory,
 //! interference 0.25), measured in the README and BENCHMARKS.md.
 //!
 //! The terms estimate what the request adds to the rank: compute (the prefill term: the
@@ -48,15 +48,16 @@
 //! multi-turn chats). Host, disk and external hits still allocate device blocks and are
 //! counted.
 //!
-//! **Memory by utilisation.** A block of KV costs a rank little while it has room and much
-//! as it fills: an engine's decode step slows with the KV its decodes read (Dynamo's fit is
-//! concave in utilisation, steepest when nearly empty but bounded), and only a full engine
-//! preempts or holds arrivals back. Counted linearly, one long conversation still decoding on
-//! a rank (2,500 blocks of 16,384) outweighs a 1,000-block prefix hit there, and an idle
-//! cluster sends the next turn to a cold rank. Weighting each block by the utilisation it
-//! brings the rank to (`M * M / C`) charges that rank 380 blocks instead, and a nearly full
-//! rank nearly all of them. Without the engine's block count (`num_gpu_blocks`, from its
-//! metrics or the worker's config) the term is Dynamo's linear count.
+//! **Memory by utilisation** (`memory_cost` utilisation, opt-in). Counted linearly, one long
+//! conversation still decoding on a rank (2,500 blocks of 16,384) outweighs a 1,000-block
+//! prefix hit there, and an idle cluster sends the next turn to a cold rank. Weighting each
+//! block by the utilisation it brings the rank to (`M * M / C`) charges that rank 380 blocks
+//! instead, and a nearly full rank nearly all of them. On the Mooncake trace in Dynamo's
+//! engine model it gains a few percent at 1x and 5x the trace's rate; but a decode step reads
+//! every block in the batch however empty the engine is, and with room to spare it lets a
+//! burst of long streams on one prefix pile onto one rank while another idles. So linear is
+//! the default. Without the engine's block count (`num_gpu_blocks`, from its metrics or the
+//! worker's config) the term is linear either way.
 //!
 //! **Prefill interference.** A chunked prefill runs in the same forward pass as the rank's
 //! decodes, and the step takes as long as both: each of the `D` requests decoding there
@@ -98,9 +99,9 @@ use crate::{Candidate, Decision, RouteRequest};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MemoryCost {
     /// Each block counts once, as in Dynamo's model.
+    #[default]
     Linear,
     /// Each block counts the engine's KV utilisation after the request (`M * M / C`).
-    #[default]
     Utilisation,
 }
 
@@ -132,7 +133,6 @@ impl Default for KvAwareConfig {
         Self {
             overlap_score_credit: 2.0,
             prefill_load_scale: 4.0,
-            memory_cost: MemoryCost::Utilisation,
             prefill_interference_weight: 0.25,
             ..Self::dynamo()
         }
@@ -703,7 +703,10 @@ mod tests {
             new_blocks: 200,
             ..KvTerms::default()
         };
-        let p = KvAware::default();
+        let p = KvAware::new(KvAwareConfig {
+            memory_cost: MemoryCost::Utilisation,
+            ..KvAwareConfig::default()
+        });
         let w = sized(&ids[0], warm, Some(16384));
         let c = sized(&ids[1], cold, Some(16384));
         // 2540 blocks at 2540 / 16384 utilisation, and 40 uncached blocks beside 1 decode.
@@ -712,12 +715,9 @@ mod tests {
         assert!((p.cost(&c, &r, 0.0) - (4.0 * 200.0 + 200.0 * 200.0 / 16384.0)).abs() < 1e-9);
         let mut rng = SmallRng::seed_from_u64(0);
         assert_eq!(p.select(&[c, w], &r, &mut rng).unwrap().index, 1);
-        // Counted linearly (Dynamo's count, or the engine's size unknown) the decode outweighs
-        // the prefix, and the turn goes to the cold rank.
-        let linear = KvAware::new(KvAwareConfig {
-            memory_cost: MemoryCost::Linear,
-            ..KvAwareConfig::default()
-        });
+        // Counted linearly (the default and Dynamo's count, or the engine's size unknown) the
+        // decode outweighs the prefix, and the turn goes to the cold rank.
+        let linear = KvAware::default();
         assert_eq!(linear.select(&[c, w], &r, &mut rng).unwrap().index, 0);
         let unknown = [sized(&ids[1], cold, None), sized(&ids[0], warm, None)];
         assert_eq!(p.select(&unknown, &r, &mut rng).unwrap().index, 0);

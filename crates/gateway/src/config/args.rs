@@ -253,8 +253,8 @@ pub struct Args {
     /// kv_aware: weight of the prefill term [default: 4.0; Dynamo's: 1.0].
     #[arg(long)]
     pub router_prefill_load_scale: Option<f64>,
-    /// kv_aware: how the memory term counts KV blocks: utilisation (each block weighted by the
-    /// engine's KV utilisation after the request) or linear (Dynamo's) [default: utilisation].
+    /// kv_aware: how the memory term counts KV blocks: linear (Dynamo's) or utilisation (each
+    /// block weighted by the engine's KV utilisation after the request) [default: linear].
     #[arg(long, value_enum)]
     pub router_kv_memory_cost: Option<MemoryCostArg>,
     /// kv_aware: weight of the prefill-interference term, the request's uncached blocks times

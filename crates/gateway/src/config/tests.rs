@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use clap::Parser;
-use kvroute_core::{KvAwareConfig, PolicyKind};
+use kvroute_core::{KvAwareConfig, MemoryCost, PolicyKind};
 
 use super::*;
 
@@ -160,7 +160,7 @@ fn prefill_flags_take_an_optional_bootstrap_port() {
     let pd = s.pd.unwrap();
     assert_eq!(pd.protocol, PdProtocol::Vllm);
     assert_eq!(pd.decode_config.kv_aware.overlap_score_credit, 0.0);
-    assert_eq!(pd.prefill_config.kv_aware.overlap_score_credit, 1.0);
+    assert_eq!(pd.prefill_config.kv_aware.overlap_score_credit, 2.0);
     assert!(Args::try_parse_from(["kvroute", "--prefill", "8998"])
         .unwrap()
         .into_settings()
@@ -551,4 +551,48 @@ fn the_embedded_engines_timing_model_is_a_flag_and_a_key() {
     assert_eq!(s.timing_model, TimingFamily::Dynamo);
     assert!(Args::try_parse_from(["kvroute", "--timing-model", "sglang"]).is_err());
     assert!(Args::from_text("timing_model: fast\n").is_err());
+}
+
+#[test]
+fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_three_flags_away() {
+    let s = Args::try_parse_from(["kvroute"])
+        .unwrap()
+        .into_settings()
+        .unwrap();
+    assert_eq!(s.policy_config.kv_aware, KvAwareConfig::default());
+    let s = Args::try_parse_from([
+        "kvroute",
+        "--router-kv-overlap-score-credit",
+        "1",
+        "--router-prefill-load-scale",
+        "1",
+        "--router-prefill-interference-weight",
+        "0",
+    ])
+    .unwrap()
+    .into_settings()
+    .unwrap();
+    assert_eq!(s.policy_config.kv_aware, KvAwareConfig::dynamo());
+    // The same keys in the config file; a bad weight or curve is refused.
+    let file = Args::from_text(
+        "router_kv_memory_cost: utilisation\nrouter_prefill_interference_weight: 0.5",
+    )
+    .unwrap()
+    .into_settings()
+    .unwrap();
+    assert_eq!(
+        file.policy_config.kv_aware.memory_cost,
+        MemoryCost::Utilisation
+    );
+    assert_eq!(file.policy_config.kv_aware.prefill_interference_weight, 0.5);
+    assert!(matches!(
+        Args::from_text("router_prefill_interference_weight: -1")
+            .unwrap()
+            .into_settings(),
+        Err(ConfigError::Invalid {
+            name: "router_prefill_interference_weight",
+            ..
+        })
+    ));
+    assert!(Args::from_text("router_kv_memory_cost: cubic").is_err());
 }
