@@ -148,8 +148,8 @@ struct Run {
     engines: Vec<EngineCore>,
     /// Tokens each engine produced (a prefill's one included).
     tokens_by: Vec<u64>,
-    /// The requests in the order they were routed.
-    routed: Vec<RequestId>,
+    /// The requests in the order they were routed, and when.
+    routed: Vec<(RequestId, Duration)>,
 }
 
 fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Run {

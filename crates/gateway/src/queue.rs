@@ -10,6 +10,14 @@
 //! token or ends, and every 100 ms. A full class answers `queue_full`; a request waiting
 //! longer than `--router-queue-timeout-secs` gets `queue_timeout`; a client that goes away
 //! leaves the queue.
+//!
+//! Requests leave the queue one at a time (as Dynamo's router queue lets them go): the one
+//! let go is *in transit* until it is routed and its prefill tokens are counted on its rank
+//! ([`Released`] is dropped), and only then is the next head considered, against that load.
+//! Letting go every head the load allows at one instant would route the whole backlog on the
+//! same stale load, onto the one rank that just freed. Every end of a transit (counted,
+//! failed before routing, its client gone or its wait over on the instant it was let go)
+//! clears it and re-examines the queue, so the queue never stalls behind a lost request.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -83,8 +91,7 @@ pub struct Released<'a> {
 impl Drop for Released<'_> {
     fn drop(&mut self) {
         if let Some(q) = self.queue {
-            q.in_transit.store(false, Ordering::Release);
-            q.dispatch();
+            q.end_transit();
         }
     }
 }
@@ -221,18 +228,19 @@ impl AdmissionQueue {
             }
         };
         self.pending[class].inc();
-        let mut leave = Leave {
+        let mut waiting = Waiting {
             queue: self,
             ticket: Some(ticket),
             class,
+            woken,
         };
         self.dispatch();
         let started = Instant::now();
-        let outcome = tokio::time::timeout(self.timeout, woken).await;
+        let outcome = tokio::time::timeout(self.timeout, &mut waiting.woken).await;
         self.waited.observe(started.elapsed().as_secs_f64());
         match outcome {
             Ok(Ok(())) => {
-                leave.ticket = None;
+                waiting.ticket = None;
                 Ok(Released { queue: Some(self) })
             }
             _ => {
@@ -242,19 +250,34 @@ impl AdmissionQueue {
         }
     }
 
-    /// Lets go every head whose ranks have capacity now, class by class (weighted DRR).
+    /// Lets go the next head (weighted DRR) whose ranks have capacity now, unless one let go
+    /// is still in transit: its load is not counted yet, so the load read now is stale.
     pub fn dispatch(&self) {
         let threshold = self.threshold;
         let mut q = self.lock();
+        // Set and tested under the queue's lock: two dispatches cannot both let one go.
+        if self.in_transit.load(Ordering::Acquire) {
+            return;
+        }
         while let Some((class, waiter)) = q.pop(|_, w| {
             !w.ranks
                 .iter()
                 .all(|(worker, r)| saturated(worker, *r, threshold))
         }) {
             self.pending[class].dec();
-            // A waiter whose client left is dropped here; nothing to wake.
-            let _ = waiter.wake.send(());
+            if waiter.wake.send(()).is_ok() {
+                self.in_transit.store(true, Ordering::Release);
+                return;
+            }
+            // Nobody to wake (a waiter leaves the queue before its receiver drops, so this
+            // does not happen); the next head may go instead.
         }
+    }
+
+    /// The request in transit is counted, or will never be: the next may be considered.
+    fn end_transit(&self) {
+        self.in_transit.store(false, Ordering::Release);
+        self.dispatch();
     }
 
     pub fn len(&self) -> usize {
@@ -266,19 +289,174 @@ impl AdmissionQueue {
     }
 }
 
-/// Takes a request out of the queue if it leaves before being let go (timeout, client gone).
-struct Leave<'a> {
+/// A request in the queue, until it is let go and takes that up. Dropped before then (timeout,
+/// client gone), it leaves the queue; let go on the instant it was dropped, it ends its
+/// transit, which nobody else would.
+struct Waiting<'a> {
     queue: &'a AdmissionQueue,
+    /// `None` once the request took up its release (then [`Released`] ends the transit).
     ticket: Option<Ticket>,
     class: usize,
+    woken: oneshot::Receiver<()>,
 }
 
-impl Drop for Leave<'_> {
+impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        if let Some(ticket) = self.ticket.take() {
-            if self.queue.lock().remove(ticket).is_some() {
-                self.queue.pending[self.class].dec();
-            }
+        let Some(ticket) = self.ticket.take() else {
+            return;
+        };
+        // The receiver lives until this returns, so a dispatch that pops this request
+        // (before the lock below) also wakes it and puts it in transit.
+        if self.queue.lock().remove(ticket).is_some() {
+            self.queue.pending[self.class].dec();
+        } else if self.woken.try_recv().is_ok() {
+            self.queue.end_transit();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::pin::Pin;
+
+    use futures_util::FutureExt;
+    use kvroute_core::RequestLoad;
+
+    use super::*;
+    use crate::config::{Settings, WorkerSpec};
+    use crate::metrics::GatewayMetrics;
+    use crate::workers::WorkerSet;
+
+    /// A queue at threshold 1 before one worker of 1,000 tokens a step, saturated by a
+    /// request of 1,500 prefill tokens.
+    fn saturated_queue() -> (AdmissionQueue, Arc<Worker>) {
+        let mut registry = Registry::default();
+        let spec = WorkerSpec {
+            max_num_batched_tokens: Some(1000),
+            ..WorkerSpec::url("http://127.0.0.1:1")
+        };
+        let settings = Settings::with_workers(vec![spec]).unwrap();
+        let metrics = GatewayMetrics::register(&mut registry);
+        let worker = WorkerSet::new(&settings, &metrics).workers()[0].clone();
+        let default = PolicyClass {
+            name: "default".into(),
+            weight: 1,
+            max_queued: None,
+        };
+        let queue = AdmissionQueue::new(
+            1.0,
+            Duration::from_secs(60),
+            vec![default],
+            vec![BusyThresholds::default()],
+            QueueOrder::Fcfs,
+            &mut registry,
+        )
+        .unwrap();
+        worker.ranks[0].start(&load(1500));
+        (queue, worker)
+    }
+
+    fn load(prefill_tokens: u64) -> RequestLoad {
+        RequestLoad {
+            prefill_tokens,
+            blocks: Vec::new(),
+            own_blocks: 0,
+        }
+    }
+
+    type Admit<'a> = Pin<Box<dyn Future<Output = Result<Released<'a>, GatewayError>> + 'a>>;
+
+    /// `n` requests that find the worker saturated and wait.
+    fn queue_up<'a>(q: &'a AdmissionQueue, w: &Arc<Worker>, n: usize) -> Vec<Admit<'a>> {
+        let mut waiting: Vec<Admit<'a>> = (0..n)
+            .map(|_| Box::pin(q.admit(0, vec![(w.clone(), 0)], 400)) as Admit<'a>)
+            .collect();
+        for admit in &mut waiting {
+            assert!(admit.as_mut().now_or_never().is_none(), "it waits");
+        }
+        assert_eq!(q.len(), n);
+        waiting
+    }
+
+    /// Whether `admit` was let go (polls it once).
+    fn let_go<'a>(admit: &mut Admit<'a>) -> Option<Released<'a>> {
+        admit.as_mut().now_or_never().map(|r| r.expect("let go"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_leave_one_at_a_time_each_on_the_load_of_the_last() {
+        let (q, w) = saturated_queue();
+        let mut waiting = queue_up(&q, &w, 4);
+        // The worker frees up: one request is let go, not the whole backlog.
+        w.ranks[0].finish(&load(1500), true);
+        q.dispatch();
+        let first = let_go(&mut waiting[0]).expect("the head goes");
+        assert!(
+            let_go(&mut waiting[1]).is_none(),
+            "not before the first is counted"
+        );
+        assert_eq!(q.len(), 3);
+        // Each routed request's 400 tokens are counted before the next is considered: 400,
+        // then 800, keep the worker under 1,000; 1,200 saturates it.
+        w.ranks[0].start(&load(400));
+        drop(first);
+        let second = let_go(&mut waiting[1]).expect("400 < 1,000");
+        w.ranks[0].start(&load(400));
+        drop(second);
+        let third = let_go(&mut waiting[2]).expect("800 < 1,000");
+        w.ranks[0].start(&load(400));
+        drop(third);
+        assert!(let_go(&mut waiting[3]).is_none(), "1,200 > 1,000: it waits");
+        assert_eq!(q.len(), 1);
+        // Capacity frees again: the last one goes.
+        w.ranks[0].finish(&load(400), true);
+        q.dispatch();
+        assert!(let_go(&mut waiting[3]).is_some());
+        assert!(q.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_let_go_that_fails_to_route_does_not_stall_the_queue() {
+        let (q, w) = saturated_queue();
+        let mut waiting = queue_up(&q, &w, 2);
+        w.ranks[0].finish(&load(1500), true);
+        q.dispatch();
+        let first = let_go(&mut waiting[0]).expect("the head goes");
+        assert!(let_go(&mut waiting[1]).is_none());
+        // Routing fails (or its client leaves) before its load is counted.
+        drop(first);
+        assert!(let_go(&mut waiting[1]).is_some(), "the next one goes");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_whose_client_left_as_it_was_let_go_does_not_stall_the_queue() {
+        let (q, w) = saturated_queue();
+        let mut waiting = queue_up(&q, &w, 2);
+        w.ranks[0].finish(&load(1500), true);
+        q.dispatch();
+        // Let go, but its client leaves before the request takes that up.
+        drop(waiting.remove(0));
+        assert!(let_go(&mut waiting[0]).is_some(), "the next one goes");
+        assert!(q.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_times_out_leaves_the_queue_without_stalling_it() {
+        let (q, w) = saturated_queue();
+        let mut waiting = queue_up(&q, &w, 2);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        let timed_out = waiting[0]
+            .as_mut()
+            .now_or_never()
+            .expect("its wait is over");
+        assert!(matches!(timed_out, Err(GatewayError::QueueTimeout(60))));
+        drop(waiting.remove(0));
+        // The other one's wait is over too; a new one arrives when the worker is free.
+        drop(waiting.remove(0));
+        assert!(q.is_empty());
+        w.ranks[0].finish(&load(1500), true);
+        let mut next: Admit<'_> = Box::pin(q.admit(0, vec![(w.clone(), 0)], 400));
+        assert!(let_go(&mut next).is_some(), "nothing is in transit");
     }
 }

@@ -1,4 +1,4 @@
-//! Queue backpressure over HTTP: held, drained, full, timed out.
+//! Queue backpressure over HTTP: held, drained one at a time, full, timed out.
 
 mod support;
 
@@ -187,5 +187,56 @@ async fn a_client_that_leaves_leaves_the_queue() {
     r.wait_metric(pending, default, Some(0.0)).await;
     assert_eq!(w.requests(), 1, "it never reached the worker");
     held.abort();
+    r.stop().await;
+}
+
+#[tokio::test]
+async fn a_rank_that_frees_up_takes_only_what_keeps_it_unsaturated() {
+    let [a, b] = mocks(["a", "b"]).await;
+    let spec = |w: &MockWorker, id: &str| WorkerSpec {
+        id: Some(id.into()),
+        max_num_batched_tokens: Some(1000),
+        ..w.spec()
+    };
+    let mut s = Settings::with_workers(vec![spec(&a, "a"), spec(&b, "b")]).unwrap();
+    s.policy = PolicyKind::KvAware;
+    s.request_timeout = Duration::from_secs(120);
+    s.queue = queue(
+        1.0,
+        vec![class("default", 1, None)],
+        Duration::from_secs(120),
+    );
+    let r = TestRouter::start(s).await;
+    // Both saturated: 1,500 prefill tokens each (> 1.0 x 1,000), held until aborted.
+    let pin = |id: &'static str| [("x-kvroute-worker", id)];
+    let held_a = r.spawn_complete(&pin("a"), hanging(&"a".repeat(1500)));
+    let held_b = r.spawn_complete(&pin("b"), hanging(&"b".repeat(1500)));
+    r.wait_in_flight("a", |n| n == 1).await;
+    r.wait_in_flight("b", |n| n == 1).await;
+    // Four requests of 400 tokens wait, in this order.
+    let (pending, default) = ("kvroute_queue_pending", r#"class="default""#);
+    let mut waiting = Vec::new();
+    for (i, c) in ["c", "d", "e", "f"].into_iter().enumerate() {
+        waiting.push(r.spawn_complete(&[], hanging(&c.repeat(400))));
+        r.wait_metric(pending, default, Some(i as f64 + 1.0)).await;
+    }
+    // a frees up. Each request let go is routed there and counted before the next is
+    // considered: 400 and 800 tokens leave it unsaturated, 1,200 does not. The fourth waits.
+    held_a.abort();
+    r.wait_in_flight("a", |n| n >= 3).await;
+    let m = r.metrics().await;
+    assert_metric(&m, pending, default, Some(1.0));
+    assert_eq!(in_flight(&r, &a.url), 3);
+    wait_until("a to receive its three", || a.requests() == 4).await;
+    assert_eq!(b.requests(), 1);
+    // One of those on a ends (400 tokens fewer): the fourth goes, and a is full again.
+    waiting.remove(0).abort();
+    r.wait_metric(pending, default, Some(0.0)).await;
+    wait_until("a to receive the fourth", || a.requests() == 5).await;
+    assert_eq!(b.requests(), 1);
+    held_b.abort();
+    for w in waiting {
+        w.abort();
+    }
     r.stop().await;
 }

@@ -7,12 +7,13 @@
 //!   ([`kvroute_core::queue::must_wait`]). Its cost is its uncached tokens as the index sees
 //!   them then, on the engine that holds most of its prefix.
 //! - Whenever capacity may have freed (a request's first token or its end, and after each
-//!   push) the queue lets go, on that snapshot of the load, every head that
-//!   [`DrrQueue::pop`] gives while one of its engines is not saturated: in arrival order
-//!   (`fcfs`) or fewest uncached tokens first (`wspt`). As in the gateway, those let go are
-//!   then routed one after the other, each on fresh cache and load state, each counting its
-//!   load before the next is scored. The gateway's 100 ms re-examination adds nothing here:
-//!   the load changes only at those events.
+//!   push) the queue lets go the head that [`DrrQueue::pop`] gives while one of its engines
+//!   is not saturated: in arrival order (`fcfs`) or fewest uncached tokens first (`wspt`).
+//!   As in the gateway, one at a time: the request let go is routed, on fresh cache and load
+//!   state, and its load counted before saturation is tested again for the next. (Routing
+//!   takes no virtual time, so the gateway's request *in transit* never delays one here.)
+//!   The gateway's 100 ms re-examination adds nothing here: the load changes only at those
+//!   events.
 //! - A request still waiting `timeout` after its arrival leaves the queue unanswered (the
 //!   gateway's `queue_timeout`).
 //!
@@ -163,16 +164,14 @@ impl RouterQueue {
         self.longest = self.longest.max(self.queue.len());
     }
 
-    /// The requests let go at `now` before engines with `loads`, in the order to route them.
-    pub fn release(&mut self, loads: &[RankLoad], now: Duration) -> Vec<Queued> {
-        // Every request may go to every engine: one test on the snapshot answers for all heads.
+    /// The next request let go at `now` before engines with `loads`, if any. The caller
+    /// routes it, counting its load, before asking for another.
+    pub fn release(&mut self, loads: &[RankLoad], now: Duration) -> Option<Queued> {
+        // Every request may go to every engine: one test answers for every class's head.
         let blocked = self.all_saturated(loads);
-        let mut out = Vec::new();
-        while let Some((_, item)) = self.queue.pop(|_, _| !blocked) {
-            self.waits_ms.push((now - item.arrival).as_secs_f64() * 1e3);
-            out.push(item);
-        }
-        out
+        let (_, item) = self.queue.pop(|_, _| !blocked)?;
+        self.waits_ms.push((now - item.arrival).as_secs_f64() * 1e3);
+        Some(item)
     }
 
     /// Takes out the requests still waiting at their deadline, `now` or before.

@@ -113,8 +113,8 @@ pub(super) struct State<'a> {
     live: HashMap<(usize, RequestId), Live>,
     tally: Tally,
     queue: Option<RouterQueue>,
-    /// The order requests were routed in (the tests read it).
-    routed: Vec<RequestId>,
+    /// The order requests were routed in, and when (the tests read it).
+    routed: Vec<(RequestId, Duration)>,
 }
 
 impl<'a> State<'a> {
@@ -292,12 +292,14 @@ impl<'a> State<'a> {
         self.dispatch(now);
     }
 
-    /// Capacity may have freed: the queue lets go what it may, each routed in turn.
+    /// Capacity may have freed: the queue lets go one request at a time, each routed (its
+    /// load counted) before saturation is tested for the next.
     pub fn dispatch(&mut self, now: Duration) {
-        let Some(queue) = &mut self.queue else {
-            return;
-        };
-        for req in queue.release(&self.router.loads, now) {
+        while let Some(req) = self
+            .queue
+            .as_mut()
+            .and_then(|q| q.release(&self.router.loads, now))
+        {
             self.route(req, now);
         }
     }
@@ -328,7 +330,7 @@ impl<'a> State<'a> {
             &self.engines,
             &mut self.rng,
         );
-        self.routed.push(req.id);
+        self.routed.push((req.id, now));
         self.tally.prompt += req.tokens.len() as u64;
         let request = EngineRequest {
             id: req.id,

@@ -96,11 +96,42 @@ fn wspt_lets_the_cheaper_request_go_first_and_fcfs_the_earlier() {
         let q = r.result.queue.as_ref().expect("the queue is on");
         assert_eq!((q.queued, r.result.requests), (2, 3));
     }
-    let ids = |r: &Run| r.routed.iter().map(|id| id.0).collect::<Vec<_>>();
+    let ids = |r: &Run| r.routed.iter().map(|(id, _)| id.0).collect::<Vec<_>>();
     assert_eq!(ids(&fcfs), [0, 1, 2]);
     assert_eq!(ids(&wspt), [0, 2, 1]);
     // The short one, let go first, is served sooner.
     assert!(wspt.result.ttft_ms.p50 < fcfs.result.ttft_ms.p50);
+}
+
+#[test]
+fn an_engine_that_frees_up_takes_only_what_keeps_it_unsaturated() {
+    // Two engines, saturated above 512 prefill tokens: a request of 8,192 tokens holds one
+    // for 16 steps, one of 2,048 the other for 4. Four of 512 tokens wait meanwhile.
+    let mut trace = vec![request(0, 16, 0), request(0, 4, 100)];
+    trace.extend((0..4).map(|i| request(1, 1, 200 + 10 * i)));
+    let r = run(&trace, &queued(2, at(1.0, QueueOrder::Fcfs)));
+    let q = r.result.queue.as_ref().expect("the queue is on");
+    assert_eq!(
+        (q.queued, q.timed_out, r.result.requests),
+        (4, 0, 6),
+        "{q:?}"
+    );
+    let at_of = |id: u64| {
+        r.routed
+            .iter()
+            .find(|(r, _)| r.0 == id)
+            .map(|(_, at)| *at)
+            .expect("routed")
+    };
+    // The second engine frees up at its request's first token. One at a time, each counted
+    // before the next: 512 tokens leave it unsaturated, 1,024 do not. Two go then, not four.
+    let freed = at_of(2);
+    assert!(freed > Duration::from_millis(1));
+    assert_eq!(at_of(3), freed);
+    assert!(at_of(4) > freed, "{:?}", r.routed);
+    assert!(at_of(5) > freed, "{:?}", r.routed);
+    let ids: Vec<u64> = r.routed.iter().map(|(id, _)| id.0).collect();
+    assert_eq!(ids, [0, 1, 2, 3, 4, 5], "fcfs");
 }
 
 #[test]
