@@ -152,7 +152,8 @@ goodput_kvroute() { # file args...
     || echo "kvroute-bench goodput $file failed (see $file.log)" >&2
 }
 goodput_kvroute "$OUT/goodput-kvroute-defaults.json" --policies kv_aware,round_robin,llm_d
-goodput_kvroute "$OUT/goodput-kvroute-dynmodel.json" --policies kv_aware "${DYN_MODEL[@]}"
+goodput_kvroute "$OUT/goodput-kvroute-dynmodel.json" --policies kv_aware "${DYN_MODEL[@]}" \
+  --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1
 goodput_kvroute "$OUT/goodput-kvroute-dynmodel-c2s4.json" --policies kv_aware "${DYN_MODEL[@]}" \
   --router-kv-overlap-score-credit 2 --router-prefill-load-scale 4
 # Dynamo's side: the same search, one replay per rate.

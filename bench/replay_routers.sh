@@ -16,7 +16,8 @@
 #      mockers in one process) under its KV router (defaults; overlap credit 2, prefill load
 #      scale 4) and round robin; then kvroute-sim replicas with `--timing-model dynamo` and the
 #      same tokenizer, block size, block count, batch limits and speedup, behind kvroute
-#      (kv_aware defaults; kv_aware credit 2 / scale 4; round_robin; cache_aware; llm_d) and
+#      (kv_aware defaults; kv_aware with Dynamo's model and defaults; round_robin; cache_aware;
+#      llm_d) and
 #      smg cache_aware.
 # Dynamo's frontend sends no chunk for a token whose text decodes empty (most of its mocker's,
 # with this tokenizer), so its rows ask for `nvext.worker_id` (`--extra-body`): then it sends a
@@ -157,8 +158,9 @@ for group in $GROUP; do
       SIM="kvroute-sim (dynamo)"; DSIM=(--timing-model dynamo --tokenizer "$TOK")
       KVT=("${KVROUTE[@]}" --tokenizer "$TOK")
       run 2 "kvroute kv_aware (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}"
-      run 2 "kvroute kv_aware credit 2 / scale 4" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" \
-        --router-kv-overlap-score-credit 2 --router-prefill-load-scale 4
+      run 2 "kvroute kv_aware, Dynamo's model" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" \
+        --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 \
+        --router-prefill-interference-weight 0
       run 2 "kvroute round_robin (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy round_robin
       run 2 "kvroute cache_aware (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy cache_aware
       run 2 "kvroute llm_d (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy llm_d
