@@ -93,6 +93,7 @@ pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
                 v["prefill_tokens"] = c.kv.prefill_tokens.into();
                 v["decode_blocks"] = c.kv.decode_blocks.into();
                 v["new_blocks"] = c.kv.new_blocks.into();
+                v["prefilling_requests"] = c.kv.prefilling_requests.into();
             }
             if let Some(costs) = &plan.costs {
                 v["cost"] = costs[i].into();

@@ -89,6 +89,8 @@ async fn a_shared_prefix_goes_where_it_is_cached_and_is_credited_exactly() {
         .unwrap()
         .clone();
     assert_eq!(other["overlap_blocks"]["device"], 0);
+    // Nothing in flight: no request prefilling (the interference term's count is explained).
+    assert_eq!(other["prefilling_requests"], 0, "{other}");
     let cost = |w: &str| {
         debug["candidates"]
             .as_array()
