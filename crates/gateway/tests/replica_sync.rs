@@ -43,6 +43,10 @@ fn rank_in_flight(r: &TestRouter) -> u64 {
     r.gateway.workers().statuses()[0].ranks[0].in_flight
 }
 
+fn rank_prefill(r: &TestRouter) -> u64 {
+    r.gateway.workers().statuses()[0].ranks[0].active_prefill_tokens
+}
+
 /// Waits until each of `routers` counts `n` requests in flight on the worker's rank.
 async fn wait_load(what: &str, routers: &[&TestRouter], n: u64) {
     wait_until(what, || routers.iter().all(|r| rank_in_flight(r) == n)).await;
@@ -334,11 +338,25 @@ async fn a_starting_replica_takes_the_learnt_state_before_it_is_ready() {
 async fn a_starting_replica_takes_a_snapshot_before_it_is_ready() {
     let nats = nats().await;
     let w = MockWorker::start("w", &["m"]).await;
-    let a = start_synced(synced(&nats, "snapshot", &[&w])).await;
-    let held = open_stream(&a.url, "/v1/completions", STREAM).await;
-    // B starts after A's request: it must know of it as soon as it says it is ready.
-    let b = start_ready(synced(&nats, "snapshot", &[&w])).await;
+    // kv_aware, so that a request's prompt tokens count as prefill load until its first token.
+    let kv = || kvroute_gateway::Settings {
+        policy: kvroute_core::PolicyKind::KvAware,
+        ..synced(&nats, "snapshot", &[&w])
+    };
+    let a = start_synced(kv()).await;
+    let mut held = open_stream(&a.url, "/v1/completions", STREAM).await;
+    // Its first token has come: A counts it as decoding, no longer prefilling.
+    held.body_mut().frame().await.unwrap().unwrap();
+    wait_until("A's prefill done", || rank_prefill(&a) == 0).await;
+    // B starts after A's request: it must know of it as soon as it says it is ready, and
+    // that its prefill is done.
+    let b = start_ready(kv()).await;
     assert_eq!(rank_in_flight(&b), 1, "B is ready with A's load in view");
+    assert_eq!(
+        rank_prefill(&b),
+        0,
+        "B knows A's request has its first token"
+    );
     w.release.add_permits(1);
     held.into_body().collect().await.unwrap();
     wait_load("both see none", &[&a, &b], 0).await;

@@ -162,7 +162,10 @@ async fn run(
     let mut seq = 0u64;
     // This replica's requests in flight (listed in its heartbeats, sent whole in
     // snapshots).
-    let mut live: std::collections::HashMap<u64, Message> = std::collections::HashMap::new();
+    // This replica's requests in flight, for snapshots: each as routed, and whether its first
+    // token has come (so that a starting replica counts it as decoding, not prefilling).
+    let mut live: std::collections::HashMap<u64, (Message, bool)> =
+        std::collections::HashMap::new();
     let mut tick = tokio::time::interval(config.timeout / 3);
     let mut publish = |body: Message, client: &async_nats::Client| {
         metrics.count("out", body.kind());
@@ -190,7 +193,12 @@ async fn run(
                 let Some(body) = out else { return };
                 match &body {
                     Message::Routed { request, .. } => {
-                        live.insert(*request, body.clone());
+                        live.insert(*request, (body.clone(), false));
+                    }
+                    Message::FirstToken { request } => {
+                        if let Some((_, first)) = live.get_mut(request) {
+                            *first = true;
+                        }
                     }
                     Message::Finished { request } => {
                         live.remove(request);

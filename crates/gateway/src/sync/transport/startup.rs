@@ -152,12 +152,12 @@ pub(super) async fn take_snapshot(
 }
 
 /// The parts of this replica's answer to `ask`, as payloads to publish in order: its
-/// requests in flight, or (when it is the one asked) the shared state. `None` when the
-/// ask is not for it.
+/// requests in flight (each as routed, then its first token if it came), or (when it is the
+/// one asked) the shared state. `None` when the ask is not for it.
 pub(super) fn answer_parts(
     me: ReplicaTag,
     ask: &snapshot::Ask,
-    live: &std::collections::HashMap<u64, Message>,
+    live: &std::collections::HashMap<u64, (Message, bool)>,
     local: &Local,
 ) -> Option<Vec<Vec<u8>>> {
     let part = |part| snapshot::encode(&snapshot::Answer { sender: me, part });
@@ -167,7 +167,7 @@ pub(super) fn answer_parts(
     match ask.state_from {
         None => {
             let mut out: Vec<Vec<u8>> =
-                snapshot::pack_live(live.values().cloned(), snapshot::PART_BYTES)
+                snapshot::pack_live(live_messages(live), snapshot::PART_BYTES)
                     .into_iter()
                     .map(|group| part(Part::Live(group)))
                     .collect();
@@ -234,4 +234,14 @@ fn routed_observations(local: &Local, now: Instant) -> Vec<Observation> {
             })
         })
         .collect()
+}
+
+/// Each request in flight as its `Routed` message, followed by `FirstToken` once it has one.
+fn live_messages(
+    live: &std::collections::HashMap<u64, (Message, bool)>,
+) -> impl Iterator<Item = Message> + '_ {
+    live.iter().flat_map(|(request, (routed, first))| {
+        let first = first.then_some(Message::FirstToken { request: *request });
+        std::iter::once(routed.clone()).chain(first)
+    })
 }
