@@ -11,6 +11,7 @@ mod args;
 mod certs;
 mod discovery;
 mod dump;
+mod epp;
 mod load;
 mod merge;
 pub mod peers;
@@ -19,6 +20,7 @@ mod settings;
 mod validate;
 
 pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, MemoryCostArg, QueueOrderArg};
+pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
 pub use load::CliWorkers;
 pub use settings::{

@@ -333,6 +333,8 @@ pub struct Settings {
     pub discovery: DiscoverySettings,
     /// The embedded simulated engines' step-time model.
     pub timing_model: kvroute_sim::engine::TimingFamily,
+    /// The endpoint picker (`--epp`), when on: then kvroute decides and Envoy proxies.
+    pub epp: Option<super::EppSettings>,
 }
 
 impl Settings {

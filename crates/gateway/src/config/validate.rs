@@ -492,6 +492,7 @@ impl Args {
             tokenizer_cache_bytes: self.tokenizer_cache_l1_max_memory.unwrap_or(256 << 20),
             discovery,
             timing_model: self.timing_model.unwrap_or_default(),
+            epp: None,
         })
     }
 }
