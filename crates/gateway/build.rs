@@ -1,0 +1,15 @@
+//! Compiles Envoy's ext_proc v3 service (`proto/`, vendored from Envoy's API) into Rust,
+//! with protox (a protobuf compiler in Rust: no `protoc` on the build machine).
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let service = "envoy/service/ext_proc/v3/external_processor.proto";
+    println!("cargo:rerun-if-changed=proto");
+    let files = protox::compile([service], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_server(true)
+        // The tests drive the server with a real tonic client too.
+        .build_client(true)
+        .build_transport(false)
+        .compile_fds(files)?;
+    Ok(())
+}
