@@ -35,7 +35,7 @@ use crate::workers::Pool;
 use kvroute_core::eligibility::Hints;
 
 /// Admits a request (see [`crate::admission`]).
-async fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
+pub(crate) async fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
     let permit = match &state.admission {
         Some(admission) => admission.admit().await?,
         None => None,

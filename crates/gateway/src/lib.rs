@@ -19,7 +19,7 @@
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `prompts` (tokens and
 //!    the tokenizer prefix cache), `busy`;
 //! 4. request path: `admission` (the concurrency limit, its queue and rate), `routing`, `recent` (the last decisions), `queue`, `proxy`, `sync`, `context`,
-//!    `migrate`, `pd`, `forward`,
+//!    `migrate`, `pd`, `forward`, `epp` (the endpoint picker: Envoy's ext_proc),
 //!    `discovery`;
 //! 5. server: `server` (the axum app, admin API, background tasks) and `main`.
 
@@ -47,6 +47,7 @@ pub mod workers;
 pub mod admission;
 pub(crate) mod context;
 pub(crate) mod discovery;
+pub mod epp;
 pub(crate) mod forward;
 pub mod migrate;
 pub mod pd;

@@ -133,7 +133,8 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     let engines_stop = CancellationToken::new();
     let mut engines = tokio::task::JoinSet::new();
     // Any discovery source turns the embedded engines off, even before it finds a worker.
-    if settings.workers.is_empty() && !settings.discovery.any() {
+    // The endpoint picker never makes up engines: the gateway's model servers are its own.
+    if settings.workers.is_empty() && !settings.discovery.any() && settings.epp.is_none() {
         let workers = start_embedded_engines(
             settings.timing_model,
             &tokenizer,
@@ -157,6 +158,23 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     let metrics_listener = tokio::net::TcpListener::bind(&metrics_addr)
         .await
         .with_context(|| format!("cannot serve metrics on {metrics_addr}"))?;
+    let epp_listeners = match &settings.epp {
+        Some(epp) => {
+            let bind = |port: u16, what: &'static str| {
+                let addr = format!("{}:{port}", settings.host);
+                async move {
+                    tokio::net::TcpListener::bind(&addr)
+                        .await
+                        .with_context(|| format!("cannot serve {what} on {addr}"))
+                }
+            };
+            Some(kvroute_gateway::epp::serve::EppListeners {
+                grpc: bind(epp.grpc_port, "ext_proc").await?,
+                health: bind(epp.grpc_health_port, "gRPC health").await?,
+            })
+        }
+        None => None,
+    };
     let mut registry = prometheus_client::registry::Registry::default();
     let workers = settings.workers.len();
     if settings.overload.is_on() {
@@ -190,6 +208,11 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
         }
         None => None,
     };
+    if let Some(listeners) = epp_listeners {
+        gateway
+            .serve_epp(listeners)
+            .context("cannot serve as the endpoint picker")?;
+    }
     tracing::info!("policy: {}", gateway.policy_description());
     tracing::info!(addr = %api_addr, scheme, metrics = %metrics_addr, workers, "kvroute listening");
 

@@ -132,7 +132,14 @@ impl InFlight {
         self
     }
 
-    fn first_frame(&mut self) {
+    /// The worker the request is counted on.
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.worker
+    }
+
+    /// The first byte of the answer: the prefill is over (the TTFT, the queue and the
+    /// replicas hear of it once).
+    pub(crate) fn first_frame(&mut self) {
         if !self.first_frame_seen {
             self.first_frame_seen = true;
             self.worker.ranks[self.rank].first_token(&self.load);

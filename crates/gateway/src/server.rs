@@ -179,6 +179,26 @@ impl Gateway {
         Ok(true)
     }
 
+    /// Serves as the endpoint picker (`--epp`) on `listeners` until the router shuts down:
+    /// call it before [`Gateway::serve`].
+    pub fn serve_epp(
+        &self,
+        listeners: crate::epp::serve::EppListeners,
+    ) -> Result<(), crate::epp::serve::EppError> {
+        let settings = self
+            .state
+            .settings
+            .epp
+            .clone()
+            .unwrap_or(crate::config::EppSettings {
+                grpc_port: 0,
+                grpc_health_port: 0,
+                serving: crate::config::EppServing::H2c,
+                endpoints: crate::config::EppEndpoints::Static,
+            });
+        crate::epp::serve::spawn(&self.state, &settings, listeners)
+    }
+
     /// Serves the API on `listener` and the metrics on `metrics_listener` until `shutdown`,
     /// then stops accepting, lets in-flight requests finish for up to the grace period, and
     /// joins the background tasks.

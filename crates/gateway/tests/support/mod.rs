@@ -4,18 +4,22 @@
 //!
 //! - [`mock`]: fake engines ([`MockWorker`]).
 //! - [`sim`]: kvroute-sim replicas and the router's KV-index credit.
+//! - [`envoy`]: a real Envoy in front of the endpoint picker ([`Envoy`]).
 //! - [`kube_api`]: a Kubernetes API server's pod list and watch ([`FakeApi`]).
 //! - [`requests`]: the requests and waits the tests repeat, as [`TestRouter`] methods.
 //! - [`tls`]: certificates made in the test, and https clients.
 
 #![allow(dead_code)]
 
+mod envoy;
 mod kube_api;
 mod mock;
 mod requests;
 mod sim;
 mod tls;
 
+#[allow(unused_imports)]
+pub use envoy::*;
 #[allow(unused_imports)]
 pub use kube_api::*;
 #[allow(unused_imports)]

@@ -1,0 +1,343 @@
+//! kvroute as the endpoint picker behind a real Envoy (ext_proc v3, GIE's processing mode):
+//! requests land where kvroute picked, bodies and streams pass whole and as streams, errors
+//! are the proxy's, in-flight counts are released, gRPC health answers, and the default TLS
+//! serving works behind Envoy's TLS upstream.
+
+mod support;
+
+use std::time::Duration;
+
+use http::{Method, StatusCode};
+use http_body_util::{BodyExt, Full};
+use kvroute_core::PolicyKind;
+use kvroute_gateway::config::{EppEndpoints, EppServing, EppSettings};
+use kvroute_gateway::epp::serve::EppListeners;
+use kvroute_gateway::Settings;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+use support::*;
+
+/// A router serving as the picker (`serving`), and its ext_proc and health ports.
+async fn picker(mut settings: Settings, serving: EppServing) -> (TestRouter, u16, u16) {
+    settings.epp = Some(EppSettings {
+        grpc_port: 0,
+        grpc_health_port: 0,
+        serving,
+        endpoints: EppEndpoints::Static,
+    });
+    let router = TestRouter::start(settings).await;
+    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let health = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ports = (
+        grpc.local_addr().unwrap().port(),
+        health.local_addr().unwrap().port(),
+    );
+    router
+        .gateway
+        .serve_epp(EppListeners { grpc, health })
+        .expect("the picker serves");
+    (router, ports.0, ports.1)
+}
+
+/// Two simulated engines behind Envoy and kvroute (kv_aware, KV events from the engines).
+async fn sims_behind_envoy() -> (Vec<kvroute_sim::SimInstance>, TestRouter, Envoy) {
+    let mut sims = Vec::new();
+    let mut specs = Vec::new();
+    for i in 0..2 {
+        let (sim, events) = sim_with_events(|events| {
+            <kvroute_sim::SimArgs as clap::Parser>::parse_from([
+                "kvroute-sim",
+                "--kv-events-endpoint",
+                events,
+            ])
+        })
+        .await;
+        let mut spec = named_spec(&format!("sim{i}"), "kvroute-sim", sim.url());
+        spec.kv_events = Some(events);
+        specs.push(spec);
+        sims.push(sim);
+    }
+    let mut settings = Settings::with_workers(specs).unwrap();
+    settings.policy = PolicyKind::KvAware;
+    let (router, grpc, _) = picker(settings, EppServing::H2c).await;
+    for (i, sim) in sims.iter().enumerate() {
+        joined(&router, &sim.url(), &format!("sim{i}")).await;
+    }
+    let envoy = Envoy::start("envoy.yaml", &[grpc]).await;
+    (sims, router, envoy)
+}
+
+fn completion(prompt: &str) -> String {
+    json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 2}).to_string()
+}
+
+fn long_prompt(seed: &str) -> String {
+    format!(
+        "{seed} {}",
+        "the quick brown fox jumps over the lazy dog. ".repeat(40)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_land_where_kvroute_picked_and_a_shared_prefix_stays_on_its_engine() {
+    let (sims, router, envoy) = sims_behind_envoy().await;
+    let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
+    let probes: Vec<u64> =
+        futures_util::future::join_all(urls.iter().map(|u| engine_requests(u))).await;
+    // Requests land on the endpoint kvroute named, and its counters agree with the engines.
+    for i in 0..6 {
+        let reply = post(
+            &envoy.url,
+            "/v1/chat/completions",
+            &[],
+            &chat(
+                "kvroute-sim",
+                &format!("question {i}: {}", long_prompt(&i.to_string())),
+            ),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        assert!(reply.worker().starts_with("sim"), "named by the picker");
+    }
+    let metrics = router.metrics().await;
+    for (i, url) in urls.iter().enumerate() {
+        let picked = metric(
+            &metrics,
+            "kvroute_processed_requests_total",
+            &format!("sim{i}"),
+        );
+        let served = engine_requests(url).await - probes[i];
+        assert_eq!(
+            picked, served,
+            "sim{i}: picks {picked}, engine served {served}"
+        );
+    }
+
+    // kv_aware keeps a shared prefix on the engine that cached it: the engine's own cached
+    // tokens are the proof.
+    let shared = long_prompt("a shared system prompt");
+    let first = post(
+        &envoy.url,
+        "/v1/completions",
+        &[],
+        &completion(&format!("{shared} first question")),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::OK);
+    let home = first.worker().to_owned();
+    wait_overlap(&router, &format!("{shared} again"), &home, |n| {
+        n.is_some_and(|n| n > 0)
+    })
+    .await;
+    for i in 0..3 {
+        let reply = post(
+            &envoy.url,
+            "/v1/completions",
+            &[],
+            &completion(&format!("{shared} question {i}")),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.worker(), home, "the prefix's engine");
+        let cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        assert!(
+            cached >= 256,
+            "the engine served the prefix from its cache: {cached}"
+        );
+    }
+    drop(envoy);
+    router.stop().await;
+}
+
+/// The requests an engine counts as served (its TTFT histogram's count, summed).
+async fn engine_requests(url: &str) -> u64 {
+    let text = scrape(url).await;
+    text.lines()
+        .filter(|l| l.starts_with("vllm:time_to_first_token_seconds_count"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+fn metric(text: &str, name: &str, worker: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(&format!("worker=\"{worker}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Settings for `workers`, each known by its name.
+fn named(workers: &[MockWorker]) -> Settings {
+    let specs = workers
+        .iter()
+        .map(|w| named_spec(&w.name, "m", w.url.clone()))
+        .collect();
+    Settings::with_workers(specs).unwrap()
+}
+
+/// A picker over mock engines behind Envoy.
+async fn mocks_behind_envoy(names: &[&str]) -> (Vec<MockWorker>, TestRouter, Envoy) {
+    let mut workers = Vec::new();
+    for name in names {
+        workers.push(MockWorker::start(name, &["m"]).await);
+    }
+    let (router, grpc, _) = picker(named(&workers), EppServing::H2c).await;
+    let envoy = Envoy::start("envoy.yaml", &[grpc]).await;
+    (workers, router, envoy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_body_arrives_whole_and_gie_headers_do_not_go_on() {
+    let (_workers, router, envoy) = mocks_behind_envoy(&["a", "b"]).await;
+    let prompt = "x".repeat(160_000);
+    let body = json!({"model": "m", "prompt": prompt}).to_string();
+    assert!(body.len() > 150_000);
+    let reply = post(
+        &envoy.url,
+        "/v1/completions",
+        &[
+            ("x-gateway-inference-fairness-id", "team-a"),
+            ("x-gateway-destination-endpoint", "10.9.9.9:1"),
+        ],
+        &body,
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    let echoed = reply.json();
+    let received: Value = serde_json::from_str(echoed["body"].as_str().unwrap()).unwrap();
+    assert_eq!(received["prompt"].as_str().unwrap().len(), 160_000, "whole");
+    assert_eq!(echoed["worker"].as_str().unwrap(), reply.worker());
+    let headers = &echoed["headers"];
+    assert!(
+        headers.get("x-gateway-inference-fairness-id").is_none(),
+        "GIE's headers are stripped: {headers}"
+    );
+    drop(envoy);
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_streams_and_a_client_gone_mid_stream_releases_it() {
+    let (workers, router, envoy) = mocks_behind_envoy(&["a"]).await;
+    let body = json!({"model": "m", "prompt": "hi", "stream": true, "max_tokens": 2});
+    let request = http::Request::builder()
+        .method(Method::POST)
+        .uri(format!("{}/v1/completions", envoy.url))
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(body.to_string())))
+        .unwrap();
+    let response = client().request(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-kvroute-worker"], "a");
+    let mut body = response.into_body();
+    // The mock sends one chunk, then waits for a permit: the first chunk comes through while
+    // the answer is not over.
+    let first = tokio::time::timeout(Duration::from_secs(20), body.frame())
+        .await
+        .expect("the first chunk before the end")
+        .unwrap()
+        .unwrap();
+    assert!(!first.data_ref().unwrap().is_empty());
+    router.wait_in_flight("a", |n| n == 1).await;
+    // The client goes away: the picker's count is released.
+    drop(body);
+    router.wait_none_in_flight().await;
+    workers[0].release.add_permits(10);
+
+    // A whole stream, to its end.
+    workers[0].release.add_permits(10);
+    let reply = post(&envoy.url, "/v1/completions", &[], &body_stream()).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let text = String::from_utf8_lossy(&reply.body);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    router.wait_none_in_flight().await;
+    drop(envoy);
+    router.stop().await;
+}
+
+fn body_stream() -> String {
+    json!({"model": "m", "prompt": "hello", "stream": true, "max_tokens": 3}).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_the_proxys_and_health_answers() {
+    let (_workers, router, envoy) = mocks_behind_envoy(&["a"]).await;
+    let reply = post(&envoy.url, "/v1/completions", &[], &chat("nosuch", "hi")).await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND, "{:?}", reply.body);
+    assert_eq!(reply.error_code(), "model_not_found");
+    let reply = post(
+        &envoy.url,
+        "/v1/completions",
+        &[("x-kvroute-required-taints", "gpu-none")],
+        &json!({"model": "m", "prompt": "hi"}).to_string(),
+    )
+    .await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        reply.body
+    );
+    assert_eq!(reply.error_code(), "no_endpoint");
+    let reply = post(&envoy.url, "/v1/completions", &[], "{not json").await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(reply.error_code(), "invalid_json");
+    router.wait_none_in_flight().await;
+    drop(envoy);
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_is_serving_for_every_name_llm_d_probes() {
+    let worker = MockWorker::start("a", &["m"]).await;
+    let (router, _, health) = picker(settings(&[&worker]), EppServing::H2c).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{health}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+    for service in kvroute_gateway::epp::serve::HEALTH_SERVICES
+        .iter()
+        .chain(&["anything"])
+    {
+        let answer = client
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: (*service).to_owned(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            answer.status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+            "{service}"
+        );
+    }
+    router.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_tls_serving_works_behind_envoys_tls_upstream() {
+    let workers = [
+        MockWorker::start("a", &["m"]).await,
+        MockWorker::start("b", &["m"]).await,
+    ];
+    let (router, grpc, _) = picker(named(&workers), EppServing::SelfSigned).await;
+    let envoy = Envoy::start("envoy-tls.yaml", &[grpc]).await;
+    for _ in 0..4 {
+        let reply = post(
+            &envoy.url,
+            "/v1/completions",
+            &[],
+            &json!({"model": "m", "prompt": "hi"}).to_string(),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        assert_eq!(reply.json()["worker"].as_str().unwrap(), reply.worker());
+    }
+    drop(envoy);
+    router.stop().await;
+}

