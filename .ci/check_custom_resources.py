@@ -76,9 +76,12 @@ def main():
                     failures += 1
                 continue
             file, validator = schemas[key]
-            errors = sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+            errors = sorted(validator.iter_errors(doc),
+                            key=lambda e: list(map(str, e.absolute_path)))
             for e in errors:
-                msg = e.message if len(e.message) <= 240 else e.message[:200] + " ... " + e.message[-35:]
+                msg = e.message
+                if len(msg) > 240:
+                    msg = msg[:200] + " ... " + msg[-35:]
                 print(f"FAIL {what}: {field_path(e)}: {msg} ({file})")
             failures += len(errors)
             counts[key[1]] = counts.get(key[1], 0) + 1

