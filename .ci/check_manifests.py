@@ -14,6 +14,15 @@ messages). Checked:
   probes, an image with an explicit tag, no `$(VAR)` reference to an undefined variable.
 - the router: /health for liveness, /readiness for readiness, a preStop sleep, and a
   terminationGracePeriodSeconds above the preStop sleep plus --shutdown-grace-period-secs.
+  As the endpoint picker (kvroute --epp) instead of /health and /readiness: gRPC probes on
+  --grpc-health-port (services inference-extension, liveness, readiness), container ports for
+  --grpc-port, --grpc-health-port and --metrics-port (defaults 9002, 9003, 9090), --pool-name
+  set, --pool-group the v1 group, a --pool-namespace $(VAR) that is the pod's namespace.
+- every InferencePool: its selector selects pods of the render and its targetPorts are their
+  ports; its endpointPickerRef is a Service of the render with that port (appProtocol http2 or
+  kubernetes.io/h2c), selecting a kvroute --epp pod, whose --grpc-port the port goes to and
+  whose --pool-name is this pool; every HTTPRoute's InferencePool backendRefs and Gateway
+  parentRefs (and their sectionName) are objects of the render.
 - every workload's selector matches its pod template; every Service and PodDisruptionBudget
   selects a pod of the same render, and a Service's named targetPorts are ports of those pods;
   where the render has kvroute-sim engines, the router's --selector matches them and their
@@ -299,12 +308,15 @@ def check_render(name, path, uid, gid, entrypoint):
                                                      + list(c.get("command") or [])[1:]))
     for where, c, spec in routers:
         args = list(c.get("args") or [])
-        lp = ((c.get("livenessProbe") or {}).get("httpGet") or {}).get("path")
-        rp = ((c.get("readinessProbe") or {}).get("httpGet") or {}).get("path")
-        if lp != "/health":
-            fail(where, f"liveness probe is {lp!r}, not /health")
-        if rp != "/readiness":
-            fail(where, f"readiness probe is {rp!r}, not /readiness")
+        if "--epp" in args:
+            check_epp_container(where, c, args)
+        else:
+            lp = ((c.get("livenessProbe") or {}).get("httpGet") or {}).get("path")
+            rp = ((c.get("readinessProbe") or {}).get("httpGet") or {}).get("path")
+            if lp != "/health":
+                fail(where, f"liveness probe is {lp!r}, not /health")
+            if rp != "/readiness":
+                fail(where, f"readiness probe is {rp!r}, not /readiness")
         sleep = (((c.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get(
             "seconds"
         )
@@ -333,6 +345,7 @@ def check_render(name, path, uid, gid, entrypoint):
             em = re.search(r"(\d+)$", ev)
             if not em or int(em.group(1)) not in ports:
                 fail(swhere, f"kvroute.io/kv-events {ev!r} is not one of its ports {ports}")
+    check_inference_objects(name, docs, workloads, routers)
     for d in docs:
         kind = d.get("kind")
         dname = f"{name}: {kind}/{d['metadata']['name']}"
@@ -355,6 +368,141 @@ def check_render(name, path, uid, gid, entrypoint):
                         if tp not in names:
                             wn = w["metadata"]["name"]
                             fail(dname, f"targetPort {tp!r} is not a port of {wn}")
+
+
+EPP_DEFAULT_PORTS = {"--grpc-port": 9002, "--grpc-health-port": 9003, "--metrics-port": 9090}
+# The grpc.health.v1 services of GIE's and llm-d's EPP (kvroute --epp serves the same).
+EPP_HEALTH_SERVICES = ("inference-extension", "liveness", "readiness")
+POOL_GROUP = "inference.networking.k8s.io"
+
+
+def epp_port(args, flag):
+    v = single_value(args, flag)
+    return int(v) if v is not None else EPP_DEFAULT_PORTS[flag]
+
+
+def check_epp_container(where, c, args):
+    """kvroute --epp: its ports, its gRPC probes on --grpc-health-port, its pool flags."""
+    ports = {p.get("containerPort") for p in c.get("ports") or []}
+    for flag in EPP_DEFAULT_PORTS:
+        if epp_port(args, flag) not in ports:
+            fail(where, f"{flag} {epp_port(args, flag)} is not one of its container ports {ports}")
+    health = epp_port(args, "--grpc-health-port")
+    for probe, wrong in (("livenessProbe", "readiness"), ("readinessProbe", None)):
+        g = (c.get(probe) or {}).get("grpc")
+        if not g:
+            fail(where, f"{probe} is not a gRPC probe (an EPP's are, on --grpc-health-port)")
+            continue
+        if g.get("port") != health:
+            fail(where, f"{probe} is on port {g.get('port')}, not --grpc-health-port {health}")
+        if g.get("service") not in EPP_HEALTH_SERVICES or g.get("service") == wrong:
+            fail(where, f"{probe}'s gRPC service is {g.get('service')!r}, not one of"
+                 f" {[x for x in EPP_HEALTH_SERVICES if x != wrong]}")
+    if single_value(args, "--pool-name") is None:
+        fail(where, "--epp without --pool-name")
+    group = single_value(args, "--pool-group")
+    if group not in (None, POOL_GROUP):
+        fail(where, f"--pool-group {group}: the render's InferencePools are {POOL_GROUP}")
+    pns = single_value(args, "--pool-namespace")
+    m = re.fullmatch(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", pns or "")
+    if m:
+        env = {e["name"]: e for e in c.get("env") or []}
+        ref = ((env.get(m.group(1)) or {}).get("valueFrom") or {}).get("fieldRef") or {}
+        if ref.get("fieldPath") != "metadata.namespace":
+            fail(where, f"--pool-namespace {pns}: {m.group(1)} is not the pod's namespace"
+                 " (fieldRef metadata.namespace)")
+
+
+def check_inference_objects(name, docs, workloads, routers):
+    """The InferencePools, their EPP and the HTTPRoutes to them, against each other."""
+    def named(kind):
+        return {d["metadata"]["name"]: d for d in docs if d.get("kind") == kind}
+
+    pools, services, gateways = named("InferencePool"), named("Service"), named("Gateway")
+    epps = [(w, c, list(c.get("args") or [])) for w, c, _ in routers
+            if "--epp" in (c.get("args") or [])]
+    pods = {id(w): (w, s, labels) for w, s, labels in workloads}
+    for where, c, args in epps:
+        pool = single_value(args, "--pool-name")
+        if pool is not None and pool not in pools:
+            fail(where, f"--pool-name {pool} is not an InferencePool of this render"
+                 f" {sorted(pools)}")
+        pns = single_value(args, "--pool-namespace")
+        if pool in pools and pns and not pns.startswith("$("):
+            have = pools[pool]["metadata"].get("namespace")
+            if have and pns != have:
+                fail(where, f"--pool-namespace {pns}, but InferencePool {pool} is in {have}")
+    for pname, p in pools.items():
+        where = f"{name}: InferencePool/{pname}"
+        spec = p.get("spec") or {}
+        sel = (spec.get("selector") or {}).get("matchLabels") or {}
+        chosen = [(w, s) for w, s, labels in pods.values() if matches(sel, labels)]
+        if not chosen:
+            fail(where, f"its selector selects no pod of this render: {sel}")
+        for tp in spec.get("targetPorts") or []:
+            for w, s in chosen:
+                have = {cp.get("containerPort") for ct in s.get("containers") or []
+                        for cp in ct.get("ports") or []}
+                if tp.get("number") not in have:
+                    fail(where, f"targetPort {tp.get('number')} is not a port of"
+                         f" {w['kind']}/{w['metadata']['name']} {sorted(have)}")
+        ref = spec.get("endpointPickerRef") or {}
+        if ref.get("group", "") != "" or ref.get("kind", "Service") != "Service":
+            fail(where, f"endpointPickerRef is not a core Service: {ref}")
+            continue
+        svc = services.get(ref.get("name"))
+        if svc is None:
+            fail(where, f"endpointPickerRef names Service {ref.get('name')!r}, not in this render")
+            continue
+        want = (ref.get("port") or {}).get("number")
+        sport = next((x for x in svc["spec"].get("ports") or [] if x.get("port") == want), None)
+        if sport is None:
+            fail(where, f"Service {ref.get('name')} has no port {want} (endpointPickerRef.port)")
+            continue
+        if sport.get("appProtocol") not in ("http2", "kubernetes.io/h2c"):
+            fail(where, f"Service {ref.get('name')} port {want}: appProtocol"
+                 f" {sport.get('appProtocol')!r}, not http2 or kubernetes.io/h2c"
+                 " (ext_proc is gRPC)")
+        ssel = svc["spec"].get("selector") or {}
+        served = False
+        for where_c, c, args in epps:
+            wl = next((w for w, s, labels in pods.values()
+                       if matches(ssel, labels) and c in (s.get("containers") or [])), None)
+            if wl is None:
+                continue
+            tp = sport.get("targetPort", want)
+            if isinstance(tp, str):
+                tp = next((cp.get("containerPort") for cp in c.get("ports") or []
+                           if cp.get("name") == tp), None)
+            if tp != epp_port(args, "--grpc-port"):
+                fail(where, f"Service {ref.get('name')} port {want} goes to container port {tp},"
+                     f" not the EPP's --grpc-port {epp_port(args, '--grpc-port')}")
+            if single_value(args, "--pool-name") != pname:
+                fail(where, f"its EPP ({where_c}) picks for --pool-name"
+                     f" {single_value(args, '--pool-name')}, not this pool")
+            served = True
+        if not served:
+            fail(where, f"Service {ref.get('name')} (endpointPickerRef) selects no"
+                 " kvroute --epp pod")
+    for r in (d for d in docs if d.get("kind") == "HTTPRoute"):
+        where = f"{name}: HTTPRoute/{r['metadata']['name']}"
+        ns = r["metadata"].get("namespace")
+        for rule in (r.get("spec") or {}).get("rules") or []:
+            for b in rule.get("backendRefs") or []:
+                if b.get("kind") == "InferencePool" and b.get("namespace", ns) == ns \
+                        and b.get("name") not in pools:
+                    fail(where, f"backendRef InferencePool {b.get('name')!r} is not in this render")
+        for pr in (r.get("spec") or {}).get("parentRefs") or []:
+            if pr.get("kind", "Gateway") != "Gateway" or pr.get("namespace", ns) != ns:
+                continue
+            gw = gateways.get(pr.get("name"))
+            if gw is None:
+                fail(where, f"parentRef Gateway {pr.get('name')!r} is not in this render")
+                continue
+            listeners = {x.get("name") for x in (gw.get("spec") or {}).get("listeners") or []}
+            if pr.get("sectionName") and pr["sectionName"] not in listeners:
+                fail(where, f"parentRef sectionName {pr['sectionName']!r} is not a listener of"
+                     f" Gateway {pr.get('name')} {sorted(listeners)}")
 
 
 def check_config_file(where, c, spec, configmaps):
