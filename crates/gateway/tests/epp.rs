@@ -341,3 +341,163 @@ async fn the_default_tls_serving_works_behind_envoys_tls_upstream() {
     drop(envoy);
     router.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_bodies_work_too_and_the_model_name_is_rewritten() {
+    let workers = [MockWorker::start("a", &["m"]).await];
+    let (router, grpc, _) = picker(named(&workers), EppServing::H2c).await;
+    let envoy = Envoy::start_edited("envoy.yaml", &[grpc], |text| {
+        text.replace("body_mode: FULL_DUPLEX_STREAMED", "body_mode: BUFFERED")
+    })
+    .await;
+    let prompt = "y".repeat(100_000);
+    let reply = post(
+        &envoy.url,
+        "/v1/completions",
+        &[("x-gateway-model-name-rewrite", "m")],
+        &json!({"model": "an-alias", "prompt": prompt}).to_string(),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.worker(), "a");
+    let echoed = reply.json();
+    let received: Value = serde_json::from_str(echoed["body"].as_str().unwrap()).unwrap();
+    assert_eq!(received["model"], "m", "the engine gets the rewritten name");
+    assert_eq!(received["prompt"].as_str().unwrap().len(), 100_000, "whole");
+    assert!(echoed["headers"]
+        .get("x-gateway-model-name-rewrite")
+        .is_none());
+    // Without the rewrite, the alias is no model kvroute knows.
+    let reply = post(
+        &envoy.url,
+        "/v1/completions",
+        &[],
+        &json!({"model": "an-alias", "prompt": "hi"}).to_string(),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND);
+    assert_eq!(reply.error_code(), "model_not_found");
+    drop(envoy);
+    router.stop().await;
+}
+
+/// The gateway's subset hint (`envoy.lb.subset_hint` in the metadata), through a real gRPC
+/// client: the pick stays inside it, and a subset of unknown endpoints is 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subset_hint_narrows_the_pick() {
+    use kvroute_gateway::epp::pb::core::{HeaderMap, HeaderValue, Metadata};
+    use kvroute_gateway::epp::pb::ext_proc::external_processor_client::ExternalProcessorClient;
+    use kvroute_gateway::epp::pb::ext_proc::{
+        processing_request, processing_response, HttpBody, HttpHeaders, ProcessingRequest,
+    };
+    use prost_types::value::Kind;
+
+    let workers = [
+        MockWorker::start("a", &["m"]).await,
+        MockWorker::start("b", &["m"]).await,
+    ];
+    let (router, grpc, _) = picker(named(&workers), EppServing::H2c).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = ExternalProcessorClient::new(channel);
+    let exchange = |subset: Vec<String>| {
+        let hint = prost_types::Struct {
+            fields: [(
+                "x-gateway-destination-endpoint-subset".to_owned(),
+                prost_types::Value {
+                    kind: Some(Kind::ListValue(prost_types::ListValue {
+                        values: subset
+                            .into_iter()
+                            .map(|e| prost_types::Value {
+                                kind: Some(Kind::StringValue(e)),
+                            })
+                            .collect(),
+                    })),
+                },
+            )]
+            .into(),
+        };
+        let header = |k: &str, v: &str| HeaderValue {
+            key: k.to_owned(),
+            raw_value: v.as_bytes().to_vec(),
+            ..Default::default()
+        };
+        vec![
+            ProcessingRequest {
+                request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+                    headers: Some(HeaderMap {
+                        headers: vec![
+                            header(":method", "POST"),
+                            header(":path", "/v1/completions"),
+                        ],
+                    }),
+                    end_of_stream: false,
+                    ..Default::default()
+                })),
+                metadata_context: Some(Metadata {
+                    filter_metadata: [("envoy.lb.subset_hint".to_owned(), hint)].into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ProcessingRequest {
+                request: Some(processing_request::Request::RequestBody(HttpBody {
+                    body: br#"{"model":"m","prompt":"hello"}"#.to_vec(),
+                    end_of_stream: true,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            },
+        ]
+    };
+    let endpoint = |w: &MockWorker| w.url.trim_start_matches("http://").to_owned();
+    for _ in 0..4 {
+        let answers = client
+            .process(futures_util::stream::iter(exchange(vec![endpoint(
+                &workers[1],
+            )])))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = answers_of(answers).await.remove(0);
+        let Some(processing_response::Response::RequestHeaders(h)) = first.response else {
+            panic!("a headers answer first: {first:?}");
+        };
+        let set = h.response.unwrap().header_mutation.unwrap().set_headers;
+        let destination = set
+            .iter()
+            .map(|o| o.header.as_ref().unwrap())
+            .find(|h| h.key == "x-gateway-destination-endpoint")
+            .expect("the destination header");
+        assert_eq!(destination.raw_value, endpoint(&workers[1]).into_bytes());
+        router.wait_none_in_flight().await;
+    }
+    let answers = client
+        .process(futures_util::stream::iter(exchange(vec![
+            "10.1.1.1:80".into()
+        ])))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = answers_of(answers).await.remove(0);
+    let Some(processing_response::Response::ImmediateResponse(immediate)) = first.response else {
+        panic!("an immediate answer: {first:?}");
+    };
+    assert_eq!(immediate.status.unwrap().code, 503);
+    assert_eq!(immediate.details, "no_endpoint");
+    router.stop().await;
+}
+
+/// Every answer of a stream, until it ends.
+async fn answers_of(
+    mut answers: tonic::Streaming<kvroute_gateway::epp::pb::ext_proc::ProcessingResponse>,
+) -> Vec<kvroute_gateway::epp::pb::ext_proc::ProcessingResponse> {
+    let mut out = Vec::new();
+    while let Some(a) = answers.message().await.unwrap() {
+        out.push(a);
+    }
+    out
+}

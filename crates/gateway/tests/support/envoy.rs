@@ -32,9 +32,20 @@ impl Envoy {
     /// Starts Envoy with `deploy/envoy/<file>`, calling the picker on `epp_ports` (one
     /// endpoint each), and waits until its listener is up.
     pub async fn start(file: &str, epp_ports: &[u16]) -> Envoy {
+        Self::start_edited(file, epp_ports, |text| text).await
+    }
+
+    /// [`Envoy::start`] with the config as `edit` changes it.
+    pub async fn start_edited(
+        file: &str,
+        epp_ports: &[u16],
+        edit: impl FnOnce(String) -> String,
+    ) -> Envoy {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let text = std::fs::read_to_string(root.join("deploy/envoy").join(file))
-            .unwrap_or_else(|e| panic!("deploy/envoy/{file}: {e}"));
+        let text = edit(
+            std::fs::read_to_string(root.join("deploy/envoy").join(file))
+                .unwrap_or_else(|e| panic!("deploy/envoy/{file}: {e}")),
+        );
         let (listen, admin) = (free_port(), free_port());
         let endpoint = |port: u16| {
             format!(
