@@ -20,8 +20,8 @@ mod settings;
 mod validate;
 
 pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, MemoryCostArg, QueueOrderArg};
-pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
+pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef};
 pub use load::CliWorkers;
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,

@@ -133,7 +133,7 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     let engines_stop = CancellationToken::new();
     let mut engines = tokio::task::JoinSet::new();
     // Any discovery source turns the embedded engines off, even before it finds a worker.
-    if settings.workers.is_empty() && !settings.discovery.any() {
+    if settings.workers.is_empty() && !settings.discovers() {
         let workers = start_embedded_engines(
             settings.timing_model,
             &tokenizer,
