@@ -199,7 +199,7 @@ async fn a_second_target_port_adds_an_endpoint_per_pod() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_api_that_forbids_or_garbles_changes_nothing() {
+async fn an_api_that_forbids_or_garbles_or_an_unusable_pool_changes_nothing() {
     let (ports, urls, _mocks) = engines(2, 1).await;
     let api = FakeApi::start().await;
     api.put(pod("a", "127.0.0.2", ENGINE, true));
@@ -214,8 +214,13 @@ async fn an_api_that_forbids_or_garbles_changes_nothing() {
     wait_errors(&r, "forbidden", 2.0).await;
     assert_eq!(endpoints(&r), before);
     api.forbid(false);
+    // A pool whose spec selects nothing usable (an empty selector) changes nothing either.
+    api.put(inference_pool("pool", &[], &ports));
+    wait_errors(&r, "invalid", 1.0).await;
+    assert_eq!(endpoints(&r), before);
+    api.put(inference_pool("pool", ENGINE, &ports));
     api.garble(true);
-    wait_errors(&r, "invalid", 2.0).await;
+    wait_errors(&r, "invalid", 3.0).await;
     assert_eq!(endpoints(&r), before);
     // Sense again: a delete made meanwhile is seen by the next list.
     api.delete_unseen("b", false);
