@@ -5,7 +5,8 @@
 //! wanted are removed (their in-flight requests finish), new ids are added. The sources:
 //! - the config file, re-read on SIGHUP ([`config_file_workers`]): static and config workers;
 //! - the `--discovery-file`, watched ([`file`]);
-//! - Kubernetes pods by label selector, watched and re-listed ([`kubernetes`]).
+//! - Kubernetes pods by label selector, watched and re-listed ([`kubernetes`]);
+//! - the endpoint picker's pods: an InferencePool's, or a selector's ([`pool`]).
 //!
 //! A source that cannot be read (an API server down or forbidding, a file that does not
 //! parse) changes nothing: it never drops every worker because it went blind.
@@ -19,6 +20,7 @@ use crate::workers::WorkerSet;
 pub mod file;
 pub mod kubernetes;
 pub mod pods;
+pub mod pool;
 
 /// What a discovery source changes: the worker set, with each worker's background tasks
 /// (the server implements it; a source only decides).

@@ -134,7 +134,7 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     let mut engines = tokio::task::JoinSet::new();
     // Any discovery source turns the embedded engines off, even before it finds a worker.
     // The endpoint picker never makes up engines: the gateway's model servers are its own.
-    if settings.workers.is_empty() && !settings.discovery.any() && settings.epp.is_none() {
+    if settings.workers.is_empty() && !settings.discovers() && settings.epp.is_none() {
         let workers = start_embedded_engines(
             settings.timing_model,
             &tokenizer,

@@ -120,7 +120,7 @@ impl DiscoveryMetrics {
     fn register(&self, registry: &mut Registry) {
         registry.register(
             "kvroute_discovered_workers",
-            "Workers in the set, by where they came from (static, config, admin, kubernetes, file)",
+            "Workers in the set, by where they came from (static, config, admin, kubernetes, file, epp)",
             self.workers.clone(),
         );
         registry.register(

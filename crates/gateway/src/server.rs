@@ -153,7 +153,7 @@ impl Gateway {
         let Some((path, wanted)) = discovery::config_file_workers(&self.state.settings)? else {
             return Ok((0, 0));
         };
-        if wanted.is_empty() && !self.state.settings.discovery.any() {
+        if wanted.is_empty() && !self.state.settings.discovers() {
             tracing::warn!(path = %path.display(), "The reloaded config lists no worker: keeping the current ones");
             return Ok((0, 0));
         }

@@ -41,6 +41,8 @@ pub enum EppEndpoints {
         selector: String,
         target_ports: Vec<u16>,
         namespace: String,
+        /// An explicit kubeconfig (`--kubeconfig`); else in-cluster or the usual places.
+        kubeconfig: Option<PathBuf>,
     },
 }
 

@@ -102,11 +102,14 @@ pub enum WorkerSource {
     Kubernetes { pod: String },
     /// The `--discovery-file`.
     File,
+    /// The endpoint picker's pods (an InferencePool's, or `--endpoint-selector`'s), one
+    /// worker per pod and target port; `namespace/name`.
+    Epp { pod: String },
 }
 
 impl WorkerSource {
     /// Every source's name, as the `source` label and `GET /workers` write it.
-    pub const NAMES: [&'static str; 5] = ["static", "config", "admin", "kubernetes", "file"];
+    pub const NAMES: [&'static str; 6] = ["static", "config", "admin", "kubernetes", "file", "epp"];
 
     pub fn name(&self) -> &'static str {
         match self {
@@ -115,13 +118,14 @@ impl WorkerSource {
             WorkerSource::Admin => "admin",
             WorkerSource::Kubernetes { .. } => "kubernetes",
             WorkerSource::File => "file",
+            WorkerSource::Epp { .. } => "epp",
         }
     }
 
     /// The pod, for a discovered one.
     pub fn pod(&self) -> Option<&str> {
         match self {
-            WorkerSource::Kubernetes { pod } => Some(pod),
+            WorkerSource::Kubernetes { pod } | WorkerSource::Epp { pod } => Some(pod),
             _ => None,
         }
     }
@@ -345,6 +349,16 @@ impl Settings {
             ..Args::default()
         }
         .into_settings()
+    }
+
+    /// Whether a source may add workers at run time: discovery, or the endpoint picker's
+    /// pool or selector (then no engine is simulated, and an empty reloaded config is fine).
+    pub fn discovers(&self) -> bool {
+        self.discovery.any()
+            || self
+                .epp
+                .as_ref()
+                .is_some_and(|e| !matches!(e.endpoints, super::EppEndpoints::Static))
     }
 }
 

@@ -10,6 +10,7 @@
 //! reason changes) and `kvroute_discovery_errors_total{reason}` counts every failure.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,10 +28,10 @@ use crate::metrics::DiscoveryMetrics;
 
 /// Builds the client: `--kubeconfig`; else the in-cluster config inside a pod; else
 /// `$KUBECONFIG` or `~/.kube/config`.
-pub async fn client(settings: &KubernetesDiscovery) -> Result<Client, String> {
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, String> {
     // kube's rustls client takes the process's provider: ring, as everywhere in kvroute.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match &settings.kubeconfig {
+    let config = match kubeconfig {
         Some(path) => {
             let file = kube::config::Kubeconfig::read_from(path)
                 .map_err(|e| format!("cannot read kubeconfig {}: {e}", path.display()))?;
@@ -47,7 +48,7 @@ pub async fn client(settings: &KubernetesDiscovery) -> Result<Client, String> {
 }
 
 /// Why a call to the API failed, as the `reason` label says it.
-fn reason(error: &kube::Error) -> &'static str {
+pub(super) fn reason(error: &kube::Error) -> &'static str {
     match error {
         kube::Error::Api(status) => status_reason(status.code),
         kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => {
@@ -67,7 +68,7 @@ fn status_reason(code: u16) -> &'static str {
     }
 }
 
-fn watch_reason(error: &watcher::Error) -> &'static str {
+pub(super) fn watch_reason(error: &watcher::Error) -> &'static str {
     match error {
         watcher::Error::InitialListFailed(e)
         | watcher::Error::WatchStartFailed(e)
@@ -84,9 +85,42 @@ struct Discovered {
     pods: Vec<BTreeMap<String, PodWorker>>,
     /// Per selector: the pods of a relist in progress (between `Init` and `InitDone`).
     listing: Vec<Option<BTreeMap<String, PodWorker>>>,
+    trouble: ApiTrouble,
+}
+
+/// What the API last said: each failure counted, logged once per reason until it answers.
+pub(super) struct ApiTrouble {
     /// The last failure's reason, logged once until the API answers again.
     failing: Option<&'static str>,
     metrics: DiscoveryMetrics,
+}
+
+impl ApiTrouble {
+    pub(super) fn new(metrics: DiscoveryMetrics) -> Self {
+        Self {
+            failing: None,
+            metrics,
+        }
+    }
+
+    /// Counts a failure without logging it (the caller logs).
+    pub(super) fn count(&self, reason: &'static str) {
+        self.metrics.error(reason);
+    }
+
+    pub(super) fn failed(&mut self, reason: &'static str, error: &dyn std::fmt::Display) {
+        self.metrics.error(reason);
+        if self.failing != Some(reason) {
+            tracing::error!(reason, %error, "Kubernetes API call failed: keeping the current workers");
+            self.failing = Some(reason);
+        }
+    }
+
+    pub(super) fn answered(&mut self) {
+        if self.failing.take().is_some() {
+            tracing::info!("Kubernetes API answering again");
+        }
+    }
 }
 
 fn uid(pod: &Pod) -> String {
@@ -165,20 +199,6 @@ impl Discovered {
         self.pods[selector] = next;
     }
 
-    fn failed(&mut self, reason: &'static str, error: &dyn std::fmt::Display) {
-        self.metrics.error(reason);
-        if self.failing != Some(reason) {
-            tracing::error!(reason, %error, "Kubernetes API call failed: keeping the current workers");
-            self.failing = Some(reason);
-        }
-    }
-
-    fn answered(&mut self) {
-        if self.failing.take().is_some() {
-            tracing::info!("Kubernetes API answering again");
-        }
-    }
-
     /// The union of the selectors' workers, the first selector's where two share an id.
     fn wanted(&self) -> Vec<crate::config::WorkerSpec> {
         let mut seen = std::collections::HashSet::new();
@@ -232,8 +252,7 @@ pub async fn run(
         settings,
         pods: vec![BTreeMap::new(); n],
         listing: vec![None; n],
-        failing: None,
-        metrics,
+        trouble: ApiTrouble::new(metrics),
     };
     let mut relist = tokio::time::interval(interval);
     relist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -242,22 +261,22 @@ pub async fn run(
         tokio::select! {
             next = events.next() => match next {
                 Some((i, Ok(event))) => {
-                    state.answered();
+                    state.trouble.answered();
                     if state.event(i, event) {
                         state.apply(target.as_ref());
                     }
                 }
-                Some((_, Err(error))) => state.failed(watch_reason(&error), &error),
+                Some((_, Err(error))) => state.trouble.failed(watch_reason(&error), &error),
                 None => return,
             },
             _ = relist.tick() => {
                 for (i, q) in queries.iter().enumerate() {
                     match api.list(&ListParams::default().labels(q)).await {
                         Ok(list) => {
-                            state.answered();
+                            state.trouble.answered();
                             state.listed(i, list.items);
                         }
-                        Err(error) => state.failed(reason(&error), &error),
+                        Err(error) => state.trouble.failed(reason(&error), &error),
                     }
                 }
                 state.apply(target.as_ref());

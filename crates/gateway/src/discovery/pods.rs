@@ -67,6 +67,14 @@ pub fn pod_worker(pod: &Pod, selector: &Selector, port: u16) -> Option<PodWorker
     if !selector.matches(|k| labels.get(k).map(String::as_str)) {
         return None;
     }
+    serving_worker(pod, port, selector.role)
+}
+
+/// The worker this pod is at `port` whatever its labels (the API server selected it), with
+/// `role` unless it is `Both` (then the pod's annotation may narrow it); `None` when the pod
+/// does not serve now.
+pub fn serving_worker(pod: &Pod, port: u16, role: WorkerRole) -> Option<PodWorker> {
+    let empty = BTreeMap::new();
     let ip = serving(pod)?;
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
     let get = |name: &str| {
@@ -153,7 +161,7 @@ pub fn pod_worker(pod: &Pod, selector: &Selector, port: u16) -> Option<PodWorker
         }
     };
     // A prefill or decode selector decides the role; under --selector the annotation may.
-    spec.role = match selector.role {
+    spec.role = match role {
         WorkerRole::Both => annotated_role.unwrap_or(WorkerRole::Both),
         role => role,
     };

@@ -16,13 +16,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::Gateway;
-use crate::config::Settings;
+use crate::config::{EppEndpoints, Settings};
 use crate::context::AppState;
 use crate::discovery;
 use crate::engine_metrics::ScrapeTiming;
 use crate::error::GatewayError;
 use crate::kv::WorkerSink;
 use crate::kv_events::KvEventSubscriber;
+use crate::metrics::DiscoveryMetrics;
 #[cfg(unix)]
 use crate::metrics::ReloadLabels;
 use crate::workers::{Watched, Worker};
@@ -158,8 +159,9 @@ pub(super) fn spawn_upkeep(state: &AppState) {
     });
 }
 
-/// Starts the discovery sources in force: the watched file, and the Kubernetes watch
-/// (once its client is configured; retried every interval until then).
+/// Starts the discovery sources in force: the watched file, the Kubernetes watch and the
+/// endpoint picker's pool or selector (each once its client is configured; retried every
+/// interval until then).
 pub(super) fn spawn_discovery(gateway: &Gateway) {
     let state = &gateway.state;
     let discovery = &state.settings.discovery;
@@ -174,24 +176,12 @@ pub(super) fn spawn_discovery(gateway: &Gateway) {
         ));
     }
     if let Some(settings) = discovery.kubernetes.clone() {
-        let (target, interval, stop) = (
-            Arc::new(gateway.clone()),
-            discovery.interval,
-            state.shutdown.clone(),
-        );
+        let (target, interval) = (Arc::new(gateway.clone()), discovery.interval);
+        let (metrics, stop) = (metrics.clone(), state.shutdown.clone());
         state.tasks.spawn(async move {
-            let client = loop {
-                match discovery::kubernetes::client(&settings).await {
-                    Ok(client) => break client,
-                    Err(error) => {
-                        metrics.error("config");
-                        tracing::error!(%error, "Cannot configure the Kubernetes client; retrying");
-                        tokio::select! {
-                            _ = tokio::time::sleep(interval) => {}
-                            _ = stop.cancelled() => return,
-                        }
-                    }
-                }
+            let kubeconfig = settings.kubeconfig.as_deref();
+            let Some(client) = kube_client(kubeconfig, interval, &metrics, &stop).await else {
+                return;
             };
             tracing::info!(
                 selectors = ?settings.selectors.iter().map(|s| s.query()).collect::<Vec<_>>(),
@@ -201,6 +191,47 @@ pub(super) fn spawn_discovery(gateway: &Gateway) {
             );
             discovery::kubernetes::run(target, client, settings, interval, metrics, stop).await
         });
+    }
+    let endpoints = state.settings.epp.as_ref().map(|e| e.endpoints.clone());
+    if let Some(endpoints) = endpoints.filter(|e| !matches!(e, EppEndpoints::Static)) {
+        let (target, interval) = (Arc::new(gateway.clone()), discovery.interval);
+        let stop = state.shutdown.clone();
+        state.tasks.spawn(async move {
+            let kubeconfig = match &endpoints {
+                EppEndpoints::Pool(pool) => pool.kubeconfig.clone(),
+                EppEndpoints::Selector { kubeconfig, .. } => kubeconfig.clone(),
+                EppEndpoints::Static => None,
+            };
+            let Some(client) = kube_client(kubeconfig.as_deref(), interval, &metrics, &stop).await
+            else {
+                return;
+            };
+            tracing::info!(endpoints = ?endpoints, "Watching Kubernetes for the endpoint picker's endpoints");
+            discovery::pool::run(target, client, endpoints, interval, metrics, stop).await
+        });
+    }
+}
+
+/// The Kubernetes client, once it is configured (retried every `interval` until then);
+/// `None` on shutdown.
+async fn kube_client(
+    kubeconfig: Option<&std::path::Path>,
+    interval: Duration,
+    metrics: &DiscoveryMetrics,
+    stop: &CancellationToken,
+) -> Option<kube::Client> {
+    loop {
+        match discovery::kubernetes::client(kubeconfig).await {
+            Ok(client) => return Some(client),
+            Err(error) => {
+                metrics.error("config");
+                tracing::error!(%error, "Cannot configure the Kubernetes client; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(interval) => {}
+                    _ = stop.cancelled() => return None,
+                }
+            }
+        }
     }
 }
 

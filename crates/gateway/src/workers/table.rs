@@ -132,7 +132,7 @@ pub struct WorkerStatus {
     pub last_error: Option<String>,
     pub in_flight: u64,
     pub ranks: Vec<RankStatus>,
-    /// Where it came from: static, config, admin, kubernetes or file.
+    /// Where it came from: static, config, admin, kubernetes, file or epp.
     pub source: &'static str,
     /// Its pod (`namespace/name`), when discovered in Kubernetes.
     #[serde(skip_serializing_if = "Option::is_none")]

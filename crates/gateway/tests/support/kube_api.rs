@@ -1,12 +1,17 @@
-//! A Kubernetes API server's pod list and watch, on loopback: the wire format kube-rs
+//! A Kubernetes API server's pods and InferencePools, on loopback: the wire format kube-rs
 //! speaks, served by axum, with the behaviours discovery must survive.
 //!
-//! - `GET /api/v1/pods` and `/api/v1/namespaces/{ns}/pods`: a `PodList` with its
-//!   `metadata.resourceVersion`, filtered by `labelSelector` (`k=v,...`).
-//! - The same with `watch=true`: a chunked stream of newline-delimited `ADDED`, `MODIFIED`,
+//! - `GET /api/v1/pods`, `/api/v1/namespaces/{ns}/pods` and
+//!   `/apis/{group}/v1/namespaces/{ns}/inferencepools`: a list with its
+//!   `metadata.resourceVersion`, filtered by `labelSelector` (`k=v`, `k==v`, `k!=v`,
+//!   `k in (a,b)`, `k notin (a,b)`, `k`, `!k`, comma-separated) and `fieldSelector`
+//!   (`metadata.name=...`, `metadata.namespace=...`).
+//! - `GET /apis/{group}/v1/namespaces/{ns}/inferencepools/{name}`: the pool, or `404`.
+//! - The lists with `watch=true`: a chunked stream of newline-delimited `ADDED`, `MODIFIED`,
 //!   `DELETED` events after the given `resourceVersion`, then a `BOOKMARK`, then each change
-//!   as it happens. A pod relabelled out of (into) a selector is `DELETED` (`ADDED`) for that
-//!   watch, as the API server does.
+//!   as it happens. An object changed out of (into) a selector is `DELETED` (`ADDED`) for
+//!   that watch, as the API server does. Every kind shares one resourceVersion sequence and
+//!   one history, as objects in etcd do.
 //! - A watch from a `resourceVersion` older than the compacted history gets an `ERROR` event
 //!   with a `410 Expired` status.
 //! - [`FakeApi::forbid`]: every call answers `403 Forbidden`; [`FakeApi::garble`]: every call
@@ -36,11 +41,13 @@ struct Change {
     after: Option<Value>,
 }
 
+/// An object's key: its kind and `namespace/name`.
+type Key = (String, String);
+
 #[derive(Default)]
 struct Store {
     rv: u64,
-    /// `namespace/name` -> pod.
-    pods: BTreeMap<String, Value>,
+    objects: BTreeMap<Key, Value>,
     history: Vec<Change>,
     /// Watches from before this resourceVersion are expired.
     oldest: u64,
@@ -85,12 +92,34 @@ pub fn pod(name: &str, ip: &str, labels: &[(&str, &str)], ready: bool) -> Value 
     })
 }
 
-fn key(pod: &Value) -> String {
-    format!(
+/// The InferencePool the API returns for `name` in namespace `ml` (group
+/// `inference.networking.k8s.io`): `selector`'s labels, `ports` as target ports.
+pub fn inference_pool(name: &str, selector: &[(&str, &str)], ports: &[u16]) -> Value {
+    let labels: BTreeMap<&str, &str> = selector.iter().copied().collect();
+    let ports: Vec<Value> = ports.iter().map(|p| json!({"number": p})).collect();
+    json!({
+        "apiVersion": POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": "ml", "uid": format!("uid-pool-{name}")},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "targetPorts": ports,
+            "endpointPickerRef": {"name": "kvroute-epp", "port": {"number": 9002}},
+        },
+    })
+}
+
+/// The InferencePool's `apiVersion` (GIE v1).
+pub const POOL_API_VERSION: &str = "inference.networking.k8s.io/v1";
+
+fn key(object: &Value) -> Key {
+    let m = &object["metadata"];
+    let name = format!(
         "{}/{}",
-        pod["metadata"]["namespace"].as_str().unwrap_or(""),
-        pod["metadata"]["name"].as_str().unwrap_or("")
-    )
+        m["namespace"].as_str().unwrap_or(""),
+        m["name"].as_str().unwrap_or("")
+    );
+    (object["kind"].as_str().unwrap_or("").to_owned(), name)
 }
 
 impl Drop for FakeApi {
@@ -103,15 +132,59 @@ impl Drop for FakeApi {
     }
 }
 
-/// `k=v,k2=v2` against a pod's labels.
-fn selects(selector: Option<&str>, pod: &Value) -> bool {
-    selector
-        .unwrap_or("")
-        .split(',')
-        .filter(|p| !p.is_empty())
-        .all(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            pod["metadata"]["labels"][k].as_str() == Some(v)
+/// The requirements of a selector: split on the commas outside parentheses.
+fn requirements(selector: &str) -> Vec<&str> {
+    let (mut out, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in selector.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(selector[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(selector[start..].trim());
+    out.retain(|r| !r.is_empty());
+    out
+}
+
+/// Whether `value` (a label, or a field) meets every requirement of `selector`.
+fn meets<'a>(selector: Option<&str>, value: impl Fn(&str) -> Option<&'a str>) -> bool {
+    requirements(selector.unwrap_or("")).into_iter().all(|r| {
+        let set = |rest: &str| -> Vec<String> {
+            let rest = rest.trim().trim_start_matches('(').trim_end_matches(')');
+            rest.split(',').map(|v| v.trim().to_owned()).collect()
+        };
+        if let Some((k, rest)) = r.split_once(" notin ") {
+            return value(k.trim()).is_none_or(|v| !set(rest).iter().any(|s| s == v));
+        }
+        if let Some((k, rest)) = r.split_once(" in ") {
+            return value(k.trim()).is_some_and(|v| set(rest).iter().any(|s| s == v));
+        }
+        if let Some((k, v)) = r.split_once("!=") {
+            return value(k.trim()) != Some(v.trim());
+        }
+        if let Some((k, v)) = r.split_once("==").or_else(|| r.split_once('=')) {
+            return value(k.trim()) == Some(v.trim());
+        }
+        match r.strip_prefix('!') {
+            Some(k) => value(k.trim()).is_none(),
+            None => value(r).is_some(),
+        }
+    })
+}
+
+/// An object against a `labelSelector` and a `fieldSelector`.
+fn selects(labels: Option<&str>, fields: Option<&str>, object: &Value) -> bool {
+    let meta = &object["metadata"];
+    meets(labels, |k| meta["labels"][k].as_str())
+        && meets(fields, |f| match f {
+            "metadata.name" => meta["name"].as_str(),
+            "metadata.namespace" => meta["namespace"].as_str(),
+            _ => None,
         })
 }
 
@@ -141,6 +214,14 @@ impl FakeApi {
         let app = Router::new()
             .route("/api/v1/pods", get(all_pods))
             .route("/api/v1/namespaces/{ns}/pods", get(namespaced_pods))
+            .route(
+                "/apis/{group}/v1/namespaces/{ns}/inferencepools",
+                get(inference_pools),
+            )
+            .route(
+                "/apis/{group}/v1/namespaces/{ns}/inferencepools/{name}",
+                get(inference_pool_by_name),
+            )
             .with_state(shared.clone());
         let stop = shared.stop.clone();
         tokio::spawn(async move {
@@ -167,7 +248,7 @@ impl FakeApi {
         }
     }
 
-    fn change(&self, name_key: &str, after: Option<Value>) {
+    fn change(&self, key: Key, after: Option<Value>) {
         let mut store = self.shared.store.lock().unwrap();
         store.rv += 1;
         let rv = store.rv;
@@ -176,31 +257,43 @@ impl FakeApi {
             p
         });
         let before = match &after {
-            Some(p) => store.pods.insert(name_key.to_owned(), p.clone()),
-            None => store.pods.remove(name_key),
+            Some(p) => store.objects.insert(key, p.clone()),
+            None => store.objects.remove(&key),
         };
         let change = Change { rv, before, after };
         store.history.push(change.clone());
         let _ = self.shared.changes.send(change);
     }
 
-    /// Creates or replaces a pod (`ADDED` or `MODIFIED`).
-    pub fn put(&self, pod: Value) {
-        self.change(&key(&pod), Some(pod));
+    /// Creates or replaces an object, a pod or an InferencePool (`ADDED` or `MODIFIED`).
+    pub fn put(&self, object: Value) {
+        self.change(key(&object), Some(object));
     }
 
-    /// Deletes a pod (`DELETED`).
+    /// Deletes a pod in `ml` (`DELETED`).
     pub fn delete(&self, name: &str) {
-        self.change(&format!("ml/{name}"), None);
+        self.change(("Pod".into(), format!("ml/{name}")), None);
+    }
+
+    /// Deletes an InferencePool in `ml` (`DELETED`).
+    pub fn delete_pool(&self, name: &str) {
+        self.change(("InferencePool".into(), format!("ml/{name}")), None);
     }
 
     /// Deletes a pod while no watch hears of it: the history is compacted past it (so a
     /// watch resumed from before gets `410`) and, when `drop_watches`, every open watch is
     /// cut.
     pub fn delete_unseen(&self, name: &str, drop_watches: bool) {
+        let key = ("Pod".to_owned(), format!("ml/{name}"));
+        self.shared.store.lock().unwrap().objects.remove(&key);
+        self.compact(drop_watches);
+    }
+
+    /// Compacts the history: a watch resumed from before now gets `410`; when
+    /// `drop_watches`, every open watch is cut (and resumes from before).
+    pub fn compact(&self, drop_watches: bool) {
         {
             let mut store = self.shared.store.lock().unwrap();
-            store.pods.remove(&format!("ml/{name}"));
             store.rv += 1;
             store.oldest = store.rv;
             store.history.clear();
@@ -237,11 +330,50 @@ impl FakeApi {
     }
 }
 
+/// The objects a list or watch call is about: their kind, `apiVersion` and namespace.
+#[derive(Clone)]
+struct Scope {
+    kind: &'static str,
+    api_version: String,
+    namespace: Option<String>,
+}
+
+impl Scope {
+    fn pods(namespace: Option<String>) -> Self {
+        Scope {
+            kind: "Pod",
+            api_version: "v1".into(),
+            namespace,
+        }
+    }
+
+    fn pools(group: &str, namespace: String) -> Self {
+        Scope {
+            kind: "InferencePool",
+            api_version: format!("{group}/v1"),
+            namespace: Some(namespace),
+        }
+    }
+
+    fn plural(&self) -> &'static str {
+        match self.kind {
+            "Pod" => "pods",
+            _ => "inferencepools",
+        }
+    }
+
+    fn holds(&self, object: &Value) -> bool {
+        object["kind"].as_str() == Some(self.kind)
+            && object["apiVersion"].as_str() == Some(self.api_version.as_str())
+            && in_namespace(self.namespace.as_deref(), object)
+    }
+}
+
 async fn all_pods(
     State(s): State<Arc<Shared>>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    pods(s, None, q)
+    list_or_watch(s, Scope::pods(None), q)
 }
 
 async fn namespaced_pods(
@@ -249,7 +381,38 @@ async fn namespaced_pods(
     Path(ns): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    pods(s, Some(ns), q)
+    list_or_watch(s, Scope::pods(Some(ns)), q)
+}
+
+async fn inference_pools(
+    State(s): State<Arc<Shared>>,
+    Path((group, ns)): Path<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    list_or_watch(s, Scope::pools(&group, ns), q)
+}
+
+async fn inference_pool_by_name(
+    State(s): State<Arc<Shared>>,
+    Path((group, ns, name)): Path<(String, String, String)>,
+) -> Response {
+    let scope = Scope::pools(&group, ns);
+    if let Some(trouble) = trouble(&s, &scope) {
+        return trouble;
+    }
+    let store = s.store.lock().unwrap();
+    let ns = scope.namespace.as_deref().unwrap_or("");
+    match store
+        .objects
+        .get(&(scope.kind.to_owned(), format!("{ns}/{name}")))
+        .filter(|p| scope.holds(p))
+    {
+        Some(pool) => json_response(StatusCode::OK, pool),
+        None => {
+            let message = format!("inferencepools.{group} \"{name}\" not found");
+            json_response(StatusCode::NOT_FOUND, &status(404, "NotFound", &message))
+        }
+    }
 }
 
 fn json_response(code: StatusCode, body: &Value) -> Response {
@@ -261,26 +424,43 @@ fn json_response(code: StatusCode, body: &Value) -> Response {
         .into_response()
 }
 
-fn pods(s: Arc<Shared>, ns: Option<String>, q: HashMap<String, String>) -> Response {
+/// The answer of a garbling or forbidding server, if it is one now.
+fn trouble(s: &Shared, scope: &Scope) -> Option<Response> {
     if s.garbled.load(Ordering::SeqCst) {
-        let nonsense = json!({"kind": "PodList", "apiVersion": "v1", "items": "not a list"});
-        return json_response(StatusCode::OK, &nonsense);
+        let nonsense = json!({"kind": format!("{}List", scope.kind), "apiVersion": scope.api_version,
+                              "metadata": "not metadata", "items": "not a list"});
+        return Some(json_response(StatusCode::OK, &nonsense));
     }
     if s.forbidden.load(Ordering::SeqCst) {
-        let message = "pods is forbidden: User \"system:serviceaccount:ml:kvroute\" cannot list resource \"pods\"";
-        return json_response(StatusCode::FORBIDDEN, &status(403, "Forbidden", message));
+        let message = format!(
+            "{} is forbidden: User \"system:serviceaccount:ml:kvroute\" cannot list resource \"{}\"",
+            scope.plural(),
+            scope.plural()
+        );
+        return Some(json_response(
+            StatusCode::FORBIDDEN,
+            &status(403, "Forbidden", &message),
+        ));
     }
-    let selector = q.get("labelSelector").map(String::as_str);
+    None
+}
+
+fn list_or_watch(s: Arc<Shared>, scope: Scope, q: HashMap<String, String>) -> Response {
+    if let Some(trouble) = trouble(&s, &scope) {
+        return trouble;
+    }
+    let labels = q.get("labelSelector").cloned();
+    let fields = q.get("fieldSelector").cloned();
+    let wanted = {
+        let scope = scope.clone();
+        move |p: &Value| scope.holds(p) && selects(labels.as_deref(), fields.as_deref(), p)
+    };
     let watching = q.get("watch").is_some_and(|w| w == "true" || w == "1");
     let store = s.store.lock().unwrap();
     if !watching {
         s.lists.fetch_add(1, Ordering::SeqCst);
-        let items: Vec<&Value> = store
-            .pods
-            .values()
-            .filter(|p| in_namespace(ns.as_deref(), p) && selects(selector, p))
-            .collect();
-        let list = json!({"kind": "PodList", "apiVersion": "v1",
+        let items: Vec<&Value> = store.objects.values().filter(|p| wanted(p)).collect();
+        let list = json!({"kind": format!("{}List", scope.kind), "apiVersion": scope.api_version,
                           "metadata": {"resourceVersion": store.rv.to_string()}, "items": items});
         return json_response(StatusCode::OK, &list);
     }
@@ -300,30 +480,18 @@ fn pods(s: Arc<Shared>, ns: Option<String>, q: HashMap<String, String>) -> Respo
         );
         return Response::new(Body::from(event("ERROR", &gone)));
     }
-    // What this watch sees of a change: the selector decides ADDED / MODIFIED / DELETED.
-    let view = {
-        let (ns, selector) = (ns.clone(), selector.map(str::to_owned));
-        move |c: &Change| -> Option<Bytes> {
-            fn seen<'a>(
-                p: &'a Option<Value>,
-                ns: Option<&str>,
-                selector: Option<&str>,
-            ) -> Option<&'a Value> {
-                p.as_ref()
-                    .filter(|p| in_namespace(ns, p) && selects(selector, p))
+    // What this watch sees of a change: the selectors decide ADDED / MODIFIED / DELETED.
+    let view = move |c: &Change| -> Option<Bytes> {
+        let seen = |p: &Option<Value>| p.clone().filter(|p| wanted(p));
+        match (seen(&c.before), seen(&c.after)) {
+            (None, Some(after)) => Some(event("ADDED", &after)),
+            (Some(_), Some(after)) => Some(event("MODIFIED", &after)),
+            (Some(before), None) => {
+                let mut gone = c.after.clone().unwrap_or(before);
+                gone["metadata"]["resourceVersion"] = json!(c.rv.to_string());
+                Some(event("DELETED", &gone))
             }
-            let (ns, selector) = (ns.as_deref(), selector.as_deref());
-            let seen = |p| seen(p, ns, selector);
-            match (seen(&c.before), seen(&c.after)) {
-                (None, Some(after)) => Some(event("ADDED", after)),
-                (Some(_), Some(after)) => Some(event("MODIFIED", after)),
-                (Some(before), None) => {
-                    let mut gone = c.after.clone().unwrap_or_else(|| before.clone());
-                    gone["metadata"]["resourceVersion"] = json!(c.rv.to_string());
-                    Some(event("DELETED", &gone))
-                }
-                (None, None) => None,
-            }
+            (None, None) => None,
         }
     };
     let backlog: Vec<Bytes> = store
@@ -334,7 +502,8 @@ fn pods(s: Arc<Shared>, ns: Option<String>, q: HashMap<String, String>) -> Respo
         .collect();
     let bookmark = event(
         "BOOKMARK",
-        &json!({"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": store.rv.to_string()}}),
+        &json!({"kind": scope.kind, "apiVersion": scope.api_version,
+                "metadata": {"resourceVersion": store.rv.to_string()}}),
     );
     let mut changes = s.changes.subscribe();
     drop(store);
