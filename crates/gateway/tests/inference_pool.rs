@@ -289,3 +289,39 @@ async fn selector_mode_watches_the_selected_pods_on_the_target_ports() {
     wait_endpoints(&r, &[("b-rank-0", &urls[1][0]), ("b-rank-1", &urls[1][1])]).await;
     r.stop().await;
 }
+
+/// Through a real Envoy: the picker's traffic follows the pool's selector.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_envoy_a_selector_change_moves_the_traffic() {
+    let (ports, urls, _mocks) = engines(2, 1).await;
+    let api = FakeApi::start().await;
+    api.put(pod("a", "127.0.0.2", &[("model", "a")], true));
+    api.put(pod("b", "127.0.0.3", &[("model", "b")], true));
+    api.put(inference_pool("pool", &[("model", "a")], &ports));
+    let r = TestRouter::start_unready(pool_router_settings(&api, 30)).await;
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let health = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = grpc.local_addr().unwrap().port();
+    r.gateway
+        .serve_epp(kvroute_gateway::epp::serve::EppListeners { grpc, health })
+        .unwrap();
+    let envoy = Envoy::start("envoy.yaml", &[port]).await;
+    wait_endpoints(&r, &[("a-rank-0", &urls[0][0])]).await;
+    let body = r#"{"model":"kvroute-sim","prompt":"hi"}"#;
+    for _ in 0..3 {
+        let reply = post(&envoy.url, "/v1/completions", &[], body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        assert_eq!(reply.worker(), "a-rank-0");
+        assert_eq!(reply.json()["worker"], "pod0", "the engine on pod a answered");
+    }
+    api.put(inference_pool("pool", &[("model", "b")], &ports));
+    wait_endpoints(&r, &[("b-rank-0", &urls[1][0])]).await;
+    for _ in 0..3 {
+        let reply = post(&envoy.url, "/v1/completions", &[], body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        assert_eq!(reply.worker(), "b-rank-0");
+        assert_eq!(reply.json()["worker"], "pod1", "the engine on pod b answered");
+    }
+    drop(envoy);
+    r.stop().await;
+}
