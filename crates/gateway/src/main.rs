@@ -132,8 +132,9 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     // Embedded engines stop after the router drained its in-flight requests.
     let engines_stop = CancellationToken::new();
     let mut engines = tokio::task::JoinSet::new();
-    // Any discovery source turns the embedded engines off, even before it finds a worker.
-    if settings.workers.is_empty() && !settings.discovery.any() {
+    // Any discovery source turns the embedded engines off, even before it finds a worker;
+    // so does the endpoint picker (its pool or selector finds the endpoints).
+    if settings.workers.is_empty() && !settings.discovery.any() && settings.epp.is_none() {
         let workers = start_embedded_engines(
             settings.timing_model,
             &tokenizer,
