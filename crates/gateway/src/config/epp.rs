@@ -245,3 +245,6 @@ pub(super) fn metrics_port(
         (None, None) => Ok(29000),
     }
 }
+
+#[cfg(test)]
+mod tests;

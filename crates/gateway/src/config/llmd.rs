@@ -408,3 +408,6 @@ impl Args {
 fn llm_d_error(origin: String, problem: Problem) -> ConfigError {
     ConfigError::LlmD(LlmDConfigError { origin, problem })
 }
+
+#[cfg(test)]
+mod tests;
