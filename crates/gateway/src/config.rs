@@ -12,6 +12,7 @@ mod certs;
 mod discovery;
 mod dump;
 mod epp;
+mod llmd;
 mod load;
 mod merge;
 pub mod peers;
@@ -21,7 +22,8 @@ mod validate;
 
 pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, MemoryCostArg, QueueOrderArg};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
-pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef};
+pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef, DEFAULT_POOL_GROUP};
+pub use llmd::LlmDConfigError;
 pub use load::CliWorkers;
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
@@ -55,6 +57,13 @@ pub enum ConfigError {
     OtlpEndpoint(String),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    #[error("--cert-path: cannot read {path}: {source}")]
+    CertPath {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    LlmD(#[from] llmd::LlmDConfigError),
     #[error("cannot write --dump-config-to {path}: {source}")]
     Dump {
         path: PathBuf,

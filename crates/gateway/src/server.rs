@@ -185,18 +185,12 @@ impl Gateway {
         &self,
         listeners: crate::epp::serve::EppListeners,
     ) -> Result<(), crate::epp::serve::EppError> {
-        let settings = self
-            .state
-            .settings
-            .epp
-            .clone()
-            .unwrap_or(crate::config::EppSettings {
-                grpc_port: 0,
-                grpc_health_port: 0,
-                serving: crate::config::EppServing::H2c,
-                endpoints: crate::config::EppEndpoints::Static,
-            });
-        crate::epp::serve::spawn(&self.state, &settings, listeners)
+        // Without `--epp` (a test serving both ways), the picker serves h2c.
+        let serving = match &self.state.settings.epp {
+            Some(epp) => epp.serving.clone(),
+            None => crate::config::EppServing::H2c,
+        };
+        crate::epp::serve::spawn(&self.state, &serving, listeners)
     }
 
     /// Serves the API on `listener` and the metrics on `metrics_listener` until `shutdown`,

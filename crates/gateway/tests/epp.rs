@@ -25,6 +25,7 @@ async fn picker(mut settings: Settings, serving: EppServing) -> (TestRouter, u16
         grpc_health_port: 0,
         serving,
         endpoints: EppEndpoints::Static,
+        kv_events_port: None,
     });
     let router = TestRouter::start(settings).await;
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -25,6 +25,7 @@ fn picking(endpoints: EppEndpoints, relist_secs: u64) -> Settings {
         grpc_health_port: 0,
         serving: EppServing::H2c,
         endpoints,
+        kv_events_port: None,
     });
     s
 }
@@ -312,7 +313,11 @@ async fn through_envoy_a_selector_change_moves_the_traffic() {
         let reply = post(&envoy.url, "/v1/completions", &[], body).await;
         assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
         assert_eq!(reply.worker(), "a-rank-0");
-        assert_eq!(reply.json()["worker"], "pod0", "the engine on pod a answered");
+        assert_eq!(
+            reply.json()["worker"],
+            "pod0",
+            "the engine on pod a answered"
+        );
     }
     api.put(inference_pool("pool", &[("model", "b")], &ports));
     wait_endpoints(&r, &[("b-rank-0", &urls[1][0])]).await;
@@ -320,7 +325,11 @@ async fn through_envoy_a_selector_change_moves_the_traffic() {
         let reply = post(&envoy.url, "/v1/completions", &[], body).await;
         assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
         assert_eq!(reply.worker(), "b-rank-0");
-        assert_eq!(reply.json()["worker"], "pod1", "the engine on pod b answered");
+        assert_eq!(
+            reply.json()["worker"],
+            "pod1",
+            "the engine on pod b answered"
+        );
     }
     drop(envoy);
     r.stop().await;

@@ -7,7 +7,7 @@ use kvroute_core::PolicyKind;
 use kvroute_sim::engine::TimingFamily;
 use serde::{Deserialize, Serialize};
 
-use super::load::{de_policy, parse_policy, parse_whole_secs, ser_policy};
+use super::load::{de_policy, parse_go_bool, parse_policy, parse_whole_secs, ser_policy};
 use super::{DiscoveryProvider, PdProtocol, PolicyClassSpec, WorkerSpec};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
@@ -519,6 +519,60 @@ pub struct Args {
     /// client's sampled `traceparent` is always traced [default: 1.0].
     #[arg(long, value_name = "RATIO")]
     pub otlp_sampling_ratio: Option<f64>,
+
+    /// Endpoint-picker mode: kvroute picks the endpoint for Envoy (Gateway API Inference
+    /// Extension's ext_proc) instead of proxying; implied by --pool-name and
+    /// --endpoint-selector.
+    #[arg(long)]
+    #[serde(default)]
+    pub epp: bool,
+    /// EPP: the port of Envoy's ext_proc service [default: 9002].
+    #[arg(long)]
+    pub grpc_port: Option<u16>,
+    /// EPP: the port of the gRPC health service [default: 9003].
+    #[arg(long)]
+    pub grpc_health_port: Option<u16>,
+    /// EPP: TLS on the ext_proc port, as llm-d's Go flag: `--secure-serving`,
+    /// `--secure-serving=false` [default: true].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub secure_serving: Option<bool>,
+    /// EPP: the directory holding tls.crt and tls.key for the ext_proc port [default: a
+    /// self-signed certificate made at start].
+    #[arg(long, value_name = "DIR")]
+    pub cert_path: Option<PathBuf>,
+    /// EPP: the InferencePool whose pods are the endpoints.
+    #[arg(long)]
+    pub pool_name: Option<String>,
+    /// EPP: the namespace of the pool, or of the --endpoint-selector's pods [default: the
+    /// NAMESPACE environment variable, else default].
+    #[arg(long)]
+    pub pool_namespace: Option<String>,
+    /// EPP: the API group of the InferencePool [default: inference.networking.k8s.io].
+    #[arg(long)]
+    pub pool_group: Option<String>,
+    /// EPP without a pool (llm-d's standalone mode): the pods matching this Kubernetes label
+    /// selector are the endpoints; with --endpoint-target-ports.
+    #[arg(long, value_name = "SELECTOR")]
+    pub endpoint_selector: Option<String>,
+    /// EPP: the ports of the --endpoint-selector's pods, one endpoint each (comma-separated,
+    /// repeatable).
+    #[arg(long, value_delimiter = ',', value_name = "PORT", action = clap::ArgAction::Append)]
+    pub endpoint_target_ports: Vec<u16>,
+    /// llm-d's name for the metrics port: in EPP mode it defaults to 9090; otherwise the same
+    /// as --prometheus-port (give one of the two).
+    #[arg(long, conflicts_with = "prometheus_port")]
+    pub metrics_port: Option<u16>,
+    /// EPP: each endpoint's KV events are read from `tcp://IP:PORT+rank` (llm-d's
+    /// `kvEventsConfig.podDiscoveryConfig.socketPort`) [default: none, approximated].
+    #[arg(long, value_name = "PORT")]
+    pub kv_events_socket_port: Option<u16>,
+    /// llm-d's EndpointPickerConfig file (YAML): its scorers' weights become the llm_d
+    /// policy's; kvroute's flags and --config win over it.
+    #[arg(long, value_name = "FILE", conflicts_with = "config_text")]
+    pub config_file: Option<PathBuf>,
+    /// llm-d's EndpointPickerConfig as text, instead of --config-file.
+    #[arg(long, value_name = "YAML")]
+    pub config_text: Option<String>,
 
     /// Writes the settings (this command line over the --config file) to PATH as JSON in
     /// the config file's schema, secrets left out, then starts (Dynamo's flag).

@@ -76,6 +76,35 @@ mod tests {
     }
 
     #[test]
+    fn the_endpoint_pickers_flags_are_dumped() {
+        let args = parse(&[
+            "--epp",
+            "--secure-serving=false",
+            "--endpoint-selector",
+            "app=vllm",
+            "--endpoint-target-ports",
+            "8000,8001",
+            "--kv-events-socket-port",
+            "5557",
+            "--metrics-port",
+            "9191",
+        ]);
+        let dumped = json(&args);
+        assert_eq!(dumped["epp"], true);
+        assert_eq!(dumped["secure_serving"], false);
+        assert_eq!(dumped["endpoint_selector"], "app=vllm");
+        assert_eq!(
+            dumped["endpoint_target_ports"],
+            serde_json::json!([8000, 8001])
+        );
+        assert_eq!(dumped["kv_events_socket_port"], 5557);
+        assert_eq!(dumped["metrics_port"], 9191);
+        assert_eq!(dumped["pool_name"], Value::Null);
+        let back = Args::from_text(&args.dump_json()).unwrap();
+        assert_eq!(back.dump_json(), args.dump_json());
+    }
+
+    #[test]
     fn the_config_files_workers_and_classes_are_dumped() {
         let file = Args::from_text(
             "workers:\n  - url: http://a:1\n    model: m\n    role: prefill\n    \

@@ -35,6 +35,15 @@ pub(super) fn parse_whole_secs(s: &str) -> Result<u64, String> {
     }
 }
 
+/// A boolean as Go's `strconv.ParseBool` reads it (llm-d's flags are Go flags).
+pub(crate) fn parse_go_bool(s: &str) -> Result<bool, String> {
+    match s {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Ok(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Ok(false),
+        _ => Err(format!("{s} is not a boolean (true or false)")),
+    }
+}
+
 pub(super) fn de_policy<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PolicyKind>, D::Error> {
     let Some(name) = Option::<String>::deserialize(d)? else {
         return Ok(None);
@@ -50,6 +59,9 @@ pub struct CliWorkers {
     pub prefill: Vec<String>,
     pub decode: Vec<String>,
     pub pd_disaggregation: bool,
+    /// Whether kvroute started as the endpoint picker (a re-read file's picker flags are
+    /// then valid).
+    pub epp: bool,
 }
 
 impl CliWorkers {
@@ -60,6 +72,7 @@ impl CliWorkers {
             prefill: self.prefill.clone(),
             decode: self.decode.clone(),
             pd_disaggregation: self.pd_disaggregation,
+            epp: self.epp,
             ..Args::default()
         }
         .merge(file)
@@ -74,11 +87,13 @@ impl Args {
             prefill: self.prefill.clone(),
             decode: self.decode.clone(),
             pd_disaggregation: self.pd_disaggregation,
+            epp: false,
         };
         let merged = match self.config.clone() {
             Some(path) => self.merge(Args::from_file(&path)?),
             None => self,
-        };
+        }
+        .with_llm_d_config()?;
         // Written once the settings are known to be valid: a bad config exits first.
         let dump = merged
             .dump_config_to
@@ -88,7 +103,10 @@ impl Args {
         if let Some((path, text)) = dump {
             super::dump::write(&path, &text)?;
         }
-        settings.cli_workers = cli_workers;
+        settings.cli_workers = CliWorkers {
+            epp: settings.epp.is_some(),
+            ..cli_workers
+        };
         Ok(settings)
     }
 

@@ -5,12 +5,18 @@ use super::*;
 impl Args {
     /// `self` (the command line) over `file`.
     pub fn merge(self, file: Args) -> Args {
+        let cli_metrics_port = self.prometheus_port.is_some() || self.metrics_port.is_some();
+        let cli_llm_d_config = self.config_file.is_some() || self.config_text.is_some();
         Args {
             config: self.config,
             host: self.host.or(file.host),
             port: self.port.or(file.port),
             prometheus_host: self.prometheus_host.or(file.prometheus_host),
-            prometheus_port: self.prometheus_port.or(file.prometheus_port),
+            prometheus_port: if cli_metrics_port {
+                self.prometheus_port
+            } else {
+                file.prometheus_port
+            },
             worker_urls: if self.worker_urls.is_empty() {
                 file.worker_urls
             } else {
@@ -238,6 +244,37 @@ impl Args {
             enable_trace: self.enable_trace || file.enable_trace,
             otlp_sampling_ratio: self.otlp_sampling_ratio.or(file.otlp_sampling_ratio),
             timing_model: self.timing_model.or(file.timing_model),
+            epp: self.epp || file.epp,
+            grpc_port: self.grpc_port.or(file.grpc_port),
+            grpc_health_port: self.grpc_health_port.or(file.grpc_health_port),
+            secure_serving: self.secure_serving.or(file.secure_serving),
+            cert_path: self.cert_path.or(file.cert_path),
+            pool_name: self.pool_name.or(file.pool_name),
+            pool_namespace: self.pool_namespace.or(file.pool_namespace),
+            pool_group: self.pool_group.or(file.pool_group),
+            endpoint_selector: self.endpoint_selector.or(file.endpoint_selector),
+            endpoint_target_ports: if self.endpoint_target_ports.is_empty() {
+                file.endpoint_target_ports
+            } else {
+                self.endpoint_target_ports
+            },
+            // Pairs of spellings of one setting: the command line's wins as a whole.
+            metrics_port: if cli_metrics_port {
+                self.metrics_port
+            } else {
+                file.metrics_port
+            },
+            kv_events_socket_port: self.kv_events_socket_port.or(file.kv_events_socket_port),
+            config_file: if cli_llm_d_config {
+                self.config_file
+            } else {
+                file.config_file
+            },
+            config_text: if cli_llm_d_config {
+                self.config_text
+            } else {
+                file.config_text
+            },
             dump_config_to: self.dump_config_to,
             peer_noop_flags: if self.peer_noop_flags.is_empty() {
                 file.peer_noop_flags

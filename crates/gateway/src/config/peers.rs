@@ -1,13 +1,16 @@
 //! The peers' flags, read before clap parses the command line.
 //!
 //! `peer_flags.tsv` has one row for each flag of smg 1.13 `launch`, vllm-router 0.1.17,
-//! sglang-router 0.3.2 and Dynamo 1.6.1's frontend. Its columns are the flag, each peer's
-//! default, kvroute's decision (`same`, `alias:--flag`, `new:--flag`, `noop` or `refused`),
-//! how the meanings differ, and for a refused flag why (`not applicable: ...` or
-//! `not supported yet: ...`).
+//! sglang-router 0.3.2, Dynamo 1.6.1's frontend and llm-d's endpoint picker (llm-d-router
+//! 0.10, the flags its charts pass and the rest of its `epp` command). Its columns are the
+//! flag, each peer's default, kvroute's decision (`same`, `alias:--flag`, `new:--flag`,
+//! `noop`, `noop:value`, `noop:bool` or `refused`), how the meanings differ, and for a
+//! refused flag why (`not applicable: ...` or `not supported yet: ...`).
 //!
-//! [`pre_parse`] reads the command line first: a `noop` flag (it takes no value) is taken
-//! out and returned, for `main` to log; a flag whose values kvroute maps onto one of its own
+//! [`pre_parse`] reads the command line first: a no-op flag is taken out with its value, if
+//! it has one (`noop` takes none; `noop:value` one, `--flag V` or `--flag=V`; `noop:bool`
+//! is a Go boolean, `--flag` or `--flag=BOOL`; llm-d's `-v N`, `-v=N` and `-vN` are its
+//! `--v`), and returned, for `main` to log; a flag whose values kvroute maps onto one of its own
 //! (`--router-mode kv` is `--policy kv_aware`) is rewritten; and a flag of the table that
 //! kvroute takes in neither way nor by its parser exits with status 2 and a message naming
 //! it and saying why, instead of clap's generic "unexpected argument". The table's `alias:`
@@ -36,7 +39,9 @@ pub struct PeerFlag {
     pub vllm_router: &'static str,
     pub sglang_router: &'static str,
     pub dynamo: &'static str,
-    /// `same`, `alias:--flag`, `new:--flag`, `noop` or `refused`.
+    /// llm-d's endpoint picker (llm-d-router 0.10).
+    pub llm_d_epp: &'static str,
+    /// `same`, `alias:--flag`, `new:--flag`, `noop`, `noop:value`, `noop:bool` or `refused`.
     pub decision: &'static str,
     pub differs: &'static str,
     pub why: &'static str,
@@ -46,15 +51,16 @@ pub struct PeerFlag {
 pub fn peer_flags() -> impl Iterator<Item = PeerFlag> {
     TABLE.lines().skip(1).filter_map(|line| {
         let cols: Vec<&'static str> = line.split('\t').collect();
-        (cols.len() == 8).then(|| PeerFlag {
+        (cols.len() == 9).then(|| PeerFlag {
             flag: cols[0],
             smg: cols[1],
             vllm_router: cols[2],
             sglang_router: cols[3],
             dynamo: cols[4],
-            decision: cols[5],
-            differs: cols[6],
-            why: cols[7],
+            llm_d_epp: cols[5],
+            decision: cols[6],
+            differs: cols[7],
+            why: cols[8],
         })
     })
 }
@@ -80,15 +86,49 @@ pub struct NoopFlag {
     pub flag: &'static str,
     /// Why it changes nothing in kvroute.
     pub why: &'static str,
+    pub takes: NoopValue,
+}
+
+/// What a no-op flag takes after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoopValue {
+    /// Nothing (`noop`): `--flag=V` is an error.
+    Nothing,
+    /// One value (`noop:value`): `--flag V` or `--flag=V`.
+    Value,
+    /// A Go boolean (`noop:bool`): `--flag` or `--flag=BOOL`; a next word is not its value.
+    Bool,
 }
 
 fn noop_flag(flag: &str) -> Option<NoopFlag> {
-    peer_flags()
-        .find(|r| r.flag == flag && r.decision == "noop")
-        .map(|r| NoopFlag {
+    peer_flags().find(|r| r.flag == flag).and_then(|r| {
+        let takes = match r.decision {
+            "noop" => NoopValue::Nothing,
+            "noop:value" => NoopValue::Value,
+            "noop:bool" => NoopValue::Bool,
+            _ => return None,
+        };
+        Some(NoopFlag {
             flag: r.flag,
             why: r.differs.strip_prefix(NOOP).unwrap_or(r.differs),
+            takes,
         })
+    })
+}
+
+/// llm-d's `-v N`, `-v=N` and `-vN` (pflag's shorthand) as its `--v`.
+fn long_verbosity(text: &str) -> Option<String> {
+    let rest = text.strip_prefix("-v")?;
+    let long = rest.is_empty() || rest.starts_with('=') || rest.bytes().all(|b| b.is_ascii_digit());
+    long.then(|| {
+        match rest
+            .strip_prefix('=')
+            .or((!rest.is_empty()).then_some(rest))
+        {
+            Some(value) => format!("--v={value}"),
+            None => "--v".to_owned(),
+        }
+    })
 }
 
 /// A peer's flag whose values map onto one of kvroute's flags: rewritten to that flag
@@ -237,7 +277,11 @@ pub fn pre_parse(args: impl IntoIterator<Item = OsString>) -> Result<PreParsed, 
     let mut mapped: Vec<&Mapped> = Vec::new();
     let mut given: Vec<String> = Vec::new();
     while let Some(arg) = args.next() {
-        let Some(text) = arg.to_str().filter(|t| t.starts_with("--")) else {
+        let short_v = arg.to_str().and_then(long_verbosity);
+        let Some(text) = short_v
+            .as_deref()
+            .or_else(|| arg.to_str().filter(|t| t.starts_with("--")))
+        else {
             out.args.push(arg);
             continue;
         };
@@ -251,8 +295,16 @@ pub fn pre_parse(args: impl IntoIterator<Item = OsString>) -> Result<PreParsed, 
             None => (text, None),
         };
         if let Some(noop) = noop_flag(flag) {
-            if inline.is_some() {
-                return Err(format!("{flag} takes no value"));
+            match (noop.takes, inline) {
+                (NoopValue::Nothing, Some(_)) => return Err(format!("{flag} takes no value")),
+                // The guard takes the value off the command line.
+                (NoopValue::Value, None) if args.next().is_none() => {
+                    return Err(format!("{flag} needs a value"))
+                }
+                (NoopValue::Bool, Some(v)) => {
+                    super::load::parse_go_bool(v).map_err(|e| format!("{flag}={v}: {e}"))?;
+                }
+                _ => {}
             }
             out.noops.push(noop);
             continue;
@@ -299,7 +351,7 @@ pub const README_HEADING: &str = "## Flags of the peer routers";
 fn kvroute_column(row: &PeerFlag, own: &HashSet<String>) -> String {
     match row.decision {
         "same" => "same".to_owned(),
-        "noop" => "accepted, no effect".to_owned(),
+        "noop" | "noop:value" | "noop:bool" => "accepted, no effect".to_owned(),
         "refused" => format!("refused: {}", row.why),
         d => {
             let target = d.split_once(':').map_or(d, |(_, f)| f);
@@ -344,8 +396,8 @@ pub fn readme_table() -> String {
     let count = |p: &str| rows.iter().filter(|(_, k)| k.starts_with(p)).count();
     let mut s = format!("{README_HEADING}\n\n");
     let counts = format!(
-        "smg 1.13 `launch`, vllm-router 0.1.17, sglang-router 0.3.2 and Dynamo 1.6.1's frontend \
-         have {total} flags between them (`--help` and `--version` aside). kvroute takes \
+        "smg 1.13 `launch`, vllm-router 0.1.17, sglang-router 0.3.2, Dynamo 1.6.1's frontend \
+         and llm-d's endpoint picker (llm-d-router 0.10) have {total} flags between them (`--help` and `--version` aside). kvroute takes \
          {same} under the same name and {alias} as another name of one of its flags (the \
          values of `--router-mode`, `--kv-connector` and `--load-monitor-interval` are mapped \
          onto kvroute's); it accepts {noop} as no-ops (they ask for what kvroute always does; \
@@ -366,23 +418,24 @@ pub fn readme_table() -> String {
     s.push_str(&wrap(&counts, 95));
     let _ = writeln!(
         s,
-        "\n<details><summary>Every flag of the four peers ({}) and what kvroute does with it\
+        "\n<details><summary>Every flag of the five peers ({}) and what kvroute does with it\
          </summary>\n",
         rows.len()
     );
     s.push_str(
-        "| flag | smg 1.13 | vllm-router 0.1.17 | sglang-router 0.3.2 | Dynamo 1.6.1 | kvroute | \
-         differs |\n|---|---|---|---|---|---|---|\n",
+        "| flag | smg 1.13 | vllm-router 0.1.17 | sglang-router 0.3.2 | Dynamo 1.6.1 | \
+         llm-d EPP 0.10 | kvroute | differs |\n|---|---|---|---|---|---|---|---|\n",
     );
     for (r, kvroute) in &rows {
         let _ = writeln!(
             s,
-            "| `{}` | {} | {} | {} | {} | {} | {} |",
+            "| `{}` | {} | {} | {} | {} | {} | {} | {} |",
             r.flag,
             cell(r.smg),
             cell(r.vllm_router),
             cell(r.sglang_router),
             cell(r.dynamo),
+            cell(r.llm_d_epp),
             cell_keeping_code(kvroute),
             cell(r.differs),
         );
@@ -473,7 +526,7 @@ mod tests {
         assert_eq!(
             rows.len(),
             TABLE.lines().count() - 1,
-            "a row without 8 columns"
+            "a row without 9 columns"
         );
         assert!(rows.len() > 350, "{} rows", rows.len());
         let mut seen = HashSet::new();
@@ -490,7 +543,7 @@ mod tests {
                 // A flag the table calls kvroute's own is one.
                 "same" => assert!(own.contains(row.flag), "{} is not kvroute's", row.flag),
                 // A no-op is not also one of kvroute's flags, and says why it changes nothing.
-                "noop" => {
+                "noop" | "noop:value" | "noop:bool" => {
                     assert!(!own.contains(row.flag), "{} is kvroute's", row.flag);
                     assert!(row.differs.starts_with(NOOP), "{}", row.flag);
                     assert!(noop_flag(row.flag).is_some_and(|n| !n.why.is_empty()));
@@ -588,6 +641,102 @@ mod tests {
         );
         let err = pre_parse(argv(&["--enable-igw=true"])).unwrap_err();
         assert_eq!(err, "--enable-igw takes no value");
+    }
+
+    #[test]
+    fn llm_ds_no_op_flags_take_their_values() {
+        let pre = pre_parse(argv(&[
+            "--zap-encoder",
+            "json",
+            "--v=4",
+            "--tracing=false",
+            "--port",
+            "1",
+            "-v",
+            "2",
+            "-v=3",
+            "-v5",
+            "--ha-enable-leader-election",
+            "--metrics-endpoint-auth=False",
+            "--refresh-metrics-interval=100ms",
+            "--metrics-staleness-threshold",
+            "2s",
+            "--allow-experimental-plugins=true",
+        ]))
+        .unwrap();
+        assert_eq!(pre.args, argv(&["--port", "1"]));
+        let flags: Vec<_> = pre.noops.iter().map(|n| n.flag).collect();
+        assert_eq!(
+            flags,
+            [
+                "--zap-encoder",
+                "--v",
+                "--tracing",
+                "--v",
+                "--v",
+                "--v",
+                "--ha-enable-leader-election",
+                "--metrics-endpoint-auth",
+                "--refresh-metrics-interval",
+                "--metrics-staleness-threshold",
+                "--allow-experimental-plugins",
+            ]
+        );
+        // A Go boolean flag does not take the next word: it stays for clap (which refuses it).
+        let pre = pre_parse(argv(&["--tracing", "false"])).unwrap();
+        assert_eq!(pre.args, argv(&["false"]));
+        let err = pre_parse(argv(&["--tracing=maybe"])).unwrap_err();
+        assert!(
+            err.starts_with("--tracing=maybe: maybe is not a boolean"),
+            "{err}"
+        );
+        assert_eq!(
+            pre_parse(argv(&["--zap-encoder"])).unwrap_err(),
+            "--zap-encoder needs a value"
+        );
+        assert_eq!(pre_parse(argv(&["-v"])).unwrap_err(), "--v needs a value");
+        // Not llm-d's shorthand: left to clap.
+        assert_eq!(pre_parse(argv(&["-vx"])).unwrap().args, argv(&["-vx"]));
+    }
+
+    #[test]
+    fn llm_ds_deployment_arguments_parse() {
+        let args = parsed(&[
+            "--pool-name",
+            "my-pool",
+            "--pool-namespace",
+            "ns",
+            "--pool-group",
+            "inference.networking.k8s.io",
+            "--zap-encoder",
+            "json",
+            "--config-file",
+            "/config/epp.yaml",
+            "--ha-enable-leader-election",
+            "--grpc-health-port",
+            "9003",
+            "--secure-serving=false",
+            "--v=4",
+            "--tracing=false",
+            "--metrics-endpoint-auth=false",
+        ])
+        .unwrap();
+        assert_eq!(args.pool_name.as_deref(), Some("my-pool"));
+        assert_eq!(args.secure_serving, Some(false));
+        assert_eq!(args.peer_noop_flags.len(), 5, "{:?}", args.peer_noop_flags);
+        let standalone = parsed(&[
+            "--endpoint-selector",
+            "app=vllm",
+            "--endpoint-target-ports",
+            "8000,8001",
+        ])
+        .unwrap();
+        assert_eq!(standalone.endpoint_target_ports, [8000, 8001]);
+        let err = parsed(&["--drain-timeout", "30s"]).unwrap_err();
+        assert!(
+            err.starts_with("--drain-timeout is refused: not supported yet"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -780,6 +929,7 @@ mod tests {
             ("--otlp-traces-endpoint", "localhost:4317"),
             ("--routing-key-headers", "x-tenant"),
             ("--tokenizer", "/models/llama"),
+            ("--secure-serving", "false"),
             // Mapped by the pre-parser.
             ("--load-monitor-interval", "7"),
             ("--kv-connector", "nixl"),
@@ -804,8 +954,12 @@ mod tests {
                 continue;
             }
             walked += 1;
-            if row.decision == "noop" {
-                let args = parsed(&[row.flag]).unwrap();
+            if let Some(noop) = noop_flag(row.flag) {
+                let line: &[&str] = match noop.takes {
+                    NoopValue::Nothing | NoopValue::Bool => &[row.flag],
+                    NoopValue::Value => &[row.flag, "x"],
+                };
+                let args = parsed(line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
                 let mut d = dump(&args);
                 assert_eq!(d["peer_noop_flags"], serde_json::json!([row.flag]));
                 d["peer_noop_flags"] = serde_json::json!([]);
@@ -834,7 +988,10 @@ mod tests {
                 .copied()
                 .or_else(|| possible.first().map(|p| p.get_name()))
                 .unwrap_or("3");
-            let line: Vec<&str> = if takes_value {
+            let joined = format!("{}={sample}", row.flag);
+            let line: Vec<&str> = if arg.is_require_equals_set() {
+                vec![&joined]
+            } else if takes_value {
                 vec![row.flag, sample]
             } else {
                 vec![row.flag]

@@ -70,6 +70,38 @@ impl Args {
                 return Err(ConfigError::DuplicateWorker(id.to_owned()));
             }
         }
+        let epp = super::epp::EppFlags {
+            epp: self.epp,
+            grpc_port: self.grpc_port,
+            grpc_health_port: self.grpc_health_port,
+            secure_serving: self.secure_serving,
+            cert_path: self.cert_path,
+            pool_name: self.pool_name,
+            pool_namespace: self.pool_namespace,
+            pool_group: self.pool_group,
+            endpoint_selector: self.endpoint_selector,
+            endpoint_target_ports: self.endpoint_target_ports,
+            kv_events_socket_port: self.kv_events_socket_port,
+            kubeconfig: self.kubeconfig.as_deref(),
+            namespace_env: std::env::var("NAMESPACE").ok(),
+        }
+        .settings()?;
+        // The embedded simulated engines are the proxy's demo; a picker without endpoints
+        // has nothing to pick.
+        if epp
+            .as_ref()
+            .is_some_and(|e| e.endpoints == EppEndpoints::Static)
+            && workers.is_empty()
+            && !discovery.any()
+        {
+            return Err(ConfigError::Invalid {
+                name: "epp",
+                reason: "no endpoints: give --pool-name, --endpoint-selector, --worker-urls, \
+                         the config file's workers or a discovery source",
+            });
+        }
+        let prometheus_port =
+            super::epp::metrics_port(self.metrics_port, self.prometheus_port, epp.is_some())?;
         let load_factor = self
             .prefix_hash_load_factor
             .unwrap_or(defaults.prefix_hash_load_factor);
@@ -83,7 +115,14 @@ impl Args {
             positive("max_payload_size", self.max_payload_size, 512 * 1024 * 1024)?;
         let request_timeout_secs =
             positive("request_timeout_secs", self.request_timeout_secs, 1800)?;
-        let host = self.host.unwrap_or_else(|| "127.0.0.1".to_owned());
+        // The picker is dialled by the gateway and probed by the kubelet from other hosts, and
+        // llm-d's Deployment gives no address: in EPP mode kvroute listens on every interface.
+        let default_host = if epp.is_some() {
+            "0.0.0.0"
+        } else {
+            "127.0.0.1"
+        };
+        let host = self.host.unwrap_or_else(|| default_host.to_owned());
         let block_size = positive("block_size", self.block_size, 16)?;
         let kv = KvAwareConfig::default();
         let weight = |name: &'static str, v: Option<f64>, default: f64| match v {
@@ -205,7 +244,11 @@ impl Args {
             endpoint: self.health_check_endpoint,
             remove_unhealthy: self.remove_unhealthy_workers,
             keep_unhealthy: self.no_remove_unhealthy_workers,
-            discovers: discovery.any(),
+            // The picker's pool or selector is a discovery source like the others.
+            discovers: discovery.any()
+                || epp
+                    .as_ref()
+                    .is_some_and(|e| !matches!(e.endpoints, super::EppEndpoints::Static)),
             startup_timeout_secs: self.worker_startup_timeout_secs,
         })?;
         let multiplier = self.retry_backoff_multiplier.unwrap_or(1.5);
@@ -320,7 +363,7 @@ impl Args {
             prometheus_host: self.prometheus_host.unwrap_or_else(|| host.clone()),
             host,
             port: self.port.unwrap_or(30000),
-            prometheus_port: self.prometheus_port.unwrap_or(29000),
+            prometheus_port,
             workers,
             policy: self.policy.unwrap_or(PolicyKind::KvAware),
             policy_config,
@@ -492,7 +535,7 @@ impl Args {
             tokenizer_cache_bytes: self.tokenizer_cache_l1_max_memory.unwrap_or(256 << 20),
             discovery,
             timing_model: self.timing_model.unwrap_or_default(),
-            epp: None,
+            epp,
         })
     }
 }

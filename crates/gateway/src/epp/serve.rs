@@ -15,7 +15,7 @@ use super::exchange::Exchange;
 use super::health::{PickerHealth, ReceiverStream};
 use super::pb::ext_proc::external_processor_server::{ExternalProcessor, ExternalProcessorServer};
 use super::pb::ext_proc::{ProcessingRequest, ProcessingResponse};
-use crate::config::{EppServing, EppSettings};
+use crate::config::EppServing;
 use crate::context::AppState;
 
 /// The service names llm-d's chart and GIE's gateways probe (any other answers the same).
@@ -129,11 +129,11 @@ fn tls(serving: &EppServing) -> Result<Option<ServerTlsConfig>, EppError> {
 /// Starts the picker's two servers as tasks of the router, until it shuts down.
 pub(crate) fn spawn(
     state: &Arc<AppState>,
-    settings: &EppSettings,
+    serving: &EppServing,
     listeners: EppListeners,
 ) -> Result<(), EppError> {
     let mut grpc = Server::builder();
-    if let Some(tls) = tls(&settings.serving)? {
+    if let Some(tls) = tls(serving)? {
         grpc = grpc.tls_config(tls).map_err(EppError::Tls)?;
     }
     // A whole body may arrive as one piece (BUFFERED): room for the largest allowed.
@@ -170,6 +170,6 @@ pub(crate) fn spawn(
             tracing::error!(%error, "The gRPC health server failed");
         }
     });
-    tracing::info!(ext_proc = ?addr, tls = !matches!(settings.serving, EppServing::H2c), "Serving as the endpoint picker");
+    tracing::info!(ext_proc = ?addr, tls = !matches!(serving, EppServing::H2c), "Serving as the endpoint picker");
     Ok(())
 }

@@ -192,8 +192,14 @@ pub(super) fn spawn_discovery(gateway: &Gateway) {
             discovery::kubernetes::run(target, client, settings, interval, metrics, stop).await
         });
     }
-    let endpoints = state.settings.epp.as_ref().map(|e| e.endpoints.clone());
-    if let Some(endpoints) = endpoints.filter(|e| !matches!(e, EppEndpoints::Static)) {
+    let endpoints = state
+        .settings
+        .epp
+        .as_ref()
+        .map(|e| (e.endpoints.clone(), e.kv_events_port));
+    if let Some((endpoints, kv_events_port)) =
+        endpoints.filter(|(e, _)| !matches!(e, EppEndpoints::Static))
+    {
         let (target, interval) = (Arc::new(gateway.clone()), discovery.interval);
         let stop = state.shutdown.clone();
         state.tasks.spawn(async move {
@@ -207,7 +213,16 @@ pub(super) fn spawn_discovery(gateway: &Gateway) {
                 return;
             };
             tracing::info!(endpoints = ?endpoints, "Watching Kubernetes for the endpoint picker's endpoints");
-            discovery::pool::run(target, client, endpoints, interval, metrics, stop).await
+            discovery::pool::run(
+                target,
+                client,
+                endpoints,
+                kv_events_port,
+                interval,
+                metrics,
+                stop,
+            )
+            .await
         });
     }
 }

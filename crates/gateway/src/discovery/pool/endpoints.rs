@@ -85,8 +85,10 @@ fn active(pod: &Pod, port: u16) -> bool {
     }
 }
 
-/// The endpoints a pod is now, one per target port it serves on.
-pub fn pod_endpoints(pod: &Pod, ports: &[u16]) -> Vec<PodWorker> {
+/// The endpoints a pod is now, one per target port it serves on. With `kv_events_port`
+/// (llm-d's `podDiscoveryConfig.socketPort`), an endpoint without a `kvroute.io/kv-events`
+/// annotation publishes its KV events at `tcp://podIP:kv_events_port+rank`, as llm-d dials.
+pub fn pod_endpoints(pod: &Pod, ports: &[u16], kv_events_port: Option<u16>) -> Vec<PodWorker> {
     let name = pod.metadata.name.as_deref().unwrap_or("");
     ports
         .iter()
@@ -96,6 +98,14 @@ pub fn pod_endpoints(pod: &Pod, ports: &[u16]) -> Vec<PodWorker> {
             let mut w = serving_worker(pod, port, WorkerRole::Both)?;
             w.spec.id = Some(format!("{name}-rank-{rank}"));
             w.spec.source = WorkerSource::Epp { pod: pod_name(pod) };
+            if let (None, Some(base), Some(ip)) = (
+                &w.spec.kv_events,
+                kv_events_port,
+                pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()),
+            ) {
+                let port = base.checked_add(rank as u16)?;
+                w.spec.kv_events = Some(format!("tcp://{ip}:{port}"));
+            }
             Some(w)
         })
         .collect()
@@ -112,6 +122,8 @@ pub struct Endpoints {
     pods: BTreeMap<String, Pod>,
     /// The pods of a relist in progress (between `Init` and `InitDone`).
     listing: Option<BTreeMap<String, Pod>>,
+    /// llm-d's KV-event socket port (rank 0's), for pods that do not say theirs.
+    kv_events_port: Option<u16>,
 }
 
 /// What a new target asks of the pod watch.
@@ -126,6 +138,14 @@ pub enum Retarget {
 }
 
 impl Endpoints {
+    /// Endpoints whose KV events are at `tcp://podIP:port+rank` unless a pod says otherwise.
+    pub fn with_kv_events_port(port: Option<u16>) -> Self {
+        Self {
+            kv_events_port: port,
+            ..Self::default()
+        }
+    }
+
     pub fn target(&self) -> Option<&Target> {
         self.target.as_ref()
     }
@@ -156,7 +176,7 @@ impl Endpoints {
         let changed = old.is_none_or(|o| o.metadata.annotations != pod.metadata.annotations);
         if changed {
             let ports = self.target.as_ref().map_or(&[][..], |t| &t.ports);
-            if let Some(w) = pod_endpoints(&pod, ports).first() {
+            if let Some(w) = pod_endpoints(&pod, ports, self.kv_events_port).first() {
                 if !w.warnings.is_empty() {
                     tracing::warn!(pod = %w.pod, problems = ?w.warnings, "Malformed worker annotations: the pod is an endpoint without those fields");
                 }
@@ -214,7 +234,7 @@ impl Endpoints {
         };
         self.pods
             .values()
-            .flat_map(|pod| pod_endpoints(pod, &target.ports))
+            .flat_map(|pod| pod_endpoints(pod, &target.ports, self.kv_events_port))
             .map(|w| w.spec)
             .collect()
     }
@@ -278,7 +298,7 @@ mod tests {
             &[("kvroute.io/kv-events", "5557")],
             true,
         );
-        let ws = pod_endpoints(&p, &[8000, 8001]);
+        let ws = pod_endpoints(&p, &[8000, 8001], None);
         assert_eq!(
             ids(&ws),
             [
@@ -293,13 +313,26 @@ mod tests {
             }
         );
         assert_eq!(ws[1].spec.kv_events.as_deref(), Some("tcp://10.0.0.7:5557"));
-        assert!(pod_endpoints(&pod("vllm-1", "10.0.0.8", &[], false), &[8000]).is_empty());
+        assert!(pod_endpoints(&pod("vllm-1", "10.0.0.8", &[], false), &[8000], None).is_empty());
+    }
+
+    #[test]
+    fn llm_ds_socket_port_gives_each_rank_its_kv_events_endpoint() {
+        let p = pod("vllm-2", "10.0.0.9", &[], true);
+        let ws = pod_endpoints(&p, &[8000, 8001], Some(5557));
+        let events: Vec<_> = ws.iter().map(|w| w.spec.kv_events.as_deref()).collect();
+        assert_eq!(
+            events,
+            vec![Some("tcp://10.0.0.9:5557"), Some("tcp://10.0.0.9:5558")]
+        );
+        let ws = pod_endpoints(&p, &[8000], None);
+        assert_eq!(ws[0].spec.kv_events, None);
     }
 
     #[test]
     fn active_ports_narrow_a_pods_endpoints_keeping_the_rank_names() {
         let p = pod("v", "10.0.0.7", &[(ACTIVE_PORTS, "8000, 8002,9999")], true);
-        let ws = pod_endpoints(&p, &[8000, 8001, 8002]);
+        let ws = pod_endpoints(&p, &[8000, 8001, 8002], None);
         assert_eq!(
             ids(&ws),
             [
@@ -308,9 +341,12 @@ mod tests {
             ]
         );
         let legacy = pod("v", "10.0.0.7", &[(LEGACY_ACTIVE_PORTS, "8001")], true);
-        assert_eq!(ids(&pod_endpoints(&legacy, &[8000, 8001]))[0].0, "v-rank-1");
+        assert_eq!(
+            ids(&pod_endpoints(&legacy, &[8000, 8001], None))[0].0,
+            "v-rank-1"
+        );
         let none = pod("v", "10.0.0.7", &[(ACTIVE_PORTS, "")], true);
-        assert!(pod_endpoints(&none, &[8000]).is_empty());
+        assert!(pod_endpoints(&none, &[8000], None).is_empty());
     }
 
     #[test]
