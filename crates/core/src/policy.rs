@@ -40,7 +40,7 @@ pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
 pub use kv_aware::{KvAware, KvAwareConfig, MemoryCost};
 pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
-pub use llm_d::{LlmD, LlmDConfig};
+pub use llm_d::{LlmD, LlmDConfig, PrefixSource};
 pub(crate) use load::least_at_random;
 pub use load::{PowerOfTwo, Random, RoundRobin};
 pub use manual::{AssignmentMode, Manual};
@@ -49,6 +49,12 @@ pub use manual::{AssignmentMode, Manual};
 /// is behind atomics or a short, never-awaited lock.
 pub trait Policy: Send + Sync + fmt::Debug {
     fn kind(&self) -> PolicyKind;
+
+    /// Whether its candidates need the KV index's overlap (`Candidate::kv`): kv_aware's do,
+    /// and llm_d's with the exact prefix source.
+    fn reads_kv_index(&self) -> bool {
+        self.kind() == PolicyKind::KvAware
+    }
 
     /// Chooses one of `candidates`, or `None` when the slice is empty.
     fn select(

@@ -635,7 +635,7 @@ pub(crate) fn pick(
 /// the worker's cached tokens, the routed prefix without KV events, the recent decisions.
 pub(crate) fn learn(state: &AppState, model: &ModelId, plan: routing::Plan, now: Instant) {
     let choice = plan.choice();
-    if plan.policy == PolicyKind::KvAware && plan.prompt_tokens > 0 {
+    if plan.reads_kv_index && plan.prompt_tokens > 0 {
         let cached =
             (choice.kv.overlap.total() as usize * state.kv.block_size).min(plan.prompt_tokens);
         state

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvroute_core::{EngineLoad, PolicyKind};
+use kvroute_core::EngineLoad;
 use kvroute_protocol::ModelId;
 use serde_json::{json, Value};
 
@@ -73,7 +73,7 @@ impl Recent {
 /// A decision: policy, chosen worker and rank, prompt tokens, the chosen candidate's overlap
 /// and cost, and every candidate's terms.
 pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
-    let kv_aware = plan.policy == PolicyKind::KvAware;
+    let kv_aware = plan.reads_kv_index;
     let candidates: Vec<Value> = plan
         .choices
         .iter()

@@ -47,6 +47,8 @@ pub struct Plan {
     pub hashes: Vec<BlockHash>,
     /// Pinned to one worker (by a hint or a hard session binding): never moved elsewhere.
     pub pinned: bool,
+    /// The candidates carry the KV index's overlap (kv_aware; llm_d's exact prefix).
+    pub reads_kv_index: bool,
 }
 
 impl Plan {
@@ -293,7 +295,8 @@ pub fn plan(
         }
         _ => hints,
     };
-    let (hashes, scores) = if policy == PolicyKind::KvAware {
+    let reads_index = pool.policy.reads_kv_index();
+    let (hashes, scores) = if reads_index {
         let hashes = prompt.hashes.clone();
         let scores = kv.overlaps(&hashes, started);
         (hashes, scores)
@@ -317,7 +320,7 @@ pub fn plan(
         {
             let rank = &w.ranks[rank_index];
             let mut terms = KvTerms::default();
-            if policy == PolicyKind::KvAware {
+            if reads_index {
                 let counts = kv.counts(&scores, w, rank.replica);
                 let overlap = overlap(counts).capped(tokens.len(), kv.block_size);
                 let taints = hints.preferred_weight(&w.taints);
@@ -394,6 +397,7 @@ pub fn plan(
         prompt_tokens: tokens.len(),
         hashes,
         pinned: hints.pinned_worker.is_some(),
+        reads_kv_index: reads_index,
     })
 }
 

@@ -43,6 +43,13 @@ async fn picker(mut settings: Settings, serving: EppServing) -> (TestRouter, u16
 
 /// Two simulated engines behind Envoy and kvroute (kv_aware, KV events from the engines).
 async fn sims_behind_envoy() -> (Vec<kvroute_sim::SimInstance>, TestRouter, Envoy) {
+    sims_behind_envoy_with(|s| s.policy = PolicyKind::KvAware).await
+}
+
+/// [`sims_behind_envoy`] with the settings as `set` makes them.
+async fn sims_behind_envoy_with(
+    set: impl FnOnce(&mut Settings),
+) -> (Vec<kvroute_sim::SimInstance>, TestRouter, Envoy) {
     let mut sims = Vec::new();
     let mut specs = Vec::new();
     for i in 0..2 {
@@ -60,7 +67,7 @@ async fn sims_behind_envoy() -> (Vec<kvroute_sim::SimInstance>, TestRouter, Envo
         sims.push(sim);
     }
     let mut settings = Settings::with_workers(specs).unwrap();
-    settings.policy = PolicyKind::KvAware;
+    set(&mut settings);
     let (router, grpc, _) = picker(settings, EppServing::H2c).await;
     for (i, sim) in sims.iter().enumerate() {
         joined(&router, &sim.url(), &format!("sim{i}")).await;
@@ -501,4 +508,136 @@ async fn answers_of(
         out.push(a);
     }
     out
+}
+
+/// The requests in flight `r` counts on all its workers' ranks (its own and its peers').
+fn in_flight(r: &TestRouter) -> u64 {
+    r.gateway
+        .workers()
+        .statuses()
+        .iter()
+        .flat_map(|w| w.ranks.iter().map(|rank| rank.in_flight))
+        .sum()
+}
+
+/// Opens a stream through `envoy` and returns its body once the first chunk arrived (the
+/// mock holds the rest until released).
+async fn held_stream(envoy: &Envoy) -> hyper::body::Incoming {
+    let request = http::Request::builder()
+        .method(Method::POST)
+        .uri(format!("{}/v1/completions", envoy.url))
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(body_stream())))
+        .unwrap();
+    let response = client().request(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    body.frame().await.unwrap().unwrap();
+    body
+}
+
+/// Active-active pickers: two behind one Envoy (its `epp` cluster with two endpoints), in
+/// sync over a real nats-server, route on one view of the load; when one goes, Envoy's
+/// ext_proc streams open on the other and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pickers_behind_one_envoy_share_one_view_and_survive_one_going() {
+    let nats = nats().await;
+    let workers = [
+        MockWorker::start("a", &["m"]).await,
+        MockWorker::start("b", &["m"]).await,
+    ];
+    let synced = || {
+        let mut s = named(&workers);
+        s.replica_sync = Some(kvroute_gateway::config::SyncConfig {
+            url: nats.1.clone(),
+            prefix: "epp".into(),
+            timeout: Duration::from_secs(2),
+        });
+        s
+    };
+    let (one, grpc_one, _) = picker(synced(), EppServing::H2c).await;
+    let (two, grpc_two, _) = picker(synced(), EppServing::H2c).await;
+    for r in [&one, &two] {
+        r.wait_metric("kvroute_replica_peers", "", Some(1.0)).await;
+    }
+    let envoy = Envoy::start("envoy.yaml", &[grpc_one, grpc_two]).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(held_stream(&envoy).await);
+    }
+    // Each picker chose some of them, and each counts all four.
+    for r in [&one, &two] {
+        let text = r.metrics().await;
+        let picks: u64 = ["a", "b"]
+            .iter()
+            .map(|w| metric(&text, "kvroute_processed_requests_total", w))
+            .sum();
+        assert!(picks >= 1, "Envoy spreads its streams over both pickers");
+    }
+    wait_until("both pickers count the four streams", || {
+        in_flight(&one) == 4 && in_flight(&two) == 4
+    })
+    .await;
+    for w in &workers {
+        w.release.add_permits(100);
+    }
+    for body in held {
+        body.collect().await.unwrap();
+    }
+    wait_until("both pickers count none", || {
+        in_flight(&one) == 0 && in_flight(&two) == 0
+    })
+    .await;
+
+    // One picker goes: every request still gets through, on the other.
+    two.stop().await;
+    for _ in 0..6 {
+        let reply = post(
+            &envoy.url,
+            "/v1/completions",
+            &[],
+            &json!({"model": "m", "prompt": "hi"}).to_string(),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    }
+    drop(envoy);
+    one.stop().await;
+}
+
+/// llm-d's precise prefix producer: `llm_d` scores the prefix from the engines' KV events, so
+/// a prefix an engine cached on its own (not routed by kvroute) draws the request there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llm_ds_precise_prefix_follows_what_the_engines_cache() {
+    let (sims, router, envoy) = sims_behind_envoy_with(|s| {
+        s.policy = PolicyKind::LlmD;
+        s.policy_config.llm_d.prefix = kvroute_core::policy::PrefixSource::Exact {
+            block_size: s.block_size,
+        };
+    })
+    .await;
+    for (home, id) in [(1, "sim1"), (0, "sim0")] {
+        let shared = long_prompt(&format!("cached by {id} alone"));
+        // Straight to the engine: kvroute routed none of it.
+        let warm = post(
+            &sims[home].url(),
+            "/v1/completions",
+            &[],
+            &completion(&shared),
+        )
+        .await;
+        assert_eq!(warm.status, StatusCode::OK);
+        wait_overlap(&router, &shared, id, |n| n.is_some_and(|n| n > 0)).await;
+        let reply = post(
+            &envoy.url,
+            "/v1/completions",
+            &[],
+            &completion(&format!("{shared} and a question")),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        assert_eq!(reply.worker(), id, "the engine holding the prefix");
+    }
+    drop(envoy);
+    router.stop().await;
 }

@@ -8,37 +8,6 @@ use std::process::{Command, Stdio};
 use http_body_util::BodyExt;
 use support::*;
 
-struct Nats(std::process::Child, String);
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-async fn nats() -> Nats {
-    nats_on(free_port()).await
-}
-
-/// A nats-server on `port` of the loopback.
-async fn nats_on(port: u16) -> Nats {
-    let child = Command::new("nats-server")
-        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nats-server on the PATH (apt-get install nats-server)");
-    let url = format!("nats://127.0.0.1:{port}");
-    wait_until_async("nats-server listening", || async move {
-        tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-    })
-    .await;
-    Nats(child, url)
-}
-
 fn rank_in_flight(r: &TestRouter) -> u64 {
     r.gateway.workers().statuses()[0].ranks[0].in_flight
 }

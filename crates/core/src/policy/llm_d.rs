@@ -82,6 +82,21 @@ pub struct LlmDConfig {
     pub kv_weight: f64,
     /// Tokens per block of the approximate prefix cache (at least 64).
     pub block_size: usize,
+    /// Where the prefix scorer learns what each candidate caches.
+    pub prefix: PrefixSource,
+}
+
+/// The prefix scorer's source: llm-d's approximate prefix index (its
+/// `approx-prefix-cache-producer`) or the engines' own KV events (its
+/// `precise-prefix-cache-producer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefixSource {
+    /// The policy's own LRUs of what it routed (module doc).
+    #[default]
+    Approximate,
+    /// The KV index's device overlap, in the index's blocks (`Candidate::kv`), read as
+    /// `min(overlap, prompt blocks) / prompt blocks` with blocks of `block_size` tokens.
+    Exact { block_size: usize },
 }
 
 impl Default for LlmDConfig {
@@ -91,6 +106,7 @@ impl Default for LlmDConfig {
             queue_weight: 2.0,
             kv_weight: 2.0,
             block_size: 64,
+            prefix: PrefixSource::Approximate,
         }
     }
 }
@@ -123,6 +139,9 @@ impl LlmD {
         candidates: &[Candidate<'_>],
         request: &RouteRequest<'_>,
     ) -> Vec<(f64, f64, f64)> {
+        if let PrefixSource::Exact { block_size } = self.config.prefix {
+            return self.combine(candidates, exact_prefix(candidates, request, block_size));
+        }
         let hashes = block_hashes(request.tokens, self.block_size);
         self.scores_of(candidates, &hashes)
     }
@@ -146,6 +165,10 @@ impl LlmD {
 
     fn scores_of(&self, candidates: &[Candidate<'_>], hashes: &[u64]) -> Vec<(f64, f64, f64)> {
         let prefix = self.prefix_scores(candidates, hashes);
+        self.combine(candidates, prefix)
+    }
+
+    fn combine(&self, candidates: &[Candidate<'_>], prefix: Vec<f64>) -> Vec<(f64, f64, f64)> {
         let queue = queue_scores(candidates);
         candidates
             .iter()
@@ -236,6 +259,7 @@ impl fmt::Debug for LlmD {
             .field("queue_weight", &self.config.queue_weight)
             .field("kv_weight", &self.config.kv_weight)
             .field("block_size", &self.block_size)
+            .field("prefix", &self.config.prefix)
             .finish()
     }
 }
@@ -243,6 +267,10 @@ impl fmt::Debug for LlmD {
 impl Policy for LlmD {
     fn kind(&self) -> PolicyKind {
         PolicyKind::LlmD
+    }
+
+    fn reads_kv_index(&self) -> bool {
+        matches!(self.config.prefix, PrefixSource::Exact { .. })
     }
 
     fn forget_worker(&self, worker: &kvroute_protocol::WorkerId) {
@@ -304,6 +332,12 @@ impl Policy for LlmD {
         if candidates.is_empty() {
             return None;
         }
+        if let PrefixSource::Exact { block_size } = self.config.prefix {
+            // The engines' events say what they cache: nothing to record.
+            let scores = self.combine(candidates, exact_prefix(candidates, request, block_size));
+            let index = best(scores.into_iter().map(|s| self.total(s)), rng)?;
+            return Some(Decision { index });
+        }
         let hashes = block_hashes(request.tokens, self.block_size);
         let scores = self.scores_of(candidates, &hashes);
         let index = best(scores.into_iter().map(|s| self.total(s)), rng)?;
@@ -318,6 +352,25 @@ impl Policy for LlmD {
         let scores = self.scores(candidates, request);
         Some(scores.into_iter().map(|s| -self.total(s)).collect())
     }
+}
+
+/// The exact prefix score of each candidate: the leading blocks its engine holds (the KV
+/// index's device overlap) over the prompt's full blocks; 0 with no full block.
+fn exact_prefix(
+    candidates: &[Candidate<'_>],
+    request: &RouteRequest<'_>,
+    block_size: usize,
+) -> Vec<f64> {
+    let blocks = request.tokens.len() / block_size.max(1);
+    candidates
+        .iter()
+        .map(|c| {
+            if blocks == 0 {
+                return 0.0;
+            }
+            (c.kv.overlap.device as usize).min(blocks) as f64 / blocks as f64
+        })
+        .collect()
 }
 
 /// The chained hashes of the prompt's full blocks of `block_size` tokens, at most

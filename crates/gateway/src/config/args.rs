@@ -206,6 +206,11 @@ pub struct Args {
     /// llm_d: weight of the KV-cache utilisation scorer [default: 2].
     #[arg(long)]
     pub llm_d_kv_weight: Option<f64>,
+    /// llm_d: score the prefix from the engines' KV events (the KV index), as llm-d's
+    /// `precise-prefix-cache-producer`, not from the policy's own record of its decisions.
+    #[arg(long)]
+    #[serde(default)]
+    pub llm_d_precise_prefix: bool,
     /// least_load: seconds of expected wait per unit of `k / (1 - k)` of an engine's KV
     /// usage k [default: 0.15]. smg's.
     #[arg(long)]

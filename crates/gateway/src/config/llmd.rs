@@ -225,6 +225,8 @@ pub(super) struct LlmDOverlay {
     pub block_size: Option<usize>,
     /// The precise producer's `socketPort`.
     pub kv_events_socket_port: Option<u16>,
+    /// A precise producer: the prefix is scored from the engines' KV events.
+    pub precise: bool,
 }
 
 impl LlmDOverlay {
@@ -256,6 +258,7 @@ impl LlmDOverlay {
             kv_weight: 0.0,
             block_size: None,
             kv_events_socket_port: None,
+            precise: false,
         };
         let mut roles: HashMap<String, Role> = HashMap::new();
         for plugin in &config.plugins {
@@ -363,6 +366,7 @@ impl LlmDOverlay {
                 })?,
         };
         self.kv_events_socket_port = Some(port);
+        self.precise = true;
         Ok(())
     }
 }
@@ -400,6 +404,7 @@ impl Args {
             llm_d_kv_weight: self.llm_d_kv_weight.or(Some(o.kv_weight)),
             block_size: self.block_size.or(o.block_size),
             kv_events_socket_port: self.kv_events_socket_port.or(o.kv_events_socket_port),
+            llm_d_precise_prefix: self.llm_d_precise_prefix || o.precise,
             ..self
         }
     }

@@ -79,6 +79,7 @@ impl Args {
             llm_d_prefix_weight: self.llm_d_prefix_weight.or(file.llm_d_prefix_weight),
             llm_d_queue_weight: self.llm_d_queue_weight.or(file.llm_d_queue_weight),
             llm_d_kv_weight: self.llm_d_kv_weight.or(file.llm_d_kv_weight),
+            llm_d_precise_prefix: self.llm_d_precise_prefix || file.llm_d_precise_prefix,
             least_load_kv_pressure_weight: self
                 .least_load_kv_pressure_weight
                 .or(file.least_load_kv_pressure_weight),

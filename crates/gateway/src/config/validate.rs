@@ -235,6 +235,11 @@ impl Args {
             )?,
             kv_weight: weight("llm_d_kv_weight", self.llm_d_kv_weight, ld.kv_weight)?,
             block_size: ld.block_size.max(block_size),
+            prefix: if self.llm_d_precise_prefix {
+                kvroute_core::policy::PrefixSource::Exact { block_size }
+            } else {
+                kvroute_core::policy::PrefixSource::Approximate
+            },
         };
         let health = super::service::health_settings(super::service::HealthFlags {
             interval_secs: self.health_check_interval_secs,

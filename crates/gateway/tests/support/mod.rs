@@ -6,6 +6,7 @@
 //! - [`sim`]: kvroute-sim replicas and the router's KV-index credit.
 //! - [`envoy`]: a real Envoy in front of the endpoint picker ([`Envoy`]).
 //! - [`kube_api`]: a Kubernetes API server's pod list and watch ([`FakeApi`]).
+//! - [`nats`]: a real nats-server ([`Nats`]).
 //! - [`requests`]: the requests and waits the tests repeat, as [`TestRouter`] methods.
 //! - [`tls`]: certificates made in the test, and https clients.
 
@@ -14,6 +15,7 @@
 mod envoy;
 mod kube_api;
 mod mock;
+mod nats;
 mod requests;
 mod sim;
 mod tls;
@@ -24,6 +26,8 @@ pub use envoy::*;
 pub use kube_api::*;
 #[allow(unused_imports)]
 pub use mock::*;
+#[allow(unused_imports)]
+pub use nats::*;
 #[allow(unused_imports)]
 pub use requests::*;
 #[allow(unused_imports)]

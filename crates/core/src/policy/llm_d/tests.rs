@@ -51,13 +51,13 @@ fn debug_names_the_weights_and_the_effective_block_size() {
     let p = LlmD::new(LlmDConfig::default());
     assert_eq!(
         format!("{p:?}"),
-        "LlmD { prefix_weight: 3.0, queue_weight: 2.0, kv_weight: 2.0, block_size: 64 }"
+        "LlmD { prefix_weight: 3.0, queue_weight: 2.0, kv_weight: 2.0, block_size: 64, prefix: Approximate }"
     );
     let small = LlmD::new(LlmDConfig {
         block_size: 16,
         ..LlmDConfig::default()
     });
-    assert!(format!("{small:?}").ends_with("block_size: 64 }"));
+    assert!(format!("{small:?}").ends_with("block_size: 64, prefix: Approximate }"));
 }
 
 #[test]
@@ -301,4 +301,39 @@ fn lru_capacity_follows_the_engine_and_evicts_the_least_recent() {
     c.engine.num_gpu_blocks = Some(8);
     p.select(&[c], &req(&a), &mut rng);
     assert_eq!(p.cached_blocks(&ids[0], None), 2);
+}
+
+#[test]
+fn the_exact_prefix_reads_the_kv_index_and_records_nothing() {
+    let ws = ids(3);
+    let p = LlmD::new(LlmDConfig {
+        prefix: PrefixSource::Exact { block_size: 16 },
+        ..LlmDConfig::default()
+    });
+    assert!(p.reads_kv_index());
+    assert!(!LlmD::new(LlmDConfig::default()).reads_kv_index());
+    let tokens = prompt(160, 7); // 10 blocks of 16
+    let mut cands = idle(&ws);
+    cands[1].kv.overlap.device = 4;
+    cands[2].kv.overlap.device = 25; // more than the prompt: capped at 1
+    let scores: Vec<f64> = p
+        .scores(&cands, &req(&tokens))
+        .iter()
+        .map(|s| s.0)
+        .collect();
+    assert!(
+        close(scores[0], 0.0) && close(scores[1], 0.4) && close(scores[2], 1.0),
+        "{scores:?}"
+    );
+    let mut rng = SmallRng::seed_from_u64(1);
+    let d = p.select(&cands, &req(&tokens), &mut rng).unwrap();
+    assert_eq!(d.index, 2);
+    // Nothing recorded: a second look without the index's credit sees no prefix.
+    assert_eq!(p.cached_blocks(&ws[2], None), 0);
+    let short = prompt(10, 7);
+    let scores = p.scores(&cands, &req(&short));
+    assert!(
+        scores.iter().all(|s| close(s.0, 0.0)),
+        "no full block: no prefix"
+    );
 }

@@ -201,6 +201,12 @@ schedulingProfiles:
     assert_eq!(s.block_size, 64);
     assert_eq!(s.kv_events, KvEventsMode::Events);
     assert_eq!(s.epp.as_ref().unwrap().kv_events_port, Some(5600));
+    assert!(o.precise);
+    assert_eq!(
+        s.policy_config.llm_d.prefix,
+        kvroute_core::policy::PrefixSource::Exact { block_size: 64 },
+        "the prefix is scored from the engines' events"
+    );
     // llm-d's default port, and the brief's blockSizeTokens spelling.
     let o = overlay(
         "plugins:\n- type: precise-prefix-cache-producer\n  parameters:\n    tokenProcessorConfig:\n      blockSizeTokens: 32\n",
@@ -236,6 +242,10 @@ schedulingProfiles:
     )
     .unwrap();
     assert_eq!((o.block_size, o.kv_events_socket_port), (None, None));
+    assert!(
+        !o.precise,
+        "the approximate producer keeps the approximate prefix"
+    );
 }
 
 #[test]
