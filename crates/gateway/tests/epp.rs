@@ -249,9 +249,15 @@ async fn a_stream_streams_and_a_client_gone_mid_stream_releases_it() {
         .unwrap();
     assert!(!first.data_ref().unwrap().is_empty());
     router.wait_in_flight("a", |n| n == 1).await;
+    router
+        .wait_metric("kvroute_worker_requests_active", "worker=\"a\"", Some(1.0))
+        .await;
     // The client goes away: the picker's count is released.
     drop(body);
     router.wait_none_in_flight().await;
+    router
+        .wait_metric("kvroute_worker_requests_active", "worker=\"a\"", Some(0.0))
+        .await;
     workers[0].release.add_permits(10);
 
     // A whole stream, to its end.
@@ -638,6 +644,110 @@ async fn llm_ds_precise_prefix_follows_what_the_engines_cache() {
         assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
         assert_eq!(reply.worker(), id, "the engine holding the prefix");
     }
+    drop(envoy);
+    router.stop().await;
+}
+
+/// The `kvroute` binary with llm-d's chart arguments (its no-ops included) serves ext_proc
+/// and gRPC health, and Envoy routes through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_with_llm_ds_arguments_picks_behind_envoy() {
+    let worker = MockWorker::start("a", &["m"]).await;
+    let (grpc, health) = (free_port(), free_port());
+    let (grpc_s, health_s) = (grpc.to_string(), health.to_string());
+    let (_child, _url, _log) = kvroute_process(&[
+        "--epp",
+        "--secure-serving=false",
+        "--grpc-port",
+        &grpc_s,
+        "--grpc-health-port",
+        &health_s,
+        "--host",
+        "127.0.0.1",
+        "--zap-encoder",
+        "json",
+        "--v=4",
+        "--tracing=false",
+        "--ha-enable-leader-election=false",
+        "--worker-urls",
+        &worker.url,
+    ])
+    .await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{health}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let answer = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "inference-extension".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        answer.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let envoy = Envoy::start("envoy.yaml", &[grpc]).await;
+    let reply = post(
+        &envoy.url,
+        "/v1/completions",
+        &[],
+        &json!({"model": "m", "prompt": "hi"}).to_string(),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.worker(), worker.url);
+    assert_eq!(worker.requests(), 1, "the engine answered");
+}
+
+/// GIE's inference objective names a policy class when one of that name is configured (here
+/// one with its own busy threshold): that class's requests are shed while the others pass,
+/// and an objective no class is named after changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inference_objective_names_a_policy_class() {
+    let worker = MockWorker::start("w", &["m"]).await;
+    let file = "router_queue_threshold: 100\npolicy_classes:\n  - {name: default, weight: 1}\n  - {name: strict, weight: 1, active_prefill_tokens_threshold: 100}\n";
+    let parsed = kvroute_gateway::Args::from_text(file).unwrap();
+    let mut s = kvroute_gateway::Args {
+        workers: vec![named_spec("w", "m", worker.url.clone())],
+        ..parsed
+    }
+    .into_settings()
+    .unwrap();
+    s.request_timeout = Duration::from_secs(60);
+    let (router, grpc, _) = picker(s, EppServing::H2c).await;
+    let envoy = Envoy::start("envoy.yaml", &[grpc]).await;
+    // A request that never answers holds 500 prompt tokens in prefill on the only worker.
+    let url = envoy.url.clone();
+    let held = tokio::spawn(async move {
+        post(&url, "/v1/completions", &[], &hanging(&"x".repeat(500))).await
+    });
+    router.wait_in_flight("w", |n| n == 1).await;
+    let body = json!({"model": "m", "prompt": "a"}).to_string();
+    for header in [
+        "x-gateway-inference-objective",
+        "x-llm-d-inference-objective",
+    ] {
+        let strict = post(&envoy.url, "/v1/completions", &[(header, "strict")], &body).await;
+        strict.assert_error(503, "all_workers_overloaded");
+    }
+    let other = post(
+        &envoy.url,
+        "/v1/completions",
+        &[("x-gateway-inference-objective", "no-such-class")],
+        &body,
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::OK, "{:?}", other.body);
+    assert!(
+        other.json()["headers"]
+            .get("x-gateway-inference-objective")
+            .is_none(),
+        "stripped before the engine"
+    );
+    held.abort();
     drop(envoy);
     router.stop().await;
 }
