@@ -16,6 +16,7 @@
 pub mod exchange;
 pub mod health;
 pub mod serve;
+pub mod wire;
 
 /// Envoy's ext_proc v3 types and service, compiled from `proto/` by `build.rs`.
 #[allow(clippy::all, missing_docs, missing_debug_implementations)]

@@ -19,6 +19,7 @@
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `prompts` (tokens and
 //!    the tokenizer prefix cache), `busy`;
 //! 4. request path: `admission` (the concurrency limit, its queue and rate), `routing`, `recent` (the last decisions), `queue`, `proxy`, `sync`, `context`,
+//!    `pick` (the stages both front doors share: admission, queue, pick, learn),
 //!    `migrate`, `pd`, `forward`, `epp` (the endpoint picker: Envoy's ext_proc),
 //!    `discovery`;
 //! 5. server: `server` (the axum app, admin API, background tasks) and `main`.
@@ -51,6 +52,7 @@ pub mod epp;
 pub(crate) mod forward;
 pub mod migrate;
 pub mod pd;
+pub(crate) mod pick;
 pub mod proxy;
 pub mod queue;
 pub mod recent;

@@ -89,6 +89,45 @@ pub(super) struct EppFlags<'a> {
     pub namespace_env: Option<String>,
 }
 
+impl super::Args {
+    /// The picker's settings from its flags (taken out of `self`).
+    pub(super) fn take_epp(&mut self) -> Result<Option<EppSettings>, ConfigError> {
+        EppFlags {
+            epp: self.epp,
+            grpc_port: self.grpc_port,
+            grpc_health_port: self.grpc_health_port,
+            secure_serving: self.secure_serving,
+            cert_path: self.cert_path.take(),
+            pool_name: self.pool_name.take(),
+            pool_namespace: self.pool_namespace.take(),
+            pool_group: self.pool_group.take(),
+            endpoint_selector: self.endpoint_selector.take(),
+            endpoint_target_ports: std::mem::take(&mut self.endpoint_target_ports),
+            kv_events_socket_port: self.kv_events_socket_port,
+            kubeconfig: self.kubeconfig.as_deref(),
+            namespace_env: std::env::var("NAMESPACE").ok(),
+        }
+        .settings()
+    }
+}
+
+/// A static picker needs endpoints from the proxy's sources (`has_endpoints`: workers or
+/// discovery): the embedded simulated engines are the proxy's demo, and a picker without
+/// endpoints has nothing to pick.
+pub(super) fn needs_endpoints(
+    epp: Option<&EppSettings>,
+    has_endpoints: bool,
+) -> Result<(), ConfigError> {
+    if epp.is_some_and(|e| e.endpoints == EppEndpoints::Static) && !has_endpoints {
+        return Err(ConfigError::Invalid {
+            name: "epp",
+            reason: "no endpoints: give --pool-name, --endpoint-selector, --worker-urls, \
+                     the config file's workers or a discovery source",
+        });
+    }
+    Ok(())
+}
+
 impl EppFlags<'_> {
     /// Whether the endpoint picker is on: `--epp`, or a pool or selector to pick from.
     pub fn on(&self) -> bool {

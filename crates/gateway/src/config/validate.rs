@@ -18,9 +18,10 @@ const MAX_DP_SIZE: u32 = 1024;
 
 impl Args {
     /// Applies the defaults and validates.
-    pub fn into_settings(self) -> Result<Settings, ConfigError> {
+    pub fn into_settings(mut self) -> Result<Settings, ConfigError> {
         let defaults = PolicyConfig::default();
         let discovery = self.discovery_settings()?;
+        let epp = self.take_epp()?;
         let mut workers: Vec<WorkerSpec> =
             self.worker_urls.into_iter().map(WorkerSpec::url).collect();
         // `--prefill URL [PORT]` occurrences arrive flattened: a number is the bootstrap port
@@ -70,36 +71,7 @@ impl Args {
                 return Err(ConfigError::DuplicateWorker(id.to_owned()));
             }
         }
-        let epp = super::epp::EppFlags {
-            epp: self.epp,
-            grpc_port: self.grpc_port,
-            grpc_health_port: self.grpc_health_port,
-            secure_serving: self.secure_serving,
-            cert_path: self.cert_path,
-            pool_name: self.pool_name,
-            pool_namespace: self.pool_namespace,
-            pool_group: self.pool_group,
-            endpoint_selector: self.endpoint_selector,
-            endpoint_target_ports: self.endpoint_target_ports,
-            kv_events_socket_port: self.kv_events_socket_port,
-            kubeconfig: self.kubeconfig.as_deref(),
-            namespace_env: std::env::var("NAMESPACE").ok(),
-        }
-        .settings()?;
-        // The embedded simulated engines are the proxy's demo; a picker without endpoints
-        // has nothing to pick.
-        if epp
-            .as_ref()
-            .is_some_and(|e| e.endpoints == EppEndpoints::Static)
-            && workers.is_empty()
-            && !discovery.any()
-        {
-            return Err(ConfigError::Invalid {
-                name: "epp",
-                reason: "no endpoints: give --pool-name, --endpoint-selector, --worker-urls, \
-                         the config file's workers or a discovery source",
-            });
-        }
+        super::epp::needs_endpoints(epp.as_ref(), !workers.is_empty() || discovery.any())?;
         let prometheus_port =
             super::epp::metrics_port(self.metrics_port, self.prometheus_port, epp.is_some())?;
         let load_factor = self

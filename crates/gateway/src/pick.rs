@@ -1,0 +1,241 @@
+//! The stages every front door shares, in order: admission under the router's concurrency
+//! limit ([`admit`]), the router queue ([`queue_admission`]), the policy's choice with the
+//! request counted on its worker and rank ([`pick`]), and what the router learns from it
+//! ([`learn`]). The proxy ([`crate::forward`]) forwards to the pick and retries; the endpoint
+//! picker ([`crate::epp`]) names it to the gateway.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::HeaderValue;
+use kvroute_core::eligibility::Hints;
+use kvroute_core::PolicyKind;
+use kvroute_protocol::{ModelId, RoutingFields, WorkerId};
+
+use crate::context::AppState;
+use crate::error::GatewayError;
+use crate::otlp::RequestSpan;
+use crate::prompts::Tokens;
+use crate::proxy::{Admitted, InFlight};
+use crate::queue::Released;
+use crate::routing;
+use crate::workers::Pool;
+
+/// Admits a request (see [`crate::admission`]).
+pub(crate) async fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
+    let permit = match &state.admission {
+        Some(admission) => admission.admit().await?,
+        None => None,
+    };
+    Ok(Admitted::new(permit, state.metrics.in_router.clone()))
+}
+
+/// What every attempt of one request shares.
+pub(crate) struct Attempt<'a> {
+    /// The client's method, URI and headers.
+    pub(crate) parts: &'a http::request::Parts,
+    pub(crate) fields: &'a RoutingFields<'a>,
+    pub(crate) tokens: &'a Tokens,
+    pub(crate) hints: &'a Hints,
+    pub(crate) request_id: &'a HeaderValue,
+    pub(crate) arrived: Instant,
+    /// The queue's policy class, when the queue is on.
+    pub(crate) class: Option<usize>,
+    /// The request's trace span, when it is traced.
+    pub(crate) span: Option<&'a Arc<RequestSpan>>,
+}
+
+impl Attempt<'_> {
+    pub(crate) fn path_and_query(&self) -> &str {
+        let uri = &self.parts.uri;
+        uri.path_and_query().map_or(uri.path(), |pq| pq.as_str())
+    }
+}
+
+/// The router queue's admission (when it is on): waits while every eligible rank is
+/// saturated with prefill; a request with no eligible worker fails at once. Returns the
+/// request's policy class and its place, released once its load is counted.
+pub(crate) async fn queue_admission<'s>(
+    state: &'s AppState,
+    class_name: Option<&str>,
+    fields: &RoutingFields<'_>,
+    hints: &Hints,
+    tokens: &Tokens,
+    started: Instant,
+    span: Option<&Arc<RequestSpan>>,
+) -> Result<(Option<usize>, Option<Released<'s>>), GatewayError> {
+    let Some(queue) = &state.queue else {
+        return Ok((None, None));
+    };
+    let c = queue.class_of(class_name)?;
+    let (ranks, cost) = {
+        let table = state.workers.table();
+        let pool = table.resolve(fields.model.as_deref())?;
+        let busy = queue.thresholds(c, state.busy.get(pool.model.as_str()));
+        let ranks = routing::eligible_ranks(pool, hints, &busy, started)?;
+        // The cost for ordering and DRR: uncached tokens as the index sees them now.
+        let overlaps = state.kv.overlaps(&tokens.hashes, started);
+        let best = ranks
+            .iter()
+            .map(|(w, r)| state.kv.counts(&overlaps, w, w.ranks[*r].replica).total())
+            .max()
+            .unwrap_or(0) as usize;
+        let cached = best * state.kv.block_size;
+        (ranks, tokens.len().saturating_sub(cached) as u64)
+    };
+    let queued = Instant::now();
+    let released = queue.admit(c, ranks, cost).await?;
+    if let Some(span) = span {
+        span.set_double(
+            "kvroute.queue_wait_ms",
+            queued.elapsed().as_secs_f64() * 1e3,
+        );
+    }
+    Ok((Some(c), Some(released)))
+}
+
+/// A request's worker and rank, chosen by the policy, with its in-flight guard: its load is
+/// counted from here. The proxy forwards to it; the endpoint picker names it to the gateway.
+pub(crate) struct Picked {
+    pub plan: routing::Plan,
+    pub guard: InFlight,
+    pub model: ModelId,
+    /// When it was chosen.
+    pub now: Instant,
+}
+
+/// Chooses a worker and rank for `a` among the pool's workers not in `tried`, and counts the
+/// request there (a pick and a decision on the worker, its load on the rank, the replicas
+/// told); `released` lets the queue consider the next request once that load is counted.
+/// `measured`: when routing started, for `kvroute_routing_seconds` (first attempts only).
+pub(crate) fn pick(
+    state: &AppState,
+    a: &Attempt<'_>,
+    tried: &[WorkerId],
+    released: &mut Option<Released<'_>>,
+    measured: Option<Instant>,
+) -> Result<Picked, GatewayError> {
+    let now = Instant::now();
+    let table = state.workers.table();
+    let pool = table.resolve(a.fields.model.as_deref())?;
+    let untried;
+    let pool = if tried.is_empty() {
+        pool
+    } else {
+        untried = Pool {
+            model: pool.model.clone(),
+            workers: pool
+                .workers
+                .iter()
+                .filter(|w| !tried.contains(&w.id))
+                .cloned()
+                .collect(),
+            policy: pool.policy.clone(),
+        };
+        &untried
+    };
+    let mut busy = state.busy.get(pool.model.as_str());
+    if let (Some(queue), Some(c)) = (&state.queue, a.class) {
+        busy = queue.thresholds(c, busy);
+    }
+    let keys = &state.settings.routing_key_headers;
+    let plan = routing::plan(
+        &state.kv,
+        pool,
+        routing::session_key(keys, &a.parts.headers, a.fields),
+        a.hints,
+        &routing::Limits {
+            busy,
+            overload: state.settings.overload,
+        },
+        state.affinity.as_deref(),
+        a.fields,
+        a.tokens,
+        now,
+        false,
+    )?;
+    if let Some(started) = measured {
+        state
+            .metrics
+            .routing_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+    let choice = plan.choice();
+    let rank = &choice.worker.ranks[choice.rank];
+    let load = plan.request_load(state.kv.block_size);
+    let synced_model = state.sync.get().map(|_| pool.model.as_str().to_owned());
+    let model = pool.model.clone();
+    let policy = plan.policy;
+    drop(table);
+    tracing::debug!(worker = %choice.worker.id, dp_rank = ?rank.dp_rank, "Routed");
+    choice.worker.series.decisions.inc();
+    choice.worker.series.processed.inc();
+
+    let mut guard = InFlight::new(
+        choice.worker.clone(),
+        choice.rank,
+        load,
+        state.queue.clone(),
+    )
+    .with_sync(state.sync.get(), || {
+        let key = routing::session_key(keys, &a.parts.headers, a.fields).map(str::to_owned);
+        let text = if policy == PolicyKind::CacheAware {
+            a.fields.routing_text().into_owned()
+        } else {
+            String::new()
+        };
+        crate::sync::Learnt {
+            model: synced_model.unwrap_or_default(),
+            half: None,
+            session_key: key,
+            bind: state.affinity.is_some(),
+            text,
+            // llm_d keys on tokens: a peer needs them to learn this decision.
+            tokens: if policy == PolicyKind::LlmD {
+                a.tokens.ids.clone()
+            } else {
+                Vec::new()
+            },
+        }
+    });
+    // Its load is counted: the queue may consider the next request.
+    released.take();
+    if a.fields.stream {
+        guard = guard.with_ttft(a.arrived, state.metrics.ttft_seconds.clone());
+    }
+    if let Some(span) = a.span {
+        routing::trace_decision(span, &plan, state.kv.block_size);
+    }
+    Ok(Picked {
+        plan,
+        guard,
+        model,
+        now,
+    })
+}
+
+/// What the router learns from a request that went to its pick: kv_aware's hit ratio and
+/// the worker's cached tokens, the routed prefix without KV events, the recent decisions.
+pub(crate) fn learn(state: &AppState, model: &ModelId, plan: routing::Plan, now: Instant) {
+    let choice = plan.choice();
+    if plan.reads_kv_index && plan.prompt_tokens > 0 {
+        let cached =
+            (choice.kv.overlap.total() as usize * state.kv.block_size).min(plan.prompt_tokens);
+        state
+            .metrics
+            .kv_hit_ratio
+            .observe(cached as f64 / plan.prompt_tokens as f64);
+        choice
+            .worker
+            .series
+            .prompt_tokens
+            .inc_by(plan.prompt_tokens as u64);
+        choice.worker.series.cached_tokens.inc_by(cached as u64);
+        if !state.kv.uses_events(&choice.worker) {
+            state
+                .kv
+                .record_routed(choice.worker.ranks[choice.rank].replica, &plan.hashes, now);
+        }
+    }
+    state.recent.record(model, plan);
+}
