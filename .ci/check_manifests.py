@@ -227,8 +227,21 @@ def help_flags(binary):
             flags = set()
         else:
             flags = set(re.findall(r"(?<![\w-])(--[A-Za-z0-9][A-Za-z0-9_-]*)", out.stdout))
+            if binary == "kvroute":
+                flags |= peer_noop_flags()
     help_cache[binary] = flags
     return flags
+
+
+def peer_noop_flags():
+    """The peers' flags kvroute accepts as logged no-ops (`noop` rows of its peer flag table):
+    taken before its parser, so not in its --help."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    table = os.path.join(root, "crates/gateway/src/config/peer_flags.tsv")
+    with open(table) as f:
+        rows = [line.rstrip("\n").split("\t") for line in f]
+    decision = rows[0].index("decision")
+    return {r[0] for r in rows[1:] if len(r) > decision and r[decision].startswith("noop")}
 
 
 def check_render(name, path, uid, gid, entrypoint):
