@@ -271,6 +271,14 @@ async fn a_stream_streams_and_a_client_gone_mid_stream_releases_it() {
     router.stop().await;
 }
 
+/// A completion for the mock engines through `envoy`, which must answer 200.
+async fn complete_ok(envoy: &Envoy) -> Reply {
+    let body = json!({"model": "m", "prompt": "hi"}).to_string();
+    let reply = post(&envoy.url, "/v1/completions", &[], &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    reply
+}
+
 fn body_stream() -> String {
     json!({"model": "m", "prompt": "hello", "stream": true, "max_tokens": 3}).to_string()
 }
@@ -342,14 +350,7 @@ async fn the_default_tls_serving_works_behind_envoys_tls_upstream() {
     let (router, grpc, _) = picker(named(&workers), EppServing::SelfSigned).await;
     let envoy = Envoy::start("envoy-tls.yaml", &[grpc]).await;
     for _ in 0..4 {
-        let reply = post(
-            &envoy.url,
-            "/v1/completions",
-            &[],
-            &json!({"model": "m", "prompt": "hi"}).to_string(),
-        )
-        .await;
-        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        let reply = complete_ok(&envoy).await;
         assert_eq!(reply.json()["worker"].as_str().unwrap(), reply.worker());
     }
     drop(envoy);
@@ -598,14 +599,7 @@ async fn two_pickers_behind_one_envoy_share_one_view_and_survive_one_going() {
     // One picker goes: every request still gets through, on the other.
     two.stop().await;
     for _ in 0..6 {
-        let reply = post(
-            &envoy.url,
-            "/v1/completions",
-            &[],
-            &json!({"model": "m", "prompt": "hi"}).to_string(),
-        )
-        .await;
-        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        complete_ok(&envoy).await;
     }
     drop(envoy);
     one.stop().await;
@@ -690,14 +684,7 @@ async fn the_binary_with_llm_ds_arguments_picks_behind_envoy() {
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
     let envoy = Envoy::start("envoy.yaml", &[grpc]).await;
-    let reply = post(
-        &envoy.url,
-        "/v1/completions",
-        &[],
-        &json!({"model": "m", "prompt": "hi"}).to_string(),
-    )
-    .await;
-    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    let reply = complete_ok(&envoy).await;
     assert_eq!(reply.worker(), worker.url);
     assert_eq!(worker.requests(), 1, "the engine answered");
 }
