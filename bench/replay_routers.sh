@@ -5,6 +5,8 @@
 #
 #   ../shared/peers/setup_peers.sh sgl vllmr smg dyn    # once; a peer whose venv is absent is skipped
 #   bench/replay_routers.sh                             # N=400 SPEEDUP=10 WORKERS=4
+#   ../shared/peers/setup_peers.sh envoy; GROUP=3 bench/replay_routers.sh
+#                                                       # through Envoy with kvroute as its picker
 #
 # Two groups of rows, each printed as a table (TTFT and E2E p50/p90/p99, req/s, cached share
 # of prompt tokens, errors):
@@ -19,6 +21,10 @@
 #      (kv_aware defaults; kv_aware with Dynamo's model and defaults; round_robin; cache_aware;
 #      llm_d) and
 #      smg cache_aware.
+#   3. Envoy in front (issue 28): kvroute-sim replicas as in group 1; kvroute kv_aware as the
+#      proxy, then Envoy 1.40 with kvroute as its endpoint picker (`kvroute --epp`, ext_proc
+#      over h2c, deploy/envoy/envoy.yaml with its ports moved), kv_aware and round_robin. The
+#      picker reads the same KV events; both kv_aware rows should route alike.
 # Dynamo's frontend sends no chunk for a token whose text decodes empty (most of its mocker's,
 # with this tokenizer), so its rows ask for `nvext.worker_id` (`--extra-body`): then it sends a
 # chunk per token, each naming its worker.
@@ -27,7 +33,8 @@
 # scale, 10), WORKERS (engines per row, 4), TRACE, PEERS_DIR (/tmp/kvroute-peers), GROUP (the
 # groups to run, "1 2"), the engines' BLOCK_SIZE (16), NUM_BLOCKS (16384), MAX_BATCHED_TOKENS (8192),
 # MAX_SEQS (256), RUN_DYNAMO (../shared/peers/run_dynamo.sh), DYN_LOG (Dynamo's log level, warn);
-# and lib.sh's BIN, LOGS (each row's logs and JSON stay there, as rowK.*).
+# ENVOY (group 3: setup_peers.sh's venv-envoy, else target/ci-tools/bin/envoy, else PATH's),
+# ENVOY_CONCURRENCY (2); and lib.sh's BIN, LOGS (each row's logs and JSON stay there, as rowK.*).
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
@@ -59,6 +66,21 @@ cp -r "$ROOT/testdata/tiny-llama" "$TOK"
 sed -i 's/"max_position_embeddings": *[0-9]*/"max_position_embeddings": 262144/' "$TOK/config.json"
 sed -i 's/"model_max_length": *[0-9]*/"model_max_length": 262144/' "$TOK/tokenizer_config.json"
 DYN_MODEL=tiny
+
+# Group 3: Envoy listens on PORT (admin PORT+5); kvroute --epp serves its HTTP API on PORT+2,
+# ext_proc on PORT+3, gRPC health on PORT+4, metrics on PORT+1.
+if [ -z "${ENVOY:-}" ]; then
+  for e in "$PEERS_DIR/venv-envoy/bin/envoy" "$ROOT/target/ci-tools/bin/envoy" "$(command -v envoy)"; do
+    [ -x "$e" ] && { ENVOY=$e; break; }
+  done
+fi
+ENVOY=${ENVOY:-$PEERS_DIR/venv-envoy/bin/envoy}
+ENVOY_CONCURRENCY=${ENVOY_CONCURRENCY:-2}
+sed "s/port_value: 8081/port_value: $PORT/; s/port_value: 9901/port_value: $((PORT + 5))/; s/port_value: 9002/port_value: $((PORT + 3))/" \
+  "$ROOT/deploy/envoy/envoy.yaml" > "$LOGS/envoy.yaml"
+PICKER=("$BIN/kvroute" --epp --secure-serving=false --host 127.0.0.1 --port "$((PORT + 2))"
+        --metrics-port "$((PORT + 1))" --grpc-port "$((PORT + 3))" --grpc-health-port "$((PORT + 4))"
+        --config "$LOGS/kvroute.yaml" --log-level warn)
 
 dyn_stop() { "$RUN_DYNAMO" stop -p $PORT >/dev/null 2>&1; }
 trap 'cleanup; dyn_stop' EXIT
@@ -94,6 +116,24 @@ run() { # group label engines model [sim flags...] -- router cmd...
     echo "$label: did not start"; tail -5 "$LOGS/row$k.log"
   fi
   stop "$pid"; stop_sims; sleep 1
+}
+run_epp() { # label [picker flags...]: Envoy, kvroute --epp its endpoint picker
+  local label=$1; shift
+  have "$label" "$ENVOY" || return 0
+  k=$((k + 1))
+  start_sims "$WORKERS" $SIM_PORT $EVENTS "${ENGINE[@]}" \
+    || { echo "$label: the engines did not start (see $LOGS/sim*.log)"; stop_sims; return 0; }
+  "${PICKER[@]}" "$@" > "$LOGS/row$k.picker.log" 2>&1 & local picker=$!; pids+=("$picker")
+  wait_ready "http://127.0.0.1:$((PORT + 2))/readiness"
+  "$ENVOY" -c "$LOGS/envoy.yaml" --disable-hot-restart --concurrency "$ENVOY_CONCURRENCY" \
+    --log-level warn > "$LOGS/row$k.log" 2>&1 & local pid=$!; pids+=("$pid")
+  if wait_ready "$URL/v1/models"; then
+    sleep 1
+    replay 3 "$label" "kvroute-sim" kvroute-sim
+  else
+    echo "$label: did not start"; tail -5 "$LOGS/row$k.log" "$LOGS/row$k.picker.log"
+  fi
+  stop "$pid" "$picker"; stop_sims; sleep 1
 }
 run_dyn() { # label [run_dynamo.sh flags...] [-- frontend flags...]
   local label=$1; shift
@@ -168,7 +208,13 @@ for group in $GROUP; do
         launch --host 127.0.0.1 --port $PORT --prometheus-port $((PORT + 1)) --worker-urls "${W[@]}" \
         --policy cache_aware --log-level warn
       ;;
-    *) echo "unknown group $group (1 or 2)"; exit 2 ;;
+    3)
+      echo "--- 3: Envoy with kvroute as its endpoint picker, against kvroute as the proxy (kvroute-sim, fallback tokenizer)"
+      run 3 "kvroute kv_aware (the proxy)" "kvroute-sim" kvroute-sim -- "${KVROUTE[@]}"
+      run_epp "Envoy + kvroute --epp kv_aware"
+      run_epp "Envoy + kvroute --epp round_robin" --policy round_robin
+      ;;
+    *) echo "unknown group $group (1, 2 or 3)"; exit 2 ;;
   esac
 done
 for group in $GROUP; do echo; echo "group $group:"; table "$group"; done
