@@ -4,15 +4,18 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let service = "envoy/service/ext_proc/v3/external_processor.proto";
     println!("cargo:rerun-if-changed=proto");
-    let files = protox::compile([service], ["proto"])?;
+    let mut files = protox::compile([service], ["proto"])?;
+    // Envoy's comments are reStructuredText: rustdoc would run their indented blocks as
+    // doctests. Without source info no comment is generated; the .proto files are the
+    // documentation.
+    for file in &mut files.file {
+        file.source_code_info = None;
+    }
     tonic_prost_build::configure()
         .build_server(true)
         // The tests drive the server with a real tonic client too.
         .build_client(true)
         .build_transport(false)
-        // Envoy's comments are reStructuredText: rustdoc would run their indented blocks as
-        // doctests. The .proto files are the documentation.
-        .disable_comments(["."])
         .compile_fds(files)?;
     Ok(())
 }
