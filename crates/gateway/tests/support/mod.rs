@@ -510,7 +510,8 @@ pub async fn python_json(script: &str, args: Vec<String>, needs: &str) -> serde_
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
-        "{script} {args:?}: {stdout}\n{}",
+        "{script} {args:?} (needs Python with {needs}: .ci/run installs them into \
+         target/ci-tools, or set KVROUTE_PYTHON): {stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
