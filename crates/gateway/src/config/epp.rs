@@ -111,6 +111,17 @@ impl super::Args {
     }
 }
 
+/// The gateway sends a request to one endpoint: a prefill/decode pair is the proxy's.
+pub(super) fn refuse_pd(epp: Option<&EppSettings>, pd_on: bool) -> Result<(), ConfigError> {
+    if pd_on && epp.is_some() {
+        return Err(ConfigError::Invalid {
+            name: "epp",
+            reason: "prefill/decode disaggregation is the proxy's: not in endpoint-picker mode",
+        });
+    }
+    Ok(())
+}
+
 /// A static picker needs endpoints from the proxy's sources (`has_endpoints`: workers or
 /// discovery): the embedded simulated engines are the proxy's demo, and a picker without
 /// endpoints has nothing to pick.

@@ -312,6 +312,7 @@ impl Args {
         let pd_on = self.pd_disaggregation
             || discovers_halves
             || workers.iter().any(|w| w.role != WorkerRole::Both);
+        super::epp::refuse_pd(epp.as_ref(), pd_on)?;
         let pd = if pd_on {
             let complete = workers.iter().any(|w| w.role.prefills())
                 && workers.iter().any(|w| w.role.decodes());

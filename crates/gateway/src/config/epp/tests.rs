@@ -317,3 +317,16 @@ fn the_picker_listens_on_every_interface_unless_told() {
         "the proxy keeps loopback"
     );
 }
+
+#[test]
+fn prefill_decode_disaggregation_is_refused_in_picker_mode() {
+    let e = err(&[
+        "--epp",
+        "--pd-disaggregation",
+        "--prefill",
+        "http://p:8000",
+        "--decode",
+        "http://d:8000",
+    ]);
+    assert!(e.contains("not in endpoint-picker mode"), "{e}");
+}
