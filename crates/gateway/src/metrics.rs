@@ -14,6 +14,9 @@
 //! Label values are bounded: routes are the fixed set of proxied paths, workers are
 //! configured ids.
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -166,6 +169,8 @@ pub struct GatewayMetrics {
     pub kv_index_blocks: Gauge,
     pub kv_index_bytes: Gauge,
     requests: Family<RequestLabels, Counter>,
+    /// The same requests by route alone (not exported: read by `peer_metrics`).
+    by_route: Arc<RwLock<BTreeMap<&'static str, Counter>>>,
     processed: Family<WorkerLabels, Counter>,
     decisions: Family<DecisionLabels, Counter>,
     active: Family<WorkerLabels, Gauge>,
@@ -236,6 +241,7 @@ impl GatewayMetrics {
             kv_index_blocks: Gauge::default(),
             kv_index_bytes: Gauge::default(),
             requests: Family::default(),
+            by_route: Arc::default(),
             processed: Family::default(),
             decisions: Family::default(),
             active: Family::default(),
@@ -405,6 +411,29 @@ impl GatewayMetrics {
                 status: status.into(),
             })
             .inc();
+        let known = self
+            .by_route
+            .read()
+            .ok()
+            .and_then(|m| m.get(route).cloned());
+        match known {
+            Some(c) => {
+                c.inc();
+            }
+            None => {
+                if let Ok(mut m) = self.by_route.write() {
+                    m.entry(route).or_default().inc();
+                }
+            }
+        }
+    }
+
+    /// Requests answered so far, by route (every status).
+    pub fn requests_by_route(&self) -> Vec<(&'static str, u64)> {
+        self.by_route
+            .read()
+            .map(|m| m.iter().map(|(r, c)| (*r, c.get())).collect())
+            .unwrap_or_default()
     }
 
     pub fn rank_series(&self, worker: &str, dp_rank: Option<u32>) -> RankSeries {
