@@ -240,3 +240,56 @@ fn bad_values_are_refused() {
     .unwrap();
     assert!(bad.into_settings().is_err());
 }
+
+/// kvroute as llm-d's endpoint picker behind a real Envoy (`$ENVOY` or the CI's): its picks
+/// count under the peers' names too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pickers_picks_show_under_the_peers_names() {
+    use kvroute_gateway::config::{EppEndpoints, EppServing, EppSettings};
+    use kvroute_gateway::epp::serve::EppListeners;
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
+    let mut s = with_peers(settings(&[&a, &b]), &ALL, None);
+    s.epp = Some(EppSettings {
+        grpc_port: 0,
+        grpc_health_port: 0,
+        serving: EppServing::H2c,
+        endpoints: EppEndpoints::Static,
+        kv_events_port: None,
+    });
+    let router = TestRouter::start(s).await;
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let health = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let grpc_port = grpc.local_addr().unwrap().port();
+    router
+        .gateway
+        .serve_epp(EppListeners { grpc, health })
+        .expect("the picker serves");
+    let envoy = Envoy::start("envoy.yaml", &[grpc_port]).await;
+    for i in 0..4 {
+        let body = format!(r#"{{"model":"m","prompt":"hello {i}","max_tokens":2}}"#);
+        let r = post(&envoy.url, "/v1/completions", &[], &body).await;
+        assert_eq!(r.status, 200, "{:?}", r.body);
+    }
+    let m = router.metrics().await;
+    for w in [&a, &b] {
+        let worker = format!("worker=\"{}\"", w.url);
+        assert_metric(
+            &m,
+            "vllm_router_processed_requests_total",
+            &worker,
+            Some(2.0),
+        );
+        let endpoint = format!("model_server_endpoint=\"{}\"", w.url);
+        assert!(metric_value(&m, "llm_d_epp_per_endpoint_queue_size", &endpoint).is_some());
+    }
+    assert_metric(
+        &m,
+        "smg_worker_selection_total",
+        "worker_type=\"regular\",connection_mode=\"http\",model=\"m\",policy=\"round_robin\"",
+        Some(4.0),
+    );
+    assert_metric(&m, "llm_d_epp_ready_endpoints", "", Some(2.0));
+    drop(envoy);
+    router.stop().await;
+}
