@@ -86,6 +86,7 @@ struct Reading {
     /// The engine's waiting requests (summed over its ranks) and KV-cache use (their mean),
     /// when a fresh reading has them.
     waiting: Option<f64>,
+    running: Option<f64>,
     kv_usage: Option<f64>,
 }
 
@@ -93,6 +94,7 @@ impl Reading {
     fn of(w: &Worker, now: Instant) -> Self {
         let loads: Vec<_> = w.ranks.iter().map(|r| r.engine.load(now)).collect();
         let waiting = loads.iter().map(|l| l.waiting).sum::<Option<f64>>();
+        let running = loads.iter().map(|l| l.running).sum::<Option<f64>>();
         let kv_usage = loads
             .iter()
             .map(|l| l.kv_usage)
@@ -119,6 +121,7 @@ impl Reading {
             healthy: w.series.healthy.get() as f64,
             circuit: w.series.circuit.get() as f64,
             waiting,
+            running,
             kv_usage,
         }
     }
@@ -319,11 +322,19 @@ impl PeerMetrics {
                 &pool(q),
             )?;
         }
+        if let Some(n) = mean(rs.iter().filter_map(|r| r.running).collect()) {
+            emit(
+                enc,
+                "llm_d_epp_average_running_requests",
+                "The average number of running requests across model servers in the pool.",
+                &pool(n),
+            )?;
+        }
         let ready = rs.iter().filter(|r| r.healthy > 0.0).count();
         emit(
             enc,
             "llm_d_epp_ready_endpoints",
-            "The number of endpoints available to serve requests in the pool.",
+            "The number of ready endpoints in the inference server pool.",
             &pool(ready as f64),
         )?;
         if self.pd {

@@ -293,3 +293,44 @@ async fn the_pickers_picks_show_under_the_peers_names() {
     drop(envoy);
     router.stop().await;
 }
+
+/// An engine's `/metrics` with these numbers (vLLM's names, one engine).
+fn engine(waiting: u32, running: u32, kv_usage: f64) -> String {
+    format!(
+        "# TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {waiting}\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {kv_usage}\n"
+    )
+}
+
+#[tokio::test]
+async fn llm_ds_endpoint_gauges_are_the_engines_readings() {
+    let a = MockWorker::start("a", &["m"]).await;
+    let b = MockWorker::start("b", &["m"]).await;
+    *a.metrics.lock().unwrap() = engine(2, 1, 0.5);
+    *b.metrics.lock().unwrap() = engine(4, 3, 0.25);
+    // least_load reads the engines' metrics.
+    let mut s = with_peers(settings(&[&a, &b]), &[MetricsPeer::LlmD], None);
+    s.policy = kvroute_core::PolicyKind::LeastLoad;
+    let router = TestRouter::start(s).await;
+    let queue = |m: &str, w: &MockWorker| {
+        let endpoint = format!("model_server_endpoint=\"{}\"", w.url);
+        metric_value(m, "llm_d_epp_per_endpoint_queue_size", &endpoint)
+    };
+    wait_until_async("the router to read both engines", || async {
+        let m = router.metrics().await;
+        queue(&m, &a) == Some(2.0) && queue(&m, &b) == Some(4.0)
+    })
+    .await;
+    let m = router.metrics().await;
+    assert_metric(&m, "llm_d_epp_average_queue_size", "", Some(3.0));
+    assert_metric(&m, "llm_d_epp_average_running_requests", "", Some(2.0));
+    assert_metric(
+        &m,
+        "llm_d_epp_average_kv_cache_utilization",
+        "",
+        Some(0.375),
+    );
+    router.stop().await;
+}
