@@ -177,7 +177,7 @@ impl PeerMetrics {
         emit(
             enc,
             "vllm_router_policy_decisions",
-            "Total routing policy decisions",
+            "Total routing policy decisions by policy and worker",
             &decisions,
         )?;
         if self.pd {
@@ -205,7 +205,7 @@ impl PeerMetrics {
         emit(
             enc,
             "vllm_router_requests",
-            "Total number of requests by route",
+            "Total number of requests by route and method",
             &requests,
         )?;
         let health = per_worker_gauge(rs, |r| r.healthy);
@@ -215,19 +215,12 @@ impl PeerMetrics {
             "Worker health status (1=healthy, 0=unhealthy)",
             &health,
         )?;
-        let load = per_worker_gauge(rs, |r| r.active);
-        emit(
-            enc,
-            "vllm_router_worker_load",
-            "Current in-flight request count per worker",
-            &load,
-        )?;
         let active_workers: Gauge<f64, AtomicU64> = Gauge::default();
         active_workers.set(rs.len() as f64);
         emit(
             enc,
             "vllm_router_active_workers",
-            "Number of active workers",
+            "Number of currently active workers",
             &active_workers,
         )?;
         let cb = per_worker_gauge(rs, |r| r.circuit);

@@ -58,7 +58,6 @@ async fn round_robin_reads_the_same_under_every_peers_names() {
         );
         assert_metric(&m, "vllm_router_worker_health", &worker, Some(1.0));
         assert_metric(&m, "vllm_router_cb_state", &worker, Some(0.0));
-        assert_metric(&m, "vllm_router_worker_load", &worker, Some(0.0));
         assert_metric(&m, "smg_worker_requests_active", &worker, Some(0.0));
         assert_metric(&m, "smg_worker_health", &worker, Some(1.0));
         assert_metric(&m, "smg_worker_cb_state", &worker, Some(0.0));
