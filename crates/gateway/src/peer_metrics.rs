@@ -56,6 +56,7 @@ impl PeerMetrics {
             Some(crate::config::EppEndpoints::Pool(p)) => p.name.clone(),
             _ => String::new(),
         };
+        metrics.count_by_route();
         registry.register_collector(Box::new(PeerMetrics {
             compat: settings.metrics_compat.clone(),
             workers: workers.clone(),
