@@ -15,6 +15,7 @@ mod epp;
 mod llmd;
 mod load;
 mod merge;
+mod metrics_compat;
 pub mod peers;
 mod service;
 mod settings;
@@ -25,6 +26,7 @@ pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, S
 pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef, DEFAULT_POOL_GROUP};
 pub use llmd::LlmDConfigError;
 pub use load::CliWorkers;
+pub use metrics_compat::{MetricsCompat, MetricsPeer};
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,

@@ -62,6 +62,7 @@ impl AppState {
     ) -> Self {
         let metrics = GatewayMetrics::register(registry);
         let workers = Arc::new(WorkerSet::new(&settings, &metrics));
+        crate::peer_metrics::PeerMetrics::register(&settings, &workers, &metrics, registry);
         let worker_auth = match (&settings.api_key, &settings.client_api_key) {
             (Some(key), _) => WorkerAuth::Set(key.bearer().expect("checked by the settings")),
             (None, Some(_)) => WorkerAuth::Strip,

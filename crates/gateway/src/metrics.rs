@@ -14,6 +14,9 @@
 //! Label values are bounded: routes are the fixed set of proxied paths, workers are
 //! configured ids.
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock, RwLock};
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -166,6 +169,9 @@ pub struct GatewayMetrics {
     pub kv_index_blocks: Gauge,
     pub kv_index_bytes: Gauge,
     requests: Family<RequestLabels, Counter>,
+    /// The same requests by route alone, once [`GatewayMetrics::count_by_route`] asked for
+    /// them (not exported: read by `peer_metrics`); until then a request pays one atomic load.
+    by_route: Arc<OnceLock<RwLock<BTreeMap<&'static str, Counter>>>>,
     processed: Family<WorkerLabels, Counter>,
     decisions: Family<DecisionLabels, Counter>,
     active: Family<WorkerLabels, Gauge>,
@@ -236,6 +242,7 @@ impl GatewayMetrics {
             kv_index_blocks: Gauge::default(),
             kv_index_bytes: Gauge::default(),
             requests: Family::default(),
+            by_route: Arc::default(),
             processed: Family::default(),
             decisions: Family::default(),
             active: Family::default(),
@@ -405,6 +412,34 @@ impl GatewayMetrics {
                 status: status.into(),
             })
             .inc();
+        let Some(by_route) = self.by_route.get() else {
+            return;
+        };
+        let known = by_route.read().ok().and_then(|m| m.get(route).cloned());
+        match known {
+            Some(c) => {
+                c.inc();
+            }
+            None => {
+                if let Ok(mut m) = by_route.write() {
+                    m.entry(route).or_default().inc();
+                }
+            }
+        }
+    }
+
+    /// Counts requests by route from now on (for [`GatewayMetrics::requests_by_route`]).
+    pub fn count_by_route(&self) {
+        self.by_route.get_or_init(RwLock::default);
+    }
+
+    /// Requests answered since [`GatewayMetrics::count_by_route`], by route (every status).
+    pub fn requests_by_route(&self) -> Vec<(&'static str, u64)> {
+        self.by_route
+            .get()
+            .and_then(|m| m.read().ok())
+            .map(|m| m.iter().map(|(r, c)| (*r, c.get())).collect())
+            .unwrap_or_default()
     }
 
     pub fn rank_series(&self, worker: &str, dp_rank: Option<u32>) -> RankSeries {
@@ -447,5 +482,25 @@ impl GatewayMetrics {
                 })
                 .clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_counted_by_route_only_once_asked() {
+        let m = GatewayMetrics::register(&mut Registry::default());
+        m.request("/v1/completions", 200);
+        assert!(m.requests_by_route().is_empty());
+        m.count_by_route();
+        m.request("/v1/completions", 200);
+        m.request("/v1/completions", 503);
+        m.request("/v1/models", 200);
+        assert_eq!(
+            m.requests_by_route(),
+            vec![("/v1/completions", 2), ("/v1/models", 1)]
+        );
     }
 }

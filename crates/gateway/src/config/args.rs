@@ -8,7 +8,7 @@ use kvroute_sim::engine::TimingFamily;
 use serde::{Deserialize, Serialize};
 
 use super::load::{de_policy, parse_go_bool, parse_policy, parse_whole_secs, ser_policy};
-use super::{DiscoveryProvider, PdProtocol, PolicyClassSpec, WorkerSpec};
+use super::{DiscoveryProvider, MetricsPeer, PdProtocol, PolicyClassSpec, WorkerSpec};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -571,6 +571,12 @@ pub struct Args {
     /// `kvEventsConfig.podDiscoveryConfig.socketPort`) [default: none, approximated].
     #[arg(long, value_name = "PORT")]
     pub kv_events_socket_port: Option<u16>,
+    /// Also export these peers' metric names, for the counts kvroute has [default: none].
+    #[arg(long, num_args = 1.., value_name = "PEER")]
+    pub metrics_compat: Vec<MetricsPeer>,
+    /// With --metrics-compat smg: the prefix of smg's families [default: smg].
+    #[arg(long, value_name = "PREFIX")]
+    pub metrics_prefix: Option<String>,
     /// llm-d's EndpointPickerConfig file (YAML): its scorers' weights become the llm_d
     /// policy's; kvroute's flags and --config win over it.
     #[arg(long, value_name = "FILE", conflicts_with = "config_text")]

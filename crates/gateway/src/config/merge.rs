@@ -266,6 +266,12 @@ impl Args {
                 file.metrics_port
             },
             kv_events_socket_port: self.kv_events_socket_port.or(file.kv_events_socket_port),
+            metrics_compat: if self.metrics_compat.is_empty() {
+                file.metrics_compat
+            } else {
+                self.metrics_compat
+            },
+            metrics_prefix: self.metrics_prefix.or(file.metrics_prefix),
             config_file: if cli_llm_d_config {
                 self.config_file
             } else {

@@ -277,6 +277,8 @@ pub struct Settings {
     pub port: u16,
     pub prometheus_host: String,
     pub prometheus_port: u16,
+    /// `--metrics-compat`: the peers' families exported beside kvroute's.
+    pub metrics_compat: super::MetricsCompat,
     pub workers: Vec<WorkerSpec>,
     pub policy: PolicyKind,
     pub policy_config: PolicyConfig,

@@ -338,6 +338,10 @@ impl Args {
             None
         };
         Ok(Settings {
+            metrics_compat: super::MetricsCompat::new(
+                &self.metrics_compat,
+                self.metrics_prefix.as_deref(),
+            )?,
             prometheus_host: self.prometheus_host.unwrap_or_else(|| host.clone()),
             host,
             port: self.port.unwrap_or(30000),

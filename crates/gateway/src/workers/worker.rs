@@ -213,7 +213,8 @@ impl Worker {
         self.series.active.dec();
     }
 
-    pub(super) fn model_ids(&self) -> Vec<ModelId> {
+    /// The models it serves: its configured one, else those it listed when probed.
+    pub fn model_ids(&self) -> Vec<ModelId> {
         match &self.configured_model {
             Some(m) => vec![m.clone()],
             None => lock(&self.models).iter().map(|(m, _)| m.clone()).collect(),
