@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvroute_gateway::config::{MetricsCompat, MetricsPeer};
+use kvroute_gateway::config::{MetricsCompat, MetricsPeer, PdProtocol, WorkerRole};
+use kvroute_gateway::{Settings, WorkerSpec};
 use support::*;
 
 const REQUESTS: usize = 10;
@@ -155,7 +156,7 @@ fn show(l: &Labels) -> String {
 /// A peer's router process, killed when dropped.
 struct Peer {
     child: Child,
-    name: &'static str,
+    name: String,
 }
 
 impl Drop for Peer {
@@ -173,7 +174,7 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn start_peer(name: &'static str, program: &Path, args: &[String], log: &Path) -> Peer {
+fn start_peer(name: &str, program: &Path, args: &[String], log: &Path) -> Peer {
     let out = std::fs::File::create(log).unwrap();
     let child = Command::new(program)
         .args(args)
@@ -182,7 +183,10 @@ fn start_peer(name: &'static str, program: &Path, args: &[String], log: &Path) -
         .stderr(out)
         .spawn()
         .unwrap_or_else(|e| panic!("{name}: {}: {e}", program.display()));
-    Peer { child, name }
+    Peer {
+        child,
+        name: name.to_owned(),
+    }
 }
 
 /// Waits until `url` answers `/metrics` and a chat request through it succeeds once workers
@@ -235,48 +239,46 @@ async fn drive(url: &str, metrics_url: &str) -> (Scrape, Scrape) {
     (before, after)
 }
 
+/// The peer at `program` with `args` (its workers and policy) on free ports, driven.
 async fn run_peer(
-    name: &'static str,
+    name: &str,
     program: &Path,
-    extra: &[&str],
-    workers: &[&MockWorker],
+    args: &[String],
     logs: &Path,
 ) -> (Scrape, Scrape, String) {
     let port = free_port();
     let mport = free_port();
-    let mut args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-    args.extend(
-        [
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--policy",
-            "round_robin",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            &mport.to_string(),
-            "--worker-urls",
-        ]
-        .iter()
-        .map(|s| s.to_string()),
-    );
-    args.extend(workers.iter().map(|w| w.url.clone()));
-    let log = logs.join(format!("{name}.log"));
-    let peer = start_peer(name, program, &args, &log);
+    let mut all: Vec<String> = args.to_vec();
+    for a in [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        &mport.to_string(),
+    ] {
+        all.push(a.to_owned());
+    }
+    let log = logs.join(format!("{}.log", name.replace([' ', '/'], "-")));
+    let peer = start_peer(name, program, &all, &log);
     let url = format!("http://127.0.0.1:{port}");
     let murl = format!("http://127.0.0.1:{mport}");
     wait_serving(&peer, &url, &murl, &log).await;
     let (before, after) = drive(&url, &murl).await;
     let text = scrape(&murl).await;
+    std::fs::write(
+        logs.join(format!("{}.metrics", name.replace([' ', '/'], "-"))),
+        &text,
+    )
+    .unwrap();
     drop(peer);
     (before, after, text)
 }
 
-/// kvroute's scrapes over the same engines, exporting `peer`'s names.
-async fn run_kvroute(peer: MetricsPeer, workers: &[&MockWorker]) -> (Scrape, Scrape, String) {
-    let mut s = settings(workers);
+/// kvroute's scrapes with `s` (exporting `peer`'s names) over the same engines.
+async fn run_kvroute(peer: MetricsPeer, mut s: Settings) -> (Scrape, Scrape, String) {
     s.metrics_compat = MetricsCompat::new(&[peer], None).unwrap();
     let router = TestRouter::start(s).await;
     let r = post(
@@ -291,6 +293,29 @@ async fn run_kvroute(peer: MetricsPeer, workers: &[&MockWorker]) -> (Scrape, Scr
     let text = router.metrics().await;
     router.stop().await;
     (before, after, text)
+}
+
+fn role_spec(w: &MockWorker, role: WorkerRole) -> WorkerSpec {
+    WorkerSpec {
+        model: Some(MODEL.into()),
+        role,
+        bootstrap_port: (role == WorkerRole::Prefill).then_some(8998),
+        ..w.spec()
+    }
+}
+
+/// kvroute with `p` prefilling and `d` decoding under `protocol`, round robin.
+fn pd_settings(p: &MockWorker, d: &MockWorker, protocol: PdProtocol) -> Settings {
+    let mut s = Settings::with_workers(vec![
+        role_spec(p, WorkerRole::Prefill),
+        role_spec(d, WorkerRole::Decode),
+    ])
+    .unwrap();
+    s.policy = kvroute_core::PolicyKind::RoundRobin;
+    s.pd.as_mut()
+        .expect("roles turn disaggregation on")
+        .protocol = protocol;
+    s
 }
 
 /// The differences between kvroute's and the peer's samples under `prefix`; empty when they
@@ -354,29 +379,79 @@ async fn the_peers_names_read_as_the_real_peers_write_them() {
     std::fs::create_dir_all(&logs).unwrap();
     let a = MockWorker::start("a", &[MODEL]).await;
     let b = MockWorker::start("b", &[MODEL]).await;
-    let mut diffs = vec![];
-    let mut texts = vec![];
-    for (peer, prefix, program, extra) in [
+    let (au, bu) = (a.url.clone(), b.url.clone());
+    let vllm_router = dir.join("venv-vllmr/bin/vllm-router");
+    let smg = dir.join("venv-smg/bin/smg");
+    let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let cases = [
         (
+            "vllm-router",
             MetricsPeer::VllmRouter,
             "vllm_router_",
-            dir.join("venv-vllmr/bin/vllm-router"),
-            vec![],
+            &vllm_router,
+            args(&["--policy", "round_robin", "--worker-urls", &au, &bu]),
+            settings(&[&a, &b]),
         ),
         (
+            "smg",
             MetricsPeer::Smg,
             "smg_",
-            dir.join("venv-smg/bin/smg"),
-            vec!["launch"],
+            &smg,
+            args(&[
+                "launch",
+                "--policy",
+                "round_robin",
+                "--worker-urls",
+                &au,
+                &bu,
+            ]),
+            settings(&[&a, &b]),
         ),
-    ] {
-        let name = match peer {
-            MetricsPeer::VllmRouter => "vllm-router",
-            _ => "smg",
-        };
+        (
+            "vllm-router P/D",
+            MetricsPeer::VllmRouter,
+            "vllm_router_",
+            &vllm_router,
+            args(&[
+                "--vllm-pd-disaggregation",
+                "--policy",
+                "round_robin",
+                "--prefill",
+                &au,
+                "--decode",
+                &bu,
+            ]),
+            pd_settings(&a, &b, PdProtocol::Vllm),
+        ),
+        (
+            "smg P/D",
+            MetricsPeer::Smg,
+            "smg_",
+            &smg,
+            args(&[
+                "launch",
+                "--pd-disaggregation",
+                "--policy",
+                "round_robin",
+                "--prefill",
+                &au,
+                "8998",
+                "--decode",
+                &bu,
+            ]),
+            pd_settings(&a, &b, PdProtocol::Sglang),
+        ),
+    ];
+    let only = std::env::var("KVROUTE_DIFF_ONLY").ok();
+    let mut diffs = vec![];
+    let mut texts = vec![];
+    for (name, peer, prefix, program, args, kvroute) in cases {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
         // The same engines for both: counters compare as their change over the requests.
-        let real = run_peer(name, &program, &extra, &[&a, &b], &logs).await;
-        let kv = run_kvroute(peer, &[&a, &b]).await;
+        let real = run_peer(name, program, &args, &logs).await;
+        let kv = run_kvroute(peer, kvroute).await;
         let found = compare(name, prefix, &kv, &real);
         let peer_families: BTreeSet<&String> = real
             .1
@@ -391,6 +466,10 @@ async fn the_peers_names_read_as_the_real_peers_write_them() {
         diffs.extend(found);
         texts.push((name, real.2, kv.2));
     }
+    eprintln!(
+        "metrics_differential: the peers' logs and scrapes are in {}",
+        logs.display()
+    );
     if !diffs.is_empty() {
         for (name, real, ours) in &texts {
             eprintln!("---- {name}'s scrape ----\n{real}\n---- kvroute's ----\n{ours}");
