@@ -166,14 +166,6 @@ impl Drop for Peer {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn start_peer(name: &str, program: &Path, args: &[String], log: &Path) -> Peer {
     let out = std::fs::File::create(log).unwrap();
     let child = Command::new(program)
