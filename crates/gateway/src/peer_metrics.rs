@@ -72,11 +72,11 @@ impl PeerMetrics {
 struct Reading {
     url: String,
     id: String,
+    role: WorkerRole,
     /// smg's `worker_type`: regular, prefill or decode.
     worker_type: &'static str,
     models: Vec<String>,
     processed: u64,
-    decisions: u64,
     /// Times the router chose it: a prefill worker's prefill halves, others' decisions.
     selections: u64,
     pd_prefill: u64,
@@ -104,6 +104,7 @@ impl Reading {
         Reading {
             url: w.url.clone(),
             id: w.id.as_str().to_owned(),
+            role: w.role,
             worker_type: match w.role {
                 WorkerRole::Prefill => "prefill",
                 WorkerRole::Decode => "decode",
@@ -111,7 +112,6 @@ impl Reading {
             },
             models: w.model_ids().iter().map(|m| m.to_string()).collect(),
             processed: w.series.processed.get(),
-            decisions: w.series.decisions.get(),
             selections: match w.role {
                 WorkerRole::Prefill => w.series.pd_prefill.get(),
                 _ => w.series.decisions.get(),
@@ -159,7 +159,12 @@ fn per_worker_gauge(rs: &[Reading], value: impl Fn(&Reading) -> f64) -> Gauges {
 
 impl PeerMetrics {
     fn vllm_router(&self, enc: &mut DescriptorEncoder, rs: &[Reading]) -> fmt::Result {
-        let processed = per_worker_counter(rs, |r| r.processed);
+        // vllm-router counts a P/D request's prefill worker as processed and decided too
+        // (`selections`: a prefill worker's prefill halves).
+        let processed = per_worker_counter(rs, |r| match r.role {
+            WorkerRole::Prefill => r.pd_prefill,
+            _ => r.processed,
+        });
         emit(
             enc,
             "vllm_router_processed_requests",
@@ -173,7 +178,7 @@ impl PeerMetrics {
                     ("policy", self.policy.to_owned()),
                     ("worker", r.url.clone()),
                 ])
-                .inc_by(r.decisions);
+                .inc_by(r.selections);
         }
         emit(
             enc,
@@ -182,20 +187,45 @@ impl PeerMetrics {
             &decisions,
         )?;
         if self.pd {
-            let prefill = per_worker_counter(rs, |r| r.pd_prefill);
+            // Each family over the workers of its role only, as vllm-router writes them;
+            // and no `requests`, `active_workers` or `cb_state`: vllm-router 0.1.17 writes
+            // none of them in P/D mode.
+            let of_role = |role: WorkerRole| -> Vec<&Reading> {
+                rs.iter()
+                    .filter(|r| r.role == role || r.role == WorkerRole::Both)
+                    .collect()
+            };
+            let prefill = Counters::default();
+            for r in of_role(WorkerRole::Prefill) {
+                prefill
+                    .get_or_create(&vec![("worker", r.url.clone())])
+                    .inc_by(r.pd_prefill);
+            }
             emit(
                 enc,
                 "vllm_router_pd_prefill_requests",
                 "Total prefill requests per worker",
                 &prefill,
             )?;
-            let decode = per_worker_counter(rs, |r| r.pd_decode);
+            let decode = Counters::default();
+            for r in of_role(WorkerRole::Decode) {
+                decode
+                    .get_or_create(&vec![("worker", r.url.clone())])
+                    .inc_by(r.pd_decode);
+            }
             emit(
                 enc,
                 "vllm_router_pd_decode_requests",
                 "Total decode requests per worker",
                 &decode,
             )?;
+            let health = per_worker_gauge(rs, |r| r.healthy);
+            return emit(
+                enc,
+                "vllm_router_worker_health",
+                "Worker health status (1=healthy, 0=unhealthy)",
+                &health,
+            );
         }
         let requests = Counters::default();
         for (route, n) in self.metrics.requests_by_route() {

@@ -163,7 +163,22 @@ async fn pd_counts_each_half_by_worker_url() {
     let dw = format!("worker=\"{}\"", d.url);
     assert_metric(&m, "vllm_router_pd_prefill_requests_total", &pw, Some(3.0));
     assert_metric(&m, "vllm_router_pd_decode_requests_total", &dw, Some(3.0));
-    assert_metric(&m, "vllm_router_pd_prefill_requests_total", &dw, Some(0.0));
+    // Each P/D family over its role's workers only, as vllm-router 0.1.17 writes them.
+    assert_metric(&m, "vllm_router_pd_prefill_requests_total", &dw, None);
+    assert_metric(&m, "vllm_router_pd_decode_requests_total", &pw, None);
+    // vllm-router counts both halves' workers as processed and decided.
+    for w in [&pw, &dw] {
+        assert_metric(&m, "vllm_router_processed_requests_total", w, Some(3.0));
+        assert_metric(&m, "vllm_router_policy_decisions_total", w, Some(3.0));
+    }
+    // Families vllm-router 0.1.17 does not write in P/D mode.
+    for absent in [
+        "vllm_router_requests_total",
+        "vllm_router_active_workers",
+        "vllm_router_cb_state",
+    ] {
+        assert!(!m.contains(absent), "{absent} in\n{m}");
+    }
     assert_metric(
         &m,
         "llm_d_epp_disagg_decision_total",
