@@ -184,37 +184,42 @@ fn start_peer(name: &str, program: &Path, args: &[String], log: &Path) -> Peer {
 /// Waits until `url` answers `/metrics` and a chat request through it succeeds once workers
 /// are registered (that probe's request counts in both scrapes' baseline).
 async fn wait_serving(peer: &Peer, url: &str, metrics_url: &str, log: &Path) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    loop {
-        if tokio::time::Instant::now() > deadline {
-            panic!(
-                "{} did not serve in 90 s; its log:\n{}",
-                peer.name,
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
+    let serving = holds_within(Duration::from_secs(90), || async {
         let listening = |u: &str| {
             let addr = addr_of(u);
             async move { tokio::net::TcpStream::connect(addr).await.is_ok() }
         };
-        if listening(url).await && listening(metrics_url).await {
-            let r = tokio::time::timeout(
-                Duration::from_secs(5),
-                post(url, "/v1/chat/completions", &[], &chat(MODEL, "probe")),
-            )
-            .await;
-            if r.is_ok_and(|r| r.status == 200) {
-                return;
-            }
+        if !(listening(url).await && listening(metrics_url).await) {
+            return false;
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+        let probe = post(url, "/v1/chat/completions", &[], &chat(MODEL, "probe"));
+        tokio::time::timeout(Duration::from_secs(5), probe)
+            .await
+            .is_ok_and(|r| r.status == 200)
+    })
+    .await;
+    assert!(
+        serving,
+        "{} did not serve in 90 s; its log:\n{}",
+        peer.name,
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+}
+
+/// The routing decisions a scrape counts: every router counts each of the requests in one of
+/// these families as soon as it routes it.
+fn routed(s: &Scrape) -> f64 {
+    s.samples
+        .iter()
+        .filter(|(name, _)| {
+            name.ends_with("processed_requests_total") || *name == "smg_worker_selection_total"
+        })
+        .flat_map(|(_, samples)| samples.iter().map(|(_, v)| v))
+        .sum()
 }
 
 /// Sends the requests and returns the scrapes before and after.
 async fn drive(url: &str, metrics_url: &str) -> (Scrape, Scrape) {
-    // Let health checks and probes settle into the baseline.
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let before = parse(&scrape(metrics_url).await);
     for i in 0..REQUESTS {
         let r = post(
@@ -226,8 +231,17 @@ async fn drive(url: &str, metrics_url: &str) -> (Scrape, Scrape) {
         .await;
         assert_eq!(r.status, 200, "{url}: {:?}", r.body);
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let after = parse(&scrape(metrics_url).await);
+    // Every request's decision is counted (some routers count it as the answer ends).
+    let mut after = Scrape::default();
+    let counted = holds_within(Duration::from_secs(20), || async {
+        after = parse(&scrape(metrics_url).await);
+        routed(&after) - routed(&before) >= REQUESTS as f64
+    })
+    .await;
+    assert!(
+        counted,
+        "{metrics_url}: the {REQUESTS} requests are counted"
+    );
     (before, after)
 }
 
