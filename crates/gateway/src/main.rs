@@ -115,8 +115,9 @@ async fn start_embedded_engines(
     Ok(workers)
 }
 
-async fn run(mut settings: Settings) -> anyhow::Result<()> {
-    let tokenizer = match &settings.tokenizer {
+/// The tokenizer the engines use (`--tokenizer`), else the fallback.
+fn load_tokenizer(settings: &Settings) -> anyhow::Result<Arc<kvroute_tokenizer::Tokenizer>> {
+    Ok(match &settings.tokenizer {
         Some(path) => {
             let t = kvroute_tokenizer::Tokenizer::load(path)
                 .with_context(|| format!("cannot load the tokenizer {}", path.display()))?;
@@ -127,7 +128,64 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
             tracing::info!("No --tokenizer: using the fallback tokenizer (bytes as tokens), as kvroute-sim does; KV overlap with real engines needs their tokenizer");
             Arc::new(kvroute_tokenizer::Tokenizer::fallback())
         }
-    };
+    })
+}
+
+/// Every socket the router serves on, bound before it starts (a port in use stops the start).
+struct Listeners {
+    api: tokio::net::TcpListener,
+    metrics: tokio::net::TcpListener,
+    /// `--health-check-port`.
+    probes: Option<std::net::TcpListener>,
+    /// The endpoint picker's ext_proc and gRPC health ports (`--epp`).
+    epp: Option<kvroute_gateway::epp::serve::EppListeners>,
+}
+
+impl Listeners {
+    async fn bind(settings: &Settings) -> anyhow::Result<Self> {
+        let bind = |port: u16, what: &'static str| {
+            let addr = format!("{}:{port}", settings.host);
+            async move {
+                tokio::net::TcpListener::bind(&addr)
+                    .await
+                    .with_context(|| format!("cannot serve {what} on {addr}"))
+            }
+        };
+        let metrics_addr = format!("{}:{}", settings.prometheus_host, settings.prometheus_port);
+        let metrics = tokio::net::TcpListener::bind(&metrics_addr)
+            .await
+            .with_context(|| format!("cannot serve metrics on {metrics_addr}"))?;
+        let epp = match &settings.epp {
+            Some(epp) => Some(kvroute_gateway::epp::serve::EppListeners {
+                grpc: bind(epp.grpc_port, "ext_proc").await?,
+                health: bind(epp.grpc_health_port, "gRPC health").await?,
+            }),
+            None => None,
+        };
+        let probes = match settings.health_check_port {
+            Some(port) => {
+                let addr = format!("{}:{port}", settings.host);
+                let listener = std::net::TcpListener::bind(&addr)
+                    .with_context(|| format!("cannot serve health checks on {addr}"))?;
+                Some(listener)
+            }
+            None => None,
+        };
+        let api_addr = format!("{}:{}", settings.host, settings.port);
+        let api = tokio::net::TcpListener::bind(&api_addr)
+            .await
+            .with_context(|| format!("cannot listen on {api_addr}"))?;
+        Ok(Self {
+            api,
+            metrics,
+            probes,
+            epp,
+        })
+    }
+}
+
+async fn run(mut settings: Settings) -> anyhow::Result<()> {
+    let tokenizer = load_tokenizer(&settings)?;
     let shutdown = CancellationToken::new();
     // Embedded engines stop after the router drained its in-flight requests.
     let engines_stop = CancellationToken::new();
@@ -152,29 +210,7 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     }
     let api_addr = format!("{}:{}", settings.host, settings.port);
     let metrics_addr = format!("{}:{}", settings.prometheus_host, settings.prometheus_port);
-    let listener = tokio::net::TcpListener::bind(&api_addr)
-        .await
-        .with_context(|| format!("cannot listen on {api_addr}"))?;
-    let metrics_listener = tokio::net::TcpListener::bind(&metrics_addr)
-        .await
-        .with_context(|| format!("cannot serve metrics on {metrics_addr}"))?;
-    let epp_listeners = match &settings.epp {
-        Some(epp) => {
-            let bind = |port: u16, what: &'static str| {
-                let addr = format!("{}:{port}", settings.host);
-                async move {
-                    tokio::net::TcpListener::bind(&addr)
-                        .await
-                        .with_context(|| format!("cannot serve {what} on {addr}"))
-                }
-            };
-            Some(kvroute_gateway::epp::serve::EppListeners {
-                grpc: bind(epp.grpc_port, "ext_proc").await?,
-                health: bind(epp.grpc_health_port, "gRPC health").await?,
-            })
-        }
-        None => None,
-    };
+    let listeners = Listeners::bind(&settings).await?;
     let mut registry = prometheus_client::registry::Registry::default();
     let workers = settings.workers.len();
     if settings.overload.is_on() {
@@ -191,26 +227,17 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     } else {
         "http"
     };
-    let probe_listener = match settings.health_check_port {
-        Some(port) => {
-            let addr = format!("{}:{port}", settings.host);
-            let listener = std::net::TcpListener::bind(&addr)
-                .with_context(|| format!("cannot serve health checks on {addr}"))?;
-            Some(listener)
-        }
-        None => None,
-    };
     let gateway = Gateway::with_tokenizer(settings, &mut registry, tokenizer);
-    let probes = match probe_listener {
+    let probes = match listeners.probes {
         Some(listener) => {
             tracing::info!(addr = %listener.local_addr()?, "Health checks served on their own port");
             Some(gateway.serve_probes(listener)?)
         }
         None => None,
     };
-    if let Some(listeners) = epp_listeners {
+    if let Some(epp) = listeners.epp {
         gateway
-            .serve_epp(listeners)
+            .serve_epp(epp)
             .context("cannot serve as the endpoint picker")?;
     }
     tracing::info!("policy: {}", gateway.policy_description());
@@ -224,8 +251,8 @@ async fn run(mut settings: Settings) -> anyhow::Result<()> {
     });
     let served = gateway
         .serve(
-            listener,
-            metrics_listener,
+            listeners.api,
+            listeners.metrics,
             Arc::new(registry),
             shutdown.clone(),
         )
