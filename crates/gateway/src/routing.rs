@@ -296,50 +296,7 @@ pub fn plan(
         _ => hints,
     };
     let reads_index = pool.policy.reads_kv_index();
-    let (hashes, scores) = if reads_index {
-        let hashes = prompt.hashes.clone();
-        let scores = kv.overlaps(&hashes, started);
-        (hashes, scores)
-    } else {
-        Default::default()
-    };
-
-    let eligible_pairs = eligible_pairs(pool, hints, &limits.busy, started)?;
-    let eligible_pairs = protect(pool, eligible_pairs, &limits.overload, started)?;
-
-    // The request's blocks, once, for the new-blocks term of every candidate.
-    let request_blocks = RequestLoad::for_prompt(
-        hashes.iter().map(|h| h.0).collect(),
-        tokens.len(),
-        0,
-        kv.block_size,
-    );
-    let mut choices = Vec::new();
-    for (wi, rank_index) in eligible_pairs {
-        let w = &pool.workers[wi];
-        {
-            let rank = &w.ranks[rank_index];
-            let mut terms = KvTerms::default();
-            if reads_index {
-                let counts = kv.counts(&scores, w, rank.replica);
-                let overlap = overlap(counts).capped(tokens.len(), kv.block_size);
-                let taints = hints.preferred_weight(&w.taints);
-                terms = rank.with_load(|load| load.kv_terms(overlap, &request_blocks, taints));
-            }
-            choices.push(Choice {
-                worker: w.clone(),
-                rank: rank_index,
-                in_flight: rank.in_flight(),
-                kv: terms,
-                engine: rank.engine.load(started),
-            });
-        }
-    }
-    if choices.is_empty() {
-        return Err(GatewayError::NoEndpoint(
-            "no healthy worker serves this model",
-        ));
-    }
+    let (hashes, choices) = choices(kv, pool, hints, limits, prompt, reads_index, started)?;
     let text = if policy.needs_text(key) {
         fields.routing_text()
     } else {
@@ -399,6 +356,65 @@ pub fn plan(
         pinned: hints.pinned_worker.is_some(),
         reads_kv_index: reads_index,
     })
+}
+
+/// The eligible (worker, rank) pairs of `pool` as the policy sees them, each with its KV
+/// terms when the policy reads the index (`reads_index`), and the prompt's block hashes then.
+fn choices(
+    kv: &KvState,
+    pool: &Pool,
+    hints: &Hints,
+    limits: &Limits,
+    prompt: &Tokens,
+    reads_index: bool,
+    started: Instant,
+) -> Result<(Vec<BlockHash>, Vec<Choice>), GatewayError> {
+    let tokens = prompt.ids.as_slice();
+    let (hashes, scores) = if reads_index {
+        let hashes = prompt.hashes.clone();
+        let scores = kv.overlaps(&hashes, started);
+        (hashes, scores)
+    } else {
+        Default::default()
+    };
+
+    let eligible_pairs = eligible_pairs(pool, hints, &limits.busy, started)?;
+    let eligible_pairs = protect(pool, eligible_pairs, &limits.overload, started)?;
+
+    // The request's blocks, once, for the new-blocks term of every candidate.
+    let request_blocks = RequestLoad::for_prompt(
+        hashes.iter().map(|h| h.0).collect(),
+        tokens.len(),
+        0,
+        kv.block_size,
+    );
+    let mut choices = Vec::new();
+    for (wi, rank_index) in eligible_pairs {
+        let w = &pool.workers[wi];
+        {
+            let rank = &w.ranks[rank_index];
+            let mut terms = KvTerms::default();
+            if reads_index {
+                let counts = kv.counts(&scores, w, rank.replica);
+                let overlap = overlap(counts).capped(tokens.len(), kv.block_size);
+                let taints = hints.preferred_weight(&w.taints);
+                terms = rank.with_load(|load| load.kv_terms(overlap, &request_blocks, taints));
+            }
+            choices.push(Choice {
+                worker: w.clone(),
+                rank: rank_index,
+                in_flight: rank.in_flight(),
+                kv: terms,
+                engine: rank.engine.load(started),
+            });
+        }
+    }
+    if choices.is_empty() {
+        return Err(GatewayError::NoEndpoint(
+            "no healthy worker serves this model",
+        ));
+    }
+    Ok((hashes, choices))
 }
 
 /// The decision's attributes on the request's span: the last attempt's win.

@@ -184,6 +184,7 @@ fn start_peer(name: &str, program: &Path, args: &[String], log: &Path) -> Peer {
 /// Waits until `url` answers `/metrics` and a chat request through it succeeds once workers
 /// are registered (that probe's request counts in both scrapes' baseline).
 async fn wait_serving(peer: &Peer, url: &str, metrics_url: &str, log: &Path) {
+    let body = chat(MODEL, "probe");
     let serving = holds_within(Duration::from_secs(90), || async {
         let listening = |u: &str| {
             let addr = addr_of(u);
@@ -192,7 +193,7 @@ async fn wait_serving(peer: &Peer, url: &str, metrics_url: &str, log: &Path) {
         if !(listening(url).await && listening(metrics_url).await) {
             return false;
         }
-        let probe = post(url, "/v1/chat/completions", &[], &chat(MODEL, "probe"));
+        let probe = post(url, "/v1/chat/completions", &[], &body);
         tokio::time::timeout(Duration::from_secs(5), probe)
             .await
             .is_ok_and(|r| r.status == 200)
@@ -232,17 +233,19 @@ async fn drive(url: &str, metrics_url: &str) -> (Scrape, Scrape) {
         assert_eq!(r.status, 200, "{url}: {:?}", r.body);
     }
     // Every request's decision is counted (some routers count it as the answer ends).
-    let mut after = Scrape::default();
+    let after = std::cell::RefCell::new(Scrape::default());
     let counted = holds_within(Duration::from_secs(20), || async {
-        after = parse(&scrape(metrics_url).await);
-        routed(&after) - routed(&before) >= REQUESTS as f64
+        let now = parse(&scrape(metrics_url).await);
+        let all = routed(&now) - routed(&before) >= REQUESTS as f64;
+        *after.borrow_mut() = now;
+        all
     })
     .await;
     assert!(
         counted,
         "{metrics_url}: the {REQUESTS} requests are counted"
     );
-    (before, after)
+    (before, after.into_inner())
 }
 
 /// The peer at `program` with `args` (its workers and policy) on free ports, driven.
