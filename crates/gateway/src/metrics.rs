@@ -253,123 +253,143 @@ impl GatewayMetrics {
                 prometheus_client::metrics::histogram::exponential_buckets(1e-6, 2.0, 15),
             ),
         };
+        m.register_routing(registry);
+        m.register_load(registry);
+        m.register_pd(registry, disagg);
+        m.register_resilience(registry);
+        m
+    }
+
+    /// Routing: requests, decisions and the per-worker load the policies read.
+    fn register_routing(&self, registry: &mut Registry) {
         registry.register(
             "kvroute_requests",
             "Requests answered, by route and HTTP status",
-            m.requests.clone(),
+            self.requests.clone(),
         );
         registry.register(
             "kvroute_processed_requests",
             "Requests sent to each worker",
-            m.processed.clone(),
+            self.processed.clone(),
         );
         registry.register(
             "kvroute_policy_decisions",
             "Routing decisions, by policy and chosen worker",
-            m.decisions.clone(),
+            self.decisions.clone(),
         );
         registry.register(
             "kvroute_worker_requests_active",
             "Requests in flight on each worker",
-            m.active.clone(),
+            self.active.clone(),
         );
         registry.register(
             "kvroute_worker_prompt_tokens",
             "kv_aware: prompt tokens routed to each worker",
-            m.prompt_tokens.clone(),
+            self.prompt_tokens.clone(),
         );
         registry.register(
             "kvroute_worker_cached_tokens",
             "kv_aware: prompt tokens routed to each worker that it held cached",
-            m.cached_tokens.clone(),
+            self.cached_tokens.clone(),
         );
+    }
+
+    /// Per-rank load, latency and the KV index.
+    fn register_load(&self, registry: &mut Registry) {
         registry.register(
             "kvroute_worker_active_prefill_tokens",
             "Prompt tokens routed to each (worker, rank) that have no first token yet",
-            m.rank_prefill.clone(),
+            self.rank_prefill.clone(),
         );
         registry.register(
             "kvroute_worker_active_decode_blocks",
             "Distinct KV blocks of the requests still generating on each (worker, rank)",
-            m.rank_decode.clone(),
+            self.rank_decode.clone(),
         );
         registry.register(
             "kvroute_time_to_first_token_seconds",
             "Streaming requests: arrival at the router to the first body frame",
-            m.ttft_seconds.clone(),
+            self.ttft_seconds.clone(),
         );
         registry.register(
             "kvroute_kv_hit_ratio",
             "Share of the prompt's blocks cached on the chosen worker (kv_aware)",
-            m.kv_hit_ratio.clone(),
+            self.kv_hit_ratio.clone(),
         );
         registry.register(
             "kvroute_kv_index_blocks",
             "Distinct KV blocks in the event-fed index",
-            m.kv_index_blocks.clone(),
+            self.kv_index_blocks.clone(),
         );
         registry.register(
-            "kvroute_kv_index_bytes",
-            "Approximate heap bytes of the event-fed KV index (bounded by --router-max-indexed-blocks)",
-            m.kv_index_bytes.clone(),
-        );
+        "kvroute_kv_index_bytes",
+        "Approximate heap bytes of the event-fed KV index (bounded by --router-max-indexed-blocks)",
+        self.kv_index_bytes.clone(),
+    );
         registry.register(
             "kvroute_routing_seconds",
             "Time spent choosing a worker",
-            m.routing_seconds.clone(),
+            self.routing_seconds.clone(),
         );
+    }
+
+    /// Prefill/decode disaggregation.
+    fn register_pd(&self, registry: &mut Registry, disagg: Family<DisaggLabels, Counter>) {
         registry.register(
             "kvroute_pd_prefill_requests",
             "Prefill halves of disaggregated requests sent to each worker",
-            m.pd_prefill.clone(),
+            self.pd_prefill.clone(),
         );
         registry.register(
-            "kvroute_pd_decode_requests",
-            "Decode halves of disaggregated requests sent to each worker (decode-only ones included)",
-            m.pd_decode.clone(),
-        );
+        "kvroute_pd_decode_requests",
+        "Decode halves of disaggregated requests sent to each worker (decode-only ones included)",
+        self.pd_decode.clone(),
+    );
         registry.register(
             "kvroute_disagg_decision",
             "Disaggregation decisions: prefill-decode (remote prefill) or decode-only",
             disagg,
         );
+    }
+
+    /// Health, retries, reloads, discovery and migration.
+    fn register_resilience(&self, registry: &mut Registry) {
         registry.register(
             "kvroute_worker_circuit_state",
             "Each worker's circuit breaker: 0 closed, 1 open, 2 half-open",
-            m.circuit.clone(),
+            self.circuit.clone(),
         );
         registry.register(
             "kvroute_worker_healthy",
             "Whether each worker passes its health checks (1) or not (0)",
-            m.healthy.clone(),
+            self.healthy.clone(),
         );
         registry.register(
             "kvroute_upstream_attempts",
             "Attempts to send a request to a worker, retries included, by outcome",
-            m.attempts.clone(),
+            self.attempts.clone(),
         );
         registry.register(
-            "kvroute_config_reloads",
-            "Re-readings of the config file and the API certificate on SIGHUP, by result (ok, error)",
-            m.reloads.clone(),
-        );
+        "kvroute_config_reloads",
+        "Re-readings of the config file and the API certificate on SIGHUP, by result (ok, error)",
+        self.reloads.clone(),
+    );
         registry.register(
             "kvroute_request_retries",
             "Attempts after a request's first (each on another worker)",
-            m.retries.clone(),
+            self.retries.clone(),
         );
         registry.register(
             "kvroute_requests_in_router",
             "Requests inside the router (admitted and not yet answered in full)",
-            m.in_router.clone(),
+            self.in_router.clone(),
         );
-        m.discovery.register(registry);
+        self.discovery.register(registry);
         registry.register(
-            "kvroute_request_migrations",
-            "Streams whose worker failed mid-way, by outcome (migrated, limit_reached, no_worker, not_migratable, completed)",
-            m.migrations.clone(),
-        );
-        m
+        "kvroute_request_migrations",
+        "Streams whose worker failed mid-way, by outcome (migrated, limit_reached, no_worker, not_migratable, completed)",
+        self.migrations.clone(),
+    );
     }
 
     /// Drops a removed worker's series (label values stay bounded as workers come and go).
