@@ -39,3 +39,17 @@ pub(super) fn tls_settings(
         api,
     })
 }
+
+impl super::Args {
+    /// `--ca-cert-path`, `--client-cert-path`/`--client-key-path` and
+    /// `--tls-cert-path`/`--tls-key-path`.
+    pub(super) fn take_tls(&mut self) -> Result<TlsSettings, ConfigError> {
+        tls_settings(
+            &self.ca_cert_paths,
+            self.client_cert_path.as_deref(),
+            self.client_key_path.as_deref(),
+            self.tls_cert_path.take(),
+            self.tls_key_path.take(),
+        )
+    }
+}

@@ -7,7 +7,10 @@ use kvroute_core::overload::{OverloadProtection, SMG_TOKEN_USAGE, SMG_WAITING_RE
 use kvroute_core::LeastLoadConfig;
 
 use super::validate::positive;
-use super::{AdmissionSettings, ConfigError, HealthSettings};
+use super::{
+    AdmissionSettings, CircuitSettings, ConfigError, HealthSettings, MigrationSettings,
+    RetrySettings, SyncConfig,
+};
 
 /// `--otlp-traces-endpoint`, `--enable-trace` and `--otlp-sampling-ratio`: tracing is on with
 /// an endpoint, or with `--enable-trace` to smg's default.
@@ -250,6 +253,139 @@ pub(super) fn health_settings(f: HealthFlags) -> Result<HealthSettings, ConfigEr
         startup_timeout: positive("worker_startup_timeout_secs", f.startup_timeout_secs, 0)
             .map(|s| (s > 0).then(|| Duration::from_secs(s)))?,
     })
+}
+
+impl super::Args {
+    /// `--health-*` and `--worker-startup-timeout-secs`; unhealthy workers are removed by
+    /// default only when they are discovered.
+    pub(super) fn health_settings(
+        &mut self,
+        discovery: &super::DiscoverySettings,
+        epp: Option<&super::EppSettings>,
+    ) -> Result<HealthSettings, ConfigError> {
+        health_settings(HealthFlags {
+            interval_secs: self.health_check_interval_secs,
+            timeout_secs: self.health_check_timeout_secs,
+            failure_threshold: self.health_failure_threshold,
+            success_threshold: self.health_success_threshold,
+            endpoint: self.health_check_endpoint.take(),
+            remove_unhealthy: self.remove_unhealthy_workers,
+            keep_unhealthy: self.no_remove_unhealthy_workers,
+            // The picker's pool or selector is a discovery source like the others.
+            discovers: discovery.any()
+                || epp.is_some_and(|e| !matches!(e.endpoints, super::EppEndpoints::Static)),
+            startup_timeout_secs: self.worker_startup_timeout_secs,
+        })
+    }
+
+    /// `--retry-*` and `--disable-retries`.
+    pub(super) fn retry_settings(&self) -> Result<RetrySettings, ConfigError> {
+        let multiplier = self.retry_backoff_multiplier.unwrap_or(1.5);
+        if !(multiplier.is_finite() && multiplier >= 1.0) {
+            return Err(ConfigError::Invalid {
+                name: "retry_backoff_multiplier",
+                reason: "must be a number of at least 1",
+            });
+        }
+        let jitter = self.retry_jitter_factor.unwrap_or(0.2);
+        if !(0.0..=1.0).contains(&jitter) {
+            return Err(ConfigError::Invalid {
+                name: "retry_jitter_factor",
+                reason: "must be between 0 and 1",
+            });
+        }
+        Ok(RetrySettings {
+            max_retries: if self.disable_retries {
+                0
+            } else {
+                self.retry_max_retries.unwrap_or(5)
+            },
+            initial_backoff: Duration::from_millis(self.retry_initial_backoff_ms.unwrap_or(50)),
+            max_backoff: Duration::from_millis(self.retry_max_backoff_ms.unwrap_or(30_000)),
+            multiplier,
+            jitter,
+        })
+    }
+
+    /// `--migration-limit` and `--migration-stall-timeout-secs`.
+    pub(super) fn migration_settings(&self) -> Result<MigrationSettings, ConfigError> {
+        Ok(MigrationSettings {
+            limit: self.migration_limit.unwrap_or(3),
+            stall: Duration::from_secs(positive(
+                "migration_stall_timeout_secs",
+                self.migration_stall_timeout_secs,
+                120,
+            )?),
+        })
+    }
+
+    /// `--cb-*`; `None` with `--disable-circuit-breaker`.
+    pub(super) fn circuit_settings(&self) -> Result<Option<CircuitSettings>, ConfigError> {
+        if self.disable_circuit_breaker {
+            return Ok(None);
+        }
+        Ok(Some(CircuitSettings {
+            failure_threshold: positive(
+                "cb_failure_threshold",
+                self.cb_failure_threshold.map(u64::from),
+                10,
+            )? as u32,
+            success_threshold: positive(
+                "cb_success_threshold",
+                self.cb_success_threshold.map(u64::from),
+                3,
+            )? as u32,
+            timeout: Duration::from_secs(positive(
+                "cb_timeout_duration_secs",
+                self.cb_timeout_duration_secs,
+                60,
+            )?),
+        }))
+    }
+
+    /// `--worker-overload-*`.
+    pub(super) fn overload_protection(&self) -> Result<OverloadProtection, ConfigError> {
+        overload_protection(
+            self.worker_overload_waiting_requests,
+            self.worker_overload_token_usage,
+            self.worker_overload_protection,
+            self.disable_worker_overload_protection,
+            self.worker_overload_shed,
+        )
+    }
+
+    /// `--max-concurrent-requests`, `--queue-*` and `--rate-limit-tokens-per-second`.
+    pub(super) fn admission(&self) -> Result<Option<AdmissionSettings>, ConfigError> {
+        admission(
+            self.max_concurrent_requests,
+            self.queue_size,
+            self.queue_timeout_secs,
+            self.rate_limit_tokens_per_second,
+        )
+    }
+
+    /// `--replica-sync nats://HOST:PORT` and its subject prefix and timeout.
+    pub(super) fn take_replica_sync(&mut self) -> Result<Option<SyncConfig>, ConfigError> {
+        match self.replica_sync.take() {
+            None => Ok(None),
+            Some(url) if !url.starts_with("nats://") => Err(ConfigError::Invalid {
+                name: "replica_sync",
+                reason: "must be nats://HOST:PORT",
+            }),
+            Some(url) => Ok(Some(SyncConfig {
+                url,
+                prefix: self
+                    .replica_sync_subject_prefix
+                    .take()
+                    .unwrap_or_else(|| "kvroute".to_owned()),
+                timeout: Duration::from_secs(positive(
+                    "replica_timeout_secs",
+                    self.replica_timeout_secs,
+                    10,
+                )?),
+            })),
+        }
+    }
 }
 
 #[cfg(test)]
