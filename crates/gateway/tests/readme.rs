@@ -312,7 +312,7 @@ fn broken(page: &std::path::Path, target: &str) -> Option<String> {
     }
     let text = std::fs::read_to_string(&file).ok()?;
     let known = anchors(&text);
-    if known.iter().any(|a| *a == anchor) {
+    if known.contains(&anchor) {
         None
     } else {
         Some(format!(
