@@ -663,16 +663,16 @@ fn the_function_finder_sees_each_body_to_its_closing_brace() {
     let s = "{ not a brace";
     let c = '{';
     let t = ['é','{'];
-    let r = r"{{";
+    let r = r"{\";
     inner(1);
 }
 
-pub(crate) fn generic<T: Fn() -> u8, const N: usize>(t: T, a: [u8; N]) -> Result<(), ()>
+pub(crate) fn generic<T: Fn() -> u8, const N: usize>(t: T, a: [u8; N]) -> Result<[u8; N], ()>
 where
     T: Clone,
 {
     let p: fn(u8) -> u8 = |x| x;
-    Ok(())
+    Ok(a)
 }
 
 trait Shape {
