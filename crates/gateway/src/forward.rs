@@ -1,12 +1,19 @@
-//! A routed request: admission, routing, forwarding, retries on another worker, and the
-//! migration of its stream.
+//! A routed request, top to bottom:
 //!
-//! A request is retried on another eligible worker when its attempt fails before the first
-//! response byte (connection error, timeout, 502/503/504), with jittered exponential
-//! backoff; never when it is pinned. Every attempt feeds the worker's circuit breaker. A
-//! stream on an inference route is wrapped by [`crate::migrate`], which sends the
-//! continuation through the same attempts (or both P/D halves again) when its worker fails
-//! mid-way; a non-streaming answer there is read whole, so one cut mid-body is retried.
+//! 1. **admission**: the client's key, the router's concurrency limit ([`admit`]), the body,
+//!    and for a single request the router queue ([`queue_admission`]);
+//! 2. **the plan's shape**: single (one worker), or prefill/decode on a P/D route;
+//! 3. **dispatch**: a single request goes through [`attempts`], each a policy's pick
+//!    ([`pick`]) and a forward, retried on another eligible worker when it fails before the
+//!    first response byte (connection error, timeout, 502/503/504), with jittered exponential
+//!    backoff, never when it is pinned; every attempt feeds the worker's circuit breaker. A
+//!    pair's halves go out through [`crate::pd`], which plans the pair and sends them;
+//! 4. **the response**: held by the admission until its body ends. A stream on an inference
+//!    route is wrapped by [`crate::migrate`], which sends the continuation through the same
+//!    dispatch when its worker fails mid-way; a single non-streaming answer there is read
+//!    whole, so one cut mid-body is retried.
+//!
+//! Nothing below calls back up: [`crate::pd`] and [`crate::pick`] know nothing of this module.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,6 +34,7 @@ use crate::http::WORKER_HEADER;
 use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
+use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
 use crate::pick::{admit, learn, pick, queue_admission, Attempt, Picked};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
@@ -35,8 +43,38 @@ use crate::routing;
 /// Routes that are disaggregated when prefill/decode disaggregation is on.
 const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
 
-/// Routes one request and forwards it, retrying as the module doc says; P/D routes go
-/// through [`crate::pd::route`]; streams migrate ([`crate::migrate`]).
+/// The shape of a request's plan, and so of its dispatch.
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    /// One worker, through [`attempts`], in its queue class if any.
+    Single { class: Option<usize> },
+    /// A prefill/decode pair ([`crate::pd`]).
+    Disaggregated,
+}
+
+impl Shape {
+    /// The queue's policy class (single requests only).
+    fn class(self) -> Option<usize> {
+        match self {
+            Shape::Single { class } => class,
+            Shape::Disaggregated => None,
+        }
+    }
+
+    /// The policy whose tokens the request needs.
+    fn tokenize_as(disaggregated: bool, state: &AppState) -> PolicyKind {
+        match state.settings.pd.as_ref().filter(|_| disaggregated) {
+            // The decode-only decision needs the prompt's tokens whatever the policies.
+            Some(pd) if pd.min_uncached_tokens > 0 => PolicyKind::KvAware,
+            Some(pd) if pd.decode_policy == PolicyKind::KvAware => PolicyKind::KvAware,
+            Some(pd) => pd.prefill_policy,
+            None => state.settings.policy,
+        }
+    }
+}
+
+/// Routes one request and forwards it, top to bottom: admission, the plan's shape (single,
+/// or prefill/decode on a P/D route), its dispatch, the response (a stream that may migrate).
 pub(crate) async fn route_and_forward(
     state: &Arc<AppState>,
     route: &'static str,
@@ -44,6 +82,7 @@ pub(crate) async fn route_and_forward(
     request_id: &HeaderValue,
     span: Option<&Arc<RequestSpan>>,
 ) -> Result<Response, GatewayError> {
+    // Admission: the client's key, the router's concurrency limit, the body.
     let arrived = Instant::now();
     let (parts, body) = req.into_parts();
     auth::check_client(state.settings.client_api_key.as_ref(), &parts.headers)
@@ -63,39 +102,23 @@ pub(crate) async fn route_and_forward(
         span.set_str("kvroute.model", model);
     }
     let started = Instant::now();
-    let pd = state
-        .settings
-        .pd
-        .as_ref()
-        .filter(|_| PD_ROUTES.contains(&route));
-    let tokenize_as = tokenize_as(state, pd.is_some());
-    let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
 
+    // The plan's shape; a single request waits its turn in the router queue.
+    let disaggregated = state.settings.pd.is_some() && PD_ROUTES.contains(&route);
+    let tokenize_as = Shape::tokenize_as(disaggregated, state);
+    let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
-    if pd.is_some() {
-        let api = Api::of(route).filter(|_| state.settings.migration.limit > 0 && fields.stream);
-        let req = crate::pd::PdRequest {
-            parts: &parts,
-            body: body.clone(),
-            fields: &fields,
-            tokens,
-            hints: &hints,
-            request_id,
-            arrived,
-            excluded: &[],
-            span,
-        };
-        let Some(api) = api else {
-            return Box::pin(crate::pd::route(state, req, admitted)).await;
-        };
-        return Box::pin(pd_stream(state, api, req, admitted)).await;
-    }
-    let class_name = parts
-        .headers
-        .get("x-kvroute-class")
-        .and_then(|v| v.to_str().ok());
-    let (class, released) =
-        queue_admission(state, class_name, &fields, &hints, &tokens, started, span).await?;
+    let (shape, released) = if disaggregated {
+        (Shape::Disaggregated, None)
+    } else {
+        let class_name = parts
+            .headers
+            .get("x-kvroute-class")
+            .and_then(|v| v.to_str().ok());
+        let (class, released) =
+            queue_admission(state, class_name, &fields, &hints, &tokens, started, span).await?;
+        (Shape::Single { class }, released)
+    };
     let attempt = Attempt {
         parts: &parts,
         fields: &fields,
@@ -103,36 +126,113 @@ pub(crate) async fn route_and_forward(
         hints: &hints,
         request_id,
         arrived,
-        class,
+        class: shape.class(),
         span,
     };
+
+    // The dispatch, and the response.
     let api = Api::of(route).filter(|_| state.settings.migration.limit > 0);
-    let Some(api) = api else {
-        let mut sent = attempts(state, &attempt, body.clone(), Vec::new(), released).await?;
-        sent.response.body_mut().hold(admitted);
-        return Ok(sent.response.map(Body::new));
-    };
-    if !fields.stream {
-        return whole_answer(state, &attempt, body.clone(), released, admitted).await;
+    match (api, shape) {
+        (Some(api), _) if fields.stream => {
+            migrating_stream(
+                state,
+                api,
+                shape,
+                &attempt,
+                body.clone(),
+                released,
+                admitted,
+            )
+            .await
+        }
+        (Some(_), Shape::Single { .. }) => {
+            whole_answer(state, &attempt, body.clone(), released, admitted).await
+        }
+        _ => {
+            let sent = dispatch(state, shape, &attempt, body.clone(), Vec::new(), released);
+            Ok(sent.await?.into_response(admitted))
+        }
     }
-    // A stream that may migrate: the worker is asked for its usage on every chunk.
-    let (allowed, sent_body, wanted) = stream_request(state, api, &body, &parts.headers);
-    let mut sent = attempts(state, &attempt, sent_body, Vec::new(), released).await?;
+}
+
+/// What a dispatch sent: the response with who answers it, or an answer that ends the
+/// request (a failed prefill's).
+enum Dispatched {
+    Sent(Box<Sent>),
+    Answered(Response),
+}
+
+impl Dispatched {
+    /// The client's response, the admission held until its body ends.
+    fn into_response(self, admitted: Admitted) -> Response {
+        match self {
+            Dispatched::Sent(mut sent) => {
+                sent.response.body_mut().hold(admitted);
+                sent.response.map(Body::new)
+            }
+            Dispatched::Answered(response) => response,
+        }
+    }
+}
+
+/// Sends the request as its plan's shape says, to no worker in `tried`: through
+/// [`attempts`], or as the halves of a pair (the prefill worker named in the response).
+async fn dispatch(
+    state: &AppState,
+    shape: Shape,
+    a: &Attempt<'_>,
+    body: Bytes,
+    tried: Vec<WorkerId>,
+    released: Option<Released<'_>>,
+) -> Result<Dispatched, GatewayError> {
+    if let Shape::Single { .. } = shape {
+        let sent = attempts(state, a, body, tried, released).await?;
+        return Ok(Dispatched::Sent(Box::new(sent)));
+    }
+    Ok(
+        match Box::pin(crate::pd::halves(state, a, body, &tried)).await? {
+            PdAnswer::Decode {
+                mut response,
+                worker,
+                prefill,
+            } => {
+                if let Some(p) = prefill {
+                    response.headers_mut().insert(PREFILL_WORKER_HEADER, p);
+                }
+                Dispatched::Sent(Box::new(Sent {
+                    response: *response,
+                    worker,
+                    pinned: false,
+                }))
+            }
+            PdAnswer::Answered(response) => Dispatched::Answered(response),
+        },
+    )
+}
+
+/// A stream that may migrate: the worker is asked for its usage on every chunk, and a failure
+/// mid-stream goes on from a worker (or a pair) chosen afresh.
+async fn migrating_stream(
+    state: &Arc<AppState>,
+    api: Api,
+    shape: Shape,
+    a: &Attempt<'_>,
+    body: Bytes,
+    released: Option<Released<'_>>,
+    admitted: Admitted,
+) -> Result<Response, GatewayError> {
+    let (allowed, sent_body, wanted) = stream_request(state, api, &body, &a.parts.headers);
+    let mut sent = match dispatch(state, shape, a, sent_body, Vec::new(), released).await? {
+        Dispatched::Sent(sent) => *sent,
+        Dispatched::Answered(response) => return Ok(response),
+    };
     sent.response.body_mut().hold(admitted);
     if !sent.response.status().is_success() {
         return Ok(sent.response.map(Body::new));
     }
     // Pinned by hard session affinity, known once routed.
-    let pinned = sent.pinned;
-    let migration = migration(state, api, body, allowed, wanted, pinned, span);
-    let resend = resender(
-        state,
-        &parts,
-        request_id,
-        arrived,
-        Route::Single { class },
-        span,
-    );
+    let migration = migration(state, api, body, allowed, wanted, sent.pinned, a.span);
+    let resend = resender(state, a.parts, a.request_id, a.arrived, shape, a.span);
     Ok(migrate::migrating(migration, sent, resend))
 }
 
@@ -175,78 +275,14 @@ fn migration(
     }
 }
 
-/// A disaggregated stream that may migrate: its decode half, wrapped so that a failure
-/// mid-stream goes on from a new prefill/decode pair.
-async fn pd_stream(
-    state: &Arc<AppState>,
-    api: Api,
-    mut req: crate::pd::PdRequest<'_>,
-    admitted: Admitted,
-) -> Result<Response, GatewayError> {
-    let original = req.body.clone();
-    let (allowed, sent_body, wanted) = stream_request(state, api, &req.body, &req.parts.headers);
-    req.body = sent_body;
-    let (mut response, worker, prefill) = match crate::pd::halves(state, &req).await? {
-        crate::pd::PdAnswer::Answered(response) => return Ok(response),
-        crate::pd::PdAnswer::Decode {
-            response,
-            worker,
-            prefill,
-        } => (*response, worker, prefill),
-    };
-    response.body_mut().hold(admitted);
-    if let Some(p) = prefill {
-        response
-            .headers_mut()
-            .insert(crate::pd::PREFILL_WORKER_HEADER, p);
-    }
-    if !response.status().is_success() {
-        return Ok(response.map(Body::new));
-    }
-    let migration = migration(state, api, original, allowed, wanted, false, req.span);
-    let sent = Sent {
-        response,
-        worker,
-        pinned: false,
-    };
-    let resend = resender(
-        state,
-        req.parts,
-        req.request_id,
-        req.arrived,
-        Route::Disaggregated,
-        req.span,
-    );
-    Ok(migrate::migrating(migration, sent, resend))
-}
-
-/// The policy whose tokens the request needs.
-fn tokenize_as(state: &AppState, pd: bool) -> PolicyKind {
-    match state.settings.pd.as_ref().filter(|_| pd) {
-        // The decode-only decision needs the prompt's tokens whatever the policies.
-        Some(pd) if pd.min_uncached_tokens > 0 => PolicyKind::KvAware,
-        Some(pd) if pd.decode_policy == PolicyKind::KvAware => PolicyKind::KvAware,
-        Some(pd) => pd.prefill_policy,
-        None => state.settings.policy,
-    }
-}
-
-/// How a continuation is routed.
-#[derive(Debug, Clone, Copy)]
-enum Route {
-    /// Through the attempts of a single request, in its queue class if any.
-    Single { class: Option<usize> },
-    /// As a disaggregated request, both halves chosen again.
-    Disaggregated,
-}
-
-/// Sends a continuation of this request, routed afresh with the failed workers excluded.
+/// Sends a continuation of this request as its shape says, routed afresh with the failed
+/// workers excluded.
 fn resender(
     state: &Arc<AppState>,
     parts: &http::request::Parts,
     request_id: &HeaderValue,
     arrived: Instant,
-    route: Route,
+    shape: Shape,
     span: Option<&Arc<RequestSpan>>,
 ) -> migrate::Resend {
     let (mut owned, ()) = http::Request::new(()).into_parts();
@@ -260,38 +296,10 @@ fn resender(
         let span = span.clone();
         Box::pin(async move {
             let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
-            let tokens = routing::tokens_for(
-                &state.kv,
-                tokenize_as(&state, matches!(route, Route::Disaggregated)),
-                &body,
-            )
-            .await;
+            let disaggregated = matches!(shape, Shape::Disaggregated);
+            let tokenize_as = Shape::tokenize_as(disaggregated, &state);
+            let tokens = routing::tokens_for(&state.kv, tokenize_as, &body).await;
             let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
-            let Route::Single { class } = route else {
-                let req = crate::pd::PdRequest {
-                    parts: &parts,
-                    body: body.clone(),
-                    fields: &fields,
-                    tokens,
-                    hints: &hints,
-                    request_id: &request_id,
-                    arrived,
-                    excluded: &tried,
-                    span: span.as_ref(),
-                };
-                return match crate::pd::halves(&state, &req).await? {
-                    crate::pd::PdAnswer::Decode {
-                        response, worker, ..
-                    } => Ok(Sent {
-                        response: *response,
-                        worker,
-                        pinned: false,
-                    }),
-                    crate::pd::PdAnswer::Answered(_) => Err(GatewayError::NoEndpoint(
-                        "the prefill half of the continuation failed",
-                    )),
-                };
-            };
             let attempt = Attempt {
                 parts: &parts,
                 fields: &fields,
@@ -299,10 +307,15 @@ fn resender(
                 hints: &hints,
                 request_id: &request_id,
                 arrived,
-                class,
+                class: shape.class(),
                 span: span.as_ref(),
             };
-            attempts(&state, &attempt, body.clone(), tried, None).await
+            match dispatch(&state, shape, &attempt, body.clone(), tried, None).await? {
+                Dispatched::Sent(sent) => Ok(*sent),
+                Dispatched::Answered(_) => Err(GatewayError::NoEndpoint(
+                    "the prefill half of the continuation failed",
+                )),
+            }
         })
     })
 }

@@ -5,8 +5,8 @@
 //! under vllm-router's, smg's or llm-d's endpoint picker's names, label names and value
 //! spellings, so the two views never disagree and nothing is counted twice. The worker label
 //! is the worker's URL as given (llm-d's `model_server_endpoint` is the worker's id, the
-//! endpoint's name in EPP mode). A family kvroute has no count for is not exported (README:
-//! "Peers' metric names" lists them).
+//! endpoint's name in EPP mode). A family kvroute has no count for is not exported
+//! (`docs/observability.md`, "Peers' metric names", lists them).
 
 use std::fmt;
 use std::sync::atomic::AtomicU64;
