@@ -7,6 +7,7 @@
 //! markers. The legend sits right of the chart, in the order given, each line labelled with its
 //! value at the highest load it reached.
 
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -239,30 +240,38 @@ pub fn ttft_load_svg(
                 Router::Reference => {}
             }
         }
-        // The legend, one row per line: a sample of the line and its marker, the label, and
-        // its value at the highest load it reached.
-        let row = 26;
-        let top = 24;
-        let text = TextStyle::from(("sans-serif", 14).into_font())
-            .color(&BLACK)
-            .pos(Pos::new(HPos::Left, VPos::Center));
-        for (i, d) in lines.iter().enumerate() {
-            let (s, pts, color) = (&d.series, &d.points, &d.color);
-            let y = top + row * i as i32;
-            let style = color.stroke_width(3);
-            legend.draw(&PathElement::new(vec![(4, y), (40, y)], style))?;
-            match s.router {
-                Router::Kvroute => legend.draw(&Circle::new((22, y), 5, color.filled()))?,
-                Router::Peer => legend.draw(&Rectangle::new([(16, y - 6), (28, y + 6)], style))?,
-                Router::Reference => {}
-            }
-            let (x, v) = pts[pts.len() - 1];
-            let label = format!("{} ({} ms at {})", s.label, ms_label(&v), load_label(&x));
-            legend.draw(&Text::new(label, (48, y), text.clone()))?;
-        }
+        draw_legend(&legend, &lines)?;
         root.present()?;
     }
     Ok(svg)
+}
+
+/// The legend, one row per line: a sample of the line and its marker, the label, and its value
+/// at the highest load it reached.
+fn draw_legend(
+    legend: &DrawingArea<SVGBackend<'_>, Shift>,
+    lines: &[Drawn<'_>],
+) -> Result<(), PlotError> {
+    let row = 26;
+    let top = 24;
+    let text = TextStyle::from(("sans-serif", 14).into_font())
+        .color(&BLACK)
+        .pos(Pos::new(HPos::Left, VPos::Center));
+    for (i, d) in lines.iter().enumerate() {
+        let (s, pts, color) = (&d.series, &d.points, &d.color);
+        let y = top + row * i as i32;
+        let style = color.stroke_width(3);
+        legend.draw(&PathElement::new(vec![(4, y), (40, y)], style))?;
+        match s.router {
+            Router::Kvroute => legend.draw(&Circle::new((22, y), 5, color.filled()))?,
+            Router::Peer => legend.draw(&Rectangle::new([(16, y - 6), (28, y + 6)], style))?,
+            Router::Reference => {}
+        }
+        let (x, v) = pts[pts.len() - 1];
+        let label = format!("{} ({} ms at {})", s.label, ms_label(&v), load_label(&x));
+        legend.draw(&Text::new(label, (48, y), text.clone()))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
