@@ -10,6 +10,7 @@ use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
 use kvroute_bench::plot::Series;
 use kvroute_bench::simulate::{Cluster, InvalidQueue, PdCluster, QueueConfig};
+use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::queue::QueueOrder;
@@ -478,6 +479,26 @@ enum Command {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// TTFT against load, a line per router: reads runs at several rate scales (`simulate
+    /// --json` files, and Dynamo replay lines from bench/dynamo_replay_requests.py) and draws
+    /// one SVG (bench/ttft_vs_load.sh runs the sweep and this).
+    PlotLoad {
+        /// The runs, in any order.
+        #[arg(required = true, value_name = "FILE")]
+        files: Vec<PathBuf>,
+        /// The SVG to write.
+        #[arg(long, value_name = "FILE.svg")]
+        plot: PathBuf,
+        /// The TTFT percentile on y.
+        #[arg(long, value_enum, default_value = "p90")]
+        percentile: Percentile,
+        /// [default: "TTFT <percentile> against load: <trace>"]
+        #[arg(long)]
+        title: Option<String>,
+        /// [default: "virtual time, <the runs' cluster>"]
+        #[arg(long)]
+        subtitle: Option<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -567,6 +588,19 @@ fn main() -> anyhow::Result<()> {
             search.validate()?;
             commands::goodput_command(&cluster.setup("goodput")?, &slo, &search, json)?;
         }
+        Command::PlotLoad {
+            files,
+            plot,
+            percentile,
+            title,
+            subtitle,
+        } => commands::plot_load_command(
+            &files,
+            percentile,
+            &plot,
+            title.as_deref(),
+            subtitle.as_deref(),
+        )?,
     }
     Ok(())
 }
@@ -802,6 +836,28 @@ mod tests {
     }
 
     #[test]
+    fn plot_load_takes_files_and_a_percentile() {
+        assert_eq!(
+            parse("b plot-load --plot o.svg").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
+        assert_eq!(
+            parse("b plot-load --plot o.svg --percentile p95 a.json").err(),
+            Some(ErrorKind::InvalidValue)
+        );
+        let parsed = Cli::try_parse_from("b plot-load --plot o.svg a.json b.jsonl".split(' '));
+        match parsed.map(|c| c.command) {
+            Ok(Command::PlotLoad {
+                files, percentile, ..
+            }) => {
+                assert_eq!(files, [PathBuf::from("a.json"), PathBuf::from("b.jsonl")]);
+                assert_eq!(percentile, Percentile::P90);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn simulate_and_goodput_take_the_gateways_queue_flags() {
         let queue = |args: &str| {
             let cluster = match Cli::try_parse_from(args.split_whitespace())
@@ -809,7 +865,7 @@ mod tests {
                 .command
             {
                 Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => cluster,
-                Command::Replay { .. } => panic!("not a simulation"),
+                Command::Replay { .. } | Command::PlotLoad { .. } => panic!("not a simulation"),
             };
             // The queue's flags are refused before the trace is read.
             let setup = cluster.setup("simulate").map(|_| ());
