@@ -3,10 +3,11 @@
 //! [`PeerMetrics`] is a Prometheus collector registered only when a peer is named. Each
 //! scrape reads the workers' series (the same atomics `kvroute_*` exports) and writes them
 //! under vllm-router's, smg's or llm-d's endpoint picker's names, label names and value
-//! spellings, so the two views never disagree and nothing is counted twice. The worker label
-//! is the worker's URL as given (llm-d's `model_server_endpoint` is the worker's id, the
-//! endpoint's name in EPP mode). A family kvroute has no count for is not exported
-//! (`docs/observability.md`, "Peers' metric names", lists them).
+//! spellings (and, for llm-d, the `inference_pool_*` names that llm-d-router still writes and
+//! GIE's Grafana dashboard reads), so the two views never disagree and nothing is counted
+//! twice. The worker label is the worker's URL as given (llm-d's `model_server_endpoint` is
+//! the worker's id, the endpoint's name in EPP mode). A family kvroute has no count for is not
+//! exported (`docs/observability.md`, "Peers' metric names", lists them).
 
 use std::fmt;
 use std::sync::atomic::AtomicU64;
@@ -359,6 +360,14 @@ impl PeerMetrics {
             &per_pod,
         )?;
         self.pool_gauges(enc, rs)?;
+        // The time spent choosing an endpoint: `kvroute_routing_seconds`, with its buckets
+        // (1 µs to 16 ms), not llm-d's (100 µs to 100 ms).
+        emit(
+            enc,
+            "llm_d_epp_scheduler_e2e_duration_seconds",
+            "End-to-end scheduling latency distribution in seconds.",
+            &self.metrics.routing_seconds,
+        )?;
         if self.pd {
             let disagg = Counters::default();
             let remote = self.metrics.disagg_remote.get();
@@ -391,7 +400,10 @@ impl PeerMetrics {
         let ready = rs.iter().filter(|r| r.healthy > 0.0).count() as f64;
         let gauges = [
             (
-                ["average_kv_cache_utilization", "average_kv_cache_utilization"],
+                [
+                    "average_kv_cache_utilization",
+                    "average_kv_cache_utilization",
+                ],
                 ["The average kv cache utilization for an inference server pool."; 2],
                 mean(rs.iter().filter_map(|r| r.kv_usage).collect()),
             ),

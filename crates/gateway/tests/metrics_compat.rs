@@ -76,6 +76,19 @@ async fn round_robin_reads_the_same_under_every_peers_names() {
         Some(2.0),
     );
     assert_metric(&m, "inference_pool_ready_pods", "name=\"\"", Some(2.0));
+    // The time spent choosing a worker, once per request.
+    assert_metric(
+        &m,
+        "llm_d_epp_scheduler_e2e_duration_seconds_count",
+        "",
+        metric_value(&m, "kvroute_routing_seconds_count", ""),
+    );
+    assert_metric(
+        &m,
+        "llm_d_epp_scheduler_e2e_duration_seconds_count",
+        "",
+        Some(10.0),
+    );
     // No engine reading under round robin: no average, under either name.
     assert!(!m.contains("_average_"), "{m}");
     assert_metric(&m, "vllm_router_active_workers", "", Some(2.0));
