@@ -166,8 +166,9 @@ impl Model {
 
 /// Everything a `None` pop must leave alone.
 fn state(q: &DrrQueue<u64>) -> (usize, bool, Vec<u64>) {
-    let deficits = q.lanes.iter().map(|l| l.deficit).collect();
-    (q.cursor, q.in_turn, deficits)
+    let level = &q.levels[0];
+    let deficits = level.lanes.iter().map(|l| l.deficit).collect();
+    (level.cursor, level.in_turn, deficits)
 }
 
 #[test]

@@ -230,8 +230,8 @@ fn pop_with_everything_blocked_changes_nothing() {
     q.push(2, "c2", 50).unwrap();
     assert_eq!(q.pop(|c, _| c == 2), Some((2, "c")));
     let before = (
-        q.cursor,
-        q.in_turn,
+        q.levels[0].cursor,
+        q.levels[0].in_turn,
         [q.deficit(0), q.deficit(1), q.deficit(2)],
     );
     let mut calls = Vec::new();
@@ -241,8 +241,8 @@ fn pop_with_everything_blocked_changes_nothing() {
     });
     assert_eq!(got, None);
     let after = (
-        q.cursor,
-        q.in_turn,
+        q.levels[0].cursor,
+        q.levels[0].in_turn,
         [q.deficit(0), q.deficit(1), q.deficit(2)],
     );
     assert_eq!(before, after);
