@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvroute_core::eligibility::BusyThresholds;
-use kvroute_core::queue::{must_wait, DrrQueue, PolicyClass, QueueError, QueueOrder, Ticket};
+use kvroute_core::queue::{
+    must_wait, Arrival, DrrQueue, PolicyClass, QueueError, QueueOrder, Ticket,
+};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -71,6 +73,8 @@ pub struct AdmissionQueue {
     class_thresholds: Vec<BusyThresholds>,
     default_class: usize,
     queue: Mutex<DrrQueue<Waiter>>,
+    /// The queue's clock starts here (`DrrQueue` takes time as a `Duration` since it).
+    epoch: Instant,
     /// A request let go that has not started yet (its load is not counted): no other is
     /// let go until it has, so each decision sees the load of the previous one.
     in_transit: AtomicBool,
@@ -158,6 +162,7 @@ impl AdmissionQueue {
             class_thresholds,
             default_class,
             queue: Mutex::new(queue),
+            epoch: Instant::now(),
             in_transit: AtomicBool::new(false),
             pending,
             waited,
@@ -216,13 +221,23 @@ impl AdmissionQueue {
         let (wake, woken) = oneshot::channel();
         let ticket = {
             let mut q = self.lock();
-            match q.push(class, Waiter { ranks, wake }, cost) {
+            // One tenant and the default tier for now (`DrrQueue::new`: one tier, fairness
+            // off), so the order is the plain DRR's. The gateway wiring of tenants (identity,
+            // VTC) and `x-smg-priority` tiers is to come and will fill these in.
+            let arrival = Arrival {
+                class,
+                tier: q.default_tier(),
+                tenant: "",
+                cost,
+                now: self.epoch.elapsed(),
+            };
+            match q.push_with(&arrival, Waiter { ranks, wake }) {
                 Ok(t) => t,
                 Err(QueueError::Full { .. }) => {
                     self.refused_full.inc();
                     return Err(GatewayError::QueueFull(self.classes[class].name.clone()));
                 }
-                Err(QueueError::UnknownClass { .. }) => {
+                Err(QueueError::UnknownClass { .. } | QueueError::UnknownTier { .. }) => {
                     return Err(GatewayError::NoEndpoint("unknown policy class"))
                 }
             }
@@ -259,7 +274,8 @@ impl AdmissionQueue {
         if self.in_transit.load(Ordering::Acquire) {
             return;
         }
-        while let Some((class, waiter)) = q.pop(|_, w| {
+        let now = self.epoch.elapsed();
+        while let Some((class, waiter)) = q.pop_at(now, |_, w| {
             !w.ranks
                 .iter()
                 .all(|(worker, r)| saturated(worker, *r, threshold))
