@@ -52,7 +52,7 @@ impl<T> Level<T> {
         }
         // The next visits: each ready class's visits needed; the earliest last visit wins.
         let mut winner: Option<(u128, usize, super::Key)> = None;
-        for p in 0..n {
+        for (p, slot) in scratch.iter_mut().enumerate().take(n) {
             let c = (start + p) % n;
             let lane = &self.lanes[c];
             let visits = lane.head(&counters[c]).and_then(|(key, head)| {
@@ -65,7 +65,7 @@ impl<T> Level<T> {
                     (short.div_ceil(classes[c].weight).max(1), key)
                 })
             });
-            scratch[p] = visits.map(|(r, _)| r);
+            *slot = visits.map(|(r, _)| r);
             if let Some((r, key)) = visits {
                 let step = u128::from(r - 1) * n as u128 + p as u128;
                 if winner.is_none_or(|(s, _, _)| step < s) {
@@ -75,9 +75,9 @@ impl<T> Level<T> {
         }
         let (step, won, key) = winner?;
         // Credit every visit up to the winning one, as if the rounds had been looped.
-        for p in 0..n {
+        for (p, slot) in scratch.iter().enumerate().take(n) {
             let c = (start + p) % n;
-            if scratch[p].is_some() && p as u128 <= step {
+            if slot.is_some() && p as u128 <= step {
                 let visits = u64::try_from((step - p as u128) / n as u128 + 1).unwrap_or(u64::MAX);
                 let lane = &mut self.lanes[c];
                 let credit = visits.saturating_mul(classes[c].weight);

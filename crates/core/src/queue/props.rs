@@ -1,7 +1,8 @@
 //! Seeded property tests: fairness, no starvation, no credit while blocked, and a
 //! differential test against a simple model.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -268,4 +269,255 @@ fn random_operations_match_the_model() {
         let accepted: HashSet<u64> = tickets.iter().map(|&(_, id)| id).collect();
         assert_eq!(left, accepted, "seed {seed}: lost or duplicated items");
     }
+}
+
+/// A queued request as the sharing model sees it.
+#[derive(Debug, Clone)]
+struct Held {
+    id: u64,
+    tier: usize,
+    class: usize,
+    tenant: &'static str,
+    key: (u64, u64),
+    time: Duration,
+}
+
+/// The O(n) model of tiers, starvation and VTC: a flat list of requests and each class's
+/// counters, never forgetting a tenant.
+struct SharingModel {
+    held: Vec<Held>,
+    counters: Vec<BTreeMap<&'static str, f64>>,
+    floor: Vec<f64>,
+    latest: Duration,
+    starvation: Vec<Option<Duration>>,
+    cfg: VtcConfig,
+}
+
+impl SharingModel {
+    fn weight(&self, tenant: &str) -> f64 {
+        self.cfg.tenant_weights.get(tenant).copied().unwrap_or(1.0)
+    }
+
+    fn backlogged(&self, c: usize, u: &str) -> bool {
+        self.held.iter().any(|h| h.class == c && h.tenant == u)
+    }
+
+    fn virtual_time(&self, c: usize) -> f64 {
+        let min = (self.counters[c].iter())
+            .filter(|(u, _)| self.backlogged(c, u))
+            .map(|(_, &x)| x)
+            .reduce(f64::min);
+        min.map_or(self.floor[c], |m| m.max(self.floor[c]))
+    }
+
+    fn counter(&self, c: usize, u: &str) -> f64 {
+        let own = self.counters[c].get(u).copied();
+        if self.backlogged(c, u) {
+            return own.expect("a backlogged tenant has a counter");
+        }
+        let v = self.virtual_time(c);
+        own.map_or(v, |x| x.max(v))
+    }
+
+    fn push(&mut self, h: Held) {
+        let lifted = self.counter(h.class, h.tenant);
+        self.counters[h.class].insert(h.tenant, lifted);
+        self.held.push(h);
+    }
+
+    /// `id` leaves, its tenant charged `served`.
+    fn leave(&mut self, id: u64, served: f64) -> Option<Held> {
+        let i = self.held.iter().position(|h| h.id == id)?;
+        let h = self.held.remove(i);
+        let (c, u) = (h.class, h.tenant);
+        *self.counters[c].get_mut(u).expect("counted") += served;
+        if !self.backlogged(c, u) {
+            let others = (self.counters[c].iter())
+                .filter(|(v, _)| self.backlogged(c, v))
+                .map(|(_, &x)| x)
+                .reduce(f64::min);
+            self.floor[c] = self.floor[c].max(others.unwrap_or(self.counters[c][u]));
+        }
+        Some(h)
+    }
+
+    fn charge(&mut self, c: usize, u: &'static str, tokens: u64) {
+        let amount = self.cfg.output_weight * tokens as f64 / self.weight(u);
+        let base = self.counter(c, u);
+        self.counters[c].insert(u, base + amount);
+    }
+
+    fn promote(&mut self, now: Duration) {
+        for h in &mut self.held {
+            if h.tier > 0 && self.starvation[h.tier].is_some_and(|s| now.saturating_sub(h.time) > s)
+            {
+                h.tier = 0;
+            }
+        }
+    }
+
+    /// The head of a lane: the first request of the tenant with the lowest counter, the
+    /// earlier first arrival among equals.
+    fn head(&self, t: usize, c: usize) -> Option<&Held> {
+        let lane = || self.held.iter().filter(|h| h.tier == t && h.class == c);
+        let first_of = |u: &str| lane().filter(|h| h.tenant == u).min_by_key(|h| h.key);
+        lane().filter_map(|h| first_of(h.tenant)).min_by(|a, b| {
+            let (ca, cb) = (self.counter(c, a.tenant), self.counter(c, b.tenant));
+            ca.total_cmp(&cb).then(a.key.1.cmp(&b.key.1))
+        })
+    }
+}
+
+const TENANTS: [&str; 4] = ["auth:a", "auth:b", "ip:10.0.0.1", "anonymous"];
+
+fn random_sharing(rng: &mut StdRng) -> Sharing {
+    let thresholds = [0, 1, 2, 3].map(|_| {
+        rng.random_bool(0.6)
+            .then(|| Duration::from_millis(rng.random_range(0..2_000)))
+    });
+    let mut cfg = VtcConfig {
+        output_weight: [1.0, 2.0, 0.5][rng.random_range(0..3)],
+        ..VtcConfig::default()
+    };
+    for u in TENANTS {
+        if rng.random_bool(0.3) {
+            cfg.tenant_weights
+                .insert(u.into(), [0.5, 2.0, 3.0][rng.random_range(0..3)]);
+        }
+    }
+    Sharing::smg(thresholds, Fairness::Vtc(cfg))
+}
+
+#[test]
+fn random_sharing_operations_match_the_model() {
+    for seed in 0..32 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let n = rng.random_range(1..=3);
+        let classes: Vec<PolicyClass> = (0..n)
+            .map(|i| PolicyClass {
+                name: format!("c{i}"),
+                weight: rng.random_range(1..=500),
+                max_queued: None,
+            })
+            .collect();
+        let sharing = random_sharing(&mut rng);
+        let Fairness::Vtc(cfg) = sharing.fairness.clone() else {
+            unreachable!()
+        };
+        let order = order_for(seed);
+        let mut q = DrrQueue::with_sharing(classes, order, sharing.clone()).unwrap();
+        let mut m = SharingModel {
+            held: Vec::new(),
+            counters: vec![BTreeMap::new(); n],
+            floor: vec![0.0; n],
+            latest: Duration::ZERO,
+            starvation: sharing.tiers.iter().map(|t| t.starvation).collect(),
+            cfg,
+        };
+        let mut tickets = Vec::new();
+        let mut clock = Duration::ZERO;
+        for step in 0..2_000u64 {
+            // Mostly forward, sometimes a little back (pushes then count at the latest time).
+            clock = (clock + Duration::from_millis(rng.random_range(0..60)))
+                .saturating_sub(Duration::from_millis(rng.random_range(0..5)));
+            let ctx = format!("seed {seed} step {step}");
+            match rng.random_range(0..100) {
+                0..45 => {
+                    let (c, tier) = (rng.random_range(0..n), rng.random_range(0..4));
+                    let tenant = TENANTS[rng.random_range(0..TENANTS.len())];
+                    let cost = rng.random_range(0..2_000);
+                    let arrival = Arrival {
+                        class: c,
+                        tier,
+                        tenant,
+                        cost,
+                        now: clock,
+                    };
+                    let ticket = q.push_with(&arrival, step).unwrap();
+                    m.latest = m.latest.max(clock);
+                    let rank = if order == QueueOrder::Wspt { cost } else { 0 };
+                    let (id, time) = (step, m.latest);
+                    m.push(Held {
+                        id,
+                        tier,
+                        class: c,
+                        tenant,
+                        key: (rank, step),
+                        time,
+                    });
+                    tickets.push((ticket, cost, step));
+                }
+                45..55 if !tickets.is_empty() => {
+                    let (ticket, _, id) = tickets[rng.random_range(0..tickets.len())];
+                    let live = m.leave(id, 0.0).map(|h| h.id);
+                    assert_eq!(q.remove(ticket), live, "{ctx}");
+                }
+                55..65 => {
+                    let (c, u) = (rng.random_range(0..n), TENANTS[rng.random_range(0..4)]);
+                    let tokens = rng.random_range(0..300);
+                    q.charge(c, u, tokens);
+                    m.charge(c, u, tokens);
+                }
+                _ => {
+                    let blocked_class = rng.random_range(0..=n); // n: none
+                    let odd_blocked = rng.random_bool(0.3);
+                    let ready =
+                        |c: usize, id: u64| c != blocked_class && !(odd_blocked && id % 2 == 1);
+                    m.latest = m.latest.max(clock);
+                    m.promote(m.latest);
+                    let heads: Vec<(usize, usize, u64)> = (0..4)
+                        .flat_map(|t| (0..n).map(move |c| (t, c)))
+                        .filter_map(|(t, c)| m.head(t, c).map(|h| (t, c, h.id)))
+                        .collect();
+                    let got = q.pop_at(clock, |c, &id| {
+                        assert!(
+                            heads.contains(&(heads_tier(&heads, c, id), c, id)),
+                            "{ctx}: asked about a non-head"
+                        );
+                        ready(c, id)
+                    });
+                    let first_ready = heads.iter().find(|&&(_, c, id)| ready(c, id)).map(|h| h.0);
+                    match got {
+                        Some((c, id)) => {
+                            let &(t, _, _) = heads.iter().find(|h| h.2 == id).expect("a head");
+                            assert_eq!(Some(t), first_ready, "{ctx}: a higher tier was ready");
+                            assert!(ready(c, id));
+                            let cost = tickets.iter().find(|t| t.2 == id).unwrap().1;
+                            let tenant = m.held.iter().find(|h| h.id == id).unwrap().tenant;
+                            let served = cost as f64 / m.weight(tenant);
+                            m.leave(id, served).expect("live");
+                        }
+                        None => assert_eq!(first_ready, None, "{ctx}: a ready head was skipped"),
+                    }
+                }
+            }
+            assert_eq!(q.len(), m.held.len(), "{ctx}");
+            for c in 0..n {
+                for u in TENANTS {
+                    assert_eq!(
+                        q.counter(c, u),
+                        m.counter(c, u),
+                        "{ctx}: class {c} tenant {u}"
+                    );
+                }
+                for t in 0..4 {
+                    let live = m
+                        .held
+                        .iter()
+                        .filter(|h| h.tier == t && h.class == c)
+                        .count();
+                    assert_eq!(q.lane_len(t, c), live, "{ctx}: lane ({t}, {c})");
+                }
+                assert!(q.known_tenants(c) <= TENANTS.len());
+            }
+        }
+    }
+}
+
+/// The tier of the head `id` of class `c` in `heads` (`usize::MAX` when it is none).
+fn heads_tier(heads: &[(usize, usize, u64)], c: usize, id: u64) -> usize {
+    heads
+        .iter()
+        .find(|h| h.1 == c && h.2 == id)
+        .map_or(usize::MAX, |h| h.0)
 }
