@@ -3,6 +3,7 @@
 //! stderr) and write the JSON and the plot asked for.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -32,6 +33,8 @@ pub struct Setup {
     pub seed: u64,
     /// The router queue, when on.
     pub queue: Option<QueueConfig>,
+    /// Each request's tenant (`--tenants`), when split.
+    pub tenants: Option<Arc<[u32]>>,
 }
 
 impl Setup {
@@ -45,6 +48,7 @@ impl Setup {
             rate_scale,
             seed: self.seed,
             queue: self.queue,
+            tenants: self.tenants.clone(),
         }
     }
 }

@@ -18,4 +18,5 @@ pub mod report;
 pub mod simulate;
 pub mod sweep;
 pub mod synthetic;
+pub mod tenants;
 pub mod trace;

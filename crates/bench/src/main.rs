@@ -2,21 +2,22 @@
 //! here, the work is the library's.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
 use kvroute_bench::plot::Series;
-use kvroute_bench::simulate::{Cluster, InvalidQueue, PdCluster, QueueConfig};
+use kvroute_bench::simulate::{Cluster, PdCluster};
 use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
-use kvroute_core::queue::QueueOrder;
 use kvroute_core::{KvAwareConfig, MemoryCost, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, TimingModel};
 use kvroute_sim::TimingArgs;
+
+mod queue_args;
+use queue_args::{QueueArgs, TenantArgs};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -177,51 +178,6 @@ impl PdArgs {
     }
 }
 
-/// The order within the router queue, with the gateway's names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum QueueOrderArg {
-    /// Arrival order.
-    Fcfs,
-    /// Fewest uncached tokens first.
-    Wspt,
-}
-
-/// The gateway's router queue, with its flags and defaults (aggregated clusters only).
-#[derive(Debug, Args)]
-#[command(next_help_heading = "Router queue (as the gateway's flags)")]
-struct QueueArgs {
-    /// Hold a request while every engine has more active prefill tokens than this fraction of
-    /// --max-num-batched-tokens (off when absent).
-    #[arg(long, value_name = "F")]
-    router_queue_threshold: Option<f64>,
-    /// Order of the waiting requests [default: fcfs].
-    #[arg(long, value_enum, requires = "router_queue_threshold")]
-    router_queue_policy: Option<QueueOrderArg>,
-    /// The longest a request may wait in the queue; then it gets no answer [default: 60].
-    #[arg(long, value_name = "S", requires = "router_queue_threshold")]
-    router_queue_timeout_secs: Option<u64>,
-}
-
-impl QueueArgs {
-    /// The queue asked for, if any, before a disaggregated cluster when `pd`.
-    fn config(&self, pd: bool) -> Result<Option<QueueConfig>, InvalidQueue> {
-        let Some(threshold) = self.router_queue_threshold else {
-            return Ok(None);
-        };
-        if pd {
-            return Err(InvalidQueue::Disaggregated);
-        }
-        let order = match self.router_queue_policy {
-            Some(QueueOrderArg::Wspt) => QueueOrder::Wspt,
-            Some(QueueOrderArg::Fcfs) | None => QueueOrder::Fcfs,
-        };
-        let timeout = self
-            .router_queue_timeout_secs
-            .map_or(QueueConfig::DEFAULT_TIMEOUT, Duration::from_secs);
-        QueueConfig::new(threshold, order, timeout).map(Some)
-    }
-}
-
 /// The requests to send.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Workload")]
@@ -311,6 +267,8 @@ struct ClusterArgs {
     #[command(flatten)]
     queue: QueueArgs,
     #[command(flatten)]
+    tenants: TenantArgs,
+    #[command(flatten)]
     timing: TimingArgs,
 }
 
@@ -324,6 +282,7 @@ impl ClusterArgs {
         let pd_cluster = self.pd.cluster(&policy_config)?;
         let queue = self.queue.config(pd_cluster.is_some())?;
         let (name, requests) = self.workload.load(command)?;
+        let (name, requests, tenants) = self.tenants.apply(name, requests)?;
         let clusters: Vec<Cluster> = match &pd_cluster {
             Some(c) => vec![Cluster::Disaggregated(c.clone())],
             None => self
@@ -366,6 +325,7 @@ impl ClusterArgs {
             hash_block: self.workload.hash_block_size,
             seed: self.workload.seed,
             queue,
+            tenants,
         })
     }
 }
@@ -607,7 +567,11 @@ fn main() -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use clap::error::ErrorKind;
+    use kvroute_bench::simulate::{QueueConfig, TenantFairness};
+    use kvroute_core::queue::QueueOrder;
     use kvroute_sim::engine::TimingFamily;
 
     use super::*;
@@ -892,6 +856,17 @@ mod tests {
             q,
             Some(QueueConfig::new(2.0, QueueOrder::Wspt, Duration::from_secs(5)).unwrap())
         );
+        let q =
+            queue("b simulate --trace t --router-queue-threshold 1 --router-queue-fairness vtc");
+        assert_eq!(q.unwrap().unwrap().fairness, TenantFairness::Vtc);
+        let parsed = parse("b simulate --trace t --router-queue-fairness vtc");
+        assert_eq!(parsed.err(), Some(ErrorKind::MissingRequiredArgument));
+        let parsed = parse("b simulate --trace t --heavy-tenant-scale 10");
+        assert_eq!(parsed.err(), Some(ErrorKind::MissingRequiredArgument));
+        assert!(parse(
+            "b goodput --trace t --slo-ttft-p90-ms 1 --tenants 2 --heavy-tenant-scale 10"
+        )
+        .is_ok());
         assert_eq!(
             queue("b simulate --trace t --router-queue-threshold 0"),
             Err("--router-queue-threshold must be a positive number, got 0".into())

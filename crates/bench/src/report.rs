@@ -57,16 +57,28 @@ pub fn policy_row(r: &PolicyResult, wall_s: f64) -> String {
     }
     if let Some(q) = &r.queue {
         row.push_str(&format!(
-            "\n{:<NAME$} router queue (threshold {}, {}): {} queued ({:.1}%), {} timed out after {} s; wait ms p50/p90/p99 {}; at most {} waiting",
+            "\n{:<NAME$} router queue (threshold {}, {}, tenants {:?}): {} queued ({:.1}%), {} timed out after {} s; wait ms p50/p90/p99 {}; at most {} waiting",
             "",
             q.threshold,
             q.policy,
+            q.fairness,
             q.queued,
             q.queued as f64 * 100.0 / (r.requests + r.rejected + q.timed_out).max(1) as f64,
             q.timed_out,
             q.timeout_s,
             ms(&q.wait_ms),
             q.longest
+        ));
+    }
+    for t in &r.tenants {
+        row.push_str(&format!(
+            "\n{:<NAME$} {}: {} requests ({} answered), TTFT ms p50/p90/p99 {}, {:.1}% of tokens served to the last arrival",
+            "",
+            t.tenant,
+            t.requests,
+            t.answered,
+            ms(&t.ttft_ms),
+            t.token_share * 100.0
         ));
     }
     row

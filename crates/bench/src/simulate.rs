@@ -19,7 +19,10 @@
 //!
 //! **The router queue** (`--router-queue-threshold`, see the `queue` module), when on, holds
 //! an arriving request while every engine is saturated with prefill, as the gateway does, and
-//! lets it go to be scored when capacity frees; its TTFT counts the wait.
+//! lets it go to be scored when capacity frees; its TTFT counts the wait. With tenants
+//! (`SimConfig::tenants`), the queue orders them as `--router-queue-fairness` says, output
+//! tokens are charged to their tenant as they are produced, and each tenant's figures are
+//! reported.
 //!
 //! [`reference`] is the yardstick printed beside the policies: each request alone on an idle
 //! engine of the same configuration, with what one LRU cache of the cluster's whole capacity
@@ -31,15 +34,19 @@ mod result;
 mod route;
 mod state;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::{PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, EngineCore, RequestId};
 
 use crate::trace::TraceRequest;
+pub use queue::TenantFairness;
 pub use queue::{InvalidQueue, QueueConfig};
 pub use reference::{reference, Reference};
-pub use result::{nearest_rank, percentiles, PdResult, Percentiles, PolicyResult, QueueResult};
+pub use result::{
+    nearest_rank, percentiles, PdResult, Percentiles, PolicyResult, QueueResult, TenantResult,
+};
 use state::State;
 
 /// What a simulation runs.
@@ -56,6 +63,9 @@ pub struct SimConfig {
     pub seed: u64,
     /// The router queue, when on (aggregated clusters only).
     pub queue: Option<QueueConfig>,
+    /// Each request's tenant, by its index in the trace (see [`crate::tenants`]); `None`: one
+    /// tenant, and no per-tenant figures.
+    pub tenants: Option<Arc<[u32]>>,
 }
 
 /// The engines and how requests are routed over them.
@@ -153,11 +163,12 @@ struct Run {
 }
 
 fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Run {
-    let mut state = State::new(cfg);
-    let mut next = 0usize;
-    let mut now = Duration::ZERO;
     let arrival_of =
         |r: &TraceRequest| Duration::from_secs_f64(r.timestamp as f64 / 1000.0 / cfg.rate_scale);
+    let last_arrival = trace.last().map_or(Duration::ZERO, arrival_of);
+    let mut state = State::new(cfg, last_arrival);
+    let mut next = 0usize;
+    let mut now = Duration::ZERO;
     while let Some(t) = state.next_event(trace.get(next).map(arrival_of)) {
         now = t;
         // Steps ending now take effect first; the load they release may let queued

@@ -174,6 +174,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             rate_scale: 1.0 / 50.0,
             seed: 0,
             queue: None,
+            tenants: None,
         },
     );
     assert!(

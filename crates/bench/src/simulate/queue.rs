@@ -17,13 +17,17 @@
 //! - A request still waiting `timeout` after its arrival leaves the queue unanswered (the
 //!   gateway's `queue_timeout`).
 //!
-//! One policy class, `default`, as the gateway's without `policy_classes` (a trace names no
-//! class). A request's TTFT and E2E count from its arrival, its wait included.
+//! - With tenants, `--router-queue-fairness vtc` orders them by virtual token counters
+//!   (`kvroute_core::queue::vtc`): a request's uncached tokens are charged when it is let go,
+//!   each output token (weight 2) as it is produced. `fcfs` ignores tenants.
+//!
+//! One policy class, `default`, and one priority tier, as the gateway's without
+//! `policy_classes` (a trace names neither). A request's TTFT and E2E count from its arrival, its wait included.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use kvroute_core::queue::{DrrQueue, PolicyClass, QueueOrder, Ticket};
+use kvroute_core::queue::{Arrival, DrrQueue, Fairness, PolicyClass, QueueOrder, Sharing, Ticket};
 use kvroute_core::RankLoad;
 use kvroute_index::BlockHash;
 use kvroute_sim::engine::RequestId;
@@ -41,6 +45,19 @@ pub struct QueueConfig {
     pub order: QueueOrder,
     /// `--router-queue-timeout-secs`.
     pub timeout: Duration,
+    /// `--router-queue-fairness`.
+    pub fairness: TenantFairness,
+}
+
+/// How the router queue orders tenants (`--router-queue-fairness`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenantFairness {
+    /// Tenants ignored: the queue's order alone (`fcfs`).
+    #[default]
+    Fcfs,
+    /// Virtual token counters between tenants.
+    Vtc,
 }
 
 /// A queue flag that makes no sense.
@@ -70,7 +87,13 @@ impl QueueConfig {
             threshold,
             order,
             timeout,
+            fairness: TenantFairness::Fcfs,
         })
+    }
+
+    /// The same, ordering tenants by `fairness`.
+    pub fn with_fairness(self, fairness: TenantFairness) -> Self {
+        Self { fairness, ..self }
     }
 
     /// The order's flag value.
@@ -88,6 +111,7 @@ pub struct QueueResult {
     pub threshold: f64,
     pub policy: &'static str,
     pub timeout_s: f64,
+    pub fairness: TenantFairness,
     /// Requests that entered the queue.
     pub queued: usize,
     /// Of those, the ones that waited past the timeout (no answer).
@@ -106,6 +130,7 @@ pub(super) struct Queued {
     pub tokens: Vec<u32>,
     pub hashes: Vec<BlockHash>,
     pub max_tokens: usize,
+    pub tenant: u32,
 }
 
 /// The queue and its tallies.
@@ -120,6 +145,8 @@ pub(super) struct RouterQueue {
     waits_ms: Vec<f64>,
     timed_out: usize,
     longest: usize,
+    /// The queue's key of each tenant seen, by tenant number.
+    keys: Vec<String>,
 }
 
 impl RouterQueue {
@@ -130,15 +157,38 @@ impl RouterQueue {
             weight: 1,
             max_queued: None,
         };
+        let sharing = Sharing {
+            fairness: match cfg.fairness {
+                TenantFairness::Fcfs => Fairness::Off,
+                TenantFairness::Vtc => Fairness::Vtc(Default::default()),
+            },
+            ..Sharing::default()
+        };
         Self {
             cfg,
             budget: max_num_batched_tokens,
-            queue: DrrQueue::new(vec![default], cfg.order).expect("one valid class"),
+            queue: DrrQueue::with_sharing(vec![default], cfg.order, sharing)
+                .expect("one valid class"),
             deadlines: VecDeque::new(),
             waits_ms: Vec::new(),
             timed_out: 0,
             longest: 0,
+            keys: Vec::new(),
         }
+    }
+
+    /// Makes sure `keys` names `tenant`.
+    fn learn(&mut self, tenant: u32) {
+        while self.keys.len() <= tenant as usize {
+            self.keys
+                .push(crate::tenants::tenant_key(self.keys.len() as u32));
+        }
+    }
+
+    /// `tenant` was served `tokens` output tokens.
+    pub fn charge(&mut self, tenant: u32, tokens: u64) {
+        self.learn(tenant);
+        self.queue.charge(0, &self.keys[tenant as usize], tokens);
     }
 
     fn all_saturated(&self, loads: &[RankLoad]) -> bool {
@@ -156,9 +206,17 @@ impl RouterQueue {
     /// Enqueues `item` with `cost`, its uncached tokens.
     pub fn push(&mut self, item: Queued, cost: u64) {
         let deadline = item.arrival + self.cfg.timeout;
+        self.learn(item.tenant);
+        let arrival = Arrival {
+            class: 0,
+            tier: 0,
+            tenant: &self.keys[item.tenant as usize],
+            cost,
+            now: item.arrival,
+        };
         let ticket = self
             .queue
-            .push(0, item, cost)
+            .push_with(&arrival, item)
             .expect("the class is unbounded");
         self.deadlines.push_back((deadline, ticket));
         self.longest = self.longest.max(self.queue.len());
@@ -169,7 +227,7 @@ impl RouterQueue {
     pub fn release(&mut self, loads: &[RankLoad], now: Duration) -> Option<Queued> {
         // Every request may go to every engine: one test answers for every class's head.
         let blocked = self.all_saturated(loads);
-        let (_, item) = self.queue.pop(|_, _| !blocked)?;
+        let (_, item) = self.queue.pop_at(now, |_, _| !blocked)?;
         self.waits_ms.push((now - item.arrival).as_secs_f64() * 1e3);
         Some(item)
     }
@@ -198,6 +256,7 @@ impl RouterQueue {
             threshold: self.cfg.threshold,
             policy: self.cfg.order_name(),
             timeout_s: self.cfg.timeout.as_secs_f64(),
+            fairness: self.cfg.fairness,
             queued: self.waits_ms.len() + self.queue.len(),
             timed_out: self.timed_out,
             wait_ms: percentiles(&mut self.waits_ms),

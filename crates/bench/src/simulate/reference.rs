@@ -288,6 +288,7 @@ mod tests {
             rate_scale: 1.0,
             seed: 1,
             queue: None,
+            tenants: None,
         }
     }
 

@@ -59,6 +59,23 @@ pub struct PolicyResult {
     /// The router queue's figures, when it is on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queue: Option<QueueResult>,
+    /// Each tenant's figures, when the requests have tenants (`--tenants`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantResult>,
+}
+
+/// One tenant's figures.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantResult {
+    pub tenant: String,
+    /// Requests that arrived.
+    pub requests: usize,
+    /// Of those, the ones that got a first token.
+    pub answered: usize,
+    pub ttft_ms: Percentiles,
+    /// Its share of the tokens the cluster served (prompt tokens when routed, output tokens
+    /// as produced) up to the last arrival, while every tenant still had requests coming.
+    pub token_share: f64,
 }
 
 /// What each half of a disaggregated cluster did.

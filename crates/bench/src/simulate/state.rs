@@ -17,7 +17,7 @@ use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 use super::queue::{Queued, RouterQueue};
-use super::result::{percentiles, PdResult, PolicyResult};
+use super::result::{percentiles, PdResult, PolicyResult, TenantResult};
 use super::route::{Arrival, Placement, Router};
 use super::{Cluster, Run, SimConfig};
 use crate::trace::{prompt_tokens, TraceRequest};
@@ -25,6 +25,7 @@ use crate::trace::{prompt_tokens, TraceRequest};
 /// A request on an engine.
 struct Live {
     arrival: Duration,
+    tenant: u32,
     load: RequestLoad,
     role: Role,
 }
@@ -82,6 +83,31 @@ fn apply_events(index: &mut KvIndex, replica: ReplicaId, events: &[CacheEvent], 
     }
 }
 
+/// How many tenants `cfg`'s requests have (1 without tenants).
+fn tenant_count(cfg: &SimConfig) -> usize {
+    cfg.tenants
+        .as_ref()
+        .and_then(|of| of.iter().max())
+        .map_or(1, |&m| m as usize + 1)
+}
+
+/// The figures of each tenant that had requests.
+fn tenant_results(by_tenant: &mut [TenantTally]) -> Vec<TenantResult> {
+    let total: u64 = by_tenant.iter().map(|t| t.tokens).sum();
+    by_tenant
+        .iter_mut()
+        .enumerate()
+        .filter(|(_, t)| t.arrived > 0)
+        .map(|(i, t)| TenantResult {
+            tenant: crate::tenants::tenant_key(i as u32),
+            requests: t.arrived,
+            answered: t.ttft.len(),
+            ttft_ms: percentiles(&mut t.ttft),
+            token_share: t.tokens as f64 / total.max(1) as f64,
+        })
+        .collect()
+}
+
 /// Running totals.
 #[derive(Default)]
 struct Tally {
@@ -97,6 +123,17 @@ struct Tally {
     tokens_by: Vec<u64>,
     decode_only: usize,
     split: usize,
+    /// By tenant number (one, tenant 0, without tenants).
+    by_tenant: Vec<TenantTally>,
+}
+
+/// One tenant's running totals.
+#[derive(Default)]
+struct TenantTally {
+    arrived: usize,
+    ttft: Vec<f64>,
+    /// Tokens served up to the last arrival.
+    tokens: u64,
 }
 
 /// See the module docs.
@@ -115,10 +152,12 @@ pub(super) struct State<'a> {
     queue: Option<RouterQueue>,
     /// The order requests were routed in, and when (the tests read it).
     routed: Vec<(RequestId, Duration)>,
+    /// The last arrival: tokens served until then count in the tenants' shares.
+    last_arrival: Duration,
 }
 
 impl<'a> State<'a> {
-    pub fn new(cfg: &'a SimConfig) -> Self {
+    pub fn new(cfg: &'a SimConfig, last_arrival: Duration) -> Self {
         let bs = cfg.engine.block_size;
         let router = Router::new(&cfg.cluster, bs, cfg.engine.num_gpu_blocks);
         let n = router.engines();
@@ -144,10 +183,14 @@ impl<'a> State<'a> {
                 answered_by: vec![0; n],
                 prefills_on: vec![0; n],
                 tokens_by: vec![0; n],
+                by_tenant: (0..tenant_count(cfg))
+                    .map(|_| TenantTally::default())
+                    .collect(),
                 ..Tally::default()
             },
             queue: cfg.queue.map(|q| RouterQueue::new(q, budget)),
             routed: Vec::new(),
+            last_arrival,
         }
     }
 
@@ -190,9 +233,18 @@ impl<'a> State<'a> {
                         answered,
                         computes_prompt,
                     } => {
+                        let tenant = &mut self.tally.by_tenant[l.tenant as usize];
+                        if end <= self.last_arrival {
+                            tenant.tokens += 1;
+                        }
+                        if let Some(q) = &mut self.queue {
+                            q.charge(l.tenant, 1);
+                        }
                         if !*answered {
                             *answered = true;
-                            self.tally.ttft.push((end - l.arrival).as_secs_f64() * 1e3);
+                            let ttft = (end - l.arrival).as_secs_f64() * 1e3;
+                            self.tally.ttft.push(ttft);
+                            tenant.ttft.push(ttft);
                             if *computes_prompt {
                                 self.tally.cached += t.cached_tokens as u64;
                             }
@@ -242,6 +294,7 @@ impl<'a> State<'a> {
             (decode, id),
             Live {
                 arrival: l.arrival,
+                tenant: l.tenant,
                 load: decode_load,
                 role: Role::Answer {
                     answered: false,
@@ -265,12 +318,15 @@ impl<'a> State<'a> {
     pub fn arrive(&mut self, id: RequestId, r: &TraceRequest, now: Duration) {
         let tokens = prompt_tokens(r, self.cfg.hash_block, self.cfg.vocab);
         let hashes = block_hashes(&tokens, self.cfg.engine.block_size, 0);
+        let tenant = self.cfg.tenants.as_ref().map_or(0, |of| of[id.0 as usize]);
+        self.tally.by_tenant[tenant as usize].arrived += 1;
         let req = Queued {
             id,
             arrival: now,
             tokens,
             hashes,
             max_tokens: r.output_length.max(1),
+            tenant,
         };
         let Some(queue) = &self.queue else {
             return self.route(req, now);
@@ -332,6 +388,9 @@ impl<'a> State<'a> {
         );
         self.routed.push((req.id, now));
         self.tally.prompt += req.tokens.len() as u64;
+        if now <= self.last_arrival {
+            self.tally.by_tenant[req.tenant as usize].tokens += req.tokens.len() as u64;
+        }
         let request = EngineRequest {
             id: req.id,
             prompt: req.tokens,
@@ -383,6 +442,7 @@ impl<'a> State<'a> {
             (engine, req.id),
             Live {
                 arrival: req.arrival,
+                tenant: req.tenant,
                 load,
                 role,
             },
@@ -450,6 +510,10 @@ impl<'a> State<'a> {
             preemptions: engines.iter().map(|e| e.stats().preemptions).sum(),
             pd,
             queue: self.queue.map(RouterQueue::result),
+            tenants: match self.cfg.tenants {
+                Some(_) => tenant_results(&mut tally.by_tenant),
+                None => Vec::new(),
+            },
         };
         Run {
             result,

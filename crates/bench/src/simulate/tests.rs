@@ -1,6 +1,7 @@
 use super::*;
 
 mod queue;
+mod tenants;
 
 fn small_trace() -> Vec<TraceRequest> {
     (0..120u64)
@@ -29,6 +30,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         rate_scale: 1.0,
         seed: 3,
         queue: None,
+        tenants: None,
     }
 }
 
@@ -228,6 +230,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             rate_scale: 1.0,
             seed: 0,
             queue: None,
+            tenants: None,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));

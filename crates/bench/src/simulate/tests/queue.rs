@@ -7,7 +7,7 @@ use kvroute_core::queue::QueueOrder;
 use super::*;
 
 /// A request at `ms` of `blocks` hash blocks of 512 tokens, none shared with another.
-fn request(ms: u64, blocks: u64, first: u64) -> TraceRequest {
+pub(super) fn request(ms: u64, blocks: u64, first: u64) -> TraceRequest {
     TraceRequest {
         timestamp: ms,
         input_length: blocks as usize * 512,
@@ -17,7 +17,7 @@ fn request(ms: u64, blocks: u64, first: u64) -> TraceRequest {
 }
 
 /// `workers` engines of 512 tokens a step, queueing at `queue`.
-fn queued(workers: usize, queue: Option<QueueConfig>) -> SimConfig {
+pub(super) fn queued(workers: usize, queue: Option<QueueConfig>) -> SimConfig {
     SimConfig {
         cluster: Cluster::Aggregated {
             workers,
