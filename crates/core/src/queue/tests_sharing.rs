@@ -1,5 +1,6 @@
 //! One test per rule of tiers and tenants.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::*;
