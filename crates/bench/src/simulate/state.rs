@@ -154,6 +154,9 @@ pub(super) struct State<'a> {
     routed: Vec<(RequestId, Duration)>,
     /// The last arrival: tokens served until then count in the tenants' shares.
     last_arrival: Duration,
+    /// The end of the last step: the run's makespan (a queue deadline of a request already
+    /// let go may come later and does not count).
+    last_end: Duration,
 }
 
 impl<'a> State<'a> {
@@ -191,6 +194,7 @@ impl<'a> State<'a> {
             queue: cfg.queue.map(|q| RouterQueue::new(q, budget)),
             routed: Vec::new(),
             last_arrival,
+            last_end: Duration::ZERO,
         }
     }
 
@@ -221,6 +225,7 @@ impl<'a> State<'a> {
                 continue;
             }
             let (end, out) = self.pending[e].take().expect("checked");
+            self.last_end = self.last_end.max(end);
             apply_events(&mut self.index, ReplicaId(e as u32), &out.events, bs);
             self.tally.tokens_by[e] += out.tokens.len() as u64;
             for t in &out.tokens {
@@ -474,7 +479,12 @@ impl<'a> State<'a> {
     pub fn finish(self, now: Duration) -> Run {
         let mut tally = self.tally;
         let engines = self.engines;
-        let makespan = now.as_secs_f64().max(1e-9);
+        let end = if self.last_end.is_zero() {
+            now
+        } else {
+            self.last_end
+        };
+        let makespan = end.as_secs_f64().max(1e-9);
         let ttft_ms = percentiles(&mut tally.ttft);
         let pd = match (&self.cfg.cluster, self.router.halves()) {
             (Cluster::Disaggregated(c), Some((prefill, decode))) => Some(PdResult {

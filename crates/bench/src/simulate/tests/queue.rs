@@ -84,6 +84,8 @@ fn without_a_threshold_or_below_it_nothing_waits() {
     assert_eq!((q.queued, q.longest, q.wait_ms.p99), (0, 0, 0.0));
     // Nothing waited: the same run as without the queue.
     assert_eq!((high.ttft_ms, high.e2e_ms), (off.ttft_ms, off.e2e_ms));
+    // The run ends with its last step, not at a deadline of a request long let go.
+    assert_eq!(high.throughput_rps, off.throughput_rps);
 }
 
 #[test]
