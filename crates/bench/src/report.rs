@@ -72,12 +72,13 @@ pub fn policy_row(r: &PolicyResult, wall_s: f64) -> String {
     }
     for t in &r.tenants {
         row.push_str(&format!(
-            "\n{:<NAME$} {}: {} requests ({} answered), TTFT ms p50/p90/p99 {}, {:.1}% of tokens served to the last arrival",
+            "\n{:<NAME$} {}: {} requests ({} answered), TTFT ms p50/p90/p99 {} (router queue {}), {:.1}% of tokens served to the last arrival",
             "",
             t.tenant,
             t.requests,
             t.answered,
             ms(&t.ttft_ms),
+            ms(&t.router_wait_ms),
             t.token_share * 100.0
         ));
     }

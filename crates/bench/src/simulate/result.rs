@@ -73,6 +73,9 @@ pub struct TenantResult {
     /// Of those, the ones that got a first token.
     pub answered: usize,
     pub ttft_ms: Percentiles,
+    /// Time in the router queue of its routed requests (0 for those routed on arrival): the
+    /// part of the TTFT the queue's order decides.
+    pub router_wait_ms: Percentiles,
     /// Its share of the tokens the cluster served (prompt tokens when routed, output tokens
     /// as produced) up to the last arrival, while every tenant still had requests coming.
     pub token_share: f64,

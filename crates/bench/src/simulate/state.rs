@@ -103,6 +103,7 @@ fn tenant_results(by_tenant: &mut [TenantTally]) -> Vec<TenantResult> {
             requests: t.arrived,
             answered: t.ttft.len(),
             ttft_ms: percentiles(&mut t.ttft),
+            router_wait_ms: percentiles(&mut t.waits),
             token_share: t.tokens as f64 / total.max(1) as f64,
         })
         .collect()
@@ -132,6 +133,8 @@ struct Tally {
 struct TenantTally {
     arrived: usize,
     ttft: Vec<f64>,
+    /// Each routed request's wait in the router queue (0 when routed on arrival).
+    waits: Vec<f64>,
     /// Tokens served up to the last arrival.
     tokens: u64,
 }
@@ -393,8 +396,10 @@ impl<'a> State<'a> {
         );
         self.routed.push((req.id, now));
         self.tally.prompt += req.tokens.len() as u64;
+        let tenant = &mut self.tally.by_tenant[req.tenant as usize];
+        tenant.waits.push((now - req.arrival).as_secs_f64() * 1e3);
         if now <= self.last_arrival {
-            self.tally.by_tenant[req.tenant as usize].tokens += req.tokens.len() as u64;
+            tenant.tokens += req.tokens.len() as u64;
         }
         let request = EngineRequest {
             id: req.id,
