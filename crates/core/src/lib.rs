@@ -9,7 +9,9 @@
 //! their small internal state (a round-robin counter, a cached hash ring, `manual`'s sticky
 //! map). Invariants: selection never blocks on I/O, never spawns, and reads time only from
 //! [`RouteRequest::now`]; with the same inputs and the same rng state a policy makes the
-//! same choice. Does not own: HTTP, metrics, health checks or load accounting's
+//! same choice. Also owns the router queue's order ([`queue`]: priority tiers, weighted DRR
+//! over policy classes, virtual token counters between tenants), with time passed in. Does
+//! not own: HTTP, metrics, health checks or load accounting's
 //! increments (the caller applies those from the decision).
 
 pub mod affinity;

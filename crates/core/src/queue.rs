@@ -15,6 +15,8 @@
 //! `default` 2, `bulk` 3). A pop serves the highest tier that has a *ready* head (one
 //! `can_dispatch` allows); a lower tier goes only when every higher tier is empty or blocked,
 //! so tiers order the queue and never leave capacity unused (work-conserving).
+//! `can_dispatch` is asked about a lane's head only, as before tiers and tenants: a blocked
+//! head blocks its lane (head-of-line, as under FCFS), never the other lanes.
 //!
 //! **Starvation.** A tier may have a threshold `s`. At `pop_at(now)`, every request of that
 //! tier pushed at `t` with `now - t > s` (strictly) is *promoted*: it moves, for good, into

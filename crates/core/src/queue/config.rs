@@ -20,14 +20,14 @@ pub enum Fairness {
     /// One queue per class, tenants ignored (every request under one tenant).
     #[default]
     Off,
-    /// Virtual token counters (see [`vtc`]).
+    /// Virtual token counters (see [`vtc`](super::vtc)).
     Vtc(VtcConfig),
 }
 
 /// The weights of [`Fairness::Vtc`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct VtcConfig {
-    /// Weighted tokens charged per output token reported with [`DrrQueue::charge`] (a
+    /// Weighted tokens charged per output token reported with [`DrrQueue::charge`](super::DrrQueue::charge) (a
     /// prompt token is 1).
     pub output_weight: f64,
     /// Tenants' weights (their counters grow by tokens / weight); others have 1.
