@@ -83,6 +83,14 @@ pub fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
         .then(|| token.trim_ascii())
 }
 
+/// The connection's peer address, which the server puts in each request's extensions
+/// (`None` for a request that came another way, such as a test's `oneshot`).
+pub fn peer(extensions: &http::Extensions) -> Option<IpAddr> {
+    extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip())
+}
+
 /// The credential a call carries: `Authorization: Bearer`, else Anthropic's `x-api-key`.
 pub fn credential(headers: &HeaderMap) -> Option<&[u8]> {
     bearer(headers).or_else(|| headers.get(API_KEY_HEADER).map(|v| v.as_bytes()))

@@ -59,7 +59,8 @@ fn rs256(kid: &str) -> TestKey {
         .output()
         .expect("these tests make RSA keys with the `openssl` CLI: install openssl");
     assert!(out.status.success(), "openssl genpkey failed");
-    let pair = RsaKeyPair::from_pkcs8(&out.stdout).unwrap();
+    // OpenSSL 3 writes an RSAPrivateKey (PKCS#1) in DER.
+    let pair = RsaKeyPair::from_der(&out.stdout).unwrap();
     let (n, e) = rsa_public_parts(pair.public().as_ref());
     let jwk = json!({"kty": "RSA", "kid": kid, "alg": "RS256", "n": enc(&n), "e": enc(&e)});
     TestKey {
@@ -233,7 +234,7 @@ fn forged_tokens_are_refused() {
     assert_eq!(check("sk-not-a-jwt", &keys), Err(TokenError::Malformed));
     assert_eq!(
         check(&format!("{good}.x"), &keys),
-        Err(TokenError::Signature)
+        Err(TokenError::Malformed)
     );
 }
 
