@@ -9,8 +9,8 @@ use ring::rand::SystemRandom;
 use ring::signature::{EcdsaKeyPair, KeyPair, RsaKeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
 use serde_json::{json, Value};
 
-use super::super::jwks::{Fetch, Jwks, JwksError, REFETCH_INTERVAL};
 use super::*;
+use crate::auth::jwks::{Fetch, Jwks, JwksError, REFETCH_INTERVAL};
 
 const NOW: u64 = 1_800_000_000;
 
