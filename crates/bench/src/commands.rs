@@ -9,9 +9,11 @@ use anyhow::Context;
 use kvroute_sim::engine::EngineConfig;
 
 use crate::goodput::{goodput, Search, Slo};
+use crate::plot::load::LoadSeries;
 use crate::plot::{self, Series};
 use crate::report;
 use crate::simulate::{reference, simulate, Cluster, QueueConfig, SimConfig};
+use crate::sweep::{self, Percentile};
 use crate::trace::{self, TraceRequest};
 
 /// A simulated cluster's workload, policies and engines, resolved from the flags.
@@ -92,6 +94,8 @@ pub fn simulate_command(
         let doc = serde_json::json!({
             "trace": name,
             "workers": engines,
+            "shape": shape,
+            "rate_scale": rate_scale,
             "hit_bound": bound,
             "policies": results,
             "reference": reference,
@@ -183,5 +187,56 @@ pub fn write_plot(
 ) -> anyhow::Result<()> {
     plot::write_ttft_cdf(path, title, subtitle, series)?;
     eprintln!("TTFT CDF written to {}", path.display());
+    Ok(())
+}
+
+/// `plot-load`: the runs in `files` (see [`sweep`]) as one figure of TTFT `percentile` against
+/// load, a line per router, written to `out`.
+pub fn plot_load_command(
+    files: &[PathBuf],
+    percentile: Percentile,
+    out: &Path,
+    title: Option<&str>,
+    subtitle: Option<&str>,
+) -> anyhow::Result<()> {
+    let texts = files
+        .iter()
+        .map(|f| {
+            std::fs::read_to_string(f)
+                .map(|t| (f.display().to_string(), t))
+                .with_context(|| format!("cannot read {}", f.display()))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (lines, context) = sweep::gather(&texts, percentile)?;
+    let p = percentile.name();
+    let title = match (title, &context.trace) {
+        (Some(t), _) => t.to_owned(),
+        (None, Some(trace)) => format!("TTFT {p} against load: {trace}"),
+        (None, None) => format!("TTFT {p} against load"),
+    };
+    let subtitle = match (subtitle, &context.shape) {
+        (Some(s), _) => s.to_owned(),
+        (None, Some(shape)) => format!("virtual time, {shape}"),
+        (None, None) => String::new(),
+    };
+    let series: Vec<LoadSeries<'_>> = lines
+        .iter()
+        .map(|l| LoadSeries {
+            label: &l.label,
+            router: l.router,
+            points: &l.points,
+        })
+        .collect();
+    let y_desc = format!("TTFT {p} (ms, log scale)");
+    plot::write_ttft_load(out, &title, &subtitle, &y_desc, &series)?;
+    for l in &lines {
+        let points: Vec<String> = l
+            .points
+            .iter()
+            .map(|(x, y)| format!("x{x}: {y:.0}"))
+            .collect();
+        println!("{}: {}", l.label, points.join(", "));
+    }
+    eprintln!("TTFT {p} against load written to {}", out.display());
     Ok(())
 }

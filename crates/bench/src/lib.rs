@@ -7,7 +7,8 @@
 //! figures ([`plot`]). Beside the policies, the pooled-LRU reference
 //! ([`simulate::reference`]: each request alone on an idle engine with what one LRU cache of
 //! the cluster's capacity would hold) and SLO goodput ([`goodput`]: the highest rate at which
-//! a simulated cluster meets a latency objective, by bisection); the tables printed ([`report`]) and the commands that print them ([`commands`]).
+//! a simulated cluster meets a latency objective, by bisection); the tables printed ([`report`]) and the commands that print them ([`commands`]); runs at
+//! several loads gathered for the TTFT-against-load figure ([`sweep`]).
 
 pub mod commands;
 pub mod goodput;
@@ -15,5 +16,6 @@ pub mod plot;
 pub mod replay;
 pub mod report;
 pub mod simulate;
+pub mod sweep;
 pub mod synthetic;
 pub mod trace;

@@ -9,7 +9,9 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
 use kvroute_bench::plot::Series;
+use kvroute_bench::replay;
 use kvroute_bench::simulate::{Cluster, InvalidQueue, PdCluster, QueueConfig};
+use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::queue::QueueOrder;
@@ -277,7 +279,7 @@ impl Workload {
             }
             (None, None) => unreachable!("clap requires --trace or --synthetic"),
         };
-        skip(&mut requests, self.skip);
+        trace::skip(&mut requests, self.skip);
         if let Some(m) = self.max_requests {
             requests.truncate(m);
         }
@@ -369,33 +371,6 @@ impl ClusterArgs {
     }
 }
 
-/// A `--url` entry: non-empty, without its trailing `/`.
-fn base_url(s: &str) -> Result<String, String> {
-    let url = s.trim().trim_end_matches('/');
-    if url.is_empty() {
-        return Err("empty URL".into());
-    }
-    Ok(url.to_owned())
-}
-
-/// `--extra-body`: a JSON object.
-fn json_object(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-    match serde_json::from_str(s) {
-        Ok(serde_json::Value::Object(m)) => Ok(m),
-        Ok(_) => Err("not a JSON object".into()),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-/// Drops the first `n` requests and moves the rest so that the first starts at 0.
-fn skip(requests: &mut Vec<TraceRequest>, n: usize) {
-    requests.drain(..n.min(requests.len()));
-    let first = requests.first().map_or(0, |r| r.timestamp);
-    for r in requests.iter_mut() {
-        r.timestamp -= first;
-    }
-}
-
 #[derive(Debug, Subcommand)]
 enum Command {
     /// A trace or a synthetic workload replayed in real time against an OpenAI-compatible
@@ -408,7 +383,7 @@ enum Command {
             value_name = "URL",
             required = true,
             value_delimiter = ',',
-            value_parser = base_url
+            value_parser = replay::base_url
         )]
         urls: Vec<String>,
         /// The `model` field to send (omit for a router serving one model).
@@ -417,7 +392,7 @@ enum Command {
         /// A JSON object whose fields are added to every request's body, e.g. Dynamo's
         /// '{"nvext":{"extra_fields":["worker_id"]}}' (which also makes its frontend send a
         /// chunk per token, and name the worker).
-        #[arg(long, value_name = "JSON", value_parser = json_object)]
+        #[arg(long, value_name = "JSON", value_parser = replay::json_object)]
         extra_body: Option<serde_json::Map<String, serde_json::Value>>,
         #[arg(long, default_value_t = 1.0)]
         rate_scale: f64,
@@ -477,6 +452,26 @@ enum Command {
         /// Write the brackets as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
+    },
+    /// TTFT against load, a line per router: reads runs at several rate scales (`simulate
+    /// --json` files, and Dynamo replay lines from bench/dynamo_replay_requests.py) and draws
+    /// one SVG (bench/ttft_vs_load.sh runs the sweep and this).
+    PlotLoad {
+        /// The runs, in any order.
+        #[arg(required = true, value_name = "FILE")]
+        files: Vec<PathBuf>,
+        /// The SVG to write.
+        #[arg(long, value_name = "FILE.svg")]
+        plot: PathBuf,
+        /// The TTFT percentile on y.
+        #[arg(long, value_enum, default_value = "p90")]
+        percentile: Percentile,
+        /// [default: "TTFT <percentile> against load: <trace>"]
+        #[arg(long)]
+        title: Option<String>,
+        /// [default: "virtual time, <the runs' cluster>"]
+        #[arg(long)]
+        subtitle: Option<String>,
     },
 }
 
@@ -567,6 +562,19 @@ fn main() -> anyhow::Result<()> {
             search.validate()?;
             commands::goodput_command(&cluster.setup("goodput")?, &slo, &search, json)?;
         }
+        Command::PlotLoad {
+            files,
+            plot,
+            percentile,
+            title,
+            subtitle,
+        } => commands::plot_load_command(
+            &files,
+            percentile,
+            &plot,
+            title.as_deref(),
+            subtitle.as_deref(),
+        )?,
     }
     Ok(())
 }
@@ -662,22 +670,6 @@ mod tests {
                 Err(ErrorKind::ValueValidation)
             );
         }
-    }
-
-    #[test]
-    fn skip_leaves_out_the_first_requests_and_starts_the_rest_at_zero() {
-        let at = |ms| TraceRequest {
-            timestamp: ms,
-            input_length: 1,
-            output_length: 1,
-            hash_ids: vec![ms],
-        };
-        let mut r = vec![at(0), at(10), at(25), at(40)];
-        skip(&mut r, 2);
-        let times: Vec<(u64, u64)> = r.iter().map(|r| (r.timestamp, r.hash_ids[0])).collect();
-        assert_eq!(times, [(0, 25), (15, 40)]);
-        skip(&mut r, 9);
-        assert!(r.is_empty());
     }
 
     #[test]
@@ -802,6 +794,28 @@ mod tests {
     }
 
     #[test]
+    fn plot_load_takes_files_and_a_percentile() {
+        assert_eq!(
+            parse("b plot-load --plot o.svg").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
+        assert_eq!(
+            parse("b plot-load --plot o.svg --percentile p95 a.json").err(),
+            Some(ErrorKind::InvalidValue)
+        );
+        let parsed = Cli::try_parse_from("b plot-load --plot o.svg a.json b.jsonl".split(' '));
+        match parsed.map(|c| c.command) {
+            Ok(Command::PlotLoad {
+                files, percentile, ..
+            }) => {
+                assert_eq!(files, [PathBuf::from("a.json"), PathBuf::from("b.jsonl")]);
+                assert_eq!(percentile, Percentile::P90);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn simulate_and_goodput_take_the_gateways_queue_flags() {
         let queue = |args: &str| {
             let cluster = match Cli::try_parse_from(args.split_whitespace())
@@ -809,7 +823,7 @@ mod tests {
                 .command
             {
                 Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => cluster,
-                Command::Replay { .. } => panic!("not a simulation"),
+                Command::Replay { .. } | Command::PlotLoad { .. } => panic!("not a simulation"),
             };
             // The queue's flags are refused before the trace is read.
             let setup = cluster.setup("simulate").map(|_| ());

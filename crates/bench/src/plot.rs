@@ -8,11 +8,15 @@
 //!
 //! Text is written as SVG `<text>` elements and laid out by the viewer, so no font is needed
 //! here (plotters without its font features only estimates text widths).
+//!
+//! [`load`] draws the other figure: a TTFT percentile against load, a line per router.
 
 use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+pub mod load;
 
 /// Lines with more requests than this are drawn through this many quantiles.
 pub const MAX_POINTS: usize = 1000;
@@ -185,6 +189,21 @@ pub fn write_ttft_cdf(
     series: &[Series<'_>],
 ) -> Result<(), PlotError> {
     let svg = ttft_cdf_svg(title, subtitle, series)?;
+    std::fs::write(path, svg).map_err(|source| PlotError::Write {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Writes the TTFT-against-load figure (see [`load::ttft_load_svg`]) to `path`.
+pub fn write_ttft_load(
+    path: &Path,
+    title: &str,
+    subtitle: &str,
+    y_desc: &str,
+    series: &[load::LoadSeries<'_>],
+) -> Result<(), PlotError> {
+    let svg = load::ttft_load_svg(title, subtitle, y_desc, series)?;
     std::fs::write(path, svg).map_err(|source| PlotError::Write {
         path: path.to_owned(),
         source,

@@ -3,10 +3,11 @@
 //! [`PeerMetrics`] is a Prometheus collector registered only when a peer is named. Each
 //! scrape reads the workers' series (the same atomics `kvroute_*` exports) and writes them
 //! under vllm-router's, smg's or llm-d's endpoint picker's names, label names and value
-//! spellings, so the two views never disagree and nothing is counted twice. The worker label
-//! is the worker's URL as given (llm-d's `model_server_endpoint` is the worker's id, the
-//! endpoint's name in EPP mode). A family kvroute has no count for is not exported (README:
-//! "Peers' metric names" lists them).
+//! spellings (and, for llm-d, the `inference_pool_*` names that llm-d-router still writes and
+//! GIE's Grafana dashboard reads), so the two views never disagree and nothing is counted
+//! twice. The worker label is the worker's URL as given (llm-d's `model_server_endpoint` is
+//! the worker's id, the endpoint's name in EPP mode). A family kvroute has no count for is not
+//! exported (`docs/observability.md`, "Peers' metric names", lists them).
 
 use std::fmt;
 use std::sync::atomic::AtomicU64;
@@ -290,6 +291,25 @@ impl PeerMetrics {
             "Worker selection events by worker_type, connection_mode, model, policy",
             &selection,
         )?;
+        // smg counts every registered worker, healthy or not, in each model it serves.
+        let pool_size = Gauges::default();
+        for r in rs {
+            for model in &r.models {
+                pool_size
+                    .get_or_create(&vec![
+                        ("worker_type", r.worker_type.to_owned()),
+                        ("connection_mode", "http".to_owned()),
+                        ("model", model.clone()),
+                    ])
+                    .inc();
+            }
+        }
+        emit(
+            enc,
+            &format!("{p}_worker_pool_size"),
+            "Current worker pool size by worker_type, connection_mode, model",
+            &pool_size,
+        )?;
         let health = per_worker_gauge(rs, |r| r.healthy);
         emit(
             enc,
@@ -324,42 +344,29 @@ impl PeerMetrics {
             "The total number of requests pending in the model server queue for each underlying endpoint.",
             &queue,
         )?;
-        let pool = |v: f64| {
-            let g = Gauges::default();
-            g.get_or_create(&vec![("name", self.pool.clone())]).set(v);
-            g
-        };
-        let mean = |v: Vec<f64>| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
-        if let Some(kv) = mean(rs.iter().filter_map(|r| r.kv_usage).collect()) {
-            emit(
-                enc,
-                "llm_d_epp_average_kv_cache_utilization",
-                "The average kv cache utilization for an inference server pool.",
-                &pool(kv),
-            )?;
+        let per_pod = Gauges::default();
+        for r in rs {
+            per_pod
+                .get_or_create(&vec![
+                    ("name", self.pool.clone()),
+                    ("model_server_pod", r.id.clone()),
+                ])
+                .set(r.waiting.unwrap_or(f64::NAN));
         }
-        if let Some(q) = mean(rs.iter().filter_map(|r| r.waiting).collect()) {
-            emit(
-                enc,
-                "llm_d_epp_average_queue_size",
-                "The average number of requests pending in the model server queue.",
-                &pool(q),
-            )?;
-        }
-        if let Some(n) = mean(rs.iter().filter_map(|r| r.running).collect()) {
-            emit(
-                enc,
-                "llm_d_epp_average_running_requests",
-                "The average number of running requests across model servers in the pool.",
-                &pool(n),
-            )?;
-        }
-        let ready = rs.iter().filter(|r| r.healthy > 0.0).count();
         emit(
             enc,
-            "llm_d_epp_ready_endpoints",
-            "The number of ready endpoints in the inference server pool.",
-            &pool(ready as f64),
+            "inference_pool_per_pod_queue_size",
+            "The total number of requests pending in the model server queue for each underlying pod.",
+            &per_pod,
+        )?;
+        self.pool_gauges(enc, rs)?;
+        // The time spent choosing an endpoint: `kvroute_routing_seconds`, with its buckets
+        // (1 µs to 16 ms), not llm-d's (100 µs to 100 ms).
+        emit(
+            enc,
+            "llm_d_epp_scheduler_e2e_duration_seconds",
+            "End-to-end scheduling latency distribution in seconds.",
+            &self.metrics.routing_seconds,
         )?;
         if self.pd {
             let disagg = Counters::default();
@@ -376,6 +383,53 @@ impl PeerMetrics {
                 "Total number of disaggregation routing decisions made",
                 &disagg,
             )?;
+        }
+        Ok(())
+    }
+
+    /// The pool's gauges, each under llm-d's name and under GIE's `inference_pool_*` name,
+    /// which llm-d-router still writes (deprecated) and GIE's Grafana dashboard reads. An
+    /// average is left out while no endpoint has a fresh engine reading.
+    fn pool_gauges(&self, enc: &mut DescriptorEncoder, rs: &[Reading]) -> fmt::Result {
+        let pool = |v: f64| {
+            let g = Gauges::default();
+            g.get_or_create(&vec![("name", self.pool.clone())]).set(v);
+            g
+        };
+        let mean = |v: Vec<f64>| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+        let ready = rs.iter().filter(|r| r.healthy > 0.0).count() as f64;
+        let gauges = [
+            (
+                [
+                    "average_kv_cache_utilization",
+                    "average_kv_cache_utilization",
+                ],
+                ["The average kv cache utilization for an inference server pool."; 2],
+                mean(rs.iter().filter_map(|r| r.kv_usage).collect()),
+            ),
+            (
+                ["average_queue_size", "average_queue_size"],
+                ["The average number of requests pending in the model server queue."; 2],
+                mean(rs.iter().filter_map(|r| r.waiting).collect()),
+            ),
+            (
+                ["average_running_requests", "average_running_requests"],
+                ["The average number of running requests across model servers in the pool."; 2],
+                mean(rs.iter().filter_map(|r| r.running).collect()),
+            ),
+            (
+                ["ready_endpoints", "ready_pods"],
+                [
+                    "The number of ready endpoints in the inference server pool.",
+                    "The number of ready pods in the inference server pool.",
+                ],
+                Some(ready),
+            ),
+        ];
+        for ([llm_d, gie], [llm_d_help, gie_help], value) in gauges {
+            let Some(v) = value else { continue };
+            emit(enc, &format!("llm_d_epp_{llm_d}"), llm_d_help, &pool(v))?;
+            emit(enc, &format!("inference_pool_{gie}"), gie_help, &pool(v))?;
         }
         Ok(())
     }

@@ -6,6 +6,9 @@
 //! its own layer or below, and the modules' graph has no cycle; an item re-exported by
 //! `lib.rs` counts as the module it comes from. Test code (`#[cfg(test)]`
 //! items, `tests.rs` files) is not counted: a test may reach across the crate.
+//!
+//! Across the workspace's `crates/*/src`, no file has more than 600 lines before its tests,
+//! and no non-test function spans more than 120 lines from its `fn` to its closing brace.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -198,9 +201,8 @@ fn code_only(text: &str) -> String {
                 .iter()
                 .position(|&c| c == b'\'')
                 .map_or(1, |p| p + 4)
-        } else if rest.len() > 2 && rest[0] == b'\'' && rest[2] == b'\'' {
-            // A char literal ('a'); a lifetime ('a) has no closing quote.
-            3
+        } else if let Some(len) = plain_char_literal(rest) {
+            len
         } else {
             out.push(rest[0] as char);
             i += 1;
@@ -210,6 +212,19 @@ fn code_only(text: &str) -> String {
         i += end;
     }
     out
+}
+
+/// The length of the unescaped char literal (`'a'`, `'{'`, `'é'`) that `rest` starts with, if
+/// it starts with one; a lifetime (`'a`) has no closing quote.
+fn plain_char_literal(rest: &[u8]) -> Option<usize> {
+    let width = match *rest.get(1)? {
+        b'\\' | b'\'' => return None,
+        c if c < 0x80 => 1,
+        c if c >= 0xf0 => 4,
+        c if c >= 0xe0 => 3,
+        _ => 2,
+    };
+    (rest[0] == b'\'' && rest.get(1 + width) == Some(&b'\'')).then_some(2 + width)
 }
 
 fn ident(s: &str) -> &str {
@@ -468,5 +483,241 @@ fn source_files_stay_within_the_house_style() {
     assert!(
         median <= MAX_MEDIAN_LINES,
         "median source file: {median} lines"
+    );
+}
+
+/// The most lines a non-test function may span, from its `fn` line to its closing brace.
+const MAX_FN_LINES: usize = 120;
+
+/// A function with a body, as [`functions`] finds it.
+#[derive(Debug, PartialEq)]
+struct Function {
+    name: String,
+    /// The line of its `fn` keyword, from 1.
+    line: usize,
+    /// Lines from the `fn` line to the line of the brace that closes its body, both counted.
+    lines: usize,
+}
+
+/// Every function with a body in `code` (comments, strings and chars already blanked by
+/// [`code_only`]), nested ones included (and counted in their outer function's lines too).
+/// A `fn` without a body (in a trait, or `extern`) is left out, and so are `fn(..)` pointer
+/// types, which have no name.
+fn functions(code: &str) -> Vec<Function> {
+    let line_of = |i: usize| code[..i].matches('\n').count() + 1;
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices("fn") {
+        let after = &code[at + 2..];
+        let keyword = (at == 0 || !is_ident_byte(code.as_bytes()[at - 1]))
+            && after.starts_with(char::is_whitespace);
+        let name = ident(after.trim_start());
+        if !keyword || name.is_empty() {
+            continue;
+        }
+        let Some(open) = body_start(after).map(|o| at + 2 + o) else {
+            continue;
+        };
+        let Some(close) = closing_brace(code, open) else {
+            continue;
+        };
+        out.push(Function {
+            name: name.to_owned(),
+            line: line_of(at),
+            lines: line_of(close) - line_of(at) + 1,
+        });
+    }
+    out
+}
+
+fn is_ident_byte(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_'
+}
+
+/// Where the body of the function whose signature starts `signature` opens: the first `{`
+/// outside parentheses and brackets (generics, `where` clauses and return types hold none),
+/// or `None` where a `;` ends the signature first (a declaration without a body).
+fn body_start(signature: &str) -> Option<usize> {
+    let mut depth = 0i32;
+    for (i, c) in signature.char_indices() {
+        match c {
+            '(' | '[' => depth += 1,
+            ')' | ']' => depth -= 1,
+            '{' if depth == 0 => return Some(i),
+            ';' | '}' if depth == 0 => return None,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The brace that closes the one at `open`.
+fn closing_brace(code: &str, open: usize) -> Option<usize> {
+    let mut depth = 0;
+    for (i, c) in code[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(open + i);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The files of the modules a file declares under `#[cfg(test)]` (`#[cfg(test)] mod x;`),
+/// with the folder that holds their own submodules.
+fn test_module_paths(file: &Path, code: &str) -> Vec<PathBuf> {
+    const ATTR: &str = "#[cfg(test)]";
+    let stem = file.file_stem().unwrap().to_string_lossy();
+    let dir = file.parent().unwrap();
+    let dir = if matches!(stem.as_ref(), "lib" | "main" | "mod") {
+        dir.to_owned()
+    } else {
+        dir.join(stem.as_ref())
+    };
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices(ATTR) {
+        let Some(decl) = code[at + ATTR.len()..]
+            .trim_start()
+            .strip_prefix("mod ")
+            .or_else(|| {
+                code[at + ATTR.len()..]
+                    .trim_start()
+                    .strip_prefix("pub mod ")
+            })
+        else {
+            continue;
+        };
+        let name = ident(decl.trim_start());
+        if decl.trim_start()[name.len()..]
+            .trim_start()
+            .starts_with(';')
+        {
+            out.push(dir.join(format!("{name}.rs")));
+            out.push(dir.join(name));
+        }
+    }
+    out
+}
+
+#[test]
+fn no_function_is_longer_than_120_lines() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let root = crates.parent().unwrap();
+    let mut long = Vec::new();
+    let mut seen = 0;
+    for krate in std::fs::read_dir(crates).unwrap() {
+        let src = krate.unwrap().path().join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        let files = rust_files(&src);
+        let codes: Vec<String> = files
+            .iter()
+            .map(|f| code_only(&std::fs::read_to_string(f).unwrap()))
+            .collect();
+        let test_paths: Vec<PathBuf> = files
+            .iter()
+            .zip(&codes)
+            .flat_map(|(f, code)| test_module_paths(f, code))
+            .collect();
+        for (file, code) in files.iter().zip(&codes) {
+            let rel = file.strip_prefix(&src).unwrap();
+            let test_file = file
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .ends_with("tests.rs")
+                || rel.iter().any(|p| p == "tests")
+                || test_paths.iter().any(|t| file.starts_with(t));
+            if test_file {
+                continue;
+            }
+            for f in functions(&without_test_items(code)) {
+                seen += 1;
+                if f.lines > MAX_FN_LINES {
+                    let path = file.strip_prefix(root).unwrap().display();
+                    long.push(format!("{path}:{} {} {} lines", f.line, f.name, f.lines));
+                }
+            }
+        }
+    }
+    assert!(seen > 500, "the check found only {seen} functions");
+    assert!(
+        long.is_empty(),
+        "functions over {MAX_FN_LINES} lines (split each into named steps):\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn the_function_finder_sees_each_body_to_its_closing_brace() {
+    let text = r#"fn outer() {
+    fn inner(x: u8) -> u8 {
+        x
+    }
+    let s = "{ not a brace";
+    let c = '{';
+    let t = ['é','{'];
+    let r = r"{\";
+    inner(1);
+}
+
+pub(crate) fn generic<T: Fn() -> u8, const N: usize>(t: T, a: [u8; N]) -> Result<[u8; N], ()>
+where
+    T: Clone,
+{
+    let p: fn(u8) -> u8 = |x| x;
+    Ok(a)
+}
+
+trait Shape {
+    fn area(&self) -> f64;
+    fn sides(&self) -> usize {
+        0
+    }
+}
+// fn commented() {
+// }
+"#;
+    let found: Vec<(String, usize, usize)> = functions(&code_only(text))
+        .into_iter()
+        .map(|f| (f.name, f.line, f.lines))
+        .collect();
+    let expected = [
+        ("outer", 1, 10),
+        ("inner", 2, 3),
+        ("generic", 12, 7),
+        ("sides", 22, 3),
+    ];
+    let expected: Vec<(String, usize, usize)> = expected
+        .into_iter()
+        .map(|(n, l, c)| (n.to_owned(), l, c))
+        .collect();
+    assert_eq!(found, expected);
+    // A test item's functions are not counted; a test module's file is known by its parent.
+    let code = without_test_items(&code_only(
+        "fn a() {}\n#[cfg(test)]\nmod t {\n    fn b() {}\n}\n",
+    ));
+    assert_eq!(functions(&code).len(), 1);
+    let paths = test_module_paths(
+        Path::new("src/policy.rs"),
+        "#[cfg(test)]\nmod snap;\nmod real;\n",
+    );
+    assert_eq!(
+        paths,
+        [
+            PathBuf::from("src/policy/snap.rs"),
+            PathBuf::from("src/policy/snap")
+        ]
+    );
+    let paths = test_module_paths(Path::new("src/lib.rs"), "#[cfg(test)]\nmod tests;\n");
+    assert_eq!(
+        paths,
+        [PathBuf::from("src/tests.rs"), PathBuf::from("src/tests")]
     );
 }

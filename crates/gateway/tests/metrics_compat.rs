@@ -65,7 +65,32 @@ async fn round_robin_reads_the_same_under_every_peers_names() {
         let endpoint = format!("model_server_endpoint=\"{}\"", w.url);
         let queue = metric_value(&m, "llm_d_epp_per_endpoint_queue_size", &endpoint);
         assert!(queue.is_some_and(f64::is_nan), "{endpoint} in\n{m}");
+        let pod = format!("name=\"\",model_server_pod=\"{}\"", w.url);
+        let queue = metric_value(&m, "inference_pool_per_pod_queue_size", &pod);
+        assert!(queue.is_some_and(f64::is_nan), "{pod} in\n{m}");
     }
+    assert_metric(
+        &m,
+        "smg_worker_pool_size",
+        "worker_type=\"regular\",connection_mode=\"http\",model=\"mock-model\"",
+        Some(2.0),
+    );
+    assert_metric(&m, "inference_pool_ready_pods", "name=\"\"", Some(2.0));
+    // The time spent choosing a worker, once per request.
+    assert_metric(
+        &m,
+        "llm_d_epp_scheduler_e2e_duration_seconds_count",
+        "",
+        metric_value(&m, "kvroute_routing_seconds_count", ""),
+    );
+    assert_metric(
+        &m,
+        "llm_d_epp_scheduler_e2e_duration_seconds_count",
+        "",
+        Some(10.0),
+    );
+    // No engine reading under round robin: no average, under either name.
+    assert!(!m.contains("_average_"), "{m}");
     assert_metric(&m, "vllm_router_active_workers", "", Some(2.0));
     assert_metric(
         &m,
@@ -198,6 +223,7 @@ async fn pd_counts_each_half_by_worker_url() {
             n,
             "{m}"
         );
+        assert_metric(&m, "smg_worker_pool_size", &labels, Some(1.0));
     }
     router.stop().await;
 }
@@ -346,5 +372,19 @@ async fn llm_ds_endpoint_gauges_are_the_engines_readings() {
         "",
         Some(0.375),
     );
+    // The same readings under GIE's names, which its Grafana dashboard reads.
+    for (w, n) in [(&a, 2.0), (&b, 4.0)] {
+        let pod = format!("name=\"\",model_server_pod=\"{}\"", w.url);
+        assert_metric(&m, "inference_pool_per_pod_queue_size", &pod, Some(n));
+    }
+    for (family, v) in [
+        ("average_queue_size", 3.0),
+        ("average_running_requests", 2.0),
+        ("average_kv_cache_utilization", 0.375),
+        ("ready_pods", 2.0),
+    ] {
+        let family = format!("inference_pool_{family}");
+        assert_metric(&m, &family, "name=\"\"", Some(v));
+    }
     router.stop().await;
 }

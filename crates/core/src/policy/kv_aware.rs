@@ -31,7 +31,7 @@
 //! `softmax(-(cost - min) / ((max - min) * temperature))`.
 //! [`KvAwareConfig::dynamo`] is Dynamo 1.6.1's model exactly (credit 1, scale 1, linear memory,
 //! no interference term); the defaults are kvroute's (credit 2, scale 4, linear memory,
-//! interference 0.25), measured in the README and BENCHMARKS.md.
+//! interference 0.25), measured in `docs/policies.md` ("kv_aware") and BENCHMARKS.md.
 //!
 //! The terms estimate what the request adds to the rank: compute (the prefill term: the
 //! work queued ahead of it plus its own uncached prompt), KV memory (the memory term: the

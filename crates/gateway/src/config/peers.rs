@@ -15,7 +15,7 @@
 //! kvroute takes in neither way nor by its parser exits with status 2 and a message naming
 //! it and saying why, instead of clap's generic "unexpected argument". The table's `alias:`
 //! and `new:` rows kvroute has not built yet are refused as not supported yet.
-//! [`readme_table`] writes the table as README.md shows it.
+//! [`flags_table`] writes the table as [`TABLE_PAGE`] shows it.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
@@ -344,10 +344,13 @@ pub fn pre_parse(args: impl IntoIterator<Item = OsString>) -> Result<PreParsed, 
     Ok(out)
 }
 
-/// README.md's heading of the section [`readme_table`] writes.
-pub const README_HEADING: &str = "## Flags of the peer routers";
+/// The page, from the repository's root, that shows the table [`flags_table`] writes.
+pub const TABLE_PAGE: &str = "docs/configuration.md";
 
-/// What kvroute does with a row's flag, as README.md's table says it.
+/// [`TABLE_PAGE`]'s heading of the section [`flags_table`] writes.
+pub const TABLE_HEADING: &str = "## Flags of the peer routers";
+
+/// What kvroute does with a row's flag, as [`TABLE_PAGE`]'s table says it.
 fn kvroute_column(row: &PeerFlag, own: &HashSet<String>) -> String {
     match row.decision {
         "same" => "same".to_owned(),
@@ -383,9 +386,9 @@ fn cell(text: &str) -> String {
     out
 }
 
-/// README.md's section on the peers' flags, generated from the table and the parser: a
+/// [`TABLE_PAGE`]'s section on the peers' flags, generated from the table and the parser: a
 /// paragraph with the counts, then one row per flag in a `<details>` block.
-pub fn readme_table() -> String {
+pub fn flags_table() -> String {
     let own = own_flags();
     let rows: Vec<(PeerFlag, String)> = peer_flags()
         .map(|r| {
@@ -394,7 +397,7 @@ pub fn readme_table() -> String {
         })
         .collect();
     let count = |p: &str| rows.iter().filter(|(_, k)| k.starts_with(p)).count();
-    let mut s = format!("{README_HEADING}\n\n");
+    let mut s = format!("{TABLE_HEADING}\n\n");
     let counts = format!(
         "smg 1.13 `launch`, vllm-router 0.1.17, sglang-router 0.3.2, Dynamo 1.6.1's frontend \
          and llm-d's endpoint picker (llm-d-router 0.10) have {total} flags between them (`--help` and `--version` aside). kvroute takes \
@@ -406,8 +409,8 @@ pub fn readme_table() -> String {
          they are built (refused likewise, as not supported yet). A peer's default is `-` \
          where the peer has no such flag. Generated from \
          `crates/gateway/src/config/peer_flags.tsv` and kvroute's parser by \
-         `config::peers::readme_table`; a test fails when this section differs from it \
-         (`KVROUTE_BLESS=1 cargo test -p kvroute-gateway --lib readme` rewrites it).",
+         `config::peers::flags_table`; a test fails when this section differs from it \
+         (`KVROUTE_BLESS=1 cargo test -p kvroute-gateway --lib peer_flag_table` rewrites it).",
         total = rows.len(),
         same = count("same"),
         alias = count("alias of"),
@@ -480,13 +483,13 @@ fn cell_keeping_code(text: &str) -> String {
         .join("`")
 }
 
-/// README.md's section headed [`README_HEADING`], up to the next `## ` heading.
-pub fn readme_section(readme: &str) -> Option<&str> {
-    let start = readme.find(&format!("{README_HEADING}\n"))?;
-    let rest = &readme[start..];
-    let end = rest[README_HEADING.len()..]
+/// The section of `page` headed [`TABLE_HEADING`], up to the next `## ` heading or the end.
+pub fn flags_section(page: &str) -> Option<&str> {
+    let start = page.find(&format!("{TABLE_HEADING}\n"))?;
+    let rest = &page[start..];
+    let end = rest[TABLE_HEADING.len()..]
         .find("\n## ")
-        .map_or(rest.len(), |i| README_HEADING.len() + i + 1);
+        .map_or(rest.len(), |i| TABLE_HEADING.len() + i + 1);
     Some(&rest[..end])
 }
 
@@ -1043,30 +1046,32 @@ mod tests {
         assert_eq!(back.peer_noop_flags, ["--no-serve-indexer"]);
     }
 
+    /// The table [`TABLE_PAGE`] shows is the generated one; `KVROUTE_BLESS=1` rewrites it
+    /// (in place, or at the page's end when the page has no such section yet).
     #[test]
-    fn readmes_table_is_the_generated_one() {
+    fn the_peer_flag_table_is_the_generated_one() {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
-        let path = format!("{root}/README.md");
-        let readme = std::fs::read_to_string(&path).unwrap();
-        let fresh = readme_table();
-        let current = readme_section(&readme);
+        let path = format!("{root}/{TABLE_PAGE}");
+        let page = std::fs::read_to_string(&path).unwrap();
+        let fresh = flags_table();
+        let current = flags_section(&page);
         if current.map(str::trim_end) == Some(fresh.trim_end()) {
             return;
         }
         if std::env::var_os("KVROUTE_BLESS").is_some_and(|v| v == "1") {
             let updated = match current {
-                Some(old) => readme.replacen(old.trim_end(), fresh.trim_end(), 1),
-                None => readme.replacen("## Layout\n", &format!("{fresh}\n## Layout\n"), 1),
+                Some(old) => page.replacen(old.trim_end(), fresh.trim_end(), 1),
+                None => format!("{}\n\n{fresh}", page.trim_end()),
             };
             std::fs::write(&path, updated).unwrap();
             return;
         }
-        let out = format!("{root}/target/peer-flags-readme.md");
+        let out = format!("{root}/target/peer-flags-table.md");
         let written = std::fs::create_dir_all(format!("{root}/target"))
             .and_then(|()| std::fs::write(&out, &fresh))
             .is_ok();
         panic!(
-            "README.md's section '{README_HEADING}' differs from the table (peer_flags.tsv and \
+            "{TABLE_PAGE}'s section '{TABLE_HEADING}' differs from the table (peer_flags.tsv and \
              the parser); {} or rerun with KVROUTE_BLESS=1 to write it:\n{fresh}",
             if written {
                 format!("the fresh text is in {out}: paste it")
@@ -1086,7 +1091,7 @@ mod tests {
         assert_eq!(wrap("aa bb cc dddddd e", 5), "aa bb\ncc\ndddddd\ne\n");
         let text = "# t\n\n## Flags of the peer routers\n\nx\n\n## Layout\n";
         assert_eq!(
-            readme_section(text),
+            flags_section(text),
             Some("## Flags of the peer routers\n\nx\n\n")
         );
         let own = own_flags();

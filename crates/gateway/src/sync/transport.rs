@@ -133,7 +133,7 @@ async fn run(
         return;
     };
     let snapshot_subject = format!("{}.snapshot", config.prefix);
-    let (mut sub, mut snapshots) = match tokio::try_join!(
+    let (sub, snapshots) = match tokio::try_join!(
         client.subscribe(subject.clone()),
         client.subscribe(snapshot_subject.clone())
     ) {
@@ -159,111 +159,169 @@ async fn run(
     synced.store(true, Ordering::Relaxed);
     tracing::info!(url = %config.url, subject, "Replica sync on");
     metrics.connected.set(1);
-    let mut seq = 0u64;
-    // This replica's requests in flight (listed in its heartbeats, sent whole in
-    // snapshots).
-    // This replica's requests in flight, for snapshots: each as routed, and whether its first
-    // token has come (so that a starting replica counts it as decoding, not prefilling).
-    let mut live: std::collections::HashMap<u64, (Message, bool)> =
-        std::collections::HashMap::new();
-    let mut tick = tokio::time::interval(config.timeout / 3);
-    let mut publish = |body: Message, client: &async_nats::Client| {
-        metrics.count("out", body.kind());
+    let tick = tokio::time::interval(config.timeout / 3);
+    let replica = Replica {
+        me,
+        config,
+        client,
+        subject,
+        local,
+        metrics,
+        ledger,
+        live: std::collections::HashMap::new(),
+        seq: 0,
+    };
+    replica.serve(rx, sub, snapshots, tick, shutdown).await;
+}
+
+/// The sync task once connected and synced.
+struct Replica {
+    me: ReplicaTag,
+    config: SyncConfig,
+    client: async_nats::Client,
+    /// Where the load messages go, this replica's and its peers'.
+    subject: String,
+    local: Local,
+    metrics: SyncMetrics,
+    ledger: Ledger,
+    /// This replica's requests in flight (listed in its heartbeats, sent whole in snapshots):
+    /// each as routed, and whether its first token has come (so that a starting replica
+    /// counts it as decoding, not prefilling).
+    live: std::collections::HashMap<u64, (Message, bool)>,
+    /// The sequence number of this replica's next message.
+    seq: u64,
+}
+
+impl Replica {
+    /// Publishes this replica's messages, answers the starting peers' snapshot asks, applies
+    /// the peers' messages and sends the heartbeats, until shut down.
+    async fn serve(
+        mut self,
+        mut rx: mpsc::UnboundedReceiver<Message>,
+        mut sub: async_nats::Subscriber,
+        mut snapshots: async_nats::Subscriber,
+        mut tick: tokio::time::Interval,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                out = rx.recv() => {
+                    let Some(body) = out else { return };
+                    self.own(body).await;
+                }
+                ask = snapshots.next() => {
+                    let Some(ask) = ask else { return };
+                    self.answer(ask);
+                }
+                msg = sub.next() => {
+                    let Some(msg) = msg else { return };
+                    self.peer(msg);
+                }
+                _ = tick.tick() => self.heartbeat().await,
+            }
+        }
+    }
+
+    /// Publishes one of this replica's messages, after noting it in `live`.
+    async fn own(&mut self, body: Message) {
+        match &body {
+            Message::Routed { request, .. } => {
+                self.live.insert(*request, (body.clone(), false));
+            }
+            Message::FirstToken { request } => {
+                if let Some((_, first)) = self.live.get_mut(request) {
+                    *first = true;
+                }
+            }
+            Message::Finished { request } => {
+                self.live.remove(request);
+            }
+            _ => {}
+        }
+        self.publish(body).await;
+    }
+
+    async fn publish(&mut self, body: Message) {
+        self.metrics.count("out", body.kind());
         let env = Envelope {
-            sender: me,
-            seq,
+            sender: self.me,
+            seq: self.seq,
             sent_ms: now_ms(),
             body,
         };
-        seq += 1;
+        self.seq += 1;
         let payload = encode(&env);
-        metrics.count_bytes("out", payload.len());
-        let client = client.clone();
-        let subject = subject.clone();
-        async move {
-            // While NATS is away the client buffers, then drops; peers reconcile from
-            // the next heartbeat.
-            let _ = client.publish(subject, payload.into()).await;
+        self.metrics.count_bytes("out", payload.len());
+        // While NATS is away the client buffers, then drops; peers reconcile from the next
+        // heartbeat.
+        let _ = self
+            .client
+            .publish(self.subject.clone(), payload.into())
+            .await;
+    }
+
+    /// Answers a starting peer's snapshot ask (see [`answer_parts`]).
+    fn answer(&self, ask: async_nats::Message) {
+        let Some(reply) = ask.reply else { return };
+        let Ok(ask) = rmp_serde::from_slice::<snapshot::Ask>(&ask.payload) else {
+            self.metrics.count("in", "malformed");
+            return;
+        };
+        let Some(parts) = answer_parts(self.me, &ask, &self.live, &self.local) else {
+            return;
+        };
+        self.metrics.count("out", "snapshot");
+        for p in &parts {
+            self.metrics.count_bytes("out", p.len());
         }
-    };
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            out = rx.recv() => {
-                let Some(body) = out else { return };
-                match &body {
-                    Message::Routed { request, .. } => {
-                        live.insert(*request, (body.clone(), false));
-                    }
-                    Message::FirstToken { request } => {
-                        if let Some((_, first)) = live.get_mut(request) {
-                            *first = true;
-                        }
-                    }
-                    Message::Finished { request } => {
-                        live.remove(request);
-                    }
-                    _ => {}
+        // Sent in order by a task of its own: a large state does not hold up the load
+        // messages.
+        let client = self.client.clone();
+        tokio::spawn(async move {
+            for p in parts {
+                if client.publish(reply.clone(), p.into()).await.is_err() {
+                    break;
                 }
-                publish(body, &client).await;
             }
-            ask = snapshots.next() => {
-                let Some(ask) = ask else { return };
-                let Some(reply) = ask.reply else { continue };
-                let Ok(ask) = rmp_serde::from_slice::<snapshot::Ask>(&ask.payload) else {
-                    metrics.count("in", "malformed");
-                    continue;
-                };
-                let Some(parts) = answer_parts(me, &ask, &live, &local) else { continue };
-                metrics.count("out", "snapshot");
-                for p in &parts {
-                    metrics.count_bytes("out", p.len());
+        });
+    }
+
+    /// Applies a peer's message to the local ranks, through the ledger.
+    fn peer(&mut self, msg: async_nats::Message) {
+        let metrics = &self.metrics;
+        metrics.count_bytes("in", msg.payload.len());
+        let Some(env) = decode(&msg.payload) else {
+            metrics.count("in", "malformed");
+            return;
+        };
+        let kind = env.body.kind();
+        let sent_ms = env.sent_ms;
+        match self.ledger.apply(env, Instant::now()) {
+            Ok(op) => {
+                metrics.count("in", kind);
+                metrics
+                    .lag
+                    .set(now_ms().saturating_sub(sent_ms) as f64 / 1000.0);
+                if let Some(op) = op {
+                    apply(&self.local, op);
                 }
-                // Sent in order by a task of its own: a large state does not hold up the
-                // load messages.
-                let client = client.clone();
-                tokio::spawn(async move {
-                    for p in parts {
-                        if client.publish(reply.clone(), p.into()).await.is_err() {
-                            break;
-                        }
-                    }
-                });
             }
-            msg = sub.next() => {
-                let Some(msg) = msg else { return };
-                metrics.count_bytes("in", msg.payload.len());
-                let Some(env) = decode(&msg.payload) else {
-                    metrics.count("in", "malformed");
-                    continue;
-                };
-                let kind = env.body.kind();
-                let sent_ms = env.sent_ms;
-                match ledger.apply(env, Instant::now()) {
-                    Ok(op) => {
-                        metrics.count("in", kind);
-                        metrics
-                            .lag
-                            .set(now_ms().saturating_sub(sent_ms) as f64 / 1000.0);
-                        if let Some(op) = op {
-                            apply(&local, op);
-                        }
-                    }
-                    Err(super::Ignored::Own) => metrics.count("in", "own"),
-                    Err(_) => metrics.count("in", "ignored"),
-                }
-                metrics.peers.set(ledger.peers() as i64);
-            }
-            _ = tick.tick() => {
-                let connected =
-                    client.connection_state() == async_nats::connection::State::Connected;
-                metrics.connected.set(i64::from(connected));
-                publish(Message::Heartbeat { live: live.keys().copied().collect() }, &client).await;
-                for op in ledger.expire(Instant::now(), config.timeout) {
-                    apply(&local, op);
-                }
-                metrics.peers.set(ledger.peers() as i64);
-            }
+            Err(super::Ignored::Own) => metrics.count("in", "own"),
+            Err(_) => metrics.count("in", "ignored"),
         }
+        metrics.peers.set(self.ledger.peers() as i64);
+    }
+
+    /// Sends this replica's heartbeat and expires the peers that stopped sending theirs.
+    async fn heartbeat(&mut self) {
+        let connected = self.client.connection_state() == async_nats::connection::State::Connected;
+        self.metrics.connected.set(i64::from(connected));
+        let live = self.live.keys().copied().collect();
+        self.publish(Message::Heartbeat { live }).await;
+        for op in self.ledger.expire(Instant::now(), self.config.timeout) {
+            apply(&self.local, op);
+        }
+        self.metrics.peers.set(self.ledger.peers() as i64);
     }
 }

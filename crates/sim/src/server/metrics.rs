@@ -130,126 +130,172 @@ pub fn register(
     block_size: usize,
     num_gpu_blocks: usize,
 ) -> Vec<EngineSeries> {
-    let running = Family::<EngineLabels, Gauge>::default();
-    let waiting = Family::<EngineLabels, Gauge>::default();
-    let kv_usage = Family::<EngineLabels, Gauge<f64, AtomicU64>>::default();
-    let queries = Family::<EngineLabels, Counter>::default();
-    let hits = Family::<EngineLabels, Counter>::default();
-    let preemptions = Family::<EngineLabels, Counter>::default();
-    let cache_info = Family::<CacheConfigLabels, Gauge>::default();
-    let lag = Family::<EngineLabels, Counter<f64, AtomicU64>>::default();
-    let prefill_tokens = Family::<EngineLabels, Counter>::default();
-    let transfers = Family::<TransferLabels, Counter>::default();
-    let transfer_tokens = Family::<TransferLabels, Counter>::default();
-    let role_info = Family::<RoleLabels, Gauge>::default();
-    let ttft = Family::<EngineLabels, Histogram>::new_with_constructor(
-        (|| Histogram::new(latency_buckets())) as fn() -> Histogram,
-    );
-    let itl = Family::<EngineLabels, Histogram>::new_with_constructor(
-        (|| Histogram::new(latency_buckets())) as fn() -> Histogram,
-    );
-    registry.register(
-        "vllm:num_requests_running",
-        "Requests in the running batch",
-        running.clone(),
-    );
-    registry.register(
-        "vllm:num_requests_waiting",
-        "Requests waiting to be scheduled",
-        waiting.clone(),
-    );
-    registry.register(
-        "vllm:kv_cache_usage_perc",
-        "Fraction of KV blocks in use (1 = 100%)",
-        kv_usage.clone(),
-    );
-    registry.register(
-        "vllm:prefix_cache_queries",
-        "Prompt tokens queried in the prefix cache",
-        queries.clone(),
-    );
-    registry.register(
-        "vllm:prefix_cache_hits",
-        "Prompt tokens found in the prefix cache",
-        hits.clone(),
-    );
-    registry.register(
-        "vllm:num_preemptions",
-        "Preempted requests",
-        preemptions.clone(),
-    );
-    registry.register(
-        "vllm:cache_config_info",
-        "KV cache configuration",
-        cache_info.clone(),
-    );
-    registry.register(
-        "vllm:time_to_first_token_seconds",
-        "Time to first token",
-        ttft.clone(),
-    );
-    registry.register(
-        "vllm:inter_token_latency_seconds",
-        "Time between output tokens",
-        itl.clone(),
-    );
-    registry.register(
-        "kvroute_sim_role_info",
-        "This engine's part in prefill/decode disaggregation (--role)",
-        role_info.clone(),
-    );
-    registry.register(
-        "kvroute_sim_prefill_tokens_computed",
-        "Tokens whose KV this engine computed (not found in its prefix cache, not received)",
-        prefill_tokens.clone(),
-    );
-    registry.register(
-        "kvroute_sim_kv_transfers",
-        "KV transfers: prefills served for decode engines (sent), prompts' KV received",
-        transfers.clone(),
-    );
-    registry.register(
-        "kvroute_sim_kv_transfer_tokens",
-        "Tokens of KV in those transfers",
-        transfer_tokens.clone(),
-    );
-    role_info
+    let families = Families::default();
+    families.register_vllm(registry);
+    families.register_sim(registry);
+    families
+        .role_info
         .get_or_create(&RoleLabels {
             model_name: model.to_owned(),
             role: role.as_str(),
         })
         .set(1);
     (0..ranks)
-        .map(|rank| {
-            let l = EngineLabels {
+        .map(|rank| families.engine(model, rank, block_size, num_gpu_blocks))
+        .collect()
+}
+
+type HistogramFamily = Family<EngineLabels, Histogram, fn() -> Histogram>;
+
+/// The metric families, holding one series per engine each.
+struct Families {
+    running: Family<EngineLabels, Gauge>,
+    waiting: Family<EngineLabels, Gauge>,
+    kv_usage: Family<EngineLabels, Gauge<f64, AtomicU64>>,
+    queries: Family<EngineLabels, Counter>,
+    hits: Family<EngineLabels, Counter>,
+    preemptions: Family<EngineLabels, Counter>,
+    cache_info: Family<CacheConfigLabels, Gauge>,
+    lag: Family<EngineLabels, Counter<f64, AtomicU64>>,
+    prefill_tokens: Family<EngineLabels, Counter>,
+    transfers: Family<TransferLabels, Counter>,
+    transfer_tokens: Family<TransferLabels, Counter>,
+    role_info: Family<RoleLabels, Gauge>,
+    ttft: HistogramFamily,
+    itl: HistogramFamily,
+}
+
+impl Default for Families {
+    fn default() -> Self {
+        Self {
+            running: Family::default(),
+            waiting: Family::default(),
+            kv_usage: Family::default(),
+            queries: Family::default(),
+            hits: Family::default(),
+            preemptions: Family::default(),
+            cache_info: Family::default(),
+            lag: Family::default(),
+            prefill_tokens: Family::default(),
+            transfers: Family::default(),
+            transfer_tokens: Family::default(),
+            role_info: Family::default(),
+            ttft: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
+            itl: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
+        }
+    }
+}
+
+impl Families {
+    /// vLLM's names.
+    fn register_vllm(&self, registry: &mut Registry) {
+        registry.register(
+            "vllm:num_requests_running",
+            "Requests in the running batch",
+            self.running.clone(),
+        );
+        registry.register(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be scheduled",
+            self.waiting.clone(),
+        );
+        registry.register(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV blocks in use (1 = 100%)",
+            self.kv_usage.clone(),
+        );
+        registry.register(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens queried in the prefix cache",
+            self.queries.clone(),
+        );
+        registry.register(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            self.hits.clone(),
+        );
+        registry.register(
+            "vllm:num_preemptions",
+            "Preempted requests",
+            self.preemptions.clone(),
+        );
+        registry.register(
+            "vllm:cache_config_info",
+            "KV cache configuration",
+            self.cache_info.clone(),
+        );
+        registry.register(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token",
+            self.ttft.clone(),
+        );
+        registry.register(
+            "vllm:inter_token_latency_seconds",
+            "Time between output tokens",
+            self.itl.clone(),
+        );
+    }
+
+    /// The simulator's own (see the module docs).
+    fn register_sim(&self, registry: &mut Registry) {
+        registry.register(
+            "kvroute_sim_role_info",
+            "This engine's part in prefill/decode disaggregation (--role)",
+            self.role_info.clone(),
+        );
+        registry.register(
+            "kvroute_sim_prefill_tokens_computed",
+            "Tokens whose KV this engine computed (not found in its prefix cache, not received)",
+            self.prefill_tokens.clone(),
+        );
+        registry.register(
+            "kvroute_sim_kv_transfers",
+            "KV transfers: prefills served for decode engines (sent), prompts' KV received",
+            self.transfers.clone(),
+        );
+        registry.register(
+            "kvroute_sim_kv_transfer_tokens",
+            "Tokens of KV in those transfers",
+            self.transfer_tokens.clone(),
+        );
+    }
+
+    /// Rank `rank`'s series, its cache configuration set.
+    fn engine(
+        &self,
+        model: &str,
+        rank: usize,
+        block_size: usize,
+        num_gpu_blocks: usize,
+    ) -> EngineSeries {
+        let l = EngineLabels {
+            model_name: model.to_owned(),
+            engine: rank.to_string(),
+        };
+        self.cache_info
+            .get_or_create(&CacheConfigLabels {
                 model_name: model.to_owned(),
                 engine: rank.to_string(),
-            };
-            cache_info
-                .get_or_create(&CacheConfigLabels {
-                    model_name: model.to_owned(),
-                    engine: rank.to_string(),
-                    block_size: block_size.to_string(),
-                    num_gpu_blocks: num_gpu_blocks.to_string(),
-                })
-                .set(1);
-            EngineSeries {
-                running: running.get_or_create(&l).clone(),
-                waiting: waiting.get_or_create(&l).clone(),
-                kv_usage: kv_usage.get_or_create(&l).clone(),
-                queries: queries.get_or_create(&l).clone(),
-                hits: hits.get_or_create(&l).clone(),
-                preemptions: preemptions.get_or_create(&l).clone(),
-                ttft: ttft.get_or_create(&l).clone(),
-                itl: itl.get_or_create(&l).clone(),
-                lag_forgiven: lag.get_or_create(&l).clone(),
-                prefill_tokens: prefill_tokens.get_or_create(&l).clone(),
-                received: transfer_counters(&transfers, &transfer_tokens, &l, "received"),
-                sent: transfer_counters(&transfers, &transfer_tokens, &l, "sent"),
-                exported: Arc::new(Mutex::new(EngineStats::default())),
-            }
-        })
-        .collect()
+                block_size: block_size.to_string(),
+                num_gpu_blocks: num_gpu_blocks.to_string(),
+            })
+            .set(1);
+        EngineSeries {
+            running: self.running.get_or_create(&l).clone(),
+            waiting: self.waiting.get_or_create(&l).clone(),
+            kv_usage: self.kv_usage.get_or_create(&l).clone(),
+            queries: self.queries.get_or_create(&l).clone(),
+            hits: self.hits.get_or_create(&l).clone(),
+            preemptions: self.preemptions.get_or_create(&l).clone(),
+            ttft: self.ttft.get_or_create(&l).clone(),
+            itl: self.itl.get_or_create(&l).clone(),
+            lag_forgiven: self.lag.get_or_create(&l).clone(),
+            prefill_tokens: self.prefill_tokens.get_or_create(&l).clone(),
+            received: transfer_counters(&self.transfers, &self.transfer_tokens, &l, "received"),
+            sent: transfer_counters(&self.transfers, &self.transfer_tokens, &l, "sent"),
+            exported: Arc::new(Mutex::new(EngineStats::default())),
+        }
+    }
 }
 
 fn transfer_counters(

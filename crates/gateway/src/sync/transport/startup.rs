@@ -1,5 +1,6 @@
 //! The start-up snapshot over NATS: a starting replica asks, the live ones answer.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -48,14 +49,9 @@ pub(super) async fn take_snapshot(
     }
     let window = tokio::time::Instant::now() + LOAD_WINDOW;
     let mut last_heard = tokio::time::Instant::now();
-    // Peers whose load answer has begun and not ended; the peer asked for the state.
-    let mut loading = std::collections::HashSet::new();
-    let mut answered = std::collections::HashSet::new();
-    let mut state_from = None;
-    let mut state_done = false;
-    let mut learnt = 0usize;
+    let mut progress = Progress::default();
     loop {
-        let complete = loading.is_empty() && (state_from.is_none() || state_done);
+        let complete = progress.complete();
         if complete && tokio::time::Instant::now() >= window {
             break;
         }
@@ -86,69 +82,108 @@ pub(super) async fn take_snapshot(
             continue;
         }
         metrics.count("in", "snapshot");
-        answered.insert(sender);
-        let now = Instant::now();
-        match part {
-            Part::Live(live) => {
-                loading.insert(sender);
-                for body in live {
-                    if let Ok(Some(op)) = ledger.apply_snapshot(sender, body, now) {
-                        apply(local, op);
-                    }
-                }
-            }
-            Part::Policy {
-                model,
-                half,
-                observations,
-            } => {
-                let observations: Vec<Observation> =
-                    observations.into_iter().map(Into::into).collect();
-                learnt += observations.len();
-                if let Some(pool) = pool_of(&local.workers.table(), &model, half) {
-                    pool.policy.restore(&observations, now);
-                }
-            }
-            Part::Affinity(bindings) => {
-                let bindings: Vec<Observation> = bindings.into_iter().map(Into::into).collect();
-                learnt += bindings.len();
-                if let Some(a) = &local.affinity {
-                    a.restore(&bindings, now);
-                }
-            }
-            Part::ApproxKv(records) => {
-                learnt += records.len();
-                for o in records.into_iter().map(Observation::from) {
-                    let replica = local
-                        .workers
-                        .get(o.worker.as_str())
-                        .and_then(|w| w.rank(o.dp_rank).map(|r| r.replica));
-                    if let (Some(replica), Observed::Blocks(blocks)) = (replica, &o.learnt) {
-                        let hashes: Vec<BlockHash> = blocks.iter().map(|&b| BlockHash(b)).collect();
-                        local.kv.record_routed(replica, &hashes, o.at(now));
-                    }
-                }
-            }
-            Part::End { state: false } => {
-                loading.remove(&sender);
-            }
-            Part::End { state: true } => state_done |= state_from == Some(sender),
-        }
+        progress.answered.insert(sender);
+        apply_part(sender, part, ledger, local, &mut progress);
         // The first peer to answer is asked for the shared state.
-        if state_from.is_none() {
-            state_from = Some(sender);
+        if progress.state_from.is_none() {
+            progress.state_from = Some(sender);
             let asked = client
-                .publish_with_reply(subject.to_owned(), inbox.clone(), ask(state_from).into())
+                .publish_with_reply(
+                    subject.to_owned(),
+                    inbox.clone(),
+                    ask(progress.state_from).into(),
+                )
                 .await;
-            state_done = asked.is_err();
+            progress.state_done = asked.is_err();
         }
     }
     tracing::info!(
-        peers = answered.len(),
+        peers = progress.answered.len(),
         in_flight = ledger.remote_in_flight(),
-        learnt,
+        learnt = progress.learnt,
         "Replica sync: snapshot taken"
     );
+}
+
+/// Where the snapshot a starting replica takes stands.
+#[derive(Default)]
+struct Progress {
+    /// The peers that answered.
+    answered: HashSet<ReplicaTag>,
+    /// Peers whose load answer has begun and not ended.
+    loading: HashSet<ReplicaTag>,
+    /// The peer asked for the shared state, and whether its answer has ended.
+    state_from: Option<ReplicaTag>,
+    state_done: bool,
+    /// Observations of the shared state restored.
+    learnt: usize,
+}
+
+impl Progress {
+    /// Every answer begun has ended.
+    fn complete(&self) -> bool {
+        self.loading.is_empty() && (self.state_from.is_none() || self.state_done)
+    }
+}
+
+/// Applies one part of `sender`'s answer: its requests in flight to the ledger and the local
+/// ranks, the shared state to the policies, the session bindings and the approximate KV
+/// index.
+fn apply_part(
+    sender: ReplicaTag,
+    part: Part,
+    ledger: &mut Ledger,
+    local: &Local,
+    progress: &mut Progress,
+) {
+    let now = Instant::now();
+    match part {
+        Part::Live(live) => {
+            progress.loading.insert(sender);
+            for body in live {
+                if let Ok(Some(op)) = ledger.apply_snapshot(sender, body, now) {
+                    apply(local, op);
+                }
+            }
+        }
+        Part::Policy {
+            model,
+            half,
+            observations,
+        } => {
+            let observations: Vec<Observation> = observations.into_iter().map(Into::into).collect();
+            progress.learnt += observations.len();
+            if let Some(pool) = pool_of(&local.workers.table(), &model, half) {
+                pool.policy.restore(&observations, now);
+            }
+        }
+        Part::Affinity(bindings) => {
+            let bindings: Vec<Observation> = bindings.into_iter().map(Into::into).collect();
+            progress.learnt += bindings.len();
+            if let Some(a) = &local.affinity {
+                a.restore(&bindings, now);
+            }
+        }
+        Part::ApproxKv(records) => {
+            progress.learnt += records.len();
+            for o in records.into_iter().map(Observation::from) {
+                let replica = local
+                    .workers
+                    .get(o.worker.as_str())
+                    .and_then(|w| w.rank(o.dp_rank).map(|r| r.replica));
+                if let (Some(replica), Observed::Blocks(blocks)) = (replica, &o.learnt) {
+                    let hashes: Vec<BlockHash> = blocks.iter().map(|&b| BlockHash(b)).collect();
+                    local.kv.record_routed(replica, &hashes, o.at(now));
+                }
+            }
+        }
+        Part::End { state: false } => {
+            progress.loading.remove(&sender);
+        }
+        Part::End { state: true } => {
+            progress.state_done |= progress.state_from == Some(sender);
+        }
+    }
 }
 
 /// The parts of this replica's answer to `ask`, as payloads to publish in order: its
