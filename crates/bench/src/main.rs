@@ -8,6 +8,7 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
 use kvroute_bench::plot::Series;
+use kvroute_bench::replay;
 use kvroute_bench::simulate::{Cluster, PdCluster};
 use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
@@ -234,7 +235,7 @@ impl Workload {
             }
             (None, None) => unreachable!("clap requires --trace or --synthetic"),
         };
-        skip(&mut requests, self.skip);
+        trace::skip(&mut requests, self.skip);
         if let Some(m) = self.max_requests {
             requests.truncate(m);
         }
@@ -330,33 +331,6 @@ impl ClusterArgs {
     }
 }
 
-/// A `--url` entry: non-empty, without its trailing `/`.
-fn base_url(s: &str) -> Result<String, String> {
-    let url = s.trim().trim_end_matches('/');
-    if url.is_empty() {
-        return Err("empty URL".into());
-    }
-    Ok(url.to_owned())
-}
-
-/// `--extra-body`: a JSON object.
-fn json_object(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-    match serde_json::from_str(s) {
-        Ok(serde_json::Value::Object(m)) => Ok(m),
-        Ok(_) => Err("not a JSON object".into()),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-/// Drops the first `n` requests and moves the rest so that the first starts at 0.
-fn skip(requests: &mut Vec<TraceRequest>, n: usize) {
-    requests.drain(..n.min(requests.len()));
-    let first = requests.first().map_or(0, |r| r.timestamp);
-    for r in requests.iter_mut() {
-        r.timestamp -= first;
-    }
-}
-
 #[derive(Debug, Subcommand)]
 enum Command {
     /// A trace or a synthetic workload replayed in real time against an OpenAI-compatible
@@ -369,7 +343,7 @@ enum Command {
             value_name = "URL",
             required = true,
             value_delimiter = ',',
-            value_parser = base_url
+            value_parser = replay::base_url
         )]
         urls: Vec<String>,
         /// The `model` field to send (omit for a router serving one model).
@@ -378,7 +352,7 @@ enum Command {
         /// A JSON object whose fields are added to every request's body, e.g. Dynamo's
         /// '{"nvext":{"extra_fields":["worker_id"]}}' (which also makes its frontend send a
         /// chunk per token, and name the worker).
-        #[arg(long, value_name = "JSON", value_parser = json_object)]
+        #[arg(long, value_name = "JSON", value_parser = replay::json_object)]
         extra_body: Option<serde_json::Map<String, serde_json::Value>>,
         #[arg(long, default_value_t = 1.0)]
         rate_scale: f64,
@@ -660,22 +634,6 @@ mod tests {
                 Err(ErrorKind::ValueValidation)
             );
         }
-    }
-
-    #[test]
-    fn skip_leaves_out_the_first_requests_and_starts_the_rest_at_zero() {
-        let at = |ms| TraceRequest {
-            timestamp: ms,
-            input_length: 1,
-            output_length: 1,
-            hash_ids: vec![ms],
-        };
-        let mut r = vec![at(0), at(10), at(25), at(40)];
-        skip(&mut r, 2);
-        let times: Vec<(u64, u64)> = r.iter().map(|r| (r.timestamp, r.hash_ids[0])).collect();
-        assert_eq!(times, [(0, 25), (15, 40)]);
-        skip(&mut r, 9);
-        assert!(r.is_empty());
     }
 
     #[test]

@@ -282,6 +282,24 @@ pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult 
     }
 }
 
+/// A `--url` entry: non-empty, without its trailing `/`.
+pub fn base_url(s: &str) -> Result<String, String> {
+    let url = s.trim().trim_end_matches('/');
+    if url.is_empty() {
+        return Err("empty URL".into());
+    }
+    Ok(url.to_owned())
+}
+
+/// `--extra-body`: a JSON object.
+pub fn json_object(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err("not a JSON object".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,6 +54,15 @@ pub fn parse(text: &str) -> Result<Vec<TraceRequest>, TraceError> {
     Ok(out)
 }
 
+/// Drops the first `n` requests and moves the rest so that the first starts at 0.
+pub fn skip(requests: &mut Vec<TraceRequest>, n: usize) {
+    requests.drain(..n.min(requests.len()));
+    let first = requests.first().map_or(0, |r| r.timestamp);
+    for r in requests.iter_mut() {
+        r.timestamp -= first;
+    }
+}
+
 pub fn load(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
     let text = std::fs::read_to_string(path).map_err(|source| TraceError::Read {
         path: path.display().to_string(),
@@ -207,5 +216,21 @@ mod tests {
         ];
         let expected = (700.0 + 1100.0) / (700.0 + 1100.0 + 1100.0);
         assert!((hit_bound(&trace, 512) - expected).abs() < 1e-12);
+    }
+
+    #[test]
+    fn skip_leaves_out_the_first_requests_and_starts_the_rest_at_zero() {
+        let at = |ms| TraceRequest {
+            timestamp: ms,
+            input_length: 1,
+            output_length: 1,
+            hash_ids: vec![ms],
+        };
+        let mut r = vec![at(0), at(10), at(25), at(40)];
+        skip(&mut r, 2);
+        let times: Vec<(u64, u64)> = r.iter().map(|r| (r.timestamp, r.hash_ids[0])).collect();
+        assert_eq!(times, [(0, 25), (15, 40)]);
+        skip(&mut r, 9);
+        assert!(r.is_empty());
     }
 }

@@ -1,10 +1,23 @@
 //! Keys: the client key inference calls must carry, the admin key, and the key sent to the
 //! workers. A key is a [`Secret`]: its `Debug` and `Display` never show it, so no log line or
 //! error can leak it, and it is compared in constant time.
+//!
+//! Tenants and tokens: [`tenant`] (the canonical tenant keys and the tenant API keys),
+//! [`jwt`] (a token's signature and claims), [`jwks`] (the issuer's keys, fetched and
+//! refetched) and [`access`] (who may call, as which tenant: the one decision for both
+//! planes).
 
 use std::net::IpAddr;
 
 use http::HeaderMap;
+
+pub mod access;
+pub mod jwks;
+pub mod jwt;
+pub mod tenant;
+
+pub use access::{Access, Caller, JwtSettings, Role, TenancySettings};
+pub use tenant::Tenant;
 
 /// A key. Printing it prints `***`.
 #[derive(Clone, PartialEq, Eq)]
@@ -70,12 +83,30 @@ pub fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
         .then(|| token.trim_ascii())
 }
 
-/// Why a call was refused (the message a client sees; never the key).
+/// The connection's peer address, which the server puts in each request's extensions
+/// (`None` for a request that came another way, such as a test's `oneshot`).
+pub fn peer(extensions: &http::Extensions) -> Option<IpAddr> {
+    extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip())
+}
+
+/// The credential a call carries: `Authorization: Bearer`, else Anthropic's `x-api-key`.
+pub fn credential(headers: &HeaderMap) -> Option<&[u8]> {
+    bearer(headers).or_else(|| headers.get(API_KEY_HEADER).map(|v| v.as_bytes()))
+}
+
+/// Why a call was refused (the message a client sees; never the key, nor why a token was
+/// refused: that is logged).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     MissingKey,
     WrongKey,
     NotLoopback,
+    /// A token that is not valid (401).
+    BadToken,
+    /// A valid token whose role is not admin, on the admin API (403).
+    NotAdmin,
 }
 
 impl Refusal {
@@ -88,6 +119,8 @@ impl Refusal {
             (Refusal::NotLoopback, _) => {
                 "without --admin-api-key, admin changes are accepted from loopback only"
             }
+            (Refusal::BadToken, _) => "the credentials are not valid",
+            (Refusal::NotAdmin, _) => "this token's role may not call the admin API",
         }
     }
 }
@@ -96,8 +129,7 @@ impl Refusal {
 pub fn check_client(key: Option<&Secret>, headers: &HeaderMap) -> Result<(), Refusal> {
     let Some(key) = key else { return Ok(()) };
     // Anthropic's clients send theirs as `x-api-key`.
-    let given = bearer(headers).or_else(|| headers.get(API_KEY_HEADER).map(|v| v.as_bytes()));
-    match given {
+    match credential(headers) {
         None => Err(Refusal::MissingKey),
         Some(given) if key.matches(given) => Ok(()),
         Some(_) => Err(Refusal::WrongKey),

@@ -19,7 +19,9 @@ mod metrics_compat;
 pub mod peers;
 mod service;
 mod settings;
+mod tenancy;
 mod validate;
+mod values;
 
 pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, MemoryCostArg, QueueOrderArg};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};

@@ -38,6 +38,8 @@ pub(crate) struct AppState {
     /// `--max-concurrent-requests`, its queue and rate.
     pub(crate) admission: Option<crate::admission::Admission>,
     pub(crate) worker_auth: WorkerAuth,
+    /// Who may call, as which tenant (keys, trusted header, JWT).
+    pub(crate) access: crate::auth::Access,
     /// Background tasks (per worker, upkeep); joined when serving ends.
     pub(crate) tasks: TaskTracker,
     /// Cancelled when serving ends: stops every background task.
@@ -63,10 +65,17 @@ impl AppState {
         let metrics = GatewayMetrics::register(registry);
         let workers = Arc::new(WorkerSet::new(&settings, &metrics));
         crate::peer_metrics::PeerMetrics::register(&settings, &workers, &metrics, registry);
-        let worker_auth = match (&settings.api_key, &settings.client_api_key) {
+        let client = build_client_with(settings.tls.workers.clone());
+        let access = crate::auth::Access::new(
+            &settings.tenancy,
+            settings.client_api_key.as_ref(),
+            client.clone(),
+        );
+        // A credential the router checks is the router's: it never reaches a worker.
+        let worker_auth = match (&settings.api_key, access.requires_credentials()) {
             (Some(key), _) => WorkerAuth::Set(key.bearer().expect("checked by the settings")),
-            (None, Some(_)) => WorkerAuth::Strip,
-            (None, None) => WorkerAuth::PassThrough,
+            (None, true) => WorkerAuth::Strip,
+            (None, false) => WorkerAuth::PassThrough,
         };
         let prompts = crate::prompts::Prompts::new(
             tokenizer,
@@ -83,7 +92,6 @@ impl AppState {
             ),
         ));
         let kv_event_metrics = KvEventMetrics::register(registry);
-        let client = build_client_with(settings.tls.workers.clone());
         Self {
             queue: settings.queue.as_ref().map(|q| {
                 Arc::new(
@@ -112,6 +120,7 @@ impl AppState {
                 crate::admission::Admission::new(a, tokio::time::Instant::now(), waiting)
             }),
             worker_auth,
+            access,
             tasks: TaskTracker::new(),
             shutdown: workers.shutdown().clone(),
             api_tls: settings

@@ -54,6 +54,9 @@ pub enum GatewayError {
     OverloadShed,
     #[error("{0}")]
     Unauthorized(&'static str),
+    /// A valid credential that may not make this call (a user-role token on the admin API).
+    #[error("{0}")]
+    Forbidden(&'static str),
     #[error("invalid admin request: {0}")]
     InvalidAdmin(String),
     #[error("invalid request: {0}")]
@@ -77,6 +80,15 @@ pub enum GatewayError {
 }
 
 impl GatewayError {
+    /// A refused call's error: 403 for a valid token without the admin role, else 401;
+    /// `admin` chooses the message.
+    pub fn refused(refusal: crate::auth::Refusal, admin: bool) -> Self {
+        match refusal {
+            crate::auth::Refusal::NotAdmin => GatewayError::Forbidden(refusal.message(admin)),
+            _ => GatewayError::Unauthorized(refusal.message(admin)),
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             GatewayError::InvalidJson(_) | GatewayError::ModelRequired { .. } => {
@@ -91,6 +103,7 @@ impl GatewayError {
             | GatewayError::PinnedWorkerOverloaded
             | GatewayError::OverloadShed => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            GatewayError::Forbidden(_) => StatusCode::FORBIDDEN,
             GatewayError::QueueFull(_) | GatewayError::TooManyRequests(_) => {
                 StatusCode::TOO_MANY_REQUESTS
             }
@@ -128,6 +141,7 @@ impl GatewayError {
             GatewayError::PinnedWorkerOverloaded => "pinned_worker_overloaded",
             GatewayError::OverloadShed => "worker_overload_protection_shed",
             GatewayError::Unauthorized(_) => "unauthorized",
+            GatewayError::Forbidden(_) => "forbidden",
             GatewayError::InvalidAdmin(_) | GatewayError::InvalidRequest(_) => "invalid_request",
             GatewayError::QueueFull(_) => "queue_full",
             GatewayError::QueueTimeout(_) => "queue_timeout",

@@ -1,7 +1,8 @@
 //! A routed request, top to bottom:
 //!
-//! 1. **admission**: the client's key, the router's concurrency limit ([`admit`]), the body,
-//!    and for a single request the router queue ([`queue_admission`]);
+//! 1. **admission**: the caller's tenant (its key or token, [`tenant_of`]), the router's
+//!    concurrency limit ([`admit`]), the body, and for a single request the router queue
+//!    ([`queue_admission`]);
 //! 2. **the plan's shape**: single (one worker), or prefill/decode on a P/D route;
 //! 3. **dispatch**: a single request goes through [`attempts`], each a policy's pick
 //!    ([`pick`]) and a forward, retried on another eligible worker when it fails before the
@@ -35,7 +36,7 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, Attempt, Picked};
+use crate::pick::{admit, learn, pick, queue_admission, tenant_of, Attempt, Picked};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
@@ -82,11 +83,15 @@ pub(crate) async fn route_and_forward(
     request_id: &HeaderValue,
     span: Option<&Arc<RequestSpan>>,
 ) -> Result<Response, GatewayError> {
-    // Admission: the client's key, the router's concurrency limit, the body.
+    // Admission: the caller's tenant (its key or token), the concurrency limit, the body.
     let arrived = Instant::now();
     let (parts, body) = req.into_parts();
-    auth::check_client(state.settings.client_api_key.as_ref(), &parts.headers)
-        .map_err(|r| GatewayError::Unauthorized(r.message(false)))?;
+    let caller = auth::Caller {
+        headers: &parts.headers,
+        peer: auth::peer(&parts.extensions),
+        fairness_id: None,
+    };
+    let tenant = tenant_of(state, &caller, span).await?;
     let admitted = admit(state).await?;
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     // Anthropic's Messages: routed on the chat request vLLM makes of it, forwarded as sent.
@@ -125,6 +130,7 @@ pub(crate) async fn route_and_forward(
         tokens: &tokens,
         hints: &hints,
         request_id,
+        tenant: &tenant,
         arrived,
         class: shape.class(),
         span,
@@ -232,7 +238,7 @@ async fn migrating_stream(
     }
     // Pinned by hard session affinity, known once routed.
     let migration = migration(state, api, body, allowed, wanted, sent.pinned, a.span);
-    let resend = resender(state, a.parts, a.request_id, a.arrived, shape, a.span);
+    let resend = resender(state, a, shape);
     Ok(migrate::migrating(migration, sent, resend))
 }
 
@@ -277,23 +283,17 @@ fn migration(
 
 /// Sends a continuation of this request as its shape says, routed afresh with the failed
 /// workers excluded.
-fn resender(
-    state: &Arc<AppState>,
-    parts: &http::request::Parts,
-    request_id: &HeaderValue,
-    arrived: Instant,
-    shape: Shape,
-    span: Option<&Arc<RequestSpan>>,
-) -> migrate::Resend {
+fn resender(state: &Arc<AppState>, a: &Attempt<'_>, shape: Shape) -> migrate::Resend {
+    let (parts, request_id, arrived, span) = (a.parts, a.request_id, a.arrived, a.span);
     let (mut owned, ()) = http::Request::new(()).into_parts();
     owned.method = parts.method.clone();
     owned.uri = parts.uri.clone();
     owned.headers = parts.headers.clone();
     let (state, parts, request_id) = (state.clone(), Arc::new(owned), request_id.clone());
-    let span = span.cloned();
+    let (span, tenant) = (span.cloned(), a.tenant.clone());
     Box::new(move |body: Bytes, tried: Vec<WorkerId>| {
         let (state, parts, request_id) = (state.clone(), parts.clone(), request_id.clone());
-        let span = span.clone();
+        let (span, tenant) = (span.clone(), tenant.clone());
         Box::pin(async move {
             let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
             let disaggregated = matches!(shape, Shape::Disaggregated);
@@ -306,6 +306,7 @@ fn resender(
                 tokens: &tokens,
                 hints: &hints,
                 request_id: &request_id,
+                tenant: &tenant,
                 arrived,
                 class: shape.class(),
                 span: span.as_ref(),

@@ -1,5 +1,5 @@
-//! The stages every front door shares, in order: admission under the router's concurrency
-//! limit ([`admit`]), the router queue ([`queue_admission`]), the policy's choice with the
+//! The stages every front door shares, in order: the caller's tenant ([`tenant_of`]),
+//! admission under the router's concurrency limit ([`admit`]), the router queue ([`queue_admission`]), the policy's choice with the
 //! request counted on its worker and rank ([`pick`]), and what the router learns from it
 //! ([`learn`]). The proxy ([`crate::forward`]) forwards to the pick and retries; the endpoint
 //! picker ([`crate::epp`]) names it to the gateway.
@@ -12,6 +12,7 @@ use kvroute_core::eligibility::Hints;
 use kvroute_core::PolicyKind;
 use kvroute_protocol::{ModelId, RoutingFields, WorkerId};
 
+use crate::auth::{Caller, Tenant};
 use crate::context::AppState;
 use crate::error::GatewayError;
 use crate::otlp::RequestSpan;
@@ -20,6 +21,21 @@ use crate::proxy::{Admitted, InFlight};
 use crate::queue::Released;
 use crate::routing;
 use crate::workers::Pool;
+
+/// The request's tenant, or its refusal (401; see [`crate::auth::access`]); recorded on
+/// its trace span as `kvroute.tenant`.
+pub(crate) async fn tenant_of(
+    state: &AppState,
+    caller: &Caller<'_>,
+    span: Option<&Arc<RequestSpan>>,
+) -> Result<Tenant, GatewayError> {
+    let tenant =
+        (state.access.client(caller).await).map_err(|r| GatewayError::refused(r, false))?;
+    if let Some(span) = span {
+        span.set_str("kvroute.tenant", tenant.as_str());
+    }
+    Ok(tenant)
+}
 
 /// Admits a request (see [`crate::admission`]).
 pub(crate) async fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
@@ -38,6 +54,8 @@ pub(crate) struct Attempt<'a> {
     pub(crate) tokens: &'a Tokens,
     pub(crate) hints: &'a Hints,
     pub(crate) request_id: &'a HeaderValue,
+    /// Who it is for, resolved once at admission.
+    pub(crate) tenant: &'a Tenant,
     pub(crate) arrived: Instant,
     /// The queue's policy class, when the queue is on.
     pub(crate) class: Option<usize>,

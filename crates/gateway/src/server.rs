@@ -14,7 +14,7 @@ use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderValue, StatusCode};
 use kvroute_tokenizer::Tokenizer;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -239,6 +239,7 @@ impl Gateway {
         }
         spawn_upkeep(&state);
         spawn_discovery(&self);
+        state.access.start(&state.tasks, state.shutdown.clone());
         // The exporter outlives the grace period: the last requests' spans go out too.
         let export_stop = CancellationToken::new();
         if let Some(tracer) = &state.tracer {
@@ -403,10 +404,15 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
     }
 }
 
-async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(r) = auth::check_client(state.settings.client_api_key.as_ref(), &headers) {
+async fn models(State(state): State<Arc<AppState>>, req: Request) -> Response {
+    let caller = auth::Caller {
+        headers: req.headers(),
+        peer: auth::peer(req.extensions()),
+        fairness_id: None,
+    };
+    if let Err(r) = state.access.client(&caller).await {
         state.metrics.request("/v1/models", 401);
-        return GatewayError::Unauthorized(r.message(false)).into_response();
+        return GatewayError::refused(r, false).into_response();
     }
     let table = state.workers.table();
     let body = serde_json::json!({"object": "list", "data": table.model_cards()});

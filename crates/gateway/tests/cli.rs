@@ -245,6 +245,55 @@ fn a_peers_flag_kvroute_does_not_take_exits_2_naming_it_and_why() {
     }
 }
 
+#[test]
+fn bad_tenant_and_jwt_values_exit_2_naming_the_flag_never_the_key() {
+    let cases: [(&[&str], &str); 6] = [
+        (&["--tenant-api-key", "no-colon-s3cret"], "--tenant-api-key"),
+        (
+            &["--jwt-issuer", "not a url", "--jwt-audience", "a"],
+            "--jwt-issuer",
+        ),
+        (
+            &["--jwt-issuer", "https://idp.example.com"],
+            "--jwt-audience",
+        ),
+        (&["--jwt-audience", "a"], "--jwt-issuer"),
+        (
+            &[
+                "--jwt-issuer",
+                "https://idp.example.com",
+                "--jwt-audience",
+                "a",
+                "--jwt-role-mapping",
+                "Admins",
+            ],
+            "--jwt-role-mapping",
+        ),
+        (
+            &[
+                "--jwt-issuer",
+                "https://idp.example.com",
+                "--jwt-audience",
+                "a",
+                "--jwt-role-mapping",
+                "Admins=root",
+            ],
+            "admin or user",
+        ),
+    ];
+    for (flags, named) in cases {
+        let out = kvroute()
+            .args(["--worker-urls", "http://127.0.0.1:1"])
+            .args(flags)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(named), "{flags:?} should name {named}: {err}");
+        assert!(!err.contains("s3cret"), "{err}");
+    }
+}
+
 #[tokio::test]
 async fn dump_config_to_writes_the_settings_then_starts() {
     let dir = std::env::temp_dir().join(format!("kvroute-cli-dump-{}", std::process::id()));

@@ -2,70 +2,16 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use kvroute_core::PolicyKind;
 use kvroute_sim::engine::TimingFamily;
 use serde::{Deserialize, Serialize};
 
 use super::load::{de_policy, parse_go_bool, parse_policy, parse_whole_secs, ser_policy};
+pub use super::values::{
+    AffinityModeArg, AssignmentModeArg, LogLevel, MemoryCostArg, QueueOrderArg,
+};
 use super::{DiscoveryProvider, MetricsPeer, PdProtocol, PolicyClassSpec, WorkerSpec};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogLevel {
-    Trace,
-    Debug,
-    Info,
-    #[value(alias = "warning")]
-    #[serde(alias = "warning")]
-    Warn,
-    /// vllm-router's `critical` is `error`: kvroute logs nothing above it.
-    #[value(alias = "critical")]
-    #[serde(alias = "critical")]
-    Error,
-}
-
-impl LogLevel {
-    pub fn as_filter(self) -> &'static str {
-        match self {
-            LogLevel::Trace => "trace",
-            LogLevel::Debug => "debug",
-            LogLevel::Info => "info",
-            LogLevel::Warn => "warn",
-            LogLevel::Error => "error",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AssignmentModeArg {
-    /// Also the peers' spelling, `min_load`.
-    #[value(alias = "min_load")]
-    MinLoad,
-    Random,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum QueueOrderArg {
-    Fcfs,
-    Wspt,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MemoryCostArg {
-    Linear,
-    Utilisation,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AffinityModeArg {
-    Hard,
-    Soft,
-}
 
 /// The command line of `kvroute`, and the schema of its config file.
 #[derive(Debug, Default, Parser, Deserialize, Serialize)]
@@ -360,6 +306,31 @@ pub struct Args {
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
     #[serde(skip_serializing)]
     pub api_key: Option<String>,
+    /// smg's per-tenant client keys, `ID:KEY` (repeatable): a call with KEY as its bearer
+    /// token (or `x-api-key`) is tenant `auth:ID`; with any set, other keys are refused.
+    #[arg(long, value_name = "ID:KEY", action = clap::ArgAction::Append)]
+    #[serde(skip_serializing)]
+    pub tenant_api_key: Vec<String>,
+    /// Take an unauthenticated call's tenant from --tenant-header-name (`header:<id>`).
+    #[arg(long)]
+    #[serde(default)]
+    pub trust_tenant_header: bool,
+    /// The trusted tenant header [default: x-smg-tenant-id].
+    #[arg(long, value_name = "NAME")]
+    pub tenant_header_name: Option<String>,
+    /// JWT/OIDC: the issuer (its `iss`); tokens are checked on the inference and admin APIs.
+    #[arg(long, env = "JWT_ISSUER", value_name = "URL")]
+    pub jwt_issuer: Option<String>,
+    /// JWT: the audience a token's `aud` must hold (required with --jwt-issuer).
+    #[arg(long, env = "JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
+    /// JWT: the JWKS's URL [default: the issuer's .well-known/openid-configuration's].
+    #[arg(long, value_name = "URL")]
+    pub jwt_jwks_uri: Option<String>,
+    /// JWT: the IdP's roles or groups as kvroute's roles, `IDP_ROLE=admin|user`; admin may
+    /// call the admin API.
+    #[arg(long, num_args = 1.., value_name = "IDP_ROLE=ROLE")]
+    pub jwt_role_mapping: Vec<String>,
     /// TLS to workers: CA certificates (PEM files, one or more certificates each) trusted
     /// for `https://` workers, besides the system's roots.
     #[arg(long, num_args = 1.., value_name = "FILE")]

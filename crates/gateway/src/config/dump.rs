@@ -8,8 +8,8 @@ use super::{Args, ConfigError};
 impl Args {
     /// These arguments as pretty JSON in the `--config` file's schema (YAML reads JSON, so
     /// `--config` loads it back): every key, unset ones as `null`, policies by name. The
-    /// secrets (`admin_api_key`, `client_api_key`, `api_key`) are left out, and so are
-    /// `config` and `dump_config_to`.
+    /// secrets (`admin_api_key`, `client_api_key`, `api_key`, `tenant_api_key`) are left
+    /// out, and so are `config` and `dump_config_to`.
     pub fn dump_json(&self) -> String {
         let mut text = serde_json::to_string_pretty(self).expect("Args serialise to JSON");
         text.push('\n');

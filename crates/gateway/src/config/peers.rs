@@ -948,7 +948,12 @@ mod tests {
         let cmd = <Args as clap::CommandFactory>::command();
         let overrides = sample_overrides();
         let default = dump(&parsed(&[]).unwrap());
-        let secrets = ["admin_api_key", "client_api_key", "api_key"];
+        let secrets = [
+            "admin_api_key",
+            "client_api_key",
+            "api_key",
+            "tenant_api_key",
+        ];
         let mut walked = 0;
         for row in peer_flags() {
             if !accepted(row.flag, &own) {

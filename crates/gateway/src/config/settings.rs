@@ -305,6 +305,8 @@ pub struct Settings {
     pub overload: OverloadProtection,
     pub admin_api_key: Option<Secret>,
     pub client_api_key: Option<Secret>,
+    /// Tenant keys, the trusted tenant header, JWT/OIDC.
+    pub tenancy: crate::auth::TenancySettings,
     /// The key sent to the workers.
     pub api_key: Option<Secret>,
     /// TLS to https workers (trust, mTLS identity) and the API's certificate.

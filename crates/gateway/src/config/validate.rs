@@ -94,6 +94,7 @@ impl Args {
             overload: self.overload_protection()?,
             admin_api_key: self.admin_api_key.take().and_then(Secret::new),
             client_api_key: self.client_api_key.take().and_then(Secret::new),
+            tenancy: self.take_tenancy()?,
             api_key: self.take_api_key()?,
             tls: self.take_tls()?,
             health,

@@ -299,8 +299,14 @@ impl Exchange {
             .expect("routed after the request headers");
         let state = self.state.clone();
         let arrived = Instant::now();
-        crate::auth::check_client(state.settings.client_api_key.as_ref(), &head.headers)
-            .map_err(|r| GatewayError::Unauthorized(r.message(false)))?;
+        // GIE's fairness id names the tenant of a caller who proved nothing (stripped below).
+        let fairness_id = first(&head.headers, &FAIRNESS_ID);
+        let caller = crate::auth::Caller {
+            headers: &head.headers,
+            peer: None,
+            fairness_id: fairness_id.as_deref(),
+        };
+        let tenant = pick::tenant_of(&state, &caller, None).await?;
         let admitted = pick::admit(&state).await?;
         let (body, rewrite) = match first(&head.headers, &MODEL_REWRITE) {
             Some(target) if !body.is_empty() => rewrite_model(&body, &target)?,
@@ -366,6 +372,7 @@ impl Exchange {
             tokens: &tokens,
             hints: &hints,
             request_id: &request_id,
+            tenant: &tenant,
             arrived,
             class,
             span: None,

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::extract::{Path, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::StatusCode;
@@ -21,7 +21,7 @@ use crate::routing;
 /// candidate's terms, without sending it or changing any state.
 pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let result = async {
-        check_admin(&state, &req, false)?;
+        check_admin(&state, &req, false).await?;
         let (parts, body) = req.into_parts();
         let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
         let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
@@ -55,29 +55,26 @@ pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request
 }
 
 /// Admin calls: with `--admin-api-key`, the key as a bearer token; without, changes only
-/// from loopback (reads from anywhere).
-pub(super) fn check_admin(
-    state: &AppState,
+/// from loopback (reads from anywhere). With JWT on, also a token whose role is admin (403
+/// for another valid token), and nothing without a credential.
+pub(super) fn check_admin<'a>(
+    state: &'a AppState,
     req: &Request,
     mutating: bool,
-) -> Result<(), GatewayError> {
-    let peer = req
-        .extensions()
-        .get::<ConnectInfo<std::net::SocketAddr>>()
-        .map(|c| c.0.ip());
-    auth::check_admin(
-        state.settings.admin_api_key.as_ref(),
-        req.headers(),
-        peer,
-        mutating,
-    )
-    .map_err(|r| GatewayError::Unauthorized(r.message(true)))
+) -> impl std::future::Future<Output = Result<(), GatewayError>> + Send + 'a {
+    // What the check reads, taken now: a `&Request` is not `Send` across the await.
+    let (peer, headers) = (auth::peer(req.extensions()), req.headers().clone());
+    let key = state.settings.admin_api_key.as_ref();
+    async move {
+        (state.access.admin(key, &headers, peer, mutating).await)
+            .map_err(|r| GatewayError::refused(r, true))
+    }
 }
 
 /// `POST /workers`: adds a worker (the config file's worker schema, as JSON).
 pub(super) async fn add_worker(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let result = async {
-        check_admin(&state, &req, true)?;
+        check_admin(&state, &req, true).await?;
         let (parts, body) = req.into_parts();
         let body = read_body(body, 1 << 20, &parts.headers).await?;
         let mut spec: WorkerSpec =
@@ -105,7 +102,7 @@ pub(super) async fn remove_worker(
     Path(id): Path<String>,
     req: Request,
 ) -> Response {
-    let result = check_admin(&state, &req, true).and_then(|()| {
+    let result = check_admin(&state, &req, true).await.and_then(|()| {
         let worker = super::background::remove_worker(&state, &id)?;
         Ok(Json(serde_json::json!({
             "id": worker.id.as_str(),
@@ -119,7 +116,7 @@ pub(super) async fn remove_worker(
 
 /// `GET /busy_threshold`: the thresholds in force for every model.
 pub(super) async fn get_busy(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = check_admin(&state, &req, false) {
+    if let Err(e) = check_admin(&state, &req, false).await {
         return e.into_response();
     }
     let table = state.workers.table();
@@ -133,7 +130,7 @@ pub(super) async fn get_busy(State(state): State<Arc<AppState>>, req: Request) -
 /// `POST /busy_threshold`: sets the given fields for one model; omitted fields are a read.
 pub(super) async fn set_busy(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let result = async {
-        check_admin(&state, &req, true)?;
+        check_admin(&state, &req, true).await?;
         let (parts, body) = req.into_parts();
         let body = read_body(body, 1 << 20, &parts.headers).await?;
         let update: ThresholdsBody =
@@ -169,7 +166,7 @@ pub(super) async fn set_busy(State(state): State<Arc<AppState>>, req: Request) -
 }
 
 pub(super) async fn workers(State(state): State<Arc<AppState>>, req: Request) -> Response {
-    if let Err(e) = check_admin(&state, &req, false) {
+    if let Err(e) = check_admin(&state, &req, false).await {
         return e.into_response();
     }
     Json(serde_json::json!({"workers": state.workers.statuses()})).into_response()

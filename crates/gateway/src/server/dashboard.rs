@@ -310,7 +310,7 @@ pub(super) fn routes(dashboard: Arc<Dashboard>) -> Router {
 }
 
 async fn feed(State(d): State<Arc<Dashboard>>, req: Request) -> Response {
-    if let Err(e) = check_admin(&d.state, &req, false) {
+    if let Err(e) = check_admin(&d.state, &req, false).await {
         return e.into_response();
     }
     let mut response = Json(d.feed()).into_response();
