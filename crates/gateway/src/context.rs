@@ -63,6 +63,7 @@ impl AppState {
         tokenizer: Arc<Tokenizer>,
     ) -> Self {
         let metrics = GatewayMetrics::register(registry);
+        metrics.tenants.set_top_n(settings.tenant_metric_top_n);
         let workers = Arc::new(WorkerSet::new(&settings, &metrics));
         crate::peer_metrics::PeerMetrics::register(&settings, &workers, &metrics, registry);
         let client = build_client_with(settings.tls.workers.clone());

@@ -1,8 +1,8 @@
 //! A routed request, top to bottom:
 //!
-//! 1. **admission**: the caller's tenant (its key or token, [`tenant_of`]), the router's
-//!    concurrency limit ([`admit`]), the body, and for a single request the router queue
-//!    ([`queue_admission`]);
+//! 1. **admission**: the caller's tenant (its key or token; resolved by the front door,
+//!    `server`, with [`crate::pick::tenant_of`]), the router's concurrency limit ([`admit`]),
+//!    the body, and for a single request the router queue ([`queue_admission`]);
 //! 2. **the plan's shape**: single (one worker), or prefill/decode on a P/D route;
 //! 3. **dispatch**: a single request goes through [`attempts`], each a policy's pick
 //!    ([`pick`]) and a forward, retried on another eligible worker when it fails before the
@@ -28,7 +28,7 @@ use http_body_util::BodyExt;
 use kvroute_core::PolicyKind;
 use kvroute_protocol::{RoutingFields, WorkerId};
 
-use crate::auth;
+use crate::auth::Tenant;
 use crate::context::AppState;
 use crate::error::GatewayError;
 use crate::http::WORKER_HEADER;
@@ -36,7 +36,7 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, tenant_of, Attempt, Picked};
+use crate::pick::{admit, learn, pick, queue_admission, Attempt, Picked};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
@@ -82,16 +82,11 @@ pub(crate) async fn route_and_forward(
     req: Request,
     request_id: &HeaderValue,
     span: Option<&Arc<RequestSpan>>,
+    tenant: &Tenant,
 ) -> Result<Response, GatewayError> {
-    // Admission: the caller's tenant (its key or token), the concurrency limit, the body.
+    // Admission (the front door resolved the caller's tenant): the concurrency limit, the body.
     let arrived = Instant::now();
     let (parts, body) = req.into_parts();
-    let caller = auth::Caller {
-        headers: &parts.headers,
-        peer: auth::peer(&parts.extensions),
-        fairness_id: None,
-    };
-    let tenant = tenant_of(state, &caller, span).await?;
     let admitted = admit(state).await?;
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     // Anthropic's Messages: routed on the chat request vLLM makes of it, forwarded as sent.
@@ -130,7 +125,7 @@ pub(crate) async fn route_and_forward(
         tokens: &tokens,
         hints: &hints,
         request_id,
-        tenant: &tenant,
+        tenant,
         arrived,
         class: shape.class(),
         span,

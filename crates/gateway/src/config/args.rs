@@ -318,6 +318,10 @@ pub struct Args {
     /// The trusted tenant header [default: x-smg-tenant-id].
     #[arg(long, value_name = "NAME")]
     pub tenant_header_name: Option<String>,
+    /// Tenants with a label of their own in the per-tenant metrics (the first N seen; the
+    /// rest are `other`) [default: 32].
+    #[arg(long, value_name = "N")]
+    pub priority_scheduler_tenant_metric_top_n: Option<usize>,
     /// JWT/OIDC: the issuer (its `iss`); tokens are checked on the inference and admin APIs.
     #[arg(long, env = "JWT_ISSUER", value_name = "URL")]
     pub jwt_issuer: Option<String>,

@@ -307,6 +307,8 @@ pub struct Settings {
     pub client_api_key: Option<Secret>,
     /// Tenant keys, the trusted tenant header, JWT/OIDC.
     pub tenancy: crate::auth::TenancySettings,
+    /// Tenants with their own metric label (`--priority-scheduler-tenant-metric-top-n`).
+    pub tenant_metric_top_n: usize,
     /// The key sent to the workers.
     pub api_key: Option<Secret>,
     /// TLS to https workers (trust, mTLS identity) and the API's certificate.
