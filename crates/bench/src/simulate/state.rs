@@ -389,6 +389,7 @@ impl<'a> State<'a> {
                 hashes: &req.hashes,
                 text: &text,
                 now: self.base + now,
+                head_start: Duration::ZERO,
             },
             &scores,
             &self.engines,
