@@ -36,7 +36,7 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, tenant_of, Attempt, Picked};
+use crate::pick::{admit, learn, pick, queue_admission, tenant_of, Attempt, Picked, QueueAsk};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
@@ -120,8 +120,13 @@ pub(crate) async fn route_and_forward(
             .headers
             .get("x-kvroute-class")
             .and_then(|v| v.to_str().ok());
+        let ask = QueueAsk {
+            class_name,
+            headers: &parts.headers,
+            tenant: &tenant,
+        };
         let (class, released) =
-            queue_admission(state, class_name, &fields, &hints, &tokens, started, span).await?;
+            queue_admission(state, ask, &fields, &hints, &tokens, started, span).await?;
         (Shape::Single { class }, released)
     };
     let attempt = Attempt {

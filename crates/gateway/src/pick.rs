@@ -70,12 +70,21 @@ impl Attempt<'_> {
     }
 }
 
+/// What the router queue reads of a request besides its routing fields.
+pub(crate) struct QueueAsk<'a> {
+    /// Its policy class's name (`x-kvroute-class`, GIE's objective), if any.
+    pub(crate) class_name: Option<&'a str>,
+    /// Its headers (`x-smg-priority`).
+    pub(crate) headers: &'a http::HeaderMap,
+    pub(crate) tenant: &'a Tenant,
+}
+
 /// The router queue's admission (when it is on): waits while every eligible rank is
 /// saturated with prefill; a request with no eligible worker fails at once. Returns the
 /// request's policy class and its place, released once its load is counted.
 pub(crate) async fn queue_admission<'s>(
     state: &'s AppState,
-    class_name: Option<&str>,
+    ask: QueueAsk<'_>,
     fields: &RoutingFields<'_>,
     hints: &Hints,
     tokens: &Tokens,
@@ -85,7 +94,13 @@ pub(crate) async fn queue_admission<'s>(
     let Some(queue) = &state.queue else {
         return Ok((None, None));
     };
-    let c = queue.class_of(class_name)?;
+    let c = queue.class_of(ask.class_name)?;
+    let tenant = ask.tenant.as_str();
+    let standing =
+        crate::queue::standing(queue.priority(), ask.headers, fields.nvext.as_ref(), tenant);
+    if let Some(span) = span {
+        span.set_str("kvroute.priority", standing.class.as_str());
+    }
     let (ranks, cost) = {
         let table = state.workers.table();
         let pool = table.resolve(fields.model.as_deref())?;
@@ -102,7 +117,13 @@ pub(crate) async fn queue_admission<'s>(
         (ranks, tokens.len().saturating_sub(cached) as u64)
     };
     let queued = Instant::now();
-    let released = queue.admit(c, ranks, cost).await?;
+    let req = crate::queue::Queued {
+        class: c,
+        standing,
+        tenant,
+        cost,
+    };
+    let released = queue.admit(req, ranks).await?;
     if let Some(span) = span {
         span.set_double(
             "kvroute.queue_wait_ms",

@@ -356,16 +356,13 @@ impl Exchange {
             .get(crate::http::REQUEST_ID_HEADER)
             .cloned()
             .unwrap_or_else(|| HeaderValue::from_static("epp"));
-        let (class, mut released) = pick::queue_admission(
-            &state,
-            class_name.as_deref(),
-            &fields,
-            &hints,
-            &tokens,
-            arrived,
-            None,
-        )
-        .await?;
+        let ask = pick::QueueAsk {
+            class_name: class_name.as_deref(),
+            headers: &head.headers,
+            tenant: &tenant,
+        };
+        let (class, mut released) =
+            pick::queue_admission(&state, ask, &fields, &hints, &tokens, arrived, None).await?;
         let attempt = Attempt {
             parts: &parts,
             fields: &fields,
