@@ -344,7 +344,12 @@ async fn whole_answer(
         match tracked.collect().await {
             Ok(whole) => {
                 drop(admitted);
-                return Ok(Response::from_parts(parts, Body::from(whole.to_bytes())));
+                let whole = whole.to_bytes();
+                if attempt.class.is_some() && parts.status.is_success() {
+                    let tokens = crate::pick::output_tokens(&whole).unwrap_or(0);
+                    crate::pick::charge_output(state, attempt, tokens);
+                }
+                return Ok(Response::from_parts(parts, Body::from(whole)));
             }
             Err(error) => {
                 tracing::warn!(worker = %worker.id, %error, "Answer cut mid-way; retrying the request whole");

@@ -133,6 +133,30 @@ pub(crate) async fn queue_admission<'s>(
     Ok((Some(c), Some(released)))
 }
 
+/// Charges `a`'s tenant with the output tokens it was served (VTC's output charge, weighted
+/// in the queue), when it went through the router queue. The one place output is charged:
+/// today from a whole answer's `usage` ([`output_tokens`]); a stream's usage, once tapped,
+/// is meant to come here too.
+pub(crate) fn charge_output(state: &AppState, a: &Attempt<'_>, tokens: u64) {
+    if let (Some(queue), Some(class)) = (&state.queue, a.class) {
+        queue.charge_output(class, a.tenant.as_str(), tokens);
+    }
+}
+
+/// The `usage.completion_tokens` of a whole OpenAI-style answer, if it says.
+pub(crate) fn output_tokens(answer: &[u8]) -> Option<u64> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        usage: Option<Usage>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Usage {
+        completion_tokens: Option<u64>,
+    }
+    let answer: Answer = serde_json::from_slice(answer).ok()?;
+    answer.usage?.completion_tokens
+}
+
 /// A request's worker and rank, chosen by the policy, with its in-flight guard: its load is
 /// counted from here. The proxy forwards to it; the endpoint picker names it to the gateway.
 pub(crate) struct Picked {
