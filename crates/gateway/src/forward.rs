@@ -36,7 +36,9 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, tenant_of, Attempt, Picked, QueueAsk};
+use crate::pick::{
+    admit, learn, pick, queue_admission, tenant_of, Attempt, Picked, QueueAdmission, QueueAsk,
+};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
@@ -113,8 +115,8 @@ pub(crate) async fn route_and_forward(
     let tokenize_as = Shape::tokenize_as(disaggregated, state);
     let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
-    let (shape, released) = if disaggregated {
-        (Shape::Disaggregated, None)
+    let (shape, queued) = if disaggregated {
+        (Shape::Disaggregated, QueueAdmission::default())
     } else {
         let class_name = parts
             .headers
@@ -125,9 +127,13 @@ pub(crate) async fn route_and_forward(
             headers: &parts.headers,
             tenant: &tenant,
         };
-        let (class, released) =
-            queue_admission(state, ask, &fields, &hints, &tokens, started, span).await?;
-        (Shape::Single { class }, released)
+        let queued = queue_admission(state, ask, &fields, &hints, &tokens, started, span).await?;
+        (
+            Shape::Single {
+                class: queued.class,
+            },
+            queued,
+        )
     };
     let attempt = Attempt {
         parts: &parts,
@@ -141,26 +147,46 @@ pub(crate) async fn route_and_forward(
         span,
     };
 
-    // The dispatch, and the response.
+    // The dispatch, and the response; preempted, it ends there (its upstream request dropped).
+    let answer = respond(
+        state,
+        route,
+        shape,
+        &attempt,
+        body.clone(),
+        queued.released,
+        admitted,
+    );
+    match queued.preemptible {
+        Some(p) => tokio::select! {
+            answer = answer => answer,
+            () = p.preempted() => Err(GatewayError::Preempted),
+        },
+        None => answer.await,
+    }
+}
+
+/// Dispatches the request as its shape says, and makes its response: a stream that may
+/// migrate, an answer read whole, or the response as it comes.
+async fn respond(
+    state: &Arc<AppState>,
+    route: &'static str,
+    shape: Shape,
+    attempt: &Attempt<'_>,
+    body: Bytes,
+    released: Option<Released<'_>>,
+    admitted: Admitted,
+) -> Result<Response, GatewayError> {
     let api = Api::of(route).filter(|_| state.settings.migration.limit > 0);
     match (api, shape) {
-        (Some(api), _) if fields.stream => {
-            migrating_stream(
-                state,
-                api,
-                shape,
-                &attempt,
-                body.clone(),
-                released,
-                admitted,
-            )
-            .await
+        (Some(api), _) if attempt.fields.stream => {
+            migrating_stream(state, api, shape, attempt, body, released, admitted).await
         }
         (Some(_), Shape::Single { .. }) => {
-            whole_answer(state, &attempt, body.clone(), released, admitted).await
+            whole_answer(state, attempt, body, released, admitted).await
         }
         _ => {
-            let sent = dispatch(state, shape, &attempt, body.clone(), Vec::new(), released);
+            let sent = dispatch(state, shape, attempt, body, Vec::new(), released);
             Ok(sent.await?.into_response(admitted))
         }
     }

@@ -90,9 +90,9 @@ pub(crate) async fn queue_admission<'s>(
     tokens: &Tokens,
     started: Instant,
     span: Option<&Arc<RequestSpan>>,
-) -> Result<(Option<usize>, Option<Released<'s>>), GatewayError> {
+) -> Result<QueueAdmission<'s>, GatewayError> {
     let Some(queue) = &state.queue else {
-        return Ok((None, None));
+        return Ok(QueueAdmission::default());
     };
     let c = queue.class_of(ask.class_name)?;
     let tenant = ask.tenant.as_str();
@@ -124,13 +124,29 @@ pub(crate) async fn queue_admission<'s>(
         cost,
     };
     let released = queue.admit(req, ranks).await?;
+    let preemptible = queue.preemptible(standing.class);
     if let Some(span) = span {
         span.set_double(
             "kvroute.queue_wait_ms",
             queued.elapsed().as_secs_f64() * 1e3,
         );
     }
-    Ok((Some(c), Some(released)))
+    Ok(QueueAdmission {
+        class: Some(c),
+        released: Some(released),
+        preemptible,
+    })
+}
+
+/// What the router queue's admission gives a request.
+#[derive(Default)]
+pub(crate) struct QueueAdmission<'s> {
+    /// Its policy class, when the queue is on.
+    pub(crate) class: Option<usize>,
+    /// Its place, until its load is counted.
+    pub(crate) released: Option<Released<'s>>,
+    /// With the priority scheduler, its preemption until its first byte.
+    pub(crate) preemptible: Option<crate::queue::Preemptible<'s>>,
 }
 
 /// Charges `a`'s tenant with the output tokens it was served (VTC's output charge, weighted

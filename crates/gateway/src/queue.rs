@@ -39,8 +39,10 @@ use crate::config::{PrioritySettings, QueueSettings, QueueSharing, TenantOrder};
 use crate::error::GatewayError;
 use crate::workers::Worker;
 
+mod preempt;
 mod priority;
 pub use kvroute_core::queue::DEFAULT_BATCH_TOKENS;
+pub use preempt::Preemptible;
 pub use priority::{standing, Standing, PRIORITY_HEADER};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -103,6 +105,7 @@ pub struct AdmissionQueue {
     threshold: f64,
     timeout: Duration,
     priority: Option<PrioritySettings>,
+    preemption: preempt::Preemption,
     classes: Vec<PolicyClass>,
     class_thresholds: Vec<BusyThresholds>,
     default_class: usize,
@@ -191,6 +194,7 @@ impl AdmissionQueue {
             threshold: settings.threshold,
             timeout: settings.timeout,
             priority: settings.sharing.priority.clone(),
+            preemption: preempt::Preemption::register(registry),
             classes,
             class_thresholds: settings.class_thresholds.clone(),
             default_class,
@@ -244,6 +248,12 @@ impl AdmissionQueue {
         self.priority.as_ref()
     }
 
+    /// With the priority scheduler on, records a request of `class` the queue let go (or
+    /// that did not wait): it may be preempted until the returned guard drops.
+    pub fn preemptible(&self, class: crate::config::PriorityClass) -> Option<Preemptible<'_>> {
+        self.priority.as_ref().map(|_| self.preemption.enter(class))
+    }
+
     /// Reports `tokens` output tokens served to `tenant` in `class` (VTC's output charge).
     pub fn charge_output(&self, class: usize, tenant: &str, tokens: u64) {
         self.lock().charge(class, tenant, tokens);
@@ -265,6 +275,14 @@ impl AdmissionQueue {
         }
         let (wake, woken) = oneshot::channel();
         let ticket = self.push(&req, Waiter { ranks, wake })?;
+        let class_of = req.standing.class;
+        if self
+            .priority
+            .as_ref()
+            .is_some_and(|p| p.class(class_of).can_preempt)
+        {
+            self.preemption.preempt_for(class_of);
+        }
         self.pending[class].inc();
         let mut waiting = Waiting {
             queue: self,

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use clap::Parser;
+use futures_util::FutureExt;
 use serde_json::{json, Value};
 use support::*;
 use tokio::task::JoinHandle;
@@ -196,6 +197,75 @@ async fn under_fcfs_fairness_another_tenant_waits_its_turn() {
         "only {before} flood requests were answered first"
     );
     flood.finish().await;
+    r.stop().await;
+    shutdown.cancel();
+}
+
+/// What the engine at `url` has running or waiting.
+async fn engine_requests(url: &str) -> f64 {
+    let (_, _, body) = get_url(&format!("{url}/metrics")).await;
+    let text = String::from_utf8_lossy(&body);
+    metric_sum(&text, "vllm:num_requests_running", "")
+        + metric_sum(&text, "vllm:num_requests_waiting", "")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interactive_arrival_preempts_a_bulk_request_before_its_first_byte() {
+    let shutdown = CancellationToken::new();
+    // Slowed 10x: the bulk request would decode for minutes.
+    let sim = serve_sim(&["--speedup", "0.1"], &shutdown).await;
+    let file = write_file("preempt.yaml", PRIORITY_FILE);
+    let argv = [
+        "kvroute",
+        "--worker-urls",
+        &sim,
+        "--policy",
+        "kv_aware",
+        "--router-queue-threshold",
+        "0.2",
+        "--trust-tenant-header",
+        "--priority-scheduler-enabled",
+        "--priority-scheduler-config",
+        &file,
+        "--priority-scheduler-default-max-class",
+        "interactive",
+    ];
+    let settings = kvroute_gateway::Args::try_parse_from(argv)
+        .unwrap()
+        .into_settings()
+        .unwrap();
+    let r = TestRouter::start(settings).await;
+    let bulk = [("x-smg-tenant-id", "batch"), ("x-smg-priority", "bulk")];
+    let body = json!({"model": "kvroute-sim", "prompt": text(3000, 1), "max_tokens": 8000});
+    let victim = r.spawn_complete(&bulk, body.to_string());
+    wait_until_async("the bulk request runs", || {
+        engine_requests(&sim).map(|n| n == 1.0)
+    })
+    .await;
+    // It saturates the engine: the interactive request must wait, and preempts it.
+    let vip = [
+        ("x-smg-tenant-id", "vip"),
+        ("x-smg-priority", "interactive"),
+    ];
+    let body = json!({"model": "kvroute-sim", "prompt": text(100, 2), "max_tokens": 2});
+    let preemptor = r.spawn_complete(&vip, body.to_string());
+    let victim = victim.await.unwrap();
+    victim.assert_error(503, "scheduler_preempted");
+    assert_eq!(victim.headers["retry-after"], "1");
+    assert_eq!(victim.headers["x-smg-preempted"], "true");
+    assert_eq!(preemptor.await.unwrap().status, 200);
+    // The engine stopped working on the preempted request: nothing is left running there.
+    wait_until_async("the engine to drop the preempted request", || {
+        engine_requests(&sim).map(|n| n == 0.0)
+    })
+    .await;
+    let m = r.metrics().await;
+    assert_metric(
+        &m,
+        "kvroute_preemptions_total",
+        r#"class="bulk""#,
+        Some(1.0),
+    );
     r.stop().await;
     shutdown.cancel();
 }

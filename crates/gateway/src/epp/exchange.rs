@@ -361,8 +361,11 @@ impl Exchange {
             headers: &head.headers,
             tenant: &tenant,
         };
-        let (class, mut released) =
+        // Envoy forwards the request, not kvroute: it cannot be preempted here, and its
+        // preemption guard (`preemptible`) goes at once.
+        let queued =
             pick::queue_admission(&state, ask, &fields, &hints, &tokens, arrived, None).await?;
+        let (class, mut released) = (queued.class, queued.released);
         let attempt = Attempt {
             parts: &parts,
             fields: &fields,
