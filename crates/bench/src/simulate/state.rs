@@ -389,7 +389,6 @@ impl<'a> State<'a> {
                 hashes: &req.hashes,
                 text: &text,
                 now: self.base + now,
-                head_start: Duration::ZERO,
             },
             &scores,
             &self.engines,

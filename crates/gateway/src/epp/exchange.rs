@@ -332,21 +332,7 @@ impl Exchange {
         if let Some(subset) = &self.subset {
             restrict_to_subset(&state, &mut hints, subset)?;
         }
-        // An inference objective names a policy class when one of that name is configured.
-        let class_name = head
-            .headers
-            .get("x-kvroute-class")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-            .or_else(|| {
-                first(&head.headers, &OBJECTIVE).filter(|name| {
-                    state
-                        .settings
-                        .queue
-                        .as_ref()
-                        .is_some_and(|q| q.classes.iter().any(|c| c.name == *name))
-                })
-            });
+        let class_name = policy_class_name(&state, &head.headers);
         let (mut parts, ()) = http::Request::new(()).into_parts();
         parts.method = head.method.clone();
         parts.uri = head.path.parse().unwrap_or_default();
@@ -361,8 +347,7 @@ impl Exchange {
             headers: &head.headers,
             tenant: &tenant,
         };
-        // Envoy forwards the request, not kvroute: it cannot be preempted here, and its
-        // preemption guard (`preemptible`) goes at once.
+        // Envoy forwards the request, not kvroute: it cannot be preempted (its guard goes).
         let queued =
             pick::queue_admission(&state, ask, &fields, &hints, &tokens, arrived, None).await?;
         let (class, mut released) = (queued.class, queued.released);
@@ -480,4 +465,22 @@ fn restrict_to_subset(
     }
     hints.allowed_workers = Some(allowed);
     Ok(())
+}
+
+/// The policy class a request names: `x-kvroute-class`, else an inference objective when a
+/// policy class of that name is configured.
+fn policy_class_name(state: &AppState, headers: &http::HeaderMap) -> Option<String> {
+    headers
+        .get("x-kvroute-class")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| {
+            first(headers, &OBJECTIVE).filter(|name| {
+                state
+                    .settings
+                    .queue
+                    .as_ref()
+                    .is_some_and(|q| q.classes.iter().any(|c| c.name == *name))
+            })
+        })
 }
