@@ -16,10 +16,13 @@ use support::*;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// The priority file of these tests: the flood tenant may ask up to `interactive`, the capped
-/// one only `bulk`; bulk never starves within a test.
+/// The priority file of the flood tests: the flood tenant may ask up to `interactive`, the
+/// capped one only `bulk`; bulk never starves within a test; nothing preempts (the flood
+/// tests are about order; preemption has its own test).
 const PRIORITY_FILE: &str = "\
 classes:
+  interactive:
+    can_preempt: false
   bulk:
     reserved_floor: 0
     queue_size: 1024
@@ -214,7 +217,8 @@ async fn an_interactive_arrival_preempts_a_bulk_request_before_its_first_byte() 
     let shutdown = CancellationToken::new();
     // Slowed 10x: the bulk request would decode for minutes.
     let sim = serve_sim(&["--speedup", "0.1"], &shutdown).await;
-    let file = write_file("preempt.yaml", PRIORITY_FILE);
+    // smg's defaults: interactive may preempt.
+    let file = write_file("preempt.yaml", "classes: {}\n");
     let argv = [
         "kvroute",
         "--worker-urls",
