@@ -394,4 +394,22 @@ mod tests {
         assert!(RoutingFields::from_json(br#"{"model":3}"#).is_err());
         assert!(RoutingFields::from_json(br#"{"messages":"x"}"#).is_err());
     }
+
+    #[test]
+    fn agent_hints_are_read_leniently() {
+        let hints = |body: &str| {
+            let f = RoutingFields::from_json(body.as_bytes()).unwrap();
+            f.nvext.and_then(|n| n.agent_hints).unwrap_or_default()
+        };
+        let h = hints(r#"{"nvext":{"agent_hints":{"strict_priority":2,"priority":-3}}}"#);
+        assert_eq!((h.strict_priority, h.priority), (Some(2), Some(-3.0)));
+        // The deprecated name, with a fraction (Dynamo 1.5's f64 seconds).
+        let h = hints(r#"{"nvext":{"agent_hints":{"latency_sensitivity":1.2}}}"#);
+        assert_eq!(h.priority, Some(1.2));
+        // Wrong types are ignored, not a reason to refuse the request.
+        let h = hints(r#"{"nvext":{"agent_hints":{"strict_priority":"high","priority":null}}}"#);
+        assert_eq!((h.strict_priority, h.priority), (None, None));
+        let h = hints(r#"{"nvext":{"agent_hints":{"strict_priority":-1,"osl":5}}}"#);
+        assert_eq!(h.strict_priority, None);
+    }
 }
