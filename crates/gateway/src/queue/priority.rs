@@ -3,12 +3,14 @@
 //! | # | the request carries | its priority class |
 //! |---|---|---|
 //! | 1 | `x-smg-priority` (with `--priority-scheduler-enabled`) | that class (unknown: `default`), clamped to its tenant's `max_class` |
-//! | 2 | `nvext.agent_hints.strict_priority` | 0 `default`, 1 `interactive`, 2 or more `system`; clamped likewise |
+//! | 2 | Dynamo's `x-dynamo-request-strict-priority`, else `nvext.agent_hints.strict_priority` | 0 `default`, 1 `interactive`, 2 or more `system`; clamped likewise |
 //! | 3 | nothing of the above | `default`, clamped likewise (so `bulk` for a tenant whose `max_class` is `bulk`) |
 //!
 //! Without `--priority-scheduler-enabled` the header is ignored and nothing is clamped
-//! (Dynamo's router has no tenants). `nvext.agent_hints.priority` (or its old name
-//! `latency_sensitivity`), when positive, is a head start in seconds within the class.
+//! (Dynamo's router has no tenants). Dynamo's `x-dynamo-request-priority`, else
+//! `nvext.agent_hints.priority` (or its old name `latency_sensitivity`), when positive, is a
+//! head start in seconds within the class. Dynamo's headers override its body hints, as in
+//! Dynamo.
 
 use std::time::Duration;
 
@@ -54,11 +56,22 @@ pub fn standing(
     tenant: &str,
 ) -> Standing {
     let hints = nvext.and_then(|n| n.agent_hints.as_ref());
-    let head_start = hints
-        .and_then(|h| h.priority)
-        .filter(|p| *p > 0.0)
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    let soft = header("x-dynamo-request-priority")
+        .and_then(|v| v.parse::<f64>().ok())
+        .or(hints.and_then(|h| h.priority));
+    let head_start = soft
+        .filter(|p| p.is_finite() && *p > 0.0)
         .map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.min(1e9)));
-    let strict = hints.and_then(|h| h.strict_priority).map(strict_class);
+    let strict = header("x-dynamo-request-strict-priority")
+        .and_then(|v| v.parse::<u32>().ok())
+        .or(hints.and_then(|h| h.strict_priority))
+        .map(strict_class);
     let class = match priority {
         None => strict.unwrap_or(PriorityClass::Default),
         Some(p) => {
@@ -143,6 +156,13 @@ mod tests {
             PriorityClass::Interactive
         );
         assert_eq!(of(&none, Some(&strict2), "auth:ops"), PriorityClass::System);
+        // Dynamo's header overrides its body hint.
+        let mut dynamo = HeaderMap::new();
+        dynamo.insert("x-dynamo-request-strict-priority", "0".parse().unwrap());
+        assert_eq!(
+            of(&dynamo, Some(&strict2), "auth:ops"),
+            PriorityClass::Default
+        );
         // 3: the tenant's default.
         assert_eq!(of(&none, None, "auth:x"), PriorityClass::Default);
         let mut bulk_only = settings();
@@ -165,6 +185,10 @@ mod tests {
         assert_eq!(s.head_start, Duration::from_millis(2500));
         let s = standing(None, &with_header("system"), None, "t");
         assert_eq!(s, Standing::default());
+        let mut dynamo = HeaderMap::new();
+        dynamo.insert("x-dynamo-request-priority", "4".parse().unwrap());
+        let s = standing(None, &dynamo, Some(&hints(None, Some(2.5))), "t");
+        assert_eq!(s.head_start, Duration::from_secs(4));
         // A negative priority is no head start (Dynamo clamps it at zero in its queue).
         let s = standing(None, &HeaderMap::new(), Some(&hints(None, Some(-3.0))), "t");
         assert_eq!(s.head_start, Duration::ZERO);
