@@ -123,8 +123,12 @@ pub(crate) async fn queue_admission<'s>(
         tenant,
         cost,
     };
+    let workers = match queue.priority() {
+        Some(_) => ranks.iter().map(|(w, _)| w.id.clone()).collect(),
+        None => Vec::new(),
+    };
     let released = queue.admit(req, ranks).await?;
-    let preemptible = queue.preemptible(standing.class);
+    let preemptible = queue.preemptible(standing.class, workers);
     if let Some(span) = span {
         span.set_double(
             "kvroute.queue_wait_ms",

@@ -38,6 +38,7 @@ use tokio::sync::oneshot;
 use crate::config::{PrioritySettings, QueueSettings, QueueSharing, TenantOrder};
 use crate::error::GatewayError;
 use crate::workers::Worker;
+use kvroute_protocol::WorkerId;
 
 mod preempt;
 mod priority;
@@ -250,8 +251,15 @@ impl AdmissionQueue {
 
     /// With the priority scheduler on, records a request of `class` the queue let go (or
     /// that did not wait): it may be preempted until the returned guard drops.
-    pub fn preemptible(&self, class: crate::config::PriorityClass) -> Option<Preemptible<'_>> {
-        self.priority.as_ref().map(|_| self.preemption.enter(class))
+    /// `workers`: those it was eligible for.
+    pub fn preemptible(
+        &self,
+        class: crate::config::PriorityClass,
+        workers: Vec<WorkerId>,
+    ) -> Option<Preemptible<'_>> {
+        self.priority
+            .as_ref()
+            .map(|_| self.preemption.enter(class, workers))
     }
 
     /// Reports `tokens` output tokens served to `tenant` in `class` (VTC's output charge).
@@ -273,15 +281,16 @@ impl AdmissionQueue {
             self.lock().charge_prompt(class, req.tenant, cost);
             return Ok(Released { queue: None });
         }
+        let class_of = req.standing.class;
+        let preempt = (self.priority.as_ref()).is_some_and(|p| p.class(class_of).can_preempt);
+        let workers: Vec<WorkerId> = match preempt {
+            true => ranks.iter().map(|(w, _)| w.id.clone()).collect(),
+            false => Vec::new(),
+        };
         let (wake, woken) = oneshot::channel();
         let ticket = self.push(&req, Waiter { ranks, wake })?;
-        let class_of = req.standing.class;
-        if self
-            .priority
-            .as_ref()
-            .is_some_and(|p| p.class(class_of).can_preempt)
-        {
-            self.preemption.preempt_for(class_of);
+        if preempt {
+            self.preemption.preempt_for(class_of, &workers);
         }
         self.pending[class].inc();
         let mut waiting = Waiting {

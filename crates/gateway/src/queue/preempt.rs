@@ -3,7 +3,8 @@
 //! byte, so that capacity frees for it.
 //!
 //! The victim is, as in smg, one of the lowest class below the arrival's, the one let go
-//! last among those (the least work lost). Its cancellation drops its upstream request (the
+//! last among those (the least work lost); kvroute adds that it must share an eligible
+//! worker with the arrival, so that what it frees can serve the arrival. Its cancellation drops its upstream request (the
 //! engine aborts it when the connection goes) and answers it 503 `scheduler_preempted` with
 //! `Retry-After: 1` and `X-SMG-Preempted: true`. One arrival preempts at most one request.
 //!
@@ -20,6 +21,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use kvroute_protocol::WorkerId;
+
 use crate::config::PriorityClass;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -31,6 +34,8 @@ struct ClassLabel {
 struct Candidate {
     id: u64,
     class: PriorityClass,
+    /// The workers it was eligible for.
+    workers: Vec<WorkerId>,
     cancel: CancellationToken,
 }
 
@@ -62,12 +67,13 @@ impl Preemption {
     }
 
     /// Records a request of `class` let go: preemptible until the guard drops.
-    pub(super) fn enter(&self, class: PriorityClass) -> Preemptible<'_> {
+    pub(super) fn enter(&self, class: PriorityClass, workers: Vec<WorkerId>) -> Preemptible<'_> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let cancel = CancellationToken::new();
         self.lock().push(Candidate {
             id,
             class,
+            workers,
             cancel: cancel.clone(),
         });
         Preemptible {
@@ -77,23 +83,26 @@ impl Preemption {
         }
     }
 
-    /// Cancels the request a `class` arrival may preempt, if any: of the lowest class below
-    /// `class`, the one let go last. Whether one was.
-    pub(super) fn preempt_for(&self, class: PriorityClass) -> bool {
+    /// Cancels the request a `class` arrival eligible for `workers` may preempt, if any: of
+    /// the lowest class below `class` among those sharing a worker with it, the one let go
+    /// last. Whether one was.
+    pub(super) fn preempt_for(&self, class: PriorityClass, workers: &[WorkerId]) -> bool {
         let victim = {
             let mut candidates = self.lock();
+            let usable =
+                |c: &Candidate| c.class < class && c.workers.iter().any(|w| workers.contains(w));
             // Let go in id order: among the lowest class, the last such is the newest.
             let lowest = candidates
                 .iter()
+                .filter(|c| usable(c))
                 .map(|c| c.class)
-                .filter(|c| *c < class)
                 .min();
             let Some(lowest) = lowest else {
                 return false;
             };
             let at = candidates
                 .iter()
-                .rposition(|c| c.class == lowest)
+                .rposition(|c| c.class == lowest && usable(c))
                 .expect("a candidate of the lowest class");
             candidates.remove(at)
         };
@@ -140,24 +149,42 @@ mod tests {
 
     use super::*;
 
+    fn w(id: &str) -> Vec<WorkerId> {
+        vec![WorkerId::new(id)]
+    }
+
+    #[test]
+    fn a_victim_shares_a_worker_with_the_arrival() {
+        let p = Preemption::register(&mut Registry::default());
+        let elsewhere = p.enter(PriorityClass::Bulk, w("b"));
+        assert!(!p.preempt_for(PriorityClass::System, &w("a")));
+        assert!(elsewhere.preempted().now_or_never().is_none());
+        let both = [WorkerId::new("a"), WorkerId::new("b")];
+        assert!(p.preempt_for(PriorityClass::System, &both));
+        assert!(elsewhere.preempted().now_or_never().is_some());
+    }
+
     #[test]
     fn the_victim_is_of_the_lowest_class_below_and_let_go_last() {
         let p = Preemption::register(&mut Registry::default());
-        let bulk_old = p.enter(PriorityClass::Bulk);
-        let default = p.enter(PriorityClass::Default);
-        let bulk_new = p.enter(PriorityClass::Bulk);
-        let interactive = p.enter(PriorityClass::Interactive);
-        assert!(!p.preempt_for(PriorityClass::Bulk), "nothing is below bulk");
-        assert!(p.preempt_for(PriorityClass::Interactive));
+        let bulk_old = p.enter(PriorityClass::Bulk, w("a"));
+        let default = p.enter(PriorityClass::Default, w("a"));
+        let bulk_new = p.enter(PriorityClass::Bulk, w("a"));
+        let interactive = p.enter(PriorityClass::Interactive, w("a"));
+        assert!(
+            !p.preempt_for(PriorityClass::Bulk, &w("a")),
+            "nothing is below bulk"
+        );
+        assert!(p.preempt_for(PriorityClass::Interactive, &w("a")));
         assert!(bulk_new.preempted().now_or_never().is_some());
         assert!(bulk_old.preempted().now_or_never().is_none());
-        assert!(p.preempt_for(PriorityClass::Interactive));
+        assert!(p.preempt_for(PriorityClass::Interactive, &w("a")));
         assert!(bulk_old.preempted().now_or_never().is_some());
-        assert!(p.preempt_for(PriorityClass::System));
+        assert!(p.preempt_for(PriorityClass::System, &w("a")));
         assert!(default.preempted().now_or_never().is_some());
         drop(interactive);
         assert!(
-            !p.preempt_for(PriorityClass::System),
+            !p.preempt_for(PriorityClass::System, &w("a")),
             "the interactive one has left"
         );
     }
