@@ -5,8 +5,14 @@
 //! A rank is saturated when its active prefill tokens exceed `--router-queue-threshold` x its
 //! engine's `max_num_batched_tokens` (from the worker's config, else vLLM's default 8192);
 //! the test and the rule for waiting are `kvroute_core::queue`'s (`saturated`, `must_wait`).
-//! Which class's head goes next is `kvroute_core::queue::DrrQueue`'s weighted deficit round
-//! robin, in uncached tokens. Capacity is re-examined whenever a request produces its first
+//! Which head goes next is `kvroute_core::queue::DrrQueue`'s: the highest priority tier
+//! first (smg's classes, [`standing`]), then weighted deficit round robin over policy
+//! classes, in uncached tokens, then the tenant with the lowest virtual token counter (VTC,
+//! `--router-queue-fairness`), then arrival (less any head start). A request that does not
+//! wait is charged its uncached tokens as one let go is; output tokens are charged through
+//! [`AdmissionQueue::charge_output`]. With `can_preempt`, an arrival that must wait may
+//! cancel a lower-class request that has not produced its first byte ([`Preemptible`]).
+//! Capacity is re-examined whenever a request produces its first
 //! token or ends, and every 100 ms. A full class answers `queue_full`; a request waiting
 //! longer than `--router-queue-timeout-secs` gets `queue_timeout`; a client that goes away
 //! leaves the queue.
