@@ -135,6 +135,7 @@ impl Flood {
 /// flood's queue (in arrival order it would have come after at least 24).
 async fn assert_cut_ahead(what: &str, task: JoinHandle<(Reply, usize)>) {
     let (reply, before) = task.await.unwrap();
+    eprintln!("{what}: answered after {before} of the flood's 32");
     assert_eq!(reply.status, 200, "{what}: {:?}", reply.body);
     assert!(
         before <= 8,
@@ -194,6 +195,7 @@ async fn under_fcfs_fairness_another_tenant_waits_its_turn() {
     let flood = Flood::start(&r).await;
     let light = flood.beside(&r, "light", &[], long(100, json!({})));
     let (reply, before) = light.await.unwrap();
+    eprintln!("another tenant under fcfs: answered after {before} of the flood's 32");
     assert_eq!(reply.status, 200);
     assert!(
         before >= 24,
