@@ -288,7 +288,10 @@ impl AdmissionQueue {
             return Ok(Released { queue: None });
         }
         let class_of = req.standing.class;
-        let preempt = (self.priority.as_ref()).is_some_and(|p| p.class(class_of).can_preempt);
+        // Only when its engines are full: a request that waits behind others while an engine
+        // has room frees nothing by preempting.
+        let preempt =
+            full && (self.priority.as_ref()).is_some_and(|p| p.class(class_of).can_preempt);
         let workers: Vec<WorkerId> = match preempt {
             true => ranks.iter().map(|(w, _)| w.id.clone()).collect(),
             false => Vec::new(),
