@@ -17,6 +17,7 @@ mod load;
 mod merge;
 mod metrics_compat;
 pub mod peers;
+mod priority;
 mod service;
 mod settings;
 mod tenancy;
@@ -29,6 +30,7 @@ pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef, DEFAULT_POOL_GROUP
 pub use llmd::LlmDConfigError;
 pub use load::CliWorkers;
 pub use metrics_compat::{MetricsCompat, MetricsPeer};
+pub use priority::{ClassSettings, PriorityClass, PrioritySettings, QueueSharing, TenantOrder};
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,
@@ -56,6 +58,12 @@ pub enum ConfigError {
     Invalid {
         name: &'static str,
         reason: &'static str,
+    },
+    #[error("--priority-scheduler-config {path}: {entry}: {reason}")]
+    PriorityFile {
+        path: PathBuf,
+        entry: String,
+        reason: String,
     },
     #[error("invalid value for otlp_traces_endpoint: {0}")]
     OtlpEndpoint(String),

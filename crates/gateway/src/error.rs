@@ -65,6 +65,9 @@ pub enum GatewayError {
     QueueFull(String),
     #[error("waited longer than {0} s in the queue")]
     QueueTimeout(u64),
+    /// Cancelled before its first byte to let a higher priority class go (smg's preemption).
+    #[error("request preempted by higher-priority traffic")]
+    Preempted,
     #[error(
         "the router is at its limit of {0} concurrent requests, and its admission queue is full"
     )]
@@ -110,9 +113,9 @@ impl GatewayError {
             GatewayError::UnknownWorker(_) => StatusCode::NOT_FOUND,
             GatewayError::WorkerExists(_) => StatusCode::CONFLICT,
             GatewayError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            GatewayError::QueueTimeout(_) | GatewayError::AdmissionTimeout(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            GatewayError::QueueTimeout(_)
+            | GatewayError::AdmissionTimeout(_)
+            | GatewayError::Preempted => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::UnknownModel(_) | GatewayError::NotFound(_) => StatusCode::NOT_FOUND,
             GatewayError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -145,6 +148,7 @@ impl GatewayError {
             GatewayError::InvalidAdmin(_) | GatewayError::InvalidRequest(_) => "invalid_request",
             GatewayError::QueueFull(_) => "queue_full",
             GatewayError::QueueTimeout(_) => "queue_timeout",
+            GatewayError::Preempted => "scheduler_preempted",
             GatewayError::TooManyRequests(_) => "too_many_requests",
             GatewayError::AdmissionTimeout(_) => "admission_timeout",
             GatewayError::UnknownWorker(_) => "worker_not_found",
@@ -216,12 +220,19 @@ impl GatewayError {
                 | GatewayError::TooManyRequests(_)
                 | GatewayError::AdmissionTimeout(_)
                 | GatewayError::ShuttingDown
+                | GatewayError::Preempted
         );
         let mut response = (status, axum::Json(body)).into_response();
         if retry {
             response
                 .headers_mut()
                 .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let GatewayError::Preempted = self {
+            // smg's mark, so a client can tell a preemption from an overload.
+            response
+                .headers_mut()
+                .insert("x-smg-preempted", HeaderValue::from_static("true"));
         }
         if let Some(worker) = self.worker() {
             if let Ok(v) = HeaderValue::from_str(worker.as_str()) {

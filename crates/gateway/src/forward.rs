@@ -36,7 +36,7 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, Attempt, Picked};
+use crate::pick::{admit, learn, pick, queue_admission, Attempt, Picked, QueueAdmission, QueueAsk};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
@@ -108,16 +108,25 @@ pub(crate) async fn route_and_forward(
     let tokenize_as = Shape::tokenize_as(disaggregated, state);
     let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
-    let (shape, released) = if disaggregated {
-        (Shape::Disaggregated, None)
+    let (shape, queued) = if disaggregated {
+        (Shape::Disaggregated, QueueAdmission::default())
     } else {
         let class_name = parts
             .headers
             .get("x-kvroute-class")
             .and_then(|v| v.to_str().ok());
-        let (class, released) =
-            queue_admission(state, class_name, &fields, &hints, &tokens, started, span).await?;
-        (Shape::Single { class }, released)
+        let ask = QueueAsk {
+            class_name,
+            headers: &parts.headers,
+            tenant,
+        };
+        let queued = queue_admission(state, ask, &fields, &hints, &tokens, started, span).await?;
+        (
+            Shape::Single {
+                class: queued.class,
+            },
+            queued,
+        )
     };
     let attempt = Attempt {
         parts: &parts,
@@ -131,26 +140,46 @@ pub(crate) async fn route_and_forward(
         span,
     };
 
-    // The dispatch, and the response.
+    // The dispatch, and the response; preempted, it ends there (its upstream request dropped).
+    let answer = respond(
+        state,
+        route,
+        shape,
+        &attempt,
+        body.clone(),
+        queued.released,
+        admitted,
+    );
+    match queued.preemptible {
+        Some(p) => tokio::select! {
+            answer = answer => answer,
+            () = p.preempted() => Err(GatewayError::Preempted),
+        },
+        None => answer.await,
+    }
+}
+
+/// Dispatches the request as its shape says, and makes its response: a stream that may
+/// migrate, an answer read whole, or the response as it comes.
+async fn respond(
+    state: &Arc<AppState>,
+    route: &'static str,
+    shape: Shape,
+    attempt: &Attempt<'_>,
+    body: Bytes,
+    released: Option<Released<'_>>,
+    admitted: Admitted,
+) -> Result<Response, GatewayError> {
     let api = Api::of(route).filter(|_| state.settings.migration.limit > 0);
     match (api, shape) {
-        (Some(api), _) if fields.stream => {
-            migrating_stream(
-                state,
-                api,
-                shape,
-                &attempt,
-                body.clone(),
-                released,
-                admitted,
-            )
-            .await
+        (Some(api), _) if attempt.fields.stream => {
+            migrating_stream(state, api, shape, attempt, body, released, admitted).await
         }
         (Some(_), Shape::Single { .. }) => {
-            whole_answer(state, &attempt, body.clone(), released, admitted).await
+            whole_answer(state, attempt, body, released, admitted).await
         }
         _ => {
-            let sent = dispatch(state, shape, &attempt, body.clone(), Vec::new(), released);
+            let sent = dispatch(state, shape, attempt, body, Vec::new(), released);
             Ok(sent.await?.into_response(admitted))
         }
     }
@@ -334,7 +363,12 @@ async fn whole_answer(
         match tracked.collect().await {
             Ok(whole) => {
                 drop(admitted);
-                return Ok(Response::from_parts(parts, Body::from(whole.to_bytes())));
+                let whole = whole.to_bytes();
+                if attempt.class.is_some() && parts.status.is_success() {
+                    let tokens = crate::pick::output_tokens(&whole).unwrap_or(0);
+                    crate::pick::charge_output(state, attempt, tokens);
+                }
+                return Ok(Response::from_parts(parts, Body::from(whole)));
             }
             Err(error) => {
                 tracing::warn!(worker = %worker.id, %error, "Answer cut mid-way; retrying the request whole");

@@ -70,22 +70,37 @@ impl Attempt<'_> {
     }
 }
 
+/// What the router queue reads of a request besides its routing fields.
+pub(crate) struct QueueAsk<'a> {
+    /// Its policy class's name (`x-kvroute-class`, GIE's objective), if any.
+    pub(crate) class_name: Option<&'a str>,
+    /// Its headers (`x-smg-priority`).
+    pub(crate) headers: &'a http::HeaderMap,
+    pub(crate) tenant: &'a Tenant,
+}
+
 /// The router queue's admission (when it is on): waits while every eligible rank is
 /// saturated with prefill; a request with no eligible worker fails at once. Returns the
 /// request's policy class and its place, released once its load is counted.
 pub(crate) async fn queue_admission<'s>(
     state: &'s AppState,
-    class_name: Option<&str>,
+    ask: QueueAsk<'_>,
     fields: &RoutingFields<'_>,
     hints: &Hints,
     tokens: &Tokens,
     started: Instant,
     span: Option<&Arc<RequestSpan>>,
-) -> Result<(Option<usize>, Option<Released<'s>>), GatewayError> {
+) -> Result<QueueAdmission<'s>, GatewayError> {
     let Some(queue) = &state.queue else {
-        return Ok((None, None));
+        return Ok(QueueAdmission::default());
     };
-    let c = queue.class_of(class_name)?;
+    let c = queue.class_of(ask.class_name)?;
+    let tenant = ask.tenant.as_str();
+    let standing =
+        crate::queue::standing(queue.priority(), ask.headers, fields.nvext.as_ref(), tenant);
+    if let Some(span) = span {
+        span.set_str("kvroute.priority", standing.class.as_str());
+    }
     let (ranks, cost) = {
         let table = state.workers.table();
         let pool = table.resolve(fields.model.as_deref())?;
@@ -102,14 +117,64 @@ pub(crate) async fn queue_admission<'s>(
         (ranks, tokens.len().saturating_sub(cached) as u64)
     };
     let queued = Instant::now();
-    let released = queue.admit(c, ranks, cost).await?;
+    let req = crate::queue::Queued {
+        class: c,
+        standing,
+        tenant,
+        cost,
+    };
+    let workers = match queue.priority() {
+        Some(_) => ranks.iter().map(|(w, _)| w.id.clone()).collect(),
+        None => Vec::new(),
+    };
+    let released = queue.admit(req, ranks).await?;
+    let preemptible = queue.preemptible(standing.class, workers);
     if let Some(span) = span {
         span.set_double(
             "kvroute.queue_wait_ms",
             queued.elapsed().as_secs_f64() * 1e3,
         );
     }
-    Ok((Some(c), Some(released)))
+    Ok(QueueAdmission {
+        class: Some(c),
+        released: Some(released),
+        preemptible,
+    })
+}
+
+/// What the router queue's admission gives a request.
+#[derive(Default)]
+pub(crate) struct QueueAdmission<'s> {
+    /// Its policy class, when the queue is on.
+    pub(crate) class: Option<usize>,
+    /// Its place, until its load is counted.
+    pub(crate) released: Option<Released<'s>>,
+    /// With the priority scheduler, its preemption until its first byte.
+    pub(crate) preemptible: Option<crate::queue::Preemptible<'s>>,
+}
+
+/// Charges `a`'s tenant with the output tokens it was served (VTC's output charge, weighted
+/// in the queue), when it went through the router queue. The one place output is charged:
+/// today from a whole answer's `usage` ([`output_tokens`]); a stream's usage, once tapped,
+/// is meant to come here too.
+pub(crate) fn charge_output(state: &AppState, a: &Attempt<'_>, tokens: u64) {
+    if let (Some(queue), Some(class)) = (&state.queue, a.class) {
+        queue.charge_output(class, a.tenant.as_str(), tokens);
+    }
+}
+
+/// The `usage.completion_tokens` of a whole OpenAI-style answer, if it says.
+pub(crate) fn output_tokens(answer: &[u8]) -> Option<u64> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        usage: Option<Usage>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Usage {
+        completion_tokens: Option<u64>,
+    }
+    let answer: Answer = serde_json::from_slice(answer).ok()?;
+    answer.usage?.completion_tokens
 }
 
 /// A request's worker and rank, chosen by the policy, with its in-flight guard: its load is
