@@ -17,6 +17,7 @@ mod load;
 mod merge;
 mod metrics_compat;
 pub mod peers;
+mod rate_limits;
 mod service;
 mod settings;
 mod tenancy;
@@ -29,6 +30,7 @@ pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef, DEFAULT_POOL_GROUP
 pub use llmd::LlmDConfigError;
 pub use load::CliWorkers;
 pub use metrics_compat::{MetricsCompat, MetricsPeer};
+pub use rate_limits::{Limits, ModelRule, RateLimitFileError, RateLimitPolicy, TenantPolicy};
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,
@@ -66,6 +68,8 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    RateLimits(#[from] RateLimitFileError),
     #[error(transparent)]
     LlmD(#[from] llmd::LlmDConfigError),
     #[error("cannot write --dump-config-to {path}: {source}")]

@@ -318,6 +318,14 @@ pub struct Args {
     /// The trusted tenant header [default: x-smg-tenant-id].
     #[arg(long, value_name = "NAME")]
     pub tenant_header_name: Option<String>,
+    /// Per-tenant token and request rate limits, from --tenant-rate-limit-config
+    /// (docs/tenants.md).
+    #[arg(long)]
+    #[serde(default)]
+    pub tenant_rate_limit_enabled: bool,
+    /// smg's rate-limit YAML: `default_policy`, `tenants[]` with their model rules.
+    #[arg(long, value_name = "FILE")]
+    pub tenant_rate_limit_config: Option<PathBuf>,
     /// JWT/OIDC: the issuer (its `iss`); tokens are checked on the inference and admin APIs.
     #[arg(long, env = "JWT_ISSUER", value_name = "URL")]
     pub jwt_issuer: Option<String>,
