@@ -30,7 +30,9 @@ pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef, DEFAULT_POOL_GROUP
 pub use llmd::LlmDConfigError;
 pub use load::CliWorkers;
 pub use metrics_compat::{MetricsCompat, MetricsPeer};
-pub use rate_limits::{Limits, ModelRule, RateLimitFileError, RateLimitPolicy, TenantPolicy};
+pub use rate_limits::{
+    load as load_rate_limits, Limits, ModelRule, RateLimitFileError, RateLimitPolicy, TenantPolicy,
+};
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,
