@@ -1,15 +1,16 @@
 //! A routed request, top to bottom:
 //!
 //! 1. **admission**: the caller's tenant (its key or token, [`tenant_of`]), the router's
-//!    concurrency limit ([`admit`]), the body, and for a single request the router queue
-//!    ([`queue_admission`]);
+//!    concurrency limit ([`admit`]), the body, the tenant's rate limits ([`reserve`]), and
+//!    for a single request the router queue ([`queue_admission`]);
 //! 2. **the plan's shape**: single (one worker), or prefill/decode on a P/D route;
 //! 3. **dispatch**: a single request goes through [`attempts`], each a policy's pick
 //!    ([`pick`]) and a forward, retried on another eligible worker when it fails before the
 //!    first response byte (connection error, timeout, 502/503/504), with jittered exponential
 //!    backoff, never when it is pinned; every attempt feeds the worker's circuit breaker. A
 //!    pair's halves go out through [`crate::pd`], which plans the pair and sends them;
-//! 4. **the response**: held by the admission until its body ends. A stream on an inference
+//! 4. **the response**: held by the admission until its body ends; its usage, read on the
+//!    way ([`crate::usage`]), settles the rate limits' reservation. A stream on an inference
 //!    route is wrapped by [`crate::migrate`], which sends the continuation through the same
 //!    dispatch when its worker fails mid-way; a single non-streaming answer there is read
 //!    whole, so one cut mid-body is retried.
@@ -36,7 +37,7 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, tenant_of, Attempt, Picked};
+use crate::pick::{admit, learn, pick, queue_admission, reserve, tenant_of, Attempt, Picked};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
@@ -112,6 +113,7 @@ pub(crate) async fn route_and_forward(
     let disaggregated = state.settings.pd.is_some() && PD_ROUTES.contains(&route);
     let tokenize_as = Shape::tokenize_as(disaggregated, state);
     let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
+    let reserved = reserve(state, &tenant, &fields, routing_body, &tokens).await?;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
     let (shape, released) = if disaggregated {
         (Shape::Disaggregated, None)
@@ -136,20 +138,12 @@ pub(crate) async fn route_and_forward(
         span,
     };
 
-    // The dispatch, and the response.
+    // The dispatch, and the response (its usage settles the reservation).
     let api = Api::of(route).filter(|_| state.settings.migration.limit > 0);
-    match (api, shape) {
+    let response = match (api, shape) {
         (Some(api), _) if fields.stream => {
-            migrating_stream(
-                state,
-                api,
-                shape,
-                &attempt,
-                body.clone(),
-                released,
-                admitted,
-            )
-            .await
+            let sent = body.clone();
+            migrating_stream(state, api, shape, &attempt, sent, released, admitted).await
         }
         (Some(_), Shape::Single { .. }) => {
             whole_answer(state, &attempt, body.clone(), released, admitted).await
@@ -158,7 +152,11 @@ pub(crate) async fn route_and_forward(
             let sent = dispatch(state, shape, &attempt, body.clone(), Vec::new(), released);
             Ok(sent.await?.into_response(admitted))
         }
-    }
+    }?;
+    Ok(match reserved {
+        Some(reserved) => reserved.settle_from(response),
+        None => response,
+    })
 }
 
 /// What a dispatch sent: the response with who answers it, or an answer that ends the

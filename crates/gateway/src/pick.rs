@@ -1,5 +1,6 @@
 //! The stages every front door shares, in order: the caller's tenant ([`tenant_of`]),
-//! admission under the router's concurrency limit ([`admit`]), the router queue ([`queue_admission`]), the policy's choice with the
+//! admission under the router's concurrency limit ([`admit`]), the tenant's rate limits
+//! ([`reserve`]), the router queue ([`queue_admission`]), the policy's choice with the
 //! request counted on its worker and rank ([`pick`]), and what the router learns from it
 //! ([`learn`]). The proxy ([`crate::forward`]) forwards to the pick and retries; the endpoint
 //! picker ([`crate::epp`]) names it to the gateway.
@@ -7,6 +8,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use axum::response::Response;
+use bytes::Bytes;
 use http::HeaderValue;
 use kvroute_core::eligibility::Hints;
 use kvroute_core::PolicyKind;
@@ -19,7 +22,9 @@ use crate::otlp::RequestSpan;
 use crate::prompts::Tokens;
 use crate::proxy::{Admitted, InFlight};
 use crate::queue::Released;
+use crate::rate_limit::{Refused, Reservation};
 use crate::routing;
+use crate::usage::{self, Subscribers};
 use crate::workers::Pool;
 
 /// The request's tenant, or its refusal (401; see [`crate::auth::access`]); recorded on
@@ -44,6 +49,71 @@ pub(crate) async fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
         None => None,
     };
     Ok(Admitted::new(permit, state.metrics.in_router.clone()))
+}
+
+/// A request's reservation under its tenant's rate limits, and its prompt as counted.
+pub(crate) struct Reserved {
+    reservation: Reservation,
+    prompt: u64,
+}
+
+impl Reserved {
+    /// Settles the reservation from the usage of `response` (a success; any other answer
+    /// drops the reservation, which gives its tokens back).
+    pub(crate) fn settle_from(self, response: Response) -> Response {
+        if !response.status().is_success() {
+            return response;
+        }
+        let mut subscribers = Subscribers::default();
+        let reservation = self.reservation;
+        subscribers.add(move |u| reservation.settle(u.total(), Instant::now()));
+        usage::tap(response, self.prompt, subscribers)
+    }
+}
+
+/// The tenant's rate limits, when on (see [`crate::rate_limit`]): reserves the prompt's
+/// tokens (the router's count; the prompt is tokenised here when the policy did not need
+/// it) plus the answer's `max_completion_tokens` or `max_tokens`, and one request, on the
+/// tenant's scope and its model's rule; else 429.
+pub(crate) async fn reserve(
+    state: &AppState,
+    tenant: &Tenant,
+    fields: &RoutingFields<'_>,
+    body: &Bytes,
+    tokens: &Tokens,
+) -> Result<Option<Reserved>, GatewayError> {
+    let Some(limits) = &state.rate_limits else {
+        return Ok(None);
+    };
+    let prompt = match tokens.is_empty() {
+        true => routing::tokens_for(&state.kv, PolicyKind::KvAware, body)
+            .await
+            .len(),
+        false => tokens.len(),
+    } as u64;
+    let answer = fields
+        .max_completion_tokens
+        .or(fields.max_tokens)
+        .unwrap_or(0);
+    // The rules match the model the request is served as (the only one, when it names none).
+    let model = {
+        let table = state.workers.table();
+        let pool = table.resolve(fields.model.as_deref()).ok();
+        pool.map(|p| p.model.as_str().to_owned())
+    };
+    let model = model.as_deref().or(fields.model.as_deref());
+    match limits.reserve(tenant, model, prompt + answer, Instant::now()) {
+        Ok(reservation) => Ok(Some(Reserved {
+            reservation,
+            prompt,
+        })),
+        Err(refused) => Err(GatewayError::TenantRateLimited {
+            retry_after: match refused {
+                Refused::Wait(secs) => Some(secs),
+                Refused::OverCapacity => None,
+            },
+        }),
+    }
 }
 
 /// What every attempt of one request shares.
