@@ -26,7 +26,7 @@
 //! full (a full bucket and a new one are the same), so idle tenants cost nothing for long.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -210,9 +210,7 @@ impl RateLimiter {
     }
 
     fn shard(&self, tenant: &Tenant) -> &Mutex<Shard> {
-        let mut h = self.hasher.build_hasher();
-        tenant.hash(&mut h);
-        &self.shards[h.finish() as usize % SHARDS]
+        &self.shards[self.hasher.hash_one(tenant) as usize % SHARDS]
     }
 
     /// Reserves `tokens` and one request for `tenant` on `model` at `now`; a refusal is
