@@ -65,6 +65,7 @@ impl AppState {
         tokenizer: Arc<Tokenizer>,
     ) -> Self {
         let metrics = GatewayMetrics::register(registry);
+        metrics.tenants.set_top_n(settings.tenant_metric_top_n);
         let workers = Arc::new(WorkerSet::new(&settings, &metrics));
         crate::peer_metrics::PeerMetrics::register(&settings, &workers, &metrics, registry);
         let client = build_client_with(settings.tls.workers.clone());
@@ -123,10 +124,8 @@ impl AppState {
             }),
             worker_auth,
             access,
-            rate_limits: settings.rate_limits.clone().map(|policy| {
-                let metrics = crate::rate_limit::RateLimitMetrics::register(registry);
-                Arc::new(crate::rate_limit::RateLimiter::new(policy, metrics))
-            }),
+            rate_limits: (settings.rate_limits.clone())
+                .map(|policy| Arc::new(crate::rate_limit::RateLimiter::new(policy))),
             tasks: TaskTracker::new(),
             shutdown: workers.shutdown().clone(),
             api_tls: settings

@@ -1,8 +1,9 @@
 //! A routed request, top to bottom:
 //!
-//! 1. **admission**: the caller's tenant (its key or token, [`tenant_of`]), the router's
-//!    concurrency limit ([`admit`]), the body, the tenant's rate limits ([`reserve`]), and
-//!    for a single request the router queue ([`queue_admission`]);
+//! 1. **admission**: the caller's tenant (its key or token; resolved by the front door,
+//!    `server`, with [`crate::pick::tenant_of`]), the router's concurrency limit ([`admit`]),
+//!    the body, the tenant's rate limits ([`reserve`]), and for a single request the router
+//!    queue ([`queue_admission`]);
 //! 2. **the plan's shape**: single (one worker), or prefill/decode on a P/D route;
 //! 3. **dispatch**: a single request goes through [`attempts`], each a policy's pick
 //!    ([`pick`]) and a forward, retried on another eligible worker when it fails before the
@@ -29,7 +30,7 @@ use http_body_util::BodyExt;
 use kvroute_core::PolicyKind;
 use kvroute_protocol::{RoutingFields, WorkerId};
 
-use crate::auth;
+use crate::auth::Tenant;
 use crate::context::AppState;
 use crate::error::GatewayError;
 use crate::http::WORKER_HEADER;
@@ -37,7 +38,7 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, reserve, tenant_of, Attempt, Picked};
+use crate::pick::{admit, learn, pick, queue_admission, reserve, Attempt, Picked};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
@@ -83,16 +84,11 @@ pub(crate) async fn route_and_forward(
     req: Request,
     request_id: &HeaderValue,
     span: Option<&Arc<RequestSpan>>,
+    tenant: &Tenant,
 ) -> Result<Response, GatewayError> {
-    // Admission: the caller's tenant (its key or token), the concurrency limit, the body.
+    // Admission (the front door resolved the caller's tenant): the concurrency limit, the body.
     let arrived = Instant::now();
     let (parts, body) = req.into_parts();
-    let caller = auth::Caller {
-        headers: &parts.headers,
-        peer: auth::peer(&parts.extensions),
-        fairness_id: None,
-    };
-    let tenant = tenant_of(state, &caller, span).await?;
     let admitted = admit(state).await?;
     let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
     // Anthropic's Messages: routed on the chat request vLLM makes of it, forwarded as sent.
@@ -113,7 +109,7 @@ pub(crate) async fn route_and_forward(
     let disaggregated = state.settings.pd.is_some() && PD_ROUTES.contains(&route);
     let tokenize_as = Shape::tokenize_as(disaggregated, state);
     let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
-    let reserved = reserve(state, &tenant, &fields, routing_body, &tokens).await?;
+    let reserved = reserve(state, tenant, &fields, routing_body, &tokens).await?;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
     let (shape, released) = if disaggregated {
         (Shape::Disaggregated, None)
@@ -132,7 +128,7 @@ pub(crate) async fn route_and_forward(
         tokens: &tokens,
         hints: &hints,
         request_id,
-        tenant: &tenant,
+        tenant,
         arrived,
         class: shape.class(),
         span,

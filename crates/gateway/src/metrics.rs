@@ -10,7 +10,8 @@
 //! half-open), `kvroute_worker_healthy{worker}`, `kvroute_upstream_attempts_total{worker,outcome}`
 //! (every attempt, retries included), `kvroute_request_retries_total`,
 //! `kvroute_requests_in_router`, `kvroute_discovered_workers{source}`,
-//! `kvroute_discovery_errors_total{reason}`, `kvroute_request_migrations_total{outcome}`.
+//! `kvroute_discovery_errors_total{reason}`, `kvroute_request_migrations_total{outcome}`, and
+//! the per-tenant series of [`tenants`].
 //! Label values are bounded: routes are the fixed set of proxied paths, workers are
 //! configured ids.
 
@@ -23,6 +24,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+pub mod tenants;
+
+pub use tenants::{TenantMetrics, TokenKind};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -155,6 +160,8 @@ pub struct GatewayMetrics {
     /// error (either failed).
     pub reloads: Family<ReloadLabels, Counter>,
     pub discovery: DiscoveryMetrics,
+    /// Per tenant: requests, tokens, rate-limit refusals.
+    pub tenants: TenantMetrics,
     /// Streams carried on by another worker after theirs failed, by outcome.
     pub migrations: Family<MigrationLabels, Counter>,
     /// Requests inside the router (admitted, not yet answered in full).
@@ -231,6 +238,7 @@ impl GatewayMetrics {
             retries: Counter::default(),
             reloads: Family::default(),
             discovery: DiscoveryMetrics::default(),
+            tenants: TenantMetrics::default(),
             migrations: Family::default(),
             in_router: Gauge::default(),
             rank_prefill: Family::default(),
@@ -257,6 +265,7 @@ impl GatewayMetrics {
         m.register_load(registry);
         m.register_pd(registry, disagg);
         m.register_resilience(registry);
+        m.tenants.register(registry);
         m
     }
 

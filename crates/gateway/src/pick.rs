@@ -74,7 +74,8 @@ impl Reserved {
 /// The tenant's rate limits, when on (see [`crate::rate_limit`]): reserves the prompt's
 /// tokens (the router's count; the prompt is tokenised here when the policy did not need
 /// it) plus the answer's `max_completion_tokens` or `max_tokens`, and one request, on the
-/// tenant's scope and its model's rule; else 429.
+/// tenant's scope and its model's rule; else 429, counted in
+/// `kvroute_tenant_rate_limited_total`.
 pub(crate) async fn reserve(
     state: &AppState,
     tenant: &Tenant,
@@ -107,12 +108,15 @@ pub(crate) async fn reserve(
             reservation,
             prompt,
         })),
-        Err(refused) => Err(GatewayError::TenantRateLimited {
-            retry_after: match refused {
-                Refused::Wait(secs) => Some(secs),
-                Refused::OverCapacity => None,
-            },
-        }),
+        Err(refused) => {
+            state.metrics.tenants.rate_limited(tenant);
+            Err(GatewayError::TenantRateLimited {
+                retry_after: match refused {
+                    Refused::Wait(secs) => Some(secs),
+                    Refused::OverCapacity => None,
+                },
+            })
+        }
     }
 }
 

@@ -30,11 +30,6 @@ use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
-
 use crate::auth::Tenant;
 use crate::config::{Limits, RateLimitPolicy};
 
@@ -153,30 +148,6 @@ struct Scope {
     rule: Option<Arc<str>>,
 }
 
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TenantLabels {
-    pub tenant: String,
-}
-
-/// The rate limits' series.
-#[derive(Debug, Clone, Default)]
-pub struct RateLimitMetrics {
-    /// `kvroute_tenant_rate_limited_total{tenant}`.
-    pub refused: Family<TenantLabels, Counter>,
-}
-
-impl RateLimitMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "kvroute_tenant_rate_limited",
-            "Requests refused (429) by their tenant's rate limit, by tenant",
-            m.refused.clone(),
-        );
-        m
-    }
-}
-
 /// The limiter: the checked policy and every scope's buckets.
 #[derive(Debug)]
 pub struct RateLimiter {
@@ -185,7 +156,6 @@ pub struct RateLimiter {
     /// New scopes between sweeps ([`MAX_IDLE_SCOPES`]).
     sweep_every: usize,
     hasher: std::collections::hash_map::RandomState,
-    metrics: RateLimitMetrics,
 }
 
 /// A request's reservation: settled from its usage, or, dropped unsettled, all its tokens
@@ -199,13 +169,12 @@ pub struct Reservation {
 }
 
 impl RateLimiter {
-    pub fn new(policy: RateLimitPolicy, metrics: RateLimitMetrics) -> Self {
+    pub fn new(policy: RateLimitPolicy) -> Self {
         Self {
             policy,
             shards: std::array::from_fn(|_| Mutex::default()),
             sweep_every: MAX_IDLE_SCOPES,
             hasher: Default::default(),
-            metrics,
         }
     }
 
@@ -213,8 +182,7 @@ impl RateLimiter {
         &self.shards[self.hasher.hash_one(tenant) as usize % SHARDS]
     }
 
-    /// Reserves `tokens` and one request for `tenant` on `model` at `now`; a refusal is
-    /// counted in `kvroute_tenant_rate_limited_total`.
+    /// Reserves `tokens` and one request for `tenant` on `model` at `now`.
     pub fn reserve(
         self: &Arc<Self>,
         tenant: &Tenant,
@@ -263,11 +231,6 @@ impl RateLimiter {
             };
         }
         if let Some(refused) = refusal {
-            drop(guard);
-            let label = TenantLabels {
-                tenant: tenant.as_str().to_owned(),
-            };
-            self.metrics.refused.get_or_create(&label).inc();
             return Err(refused);
         }
         for (scope, _) in &scopes {

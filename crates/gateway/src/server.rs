@@ -28,6 +28,7 @@ use crate::discovery;
 use crate::error::GatewayError;
 use crate::forward::route_and_forward;
 use crate::http::REQUEST_ID_HEADER;
+use crate::pick::tenant_of;
 use crate::tls::TlsError;
 use crate::workers::{Worker, WorkerSet};
 
@@ -370,10 +371,18 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
             trace_id
         )
     };
-    let mut response = match route_and_forward(&state, route, req, &request_id, span.as_ref())
-        .instrument(log_span)
-        .await
-    {
+    // The front door resolves the caller's tenant; the request path takes it from here.
+    let mut tenant = None;
+    let forwarded = async {
+        let caller = auth::Caller {
+            headers: req.headers(),
+            peer: auth::peer(req.extensions()),
+            fairness_id: None,
+        };
+        let known = tenant.insert(tenant_of(&state, &caller, span.as_ref()).await?);
+        route_and_forward(&state, route, req, &request_id, span.as_ref(), known).await
+    };
+    let mut response = match forwarded.instrument(log_span).await {
         Ok(response) => response,
         Err(error) => {
             if let Some(span) = &span {
@@ -392,6 +401,9 @@ async fn routed(State(state): State<Arc<AppState>>, route: &'static str, req: Re
         .or_insert(request_id);
     let status = response.status();
     state.metrics.request(route, status.as_u16());
+    if let Some(tenant) = &tenant {
+        state.metrics.tenants.request(tenant, status.as_u16());
+    }
     match span {
         Some(span) => {
             span.set_int("http.response.status_code", status.as_u16().into());

@@ -1,7 +1,7 @@
 //! The live dashboard, rendered by a real browser: Debian's `chromium`, headless, loads
 //! `/dashboard` from a `kvroute` in front of its embedded engines under load. The rendered
-//! DOM names every worker, shows decisions with their candidates, and changes as traffic
-//! flows. Needs `chromium` on the PATH (`.ci/run` installs it).
+//! DOM names every worker and every tenant with its share, shows decisions with their
+//! candidates, and changes as traffic flows. Needs `chromium` on the PATH (`.ci/run` installs it).
 
 mod support;
 
@@ -46,12 +46,15 @@ fn rendered(url: &str) -> String {
 
 async fn traffic(url: &str, n: usize, offset: usize) {
     for i in offset..offset + n {
+        // Three requests in four are team-a's (a trusted tenant header), the rest team-b's.
+        let team = if i % 4 == 3 { "team-b" } else { "team-a" };
         let body = format!(
             r#"{{"model":"kvroute-sim","max_tokens":4,"stream":{},"messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"question {i}"}}]}}"#,
             i % 2 == 0,
             "a shared system prompt, long enough to span several KV blocks. ".repeat(4),
         );
-        let r = post(url, "/v1/chat/completions", &[], &body).await;
+        let tenant = [("x-smg-tenant-id", team)];
+        let r = post(url, "/v1/chat/completions", &tenant, &body).await;
         assert_eq!(r.status, 200, "{:?}", r.body);
     }
 }
@@ -67,7 +70,7 @@ fn newest_decision(dom: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browser_sees_every_worker_and_the_decisions_change_as_traffic_flows() {
-    let k = kvroute(&[]).await;
+    let k = kvroute(&["--trust-tenant-header"]).await;
     traffic(&k.url, 12, 0).await;
     let page = format!("{}/dashboard", k.metrics_url);
     let first = rendered(&page);
@@ -96,6 +99,14 @@ async fn a_browser_sees_every_worker_and_the_decisions_change_as_traffic_flows()
         ids.len(),
         "{decision}"
     );
+    // Each tenant with its share of the requests: 9 and 3 of 12.
+    for (tenant, share) in [("header:team-a", "75.0%"), ("header:team-b", "25.0%")] {
+        let row = &first[first
+            .find(&format!(r#"data-tenant="{tenant}""#))
+            .unwrap_or_else(|| panic!("{tenant} is not on the page"))..];
+        let row = &row[..row.find("</tr>").unwrap()];
+        assert!(row.contains(&format!("<td>{share}</td>")), "{row}");
+    }
     let before = newest_decision(&first);
     assert!(before >= 12, "{before}");
 

@@ -2,169 +2,14 @@
 //! test serves over HTTP (found through the issuer's openid-configuration), on the
 //! inference and admin APIs; a rotated key works without a restart.
 //!
-//! Keys are real: ES256 made by ring, RSA-2048 made by the `openssl` CLI.
+//! Keys are real: ES256 made by ring, RSA-2048 made by the `openssl` CLI (`support::jwt`).
 
 mod support;
 
-use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
-
-use axum::routing::get;
-use axum::{Json, Router};
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use base64::Engine;
 use clap::Parser;
 use http::{Method, StatusCode};
-use ring::rand::SystemRandom;
-use ring::signature::{EcdsaKeyPair, KeyPair, RsaKeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
-use serde_json::{json, Value};
+use serde_json::json;
 use support::*;
-use tokio::net::TcpListener;
-
-fn enc(bytes: &[u8]) -> String {
-    URL_SAFE_NO_PAD.encode(bytes)
-}
-
-enum Signer {
-    Es(EcdsaKeyPair),
-    Rs(RsaKeyPair),
-}
-
-/// A signing key, its kid and its public JWK.
-struct Key {
-    kid: &'static str,
-    signer: Signer,
-    jwk: Value,
-}
-
-impl Key {
-    fn es256(kid: &'static str) -> Key {
-        let rng = SystemRandom::new();
-        let alg = &ECDSA_P256_SHA256_FIXED_SIGNING;
-        let pkcs8 = EcdsaKeyPair::generate_pkcs8(alg, &rng).unwrap();
-        let pair = EcdsaKeyPair::from_pkcs8(alg, pkcs8.as_ref(), &rng).unwrap();
-        let p = pair.public_key().as_ref();
-        let jwk = json!({"kty": "EC", "crv": "P-256", "kid": kid, "x": enc(&p[1..33]), "y": enc(&p[33..])});
-        Key {
-            kid,
-            signer: Signer::Es(pair),
-            jwk,
-        }
-    }
-
-    fn rs256(kid: &'static str) -> Key {
-        let out = std::process::Command::new("openssl")
-            .args([
-                "genpkey",
-                "-algorithm",
-                "RSA",
-                "-pkeyopt",
-                "rsa_keygen_bits:2048",
-            ])
-            .args(["-outform", "DER"])
-            .output()
-            .expect("this test makes RSA keys with the `openssl` CLI: install openssl");
-        assert!(out.status.success(), "openssl genpkey failed");
-        let pair = RsaKeyPair::from_der(&out.stdout).unwrap();
-        let (n, e) = rsa_public_parts(pair.public().as_ref());
-        let jwk = json!({"kty": "RSA", "kid": kid, "alg": "RS256", "use": "sig", "n": enc(&n), "e": enc(&e)});
-        Key {
-            kid,
-            signer: Signer::Rs(pair),
-            jwk,
-        }
-    }
-
-    fn token(&self, claims: &Value) -> String {
-        let alg = match self.signer {
-            Signer::Es(_) => "ES256",
-            Signer::Rs(_) => "RS256",
-        };
-        let header = json!({"alg": alg, "typ": "JWT", "kid": self.kid});
-        let signed = format!(
-            "{}.{}",
-            enc(header.to_string().as_bytes()),
-            enc(claims.to_string().as_bytes())
-        );
-        let rng = SystemRandom::new();
-        let sig = match &self.signer {
-            Signer::Es(pair) => pair
-                .sign(&rng, signed.as_bytes())
-                .unwrap()
-                .as_ref()
-                .to_vec(),
-            Signer::Rs(pair) => {
-                let mut sig = vec![0; pair.public().modulus_len()];
-                let alg = &ring::signature::RSA_PKCS1_SHA256;
-                pair.sign(alg, &rng, signed.as_bytes(), &mut sig).unwrap();
-                sig
-            }
-        };
-        format!("{signed}.{}", enc(&sig))
-    }
-}
-
-/// `n` and `e` of a DER `RSAPublicKey`.
-fn rsa_public_parts(der: &[u8]) -> (Vec<u8>, Vec<u8>) {
-    fn tlv(d: &[u8]) -> (&[u8], &[u8]) {
-        let (len, head) = match d[1] {
-            l if l < 0x80 => (l as usize, 2),
-            l => {
-                let k = (l & 0x7f) as usize;
-                (
-                    d[2..2 + k].iter().fold(0, |a, b| a << 8 | *b as usize),
-                    2 + k,
-                )
-            }
-        };
-        (&d[head..head + len], &d[head + len..])
-    }
-    let (n, rest) = tlv(tlv(der).0);
-    let strip = |x: &[u8]| x.iter().skip_while(|b| **b == 0).copied().collect();
-    (strip(n), strip(tlv(rest).0))
-}
-
-/// An OIDC issuer: its discovery document and its JWKS, which the test may change.
-struct Issuer {
-    url: String,
-    jwks: Arc<Mutex<Value>>,
-}
-
-impl Issuer {
-    async fn start(keys: &[&Key]) -> Issuer {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let jwks = Arc::new(Mutex::new(Value::Null));
-        let discovery = json!({"issuer": url, "jwks_uri": format!("{url}/keys")});
-        let served = jwks.clone();
-        let app = Router::new()
-            .route(
-                "/.well-known/openid-configuration",
-                get(move || std::future::ready(Json(discovery.clone()))),
-            )
-            .route(
-                "/keys",
-                get(move || std::future::ready(Json(served.lock().unwrap().clone()))),
-            );
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        let issuer = Issuer { url, jwks };
-        issuer.publish(keys);
-        issuer
-    }
-
-    fn publish(&self, keys: &[&Key]) {
-        *self.jwks.lock().unwrap() =
-            json!({"keys": keys.iter().map(|k| k.jwk.clone()).collect::<Vec<_>>()});
-    }
-
-    fn claims(&self, sub: &str, groups: &[&str], exp_in: i64) -> Value {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_secs() as i64;
-        json!({"iss": self.url, "aud": "kvroute", "sub": sub, "exp": now + exp_in, "groups": groups})
-    }
-}
 
 async fn router(flags: &[&str]) -> TestRouter {
     let mut argv = vec!["kvroute"];
@@ -315,4 +160,64 @@ async fn tenant_api_keys_route_their_tenants_and_refuse_other_keys() {
     );
     assert_eq!(worker.requests(), 2);
     r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenants_requests_are_counted_under_its_label_and_past_the_top_n_as_other() {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let engine = serve_sim(&[], &shutdown).await;
+    let r = router(&[
+        "--worker-urls",
+        &engine,
+        "--tenant-api-key=team-a:key-a",
+        "--tenant-api-key=team-b:key-b",
+        "--tenant-api-key=team-c:key-c",
+        "--priority-scheduler-tenant-metric-top-n",
+        "2",
+    ])
+    .await;
+    let ask = |key: &'static str| {
+        let url = r.url.clone();
+        async move {
+            let auth = format!("Bearer {key}");
+            let headers = [("authorization", auth.as_str())];
+            let body = chat("kvroute-sim", "hi");
+            post(&url, "/v1/chat/completions", &headers, &body)
+                .await
+                .status
+        }
+    };
+    for key in ["key-a", "key-b", "key-a", "key-c", "key-c", "key-c"] {
+        assert_eq!(ask(key).await, StatusCode::OK);
+    }
+    // A request refused before it has a tenant is counted by route only.
+    assert_eq!(ask("key-x").await, StatusCode::UNAUTHORIZED);
+    let bad = post(
+        &r.url,
+        "/v1/chat/completions",
+        &[("authorization", "Bearer key-b")],
+        "{not json",
+    )
+    .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    let metrics = r.metrics().await;
+    for line in [
+        r#"kvroute_tenant_requests_total{tenant="auth:team-a",status="200"} 2"#,
+        r#"kvroute_tenant_requests_total{tenant="auth:team-b",status="200"} 1"#,
+        r#"kvroute_tenant_requests_total{tenant="auth:team-b",status="400"} 1"#,
+        r#"kvroute_tenant_requests_total{tenant="other",status="200"} 3"#,
+    ] {
+        assert!(metrics.contains(line), "missing {line}");
+    }
+    assert!(
+        !metrics.contains("team-c"),
+        "a tenant past the top 2 has a label"
+    );
+    let tenant_401 = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvroute_tenant_requests_total") && l.contains(r#"status="401""#))
+        .count();
+    assert_eq!(tenant_401, 0, "a refused caller has no tenant");
+    r.stop().await;
+    shutdown.cancel();
 }

@@ -326,6 +326,10 @@ pub struct Args {
     /// smg's rate-limit YAML: `default_policy`, `tenants[]` with their model rules.
     #[arg(long, value_name = "FILE")]
     pub tenant_rate_limit_config: Option<PathBuf>,
+    /// Tenants with a label of their own in the per-tenant metrics (the first N seen; the
+    /// rest are `other`) [default: 32].
+    #[arg(long, value_name = "N")]
+    pub priority_scheduler_tenant_metric_top_n: Option<usize>,
     /// JWT/OIDC: the issuer (its `iss`); tokens are checked on the inference and admin APIs.
     #[arg(long, env = "JWT_ISSUER", value_name = "URL")]
     pub jwt_issuer: Option<String>,

@@ -62,7 +62,7 @@ impl Args {
             otlp_sampling_ratio, timing_model, grpc_port, grpc_health_port, secure_serving,
             cert_path, pool_name, pool_namespace, pool_group, endpoint_selector,
             kv_events_socket_port, metrics_prefix, tenant_header_name, jwt_issuer, jwt_audience,
-            jwt_jwks_uri, tenant_rate_limit_config;
+            jwt_jwks_uri, tenant_rate_limit_config, priority_scheduler_tenant_metric_top_n;
         flag
             service_discovery, pd_disaggregation, llm_d_precise_prefix,
             worker_overload_protection, disable_worker_overload_protection,

@@ -309,6 +309,8 @@ pub struct Settings {
     pub tenancy: crate::auth::TenancySettings,
     /// Per-tenant rate limits (`--tenant-rate-limit-enabled`), when on.
     pub rate_limits: Option<RateLimitPolicy>,
+    /// Tenants with their own metric label (`--priority-scheduler-tenant-metric-top-n`).
+    pub tenant_metric_top_n: usize,
     /// The key sent to the workers.
     pub api_key: Option<Secret>,
     /// TLS to https workers (trust, mTLS identity) and the API's certificate.

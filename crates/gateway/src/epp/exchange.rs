@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use axum::response::IntoResponse;
 use bytes::{Bytes, BytesMut};
-use http::HeaderValue;
+use http::{HeaderMap, HeaderValue};
 use http_body_util::BodyExt;
 use kvroute_protocol::{RoutingFields, WorkerId};
 
@@ -332,21 +332,7 @@ impl Exchange {
         if let Some(subset) = &self.subset {
             restrict_to_subset(&state, &mut hints, subset)?;
         }
-        // An inference objective names a policy class when one of that name is configured.
-        let class_name = head
-            .headers
-            .get("x-kvroute-class")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-            .or_else(|| {
-                first(&head.headers, &OBJECTIVE).filter(|name| {
-                    state
-                        .settings
-                        .queue
-                        .as_ref()
-                        .is_some_and(|q| q.classes.iter().any(|c| c.name == *name))
-                })
-            });
+        let class_name = class_name(&state, &head.headers);
         let (mut parts, ()) = http::Request::new(()).into_parts();
         parts.method = head.method.clone();
         parts.uri = head.path.parse().unwrap_or_default();
@@ -387,26 +373,8 @@ impl Exchange {
         ))?;
         tracing::debug!(worker = %worker.id, %endpoint, "Picked");
 
-        let mut mutation = HeaderMutation::default();
-        mutation
-            .set_headers
-            .push(set(DESTINATION_HEADER, &endpoint));
-        if let Some(rank) = dp_rank {
-            mutation
-                .set_headers
-                .push(set(ENGINE_DP_RANK_HEADER.as_str(), &rank.to_string()));
-        }
-        for name in OBJECTIVE.iter().chain(&FAIRNESS_ID).chain(&MODEL_REWRITE) {
-            if head.headers.contains_key(*name) {
-                mutation.remove_headers.push((*name).to_owned());
-            }
-        }
         let sent = rewrite.as_ref().map(|_| body.clone());
-        if let Some(sent) = &sent {
-            mutation
-                .set_headers
-                .push(set("content-length", &sent.len().to_string()));
-        }
+        let mutation = destination(&head.headers, &endpoint, dp_rank, sent.as_ref());
         self.routed = Some(Routed {
             guard: picked.guard,
             _admitted: admitted,
@@ -480,4 +448,50 @@ fn restrict_to_subset(
     }
     hints.allowed_workers = Some(allowed);
     Ok(())
+}
+
+/// The policy class a request names: `x-kvroute-class`, else an inference objective when a
+/// class of that name is configured.
+fn class_name(state: &AppState, headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("x-kvroute-class")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| {
+            first(headers, &OBJECTIVE).filter(|name| {
+                state
+                    .settings
+                    .queue
+                    .as_ref()
+                    .is_some_and(|q| q.classes.iter().any(|c| c.name == *name))
+            })
+        })
+}
+
+/// The header mutation that sends a request to `endpoint` (and its rank): the destination,
+/// GIE's and our request headers removed, and the length of a rewritten body.
+fn destination(
+    headers: &HeaderMap,
+    endpoint: &str,
+    dp_rank: Option<u32>,
+    sent: Option<&Bytes>,
+) -> HeaderMutation {
+    let mut mutation = HeaderMutation::default();
+    mutation.set_headers.push(set(DESTINATION_HEADER, endpoint));
+    if let Some(rank) = dp_rank {
+        mutation
+            .set_headers
+            .push(set(ENGINE_DP_RANK_HEADER.as_str(), &rank.to_string()));
+    }
+    for name in OBJECTIVE.iter().chain(&FAIRNESS_ID).chain(&MODEL_REWRITE) {
+        if headers.contains_key(*name) {
+            mutation.remove_headers.push((*name).to_owned());
+        }
+    }
+    if let Some(sent) = sent {
+        mutation
+            .set_headers
+            .push(set("content-length", &sent.len().to_string()));
+    }
+    mutation
 }

@@ -3,7 +3,8 @@
 //!
 //! The feed is the router's own state, read when asked: each worker and rank's load, health,
 //! circuit, engine readings and the blocks the index holds per tier; the policy as the flag
-//! spells it; the last decisions with every candidate's terms ([`crate::recent`]). Rates and
+//! spells it; the last decisions with every candidate's terms ([`crate::recent`]); each
+//! tenant's requests and tokens and its share of them (`kvroute_tenant_*`). Rates and
 //! quantiles over the last minute, and the charts' history, come from a sampler that reads
 //! the registry's counters once a second into a five-minute ring. With an admin key set the
 //! feed needs it (`Authorization: Bearer`), as the other admin reads do; the page asks for it.
@@ -43,6 +44,8 @@ struct Sample {
     queue: BTreeMap<String, f64>,
     pd: BTreeMap<String, f64>,
     sync: [f64; 3],
+    /// Per tenant label: (requests answered, prompt tokens, completion tokens).
+    tenants: BTreeMap<String, [f64; 3]>,
 }
 
 /// The value of label `name` in a series' label text.
@@ -101,6 +104,12 @@ impl Sample {
                     let kind = label(labels, "decision_type").unwrap_or("").to_owned();
                     s.pd.insert(kind, v);
                 }
+                "kvroute_tenant_requests_total" => s.tenant(labels)[0] += v,
+                "kvroute_tenant_tokens_total" => match label(labels, "kind") {
+                    Some("prompt") => s.tenant(labels)[1] += v,
+                    Some("completion") => s.tenant(labels)[2] += v,
+                    _ => {}
+                },
                 "kvroute_replica_peers" => s.sync[0] = v,
                 "kvroute_replica_sync_lag_seconds" => s.sync[1] = v,
                 "kvroute_replica_sync_connected" => s.sync[2] = v,
@@ -109,6 +118,44 @@ impl Sample {
         }
         s
     }
+}
+
+impl Sample {
+    fn tenant(&mut self, labels: &str) -> &mut [f64; 3] {
+        let tenant = label(labels, "tenant").unwrap_or("").to_owned();
+        self.tenants.entry(tenant).or_default()
+    }
+}
+
+/// Each tenant's requests and tokens since the start with its share of all tenants', and
+/// its requests per second over the window; the busiest first.
+fn tenants(now: &Sample, old: &Sample, dt: f64) -> Vec<Value> {
+    let total = |i: usize| now.tenants.values().map(|t| t[i]).sum::<f64>();
+    let (requests, tokens) = (total(0), total(1) + total(2));
+    let share = |n: f64, all: f64| (all > 0.0).then(|| n / all);
+    let mut rows: Vec<(f64, Value)> = now
+        .tenants
+        .iter()
+        .map(|(tenant, n)| {
+            let o = old.tenants.get(tenant).copied().unwrap_or_default();
+            let rate = if dt > 0.0 {
+                (n[0] - o[0]).max(0.0) / dt
+            } else {
+                0.0
+            };
+            let row = json!({
+                "tenant": tenant,
+                "requests": n[0],
+                "request_share": share(n[0], requests),
+                "tokens": n[1] + n[2],
+                "token_share": share(n[1] + n[2], tokens),
+                "requests_per_s": rate,
+            });
+            (n[0], row)
+        })
+        .collect();
+    rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+    rows.into_iter().map(|(_, row)| row).collect()
 }
 
 /// The `q` quantile of the observations between two cumulative histograms, interpolated
@@ -235,6 +282,7 @@ impl Dashboard {
             "policy": {"name": self.state.settings.policy.name(), "description": self.policy},
             "cluster": cluster,
             "workers": self.workers(&now, &old, dt),
+            "tenants": tenants(&now, &old, dt),
             "decisions": self.state.recent.json(self.state.kv.block_size),
             "history": history,
         })

@@ -5,6 +5,7 @@
 //! - [`mock`]: fake engines ([`MockWorker`]).
 //! - [`sim`]: kvroute-sim replicas and the router's KV-index credit.
 //! - [`envoy`]: a real Envoy in front of the endpoint picker ([`Envoy`]).
+//! - [`jwt`]: real JWT keys and an OIDC issuer serving its JWKS ([`Key`], [`Issuer`]).
 //! - [`kube_api`]: a Kubernetes API server's pod list and watch ([`FakeApi`]).
 //! - [`nats`]: a real nats-server ([`Nats`]).
 //! - [`requests`]: the requests and waits the tests repeat, as [`TestRouter`] methods.
@@ -13,6 +14,7 @@
 #![allow(dead_code)]
 
 mod envoy;
+mod jwt;
 mod kube_api;
 mod mock;
 mod nats;
@@ -22,6 +24,8 @@ mod tls;
 
 #[allow(unused_imports)]
 pub use envoy::*;
+#[allow(unused_imports)]
+pub use jwt::*;
 #[allow(unused_imports)]
 pub use kube_api::*;
 #[allow(unused_imports)]
