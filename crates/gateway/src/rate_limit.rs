@@ -20,6 +20,11 @@
 //! its capacity). A request that got no answer from an engine (refused, failed, not found)
 //! gives all its tokens back; its request is still counted.
 //!
+//! **Replicas.** With `--replica-sync`, every charge (a reservation, a settlement) is also
+//! published to the other replicas, which take it from their own copy of the buckets
+//! ([`RateLimiter::charge`]): the replicas count together, each a message late. A replica
+//! that starts has full buckets.
+//!
 //! Tenants live in 16 shards (by the tenant's hash), each a mutex held only to read and
 //! update a tenant's buckets: one tenant's two scopes are in one shard, so a reservation is
 //! atomic over both. Every [`MAX_IDLE_SCOPES`] new scopes, a shard forgets those that are
@@ -148,9 +153,32 @@ struct Scope {
     rule: Option<Arc<str>>,
 }
 
+/// What a replica took from one scope's buckets (negative tokens: given back); shared with
+/// the other replicas under `--replica-sync`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Charge {
+    pub tenant: Tenant,
+    /// The model rule's id; `None` for the tenant's own scope.
+    pub rule: Option<String>,
+    pub tokens: f64,
+    pub requests: f64,
+}
+
+/// Where this replica's charges go (the replica sync), once set.
+pub type Sink = Box<dyn Fn(Charge) + Send + Sync>;
+
+struct Shared(std::sync::OnceLock<Sink>);
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Shared({})", self.0.get().is_some())
+    }
+}
+
 /// The limiter: the checked policy and every scope's buckets.
 #[derive(Debug)]
 pub struct RateLimiter {
+    shared: Shared,
     policy: RateLimitPolicy,
     shards: [Mutex<Shard>; SHARDS],
     /// New scopes between sweeps ([`MAX_IDLE_SCOPES`]).
@@ -171,6 +199,7 @@ pub struct Reservation {
 impl RateLimiter {
     pub fn new(policy: RateLimitPolicy) -> Self {
         Self {
+            shared: Shared(std::sync::OnceLock::new()),
             policy,
             shards: std::array::from_fn(|_| Mutex::default()),
             sweep_every: MAX_IDLE_SCOPES,
@@ -236,9 +265,12 @@ impl RateLimiter {
         for (scope, _) in &scopes {
             shard.get_mut(scope).expect("inserted above").take(n);
         }
+        drop(guard);
+        let scopes: Vec<Scope> = scopes.into_iter().map(|(s, _)| s).collect();
+        self.tell(&scopes, n, 1.0);
         Ok(Reservation {
             limiter: self.clone(),
-            scopes: scopes.into_iter().map(|(s, _)| s).collect(),
+            scopes,
             reserved: tokens,
             settled: false,
         })
@@ -261,12 +293,58 @@ impl RateLimiter {
         let Some(first) = scopes.first() else {
             return;
         };
-        let mut shard = self.shard(&first.tenant).lock().expect("not poisoned");
-        for scope in scopes {
-            if let Some(b) = shard.scopes.get_mut(scope) {
-                b.settle(delta, now);
+        {
+            let mut shard = self.shard(&first.tenant).lock().expect("not poisoned");
+            for scope in scopes {
+                if let Some(b) = shard.scopes.get_mut(scope) {
+                    b.settle(delta, now);
+                }
             }
         }
+        self.tell(scopes, delta, 0.0);
+    }
+
+    /// Sends this replica's charges to `sink` from now on (the replica sync).
+    pub fn share(&self, sink: Sink) {
+        let _ = self.shared.0.set(sink);
+    }
+
+    fn tell(&self, scopes: &[Scope], tokens: f64, requests: f64) {
+        let Some(sink) = self.shared.0.get() else {
+            return;
+        };
+        for s in scopes {
+            sink(Charge {
+                tenant: s.tenant.clone(),
+                rule: s.rule.as_deref().map(str::to_owned),
+                tokens,
+                requests,
+            });
+        }
+    }
+
+    /// Takes a peer replica's `charge` from this replica's buckets too (without a check: a
+    /// bucket may go below zero). A rule this replica's file does not have is ignored.
+    pub fn charge(&self, charge: &Charge, now: Instant) {
+        let policy = self.policy.policy_for(charge.tenant.as_str());
+        let limits = match &charge.rule {
+            None => policy.limits(),
+            Some(id) => match policy.rule_by_id(id) {
+                Some(rule) => rule.limits,
+                None => return,
+            },
+        };
+        let scope = Scope {
+            tenant: charge.tenant.clone(),
+            rule: charge.rule.as_deref().map(Into::into),
+        };
+        let mut shard = self.shard(&charge.tenant).lock().expect("not poisoned");
+        let b = (shard.scopes)
+            .entry(scope)
+            .or_insert_with(|| Bucket::new(limits, now));
+        b.refill(now);
+        b.settle(charge.tokens, now);
+        b.requests -= charge.requests;
     }
 }
 

@@ -56,6 +56,13 @@ impl TenantPolicy {
         self.limits.expect("a checked policy has limits")
     }
 
+    /// The model rule named `id`.
+    pub fn rule_by_id(&self, id: &str) -> Option<&ModelRule> {
+        (self.exact.values())
+            .chain(self.prefixes.iter().map(|(_, r)| r))
+            .find(|r| r.rule_id == id)
+    }
+
     /// The model rule for `model`, if one matches: the exact one, else the longest prefix.
     pub fn rule_for(&self, model: &str) -> Option<&ModelRule> {
         self.exact.get(model).or_else(|| {
