@@ -22,6 +22,11 @@ const B: (&str, &str) = ("authorization", "Bearer key-b");
 /// A router over `sims` (URLs) with the rate-limit file `yaml` and tenants `auth:a` and
 /// `auth:b` (their keys `key-a` and `key-b`).
 async fn router(yaml: &str, sims: &[String]) -> TestRouter {
+    router_with(yaml, sims, &[]).await
+}
+
+/// [`router`] with more flags.
+async fn router_with(yaml: &str, sims: &[String], more: &[&str]) -> TestRouter {
     let dir = std::env::temp_dir().join(format!("kvroute-rl-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(format!("{}.yaml", free_port()));
@@ -38,6 +43,7 @@ async fn router(yaml: &str, sims: &[String]) -> TestRouter {
         "--tenant-rate-limit-config",
         file,
     ]);
+    argv.extend_from_slice(more);
     let settings = kvroute_gateway::Args::try_parse_from(argv)
         .unwrap()
         .into_settings()
@@ -222,5 +228,53 @@ async fn on_the_messages_api_the_refusal_is_anthropics_rate_limit_error() {
         .unwrap();
     assert!((1..=60).contains(&wait), "{wait}");
     r.stop().await;
+    shutdown.cancel();
+}
+
+/// Waits until `r` has taken `n` rate-limit charges from its peers.
+async fn charges_in(r: &TestRouter, n: f64) {
+    wait_until_async("the peer's charges arrive", || async {
+        let labels = "direction=\"in\",kind=\"rate_charged\"";
+        let seen = metric_value(
+            &r.metrics().await,
+            "kvroute_replica_sync_messages_total",
+            labels,
+        );
+        seen.unwrap_or(0.0) >= n
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_in_sync_share_the_counts() {
+    let nats = nats().await;
+    let shutdown = CancellationToken::new();
+    let sim = serve_sim(&["--speedup", "50"], &shutdown).await;
+    let yaml = "default_policy: {tokens_per_minute: 100000, requests_per_minute: 2}\n";
+    let sync = [
+        "--replica-sync",
+        &nats.1,
+        "--replica-sync-subject-prefix",
+        "rl",
+    ];
+    let a = router_with(yaml, std::slice::from_ref(&sim), &sync).await;
+    let b = router_with(yaml, std::slice::from_ref(&sim), &sync).await;
+    for r in [&a, &b] {
+        wait_until_async("the replicas see each other", || async {
+            metric_value(&r.metrics().await, "kvroute_replica_peers", "") == Some(1.0)
+        })
+        .await;
+    }
+    // Two requests a minute for tenant a, over both replicas: one on each.
+    assert_eq!(chat_as(&a, A, &ask("kvroute-sim", 4)).await.status, 200);
+    charges_in(&b, 1.0).await;
+    assert_eq!(chat_as(&b, A, &ask("kvroute-sim", 4)).await.status, 200);
+    charges_in(&a, 1.0).await;
+    // Alone, either replica would still have room for a second request.
+    refused(&chat_as(&a, A, &ask("kvroute-sim", 4)).await).expect("a wait");
+    refused(&chat_as(&b, A, &ask("kvroute-sim", 4)).await).expect("a wait");
+    assert_eq!(chat_as(&b, B, &ask("kvroute-sim", 4)).await.status, 200);
+    a.stop().await;
+    b.stop().await;
     shutdown.cancel();
 }
