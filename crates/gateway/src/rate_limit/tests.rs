@@ -166,3 +166,49 @@ fn full_scopes_are_forgotten_every_so_many_new_ones() {
     }
     assert!(kept(&l) <= n, "{}", kept(&l));
 }
+
+#[test]
+fn charges_are_told_to_the_sink_and_a_peers_are_taken_without_a_check() {
+    let (mine, peer) = (limiter(FILE), limiter(FILE));
+    let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = told.clone();
+    mine.share(Box::new(move |c| sink.lock().unwrap().push(c)));
+    let (a, t0) = (Tenant::authenticated("a"), Instant::now());
+    let r = mine.reserve(&a, Some("big-1"), 200, t0).unwrap();
+    r.settle(250, t0);
+    let told = told.lock().unwrap().clone();
+    let rules: Vec<_> = told
+        .iter()
+        .map(|c| (c.rule.clone(), c.tokens, c.requests))
+        .collect();
+    assert_eq!(
+        rules,
+        vec![
+            (None, 200.0, 1.0),
+            (Some("big".to_owned()), 200.0, 1.0),
+            (None, 50.0, 0.0),
+            (Some("big".to_owned()), 50.0, 0.0),
+        ]
+    );
+    for c in &told {
+        peer.charge(c, t0);
+    }
+    // The peer's copy is the same as the buckets that were charged.
+    for rule in [None, Some("big")] {
+        assert_eq!(peer.bucket(&a, rule, t0), mine.bucket(&a, rule, t0));
+    }
+    // Past the rule's room on the peer too.
+    assert_eq!(
+        peer.reserve(&a, Some("big-2"), 100, t0).unwrap_err(),
+        Refused::Wait(10)
+    );
+    // A rule the peer does not know is ignored.
+    let unknown = Charge {
+        tenant: a.clone(),
+        rule: Some("nope".into()),
+        tokens: 1.0,
+        requests: 1.0,
+    };
+    peer.charge(&unknown, t0);
+    assert!(peer.bucket(&a, Some("nope"), t0).is_none());
+}
