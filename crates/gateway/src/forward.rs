@@ -109,7 +109,8 @@ pub(crate) async fn route_and_forward(
     let disaggregated = state.settings.pd.is_some() && PD_ROUTES.contains(&route);
     let tokenize_as = Shape::tokenize_as(disaggregated, state);
     let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
-    let reserved = reserve(state, tenant, &fields, routing_body, &tokens).await?;
+    let count_only = route == "/v1/messages/count_tokens";
+    let reserved = reserve(state, tenant, &fields, (routing_body, &tokens), count_only).await?;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
     let (shape, released) = if disaggregated {
         (Shape::Disaggregated, None)

@@ -55,13 +55,15 @@ pub(crate) async fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
 pub(crate) struct Reserved {
     reservation: Reservation,
     prompt: u64,
+    /// Anthropic's `count_tokens`: a request, no token, nothing to settle.
+    count_only: bool,
 }
 
 impl Reserved {
     /// Settles the reservation from the usage of `response` (a success; any other answer
     /// drops the reservation, which gives its tokens back).
     pub(crate) fn settle_from(self, response: Response) -> Response {
-        if !response.status().is_success() {
+        if !response.status().is_success() || self.count_only {
             return response;
         }
         let mut subscribers = Subscribers::default();
@@ -75,27 +77,29 @@ impl Reserved {
 /// tokens (the router's count; the prompt is tokenised here when the policy did not need
 /// it) plus the answer's `max_completion_tokens` or `max_tokens`, and one request, on the
 /// tenant's scope and its model's rule; else 429, counted in
-/// `kvroute_tenant_rate_limited_total`.
+/// `kvroute_tenant_rate_limited_total`. A `count_only` call (Anthropic's `count_tokens`)
+/// takes a request and no token.
 pub(crate) async fn reserve(
     state: &AppState,
     tenant: &Tenant,
     fields: &RoutingFields<'_>,
-    body: &Bytes,
-    tokens: &Tokens,
+    (body, tokens): (&Bytes, &Tokens),
+    count_only: bool,
 ) -> Result<Option<Reserved>, GatewayError> {
     let Some(limits) = &state.rate_limits else {
         return Ok(None);
     };
     let prompt = match tokens.is_empty() {
+        _ if count_only => 0,
         true => routing::tokens_for(&state.kv, PolicyKind::KvAware, body)
             .await
             .len(),
         false => tokens.len(),
     } as u64;
-    let answer = fields
-        .max_completion_tokens
-        .or(fields.max_tokens)
-        .unwrap_or(0);
+    let answer = match count_only {
+        true => 0,
+        false => (fields.max_completion_tokens.or(fields.max_tokens)).unwrap_or(0),
+    };
     // The rules match the model the request is served as (the only one, when it names none).
     let model = {
         let table = state.workers.table();
@@ -107,6 +111,7 @@ pub(crate) async fn reserve(
         Ok(reservation) => Ok(Some(Reserved {
             reservation,
             prompt,
+            count_only,
         })),
         Err(refused) => {
             state.metrics.tenants.rate_limited(tenant);

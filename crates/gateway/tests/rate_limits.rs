@@ -227,6 +227,10 @@ async fn on_the_messages_api_the_refusal_is_anthropics_rate_limit_error() {
         .parse()
         .unwrap();
     assert!((1..=60).contains(&wait), "{wait}");
+    // count_tokens is a request too (it takes no token).
+    let count = post(&r.url, "/v1/messages/count_tokens", &[A], &body).await;
+    assert_eq!(count.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(count.json()["error"]["type"], "rate_limit_error");
     r.stop().await;
     shutdown.cancel();
 }
