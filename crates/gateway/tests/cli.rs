@@ -332,6 +332,18 @@ fn a_bad_rate_limit_file_exits_2_naming_the_entry() {
         assert!(err.contains(named), "{yaml} should name {named}: {err}");
         assert!(err.contains("--tenant-rate-limit-config"), "{err}");
     }
+    // The same from a --config file.
+    let config = dir.join("router.yaml");
+    let limits = dir.join("limits-0.yaml");
+    let text = format!(
+        "worker_urls: [http://127.0.0.1:1]\ntenant_rate_limit_enabled: true\ntenant_rate_limit_config: {}\n",
+        limits.display()
+    );
+    std::fs::write(&config, text).unwrap();
+    let out = kvroute().arg("--config").arg(&config).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("tenants[1] (auth:b)"), "{err}");
     // The flag without its file, and a file that is not there.
     let missing = dir.join("missing.yaml");
     let runs: [&[&std::ffi::OsStr]; 2] = [
