@@ -18,6 +18,7 @@ mod merge;
 mod metrics_compat;
 pub mod peers;
 mod priority;
+mod rate_limits;
 mod service;
 mod settings;
 mod tenancy;
@@ -31,6 +32,9 @@ pub use llmd::LlmDConfigError;
 pub use load::CliWorkers;
 pub use metrics_compat::{MetricsCompat, MetricsPeer};
 pub use priority::{ClassSettings, PriorityClass, PrioritySettings, QueueSharing, TenantOrder};
+pub use rate_limits::{
+    load as load_rate_limits, Limits, ModelRule, RateLimitFileError, RateLimitPolicy, TenantPolicy,
+};
 pub use settings::{
     AdmissionSettings, CircuitSettings, HealthSettings, KvEventsMode, MigrationSettings,
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,
@@ -74,6 +78,8 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    RateLimits(#[from] RateLimitFileError),
     #[error(transparent)]
     LlmD(#[from] llmd::LlmDConfigError),
     #[error("cannot write --dump-config-to {path}: {source}")]

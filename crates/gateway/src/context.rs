@@ -40,6 +40,8 @@ pub(crate) struct AppState {
     pub(crate) worker_auth: WorkerAuth,
     /// Who may call, as which tenant (keys, trusted header, JWT).
     pub(crate) access: crate::auth::Access,
+    /// Per-tenant rate limits, when on.
+    pub(crate) rate_limits: Option<Arc<crate::rate_limit::RateLimiter>>,
     /// Background tasks (per worker, upkeep); joined when serving ends.
     pub(crate) tasks: TaskTracker,
     /// Cancelled when serving ends: stops every background task.
@@ -114,6 +116,8 @@ impl AppState {
             }),
             worker_auth,
             access,
+            rate_limits: (settings.rate_limits.clone())
+                .map(|policy| Arc::new(crate::rate_limit::RateLimiter::new(policy))),
             tasks: TaskTracker::new(),
             shutdown: workers.shutdown().clone(),
             api_tls: settings

@@ -10,6 +10,9 @@ use kvroute_protocol::{ErrorBody, WorkerId};
 
 use crate::http::WORKER_HEADER;
 
+/// smg's header naming a gateway error's code.
+pub const SMG_ERROR_CODE_HEADER: &str = "x-smg-error-code";
+
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +77,13 @@ pub enum GatewayError {
     TooManyRequests(usize),
     #[error("waited longer than {0} s for admission")]
     AdmissionTimeout(u64),
+    /// Over the tenant's rate limit (`--tenant-rate-limit-config`): enough refills in
+    /// `retry_after` seconds, or never (`None`: the request is larger than a bucket).
+    #[error("{}", match retry_after {
+        Some(secs) => format!("the tenant's rate limit is exceeded; enough refills in {secs} s"),
+        None => "the request needs more tokens than the tenant's rate limit allows in a minute: it can never be admitted".to_owned(),
+    })]
+    TenantRateLimited { retry_after: Option<u64> },
     #[error("no worker with id '{0}'")]
     UnknownWorker(String),
     #[error("a worker with id '{0}' exists already")]
@@ -107,9 +117,9 @@ impl GatewayError {
             | GatewayError::OverloadShed => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             GatewayError::Forbidden(_) => StatusCode::FORBIDDEN,
-            GatewayError::QueueFull(_) | GatewayError::TooManyRequests(_) => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            GatewayError::QueueFull(_)
+            | GatewayError::TooManyRequests(_)
+            | GatewayError::TenantRateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::UnknownWorker(_) => StatusCode::NOT_FOUND,
             GatewayError::WorkerExists(_) => StatusCode::CONFLICT,
             GatewayError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
@@ -151,6 +161,7 @@ impl GatewayError {
             GatewayError::Preempted => "scheduler_preempted",
             GatewayError::TooManyRequests(_) => "too_many_requests",
             GatewayError::AdmissionTimeout(_) => "admission_timeout",
+            GatewayError::TenantRateLimited { .. } => "tenant_rate_limit_exceeded",
             GatewayError::UnknownWorker(_) => "worker_not_found",
             GatewayError::WorkerExists(_) => "worker_exists",
             GatewayError::ShuttingDown => "shutting_down",
@@ -233,6 +244,16 @@ impl GatewayError {
             response
                 .headers_mut()
                 .insert("x-smg-preempted", HeaderValue::from_static("true"));
+        }
+        if let GatewayError::TenantRateLimited { retry_after } = self {
+            // smg's code in smg's header; a wait only when one would help.
+            let code = HeaderValue::from_static("tenant_rate_limit_exceeded");
+            response.headers_mut().insert(SMG_ERROR_CODE_HEADER, code);
+            if let Some(secs) = retry_after {
+                response
+                    .headers_mut()
+                    .insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+            }
         }
         if let Some(worker) = self.worker() {
             if let Ok(v) = HeaderValue::from_str(worker.as_str()) {

@@ -2,14 +2,16 @@
 //!
 //! 1. **admission**: the caller's tenant (its key or token; resolved by the front door,
 //!    `server`, with [`crate::pick::tenant_of`]), the router's concurrency limit ([`admit`]),
-//!    the body, and for a single request the router queue ([`queue_admission`]);
+//!    the body, the tenant's rate limits ([`reserve`]), and for a single request the router
+//!    queue ([`queue_admission`]);
 //! 2. **the plan's shape**: single (one worker), or prefill/decode on a P/D route;
 //! 3. **dispatch**: a single request goes through [`attempts`], each a policy's pick
 //!    ([`pick`]) and a forward, retried on another eligible worker when it fails before the
 //!    first response byte (connection error, timeout, 502/503/504), with jittered exponential
 //!    backoff, never when it is pinned; every attempt feeds the worker's circuit breaker. A
 //!    pair's halves go out through [`crate::pd`], which plans the pair and sends them;
-//! 4. **the response**: held by the admission until its body ends. A stream on an inference
+//! 4. **the response**: held by the admission until its body ends; its usage, read on the
+//!    way ([`crate::usage`]), settles the rate limits' reservation. A stream on an inference
 //!    route is wrapped by [`crate::migrate`], which sends the continuation through the same
 //!    dispatch when its worker fails mid-way; a single non-streaming answer there is read
 //!    whole, so one cut mid-body is retried.
@@ -36,10 +38,14 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, Attempt, Picked, QueueAdmission, QueueAsk};
+use crate::pick::{
+    admit, charge_output_on, count_tokens_on, learn, pick, queue_admission, reserve, Attempt,
+    Picked, QueueAdmission, QueueAsk, Reserved,
+};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
+use crate::usage::{self, Subscribers};
 
 /// Routes that are disaggregated when prefill/decode disaggregation is on.
 const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
@@ -107,6 +113,8 @@ pub(crate) async fn route_and_forward(
     let disaggregated = state.settings.pd.is_some() && PD_ROUTES.contains(&route);
     let tokenize_as = Shape::tokenize_as(disaggregated, state);
     let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
+    let count_only = route == "/v1/messages/count_tokens";
+    let reserved = reserve(state, tenant, &fields, (routing_body, &tokens), count_only).await?;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
     let (shape, queued) = if disaggregated {
         (Shape::Disaggregated, QueueAdmission::default())
@@ -141,6 +149,7 @@ pub(crate) async fn route_and_forward(
     };
 
     // The dispatch, and the response; preempted, it ends there (its upstream request dropped).
+    // Its usage settles the rate limits' reservation.
     let answer = respond(
         state,
         route,
@@ -150,13 +159,46 @@ pub(crate) async fn route_and_forward(
         queued.released,
         admitted,
     );
-    match queued.preemptible {
+    let response = match queued.preemptible {
         Some(p) => tokio::select! {
             answer = answer => answer,
             () = p.preempted() => Err(GatewayError::Preempted),
         },
         None => answer.await,
+    }?;
+    Ok(read_usage(state, &attempt, reserved, response))
+}
+
+/// The response, its usage read on its way to the client (`crate::usage`) for whoever needs
+/// it: the rate limits' reservation, VTC's output charge, the tenant's token counts. Only a
+/// success is read; a response nobody needs the usage of is not wrapped at all. The tokens are
+/// counted whenever the usage is read anyway, or tenants are configured (keys, JWT, a
+/// trusted header).
+fn read_usage(
+    state: &AppState,
+    attempt: &Attempt<'_>,
+    reserved: Option<Reserved>,
+    response: Response,
+) -> Response {
+    if !response.status().is_success() {
+        // A reservation dropped unsettled gives its tokens back.
+        return response;
     }
+    let mut subscribers = Subscribers::default();
+    let prompt = match reserved {
+        Some(reserved) => reserved.settle_on(&mut subscribers),
+        None => attempt.tokens.len() as u64,
+    };
+    charge_output_on(state, attempt, &mut subscribers);
+    let tenants =
+        state.access.requires_credentials() || state.settings.tenancy.tenant_header.is_some();
+    if tenants || !subscribers.is_empty() {
+        count_tokens_on(state, attempt, &mut subscribers);
+    }
+    if subscribers.is_empty() {
+        return response;
+    }
+    usage::tap(response, prompt, subscribers)
 }
 
 /// Dispatches the request as its shape says, and makes its response: a stream that may
@@ -364,10 +406,6 @@ async fn whole_answer(
             Ok(whole) => {
                 drop(admitted);
                 let whole = whole.to_bytes();
-                if attempt.class.is_some() && parts.status.is_success() {
-                    let tokens = crate::pick::output_tokens(&whole).unwrap_or(0);
-                    crate::pick::charge_output(state, attempt, tokens);
-                }
                 return Ok(Response::from_parts(parts, Body::from(whole)));
             }
             Err(error) => {

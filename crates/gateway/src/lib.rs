@@ -14,10 +14,10 @@
 //! The modules stand in five layers; each imports only from its own layer or below, with no
 //! cycle between modules (`tests/layers.rs` checks it):
 //! 1. foundation: `config` (settings and validation), `error`, `auth`, `metrics`, `http`, `otlp`
-//!    (the trace exporter and spans), `tls`;
+//!    (the trace exporter and spans), `tls`, `usage` (the usage tap on a response body);
 //! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `prompts` (tokens and
-//!    the tokenizer prefix cache), `busy`, `peer_metrics` (`--metrics-compat`: the peers' metric
+//!    the tokenizer prefix cache), `busy`, `rate_limit` (the tenants' token buckets), `peer_metrics` (`--metrics-compat`: the peers' metric
 //!    names over the workers' series);
 //! 4. request path: `admission` (the concurrency limit, its queue and rate), `routing`, `recent` (the last decisions), `queue`, `proxy`, `sync`, `context`,
 //!    `pick` (the stages both front doors share: admission, queue, pick, learn),
@@ -33,6 +33,7 @@ pub mod http;
 pub mod metrics;
 pub mod otlp;
 pub mod tls;
+pub mod usage;
 
 // 2. The engine edge.
 pub mod engine_metrics;
@@ -44,6 +45,7 @@ pub mod busy;
 pub mod kv;
 pub mod peer_metrics;
 pub mod prompts;
+pub mod rate_limit;
 pub mod workers;
 
 // 4. The request path.

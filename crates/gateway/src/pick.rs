@@ -1,5 +1,6 @@
 //! The stages every front door shares, in order: the caller's tenant ([`tenant_of`]),
-//! admission under the router's concurrency limit ([`admit`]), the router queue ([`queue_admission`]), the policy's choice with the
+//! admission under the router's concurrency limit ([`admit`]), the tenant's rate limits
+//! ([`reserve`]), the router queue ([`queue_admission`]), the policy's choice with the
 //! request counted on its worker and rank ([`pick`]), and what the router learns from it
 //! ([`learn`]). The proxy ([`crate::forward`]) forwards to the pick and retries; the endpoint
 //! picker ([`crate::epp`]) names it to the gateway.
@@ -7,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use http::HeaderValue;
 use kvroute_core::eligibility::Hints;
 use kvroute_core::PolicyKind;
@@ -15,11 +17,14 @@ use kvroute_protocol::{ModelId, RoutingFields, WorkerId};
 use crate::auth::{Caller, Tenant};
 use crate::context::AppState;
 use crate::error::GatewayError;
+use crate::metrics::TokenKind;
 use crate::otlp::RequestSpan;
 use crate::prompts::Tokens;
 use crate::proxy::{Admitted, InFlight};
 use crate::queue::Released;
+use crate::rate_limit::{Refused, Reservation};
 use crate::routing;
+use crate::usage::Subscribers;
 use crate::workers::Pool;
 
 /// The request's tenant, or its refusal (401; see [`crate::auth::access`]); recorded on
@@ -44,6 +49,79 @@ pub(crate) async fn admit(state: &AppState) -> Result<Admitted, GatewayError> {
         None => None,
     };
     Ok(Admitted::new(permit, state.metrics.in_router.clone()))
+}
+
+/// A request's reservation under its tenant's rate limits, and its prompt as counted.
+pub(crate) struct Reserved {
+    reservation: Reservation,
+    prompt: u64,
+    /// Anthropic's `count_tokens`: a request, no token, nothing to settle.
+    count_only: bool,
+}
+
+impl Reserved {
+    /// Settles the reservation from the response's usage, read by `subscribers`' tap (a
+    /// reservation not subscribed, or whose response is not tapped, is dropped, which gives
+    /// its tokens back). Returns the prompt as the reservation counted it.
+    pub(crate) fn settle_on(self, subscribers: &mut Subscribers) -> u64 {
+        if !self.count_only {
+            let reservation = self.reservation;
+            subscribers.add(move |u| reservation.settle(u.total(), Instant::now()));
+        }
+        self.prompt
+    }
+}
+
+/// The tenant's rate limits, when on (see [`crate::rate_limit`]): reserves the prompt's
+/// tokens (the router's count; the prompt is tokenised here when the policy did not need
+/// it) plus the answer's `max_completion_tokens` or `max_tokens`, and one request, on the
+/// tenant's scope and its model's rule; else 429, counted in
+/// `kvroute_tenant_rate_limited_total`. A `count_only` call (Anthropic's `count_tokens`)
+/// takes a request and no token.
+pub(crate) async fn reserve(
+    state: &AppState,
+    tenant: &Tenant,
+    fields: &RoutingFields<'_>,
+    (body, tokens): (&Bytes, &Tokens),
+    count_only: bool,
+) -> Result<Option<Reserved>, GatewayError> {
+    let Some(limits) = &state.rate_limits else {
+        return Ok(None);
+    };
+    let prompt = match tokens.is_empty() {
+        _ if count_only => 0,
+        true => routing::tokens_for(&state.kv, PolicyKind::KvAware, body)
+            .await
+            .len(),
+        false => tokens.len(),
+    } as u64;
+    let answer = match count_only {
+        true => 0,
+        false => (fields.max_completion_tokens.or(fields.max_tokens)).unwrap_or(0),
+    };
+    // The rules match the model the request is served as (the only one, when it names none).
+    let model = {
+        let table = state.workers.table();
+        let pool = table.resolve(fields.model.as_deref()).ok();
+        pool.map(|p| p.model.as_str().to_owned())
+    };
+    let model = model.as_deref().or(fields.model.as_deref());
+    match limits.reserve(tenant, model, prompt + answer, Instant::now()) {
+        Ok(reservation) => Ok(Some(Reserved {
+            reservation,
+            prompt,
+            count_only,
+        })),
+        Err(refused) => {
+            state.metrics.tenants.rate_limited(tenant);
+            Err(GatewayError::TenantRateLimited {
+                retry_after: match refused {
+                    Refused::Wait(secs) => Some(secs),
+                    Refused::OverCapacity => None,
+                },
+            })
+        }
+    }
 }
 
 /// What every attempt of one request shares.
@@ -153,28 +231,23 @@ pub(crate) struct QueueAdmission<'s> {
     pub(crate) preemptible: Option<crate::queue::Preemptible<'s>>,
 }
 
-/// Charges `a`'s tenant with the output tokens it was served (VTC's output charge, weighted
-/// in the queue), when it went through the router queue. The one place output is charged:
-/// today from a whole answer's `usage` ([`output_tokens`]); a stream's usage, once tapped,
-/// is meant to come here too.
-pub(crate) fn charge_output(state: &AppState, a: &Attempt<'_>, tokens: u64) {
+/// Charges `a`'s tenant with the output tokens it is served (VTC's output charge, weighted
+/// in the queue) from the response's usage, when it went through the router queue.
+pub(crate) fn charge_output_on(state: &AppState, a: &Attempt<'_>, subscribers: &mut Subscribers) {
     if let (Some(queue), Some(class)) = (&state.queue, a.class) {
-        queue.charge_output(class, a.tenant.as_str(), tokens);
+        let (queue, tenant) = (queue.clone(), a.tenant.clone());
+        subscribers.add(move |u| queue.charge_output(class, tenant.as_str(), u.completion));
     }
 }
 
-/// The `usage.completion_tokens` of a whole OpenAI-style answer, if it says.
-pub(crate) fn output_tokens(answer: &[u8]) -> Option<u64> {
-    #[derive(serde::Deserialize)]
-    struct Answer {
-        usage: Option<Usage>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Usage {
-        completion_tokens: Option<u64>,
-    }
-    let answer: Answer = serde_json::from_slice(answer).ok()?;
-    answer.usage?.completion_tokens
+/// Counts the tokens `a`'s tenant is served (`kvroute_tenant_tokens_total`) from the
+/// response's usage.
+pub(crate) fn count_tokens_on(state: &AppState, a: &Attempt<'_>, subscribers: &mut Subscribers) {
+    let (metrics, tenant) = (state.metrics.tenants.clone(), a.tenant.clone());
+    subscribers.add(move |u| {
+        metrics.tokens(&tenant, TokenKind::Prompt, u.prompt);
+        metrics.tokens(&tenant, TokenKind::Completion, u.completion);
+    });
 }
 
 /// A request's worker and rank, chosen by the policy, with its in-flight guard: its load is

@@ -231,11 +231,23 @@ impl Gateway {
                     workers: state.workers.clone(),
                     kv: state.kv.clone(),
                     affinity: state.affinity.clone(),
+                    rate_limits: state.rate_limits.clone(),
                 },
                 state.sync_metrics.clone(),
                 &state.tasks,
                 state.shutdown.clone(),
             );
+            if let Some(limits) = &state.rate_limits {
+                let handle = handle.clone();
+                limits.share(Box::new(move |c| {
+                    handle.send(crate::sync::Message::RateCharged {
+                        tenant: c.tenant.as_str().to_owned(),
+                        rule: c.rule,
+                        tokens: c.tokens,
+                        requests: c.requests,
+                    })
+                }));
+            }
             let _ = state.sync.set(handle);
         }
         spawn_upkeep(&state);

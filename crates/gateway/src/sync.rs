@@ -5,7 +5,9 @@
 //! the text for cache_aware, the tokens for llm_d), first token, finished — and a heartbeat
 //! listing its live requests; it applies what the others publish as the same rank load
 //! operations, policy updates (`Policy::observe`) and session bindings a local request
-//! performs, and ignores its own messages. [`Ledger`] is the pure part: a peer's messages as
+//! performs, and ignores its own messages. With rate limits on, each replica also publishes
+//! what it takes from (and gives back to) a tenant's buckets, and takes the same from its own
+//! copy of them, so the replicas share one count. [`Ledger`] is the pure part: a peer's messages as
 //! load operations, reconciled by its heartbeats, all taken back when it falls silent.
 //! [`snapshot`] is what a starting replica asks the live ones for before it reports ready:
 //! their requests in flight and the learnt state. [`transport`] is the NATS side: connection
@@ -72,6 +74,14 @@ pub enum Message {
     /// The sender is alive, with these requests in flight (the others it sent are over:
     /// a peer that missed their `Finished` drops them here).
     Heartbeat { live: Vec<u64> },
+    /// The sender took `tokens` and `requests` from a tenant's rate-limit buckets (its own
+    /// scope, or its model rule `rule`); negative tokens were given back.
+    RateCharged {
+        tenant: String,
+        rule: Option<String>,
+        tokens: f64,
+        requests: f64,
+    },
 }
 
 impl Message {
@@ -82,6 +92,7 @@ impl Message {
             Message::FirstToken { .. } => "first_token",
             Message::Finished { .. } => "finished",
             Message::Heartbeat { .. } => "heartbeat",
+            Message::RateCharged { .. } => "rate_charged",
         }
     }
 }
@@ -125,6 +136,8 @@ pub enum LoadOp {
         /// Whether it never saw its first token (its prefill load is still counted).
         prefilling: bool,
     },
+    /// A peer's charge to a tenant's rate-limit buckets, to take from this replica's too.
+    Charge(crate::rate_limit::Charge),
 }
 
 #[derive(Debug)]
@@ -277,6 +290,17 @@ impl Ledger {
                     }),
                 }))
             }
+            Message::RateCharged {
+                tenant,
+                rule,
+                tokens,
+                requests,
+            } => Ok(Some(LoadOp::Charge(crate::rate_limit::Charge {
+                tenant: crate::auth::Tenant::from_key(&tenant),
+                rule,
+                tokens,
+                requests,
+            }))),
             Message::FirstToken { request } => {
                 let remote = peer
                     .requests

@@ -294,6 +294,79 @@ fn bad_tenant_and_jwt_values_exit_2_naming_the_flag_never_the_key() {
     }
 }
 
+#[test]
+fn a_bad_rate_limit_file_exits_2_naming_the_entry() {
+    let dir = std::env::temp_dir().join(format!("kvroute-cli-rl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let default = "default_policy: {tokens_per_minute: 1000, requests_per_minute: 60}\n";
+    let cases = [
+        (
+            format!("{default}tenants:\n  - {{tenant_key: auth:a, tokens_per_minute: 10, requests_per_minute: 1}}\n  - {{tenant_key: auth:b, tokens_per_minute: 0, requests_per_minute: 1}}\n"),
+            "tenants[1] (auth:b): tokens_per_minute must be > 0",
+        ),
+        (
+            format!("{default}tenants:\n  - tenant_key: auth:a\n    tokens_per_minute: 10\n    requests_per_minute: 1\n    model_rules:\n      - {{rule_id: r1, matcher: {{type: glob, value: x}}, tokens_per_minute: 1, requests_per_minute: 1}}\n"),
+            "unknown variant `glob`",
+        ),
+        (
+            format!("{default}tenants:\n  - {{tenant_key: team-a, tokens_per_minute: 10, requests_per_minute: 1}}\n"),
+            "tenants[0] (team-a): tenant_key is not a canonical tenant key",
+        ),
+        ("default_policy: {tokens_per_minute: 1}\n".to_owned(), "requests_per_minute"),
+    ];
+    for (i, (yaml, named)) in cases.iter().enumerate() {
+        let path = dir.join(format!("limits-{i}.yaml"));
+        std::fs::write(&path, yaml).unwrap();
+        let out = kvroute()
+            .args([
+                "--worker-urls",
+                "http://127.0.0.1:1",
+                "--tenant-rate-limit-enabled",
+            ])
+            .arg("--tenant-rate-limit-config")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{yaml}: {err}");
+        assert!(err.contains(named), "{yaml} should name {named}: {err}");
+        assert!(err.contains("--tenant-rate-limit-config"), "{err}");
+    }
+    // The same from a --config file.
+    let config = dir.join("router.yaml");
+    let limits = dir.join("limits-0.yaml");
+    let text = format!(
+        "worker_urls: [http://127.0.0.1:1]\ntenant_rate_limit_enabled: true\ntenant_rate_limit_config: {}\n",
+        limits.display()
+    );
+    std::fs::write(&config, text).unwrap();
+    let out = kvroute().arg("--config").arg(&config).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("tenants[1] (auth:b)"), "{err}");
+    // The flag without its file, and a file that is not there.
+    let missing = dir.join("missing.yaml");
+    let runs: [&[&std::ffi::OsStr]; 2] = [
+        &["--tenant-rate-limit-enabled".as_ref()],
+        &[
+            "--tenant-rate-limit-enabled".as_ref(),
+            "--tenant-rate-limit-config".as_ref(),
+            missing.as_os_str(),
+        ],
+    ];
+    for flags in runs {
+        let out = kvroute()
+            .args(["--worker-urls", "http://127.0.0.1:1"])
+            .args(flags)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains("--tenant-rate-limit-config"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[tokio::test]
 async fn dump_config_to_writes_the_settings_then_starts() {
     let dir = std::env::temp_dir().join(format!("kvroute-cli-dump-{}", std::process::id()));

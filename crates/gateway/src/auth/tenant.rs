@@ -32,6 +32,11 @@ impl Tenant {
         Self(format!("ip:{addr}").into())
     }
 
+    /// A tenant by its canonical key, as written (a peer replica's message, say).
+    pub fn from_key(key: &str) -> Self {
+        Self(key.into())
+    }
+
     pub fn anonymous() -> Self {
         Self("anonymous".into())
     }

@@ -332,6 +332,14 @@ pub struct Args {
     /// The trusted tenant header [default: x-smg-tenant-id].
     #[arg(long, value_name = "NAME")]
     pub tenant_header_name: Option<String>,
+    /// Per-tenant token and request rate limits, from --tenant-rate-limit-config
+    /// (docs/tenants.md).
+    #[arg(long)]
+    #[serde(default)]
+    pub tenant_rate_limit_enabled: bool,
+    /// smg's rate-limit YAML: `default_policy`, `tenants[]` with their model rules.
+    #[arg(long, value_name = "FILE")]
+    pub tenant_rate_limit_config: Option<PathBuf>,
     /// Tenants with a label of their own in the per-tenant metrics (the first N seen; the
     /// rest are `other`) [default: 32].
     #[arg(long, value_name = "N")]

@@ -12,7 +12,7 @@ use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::{PolicyConfig, PolicyKind};
 use serde::Deserialize;
 
-use super::{Args, CliWorkers, ConfigError, DiscoverySettings, LogLevel};
+use super::{Args, CliWorkers, ConfigError, DiscoverySettings, LogLevel, RateLimitPolicy};
 use crate::auth::Secret;
 use crate::tls::TlsSettings;
 
@@ -309,6 +309,8 @@ pub struct Settings {
     pub client_api_key: Option<Secret>,
     /// Tenant keys, the trusted tenant header, JWT/OIDC.
     pub tenancy: crate::auth::TenancySettings,
+    /// Per-tenant rate limits (`--tenant-rate-limit-enabled`), when on.
+    pub rate_limits: Option<RateLimitPolicy>,
     /// Tenants with their own metric label (`--priority-scheduler-tenant-metric-top-n`).
     pub tenant_metric_top_n: usize,
     /// The key sent to the workers.

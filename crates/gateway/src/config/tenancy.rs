@@ -36,6 +36,32 @@ impl Args {
         })
     }
 
+    /// The rate limits, with `--tenant-rate-limit-enabled`: smg's file, read and checked.
+    /// A file given without the flag is still checked, then left off (smg builds no limiter
+    /// then).
+    pub(super) fn take_rate_limits(
+        &mut self,
+    ) -> Result<Option<super::RateLimitPolicy>, ConfigError> {
+        let Some(path) = self.tenant_rate_limit_config.as_deref() else {
+            return match self.tenant_rate_limit_enabled {
+                true => Err(invalid(
+                    "--tenant-rate-limit-config",
+                    "required with --tenant-rate-limit-enabled",
+                )),
+                false => Ok(None),
+            };
+        };
+        let policy = super::rate_limits::load(path, self.trust_tenant_header)?;
+        if !self.tenant_rate_limit_enabled {
+            tracing::warn!(
+                path = %path.display(),
+                "--tenant-rate-limit-config without --tenant-rate-limit-enabled: no rate limits"
+            );
+            return Ok(None);
+        }
+        Ok(Some(policy))
+    }
+
     fn jwt(&mut self) -> Result<Option<JwtSettings>, ConfigError> {
         let Some(issuer) = self.jwt_issuer.take() else {
             if self.jwt_audience.is_some()

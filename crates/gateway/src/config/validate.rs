@@ -95,6 +95,7 @@ impl Args {
             admin_api_key: self.admin_api_key.take().and_then(Secret::new),
             client_api_key: self.client_api_key.take().and_then(Secret::new),
             tenancy: self.take_tenancy()?,
+            rate_limits: self.take_rate_limits()?,
             tenant_metric_top_n: (self.priority_scheduler_tenant_metric_top_n)
                 .unwrap_or(crate::metrics::tenants::DEFAULT_TOP_N),
             api_key: self.take_api_key()?,

@@ -59,6 +59,8 @@ pub struct Local {
     pub kv: Arc<KvState>,
     /// The session bindings (`--session-affinity-ttl-secs`).
     pub affinity: Option<Arc<Affinity>>,
+    /// The tenants' rate limits, when on.
+    pub rate_limits: Option<Arc<crate::rate_limit::RateLimiter>>,
 }
 
 /// Starts the sync task; returns the handle for the request path.

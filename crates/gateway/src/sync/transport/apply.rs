@@ -1,5 +1,5 @@
 //! A peer's operations applied to this replica: its rank loads, its policies' learning and
-//! its session bindings.
+//! its session bindings, and its charges to the tenants' rate limits.
 
 use std::time::Instant;
 
@@ -29,8 +29,14 @@ pub(super) fn apply(local: &Local, op: LoadOp) {
         }
         return;
     }
+    if let LoadOp::Charge(charge) = op {
+        if let Some(limits) = &local.rate_limits {
+            limits.charge(&charge, Instant::now());
+        }
+        return;
+    }
     let (worker, dp_rank) = match &op {
-        LoadOp::Many(_) => return,
+        LoadOp::Many(_) | LoadOp::Charge(_) => return,
         LoadOp::Start {
             worker, dp_rank, ..
         }
@@ -79,6 +85,6 @@ pub(super) fn apply(local: &Local, op: LoadOp) {
         LoadOp::Finish {
             load, prefilling, ..
         } => rank.finish(load, *prefilling),
-        LoadOp::Many(_) => {}
+        LoadOp::Many(_) | LoadOp::Charge(_) => {}
     }
 }
