@@ -163,7 +163,8 @@ async fn tenant_api_keys_route_their_tenants_and_refuse_other_keys() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_tenants_requests_are_counted_under_its_label_and_past_the_top_n_as_other() {
+async fn each_tenants_requests_and_tokens_are_counted_under_its_label_and_past_the_top_n_as_other()
+{
     let shutdown = tokio_util::sync::CancellationToken::new();
     let engine = serve_sim(&[], &shutdown).await;
     let r = router(&[
@@ -218,6 +219,26 @@ async fn each_tenants_requests_are_counted_under_its_label_and_past_the_top_n_as
         .filter(|l| l.starts_with("kvroute_tenant_requests_total") && l.contains(r#"status="401""#))
         .count();
     assert_eq!(tenant_401, 0, "a refused caller has no tenant");
+    // Each answer's usage is counted for its tenant (tenants are configured: keys), when its
+    // body ends: every request asked the same, so team-a has twice team-b's prompt tokens and
+    // `other` (team-c) three times.
+    let tokens = |metrics: &str, tenant: &str, kind: &str| -> u64 {
+        let series = format!(r#"kvroute_tenant_tokens_total{{tenant="{tenant}",kind="{kind}"}} "#);
+        let line = metrics.lines().find(|l| l.starts_with(&series));
+        line.map_or(0, |l| l[series.len()..].trim().parse().unwrap())
+    };
+    wait_until_async("every answer's usage counted for its tenant", || async {
+        let m = r.metrics().await;
+        let prompt = |t| tokens(&m, t, "prompt");
+        let b = prompt("auth:team-b");
+        b > 0 && prompt("auth:team-a") == 2 * b && prompt("other") == 3 * b
+    })
+    .await;
+    let metrics = r.metrics().await;
+    for tenant in ["auth:team-a", "auth:team-b", "other"] {
+        let completion = tokens(&metrics, tenant, "completion");
+        assert!(completion > 0, "{tenant}'s completion tokens");
+    }
     r.stop().await;
     shutdown.cancel();
 }
