@@ -34,8 +34,10 @@
 //!
 //! # Order within a tenant
 //! [`QueueOrder::Fcfs`]: arrival order. [`QueueOrder::Wspt`]: fewest cost first, arrival as
-//! the tie-break. A request's cost is its uncached tokens as given at push, a snapshot that
-//! never changes while it waits.
+//! the tie-break. A request may carry a head start ([`Arrival::head_start`], Dynamo's
+//! `agent_hints.priority` in seconds): under FCFS it counts as having arrived that much
+//! earlier, under WSPT its cost counts `1 + seconds` times less. A request's cost is its
+//! uncached tokens as given at push, a snapshot that never changes while it waits.
 //!
 //! # Which class goes next within a tier
 //! Each tier runs its own DRR, with its own deficits and turn. The classes are visited in a fixed circular order. A visit to class `i` that is *ready*
@@ -167,6 +169,9 @@ pub struct Arrival<'a> {
     pub cost: u64,
     /// The caller's clock.
     pub now: Duration,
+    /// Within its tenant, the request counts as having arrived this much earlier (Dynamo's
+    /// `agent_hints.priority`); under WSPT its cost counts `1 + seconds` times less.
+    pub head_start: Duration,
 }
 
 /// A handle on one queued request, for [`DrrQueue::remove`].
@@ -189,8 +194,8 @@ impl Ticket {
     }
 }
 
-/// The order key within a tenant: `(rank, arrival)`, rank being the cost under WSPT and zero
-/// under FCFS; arrival numbers are unique within a queue.
+/// The order key within a tenant: `(rank, arrival)`, rank being the cost under WSPT and the
+/// virtual arrival time under FCFS (see [`rank`]); arrival numbers are unique within a queue.
 type Key = (u64, u64);
 
 /// The queue; see the module docs for the algorithm.
@@ -337,6 +342,19 @@ impl<T> DrrQueue<T> {
         }
     }
 
+    /// Reports `tokens` prompt tokens served to `tenant` in `class` without waiting in the
+    /// queue: its counter grows by `tokens / weight`, as at a dispatch. Nothing with fairness
+    /// off or an unknown class.
+    pub fn charge_prompt(&mut self, class: usize, tenant: &str, tokens: u64) {
+        let Fairness::Vtc(vtc) = &self.sharing.fairness else {
+            return;
+        };
+        let amount = tokens as f64 / weight_of(vtc, tenant);
+        if let Some(c) = self.counters.get_mut(class) {
+            c.charge(tenant, amount);
+        }
+    }
+
     /// Enqueues `item` in `class`, default tier, as the one tenant `""`, at the latest time
     /// seen; `cost` its uncached tokens (a snapshot).
     pub fn push(&mut self, class: usize, item: T, cost: u64) -> Result<Ticket, QueueError> {
@@ -346,6 +364,7 @@ impl<T> DrrQueue<T> {
             tenant: "",
             cost,
             now: self.latest,
+            head_start: Duration::ZERO,
         };
         self.push_with(&arrival, item)
     }
@@ -373,10 +392,7 @@ impl<T> DrrQueue<T> {
             Fairness::Vtc(_) => Arc::from(arrival.tenant),
         };
         self.latest = self.latest.max(arrival.now);
-        let rank = match self.order {
-            QueueOrder::Fcfs => 0,
-            QueueOrder::Wspt => cost,
-        };
+        let rank = rank(self.order, self.latest, cost, arrival.head_start);
         let key = (rank, self.next_arrival);
         self.next_arrival += 1;
         self.counters[class].enter(&tenant);
@@ -462,6 +478,21 @@ impl<T> DrrQueue<T> {
                 }
             }
         }
+    }
+}
+
+/// The first part of a request's key: under FCFS its virtual arrival in microseconds (its
+/// push time less its head start, offset by 2^62 so that any head start stays positive), under
+/// WSPT its cost divided by `1 + head start in seconds` (Dynamo's `(1 + jump) / cost` score).
+/// Push times never decrease, so without head starts the FCFS order is the arrival order.
+fn rank(order: QueueOrder, now: Duration, cost: u64, head_start: Duration) -> u64 {
+    match order {
+        QueueOrder::Fcfs => {
+            let at = (1u64 << 62).saturating_add(now.as_micros().min(1 << 61) as u64);
+            at.saturating_sub(head_start.as_micros().min(1 << 61) as u64)
+        }
+        QueueOrder::Wspt if head_start.is_zero() => cost,
+        QueueOrder::Wspt => (cost as f64 / (1.0 + head_start.as_secs_f64())).ceil() as u64,
     }
 }
 

@@ -128,6 +128,7 @@ async fn main() {
                 order: QueueOrder::Fcfs,
                 timeout: Duration::from_secs(600),
                 class_thresholds: vec![Default::default()],
+                sharing: Default::default(),
                 classes: default_class.clone(),
             }),
         ),
@@ -138,6 +139,7 @@ async fn main() {
                 order: QueueOrder::Wspt,
                 timeout: Duration::from_secs(600),
                 class_thresholds: vec![Default::default()],
+                sharing: Default::default(),
                 classes: default_class.clone(),
             }),
         ),
@@ -175,6 +177,7 @@ async fn main() {
             order: QueueOrder::Fcfs,
             timeout: Duration::from_secs(600),
             class_thresholds: vec![Default::default(); 2],
+            sharing: Default::default(),
             classes,
         }),
     )

@@ -17,6 +17,7 @@ mod load;
 mod merge;
 mod metrics_compat;
 pub mod peers;
+mod priority;
 mod rate_limits;
 mod service;
 mod settings;
@@ -30,6 +31,7 @@ pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef, DEFAULT_POOL_GROUP
 pub use llmd::LlmDConfigError;
 pub use load::CliWorkers;
 pub use metrics_compat::{MetricsCompat, MetricsPeer};
+pub use priority::{ClassSettings, PriorityClass, PrioritySettings, QueueSharing, TenantOrder};
 pub use rate_limits::{
     load as load_rate_limits, Limits, ModelRule, RateLimitFileError, RateLimitPolicy, TenantPolicy,
 };
@@ -60,6 +62,12 @@ pub enum ConfigError {
     Invalid {
         name: &'static str,
         reason: &'static str,
+    },
+    #[error("--priority-scheduler-config {path}: {entry}: {reason}")]
+    PriorityFile {
+        path: PathBuf,
+        entry: String,
+        reason: String,
     },
     #[error("invalid value for otlp_traces_endpoint: {0}")]
     OtlpEndpoint(String),

@@ -98,15 +98,7 @@ impl AppState {
         Self {
             queue: settings.queue.as_ref().map(|q| {
                 Arc::new(
-                    AdmissionQueue::new(
-                        q.threshold,
-                        q.timeout,
-                        q.classes.clone(),
-                        q.class_thresholds.clone(),
-                        q.order,
-                        registry,
-                    )
-                    .expect("classes validated with the settings"),
+                    AdmissionQueue::new(q, registry).expect("classes validated with the settings"),
                 )
             }),
             busy: BusyControl::new(settings.busy),

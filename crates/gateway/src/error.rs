@@ -68,6 +68,9 @@ pub enum GatewayError {
     QueueFull(String),
     #[error("waited longer than {0} s in the queue")]
     QueueTimeout(u64),
+    /// Cancelled before its first byte to let a higher priority class go (smg's preemption).
+    #[error("request preempted by higher-priority traffic")]
+    Preempted,
     #[error(
         "the router is at its limit of {0} concurrent requests, and its admission queue is full"
     )]
@@ -120,9 +123,9 @@ impl GatewayError {
             GatewayError::UnknownWorker(_) => StatusCode::NOT_FOUND,
             GatewayError::WorkerExists(_) => StatusCode::CONFLICT,
             GatewayError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            GatewayError::QueueTimeout(_) | GatewayError::AdmissionTimeout(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            GatewayError::QueueTimeout(_)
+            | GatewayError::AdmissionTimeout(_)
+            | GatewayError::Preempted => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::UnknownModel(_) | GatewayError::NotFound(_) => StatusCode::NOT_FOUND,
             GatewayError::NoEndpoint(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -155,6 +158,7 @@ impl GatewayError {
             GatewayError::InvalidAdmin(_) | GatewayError::InvalidRequest(_) => "invalid_request",
             GatewayError::QueueFull(_) => "queue_full",
             GatewayError::QueueTimeout(_) => "queue_timeout",
+            GatewayError::Preempted => "scheduler_preempted",
             GatewayError::TooManyRequests(_) => "too_many_requests",
             GatewayError::AdmissionTimeout(_) => "admission_timeout",
             GatewayError::TenantRateLimited { .. } => "tenant_rate_limit_exceeded",
@@ -227,12 +231,19 @@ impl GatewayError {
                 | GatewayError::TooManyRequests(_)
                 | GatewayError::AdmissionTimeout(_)
                 | GatewayError::ShuttingDown
+                | GatewayError::Preempted
         );
         let mut response = (status, axum::Json(body)).into_response();
         if retry {
             response
                 .headers_mut()
                 .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let GatewayError::Preempted = self {
+            // smg's mark, so a client can tell a preemption from an overload.
+            response
+                .headers_mut()
+                .insert("x-smg-preempted", HeaderValue::from_static("true"));
         }
         if let GatewayError::TenantRateLimited { retry_after } = self {
             // smg's code in smg's header; a wait only when one would help.

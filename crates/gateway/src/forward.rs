@@ -38,10 +38,14 @@ use crate::migrate::stream::{Api, UsageWanted};
 use crate::migrate::{self, Migration, Sent};
 use crate::otlp::RequestSpan;
 use crate::pd::{PdAnswer, PREFILL_WORKER_HEADER};
-use crate::pick::{admit, learn, pick, queue_admission, reserve, Attempt, Picked};
+use crate::pick::{
+    admit, charge_output_on, count_tokens_on, learn, pick, queue_admission, reserve, Attempt,
+    Picked, QueueAdmission, QueueAsk, Reserved,
+};
 use crate::proxy::{self, read_body, Admitted, Forward};
 use crate::queue::Released;
 use crate::routing;
+use crate::usage::{self, Subscribers};
 
 /// Routes that are disaggregated when prefill/decode disaggregation is on.
 const PD_ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/generate"];
@@ -112,16 +116,25 @@ pub(crate) async fn route_and_forward(
     let count_only = route == "/v1/messages/count_tokens";
     let reserved = reserve(state, tenant, &fields, (routing_body, &tokens), count_only).await?;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
-    let (shape, released) = if disaggregated {
-        (Shape::Disaggregated, None)
+    let (shape, queued) = if disaggregated {
+        (Shape::Disaggregated, QueueAdmission::default())
     } else {
         let class_name = parts
             .headers
             .get("x-kvroute-class")
             .and_then(|v| v.to_str().ok());
-        let (class, released) =
-            queue_admission(state, class_name, &fields, &hints, &tokens, started, span).await?;
-        (Shape::Single { class }, released)
+        let ask = QueueAsk {
+            class_name,
+            headers: &parts.headers,
+            tenant,
+        };
+        let queued = queue_admission(state, ask, &fields, &hints, &tokens, started, span).await?;
+        (
+            Shape::Single {
+                class: queued.class,
+            },
+            queued,
+        )
     };
     let attempt = Attempt {
         parts: &parts,
@@ -135,25 +148,83 @@ pub(crate) async fn route_and_forward(
         span,
     };
 
-    // The dispatch, and the response (its usage settles the reservation).
+    // The dispatch, and the response; preempted, it ends there (its upstream request dropped).
+    // Its usage settles the rate limits' reservation.
+    let answer = respond(
+        state,
+        route,
+        shape,
+        &attempt,
+        body.clone(),
+        queued.released,
+        admitted,
+    );
+    let response = match queued.preemptible {
+        Some(p) => tokio::select! {
+            answer = answer => answer,
+            () = p.preempted() => Err(GatewayError::Preempted),
+        },
+        None => answer.await,
+    }?;
+    Ok(read_usage(state, &attempt, reserved, response))
+}
+
+/// The response, its usage read on its way to the client (`crate::usage`) for whoever needs
+/// it: the rate limits' reservation, VTC's output charge, the tenant's token counts. Only a
+/// success is read; a response nobody needs the usage of is not wrapped at all. The tokens are
+/// counted whenever the usage is read anyway, or tenants are configured (keys, JWT, a
+/// trusted header).
+fn read_usage(
+    state: &AppState,
+    attempt: &Attempt<'_>,
+    reserved: Option<Reserved>,
+    response: Response,
+) -> Response {
+    if !response.status().is_success() {
+        // A reservation dropped unsettled gives its tokens back.
+        return response;
+    }
+    let mut subscribers = Subscribers::default();
+    let prompt = match reserved {
+        Some(reserved) => reserved.settle_on(&mut subscribers),
+        None => attempt.tokens.len() as u64,
+    };
+    charge_output_on(state, attempt, &mut subscribers);
+    let tenants =
+        state.access.requires_credentials() || state.settings.tenancy.tenant_header.is_some();
+    if tenants || !subscribers.is_empty() {
+        count_tokens_on(state, attempt, &mut subscribers);
+    }
+    if subscribers.is_empty() {
+        return response;
+    }
+    usage::tap(response, prompt, subscribers)
+}
+
+/// Dispatches the request as its shape says, and makes its response: a stream that may
+/// migrate, an answer read whole, or the response as it comes.
+async fn respond(
+    state: &Arc<AppState>,
+    route: &'static str,
+    shape: Shape,
+    attempt: &Attempt<'_>,
+    body: Bytes,
+    released: Option<Released<'_>>,
+    admitted: Admitted,
+) -> Result<Response, GatewayError> {
     let api = Api::of(route).filter(|_| state.settings.migration.limit > 0);
-    let response = match (api, shape) {
-        (Some(api), _) if fields.stream => {
-            let sent = body.clone();
-            migrating_stream(state, api, shape, &attempt, sent, released, admitted).await
+    match (api, shape) {
+        (Some(api), _) if attempt.fields.stream => {
+            migrating_stream(state, api, shape, attempt, body, released, admitted).await
         }
         (Some(_), Shape::Single { .. }) => {
-            whole_answer(state, &attempt, body.clone(), released, admitted).await
+            whole_answer(state, attempt, body, released, admitted).await
         }
         _ => {
-            let sent = dispatch(state, shape, &attempt, body.clone(), Vec::new(), released);
+            let sent = dispatch(state, shape, attempt, body, Vec::new(), released);
             Ok(sent.await?.into_response(admitted))
         }
-    }?;
-    Ok(match reserved {
-        Some(reserved) => reserved.settle_from(response),
-        None => response,
-    })
+    }
 }
 
 /// What a dispatch sent: the response with who answers it, or an answer that ends the
@@ -334,7 +405,8 @@ async fn whole_answer(
         match tracked.collect().await {
             Ok(whole) => {
                 drop(admitted);
-                return Ok(Response::from_parts(parts, Body::from(whole.to_bytes())));
+                let whole = whole.to_bytes();
+                return Ok(Response::from_parts(parts, Body::from(whole)));
             }
             Err(error) => {
                 tracing::warn!(worker = %worker.id, %error, "Answer cut mid-way; retrying the request whole");

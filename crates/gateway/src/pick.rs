@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::response::Response;
 use bytes::Bytes;
 use http::HeaderValue;
 use kvroute_core::eligibility::Hints;
@@ -18,13 +17,14 @@ use kvroute_protocol::{ModelId, RoutingFields, WorkerId};
 use crate::auth::{Caller, Tenant};
 use crate::context::AppState;
 use crate::error::GatewayError;
+use crate::metrics::TokenKind;
 use crate::otlp::RequestSpan;
 use crate::prompts::Tokens;
 use crate::proxy::{Admitted, InFlight};
 use crate::queue::Released;
 use crate::rate_limit::{Refused, Reservation};
 use crate::routing;
-use crate::usage::{self, Subscribers};
+use crate::usage::Subscribers;
 use crate::workers::Pool;
 
 /// The request's tenant, or its refusal (401; see [`crate::auth::access`]); recorded on
@@ -60,16 +60,15 @@ pub(crate) struct Reserved {
 }
 
 impl Reserved {
-    /// Settles the reservation from the usage of `response` (a success; any other answer
-    /// drops the reservation, which gives its tokens back).
-    pub(crate) fn settle_from(self, response: Response) -> Response {
-        if !response.status().is_success() || self.count_only {
-            return response;
+    /// Settles the reservation from the response's usage, read by `subscribers`' tap (a
+    /// reservation not subscribed, or whose response is not tapped, is dropped, which gives
+    /// its tokens back). Returns the prompt as the reservation counted it.
+    pub(crate) fn settle_on(self, subscribers: &mut Subscribers) -> u64 {
+        if !self.count_only {
+            let reservation = self.reservation;
+            subscribers.add(move |u| reservation.settle(u.total(), Instant::now()));
         }
-        let mut subscribers = Subscribers::default();
-        let reservation = self.reservation;
-        subscribers.add(move |u| reservation.settle(u.total(), Instant::now()));
-        usage::tap(response, self.prompt, subscribers)
+        self.prompt
     }
 }
 
@@ -149,22 +148,37 @@ impl Attempt<'_> {
     }
 }
 
+/// What the router queue reads of a request besides its routing fields.
+pub(crate) struct QueueAsk<'a> {
+    /// Its policy class's name (`x-kvroute-class`, GIE's objective), if any.
+    pub(crate) class_name: Option<&'a str>,
+    /// Its headers (`x-smg-priority`).
+    pub(crate) headers: &'a http::HeaderMap,
+    pub(crate) tenant: &'a Tenant,
+}
+
 /// The router queue's admission (when it is on): waits while every eligible rank is
 /// saturated with prefill; a request with no eligible worker fails at once. Returns the
 /// request's policy class and its place, released once its load is counted.
 pub(crate) async fn queue_admission<'s>(
     state: &'s AppState,
-    class_name: Option<&str>,
+    ask: QueueAsk<'_>,
     fields: &RoutingFields<'_>,
     hints: &Hints,
     tokens: &Tokens,
     started: Instant,
     span: Option<&Arc<RequestSpan>>,
-) -> Result<(Option<usize>, Option<Released<'s>>), GatewayError> {
+) -> Result<QueueAdmission<'s>, GatewayError> {
     let Some(queue) = &state.queue else {
-        return Ok((None, None));
+        return Ok(QueueAdmission::default());
     };
-    let c = queue.class_of(class_name)?;
+    let c = queue.class_of(ask.class_name)?;
+    let tenant = ask.tenant.as_str();
+    let standing =
+        crate::queue::standing(queue.priority(), ask.headers, fields.nvext.as_ref(), tenant);
+    if let Some(span) = span {
+        span.set_str("kvroute.priority", standing.class.as_str());
+    }
     let (ranks, cost) = {
         let table = state.workers.table();
         let pool = table.resolve(fields.model.as_deref())?;
@@ -181,14 +195,59 @@ pub(crate) async fn queue_admission<'s>(
         (ranks, tokens.len().saturating_sub(cached) as u64)
     };
     let queued = Instant::now();
-    let released = queue.admit(c, ranks, cost).await?;
+    let req = crate::queue::Queued {
+        class: c,
+        standing,
+        tenant,
+        cost,
+    };
+    let workers = match queue.priority() {
+        Some(_) => ranks.iter().map(|(w, _)| w.id.clone()).collect(),
+        None => Vec::new(),
+    };
+    let released = queue.admit(req, ranks).await?;
+    let preemptible = queue.preemptible(standing.class, workers);
     if let Some(span) = span {
         span.set_double(
             "kvroute.queue_wait_ms",
             queued.elapsed().as_secs_f64() * 1e3,
         );
     }
-    Ok((Some(c), Some(released)))
+    Ok(QueueAdmission {
+        class: Some(c),
+        released: Some(released),
+        preemptible,
+    })
+}
+
+/// What the router queue's admission gives a request.
+#[derive(Default)]
+pub(crate) struct QueueAdmission<'s> {
+    /// Its policy class, when the queue is on.
+    pub(crate) class: Option<usize>,
+    /// Its place, until its load is counted.
+    pub(crate) released: Option<Released<'s>>,
+    /// With the priority scheduler, its preemption until its first byte.
+    pub(crate) preemptible: Option<crate::queue::Preemptible<'s>>,
+}
+
+/// Charges `a`'s tenant with the output tokens it is served (VTC's output charge, weighted
+/// in the queue) from the response's usage, when it went through the router queue.
+pub(crate) fn charge_output_on(state: &AppState, a: &Attempt<'_>, subscribers: &mut Subscribers) {
+    if let (Some(queue), Some(class)) = (&state.queue, a.class) {
+        let (queue, tenant) = (queue.clone(), a.tenant.clone());
+        subscribers.add(move |u| queue.charge_output(class, tenant.as_str(), u.completion));
+    }
+}
+
+/// Counts the tokens `a`'s tenant is served (`kvroute_tenant_tokens_total`) from the
+/// response's usage.
+pub(crate) fn count_tokens_on(state: &AppState, a: &Attempt<'_>, subscribers: &mut Subscribers) {
+    let (metrics, tenant) = (state.metrics.tenants.clone(), a.tenant.clone());
+    subscribers.add(move |u| {
+        metrics.tokens(&tenant, TokenKind::Prompt, u.prompt);
+        metrics.tokens(&tenant, TokenKind::Completion, u.completion);
+    });
 }
 
 /// A request's worker and rank, chosen by the policy, with its in-flight guard: its load is

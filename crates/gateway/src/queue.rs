@@ -5,8 +5,14 @@
 //! A rank is saturated when its active prefill tokens exceed `--router-queue-threshold` x its
 //! engine's `max_num_batched_tokens` (from the worker's config, else vLLM's default 8192);
 //! the test and the rule for waiting are `kvroute_core::queue`'s (`saturated`, `must_wait`).
-//! Which class's head goes next is `kvroute_core::queue::DrrQueue`'s weighted deficit round
-//! robin, in uncached tokens. Capacity is re-examined whenever a request produces its first
+//! Which head goes next is `kvroute_core::queue::DrrQueue`'s: the highest priority tier
+//! first (smg's classes, [`standing`]), then weighted deficit round robin over policy
+//! classes, in uncached tokens, then the tenant with the lowest virtual token counter (VTC,
+//! `--router-queue-fairness`), then arrival (less any head start). A request that does not
+//! wait is charged its uncached tokens as one let go is; output tokens are charged through
+//! [`AdmissionQueue::charge_output`]. With `can_preempt`, an arrival that must wait may
+//! cancel a lower-class request that has not produced its first byte ([`Preemptible`]).
+//! Capacity is re-examined whenever a request produces its first
 //! token or ends, and every 100 ms. A full class answers `queue_full`; a request waiting
 //! longer than `--router-queue-timeout-secs` gets `queue_timeout`; a client that goes away
 //! leaves the queue.
@@ -25,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::queue::{
-    must_wait, Arrival, DrrQueue, PolicyClass, QueueError, QueueOrder, Ticket,
+    must_wait, Arrival, DrrQueue, Fairness, PolicyClass, QueueError, Sharing, Ticket, VtcConfig,
 };
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -35,10 +41,16 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::sync::oneshot;
 
+use crate::config::{PrioritySettings, QueueSettings, QueueSharing, TenantOrder};
 use crate::error::GatewayError;
 use crate::workers::Worker;
+use kvroute_protocol::WorkerId;
 
+mod preempt;
+mod priority;
 pub use kvroute_core::queue::DEFAULT_BATCH_TOKENS;
+pub use preempt::Preemptible;
+pub use priority::{standing, Standing, PRIORITY_HEADER};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClassLabel {
@@ -64,11 +76,43 @@ impl std::fmt::Debug for Waiter {
     }
 }
 
+/// A request asking the queue for its turn.
+#[derive(Debug, Clone, Copy)]
+pub struct Queued<'a> {
+    /// Its policy class ([`AdmissionQueue::class_of`]).
+    pub class: usize,
+    /// Its priority class and head start ([`standing`]).
+    pub standing: Standing,
+    /// Its tenant's key.
+    pub tenant: &'a str,
+    /// Its uncached prompt tokens: the DRR cost, and its VTC charge at dispatch.
+    pub cost: u64,
+}
+
+/// The core queue's tiers and fairness: smg's four classes (with their starvation thresholds
+/// when the priority scheduler is on), tenants by VTC or ignored.
+fn core_sharing(sharing: &QueueSharing) -> Sharing {
+    let fairness = match sharing.fairness {
+        TenantOrder::Fcfs => Fairness::Off,
+        TenantOrder::Vtc => Fairness::Vtc(VtcConfig {
+            tenant_weights: sharing.weights.clone(),
+            ..VtcConfig::default()
+        }),
+    };
+    let starvation = match &sharing.priority {
+        Some(p) => p.classes.map(|c| Some(c.starvation_threshold)),
+        None => [None; 4],
+    };
+    Sharing::smg(starvation, fairness)
+}
+
 /// The router's admission queue.
 #[derive(Debug)]
 pub struct AdmissionQueue {
     threshold: f64,
     timeout: Duration,
+    priority: Option<PrioritySettings>,
+    preemption: preempt::Preemption,
     classes: Vec<PolicyClass>,
     class_thresholds: Vec<BusyThresholds>,
     default_class: usize,
@@ -108,14 +152,12 @@ fn saturated(worker: &Worker, rank: usize, threshold: f64) -> bool {
 
 impl AdmissionQueue {
     pub fn new(
-        threshold: f64,
-        timeout: Duration,
-        classes: Vec<PolicyClass>,
-        class_thresholds: Vec<BusyThresholds>,
-        order: QueueOrder,
+        settings: &QueueSettings,
         registry: &mut Registry,
     ) -> Result<Self, kvroute_core::queue::QueueConfigError> {
-        let queue = DrrQueue::new(classes.clone(), order)?;
+        let classes = settings.classes.clone();
+        let sharing = core_sharing(&settings.sharing);
+        let queue = DrrQueue::with_sharing(classes.clone(), settings.order, sharing)?;
         let family = Family::<ClassLabel, Gauge>::default();
         registry.register(
             "kvroute_queue_pending",
@@ -156,10 +198,12 @@ impl AdmissionQueue {
             .position(|c| c.name == "default")
             .unwrap_or(0);
         Ok(Self {
-            threshold,
-            timeout,
+            threshold: settings.threshold,
+            timeout: settings.timeout,
+            priority: settings.sharing.priority.clone(),
+            preemption: preempt::Preemption::register(registry),
             classes,
-            class_thresholds,
+            class_thresholds: settings.class_thresholds.clone(),
             default_class,
             queue: Mutex::new(queue),
             epoch: Instant::now(),
@@ -206,42 +250,57 @@ impl AdmissionQueue {
         }
     }
 
+    /// The priority scheduler's settings, when it is on.
+    pub fn priority(&self) -> Option<&PrioritySettings> {
+        self.priority.as_ref()
+    }
+
+    /// With the priority scheduler on, records a request of `class` the queue let go (or
+    /// that did not wait): it may be preempted until the returned guard drops.
+    /// `workers`: those it was eligible for.
+    pub fn preemptible(
+        &self,
+        class: crate::config::PriorityClass,
+        workers: Vec<WorkerId>,
+    ) -> Option<Preemptible<'_>> {
+        self.priority
+            .as_ref()
+            .map(|_| self.preemption.enter(class, workers))
+    }
+
+    /// Reports `tokens` output tokens served to `tenant` in `class` (VTC's output charge).
+    pub fn charge_output(&self, class: usize, tenant: &str, tokens: u64) {
+        self.lock().charge(class, tenant, tokens);
+    }
+
     /// Waits, if every one of `ranks` is saturated, until the queue lets the request go.
-    /// Keep the returned token until the request's load is counted.
+    /// Keep the returned token until the request's load is counted. A request that does not
+    /// wait is charged its cost at once, as the queue charges one it lets go.
     pub async fn admit(
         &self,
-        class: usize,
+        req: Queued<'_>,
         ranks: Vec<(Arc<Worker>, usize)>,
-        cost: u64,
     ) -> Result<Released<'_>, GatewayError> {
+        let Queued { class, cost, .. } = req;
         let full = ranks.iter().all(|(w, r)| saturated(w, *r, self.threshold));
         if !must_wait(full, !self.is_empty()) && !self.in_transit.load(Ordering::Acquire) {
+            self.lock().charge_prompt(class, req.tenant, cost);
             return Ok(Released { queue: None });
         }
-        let (wake, woken) = oneshot::channel();
-        let ticket = {
-            let mut q = self.lock();
-            // One tenant and the default tier for now (`DrrQueue::new`: one tier, fairness
-            // off), so the order is the plain DRR's. The gateway wiring of tenants (identity,
-            // VTC) and `x-smg-priority` tiers is to come and will fill these in.
-            let arrival = Arrival {
-                class,
-                tier: q.default_tier(),
-                tenant: "",
-                cost,
-                now: self.epoch.elapsed(),
-            };
-            match q.push_with(&arrival, Waiter { ranks, wake }) {
-                Ok(t) => t,
-                Err(QueueError::Full { .. }) => {
-                    self.refused_full.inc();
-                    return Err(GatewayError::QueueFull(self.classes[class].name.clone()));
-                }
-                Err(QueueError::UnknownClass { .. } | QueueError::UnknownTier { .. }) => {
-                    return Err(GatewayError::NoEndpoint("unknown policy class"))
-                }
-            }
+        let class_of = req.standing.class;
+        // Only when its engines are full: a request that waits behind others while an engine
+        // has room frees nothing by preempting.
+        let preempt =
+            full && (self.priority.as_ref()).is_some_and(|p| p.class(class_of).can_preempt);
+        let workers: Vec<WorkerId> = match preempt {
+            true => ranks.iter().map(|(w, _)| w.id.clone()).collect(),
+            false => Vec::new(),
         };
+        let (wake, woken) = oneshot::channel();
+        let ticket = self.push(&req, Waiter { ranks, wake })?;
+        if preempt {
+            self.preemption.preempt_for(class_of, &workers);
+        }
         self.pending[class].inc();
         let mut waiting = Waiting {
             queue: self,
@@ -250,8 +309,12 @@ impl AdmissionQueue {
             woken,
         };
         self.dispatch();
+        let timeout = match &self.priority {
+            Some(p) => p.class(req.standing.class).queue_timeout,
+            None => self.timeout,
+        };
         let started = Instant::now();
-        let outcome = tokio::time::timeout(self.timeout, &mut waiting.woken).await;
+        let outcome = tokio::time::timeout(timeout, &mut waiting.woken).await;
         self.waited.observe(started.elapsed().as_secs_f64());
         match outcome {
             Ok(Ok(())) => {
@@ -260,7 +323,43 @@ impl AdmissionQueue {
             }
             _ => {
                 self.refused_timeout.inc();
-                Err(GatewayError::QueueTimeout(self.timeout.as_secs()))
+                Err(GatewayError::QueueTimeout(timeout.as_secs()))
+            }
+        }
+    }
+
+    /// Puts `req` in the queue, in its tier; refused when its policy class is full, or its
+    /// priority class holds its `queue_size` already.
+    fn push(&self, req: &Queued<'_>, waiter: Waiter) -> Result<Ticket, GatewayError> {
+        let tier = req.standing.class.tier();
+        let mut q = self.lock();
+        if let Some(p) = &self.priority {
+            let held: usize = (0..self.classes.len()).map(|c| q.lane_len(tier, c)).sum();
+            if held >= p.class(req.standing.class).queue_size as usize {
+                self.refused_full.inc();
+                return Err(GatewayError::QueueFull(
+                    req.standing.class.as_str().to_owned(),
+                ));
+            }
+        }
+        let arrival = Arrival {
+            class: req.class,
+            tier,
+            tenant: req.tenant,
+            cost: req.cost,
+            now: self.epoch.elapsed(),
+            head_start: req.standing.head_start,
+        };
+        match q.push_with(&arrival, waiter) {
+            Ok(t) => Ok(t),
+            Err(QueueError::Full { .. }) => {
+                self.refused_full.inc();
+                Err(GatewayError::QueueFull(
+                    self.classes[req.class].name.clone(),
+                ))
+            }
+            Err(QueueError::UnknownClass { .. } | QueueError::UnknownTier { .. }) => {
+                Err(GatewayError::NoEndpoint("unknown policy class"))
             }
         }
     }
@@ -360,17 +459,26 @@ mod tests {
             weight: 1,
             max_queued: None,
         };
-        let queue = AdmissionQueue::new(
-            1.0,
-            Duration::from_secs(60),
-            vec![default],
-            vec![BusyThresholds::default()],
-            QueueOrder::Fcfs,
-            &mut registry,
-        )
-        .unwrap();
+        let settings = QueueSettings {
+            threshold: 1.0,
+            order: kvroute_core::queue::QueueOrder::Fcfs,
+            timeout: Duration::from_secs(60),
+            classes: vec![default],
+            class_thresholds: vec![BusyThresholds::default()],
+            sharing: QueueSharing::default(),
+        };
+        let queue = AdmissionQueue::new(&settings, &mut registry).unwrap();
         worker.ranks[0].start(&load(1500));
         (queue, worker)
+    }
+
+    fn request() -> Queued<'static> {
+        Queued {
+            class: 0,
+            standing: Standing::default(),
+            tenant: "",
+            cost: 400,
+        }
     }
 
     fn load(prefill_tokens: u64) -> RequestLoad {
@@ -386,7 +494,7 @@ mod tests {
     /// `n` requests that find the worker saturated and wait.
     fn queue_up<'a>(q: &'a AdmissionQueue, w: &Arc<Worker>, n: usize) -> Vec<Admit<'a>> {
         let mut waiting: Vec<Admit<'a>> = (0..n)
-            .map(|_| Box::pin(q.admit(0, vec![(w.clone(), 0)], 400)) as Admit<'a>)
+            .map(|_| Box::pin(q.admit(request(), vec![(w.clone(), 0)])) as Admit<'a>)
             .collect();
         for admit in &mut waiting {
             assert!(admit.as_mut().now_or_never().is_none(), "it waits");
@@ -472,7 +580,7 @@ mod tests {
         drop(waiting.remove(0));
         assert!(q.is_empty());
         w.ranks[0].finish(&load(1500), true);
-        let mut next: Admit<'_> = Box::pin(q.admit(0, vec![(w.clone(), 0)], 400));
+        let mut next: Admit<'_> = Box::pin(q.admit(request(), vec![(w.clone(), 0)]));
         assert!(let_go(&mut next).is_some(), "nothing is in transit");
     }
 }

@@ -18,6 +18,7 @@ fn queue(threshold: f64, classes: Vec<PolicyClass>, timeout: Duration) -> Option
         order: QueueOrder::Fcfs,
         timeout,
         class_thresholds: vec![Default::default(); classes.len()],
+        sharing: Default::default(),
         classes,
     })
 }

@@ -22,4 +22,4 @@ pub mod python;
 pub use error::{ErrorBody, ErrorDetail};
 pub use hash::{mix64, stable_hash};
 pub use ids::{ModelId, WorkerId};
-pub use openai::{Content, Message, NvExt, Prompt, RoutingFields};
+pub use openai::{AgentHints, Content, Message, NvExt, Prompt, RoutingFields};

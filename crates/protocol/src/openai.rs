@@ -48,10 +48,13 @@ pub struct RoutingFields<'a> {
     pub nvext: Option<NvExt>,
 }
 
-/// Dynamo's `nvext`: of its fields, those with a counterpart in kvroute's routing hints.
-/// The others (`annotations`, `agent_hints`, `session_control`, ...) are left to the engine.
-#[derive(Debug, Default, Clone, PartialEq, Eq, Deserialize)]
+/// Dynamo's `nvext`: of its fields, those with a counterpart in kvroute's routing hints and
+/// its router queue. The others (`annotations`, `session_control`, ...) are left to the engine.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize)]
 pub struct NvExt {
+    /// The router queue's hints.
+    #[serde(default)]
+    pub agent_hints: Option<AgentHints>,
     /// Send to this worker instance: the worker whose id is this number.
     #[serde(default)]
     pub backend_instance_id: Option<u64>,
@@ -64,6 +67,33 @@ pub struct NvExt {
     /// The data-parallel rank of the pinned worker.
     #[serde(default)]
     pub dp_rank: Option<u32>,
+}
+
+/// Dynamo 1.6's `nvext.agent_hints`, the fields its router queue reads. A value of the wrong
+/// type is ignored (the engine may still read it), never a reason to refuse the request.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize)]
+pub struct AgentHints {
+    /// The strict pending-queue tier (u32): a higher tier always goes first.
+    #[serde(default, deserialize_with = "lenient_u32")]
+    pub strict_priority: Option<u32>,
+    /// The soft priority (i32 in Dynamo), in the router queue a head start in seconds under
+    /// FCFS; `latency_sensitivity` is its deprecated name.
+    #[serde(
+        default,
+        alias = "latency_sensitivity",
+        deserialize_with = "lenient_f64"
+    )]
+    pub priority: Option<f64>,
+}
+
+fn lenient_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    let v = serde_json::Value::deserialize(d)?;
+    Ok(v.as_u64().map(|n| n.min(u64::from(u32::MAX)) as u32))
+}
+
+fn lenient_f64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    let v = serde_json::Value::deserialize(d)?;
+    Ok(v.as_f64().filter(|f| f.is_finite()))
 }
 
 fn null_as_false<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
@@ -363,5 +393,23 @@ mod tests {
         assert!(RoutingFields::from_json(b"[1]").is_err());
         assert!(RoutingFields::from_json(br#"{"model":3}"#).is_err());
         assert!(RoutingFields::from_json(br#"{"messages":"x"}"#).is_err());
+    }
+
+    #[test]
+    fn agent_hints_are_read_leniently() {
+        let hints = |body: &str| {
+            let f = RoutingFields::from_json(body.as_bytes()).unwrap();
+            f.nvext.and_then(|n| n.agent_hints).unwrap_or_default()
+        };
+        let h = hints(r#"{"nvext":{"agent_hints":{"strict_priority":2,"priority":-3}}}"#);
+        assert_eq!((h.strict_priority, h.priority), (Some(2), Some(-3.0)));
+        // The deprecated name, with a fraction (Dynamo 1.5's f64 seconds).
+        let h = hints(r#"{"nvext":{"agent_hints":{"latency_sensitivity":1.2}}}"#);
+        assert_eq!(h.priority, Some(1.2));
+        // Wrong types are ignored, not a reason to refuse the request.
+        let h = hints(r#"{"nvext":{"agent_hints":{"strict_priority":"high","priority":null}}}"#);
+        assert_eq!((h.strict_priority, h.priority), (None, None));
+        let h = hints(r#"{"nvext":{"agent_hints":{"strict_priority":-1,"osl":5}}}"#);
+        assert_eq!(h.strict_priority, None);
     }
 }

@@ -213,6 +213,7 @@ impl RouterQueue {
             tenant: &self.keys[item.tenant as usize],
             cost,
             now: item.arrival,
+            head_start: Duration::ZERO,
         };
         let ticket = self
             .queue

@@ -432,6 +432,7 @@ fn random_sharing_operations_match_the_model() {
                         tenant,
                         cost,
                         now: clock,
+                        head_start: Duration::ZERO,
                     };
                     let ticket = q.push_with(&arrival, step).unwrap();
                     m.latest = m.latest.max(clock);

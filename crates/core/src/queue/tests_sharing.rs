@@ -35,6 +35,7 @@ fn at(tenant: &str, cost: u64, secs: u64) -> Arrival<'_> {
         tenant,
         cost,
         now: Duration::from_secs(secs),
+        head_start: Duration::ZERO,
     }
 }
 
@@ -251,6 +252,7 @@ fn one_tenant_one_tier_is_todays_order_exactly() {
                     tenant: "only",
                     cost,
                     now: Duration::from_millis(i),
+                    head_start: Duration::ZERO,
                 };
                 fair.push_with(&arrival, i).unwrap();
             } else {
@@ -296,4 +298,34 @@ fn sharing_is_validated() {
         let err = bad(Sharing::smg([None; 4], Fairness::Vtc(cfg)));
         assert!(matches!(err, QueueConfigError::BadWeight { .. }), "{w}");
     }
+}
+
+#[test]
+fn a_head_start_counts_as_an_earlier_arrival_within_the_tenant() {
+    let mut q = one_class(Sharing::default());
+    q.push_with(&at("", 10, 10), "early").unwrap();
+    q.push_with(&at("", 10, 12), "late").unwrap();
+    // Arrived at 13 with 5 s of head start: as if at 8, before both.
+    let ahead = Arrival {
+        head_start: Duration::from_secs(5),
+        ..at("", 10, 13)
+    };
+    q.push_with(&ahead, "jumped").unwrap();
+    // Arrived at 14 with 3 s: as if at 11, between them.
+    let between = Arrival {
+        head_start: Duration::from_secs(3),
+        ..at("", 10, 14)
+    };
+    q.push_with(&between, "between").unwrap();
+    assert_eq!(drain(&mut q), ["jumped", "early", "between", "late"]);
+}
+
+#[test]
+fn prompt_tokens_served_outside_the_queue_are_charged() {
+    let mut q = fair();
+    q.push_with(&at("heavy", 100, 0), "h").unwrap();
+    q.push_with(&at("light", 100, 1), "l").unwrap();
+    // While both wait, heavy is served 5,000 prompt tokens that never waited: light goes first.
+    q.charge_prompt(0, "heavy", 5000);
+    assert_eq!(drain(&mut q), ["l", "h"]);
 }

@@ -233,17 +233,20 @@ pub fn header(token: &str) -> Result<Header, TokenError> {
 }
 
 /// What the claims must say.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expected {
     pub issuer: String,
     pub audience: String,
 }
 
 /// Who a valid token names.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Identity {
     pub subject: String,
     pub roles: Vec<String>,
+    /// The seconds since the epoch between which its claims hold (`nbf` and `exp`, with
+    /// the clock skew); a verified token is taken again only within them.
+    pub valid: (f64, f64),
 }
 
 #[derive(Deserialize)]
@@ -311,7 +314,15 @@ fn check_claims(c: Claims, expected: &Expected, now: f64) -> Result<Identity, To
         .flat_map(|v| strings(v.as_ref()))
         .map(str::to_owned)
         .collect();
-    Ok(Identity { subject, roles })
+    let valid = (
+        c.nbf.map_or(f64::NEG_INFINITY, |nbf| nbf - skew),
+        exp + skew,
+    );
+    Ok(Identity {
+        subject,
+        roles,
+        valid,
+    })
 }
 
 /// A claim's strings: itself if a string, its string items if a list.

@@ -1,119 +1,28 @@
-//! The verifier against real keys: ES256 made by ring, RSA made by the `openssl` CLI.
+//! The verifier against real keys (`tests/support/jwt.rs`): ES256 made by ring, RSA made by
+//! the `openssl` CLI.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use base64::Engine;
-use ring::rand::SystemRandom;
-use ring::signature::{EcdsaKeyPair, KeyPair, RsaKeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
 use serde_json::{json, Value};
 
 use super::*;
 use crate::auth::jwks::{Fetch, Jwks, JwksError, REFETCH_INTERVAL};
 
+#[path = "../../tests/support/jwt.rs"]
+#[allow(dead_code)]
+mod keys;
+
+use keys::{enc, Key as TestKey, Signer};
+
 const NOW: u64 = 1_800_000_000;
 
-fn enc(bytes: &[u8]) -> String {
-    URL_SAFE_NO_PAD.encode(bytes)
+fn es256(kid: &'static str) -> TestKey {
+    TestKey::es256(kid)
 }
 
-/// A signing key and its public JWK.
-enum Signer {
-    Es(EcdsaKeyPair),
-    Rs(RsaKeyPair),
-}
-
-struct TestKey {
-    kid: String,
-    signer: Signer,
-    jwk: Value,
-}
-
-fn es256(kid: &str) -> TestKey {
-    let rng = SystemRandom::new();
-    let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
-    let pair =
-        EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &rng).unwrap();
-    let point = pair.public_key().as_ref();
-    let jwk = json!({"kty": "EC", "crv": "P-256", "kid": kid, "use": "sig",
-        "x": enc(&point[1..33]), "y": enc(&point[33..])});
-    TestKey {
-        kid: kid.into(),
-        signer: Signer::Es(pair),
-        jwk,
-    }
-}
-
-/// An RSA-2048 key from the `openssl` CLI (ring does not generate RSA keys).
-fn rs256(kid: &str) -> TestKey {
-    let out = std::process::Command::new("openssl")
-        .args([
-            "genpkey",
-            "-algorithm",
-            "RSA",
-            "-pkeyopt",
-            "rsa_keygen_bits:2048",
-        ])
-        .args(["-outform", "DER"])
-        .output()
-        .expect("these tests make RSA keys with the `openssl` CLI: install openssl");
-    assert!(out.status.success(), "openssl genpkey failed");
-    // OpenSSL 3 writes an RSAPrivateKey (PKCS#1) in DER.
-    let pair = RsaKeyPair::from_der(&out.stdout).unwrap();
-    let (n, e) = rsa_public_parts(pair.public().as_ref());
-    let jwk = json!({"kty": "RSA", "kid": kid, "alg": "RS256", "n": enc(&n), "e": enc(&e)});
-    TestKey {
-        kid: kid.into(),
-        signer: Signer::Rs(pair),
-        jwk,
-    }
-}
-
-/// `n` and `e` of a DER `RSAPublicKey` (a SEQUENCE of two INTEGERs).
-fn rsa_public_parts(der: &[u8]) -> (Vec<u8>, Vec<u8>) {
-    fn tlv(d: &[u8]) -> (&[u8], &[u8]) {
-        let (len, head) = match d[1] {
-            l if l < 0x80 => (l as usize, 2),
-            l => {
-                let k = (l & 0x7f) as usize;
-                let len = d[2..2 + k].iter().fold(0, |a, b| a << 8 | *b as usize);
-                (len, 2 + k)
-            }
-        };
-        (&d[head..head + len], &d[head + len..])
-    }
-    let (seq, _) = tlv(der);
-    let (n, rest) = tlv(seq);
-    let (e, _) = tlv(rest);
-    let strip = |x: &[u8]| x.iter().skip_while(|b| **b == 0).copied().collect();
-    (strip(n), strip(e))
-}
-
-impl TestKey {
-    fn sign(&self, alg: &str, claims: &Value) -> String {
-        let header = json!({"alg": alg, "typ": "JWT", "kid": self.kid});
-        let signed = format!(
-            "{}.{}",
-            enc(header.to_string().as_bytes()),
-            enc(claims.to_string().as_bytes())
-        );
-        let rng = SystemRandom::new();
-        let sig = match &self.signer {
-            Signer::Es(pair) => pair
-                .sign(&rng, signed.as_bytes())
-                .unwrap()
-                .as_ref()
-                .to_vec(),
-            Signer::Rs(pair) => {
-                let mut sig = vec![0; pair.public().modulus_len()];
-                let alg = &ring::signature::RSA_PKCS1_SHA256;
-                pair.sign(alg, &rng, signed.as_bytes(), &mut sig).unwrap();
-                sig
-            }
-        };
-        format!("{signed}.{}", enc(&sig))
-    }
+fn rs256(kid: &'static str) -> TestKey {
+    TestKey::rs256(kid)
 }
 
 fn claims() -> Value {
@@ -331,4 +240,44 @@ async fn until_the_first_fetch_every_token_is_refused() {
         jwks.verify(&token, &expected(), NOW).await,
         Err(TokenError::UnknownKid)
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_verified_token_is_taken_again_only_while_its_claims_and_its_key_hold() {
+    let (old, new) = (es256("k1"), es256("k2"));
+    let served = Served::default();
+    served.publish(&[&old, &new]);
+    let jwks = Jwks::new(served.clone());
+    assert!(jwks.refresh().await.is_ok());
+    let token = old.sign("ES256", &claims());
+    for _ in 0..2 {
+        let id = jwks.verify(&token, &expected(), NOW).await.unwrap();
+        assert_eq!(id.subject, "alice");
+    }
+    // Past exp and before nbf (beyond the skew), another audience: refused, remembered or not.
+    let skew = CLOCK_SKEW_SECS;
+    let late = jwks.verify(&token, &expected(), NOW + 300 + skew + 1).await;
+    assert_eq!(late, Err(TokenError::Expired));
+    let early = jwks.verify(&token, &expected(), NOW - 10 - skew - 1).await;
+    assert_eq!(early, Err(TokenError::NotYetValid));
+    let other = Expected {
+        audience: "another-api".into(),
+        ..expected()
+    };
+    assert_eq!(
+        jwks.verify(&token, &other, NOW).await,
+        Err(TokenError::Audience)
+    );
+    assert!(jwks.verify(&token, &expected(), NOW).await.is_ok());
+    // Its key gone from a refetched set: refused, though it verified a moment ago.
+    served.publish(&[&new]);
+    assert!(jwks.refresh().await.is_ok());
+    assert_eq!(
+        jwks.verify(&token, &expected(), NOW).await,
+        Err(TokenError::UnknownKid)
+    );
+    assert!(jwks
+        .verify(&new.sign("ES256", &claims()), &expected(), NOW)
+        .await
+        .is_ok());
 }

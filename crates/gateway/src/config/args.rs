@@ -280,6 +280,20 @@ pub struct Args {
     /// The longest a request may wait in the queue [default: 60].
     #[arg(long)]
     pub router_queue_timeout_secs: Option<u64>,
+    /// How the router queue orders tenants within a class: vtc (the tenant served the fewest
+    /// tokens goes next) or fcfs (tenants ignored) [default: vtc].
+    #[arg(long, value_enum)]
+    pub router_queue_fairness: Option<super::TenantOrder>,
+    /// smg's priority scheduler: x-smg-priority classes order the router queue.
+    #[arg(long)]
+    #[serde(default)]
+    pub priority_scheduler_enabled: bool,
+    /// smg's priority-scheduler YAML (classes, tenant_policies.<key>.max_class).
+    #[arg(long, value_name = "FILE")]
+    pub priority_scheduler_config: Option<PathBuf>,
+    /// The highest class of a tenant the priority file does not list [default: default].
+    #[arg(long, value_enum)]
+    pub priority_scheduler_default_max_class: Option<super::PriorityClass>,
     /// Policy classes of the queue (config file only): name, weight (a quantum in uncached
     /// tokens), optional max_queued.
     #[arg(skip)]

@@ -62,13 +62,16 @@ impl Args {
             otlp_sampling_ratio, timing_model, grpc_port, grpc_health_port, secure_serving,
             cert_path, pool_name, pool_namespace, pool_group, endpoint_selector,
             kv_events_socket_port, metrics_prefix, tenant_header_name, jwt_issuer, jwt_audience,
-            jwt_jwks_uri, tenant_rate_limit_config, priority_scheduler_tenant_metric_top_n;
+            jwt_jwks_uri, priority_scheduler_tenant_metric_top_n, router_queue_fairness,
+            priority_scheduler_config, priority_scheduler_default_max_class,
+            tenant_rate_limit_config;
         flag
             service_discovery, pd_disaggregation, llm_d_precise_prefix,
             worker_overload_protection, disable_worker_overload_protection,
             worker_overload_shed, no_router_kv_events, tokenizer_cache_enable_l0,
             tokenizer_cache_enable_l1, disable_retries, disable_circuit_breaker, log_json,
-            enable_trace, epp, trust_tenant_header, tenant_rate_limit_enabled;
+            enable_trace, epp, trust_tenant_header, priority_scheduler_enabled,
+            tenant_rate_limit_enabled;
         list
             worker_urls, selector, prefill_selector, decode_selector, prefill, decode,
             ca_cert_paths, routing_key_headers, endpoint_target_ports, metrics_compat,

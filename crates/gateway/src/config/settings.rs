@@ -42,6 +42,8 @@ pub struct QueueSettings {
     pub classes: Vec<PolicyClass>,
     /// Per class (same order), its own busy thresholds; unset fields follow the model's.
     pub class_thresholds: Vec<BusyThresholds>,
+    /// Tenants and priority classes.
+    pub sharing: super::QueueSharing,
 }
 
 /// A worker as the config file describes it.

@@ -503,14 +503,20 @@ impl Args {
     /// `--router-queue-threshold` and the policy classes it queues by; refused with
     /// prefill/decode disaggregation.
     fn take_queue_settings(&mut self, pd_on: bool) -> Result<Option<QueueSettings>, ConfigError> {
-        let threshold = match self.router_queue_threshold {
+        let sharing = self.take_queue_sharing()?;
+        // The priority classes order the router queue: enabled alone, it is on at 1.0 (a rank
+        // waits while its prefill exceeds one engine batch).
+        let threshold = self
+            .router_queue_threshold
+            .or(sharing.priority.as_ref().map(|_| 1.0));
+        let threshold = match threshold {
             None => return Ok(None),
             // Disaggregated requests bypass the admission queue: refuse rather than
             // ignore the flag.
             Some(_) if pd_on => {
                 return Err(ConfigError::Invalid {
                     name: "router_queue_threshold",
-                    reason: "not supported with prefill/decode disaggregation yet",
+                    reason: "not supported with prefill/decode disaggregation yet (nor is --priority-scheduler-enabled)",
                 })
             }
             Some(t) if !kvroute_core::queue::valid_threshold(t) => {
@@ -572,6 +578,7 @@ impl Args {
             )?),
             classes,
             class_thresholds,
+            sharing,
         }))
     }
 }

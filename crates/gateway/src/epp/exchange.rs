@@ -332,7 +332,7 @@ impl Exchange {
         if let Some(subset) = &self.subset {
             restrict_to_subset(&state, &mut hints, subset)?;
         }
-        let class_name = class_name(&state, &head.headers);
+        let class_name = policy_class_name(&state, &head.headers);
         let (mut parts, ()) = http::Request::new(()).into_parts();
         parts.method = head.method.clone();
         parts.uri = head.path.parse().unwrap_or_default();
@@ -342,16 +342,15 @@ impl Exchange {
             .get(crate::http::REQUEST_ID_HEADER)
             .cloned()
             .unwrap_or_else(|| HeaderValue::from_static("epp"));
-        let (class, mut released) = pick::queue_admission(
-            &state,
-            class_name.as_deref(),
-            &fields,
-            &hints,
-            &tokens,
-            arrived,
-            None,
-        )
-        .await?;
+        let ask = pick::QueueAsk {
+            class_name: class_name.as_deref(),
+            headers: &head.headers,
+            tenant: &tenant,
+        };
+        // Envoy forwards the request, not kvroute: it cannot be preempted (its guard goes).
+        let queued =
+            pick::queue_admission(&state, ask, &fields, &hints, &tokens, arrived, None).await?;
+        let (class, mut released) = (queued.class, queued.released);
         let attempt = Attempt {
             parts: &parts,
             fields: &fields,
@@ -451,8 +450,8 @@ fn restrict_to_subset(
 }
 
 /// The policy class a request names: `x-kvroute-class`, else an inference objective when a
-/// class of that name is configured.
-fn class_name(state: &AppState, headers: &HeaderMap) -> Option<String> {
+/// policy class of that name is configured.
+fn policy_class_name(state: &AppState, headers: &http::HeaderMap) -> Option<String> {
     headers
         .get("x-kvroute-class")
         .and_then(|v| v.to_str().ok())

@@ -14,7 +14,8 @@ use ring::signature::{EcdsaKeyPair, KeyPair, RsaKeyPair, ECDSA_P256_SHA256_FIXED
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-fn enc(bytes: &[u8]) -> String {
+/// Base64url without padding, as JWTs and JWKs write bytes.
+pub fn enc(bytes: &[u8]) -> String {
     URL_SAFE_NO_PAD.encode(bytes)
 }
 
@@ -68,11 +69,17 @@ impl Key {
         }
     }
 
+    /// A token of `claims` signed with this key, its header naming the key's algorithm.
     pub fn token(&self, claims: &Value) -> String {
         let alg = match self.signer {
             Signer::Es(_) => "ES256",
             Signer::Rs(_) => "RS256",
         };
+        self.sign(alg, claims)
+    }
+
+    /// A token of `claims` signed with this key, whatever `alg` its header says.
+    pub fn sign(&self, alg: &str, claims: &Value) -> String {
         let header = json!({"alg": alg, "typ": "JWT", "kid": self.kid});
         let signed = format!(
             "{}.{}",
@@ -98,7 +105,7 @@ impl Key {
 }
 
 /// `n` and `e` of a DER `RSAPublicKey`.
-fn rsa_public_parts(der: &[u8]) -> (Vec<u8>, Vec<u8>) {
+pub fn rsa_public_parts(der: &[u8]) -> (Vec<u8>, Vec<u8>) {
     fn tlv(d: &[u8]) -> (&[u8], &[u8]) {
         let (len, head) = match d[1] {
             l if l < 0x80 => (l as usize, 2),
