@@ -3,12 +3,9 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
-use kvroute_bench::plot::Series;
-use kvroute_bench::replay;
 use kvroute_bench::simulate::{Cluster, PdCluster};
 use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
@@ -18,7 +15,9 @@ use kvroute_sim::engine::{EngineConfig, TimingModel};
 use kvroute_sim::TimingArgs;
 
 mod queue_args;
+mod replay_args;
 use queue_args::{QueueArgs, TenantArgs};
+use replay_args::ReplayArgs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -335,43 +334,7 @@ impl ClusterArgs {
 enum Command {
     /// A trace or a synthetic workload replayed in real time against an OpenAI-compatible
     /// endpoint, streaming.
-    Replay {
-        /// The endpoint's base URL; several, comma-separated (or --url repeated): router
-        /// replicas, each request sent to one of them.
-        #[arg(
-            long = "url",
-            value_name = "URL",
-            required = true,
-            value_delimiter = ',',
-            value_parser = replay::base_url
-        )]
-        urls: Vec<String>,
-        /// The `model` field to send (omit for a router serving one model).
-        #[arg(long)]
-        model: Option<String>,
-        /// A JSON object whose fields are added to every request's body, e.g. Dynamo's
-        /// '{"nvext":{"extra_fields":["worker_id"]}}' (which also makes its frontend send a
-        /// chunk per token, and name the worker).
-        #[arg(long, value_name = "JSON", value_parser = replay::json_object)]
-        extra_body: Option<serde_json::Map<String, serde_json::Value>>,
-        #[arg(long, default_value_t = 1.0)]
-        rate_scale: f64,
-        #[arg(long, default_value_t = 256)]
-        max_concurrency: usize,
-        /// Stop sending after this many seconds.
-        #[arg(long)]
-        duration: Option<f64>,
-        #[arg(long)]
-        json: Option<PathBuf>,
-        /// Draw the TTFT CDF as SVG.
-        #[arg(long, value_name = "FILE.svg")]
-        plot: Option<PathBuf>,
-        /// Names the line in --plot [default: the URL].
-        #[arg(long)]
-        label: Option<String>,
-        #[command(flatten)]
-        workload: Workload,
-    },
+    Replay(ReplayArgs),
     /// A trace or a synthetic workload through the real routing core and N simulated engines,
     /// in virtual time.
     Simulate {
@@ -437,61 +400,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Replay {
-            workload,
-            urls,
-            model,
-            extra_body,
-            rate_scale,
-            max_concurrency,
-            duration,
-            json,
-            plot,
-            label,
-        } => {
-            let (name, requests) = workload.load("replay")?;
-            let cfg = kvroute_bench::replay::ReplayConfig {
-                urls,
-                model,
-                extra_body: extra_body.unwrap_or_default(),
-                hash_block: workload.hash_block_size,
-                rate_scale,
-                max_concurrency,
-                duration: duration.map(std::time::Duration::from_secs_f64),
-                progress: true,
-            };
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()?;
-            let r = runtime.block_on(kvroute_bench::replay::replay(&requests, &cfg));
-            let url = cfg.urls.join(",");
-            println!(
-                "{} requests, {} errors; TTFT ms p50/p90/p99 {:.0}/{:.0}/{:.0}; ITL ms {:.1}/{:.1}/{:.1}; E2E ms {:.0}/{:.0}/{:.0}; {:.2} req/s, {:.0} out tok/s; cached {:.1}% of prompt tokens; per worker {:?}",
-                r.requests, r.errors, r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99, r.itl_ms.p50, r.itl_ms.p90,
-                r.itl_ms.p99, r.e2e_ms.p50, r.e2e_ms.p90, r.e2e_ms.p99, r.throughput_rps, r.output_tokens_per_s,
-                r.hit_share * 100.0, r.requests_per_worker
-            );
-            if r.short_streams > 0 {
-                eprintln!(
-                    "warning: {} streams carried fewer chunks than their usage's tokens: their TTFT is a later token's (Dynamo's frontend: --extra-body '{{\"nvext\":{{\"extra_fields\":[\"worker_id\"]}}}}')",
-                    r.short_streams
-                );
-            }
-            if let Some(out) = json {
-                let doc = serde_json::json!({"trace": name, "url": url, "policies": [r]});
-                std::fs::write(&out, serde_json::to_string_pretty(&doc)?)
-                    .with_context(|| format!("cannot write {}", out.display()))?;
-            }
-            if let Some(out) = plot {
-                let label = label.as_deref().unwrap_or(&url);
-                let series = Series {
-                    label,
-                    ttft_ms: &r.ttft_sorted_ms,
-                };
-                let subtitle = format!("real time via {url}, rate x{rate_scale}");
-                commands::write_plot(&out, &format!("TTFT: {name}"), &subtitle, &[series])?;
-            }
-        }
+        Command::Replay(args) => args.run()?,
         Command::Simulate {
             cluster,
             rate_scale,
@@ -581,58 +490,6 @@ mod tests {
             );
             assert!(parse(&format!("b {command} --trace t")).is_ok());
             assert!(parse(&format!("b {command} --synthetic shared-prefix --groups 3")).is_ok());
-        }
-    }
-
-    #[test]
-    fn replay_takes_several_urls_each_trimmed() {
-        let urls =
-            |args: &str| match Cli::try_parse_from(args.split_whitespace()).map(|c| c.command) {
-                Ok(Command::Replay { urls, .. }) => Ok(urls),
-                Ok(_) => panic!("not replay"),
-                Err(e) => Err(e.kind()),
-            };
-        assert_eq!(
-            urls("b replay --trace t --url http://a:1/,http://b:2").unwrap(),
-            ["http://a:1", "http://b:2"]
-        );
-        assert_eq!(
-            urls("b replay --trace t --url http://a:1// --url http://b:2/").unwrap(),
-            ["http://a:1", "http://b:2"]
-        );
-        assert_eq!(
-            urls("b replay --trace t --url http://a:1,"),
-            Err(ErrorKind::ValueValidation)
-        );
-        assert_eq!(
-            urls("b replay --trace t"),
-            Err(ErrorKind::MissingRequiredArgument)
-        );
-    }
-
-    #[test]
-    fn replay_extra_body_is_a_json_object() {
-        let extra = |args: &[&str]| {
-            let mut all = vec!["b", "replay", "--trace", "t", "--url", "http://a"];
-            all.extend_from_slice(args);
-            match Cli::try_parse_from(all).map(|c| c.command) {
-                Ok(Command::Replay { extra_body, .. }) => Ok(extra_body),
-                Ok(_) => panic!("not replay"),
-                Err(e) => Err(e.kind()),
-            }
-        };
-        let m = extra(&[
-            "--extra-body",
-            r#"{"nvext":{"extra_fields":["worker_id"]}}"#,
-        ])
-        .unwrap();
-        assert_eq!(m.unwrap()["nvext"]["extra_fields"][0], "worker_id");
-        assert_eq!(extra(&[]), Ok(None));
-        for bad in ["[1]", "{"] {
-            assert_eq!(
-                extra(&["--extra-body", bad]),
-                Err(ErrorKind::ValueValidation)
-            );
         }
     }
 
@@ -787,7 +644,7 @@ mod tests {
                 .command
             {
                 Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => cluster,
-                Command::Replay { .. } | Command::PlotLoad { .. } => panic!("not a simulation"),
+                Command::Replay(_) | Command::PlotLoad { .. } => panic!("not a simulation"),
             };
             // The queue's flags are refused before the trace is read.
             let setup = cluster.setup("simulate").map(|_| ());

@@ -14,6 +14,10 @@
 //! chunks than tokens (Dynamo's frontend withholds a token whose text decodes empty, so a
 //! stream of such tokens arrives as one chunk at the end): such requests are counted in
 //! `short_streams`, since their TTFT is not the first token's.
+//!
+//! With tenants ([`crate::tenants`]), each request carries its tenant's key (`tenant-<t>`) in
+//! `ReplayConfig::tenant_header` (smg's trusted `x-smg-tenant-id` by default, which kvroute
+//! reads with `--trust-tenant-header`), and each tenant's requests and TTFT are reported.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -47,6 +51,16 @@ pub struct ReplayConfig {
     pub duration: Option<Duration>,
     /// Print progress to stderr every second.
     pub progress: bool,
+    /// Each request's tenant, by its index in the trace (see [`crate::tenants`]); `None`: no
+    /// tenant header, and no per-tenant figures.
+    pub tenants: Option<Arc<[u32]>>,
+    /// The header that carries a request's tenant key.
+    pub tenant_header: String,
+}
+
+impl ReplayConfig {
+    /// smg's trusted tenant header (kvroute's `--tenant-header-name` default).
+    pub const DEFAULT_TENANT_HEADER: &'static str = "x-smg-tenant-id";
 }
 
 /// The figures of a replay.
@@ -68,10 +82,27 @@ pub struct ReplayResult {
     /// their TTFT is a later chunk's than the first token's.
     pub short_streams: usize,
     pub requests_per_worker: BTreeMap<String, usize>,
+    /// Each tenant's figures, by tenant number, when the requests have tenants.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantTtft>,
+}
+
+/// One tenant's figures in a replay.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantTtft {
+    /// Its key, as sent in the tenant header.
+    pub tenant: String,
+    /// Requests sent.
+    pub requests: usize,
+    /// Of those, the ones that got a first token.
+    pub answered: usize,
+    pub ttft_ms: Percentiles,
 }
 
 #[derive(Default)]
 struct Outcome {
+    /// The request's tenant, when it has one.
+    tenant: Option<u32>,
     ok: bool,
     ttft: Option<f64>,
     itl: Vec<f64>,
@@ -136,25 +167,40 @@ impl Outcome {
     }
 }
 
+/// The request `cfg` sends for `r`, of `tenant` when it has one.
+fn request(
+    cfg: &ReplayConfig,
+    r: &TraceRequest,
+    tenant: Option<u32>,
+) -> Result<http::Request<Full<Bytes>>, http::Error> {
+    let base = &cfg.urls[pick(r, cfg.urls.len())];
+    let mut req = http::Request::post(format!("{base}/v1/completions"))
+        .header("content-type", "application/json");
+    if let Some(t) = tenant {
+        req = req.header(cfg.tenant_header.as_str(), crate::tenants::tenant_key(t));
+    }
+    req.body(Full::new(Bytes::from(request_body(cfg, r).to_string())))
+}
+
 async fn one(
     client: &Client<HttpConnector, Full<Bytes>>,
     cfg: &ReplayConfig,
     r: &TraceRequest,
+    tenant: Option<u32>,
 ) -> Outcome {
-    let body = request_body(cfg, r);
-    let base = &cfg.urls[pick(r, cfg.urls.len())];
-    let req = match http::Request::post(format!("{base}/v1/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-    {
-        Ok(r) => r,
-        Err(_) => return Outcome::default(),
+    let failed = Outcome {
+        tenant,
+        ..Outcome::default()
+    };
+    let Ok(req) = request(cfg, r, tenant) else {
+        return failed;
     };
     let start = Instant::now();
     let Ok(resp) = client.request(req).await else {
-        return Outcome::default();
+        return failed;
     };
     let mut out = Outcome {
+        tenant,
         worker: resp
             .headers()
             .get("x-kvroute-worker")
@@ -227,7 +273,7 @@ pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult 
         })
     });
     let mut tasks = Vec::new();
-    for r in trace {
+    for (i, r) in trace.iter().enumerate() {
         let at = start + Duration::from_secs_f64(r.timestamp as f64 / 1000.0 / cfg.rate_scale);
         if cfg.duration.is_some_and(|d| at > start + d) {
             break;
@@ -237,8 +283,9 @@ pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult 
             break;
         };
         let (client, cfg2, r2, done) = (client.clone(), cfg.clone(), r.clone(), done.clone());
+        let tenant = cfg.tenants.as_ref().and_then(|t| t.get(i).copied());
         tasks.push(tokio::spawn(async move {
-            let o = one(&client, &cfg2, &r2).await;
+            let o = one(&client, &cfg2, &r2, tenant).await;
             drop(permit);
             done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             o
@@ -248,6 +295,7 @@ pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult 
     for t in tasks {
         outcomes.push(t.await.unwrap_or_default());
     }
+    let tenants = tenant_figures(&outcomes);
     if let Some(p) = progress {
         p.abort();
         eprintln!();
@@ -279,7 +327,29 @@ pub async fn replay(trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayResult 
         hit_share: ok.iter().map(|o| o.cached_tokens).sum::<u64>() as f64 / prompt.max(1) as f64,
         short_streams: ok.iter().filter(|o| o.short_stream()).count(),
         requests_per_worker: per_worker,
+        tenants,
     }
+}
+
+/// Each tenant's figures, by tenant number; none when no request had a tenant.
+fn tenant_figures(outcomes: &[Outcome]) -> Vec<TenantTtft> {
+    let mut by_tenant: BTreeMap<u32, (usize, Vec<f64>)> = BTreeMap::new();
+    for o in outcomes {
+        if let Some(t) = o.tenant {
+            let (sent, ttft) = by_tenant.entry(t).or_default();
+            *sent += 1;
+            ttft.extend(o.ttft.filter(|_| o.ok));
+        }
+    }
+    by_tenant
+        .into_iter()
+        .map(|(t, (requests, mut ttft))| TenantTtft {
+            tenant: crate::tenants::tenant_key(t),
+            requests,
+            answered: ttft.len(),
+            ttft_ms: percentiles(&mut ttft),
+        })
+        .collect()
 }
 
 /// A `--url` entry: non-empty, without its trailing `/`.
@@ -336,6 +406,8 @@ mod tests {
             max_concurrency: 1,
             duration: None,
             progress: false,
+            tenants: None,
+            tenant_header: ReplayConfig::DEFAULT_TENANT_HEADER.into(),
         };
         let r = TraceRequest {
             timestamp: 0,
@@ -348,6 +420,69 @@ mod tests {
         assert_eq!(body["nvext"]["extra_fields"][0], "worker_id");
         assert_eq!(body["max_tokens"], 2);
         assert_eq!(body["stream"], true);
+    }
+
+    #[test]
+    fn a_tenants_request_carries_its_key_in_the_tenant_header() {
+        let cfg = ReplayConfig {
+            urls: vec!["http://x".into()],
+            model: None,
+            extra_body: Default::default(),
+            hash_block: 4,
+            rate_scale: 1.0,
+            max_concurrency: 1,
+            duration: None,
+            progress: false,
+            tenants: None,
+            tenant_header: "x-team".into(),
+        };
+        let r = TraceRequest {
+            timestamp: 0,
+            input_length: 6,
+            output_length: 1,
+            hash_ids: vec![1],
+        };
+        let req = request(&cfg, &r, Some(3)).unwrap();
+        assert_eq!(req.headers()["x-team"], "tenant-3");
+        assert_eq!(req.uri(), "http://x/v1/completions");
+        let req = request(&cfg, &r, None).unwrap();
+        assert!(!req.headers().contains_key("x-team"));
+        let bad = ReplayConfig {
+            tenant_header: "not a header".into(),
+            ..cfg
+        };
+        assert!(request(&bad, &r, Some(0)).is_err());
+    }
+
+    #[test]
+    fn each_tenants_figures_count_its_requests_and_answered_ttfts() {
+        let o = |tenant, ttft: Option<f64>| Outcome {
+            tenant,
+            ok: ttft.is_some(),
+            ttft,
+            ..Outcome::default()
+        };
+        let outcomes = [
+            o(Some(1), Some(10.0)),
+            o(Some(0), Some(300.0)),
+            o(Some(1), Some(30.0)),
+            o(Some(1), None),
+            o(Some(0), Some(100.0)),
+            o(Some(1), Some(20.0)),
+        ];
+        let t = tenant_figures(&outcomes);
+        assert_eq!(t.len(), 2);
+        assert_eq!(
+            (t[0].tenant.as_str(), t[0].requests, t[0].answered),
+            ("tenant-0", 2, 2)
+        );
+        assert_eq!(
+            (t[1].tenant.as_str(), t[1].requests, t[1].answered),
+            ("tenant-1", 4, 3)
+        );
+        assert_eq!((t[1].ttft_ms.p50, t[1].ttft_ms.p99), (20.0, 30.0));
+        assert_eq!(t[0].ttft_ms.p90, 300.0);
+        assert!(tenant_figures(&[o(None, Some(1.0))]).is_empty());
     }
 
     #[test]

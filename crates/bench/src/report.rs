@@ -3,6 +3,7 @@
 //! function returns the text, the binary prints it.
 
 use crate::goodput::{Bracket, Goodput, Probe};
+use crate::replay::TenantTtft;
 use crate::simulate::{Percentiles, PolicyResult, Reference};
 
 /// The name column's width.
@@ -83,6 +84,24 @@ pub fn policy_row(r: &PolicyResult, wall_s: f64) -> String {
         ));
     }
     row
+}
+
+/// `replay`'s line per tenant, as `simulate`'s (no router queue or token share: the replay
+/// sees only its answers).
+pub fn replay_tenant_rows(tenants: &[TenantTtft]) -> String {
+    tenants
+        .iter()
+        .map(|t| {
+            format!(
+                "{}: {} requests ({} answered), TTFT ms p50/p90/p99 {}",
+                t.tenant,
+                t.requests,
+                t.answered,
+                ms(&t.ttft_ms)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The reference's row: no throughput or preemptions (each request runs alone).

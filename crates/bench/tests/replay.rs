@@ -1,9 +1,11 @@
-//! Replay through a real kvroute in front of real kvroute-sim replicas.
+//! Replay through a real kvroute in front of real kvroute-sim replicas; with tenants, each
+//! request's tenant header reaches the router, which counts it under that tenant.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_bench::replay::{replay, ReplayConfig};
+use kvroute_bench::tenants::{split, TenantSplit};
 use kvroute_bench::trace::TraceRequest;
 use kvroute_gateway::{Gateway, Settings, WorkerSpec};
 use kvroute_sim::{SimArgs, SimInstance};
@@ -52,6 +54,18 @@ async fn sim() -> (SimInstance, String) {
         }
     }
     panic!("no sim could bind a KV-event port: {error:?}");
+}
+
+/// GETs `path`; the body as text.
+async fn get(base: &str, path: &str) -> String {
+    use http_body_util::BodyExt;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let req = http::Request::get(format!("{base}{path}"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    String::from_utf8_lossy(&resp.into_body().collect().await.unwrap().to_bytes()).into_owned()
 }
 
 /// Whether the router at `router` credits worker `id` with some device blocks of `prompt`.
@@ -109,7 +123,11 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
     let metrics = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let mut registry = prometheus_client::registry::Registry::default();
-    let gw = Gateway::new(Settings::with_workers(workers).unwrap(), &mut registry);
+    let metrics_url = format!("http://{}", metrics.local_addr().unwrap());
+    let mut settings = Settings::with_workers(workers).unwrap();
+    // `--trust-tenant-header`, smg's header.
+    settings.tenancy.tenant_header = Some(http::HeaderName::from_static("x-smg-tenant-id"));
+    let gw = Gateway::new(settings, &mut registry);
     let shutdown = CancellationToken::new();
     tokio::spawn(
         gw.clone()
@@ -134,6 +152,15 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             hash_ids: (0..(2 + i / 3)).map(|k| (i % 3) * 1000 + k).collect(),
         })
         .collect();
+    // Two tenants by conversation; scale 1 leaves the trace as it is.
+    let (same, of) = split(
+        &trace,
+        TenantSplit {
+            tenants: 2,
+            heavy_scale: 1,
+        },
+    );
+    assert_eq!(same, trace);
     let r = replay(
         &trace,
         &ReplayConfig {
@@ -145,6 +172,8 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             max_concurrency: 16,
             duration: None,
             progress: false,
+            tenants: Some(of.clone().into()),
+            tenant_header: ReplayConfig::DEFAULT_TENANT_HEADER.into(),
         },
     )
     .await;
@@ -157,6 +186,28 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
     );
     assert!(r.output_tokens_per_s > 0.0);
     assert_eq!(r.short_streams, 0, "kvroute-sim streams a chunk per token");
+
+    // Each tenant's figures, and the router saw each request's tenant in its header.
+    let sent = |t: u32| of.iter().filter(|&&x| x == t).count();
+    assert!(
+        sent(0) > 0 && sent(1) > 0,
+        "both tenants have requests: {of:?}"
+    );
+    let names: Vec<&str> = r.tenants.iter().map(|t| t.tenant.as_str()).collect();
+    assert_eq!(names, ["tenant-0", "tenant-1"]);
+    let counted = get(&metrics_url, "/metrics").await;
+    for (t, figures) in r.tenants.iter().enumerate() {
+        assert_eq!(
+            (figures.requests, figures.answered),
+            (sent(t as u32), sent(t as u32))
+        );
+        assert!(figures.ttft_ms.p50 > 0.0 && figures.ttft_ms.p99 >= figures.ttft_ms.p50);
+        let line = format!(
+            "kvroute_tenant_requests_total{{tenant=\"header:tenant-{t}\",status=\"200\"}} {}",
+            sent(t as u32)
+        );
+        assert!(counted.contains(&line), "{line} not in\n{counted}");
+    }
 
     // The virtual-time path agrees: the same trace and engines (the replicas run 50x fast,
     // so in engine time the requests arrive 50x further apart).
