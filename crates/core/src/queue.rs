@@ -83,6 +83,7 @@ use std::time::Duration;
 mod config;
 mod drr;
 mod lane;
+pub mod reserve;
 mod saturation;
 pub mod vtc;
 pub use saturation::{must_wait, saturated, valid_threshold, DEFAULT_BATCH_TOKENS};
@@ -436,17 +437,27 @@ impl<T> DrrQueue<T> {
         now: Duration,
         mut can_dispatch: impl FnMut(usize, &T) -> bool,
     ) -> Option<(usize, T)> {
+        self.pop_tiered_at(now, |_, class, head| can_dispatch(class, head))
+    }
+
+    /// [`pop_at`](Self::pop_at), with `can_dispatch(tier, class, head)` told the tier the
+    /// head is in now: tier 0 for a request promoted by starvation.
+    pub fn pop_tiered_at(
+        &mut self,
+        now: Duration,
+        mut can_dispatch: impl FnMut(usize, usize, &T) -> bool,
+    ) -> Option<(usize, T)> {
         self.latest = self.latest.max(now);
         if self.len == 0 {
             return None;
         }
         self.promote(self.latest);
-        for level in &mut self.levels {
+        for (tier, level) in self.levels.iter_mut().enumerate() {
             let Some((class, entry)) = level.pop(
                 &self.classes,
                 &self.counters,
                 &mut self.scratch,
-                &mut can_dispatch,
+                &mut |class, head| can_dispatch(tier, class, head),
             ) else {
                 continue;
             };

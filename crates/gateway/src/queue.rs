@@ -5,6 +5,9 @@
 //! A rank is saturated when its active prefill tokens exceed `--router-queue-threshold` x its
 //! engine's `max_num_batched_tokens` (from the worker's config, else vLLM's default 8192);
 //! the test and the rule for waiting are `kvroute_core::queue`'s (`saturated`, `must_wait`).
+//! With the priority scheduler on, a request sees the threshold less the shares its higher
+//! classes reserve (smg's `reserved_floor` and `reserved_per_slot`, over 64 slots per rank:
+//! `kvroute_core::queue::reserve`), so a lower class leaves room that a higher one takes at once.
 //! Which head goes next is `kvroute_core::queue::DrrQueue`'s: the highest priority tier
 //! first (smg's classes, [`standing`]), then weighted deficit round robin over policy
 //! classes, in uncached tokens, then the tenant with the lowest virtual token counter (VTC,
@@ -31,7 +34,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::queue::{
-    must_wait, Arrival, DrrQueue, Fairness, PolicyClass, QueueError, Sharing, Ticket, VtcConfig,
+    must_wait, reserve, Arrival, DrrQueue, Fairness, PolicyClass, QueueError, Sharing, Ticket,
+    VtcConfig,
 };
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -148,6 +152,28 @@ impl Drop for Released<'_> {
 fn saturated(worker: &Worker, rank: usize, threshold: f64) -> bool {
     let prefill = worker.ranks[rank].with_load(|l| l.prefill_tokens());
     kvroute_core::queue::saturated(prefill, worker.max_num_batched_tokens, threshold)
+}
+
+/// Whether every one of `ranks` is saturated for a request of priority `tier`: at the
+/// queue's threshold, less what the tiers above it reserve (`kvroute_core::queue::reserve`,
+/// smg's 64 slots for each rank the request may use).
+fn all_saturated(
+    ranks: &[(Arc<Worker>, usize)],
+    threshold: f64,
+    priority: Option<&PrioritySettings>,
+    tier: usize,
+) -> bool {
+    let threshold = match priority {
+        Some(p) => {
+            let capacity = reserve::SLOTS_PER_RANK.saturating_mul(ranks.len() as u32);
+            let floor = p.classes.map(|c| c.reserved_floor);
+            let per_slot = p.classes.map(|c| c.reserved_per_slot);
+            let shares = reserve::reserved_shares(&floor, &per_slot, capacity);
+            threshold * reserve::usable_fraction(&shares, tier)
+        }
+        None => threshold,
+    };
+    ranks.iter().all(|(w, r)| saturated(w, *r, threshold))
 }
 
 impl AdmissionQueue {
@@ -282,7 +308,8 @@ impl AdmissionQueue {
         ranks: Vec<(Arc<Worker>, usize)>,
     ) -> Result<Released<'_>, GatewayError> {
         let Queued { class, cost, .. } = req;
-        let full = ranks.iter().all(|(w, r)| saturated(w, *r, self.threshold));
+        let tier = req.standing.class.tier();
+        let full = all_saturated(&ranks, self.threshold, self.priority.as_ref(), tier);
         if !must_wait(full, !self.is_empty()) && !self.in_transit.load(Ordering::Acquire) {
             self.lock().charge_prompt(class, req.tenant, cost);
             return Ok(Released { queue: None });
@@ -367,17 +394,15 @@ impl AdmissionQueue {
     /// Lets go the next head (weighted DRR) whose ranks have capacity now, unless one let go
     /// is still in transit: its load is not counted yet, so the load read now is stale.
     pub fn dispatch(&self) {
-        let threshold = self.threshold;
+        let (threshold, priority) = (self.threshold, self.priority.as_ref());
         let mut q = self.lock();
         // Set and tested under the queue's lock: two dispatches cannot both let one go.
         if self.in_transit.load(Ordering::Acquire) {
             return;
         }
         let now = self.epoch.elapsed();
-        while let Some((class, waiter)) = q.pop_at(now, |_, w| {
-            !w.ranks
-                .iter()
-                .all(|(worker, r)| saturated(worker, *r, threshold))
+        while let Some((class, waiter)) = q.pop_tiered_at(now, |tier, _, w| {
+            !all_saturated(&w.ranks, threshold, priority, tier)
         }) {
             self.pending[class].dec();
             if waiter.wake.send(()).is_ok() {

@@ -276,6 +276,105 @@ async fn an_interactive_arrival_preempts_a_bulk_request_before_its_first_byte() 
     shutdown.cancel();
 }
 
+/// `interactive` reserves half of the capacity (`reserved_per_slot: 0.5` of one rank's 64
+/// slots), nothing else reserves: a `default` request sees half the threshold, an
+/// `interactive` one all of it.
+const RESERVING_FILE: &str = "\
+classes:
+  system:
+    reserved_floor: 0
+  interactive:
+    reserved_floor: 0
+    reserved_per_slot: 0.5
+    can_preempt: false
+  default:
+    reserved_per_slot: 0
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_class_takes_the_capacity_it_reserves_while_a_lower_one_waits() {
+    let shutdown = CancellationToken::new();
+    // Slowed 500x: no prompt here finishes its prefill within the test.
+    let sim = serve_sim(&["--speedup", "0.002"], &shutdown).await;
+    let file = write_file("reserving.yaml", RESERVING_FILE);
+    let argv = [
+        "kvroute",
+        "--worker-urls",
+        &sim,
+        "--policy",
+        "kv_aware",
+        // 8,192 prefill tokens; default requests see 4,096.
+        "--router-queue-threshold",
+        "1",
+        "--trust-tenant-header",
+        "--priority-scheduler-enabled",
+        "--priority-scheduler-config",
+        &file,
+        "--priority-scheduler-default-max-class",
+        "interactive",
+    ];
+    let settings = kvroute_gateway::Args::try_parse_from(argv)
+        .unwrap()
+        .into_settings()
+        .unwrap();
+    let r = TestRouter::start(settings).await;
+    let default = [("x-smg-tenant-id", "team")];
+    let prompt =
+        |seed| json!({"model": "kvroute-sim", "prompt": text(3000, seed), "max_tokens": 2});
+    // The router's count of the engine's prefill tokens, and its queue.
+    let prefill = || async {
+        let m = r.metrics().await;
+        metric_sum(&m, "kvroute_worker_active_prefill_tokens", "")
+    };
+    let pending = || async {
+        metric_value(
+            &r.metrics().await,
+            "kvroute_queue_pending",
+            r#"class="default""#,
+        )
+    };
+    // Two default prompts of 3,000 tokens go: 0, then 3,000 in prefill, under 4,096.
+    let mut tasks = Vec::new();
+    for seed in [1, 2] {
+        tasks.push(r.spawn_complete(&default, prompt(seed).to_string()));
+        wait_until_async("the default request is let go", || async {
+            prefill().await >= 3000.0 * seed as f64
+        })
+        .await;
+    }
+    // 6,000 in prefill: a third default request waits.
+    tasks.push(r.spawn_complete(&default, prompt(3).to_string()));
+    wait_until_async("the third default request waits", || async {
+        pending().await == Some(1.0)
+    })
+    .await;
+    // An interactive one, arriving after it, goes at once: 6,000 is under its 8,192.
+    let interactive = [
+        ("x-smg-tenant-id", "team"),
+        ("x-smg-priority", "interactive"),
+    ];
+    let body = json!({"model": "kvroute-sim", "prompt": text(100, 4), "max_tokens": 2});
+    tasks.push(r.spawn_complete(&interactive, body.to_string()));
+    wait_until_async("the interactive request is let go", || async {
+        prefill().await >= 6100.0
+    })
+    .await;
+    assert_eq!(
+        pending().await,
+        Some(1.0),
+        "the default request still waits: nothing left the engine's prefill"
+    );
+    assert!(
+        prefill().await < 9000.0,
+        "the third default request was let go too"
+    );
+    for t in tasks {
+        t.abort();
+    }
+    shutdown.cancel();
+    r.stop().await;
+}
+
 #[test]
 fn a_bad_priority_file_exits_2_naming_the_entry() {
     let cases = [
