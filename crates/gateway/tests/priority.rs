@@ -9,7 +9,6 @@ mod support;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use clap::Parser;
 use futures_util::FutureExt;
 use serde_json::{json, Value};
 use support::*;
@@ -57,11 +56,7 @@ async fn router(flags: &[&str], shutdown: &CancellationToken) -> TestRouter {
         &file,
     ]);
     argv.extend_from_slice(flags);
-    let settings = kvroute_gateway::Args::try_parse_from(argv)
-        .unwrap()
-        .into_settings()
-        .unwrap();
-    TestRouter::start(settings).await
+    TestRouter::from_flags(&argv[1..]).await
 }
 
 /// A long completion (3,000 prompt tokens), unique by `seed`, with `extra` fields.
@@ -236,11 +231,7 @@ async fn an_interactive_arrival_preempts_a_bulk_request_before_its_first_byte() 
         "--priority-scheduler-default-max-class",
         "interactive",
     ];
-    let settings = kvroute_gateway::Args::try_parse_from(argv)
-        .unwrap()
-        .into_settings()
-        .unwrap();
-    let r = TestRouter::start(settings).await;
+    let r = TestRouter::from_flags(&argv[1..]).await;
     let bulk = [("x-smg-tenant-id", "batch"), ("x-smg-priority", "bulk")];
     let body = json!({"model": "kvroute-sim", "prompt": text(3000, 1), "max_tokens": 8000});
     let victim = r.spawn_complete(&bulk, body.to_string());
@@ -313,11 +304,7 @@ async fn a_higher_class_takes_the_capacity_it_reserves_while_a_lower_one_waits()
         "--priority-scheduler-default-max-class",
         "interactive",
     ];
-    let settings = kvroute_gateway::Args::try_parse_from(argv)
-        .unwrap()
-        .into_settings()
-        .unwrap();
-    let r = TestRouter::start(settings).await;
+    let r = TestRouter::from_flags(&argv[1..]).await;
     let default = [("x-smg-tenant-id", "team")];
     let prompt =
         |seed| json!({"model": "kvroute-sim", "prompt": text(3000, seed), "max_tokens": 2});

@@ -9,7 +9,6 @@
 
 mod support;
 
-use clap::Parser;
 use http::StatusCode;
 use http_body_util::BodyExt;
 use serde_json::json;
@@ -44,11 +43,7 @@ async fn router_with(yaml: &str, sims: &[String], more: &[&str]) -> TestRouter {
         file,
     ]);
     argv.extend_from_slice(more);
-    let settings = kvroute_gateway::Args::try_parse_from(argv)
-        .unwrap()
-        .into_settings()
-        .unwrap();
-    TestRouter::start(settings).await
+    TestRouter::from_flags(&argv[1..]).await
 }
 
 fn ask(model: &str, max_tokens: u64) -> String {

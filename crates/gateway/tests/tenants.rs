@@ -6,7 +6,6 @@
 
 mod support;
 
-use clap::Parser;
 use http::{Method, StatusCode};
 use serde_json::json;
 use support::*;
@@ -14,11 +13,7 @@ use support::*;
 async fn router(flags: &[&str]) -> TestRouter {
     let mut argv = vec!["kvroute"];
     argv.extend_from_slice(flags);
-    let settings = kvroute_gateway::Args::try_parse_from(argv)
-        .unwrap()
-        .into_settings()
-        .unwrap();
-    TestRouter::start(settings).await
+    TestRouter::from_flags(&argv[1..]).await
 }
 
 async fn infer(router: &TestRouter, headers: &[(&str, &str)]) -> Reply {

@@ -118,6 +118,17 @@ impl TestRouter {
         }
     }
 
+    /// A router started from `flags`, as the binary parses its command line (without the
+    /// program's name; no config file).
+    pub async fn from_flags(flags: &[&str]) -> TestRouter {
+        let argv = std::iter::once("kvroute").chain(flags.iter().copied());
+        let settings = <kvroute_gateway::Args as clap::Parser>::try_parse_from(argv)
+            .unwrap()
+            .into_settings()
+            .unwrap();
+        TestRouter::start(settings).await
+    }
+
     pub async fn stop(self) {
         self.shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(20), self.task)
