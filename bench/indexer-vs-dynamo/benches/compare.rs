@@ -10,6 +10,10 @@
 //! conversations stored then removed, so each iteration ends where it began) and `hit`,
 //! `system`, `miss` queries (time per query, cycling through 1,024). Throughput is in block
 //! events. Structures, each driven as Dynamo's own code drives it:
+//! - `Dynamo tokens_hash`: not an index, the cost of the local hashes Dynamo's event path
+//!   computes from the tokens before its indexer sees an event (KvIndex hashes the tokens
+//!   itself, inside `apply_stored`); add it to Dynamo's build and churn rows for a like-for-like
+//!   comparison;
 //! - `KvIndex` (kvroute, one thread);
 //! - `RadixTree` (Dynamo's single-threaded tree, `apply_event` / `find_matches`);
 //! - `PositionalIndexer` alone (`apply_event` with its worker-blocks map, on this thread);
@@ -75,6 +79,36 @@ trait Subject {
     fn apply(&mut self, events: Events<'_>);
     /// Blocks matched by the best replica (so the answer is used).
     fn query(&self, kv: &[BlockHash], dynamo: &[LocalBlockHash]) -> u32;
+    /// Whether it answers queries (the hashing row does not).
+    fn answers(&self) -> bool {
+        true
+    }
+}
+
+/// Not an index: Dynamo's `tokens_hash` of every stored block, which its event path computes
+/// before the indexer sees the event (KvIndex hashes tokens inside `apply_stored`), so that a
+/// reader can add it to Dynamo's rows.
+struct Hashing;
+
+impl Subject for Hashing {
+    fn name(&self) -> String {
+        "Dynamo tokens_hash".into()
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        let stored = match events {
+            Events::Build(load, _) => &load.build,
+            Events::Churn(load, _) => &load.churn,
+        };
+        for s in stored {
+            black_box(local_hashes(black_box(&s.tokens), BS as u32));
+        }
+    }
+    fn query(&self, _: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
+        0
+    }
+    fn answers(&self) -> bool {
+        false
+    }
 }
 
 /// The same events in both forms; each subject reads its own.
@@ -251,6 +285,7 @@ impl<T: SyncIndexer> Subject for Pool<T> {
 fn subjects() -> Vec<Box<dyn Fn() -> Box<dyn Subject>>> {
     vec![
         Box::new(|| Box::new(Kv(KvIndex::new(BS)))),
+        Box::new(|| Box::new(Hashing)),
         Box::new(|| Box::new(Radix(RadixTree::new()))),
         Box::new(|| {
             Box::new(Positional {
@@ -305,6 +340,10 @@ fn compare(c: &mut Criterion) {
             b.iter(|| full.apply(Events::Churn(&load, &dynamo.churn)))
         });
         group.throughput(Throughput::Elements(1));
+        if !full.answers() {
+            group.finish();
+            continue;
+        }
         for (kind, kv, dy) in [
             ("hit", &load.hit, &dynamo.hit),
             ("system", &load.system, &dynamo.system),
