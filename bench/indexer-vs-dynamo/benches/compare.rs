@@ -56,7 +56,13 @@ fn convert(load: &Workload) -> Dyn {
     let hashes = |h: &[kvroute_index::EngineHash]| h.iter().map(|h| h.0).collect::<Vec<_>>();
     let mut stored = |s: &workload::Stored| {
         let parent = s.parent.map(|p| p.0);
-        c.stored(u64::from(s.replica.0), parent, &hashes(&s.hashes), &s.tokens, BS as u32)
+        c.stored(
+            u64::from(s.replica.0),
+            parent,
+            &hashes(&s.hashes),
+            &s.tokens,
+            BS as u32,
+        )
     };
     let build = load.build.iter().map(&mut stored).collect();
     let mut churn: Vec<RouterEvent> = load.churn.iter().map(&mut stored).collect();
@@ -143,7 +149,12 @@ fn dynamo_events<'a>(events: Events<'a>) -> &'a [RouterEvent] {
 }
 
 fn best(scores: &OverlapScores) -> u32 {
-    scores.scores.iter().map(|(_, c)| c.total()).max().unwrap_or(0)
+    scores
+        .scores
+        .iter()
+        .map(|(_, c)| c.total())
+        .max()
+        .unwrap_or(0)
 }
 
 fn dyn_best(scores: &dynamo_kv_router::protocols::OverlapScores) -> u32 {
@@ -356,8 +367,13 @@ fn compare(c: &mut Criterion) {
                     black_box(full.query(black_box(&kv[i]), black_box(&dy[i])))
                 })
             });
-            let matched: u64 = (0..kv.len()).map(|i| u64::from(full.query(&kv[i], &dy[i]))).sum();
-            eprintln!("{name}: {kind} best match {:.1} blocks on average", matched as f64 / kv.len() as f64);
+            let matched: u64 = (0..kv.len())
+                .map(|i| u64::from(full.query(&kv[i], &dy[i])))
+                .sum();
+            eprintln!(
+                "{name}: {kind} best match {:.1} blocks on average",
+                matched as f64 / kv.len() as f64
+            );
         }
         group.finish();
     }

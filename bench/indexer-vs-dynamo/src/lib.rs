@@ -12,8 +12,8 @@ use std::collections::HashMap;
 
 use dynamo_kv_router::protocols::{
     compute_block_hash_for_seq, compute_next_seq_hash, compute_seq_hash_for_block,
-    BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData,
-    KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
+    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
 };
 
 /// Dynamo's local hashes of whole blocks of `tokens`.
@@ -77,7 +77,10 @@ impl Converter {
             .filter_map(|h| self.seq.get(h))
             .map(|(seq, _)| ExternalSequenceBlockHash(*seq))
             .collect();
-        self.event(worker, KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }))
+        self.event(
+            worker,
+            KvCacheEventData::Removed(KvCacheRemoveData { block_hashes }),
+        )
     }
 
     fn event(&mut self, worker: u64, data: KvCacheEventData) -> RouterEvent {

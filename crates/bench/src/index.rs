@@ -95,7 +95,8 @@ impl IndexArgs {
 /// Writes the synthetic workload as a replay file: one line per event; returns the lines.
 pub fn write_synthetic(path: &PathBuf, blocks: usize, seed: u64) -> anyhow::Result<usize> {
     let load = workload::build(blocks, seed);
-    let mut out = BufWriter::new(File::create(path).with_context(|| format!("{}", path.display()))?);
+    let mut out =
+        BufWriter::new(File::create(path).with_context(|| format!("{}", path.display()))?);
     let mut lines = 0;
     for stored in load.build.iter().chain(&load.churn) {
         let event = events::stored_event(stored.parent, &stored.hashes, &stored.tokens);
@@ -181,7 +182,11 @@ fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize
         index.memory_bytes() as f64 / (1 << 20) as f64,
     );
     if !during.is_empty() {
-        println!("  hit during ingest ({} queries) {}", during.len(), percentiles(during));
+        println!(
+            "  hit during ingest ({} queries) {}",
+            during.len(),
+            percentiles(during)
+        );
     }
     for (kind, list) in [("hit", &queries.hit), ("miss", &queries.miss)] {
         let times = time_queries(|q| index.find_matches(q), list, 5);

@@ -43,10 +43,19 @@ fn a_small_file_gives_the_matches_it_describes() {
     );
     assert_eq!(drawn.hit_tokens[2][..48], tokens[..]);
     assert_eq!(drawn.hit[2].len(), queries::QUERY_BLOCKS);
-    assert_eq!(index.find_matches(&drawn.hit[2]).get(ReplicaId(0)), device(3));
-    assert_eq!(index.find_matches(&drawn.hit[1]).get(ReplicaId(1)), device(1));
+    assert_eq!(
+        index.find_matches(&drawn.hit[2]).get(ReplicaId(0)),
+        device(3)
+    );
+    assert_eq!(
+        index.find_matches(&drawn.hit[1]).get(ReplicaId(1)),
+        device(1)
+    );
     assert_eq!(drawn.miss.len(), 8);
-    assert!(drawn.miss.iter().all(|q| index.find_matches(q).scores.is_empty()));
+    assert!(drawn
+        .miss
+        .iter()
+        .all(|q| index.find_matches(q).scores.is_empty()));
 }
 
 #[test]
@@ -74,5 +83,8 @@ fn the_synthetic_file_replays_as_the_reference_model_says() {
         whole += usize::from(held * 16 == *tokens);
     }
     assert!(whole > 0, "some queries match their whole prefix");
-    assert!(drawn.miss.iter().all(|q| index.find_matches(q).scores.is_empty()));
+    assert!(drawn
+        .miss
+        .iter()
+        .all(|q| index.find_matches(q).scores.is_empty()));
 }
