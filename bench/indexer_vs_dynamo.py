@@ -56,8 +56,8 @@ def criterion(root):
             else:
                 cells.append(f"{'-':>14}")
         print(f"{group:<20} " + " ".join(cells))
-    print("(x): KvIndex's figure over the row's: events/s as KvIndex/row, latency as KvIndex/row;"
-          " below 1 means KvIndex is slower, above 1 faster)")
+    print("(x) = KvIndex's figure / the row's: for events/s below 1 means KvIndex is slower;"
+          " for latency (mean µs per query) above 1 means KvIndex is slower")
 
 
 def read(path):

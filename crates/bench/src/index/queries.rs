@@ -73,10 +73,7 @@ fn chain(
     mut cursor: (usize, usize),
 ) -> Vec<u32> {
     let mut blocks: Vec<&[u32]> = Vec::new();
-    loop {
-        let Op::Stored(s) = &replay.ops[cursor.0] else {
-            break;
-        };
+    while let Op::Stored(s) = &replay.ops[cursor.0] {
         let tokens = &s.tokens[cursor.1 * s.block_size..(cursor.1 + 1) * s.block_size];
         blocks.push(tokens);
         let parent = match cursor.1 {
