@@ -23,7 +23,7 @@ export CARGO_INCREMENTAL=0
 echo "== $(date -u +%F) BLOCKS=$BLOCKS; outputs in $OUT"
 if [ -z "${SKIP_CRITERION:-}" ]; then
   (cd "$ROOT/bench/indexer-vs-dynamo" && BLOCKS=$BLOCKS cargo bench --bench compare 2>&1) \
-    | tee "$OUT/criterion.txt" | grep -E "^[A-Za-z+0-9 ]+/|time:|thrpt:|workload|best match" || true
+    | tee "$OUT/criterion.txt" | grep -E "^[A-Za-z+0-9 ]+\/|time:|thrpt:|workload|best match|alongside" || true
   echo "== criterion, mean per iteration (bench/indexer-vs-dynamo/target/criterion)"
   python3 "$ROOT/bench/indexer_vs_dynamo.py" criterion "$ROOT/bench/indexer-vs-dynamo/target/criterion"
 fi

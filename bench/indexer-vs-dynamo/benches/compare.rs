@@ -23,6 +23,11 @@
 //! - `Positional+TP2`: the `PositionalIndexer` in `ThreadPoolIndexer` with 2 threads;
 //! - `KvIndex x2`: kvroute sharded by replica over 2 threads (a `KvIndex` per shard behind a
 //!   read-write lock; queries read both shards).
+//!
+//! Then, once each, not as criterion figures (`ALONGSIDE=0` skips them): `KvIndex x2`,
+//! `CRTC+TP2` and `Positional+TP2`, at full size, apply the churn events 20 times while this
+//! thread runs hit queries alongside; `alongside:` lines give the rate and the queries' p50 /
+//! p99.
 
 use std::hint::black_box;
 use std::sync::RwLock;
@@ -178,35 +183,43 @@ impl Subject for Kv {
 /// kvroute sharded by replica over N threads.
 struct KvShards(Vec<RwLock<KvIndex>>);
 
-impl Subject for KvShards {
-    fn name(&self) -> String {
-        format!("KvIndex x{}", self.0.len())
-    }
-    fn apply(&mut self, events: Events<'_>) {
+impl KvShards {
+    /// Each shard's events on a thread of its own, each event under the shard's write lock
+    /// (so a query waits for one event at most).
+    fn ingest(&self, events: Events<'_>) {
         let n = self.0.len();
         std::thread::scope(|scope| {
             for (i, shard) in self.0.iter().enumerate() {
                 scope.spawn(move || {
-                    let mut index = shard.write().expect("no panic");
+                    let index = || shard.write().expect("no panic");
                     let mine = |r: kvroute_index::ReplicaId| r.0 as usize % n == i;
                     match events {
                         Events::Build(load, _) => {
                             for s in load.build.iter().filter(|s| mine(s.replica)) {
-                                index.apply_stored(s.replica, &s.event()).expect("valid");
+                                index().apply_stored(s.replica, &s.event()).expect("valid");
                             }
                         }
                         Events::Churn(load, _) => {
                             for s in load.churn.iter().filter(|s| mine(s.replica)) {
-                                index.apply_stored(s.replica, &s.event()).expect("valid");
+                                index().apply_stored(s.replica, &s.event()).expect("valid");
                             }
                             for (r, hashes) in load.churn_removed.iter().filter(|(r, _)| mine(*r)) {
-                                index.apply_removed(*r, StorageTier::Device, hashes);
+                                index().apply_removed(*r, StorageTier::Device, hashes);
                             }
                         }
                     }
                 });
             }
         });
+    }
+}
+
+impl Subject for KvShards {
+    fn name(&self) -> String {
+        format!("KvIndex x{}", self.0.len())
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        self.ingest(events);
     }
     fn query(&self, kv: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
         self.0
@@ -278,15 +291,21 @@ impl<T: SyncIndexer> Pool<T> {
     }
 }
 
+impl<T: SyncIndexer> Pool<T> {
+    fn ingest(&self, events: Events<'_>) {
+        for e in dynamo_events(events) {
+            self.pool.enqueue_event(e.clone()).expect("pool running");
+        }
+        self.runtime.block_on(self.pool.flush());
+    }
+}
+
 impl<T: SyncIndexer> Subject for Pool<T> {
     fn name(&self) -> String {
         format!("{}+TP{}", self.name, self.threads)
     }
     fn apply(&mut self, events: Events<'_>) {
-        for e in dynamo_events(events) {
-            self.pool.enqueue_event(e.clone()).expect("pool running");
-        }
-        self.runtime.block_on(self.pool.flush());
+        self.ingest(events);
     }
     fn query(&self, _: &[BlockHash], dynamo: &[LocalBlockHash]) -> u32 {
         dyn_best(&self.pool.backend().find_matches(dynamo, false))
@@ -377,6 +396,83 @@ fn compare(c: &mut Criterion) {
         }
         group.finish();
     }
+    if std::env::var("ALONGSIDE").map_or(true, |v| v != "0") {
+        alongside(&load, &dynamo);
+    }
+}
+
+/// At full size, the churn events applied 20 times on 2 threads with hit queries running
+/// alongside on this thread, once each (not a criterion figure): block events/s and the
+/// queries' p50 / p99 while the writers run.
+fn alongside(load: &Workload, dynamo: &Dyn) {
+    let kv = KvShards((0..2).map(|_| RwLock::new(KvIndex::new(BS))).collect());
+    run_alongside(
+        "KvIndex x2",
+        load,
+        dynamo,
+        |e| kv.ingest(e),
+        |k, _| kv.query(k, &[]),
+    );
+    let crtc = Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 2);
+    run_alongside(
+        "CRTC+TP2",
+        load,
+        dynamo,
+        |e| crtc.ingest(e),
+        |_, d| dyn_best(&crtc.pool.backend().find_matches(d, false)),
+    );
+    let positional = Pool::new("Positional", PositionalIndexer::new(32), 2);
+    run_alongside(
+        "Positional+TP2",
+        load,
+        dynamo,
+        |e| positional.ingest(e),
+        |_, d| dyn_best(&positional.pool.backend().find_matches(d, false)),
+    );
+}
+
+fn run_alongside(
+    name: &str,
+    load: &Workload,
+    dynamo: &Dyn,
+    ingest: impl Fn(Events<'_>) + Sync,
+    query: impl Fn(&[BlockHash], &[LocalBlockHash]) -> u32,
+) {
+    const ROUNDS: usize = 20;
+    ingest(Events::Build(load, &dynamo.build));
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let mut times = Vec::new();
+    let start = std::time::Instant::now();
+    let elapsed = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            for _ in 0..ROUNDS {
+                ingest(Events::Churn(load, &dynamo.churn));
+            }
+            let elapsed = start.elapsed();
+            done.store(true, std::sync::atomic::Ordering::Release);
+            elapsed
+        });
+        let mut i = 0;
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            i = (i + 389) % load.hit.len();
+            let t = std::time::Instant::now();
+            black_box(query(&load.hit[i], &dynamo.hit[i]));
+            times.push(t.elapsed());
+        }
+        writer.join().expect("writer")
+    });
+    if times.is_empty() {
+        return;
+    }
+    times.sort_unstable();
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    eprintln!(
+        "alongside: {name}: churn at full size {:.2} M block events/s with {} hit queries alongside: p50 {:.2?} p99 {:.2?}",
+        (ROUNDS * 2 * load.churn_blocks) as f64 / elapsed.as_secs_f64() / 1e6,
+        times.len(),
+        at(0.5),
+        at(0.99)
+    );
 }
 
 criterion_group!(benches, compare);
