@@ -355,7 +355,7 @@ fn compare(c: &mut Criterion) {
         group.throughput(Throughput::Elements(load.build_blocks as u64));
         group.bench_function("build", |b| {
             b.iter_batched(
-                || make(),
+                &make,
                 |mut s| {
                     s.apply(Events::Build(&load, &dynamo.build));
                     s
