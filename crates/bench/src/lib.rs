@@ -8,10 +8,12 @@
 //! ([`simulate::reference`]: each request alone on an idle engine with what one LRU cache of
 //! the cluster's capacity would hold) and SLO goodput ([`goodput`]: the highest rate at which
 //! a simulated cluster meets a latency objective, by bisection); the tables printed ([`report`]) and the commands that print them ([`commands`]); runs at
-//! several loads gathered for the TTFT-against-load figure ([`sweep`]).
+//! several loads gathered for the TTFT-against-load figure ([`sweep`]); KV-event replay
+//! against the indexer ([`index`]).
 
 pub mod commands;
 pub mod goodput;
+pub mod index;
 pub mod plot;
 pub mod replay;
 pub mod report;

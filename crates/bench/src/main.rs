@@ -335,6 +335,8 @@ enum Command {
     /// A trace or a synthetic workload replayed in real time against an OpenAI-compatible
     /// endpoint, streaming.
     Replay(ReplayArgs),
+    /// KV events from a file replayed against the indexer: events/s, query latency, memory.
+    Index(kvroute_bench::index::IndexArgs),
     /// A trace or a synthetic workload through the real routing core and N simulated engines,
     /// in virtual time.
     Simulate {
@@ -401,6 +403,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Replay(args) => args.run()?,
+        Command::Index(args) => args.run()?,
         Command::Simulate {
             cluster,
             rate_scale,
@@ -644,7 +647,9 @@ mod tests {
                 .command
             {
                 Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => cluster,
-                Command::Replay(_) | Command::PlotLoad { .. } => panic!("not a simulation"),
+                Command::Replay(_) | Command::Index(_) | Command::PlotLoad { .. } => {
+                    panic!("not a simulation")
+                }
             };
             // The queue's flags are refused before the trace is read.
             let setup = cluster.setup("simulate").map(|_| ());

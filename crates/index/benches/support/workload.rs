@@ -55,6 +55,10 @@ pub struct Workload {
     pub hit: Vec<Vec<BlockHash>>,
     pub system: Vec<Vec<BlockHash>>,
     pub miss: Vec<Vec<BlockHash>>,
+    /// The tokens of `hit`, `system` and `miss` (for indexers that hash blocks their own way).
+    pub hit_tokens: Vec<Vec<u32>>,
+    pub system_tokens: Vec<Vec<u32>>,
+    pub miss_tokens: Vec<Vec<u32>>,
     /// Conversations stored then removed again (`churn_removed`): a steady state.
     pub churn: Vec<Stored>,
     pub churn_removed: Vec<(ReplicaId, Vec<EngineHash>)>,
@@ -97,11 +101,16 @@ fn events(
     hashes.len() - from
 }
 
-fn query(rng: &mut SmallRng, prefix: &[u32]) -> Vec<BlockHash> {
+/// A query's tokens: `prefix` (at most `QUERY_BLOCKS` blocks of it) then new tokens.
+fn query(rng: &mut SmallRng, prefix: &[u32]) -> Vec<u32> {
     let mut tokens = prefix[..prefix.len().min(QUERY_BLOCKS * BS)].to_vec();
     let rest = QUERY_BLOCKS - tokens.len() / BS;
     tokens.extend(random_tokens(rng, rest));
-    block_hashes(&tokens, BS, 0)
+    tokens
+}
+
+fn hashed(queries: &[Vec<u32>]) -> Vec<Vec<BlockHash>> {
+    queries.iter().map(|t| block_hashes(t, BS, 0)).collect()
 }
 
 /// Conversations continuing the system prompts replicas hold, until `blocks` blocks.
@@ -180,16 +189,16 @@ pub fn build(target_blocks: usize, seed: u64) -> Workload {
             seen += 1;
         },
     );
-    let hit = samples
+    let hit_tokens: Vec<Vec<u32>> = samples
         .iter()
         .take(QUERIES)
         .map(|t| query(&mut rng, t))
         .collect();
     drop(samples);
-    let system = (0..QUERIES)
+    let system_tokens: Vec<Vec<u32>> = (0..QUERIES)
         .map(|i| query(&mut rng, &systems[i % SYSTEM_PROMPTS]))
         .collect();
-    let miss = (0..QUERIES).map(|_| query(&mut rng, &[])).collect();
+    let miss_tokens: Vec<Vec<u32>> = (0..QUERIES).map(|_| query(&mut rng, &[])).collect();
     let mut churn = Vec::new();
     let mut churn_removed = Vec::new();
     // Conversations stored then removed, newest block first (engines evict leaves first).
@@ -208,9 +217,12 @@ pub fn build(target_blocks: usize, seed: u64) -> Workload {
     Workload {
         build,
         build_blocks,
-        hit,
-        system,
-        miss,
+        hit: hashed(&hit_tokens),
+        system: hashed(&system_tokens),
+        miss: hashed(&miss_tokens),
+        hit_tokens,
+        system_tokens,
+        miss_tokens,
         churn,
         churn_removed,
         churn_blocks,

@@ -1,0 +1,479 @@
+//! kvroute's `KvIndex` beside dynamo-kv-router 1.6.1's indexers, on the same events and
+//! queries (query_latency's workload: 64 replicas, system prompts and conversations, 512-block
+//! queries; `BLOCKS` distinct blocks, 1,000,000 by default), in one criterion run:
+//!
+//! ```text
+//! cd bench/indexer-vs-dynamo && BLOCKS=1000000 cargo bench --bench compare
+//! ```
+//!
+//! Per structure: `build` (every build event on an empty index), `churn` (at full size,
+//! conversations stored then removed, so each iteration ends where it began) and `hit`,
+//! `system`, `miss` queries (time per query, cycling through 1,024). Throughput is in block
+//! events. Structures, each driven as Dynamo's own code drives it:
+//! - `Dynamo tokens_hash`: not an index, the cost of the local hashes Dynamo's event path
+//!   computes from the tokens before its indexer sees an event (KvIndex hashes the tokens
+//!   itself, inside `apply_stored`); add it to Dynamo's build and churn rows for a like-for-like
+//!   comparison;
+//! - `KvIndex` (kvroute, one thread);
+//! - `RadixTree` (Dynamo's single-threaded tree, `apply_event` / `find_matches`);
+//! - `PositionalIndexer` alone (`apply_event` with its worker-blocks map, on this thread);
+//! - `CRTC+TP1`, `CRTC+TP2`: `ConcurrentRadixTreeCompressed` in `ThreadPoolIndexer` with 1 and
+//!   2 threads (its events are applied only by a pool thread's loop: `enqueue_event`, then
+//!   `flush`; queries run inline on the caller, as the pool does);
+//! - `Positional+TP2`: the `PositionalIndexer` in `ThreadPoolIndexer` with 2 threads;
+//! - `KvIndex x2`: kvroute sharded by replica over 2 threads (a `KvIndex` per shard behind a
+//!   read-write lock; queries read both shards).
+//!
+//! Then, once each, not as criterion figures (`ALONGSIDE=0` skips them): `KvIndex x2`,
+//! `CRTC+TP2` and `Positional+TP2`, at full size, apply the churn events 20 times while this
+//! thread runs hit queries alongside; `alongside:` lines give the rate and the queries' p50 /
+//! p99.
+
+use std::hint::black_box;
+use std::sync::RwLock;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use dynamo_kv_router::indexer::{
+    concurrent_radix_tree_compressed::ConcurrentRadixTreeCompressed, positional::PositionalIndexer,
+    RadixTree, SyncIndexer, ThreadPoolIndexer,
+};
+use dynamo_kv_router::protocols::{LocalBlockHash, RouterEvent};
+use indexer_vs_dynamo::{local_hashes, Converter};
+use kvroute_index::{BlockHash, KvIndex, KvIndexer, OverlapScores, StorageTier};
+
+#[path = "../../../crates/index/benches/support/workload.rs"]
+mod workload;
+
+use workload::{Workload, BS};
+
+/// The workload in Dynamo's form.
+struct Dyn {
+    build: Vec<RouterEvent>,
+    churn: Vec<RouterEvent>,
+    hit: Vec<Vec<LocalBlockHash>>,
+    system: Vec<Vec<LocalBlockHash>>,
+    miss: Vec<Vec<LocalBlockHash>>,
+}
+
+fn convert(load: &Workload) -> Dyn {
+    let mut c = Converter::default();
+    let hashes = |h: &[kvroute_index::EngineHash]| h.iter().map(|h| h.0).collect::<Vec<_>>();
+    let mut stored = |s: &workload::Stored| {
+        let parent = s.parent.map(|p| p.0);
+        c.stored(
+            u64::from(s.replica.0),
+            parent,
+            &hashes(&s.hashes),
+            &s.tokens,
+            BS as u32,
+        )
+    };
+    let build = load.build.iter().map(&mut stored).collect();
+    let mut churn: Vec<RouterEvent> = load.churn.iter().map(&mut stored).collect();
+    for (replica, removed) in &load.churn_removed {
+        churn.push(c.removed(u64::from(replica.0), &hashes(removed)));
+    }
+    let locals = |qs: &[Vec<u32>]| qs.iter().map(|t| local_hashes(t, BS as u32)).collect();
+    Dyn {
+        build,
+        churn,
+        hit: locals(&load.hit_tokens),
+        system: locals(&load.system_tokens),
+        miss: locals(&load.miss_tokens),
+    }
+}
+
+/// One indexer under test, at full size once built.
+trait Subject {
+    fn name(&self) -> String;
+    fn apply(&mut self, events: Events<'_>);
+    /// Blocks matched by the best replica (so the answer is used).
+    fn query(&self, kv: &[BlockHash], dynamo: &[LocalBlockHash]) -> u32;
+    /// Whether it answers queries (the hashing row does not).
+    fn answers(&self) -> bool {
+        true
+    }
+}
+
+/// Not an index: Dynamo's `tokens_hash` of every stored block, which its event path computes
+/// before the indexer sees the event (KvIndex hashes tokens inside `apply_stored`), so that a
+/// reader can add it to Dynamo's rows.
+struct Hashing;
+
+impl Subject for Hashing {
+    fn name(&self) -> String {
+        "Dynamo tokens_hash".into()
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        let stored = match events {
+            Events::Build(load, _) => &load.build,
+            Events::Churn(load, _) => &load.churn,
+        };
+        for s in stored {
+            black_box(local_hashes(black_box(&s.tokens), BS as u32));
+        }
+    }
+    fn query(&self, _: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
+        0
+    }
+    fn answers(&self) -> bool {
+        false
+    }
+}
+
+/// The same events in both forms; each subject reads its own.
+#[derive(Clone, Copy)]
+enum Events<'a> {
+    Build(&'a Workload, &'a [RouterEvent]),
+    Churn(&'a Workload, &'a [RouterEvent]),
+}
+
+fn kv_apply(index: &mut impl KvIndexer, events: Events<'_>) {
+    match events {
+        Events::Build(load, _) => {
+            for s in &load.build {
+                index.apply_stored(s.replica, &s.event()).expect("valid");
+            }
+        }
+        Events::Churn(load, _) => {
+            for s in &load.churn {
+                index.apply_stored(s.replica, &s.event()).expect("valid");
+            }
+            for (replica, hashes) in &load.churn_removed {
+                index.apply_removed(*replica, StorageTier::Device, hashes);
+            }
+        }
+    }
+}
+
+fn dynamo_events<'a>(events: Events<'a>) -> &'a [RouterEvent] {
+    match events {
+        Events::Build(_, e) | Events::Churn(_, e) => e,
+    }
+}
+
+fn best(scores: &OverlapScores) -> u32 {
+    scores
+        .scores
+        .iter()
+        .map(|(_, c)| c.total())
+        .max()
+        .unwrap_or(0)
+}
+
+fn dyn_best(scores: &dynamo_kv_router::protocols::OverlapScores) -> u32 {
+    scores.scores.values().copied().max().unwrap_or(0)
+}
+
+struct Kv(KvIndex);
+
+impl Subject for Kv {
+    fn name(&self) -> String {
+        "KvIndex".into()
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        kv_apply(&mut self.0, events);
+    }
+    fn query(&self, kv: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
+        best(&self.0.find_matches(kv))
+    }
+}
+
+/// kvroute sharded by replica over N threads.
+struct KvShards(Vec<RwLock<KvIndex>>);
+
+impl KvShards {
+    /// Each shard's events on a thread of its own, each event under the shard's write lock
+    /// (so a query waits for one event at most).
+    fn ingest(&self, events: Events<'_>) {
+        let n = self.0.len();
+        std::thread::scope(|scope| {
+            for (i, shard) in self.0.iter().enumerate() {
+                scope.spawn(move || {
+                    let index = || shard.write().expect("no panic");
+                    let mine = |r: kvroute_index::ReplicaId| r.0 as usize % n == i;
+                    match events {
+                        Events::Build(load, _) => {
+                            for s in load.build.iter().filter(|s| mine(s.replica)) {
+                                index().apply_stored(s.replica, &s.event()).expect("valid");
+                            }
+                        }
+                        Events::Churn(load, _) => {
+                            for s in load.churn.iter().filter(|s| mine(s.replica)) {
+                                index().apply_stored(s.replica, &s.event()).expect("valid");
+                            }
+                            for (r, hashes) in load.churn_removed.iter().filter(|(r, _)| mine(*r)) {
+                                index().apply_removed(*r, StorageTier::Device, hashes);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+    }
+}
+
+impl Subject for KvShards {
+    fn name(&self) -> String {
+        format!("KvIndex x{}", self.0.len())
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        self.ingest(events);
+    }
+    fn query(&self, kv: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
+        self.0
+            .iter()
+            .map(|s| best(&s.read().expect("no panic").find_matches(kv)))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+struct Radix(RadixTree);
+
+impl Subject for Radix {
+    fn name(&self) -> String {
+        "RadixTree".into()
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        for e in dynamo_events(events) {
+            self.0.apply_event(e.clone()).expect("valid");
+        }
+    }
+    fn query(&self, _: &[BlockHash], dynamo: &[LocalBlockHash]) -> u32 {
+        dyn_best(&self.0.find_matches(dynamo.to_vec(), false))
+    }
+}
+
+struct Positional {
+    index: PositionalIndexer,
+    workers: std::collections::HashMap<
+        dynamo_kv_router::protocols::WorkerWithDpRank,
+        dynamo_kv_router::indexer::positional::LevelIndex,
+        rustc_hash::FxBuildHasher,
+    >,
+}
+
+impl Subject for Positional {
+    fn name(&self) -> String {
+        "PositionalIndexer".into()
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        for e in dynamo_events(events) {
+            self.index
+                .apply_event(&mut self.workers, e.clone(), None)
+                .expect("valid");
+        }
+    }
+    fn query(&self, _: &[BlockHash], dynamo: &[LocalBlockHash]) -> u32 {
+        dyn_best(&self.index.find_matches(dynamo, false))
+    }
+}
+
+struct Pool<T: SyncIndexer> {
+    name: &'static str,
+    pool: ThreadPoolIndexer<T>,
+    threads: usize,
+    runtime: tokio::runtime::Runtime,
+}
+
+impl<T: SyncIndexer> Pool<T> {
+    fn new(name: &'static str, backend: T, threads: usize) -> Self {
+        Self {
+            name,
+            pool: ThreadPoolIndexer::new(backend, threads, BS as u32),
+            threads,
+            runtime: tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime"),
+        }
+    }
+}
+
+impl<T: SyncIndexer> Pool<T> {
+    fn ingest(&self, events: Events<'_>) {
+        for e in dynamo_events(events) {
+            self.pool.enqueue_event(e.clone()).expect("pool running");
+        }
+        self.runtime.block_on(self.pool.flush());
+    }
+}
+
+impl<T: SyncIndexer> Subject for Pool<T> {
+    fn name(&self) -> String {
+        format!("{}+TP{}", self.name, self.threads)
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        self.ingest(events);
+    }
+    fn query(&self, _: &[BlockHash], dynamo: &[LocalBlockHash]) -> u32 {
+        dyn_best(&self.pool.backend().find_matches(dynamo, false))
+    }
+}
+
+fn subjects() -> Vec<Box<dyn Fn() -> Box<dyn Subject>>> {
+    vec![
+        Box::new(|| Box::new(Kv(KvIndex::new(BS)))),
+        Box::new(|| Box::new(Hashing)),
+        Box::new(|| Box::new(Radix(RadixTree::new()))),
+        Box::new(|| {
+            Box::new(Positional {
+                index: PositionalIndexer::new(32),
+                workers: Default::default(),
+            })
+        }),
+        Box::new(|| Box::new(Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 1))),
+        Box::new(|| Box::new(Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 2))),
+        Box::new(|| Box::new(Pool::new("Positional", PositionalIndexer::new(32), 2))),
+        Box::new(|| {
+            Box::new(KvShards(
+                (0..2).map(|_| RwLock::new(KvIndex::new(BS))).collect(),
+            ))
+        }),
+    ]
+}
+
+fn compare(c: &mut Criterion) {
+    let blocks = std::env::var("BLOCKS")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(1_000_000);
+    let load = workload::build(blocks, 7);
+    let dynamo = convert(&load);
+    let churn_blocks = 2 * load.churn_blocks as u64;
+    eprintln!(
+        "workload: {} build block events, {churn_blocks} churn block events",
+        load.build_blocks
+    );
+    for make in subjects() {
+        let name = make().name();
+        let mut group = c.benchmark_group(name.clone());
+        group.sample_size(10);
+        group.warm_up_time(Duration::from_millis(500));
+        group.measurement_time(Duration::from_secs(3));
+        group.throughput(Throughput::Elements(load.build_blocks as u64));
+        group.bench_function("build", |b| {
+            b.iter_batched(
+                &make,
+                |mut s| {
+                    s.apply(Events::Build(&load, &dynamo.build));
+                    s
+                },
+                BatchSize::PerIteration,
+            )
+        });
+        let mut full = make();
+        full.apply(Events::Build(&load, &dynamo.build));
+        group.throughput(Throughput::Elements(churn_blocks));
+        group.bench_function("churn", |b| {
+            b.iter(|| full.apply(Events::Churn(&load, &dynamo.churn)))
+        });
+        group.throughput(Throughput::Elements(1));
+        if !full.answers() {
+            group.finish();
+            continue;
+        }
+        for (kind, kv, dy) in [
+            ("hit", &load.hit, &dynamo.hit),
+            ("system", &load.system, &dynamo.system),
+            ("miss", &load.miss, &dynamo.miss),
+        ] {
+            let mut i = 0;
+            group.bench_function(kind, |b| {
+                b.iter(|| {
+                    i = (i + 389) % kv.len();
+                    black_box(full.query(black_box(&kv[i]), black_box(&dy[i])))
+                })
+            });
+            let matched: u64 = (0..kv.len())
+                .map(|i| u64::from(full.query(&kv[i], &dy[i])))
+                .sum();
+            eprintln!(
+                "{name}: {kind} best match {:.1} blocks on average",
+                matched as f64 / kv.len() as f64
+            );
+        }
+        group.finish();
+    }
+    if std::env::var("ALONGSIDE").map_or(true, |v| v != "0") {
+        alongside(&load, &dynamo);
+    }
+}
+
+/// At full size, the churn events applied 20 times on 2 threads with hit queries running
+/// alongside on this thread, once each (not a criterion figure): block events/s and the
+/// queries' p50 / p99 while the writers run.
+fn alongside(load: &Workload, dynamo: &Dyn) {
+    let kv = KvShards((0..2).map(|_| RwLock::new(KvIndex::new(BS))).collect());
+    run_alongside(
+        "KvIndex x2",
+        load,
+        dynamo,
+        |e| kv.ingest(e),
+        |k, _| kv.query(k, &[]),
+    );
+    let crtc = Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 2);
+    run_alongside(
+        "CRTC+TP2",
+        load,
+        dynamo,
+        |e| crtc.ingest(e),
+        |_, d| dyn_best(&crtc.pool.backend().find_matches(d, false)),
+    );
+    let positional = Pool::new("Positional", PositionalIndexer::new(32), 2);
+    run_alongside(
+        "Positional+TP2",
+        load,
+        dynamo,
+        |e| positional.ingest(e),
+        |_, d| dyn_best(&positional.pool.backend().find_matches(d, false)),
+    );
+}
+
+fn run_alongside(
+    name: &str,
+    load: &Workload,
+    dynamo: &Dyn,
+    ingest: impl Fn(Events<'_>) + Sync,
+    query: impl Fn(&[BlockHash], &[LocalBlockHash]) -> u32,
+) {
+    const ROUNDS: usize = 20;
+    ingest(Events::Build(load, &dynamo.build));
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let mut times = Vec::new();
+    let start = std::time::Instant::now();
+    let elapsed = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            for _ in 0..ROUNDS {
+                ingest(Events::Churn(load, &dynamo.churn));
+            }
+            let elapsed = start.elapsed();
+            done.store(true, std::sync::atomic::Ordering::Release);
+            elapsed
+        });
+        let mut i = 0;
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            i = (i + 389) % load.hit.len();
+            let t = std::time::Instant::now();
+            black_box(query(&load.hit[i], &dynamo.hit[i]));
+            times.push(t.elapsed());
+        }
+        writer.join().expect("writer")
+    });
+    if times.is_empty() {
+        return;
+    }
+    times.sort_unstable();
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    eprintln!(
+        "alongside: {name}: churn at full size {:.2} M block events/s with {} hit queries alongside: p50 {:.2?} p99 {:.2?}",
+        (ROUNDS * 2 * load.churn_blocks) as f64 / elapsed.as_secs_f64() / 1e6,
+        times.len(),
+        at(0.5),
+        at(0.99)
+    );
+}
+
+criterion_group!(benches, compare);
+criterion_main!(benches);

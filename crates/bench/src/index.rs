@@ -1,0 +1,234 @@
+//! `kvroute-bench index`: replays a file of KV events ([`events`]) against the indexer and
+//! prints block events per second, query latency percentiles and memory per block, for one
+//! ingest thread (one [`KvIndex`]) and for N ([`shards`]: sharded by replica, with hit queries
+//! timed while the writers run). It also writes such a file from the synthetic workload of
+//! `kvroute-index`'s `query_latency` example (`--write`).
+
+use std::fs::File;
+use std::hint::black_box;
+use std::io::{BufReader, BufWriter};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use kvroute_index::{BlockHash, KvIndex, KvIndexer, OverlapScores};
+
+pub mod events;
+pub mod queries;
+pub mod shards;
+
+#[path = "../../index/benches/support/workload.rs"]
+mod workload;
+
+use events::{Op, Replay};
+use queries::Queries;
+use shards::Shards;
+
+/// `kvroute-bench index`'s flags.
+#[derive(Debug, Args)]
+pub struct IndexArgs {
+    /// The replay file: JSON lines `{"worker": ID, "dp_rank": R, "events": [...]}`.
+    #[arg(value_name = "FILE.jsonl", required_unless_present = "write")]
+    pub file: Option<PathBuf>,
+    /// Write the synthetic workload of `query_latency` (build, then churn: conversations
+    /// stored and removed again) to this file, and stop.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub write: Option<PathBuf>,
+    /// With --write: distinct blocks the workload builds.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub blocks: usize,
+    /// The router's block size.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Ingest thread counts to measure, each on a fresh index.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub threads: Vec<usize>,
+    /// Hit and miss queries drawn from the file.
+    #[arg(long, default_value_t = 1024)]
+    pub queries: usize,
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+}
+
+impl IndexArgs {
+    pub fn run(&self) -> anyhow::Result<()> {
+        if let Some(path) = &self.write {
+            let lines = write_synthetic(path, self.blocks, self.seed)?;
+            println!("wrote {lines} lines to {}", path.display());
+            return Ok(());
+        }
+        let path = self.file.as_ref().context("a replay file")?;
+        let start = Instant::now();
+        let file = File::open(path).with_context(|| format!("{}", path.display()))?;
+        let replay = events::read(BufReader::new(file))?;
+        let queries = queries::derive(&replay, self.block_size, self.queries, self.seed);
+        println!(
+            "{}: {} events, {} block events, {} replicas; {} hit and {} miss queries of {} blocks (read in {:.1?})",
+            path.display(),
+            replay.ops.len(),
+            replay.block_events,
+            replay.replicas.len(),
+            queries.hit.len(),
+            queries.miss.len(),
+            queries::QUERY_BLOCKS,
+            start.elapsed()
+        );
+        let mut single = 0.0;
+        for &threads in &self.threads {
+            let rate = if threads <= 1 {
+                single_thread(&replay, &queries, self.block_size)
+            } else {
+                sharded(&replay, &queries, self.block_size, threads)
+            };
+            if threads <= 1 {
+                single = rate;
+            } else if single > 0.0 {
+                println!("  {threads} threads: {:.2}x one thread", rate / single);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes the synthetic workload as a replay file: one line per event; returns the lines.
+pub fn write_synthetic(path: &PathBuf, blocks: usize, seed: u64) -> anyhow::Result<usize> {
+    let load = workload::build(blocks, seed);
+    let mut out =
+        BufWriter::new(File::create(path).with_context(|| format!("{}", path.display()))?);
+    let mut lines = 0;
+    for stored in load.build.iter().chain(&load.churn) {
+        let event = events::stored_event(stored.parent, &stored.hashes, &stored.tokens);
+        events::write_line(&mut out, u64::from(stored.replica.0), &[event])?;
+        lines += 1;
+    }
+    for (replica, hashes) in &load.churn_removed {
+        let event = events::removed_event(hashes);
+        events::write_line(&mut out, u64::from(replica.0), &[event])?;
+        lines += 1;
+    }
+    std::io::Write::flush(&mut out)?;
+    Ok(lines)
+}
+
+/// Applies every event to `index`; returns the events it refused.
+pub fn replay_into<I: KvIndexer>(index: &mut I, replay: &Replay) -> usize {
+    replay
+        .ops
+        .iter()
+        .filter(|op| !shards::apply(index, op))
+        .count()
+}
+
+/// One thread, one `KvIndex`; returns block events per second.
+fn single_thread(replay: &Replay, queries: &Queries, block_size: usize) -> f64 {
+    let mut index = KvIndex::new(block_size);
+    let start = Instant::now();
+    let refused = replay_into(&mut index, replay);
+    let rate = rate(replay.block_events, start.elapsed());
+    println!(
+        "1 thread: {:.2} M block events/s ({refused} refused); {} blocks, {:.1} bytes/block ({:.1} MiB)",
+        rate / 1e6,
+        index.num_blocks(),
+        index.memory_bytes() as f64 / index.num_blocks().max(1) as f64,
+        index.memory_bytes() as f64 / (1 << 20) as f64,
+    );
+    for (kind, list) in [("hit", &queries.hit), ("miss", &queries.miss)] {
+        let times = time_queries(|q| index.find_matches(q), list, 5);
+        println!("  {kind:<4} {}", percentiles(times));
+    }
+    rate
+}
+
+/// `threads` ingest threads over as many shards, hit queries timed alongside on this thread;
+/// returns block events per second.
+fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize) -> f64 {
+    let index = Shards::new(threads, block_size);
+    let mut parts: Vec<Vec<&Op>> = vec![Vec::new(); index.len()];
+    for op in &replay.ops {
+        parts[index.shard_of(op.replica())].push(op);
+    }
+    let done = AtomicBool::new(false);
+    let mut during = Vec::new();
+    let start = Instant::now();
+    let elapsed = std::thread::scope(|scope| {
+        let writers: Vec<_> = parts
+            .iter()
+            .map(|part| scope.spawn(|| part.iter().filter(|op| !index.apply(op)).count()))
+            .collect();
+        let clock = scope.spawn(|| {
+            let refused: usize = writers.into_iter().map(|w| w.join().expect("writer")).sum();
+            let elapsed = start.elapsed();
+            done.store(true, Ordering::Release);
+            (elapsed, refused)
+        });
+        let mut i = 0;
+        while !done.load(Ordering::Acquire) && !queries.hit.is_empty() {
+            let query = &queries.hit[i % queries.hit.len()];
+            let begin = Instant::now();
+            black_box(index.find_matches(black_box(query)));
+            during.push(begin.elapsed());
+            i += 1;
+        }
+        clock.join().expect("clock")
+    });
+    let (elapsed, refused) = elapsed;
+    let rate = rate(replay.block_events, elapsed);
+    println!(
+        "{threads} threads (sharded by replica): {:.2} M block events/s ({refused} refused), hit queries alongside; {} shard blocks, {:.1} MiB",
+        rate / 1e6,
+        index.num_blocks(),
+        index.memory_bytes() as f64 / (1 << 20) as f64,
+    );
+    if !during.is_empty() {
+        println!(
+            "  hit during ingest ({} queries) {}",
+            during.len(),
+            percentiles(during)
+        );
+    }
+    for (kind, list) in [("hit", &queries.hit), ("miss", &queries.miss)] {
+        let times = time_queries(|q| index.find_matches(q), list, 5);
+        println!("  {kind:<4} {}", percentiles(times));
+    }
+    rate
+}
+
+fn rate(block_events: usize, elapsed: Duration) -> f64 {
+    block_events as f64 / elapsed.as_secs_f64().max(1e-9)
+}
+
+/// Times every query `rounds` times, in a shuffled order each round.
+fn time_queries(
+    find: impl Fn(&[BlockHash]) -> OverlapScores,
+    queries: &[Vec<BlockHash>],
+    rounds: usize,
+) -> Vec<Duration> {
+    let mut times = Vec::with_capacity(queries.len() * rounds);
+    for round in 0..rounds {
+        for i in 0..queries.len() {
+            let query = &queries[(i * 389 + round * 97) % queries.len()];
+            let start = Instant::now();
+            black_box(find(black_box(query)));
+            times.push(start.elapsed());
+        }
+    }
+    times
+}
+
+/// `p50 … p90 … p99 … max …`; empty input prints dashes.
+pub fn percentiles(mut times: Vec<Duration>) -> String {
+    if times.is_empty() {
+        return "-".to_owned();
+    }
+    times.sort_unstable();
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    format!(
+        "p50 {:>9.2?}  p90 {:>9.2?}  p99 {:>9.2?}  max {:>9.2?}",
+        at(0.5),
+        at(0.9),
+        at(0.99),
+        at(1.0)
+    )
+}

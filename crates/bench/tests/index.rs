@@ -1,0 +1,90 @@
+//! `kvroute-bench index`: a replay file is read through the router's KV-event decoder and
+//! applied to the index, and the queries drawn from it match what the file says.
+
+use kvroute_bench::index::{events, queries, replay_into, write_synthetic};
+use kvroute_index::reference::ReferenceIndex;
+use kvroute_index::{block_hashes, KvIndex, KvIndexer, ReplicaId, TierCounts};
+
+fn device(blocks: u32) -> TierCounts {
+    TierCounts {
+        device: blocks,
+        ..TierCounts::default()
+    }
+}
+
+/// Worker 7 stores blocks A, B, C; worker 9 (rank 1) stores A and B, in the map form, then
+/// removes B in the positional form.
+const FILE: &str = r#"
+{"worker": 7, "dp_rank": 0, "events": [["BlockStored", [101, 102], null, [0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31], 16, null, null]]}
+{"worker": 9, "dp_rank": 1, "events": [{"type": "BlockStored", "block_hashes": [201, 202], "parent_block_hash": null, "token_ids": [0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31], "block_size": 16}]}
+{"worker": 7, "dp_rank": 0, "events": [["BlockStored", [103], 102, [32,33,34,35,36,37,38,39,40,41,42,43,44,45,46,47], 16, null, null]]}
+{"worker": 9, "dp_rank": 1, "events": [["BlockRemoved", [202], null]]}
+"#;
+
+#[test]
+fn a_small_file_gives_the_matches_it_describes() {
+    let replay = events::read(FILE.as_bytes()).unwrap();
+    assert_eq!(replay.replicas, vec![(7, 0), (9, 1)]);
+    assert_eq!(replay.ops.len(), 4);
+    assert_eq!(replay.block_events, 2 + 2 + 1 + 1);
+    let mut index = KvIndex::new(16);
+    assert_eq!(replay_into(&mut index, &replay), 0);
+    let tokens: Vec<u32> = (0..48).collect();
+    let scores = index.find_matches(&block_hashes(&tokens, 16, 0));
+    assert_eq!(
+        scores.scores,
+        vec![(ReplicaId(0), device(3)), (ReplicaId(1), device(1))]
+    );
+    // The queries drawn from it: each stored event's whole prefix, padded with new tokens.
+    let drawn = queries::derive(&replay, 16, 8, 1);
+    assert_eq!(
+        drawn.hit_source,
+        vec![(ReplicaId(0), 32), (ReplicaId(1), 32), (ReplicaId(0), 48)]
+    );
+    assert_eq!(drawn.hit_tokens[2][..48], tokens[..]);
+    assert_eq!(drawn.hit[2].len(), queries::QUERY_BLOCKS);
+    assert_eq!(
+        index.find_matches(&drawn.hit[2]).get(ReplicaId(0)),
+        device(3)
+    );
+    assert_eq!(
+        index.find_matches(&drawn.hit[1]).get(ReplicaId(1)),
+        device(1)
+    );
+    assert_eq!(drawn.miss.len(), 8);
+    assert!(drawn
+        .miss
+        .iter()
+        .all(|q| index.find_matches(q).scores.is_empty()));
+}
+
+#[test]
+fn the_synthetic_file_replays_as_the_reference_model_says() {
+    let path = std::env::temp_dir().join(format!("kvroute-index-{}.jsonl", std::process::id()));
+    let lines = write_synthetic(&path, 1, 3).unwrap();
+    let replay = events::read(std::io::BufReader::new(std::fs::File::open(&path).unwrap()));
+    std::fs::remove_file(&path).unwrap();
+    let replay = replay.unwrap();
+    assert_eq!(replay.ops.len(), lines);
+    assert_eq!(replay.replicas.len(), 64);
+    let (mut index, mut reference) = (KvIndex::new(16), ReferenceIndex::new(16));
+    assert_eq!(replay_into(&mut index, &replay), 0);
+    assert_eq!(replay_into(&mut reference, &replay), 0);
+    assert_eq!(index.num_blocks(), reference.num_blocks());
+    let drawn = queries::derive(&replay, 16, 64, 5);
+    assert_eq!(drawn.hit.len(), 64);
+    let mut whole = 0;
+    for (query, (replica, tokens)) in drawn.hit.iter().zip(&drawn.hit_source) {
+        let scores = index.find_matches(query);
+        assert_eq!(scores, reference.find_matches(query));
+        // Churn removes the conversations it stores, down to their system prompt.
+        let held = scores.get(*replica).total() as usize;
+        assert!(held > 0 && held * 16 <= *tokens);
+        whole += usize::from(held * 16 == *tokens);
+    }
+    assert!(whole > 0, "some queries match their whole prefix");
+    assert!(drawn
+        .miss
+        .iter()
+        .all(|q| index.find_matches(q).scores.is_empty()));
+}
