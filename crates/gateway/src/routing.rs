@@ -320,6 +320,7 @@ pub fn plan(
             in_flight: c.in_flight,
             kv: c.kv,
             engine: c.engine,
+            speed: None,
         })
         .collect();
     let costs = pool.policy.costs(&candidates, &request);
