@@ -32,6 +32,7 @@ mod queue;
 pub mod reference;
 mod result;
 mod route;
+mod shapes;
 mod state;
 
 use std::sync::Arc;
@@ -44,6 +45,7 @@ use crate::trace::TraceRequest;
 pub use queue::TenantFairness;
 pub use queue::{InvalidQueue, QueueConfig};
 pub use reference::{reference, Reference};
+pub use shapes::{EngineShapes, InvalidShapes};
 pub use result::{
     nearest_rank, percentiles, PdResult, Percentiles, PolicyResult, QueueResult, TenantResult,
 };
@@ -66,6 +68,8 @@ pub struct SimConfig {
     /// Each request's tenant, by its index in the trace (see [`crate::tenants`]); `None`: one
     /// tenant, and no per-tenant figures.
     pub tenants: Option<Arc<[u32]>>,
+    /// Each engine's speed and KV capacity, when they differ (see the `shapes` module).
+    pub shapes: EngineShapes,
 }
 
 /// The engines and how requests are routed over them.
