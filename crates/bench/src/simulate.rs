@@ -164,6 +164,8 @@ struct Run {
     tokens_by: Vec<u64>,
     /// The requests in the order they were routed, and when.
     routed: Vec<(RequestId, Duration)>,
+    /// Each engine's latency models as the router fitted them by the end.
+    speeds: Vec<kvroute_core::latency::FittedSpeed>,
 }
 
 fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Run {

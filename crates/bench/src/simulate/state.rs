@@ -573,6 +573,7 @@ impl<'a> State<'a> {
             engines,
             tokens_by: tally.tokens_by,
             routed: self.routed,
+            speeds: self.router.models.iter().map(|m| m.speed()).collect(),
         }
     }
 }

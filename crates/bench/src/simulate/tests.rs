@@ -1,5 +1,6 @@
 use super::*;
 
+mod hetero;
 mod queue;
 mod tenants;
 
