@@ -6,8 +6,9 @@
 //!
 //! ```text
 //! TTFT_ms       = a0 + a1 * W / 1000 + a2 * D / 100 + a3 * h(u')     (the prefill model)
-//! step_ms (ITL) = b0 + b1 * R / 100 + b2 * u                           (the decode model)
+//! step_ms (ITL) = b * g(R, u)                                          (the decode model)
 //! h(u')         = max(0, u' - 0.8) / 0.2
+//! g(R, u)       = max(1, -25.74 u^2 + 54.01 u + 5.74) + 0.1 R       (the reference step)
 //! ```
 //!
 //! `W` is the prompt tokens the rank must compute before this request's first token: those
@@ -16,25 +17,32 @@
 //! hinge `h` is 0 until 80% and 1 when full: a rank short of KV queues and preempts); `R`
 //! the sequences running at a decode step and `u` the KV utilisation then. The prefill model
 //! is fed each request's features at routing and its observed TTFT; the decode model each
-//! observed inter-token gap of a stream. `a1` (ms per thousand prompt tokens) and `b0 + b1`
-//! (a step with 100 sequences) are the rank's fitted speeds.
+//! observed inter-token gap of a stream. `a1` (ms per thousand prompt tokens) and `b` (the
+//! step over the reference engine's at the same batch and KV use) are the rank's fitted
+//! speeds. The decode model has one coefficient because its natural features (running
+//! sequences and KV use) rise together: fitted separately, their split is unidentifiable
+//! from a busy engine's steps and wandered to the bounds in a 3-coefficient fit (measured on
+//! a synthetic batch that drifts as a real one does); a speed factor over the timing
+//! model's curve is always identified.
 //!
 //! **The estimator** is recursive least squares with exponential forgetting (`lambda`
 //! 0.995: an observation's weight halves after ~140 newer ones), chosen because it is exact
-//! for a linear model, costs O(n^2) per observation for n = 3 or 4 features, needs no
+//! for a linear model, costs O(n^2) per observation for n = 1 or 4 features, needs no
 //! learning rate, and its forgetting follows a worker whose speed changes at run time. Three
 //! guards keep it bounded:
 //! - **a prior**: the coefficients start at the timing model's (a Llama-class 8B on one
-//!   H100-class GPU, `kvroute-sim`'s defaults) with covariance `P0 = 10 I`, so a new
-//!   worker predicts sensibly and a few observations move it;
+//!   H100-class GPU, `kvroute-sim`'s defaults) with covariance `P0 = I`, so a new
+//!   worker predicts sensibly and a few dozen observations move it;
 //! - **clipped residuals** (Huber-like): a residual beyond 3 robust scales `s` (an
 //!   exponential average of recent absolute residuals, each counted at most 10 s) is
 //!   clipped, so one stalled stream or a garbage timing does not move the fit far, while a
 //!   real shift in speed (every residual large) raises `s` within ~10 observations and is
 //!   followed;
 //! - **bounds**: coefficients are clamped to a physical box (no negative time per token,
-//!   nothing above minutes), and each coefficient's variance is capped so that a feature no
-//!   observation excites (the KV hinge on a roomy engine) cannot wind the covariance up.
+//!   nothing above minutes), each coefficient's variance is capped (at its prior's) so that
+//!   a feature no observation excites (the KV hinge on a roomy engine) cannot wind the
+//!   covariance up, and the covariance is kept symmetric and restarted if rounding ever
+//!   costs it its positive definiteness.
 
 /// Recursive least squares with forgetting, clipped residuals and clamped coefficients
 /// (see the module docs).
@@ -52,9 +60,9 @@ pub struct OnlineFit<const N: usize> {
 /// Forgetting factor.
 const LAMBDA: f64 = 0.995;
 /// Prior covariance, per coefficient.
-const P0: f64 = 10.0;
+const P0: f64 = 1.0;
 /// Cap on each coefficient's variance.
-const P_MAX: f64 = 1e4;
+const P_MAX: f64 = 1.0;
 /// Residuals are clipped at this many robust scales.
 const CLIP: f64 = 3.0;
 /// Weight of a new absolute residual in the robust scale.
@@ -64,10 +72,7 @@ impl<const N: usize> OnlineFit<N> {
     /// A fit starting at `prior`, kept within `[lower, upper]`; `scale` is the residual
     /// size expected at first (ms).
     pub fn new(prior: [f64; N], lower: [f64; N], upper: [f64; N], scale: f64) -> Self {
-        let mut p = [[0.0; N]; N];
-        for (i, row) in p.iter_mut().enumerate() {
-            row[i] = P0;
-        }
+        let p = Self::fresh_covariance();
         let mut theta = prior;
         for i in 0..N {
             theta[i] = theta[i].clamp(lower[i], upper[i]);
@@ -80,6 +85,14 @@ impl<const N: usize> OnlineFit<N> {
             scale: scale.max(1e-3),
             observations: 0,
         }
+    }
+
+    fn fresh_covariance() -> [[f64; N]; N] {
+        let mut p = [[0.0; N]; N];
+        for (i, row) in p.iter_mut().enumerate() {
+            row[i] = P0;
+        }
+        p
     }
 
     pub fn coefficients(&self) -> [f64; N] {
@@ -105,11 +118,14 @@ impl<const N: usize> OnlineFit<N> {
             + SCALE_ALPHA * e.abs().min(10.0 * self.scale))
         .max(1e-3);
         // k = P x / (lambda + x' P x)
-        let px: [f64; N] = std::array::from_fn(|i| dot(&self.p[i], x));
-        let denom = LAMBDA + dot(x, &px);
-        if denom <= 0.0 || !denom.is_finite() {
-            return;
+        let mut px: [f64; N] = std::array::from_fn(|i| dot(&self.p[i], x));
+        let xpx = dot(x, &px);
+        if !(xpx.is_finite() && xpx >= 0.0) {
+            // Rounding cost the covariance its positive definiteness: start it afresh.
+            self.p = Self::fresh_covariance();
+            px = std::array::from_fn(|i| dot(&self.p[i], x));
         }
+        let denom = LAMBDA + dot(x, &px);
         let k: [f64; N] = std::array::from_fn(|i| px[i] / denom);
         for i in 0..N {
             self.theta[i] = (self.theta[i] + k[i] * clipped).clamp(self.lower[i], self.upper[i]);
@@ -118,6 +134,14 @@ impl<const N: usize> OnlineFit<N> {
         for i in 0..N {
             for j in 0..N {
                 self.p[i][j] = (self.p[i][j] - k[i] * px[j]) / LAMBDA;
+            }
+        }
+        // Keep it exactly symmetric (rounding drifts it).
+        for i in 0..N {
+            for j in 0..i {
+                let m = 0.5 * (self.p[i][j] + self.p[j][i]);
+                self.p[i][j] = m;
+                self.p[j][i] = m;
             }
         }
         // A coefficient no observation excites (a feature that stays 0) would see its
@@ -173,12 +197,14 @@ pub struct DecodeFeatures {
 }
 
 impl DecodeFeatures {
-    fn x(&self) -> [f64; 3] {
-        [
-            1.0,
-            self.running.max(0.0) / 100.0,
-            self.kv_usage.clamp(0.0, 1.0),
-        ]
+    /// The reference engine's step at these features (ms): the timing model's decode curve.
+    pub fn reference_step_ms(&self) -> f64 {
+        let u = self.kv_usage.clamp(0.0, 1.0);
+        (-25.74 * u * u + 54.01 * u + 5.74).max(1.0) + 0.1 * self.running.max(0.0)
+    }
+
+    fn x(&self) -> [f64; 1] {
+        [self.reference_step_ms()]
     }
 }
 
@@ -189,8 +215,9 @@ pub struct FittedSpeed {
     /// `a0..a3`: TTFT intercept, ms per thousand tokens to compute, per hundred decoding, at
     /// a full KV cache.
     pub prefill: [f64; 4],
-    /// `b0..b2`: step intercept, ms per hundred running sequences, at a full KV cache.
-    pub decode: [f64; 3],
+    /// `b`: the rank's decode step over the reference engine's at the same batch and KV
+    /// use (2: twice as slow).
+    pub decode: f64,
     /// The mean output length of the requests answered there (an exponential average over
     /// ~100 requests; the prior: 200).
     pub output_tokens: f64,
@@ -219,7 +246,7 @@ impl FittedSpeed {
 
     /// Predicted decode step, the inter-token gap (ms).
     pub fn step_ms(&self, f: &DecodeFeatures) -> f64 {
-        dot(&self.decode, &f.x()).max(0.0)
+        self.decode * f.reference_step_ms()
     }
 }
 
@@ -227,15 +254,15 @@ impl FittedSpeed {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LatencyModel {
     prefill: OnlineFit<4>,
-    decode: OnlineFit<3>,
+    decode: OnlineFit<1>,
     output_tokens: f64,
 }
 
 impl Default for LatencyModel {
     /// The prior: the timing model's engine (`kvroute-sim`'s defaults, speed 1). Its TTFT
     /// is ~16.5 ms per step plus ~15 ms per thousand tokens, and ~22 ms per thousand once
-    /// chunks of 8,192 are full (the quadratic term); its step ~6 ms at an empty cache,
-    /// 0.1 ms per sequence, ~30 ms more when full.
+    /// chunks of 8,192 are full (the quadratic term); its step is the reference curve
+    /// (`b` = 1).
     fn default() -> Self {
         Self {
             prefill: OnlineFit::new(
@@ -244,12 +271,7 @@ impl Default for LatencyModel {
                 [60_000.0, 10_000.0, 60_000.0, 600_000.0],
                 20.0,
             ),
-            decode: OnlineFit::new(
-                [6.0, 10.0, 30.0],
-                [0.05, 0.0, 0.0],
-                [10_000.0, 10_000.0, 10_000.0],
-                2.0,
-            ),
+            decode: OnlineFit::new([1.0], [0.01], [100.0], 2.0),
             output_tokens: 200.0,
         }
     }
@@ -277,7 +299,7 @@ impl LatencyModel {
         FittedSpeed {
             output_tokens: self.output_tokens,
             prefill: self.prefill.coefficients(),
-            decode: self.decode.coefficients(),
+            decode: self.decode.coefficients()[0],
             prefill_observations: self.prefill.observations(),
             decode_observations: self.decode.observations(),
         }

@@ -80,8 +80,7 @@ fn predicted_json(p: &Prediction) -> Value {
         "fitted": {
             "ttft_base_ms": s.prefill[0], "prefill_ms_per_1k_tokens": s.prefill[1],
             "ttft_ms_per_100_decoding": s.prefill[2], "ttft_ms_at_full_kv": s.prefill[3],
-            "step_base_ms": s.decode[0], "step_ms_per_100_running": s.decode[1],
-            "step_ms_at_full_kv": s.decode[2], "output_tokens": s.output_tokens,
+            "step_over_reference": s.decode, "output_tokens": s.output_tokens,
             "ttft_observations": s.prefill_observations,
             "gap_observations": s.decode_observations,
         },
