@@ -267,7 +267,12 @@ struct ClusterArgs {
     #[arg(long, default_value = "kv_aware,round_robin")]
     policies: String,
     /// KV blocks per engine: one count for all, or one per engine (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "16384", value_name = "N[,N...]")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16384",
+        value_name = "N[,N...]"
+    )]
     num_gpu_blocks: Vec<usize>,
     /// Each engine's speed factor (its step times are divided by it): one for all, or one
     /// per engine (comma-separated). The router is not told them.

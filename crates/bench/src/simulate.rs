@@ -45,10 +45,10 @@ use crate::trace::TraceRequest;
 pub use queue::TenantFairness;
 pub use queue::{InvalidQueue, QueueConfig};
 pub use reference::{reference, Reference};
-pub use shapes::{EngineShapes, InvalidShapes};
 pub use result::{
     nearest_rank, percentiles, PdResult, Percentiles, PolicyResult, QueueResult, TenantResult,
 };
+pub use shapes::{EngineShapes, InvalidShapes};
 use state::State;
 
 /// What a simulation runs.

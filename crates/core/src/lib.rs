@@ -27,6 +27,6 @@ pub mod sessions;
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
 pub use policy::{
-    build_policy, AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LeastLoadConfig, LlmDConfig,
-    MemoryCost, Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
+    build_policy, AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LeastLoadConfig,
+    LlmDConfig, MemoryCost, Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
 };

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use kvroute_core::affinity::{Affinity, AffinityMode};
 use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
-use kvroute_core::policy::predict::{predict, Prediction};
 use kvroute_core::overload::{OverloadProtection, PressureSum, Protected, WorkerPressure};
+use kvroute_core::policy::predict::{predict, Prediction};
 use kvroute_core::{
     Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };

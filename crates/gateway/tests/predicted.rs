@@ -77,7 +77,10 @@ async fn a_worker_made_slower_at_run_time_gets_less_traffic() {
     for p in [&pa, &pb] {
         let parts = p["queue_ms"].as_f64().unwrap() + p["prefill_ms"].as_f64().unwrap();
         assert!((parts - p["ttft_ms"].as_f64().unwrap()).abs() < 1e-6, "{p}");
-        assert!(p["fitted"]["ttft_observations"].as_u64().unwrap() > 0, "{p}");
+        assert!(
+            p["fitted"]["ttft_observations"].as_u64().unwrap() > 0,
+            "{p}"
+        );
     }
     assert!(
         pb["ttft_ms"].as_f64().unwrap() > pa["ttft_ms"].as_f64().unwrap(),

@@ -136,7 +136,9 @@ mod tests {
             ..Default::default()
         };
         let e = s.validate(3).unwrap_err();
-        assert!(e.to_string().contains("--worker-speed has 2 values for 3 engines"));
+        assert!(e
+            .to_string()
+            .contains("--worker-speed has 2 values for 3 engines"));
         let s = EngineShapes {
             speed: vec![0.0],
             ..Default::default()

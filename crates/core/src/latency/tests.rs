@@ -45,7 +45,10 @@ fn converges_on_noisy_synthetic_data() {
             m.observe_ttft(&f, ttft(slow, &f) * (1.0 + noise));
         }
         let a = m.speed().prefill;
-        assert!((a[1] - 22.0 * slow).abs() < 0.05 * 22.0 * slow, "{slow}: {a:?}");
+        assert!(
+            (a[1] - 22.0 * slow).abs() < 0.05 * 22.0 * slow,
+            "{slow}: {a:?}"
+        );
         let f = PrefillFeatures {
             tokens: 8000.0,
             decoding: 50.0,
@@ -69,7 +72,11 @@ fn decode_steps_converge_even_when_batch_and_memory_rise_together() {
             running,
             kv_usage: (running / 250.0 + rng.random_range(-0.02..0.02)).clamp(0.0, 1.0),
         };
-        let chunk = if i % 3 == 0 { rng.random_range(50.0..200.0) } else { 0.0 };
+        let chunk = if i % 3 == 0 {
+            rng.random_range(50.0..200.0)
+        } else {
+            0.0
+        };
         m.observe_gap(&f, 2.0 * f.reference_step_ms() + chunk);
         let b = m.speed().decode;
         assert!((0.5..10.0).contains(&b), "{i}: {b}");

@@ -66,10 +66,9 @@ pub fn predict(c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -
         .saturating_sub(held);
     let cached_tokens = ((held + pending) as usize * bs).min(request.prompt_tokens);
     let uncached = (request.prompt_tokens - cached_tokens) as f64;
-    let new_blocks = c
-        .kv
-        .new_blocks
-        .min(prompt_blocks.saturating_sub(u64::from(o.device)));
+    let new_blocks =
+        c.kv.new_blocks
+            .min(prompt_blocks.saturating_sub(u64::from(o.device)));
     let (kv_now, kv_after) = match c.engine.num_gpu_blocks.filter(|&n| n > 0) {
         Some(n) => (
             c.kv.decode_blocks as f64 / n as f64,
@@ -80,7 +79,9 @@ pub fn predict(c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -
             (u, u)
         }
     };
-    let decoding = c.kv.active_requests.saturating_sub(c.kv.prefilling_requests) as f64;
+    let decoding =
+        c.kv.active_requests
+            .saturating_sub(c.kv.prefilling_requests) as f64;
     let features = PrefillFeatures {
         tokens: c.kv.prefill_tokens as f64 + uncached,
         decoding,
@@ -95,9 +96,8 @@ pub fn predict(c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -
     });
     let decode_ms = speed.output_tokens * step;
     let interference_ms = decoding * prefill_ms;
-    let cost_ms = ttft_ms
-        + decode_ms
-        + (saturation.max(0.0) + INTERFERENCE_SHARE * decoding) * prefill_ms;
+    let cost_ms =
+        ttft_ms + decode_ms + (saturation.max(0.0) + INTERFERENCE_SHARE * decoding) * prefill_ms;
     Prediction {
         ttft_ms,
         queue_ms: ttft_ms - prefill_ms,
@@ -175,7 +175,10 @@ mod tests {
         };
         for i in 0..500 {
             let (t, d) = (f64::from(i % 20) * 1000.0, f64::from(i % 7) * 10.0);
-            slow.observe_ttft(&f(t, d), 3.0 * (25.0 + 20.0 * t / 1000.0 + 10.0 * d / 100.0));
+            slow.observe_ttft(
+                &f(t, d),
+                3.0 * (25.0 + 20.0 * t / 1000.0 + 10.0 * d / 100.0),
+            );
         }
         let kv = KvTerms {
             new_blocks: 100,
@@ -190,7 +193,10 @@ mod tests {
             ..Candidate::new(&ids[1], 0)
         };
         let slow = Candidate { kv, ..slow };
-        let (a, b) = (predict(&fast, &req(1600), 0.0), predict(&slow, &req(1600), 0.0));
+        let (a, b) = (
+            predict(&fast, &req(1600), 0.0),
+            predict(&slow, &req(1600), 0.0),
+        );
         assert!(b.ttft_ms > 2.5 * a.ttft_ms, "{} {}", a.ttft_ms, b.ttft_ms);
         assert!(b.cost_ms > a.cost_ms);
     }

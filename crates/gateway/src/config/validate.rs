@@ -6,8 +6,8 @@ use kvroute_core::affinity::AffinityMode;
 use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::{
-    AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LlmDConfig, MemoryCost, PolicyConfig,
-    PolicyKind,
+    AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LlmDConfig, MemoryCost,
+    PolicyConfig, PolicyKind,
 };
 
 use super::*;
