@@ -127,13 +127,13 @@ impl<const N: usize> OnlineFit<N> {
         }
         let denom = LAMBDA + dot(x, &px);
         let k: [f64; N] = std::array::from_fn(|i| px[i] / denom);
-        for i in 0..N {
-            self.theta[i] = (self.theta[i] + k[i] * clipped).clamp(self.lower[i], self.upper[i]);
+        for (i, t) in self.theta.iter_mut().enumerate() {
+            *t = (*t + k[i] * clipped).clamp(self.lower[i], self.upper[i]);
         }
         // P = (P - k x' P) / lambda; P is symmetric, so x' P = px'.
-        for i in 0..N {
-            for j in 0..N {
-                self.p[i][j] = (self.p[i][j] - k[i] * px[j]) / LAMBDA;
+        for (row, ki) in self.p.iter_mut().zip(k) {
+            for (v, pj) in row.iter_mut().zip(px) {
+                *v = (*v - ki * pj) / LAMBDA;
             }
         }
         // Keep it exactly symmetric (rounding drifts it).
