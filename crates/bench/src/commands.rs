@@ -13,7 +13,7 @@ use crate::goodput::{goodput, Search, Slo};
 use crate::plot::load::LoadSeries;
 use crate::plot::{self, Series};
 use crate::report;
-use crate::simulate::{reference, simulate, Cluster, QueueConfig, SimConfig};
+use crate::simulate::{reference, simulate, Cluster, EngineShapes, QueueConfig, SimConfig};
 use crate::sweep::{self, Percentile};
 use crate::trace::{self, TraceRequest};
 
@@ -35,6 +35,8 @@ pub struct Setup {
     pub queue: Option<QueueConfig>,
     /// Each request's tenant (`--tenants`), when split.
     pub tenants: Option<Arc<[u32]>>,
+    /// Each engine's speed and KV blocks, when they differ.
+    pub shapes: EngineShapes,
 }
 
 impl Setup {
@@ -49,6 +51,7 @@ impl Setup {
             seed: self.seed,
             queue: self.queue,
             tenants: self.tenants.clone(),
+            shapes: self.shapes.clone(),
         }
     }
 }

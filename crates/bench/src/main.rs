@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
-use kvroute_bench::simulate::{Cluster, PdCluster};
+use kvroute_bench::simulate::{Cluster, EngineShapes, PdCluster};
 use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
-use kvroute_core::{KvAwareConfig, MemoryCost, PolicyConfig, PolicyKind};
+use kvroute_core::{CostModel, KvAwareConfig, MemoryCost, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, TimingModel};
 use kvroute_sim::TimingArgs;
 
@@ -43,6 +43,12 @@ struct Source {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CostModelArg {
+    Weighted,
+    Predicted,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum MemoryCostArg {
     Linear,
     Utilisation,
@@ -53,6 +59,11 @@ enum MemoryCostArg {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "kv_aware (as the gateway's flags)")]
 struct KvAwareArgs {
+    /// What kv_aware minimises: weighted (the weighted sum of blocks; the weight flags below
+    /// apply to it) or predicted (milliseconds from latency models each engine's timings
+    /// train) [default: weighted].
+    #[arg(long, value_enum)]
+    router_cost_model: Option<CostModelArg>,
     /// Credit per prefix block cached on the device [default: 2.0; Dynamo's: 1.0].
     #[arg(long)]
     router_kv_overlap_score_credit: Option<f64>,
@@ -112,6 +123,11 @@ impl KvAwareArgs {
                 self.router_prefill_interference_weight,
                 d.prefill_interference_weight,
             )?,
+            cost_model: match self.router_cost_model {
+                Some(CostModelArg::Weighted) => CostModel::Weighted,
+                Some(CostModelArg::Predicted) => CostModel::Predicted,
+                None => d.cost_model,
+            },
             ..d
         })
     }
@@ -250,8 +266,18 @@ struct ClusterArgs {
     /// Comma-separated policy names.
     #[arg(long, default_value = "kv_aware,round_robin")]
     policies: String,
-    #[arg(long, default_value_t = 16384)]
-    num_gpu_blocks: usize,
+    /// KV blocks per engine: one count for all, or one per engine (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16384",
+        value_name = "N[,N...]"
+    )]
+    num_gpu_blocks: Vec<usize>,
+    /// Each engine's speed factor (its step times are divided by it): one for all, or one
+    /// per engine (comma-separated). The router is not told them.
+    #[arg(long, value_delimiter = ',', value_name = "X[,X...]")]
+    worker_speed: Vec<f64>,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     #[arg(long, default_value_t = 256)]
@@ -298,6 +324,16 @@ impl ClusterArgs {
                 })
                 .collect::<Result<_, _>>()?,
         };
+        let shapes = EngineShapes {
+            speed: self.worker_speed.clone(),
+            num_gpu_blocks: match self.num_gpu_blocks.as_slice() {
+                [_] => Vec::new(),
+                many => many.to_vec(),
+            },
+        };
+        let engines = clusters.first().map_or(self.workers, Cluster::engines);
+        shapes.validate(engines)?;
+        let base_blocks = self.num_gpu_blocks.first().copied().unwrap_or(16384);
         let workers = match &pd_cluster {
             Some(c) => format!(
                 "{} prefill + {} decode workers",
@@ -309,12 +345,21 @@ impl ClusterArgs {
             name,
             requests,
             clusters,
-            shape: format!(
-                "{workers} x {} blocks of {}, timing model {}",
-                self.num_gpu_blocks, self.block_size, self.timing.timing_model
-            ),
+            shape: if shapes.is_uniform() {
+                format!(
+                    "{workers} x {base_blocks} blocks of {}, timing model {}",
+                    self.block_size, self.timing.timing_model
+                )
+            } else {
+                format!(
+                    "{workers} ({}), blocks of {}, timing model {}",
+                    shapes.describe(),
+                    self.block_size,
+                    self.timing.timing_model
+                )
+            },
             engine: EngineConfig {
-                num_gpu_blocks: self.num_gpu_blocks,
+                num_gpu_blocks: base_blocks,
                 block_size: self.block_size,
                 max_num_seqs: self.max_num_seqs,
                 max_num_batched_tokens: self.max_num_batched_tokens,
@@ -326,6 +371,7 @@ impl ClusterArgs {
             seed: self.workload.seed,
             queue,
             tenants,
+            shapes,
         })
     }
 }
@@ -569,7 +615,7 @@ mod tests {
         else {
             panic!("not goodput");
         };
-        assert_eq!((cluster.workers, cluster.num_gpu_blocks), (4, 99));
+        assert_eq!((cluster.workers, cluster.num_gpu_blocks), (4, vec![99]));
         assert_eq!(cluster.kv_aware.config().unwrap().overlap_score_credit, 2.0);
         assert_eq!(
             (slo_ttft_p90_ms, slo_e2e_p90_ms, max_rate_scale),

@@ -32,6 +32,7 @@ mod queue;
 pub mod reference;
 mod result;
 mod route;
+mod shapes;
 mod state;
 
 use std::sync::Arc;
@@ -47,6 +48,7 @@ pub use reference::{reference, Reference};
 pub use result::{
     nearest_rank, percentiles, PdResult, Percentiles, PolicyResult, QueueResult, TenantResult,
 };
+pub use shapes::{EngineShapes, InvalidShapes};
 use state::State;
 
 /// What a simulation runs.
@@ -66,6 +68,8 @@ pub struct SimConfig {
     /// Each request's tenant, by its index in the trace (see [`crate::tenants`]); `None`: one
     /// tenant, and no per-tenant figures.
     pub tenants: Option<Arc<[u32]>>,
+    /// Each engine's speed and KV capacity, when they differ (see the `shapes` module).
+    pub shapes: EngineShapes,
 }
 
 /// The engines and how requests are routed over them.
@@ -160,6 +164,8 @@ struct Run {
     tokens_by: Vec<u64>,
     /// The requests in the order they were routed, and when.
     routed: Vec<(RequestId, Duration)>,
+    /// Each engine's latency models as the router fitted them by the end.
+    speeds: Vec<kvroute_core::latency::FittedSpeed>,
 }
 
 fn run(trace: &[TraceRequest], cfg: &SimConfig) -> Run {

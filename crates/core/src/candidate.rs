@@ -4,6 +4,8 @@ use std::time::Instant;
 
 use kvroute_protocol::WorkerId;
 
+use crate::latency::FittedSpeed;
+
 /// Leading blocks of the request a candidate already holds, per storage tier (each block
 /// counted once, in the best tier holding it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -87,6 +89,9 @@ pub struct Candidate<'a> {
     pub in_flight: u64,
     pub kv: KvTerms,
     pub engine: EngineLoad,
+    /// The rank's fitted latency models, when the caller learns them (`None`: the prior;
+    /// read by `kv_aware`'s predicted cost).
+    pub speed: Option<FittedSpeed>,
 }
 
 impl<'a> Candidate<'a> {
@@ -97,6 +102,7 @@ impl<'a> Candidate<'a> {
             in_flight,
             kv: KvTerms::default(),
             engine: EngineLoad::default(),
+            speed: None,
         }
     }
 }

@@ -17,6 +17,7 @@
 pub mod affinity;
 mod candidate;
 pub mod eligibility;
+pub mod latency;
 pub mod load;
 pub mod overload;
 pub mod policy;
@@ -26,6 +27,6 @@ pub mod sessions;
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
 pub use policy::{
-    build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LeastLoadConfig, LlmDConfig,
-    MemoryCost, Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
+    build_policy, AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LeastLoadConfig,
+    LlmDConfig, MemoryCost, Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,
 };

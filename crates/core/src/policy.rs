@@ -25,6 +25,7 @@ mod least_load;
 mod llm_d;
 mod load;
 mod manual;
+pub mod predict;
 #[cfg(test)]
 mod snapshot_tests;
 
@@ -38,7 +39,7 @@ use crate::{Candidate, Decision, RouteRequest};
 
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
-pub use kv_aware::{KvAware, KvAwareConfig, MemoryCost};
+pub use kv_aware::{CostModel, KvAware, KvAwareConfig, MemoryCost};
 pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
 pub use llm_d::{LlmD, LlmDConfig, PrefixSource};
 pub(crate) use load::least_at_random;

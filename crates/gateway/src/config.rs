@@ -25,7 +25,9 @@ mod tenancy;
 mod validate;
 mod values;
 
-pub use args::{AffinityModeArg, Args, AssignmentModeArg, LogLevel, MemoryCostArg, QueueOrderArg};
+pub use args::{
+    AffinityModeArg, Args, AssignmentModeArg, CostModelArg, LogLevel, MemoryCostArg, QueueOrderArg,
+};
 pub use discovery::{DiscoveryProvider, DiscoverySettings, KubernetesDiscovery, Selector};
 pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef, DEFAULT_POOL_GROUP};
 pub use llmd::LlmDConfigError;

@@ -358,6 +358,10 @@ pub(crate) fn pick(
     released.take();
     if a.fields.stream {
         guard = guard.with_ttft(a.arrived, state.metrics.ttft_seconds.clone());
+        // A stream's timings teach its rank's latency models (kv_aware).
+        if let Some(p) = plan.predictions.as_ref().map(|p| p[plan.chosen]) {
+            guard = guard.with_timing(p.features);
+        }
     }
     if let Some(span) = a.span {
         routing::trace_decision(span, &plan, state.kv.block_size);

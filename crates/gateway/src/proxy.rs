@@ -17,6 +17,7 @@ use http::{Method, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 
+use kvroute_core::latency::{DecodeFeatures, PrefillFeatures};
 use kvroute_core::RequestLoad;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -29,7 +30,7 @@ use crate::http::{
 };
 use crate::metrics::Outcome;
 use crate::queue::AdmissionQueue;
-use crate::workers::Worker;
+use crate::workers::{LatencySample, Worker};
 
 /// smg's name for the routed worker, beside [`WORKER_HEADER`].
 pub const SMG_ROUTED_HEADER: HeaderName = HeaderName::from_static("x-smg-routed-worker-id");
@@ -68,6 +69,19 @@ pub struct InFlight {
     sync: Option<(crate::sync::transport::SyncHandle, u64)>,
     /// The attempt's trace span, when the request is traced; ends with the guard.
     span: Option<crate::otlp::AttemptSpan>,
+    /// A stream's timings, for its rank's latency models.
+    timing: Option<StreamTiming>,
+}
+
+/// What a stream's timings feed its rank's latency models with: the TTFT from the dispatch
+/// (with the features the router saw), each gap between data frames (a frame per token, as
+/// engines stream), and the tokens in all.
+#[derive(Debug)]
+struct StreamTiming {
+    features: PrefillFeatures,
+    sent: Instant,
+    last: Option<Instant>,
+    frames: u64,
 }
 
 impl InFlight {
@@ -88,7 +102,48 @@ impl InFlight {
             queue,
             sync: None,
             span: None,
+            timing: None,
         }
+    }
+
+    /// Feeds the rank's latency models from this stream (routed with `features`).
+    pub fn with_timing(mut self, features: PrefillFeatures) -> Self {
+        self.timing = Some(StreamTiming {
+            features,
+            sent: Instant::now(),
+            last: None,
+            frames: 0,
+        });
+        self
+    }
+
+    /// A data frame of the answer: the first ends the prefill; each feeds the timings.
+    pub(crate) fn data_frame(&mut self) {
+        self.first_frame();
+        let Some(t) = &mut self.timing else {
+            return;
+        };
+        let now = Instant::now();
+        let rank = &self.worker.ranks[self.rank];
+        let sample = match t.last {
+            None => LatencySample::Ttft {
+                features: t.features,
+                ms: (now - t.sent).as_secs_f64() * 1e3,
+            },
+            Some(last) => {
+                let engine = rank.engine.load(now);
+                LatencySample::Gap {
+                    features: DecodeFeatures {
+                        running: engine.running.unwrap_or(rank.in_flight() as f64),
+                        kv_usage: engine.kv_usage.unwrap_or(0.0),
+                    },
+                    ms: (now - last).as_secs_f64() * 1e3,
+                }
+            }
+        };
+        t.last = Some(now);
+        t.frames += 1;
+        rank.observe(sample);
     }
 
     /// Traces this attempt: its `traceparent` goes to the worker.
@@ -158,6 +213,11 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        if let Some(t) = self.timing.as_ref().filter(|t| t.frames > 1) {
+            // The last frame of an OpenAI stream is `[DONE]`, usage may be another.
+            let tokens = t.frames.saturating_sub(2).max(1) as f64;
+            self.worker.ranks[self.rank].observe(LatencySample::Output { tokens });
+        }
         self.worker.ranks[self.rank].finish(&self.load, !self.first_frame_seen);
         self.worker.end_request();
         if let Some(q) = &self.queue {
@@ -242,7 +302,7 @@ impl Body for TrackedBody {
         }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
-            Poll::Ready(Some(Ok(frame))) if frame.is_data() => self.guard.first_frame(),
+            Poll::Ready(Some(Ok(frame))) if frame.is_data() => self.guard.data_frame(),
             Poll::Ready(Some(Err(error))) => {
                 let worker = self.guard.worker.clone();
                 worker.circuit.record(false, Instant::now());

@@ -8,6 +8,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use kvroute_core::policy::predict::Prediction;
 use kvroute_core::EngineLoad;
 use kvroute_protocol::ModelId;
 use serde_json::{json, Value};
@@ -70,6 +71,22 @@ impl Recent {
     }
 }
 
+/// A candidate's predicted latencies (ms) and its rank's fitted speeds.
+fn predicted_json(p: &Prediction) -> Value {
+    let s = &p.speed;
+    json!({
+        "ttft_ms": p.ttft_ms, "queue_ms": p.queue_ms, "prefill_ms": p.prefill_ms,
+        "decode_ms": p.decode_ms, "interference_ms": p.interference_ms, "cost_ms": p.cost_ms,
+        "fitted": {
+            "ttft_base_ms": s.prefill[0], "prefill_ms_per_1k_tokens": s.prefill[1],
+            "ttft_ms_per_100_decoding": s.prefill[2], "ttft_ms_at_full_kv": s.prefill[3],
+            "step_over_reference": s.decode, "output_tokens": s.output_tokens,
+            "ttft_observations": s.prefill_observations,
+            "gap_observations": s.decode_observations,
+        },
+    })
+}
+
 /// A decision: policy, chosen worker and rank, prompt tokens, the chosen candidate's overlap
 /// and cost, and every candidate's terms.
 pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
@@ -97,6 +114,9 @@ pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
             }
             if let Some(costs) = &plan.costs {
                 v["cost"] = costs[i].into();
+            }
+            if let Some(p) = plan.predictions.as_ref().map(|p| &p[i]) {
+                v["predicted"] = predicted_json(p);
             }
             let e = c.engine;
             if e != EngineLoad::default() {

@@ -8,6 +8,7 @@ use std::time::Instant;
 use kvroute_core::affinity::{Affinity, AffinityMode};
 use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
 use kvroute_core::overload::{OverloadProtection, PressureSum, Protected, WorkerPressure};
+use kvroute_core::policy::predict::{predict, Prediction};
 use kvroute_core::{
     Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };
@@ -49,6 +50,9 @@ pub struct Plan {
     pub pinned: bool,
     /// The candidates carry the KV index's overlap (kv_aware; llm_d's exact prefix).
     pub reads_kv_index: bool,
+    /// kv_aware: each candidate's predicted latencies and its rank's fitted models
+    /// (`policy::predict`, whichever cost model decides).
+    pub predictions: Option<Vec<Prediction>>,
 }
 
 impl Plan {
@@ -320,9 +324,17 @@ pub fn plan(
             in_flight: c.in_flight,
             kv: c.kv,
             engine: c.engine,
+            speed: Some(c.worker.ranks[c.rank].speed()),
         })
         .collect();
     let costs = pool.policy.costs(&candidates, &request);
+    let predictions = (policy == PolicyKind::KvAware).then(|| {
+        let saturation = kvroute_core::policy::KvAware::saturation(&candidates);
+        candidates
+            .iter()
+            .map(|c| predict(c, &request, saturation))
+            .collect()
+    });
     let soft_bound = match (&bound, affinity.map(|a| a.mode)) {
         (Some((worker, rank)), Some(AffinityMode::Soft)) => candidates
             .iter()
@@ -355,6 +367,7 @@ pub fn plan(
         hashes,
         pinned: hints.pinned_worker.is_some(),
         reads_kv_index: reads_index,
+        predictions,
     })
 }
 

@@ -44,6 +44,7 @@ mod table;
 mod worker;
 
 pub use table::{Half, Pool, RankStatus, RoutingTable, WorkerStatus};
+pub(crate) use worker::LatencySample;
 pub use worker::{Rank, Worker};
 
 const PROBE_RETRY_MIN: Duration = Duration::from_millis(500);
@@ -122,6 +123,7 @@ impl WorkerSet {
                     series: self.metrics.rank_series(&id, dp_rank),
                     engine,
                     busy_latch: AtomicBool::new(false),
+                    latency: Mutex::new(Default::default()),
                 }
             })
             .collect();

@@ -234,6 +234,11 @@ impl EngineCore {
         &self.config
     }
 
+    /// Changes the engine's speed (the timing model's `speedup`) from the next step on.
+    pub fn set_speedup(&mut self, speedup: f64) {
+        self.config.timing.speedup = speedup;
+    }
+
     /// KV capacity in tokens.
     pub fn capacity_tokens(&self) -> usize {
         self.config.num_gpu_blocks * self.config.block_size

@@ -25,6 +25,7 @@ mod messages;
 mod metrics;
 mod openai;
 mod pd;
+mod speed;
 mod tls;
 
 use std::net::SocketAddr;
@@ -203,6 +204,7 @@ impl SimServer {
             .route("/get_model_info", get(model_info))
             .route("/metrics", get(metrics_text))
             .route("/fault", get(faults::get_faults).post(faults::post_faults))
+            .route("/speed", post(speed::post_speed))
             .with_state(self.state.clone())
     }
 

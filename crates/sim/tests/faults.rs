@@ -305,3 +305,30 @@ async fn a_crashed_engine_restarts_on_the_same_ports_with_an_empty_cache() {
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 48);
     sim.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn the_speed_changes_at_run_time_and_bad_values_are_refused() {
+    let sim = start(&[]).await;
+    let url = sim.url();
+    let (status, body) = post_json(&url, "/speed", &json!({"speedup": 0.5})).await;
+    assert_eq!(
+        (status, body["speedup"].as_f64()),
+        (200, Some(0.5)),
+        "{body}"
+    );
+    let (status, body) = post_json(&url, "/v1/completions", &completion("hi", 2, false)).await;
+    assert_eq!(status, 200, "{body}");
+    for bad in [
+        json!({"speedup": 0}),
+        json!({"speedup": -1.0}),
+        json!({"speed": 2}),
+    ] {
+        let (status, body) = post_json(&url, "/speed", &bad).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+    }
+    let (_, body) = post_json(&url, "/speed", &json!({"speedup": 0})).await;
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("speedup must be a finite number > 0"));
+}

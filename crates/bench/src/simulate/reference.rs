@@ -289,6 +289,7 @@ mod tests {
             seed: 1,
             queue: None,
             tenants: None,
+            shapes: Default::default(),
         }
     }
 

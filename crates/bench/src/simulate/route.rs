@@ -12,6 +12,8 @@
 use std::ops::Range;
 use std::time::Instant;
 
+use kvroute_core::latency::{LatencyModel, PrefillFeatures};
+use kvroute_core::policy::predict::predict;
 use kvroute_core::{
     build_policy, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind, RankLoad,
     RequestLoad, RouteRequest,
@@ -27,12 +29,17 @@ use super::Cluster;
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Placement {
     /// One engine computes the prompt and answers (an aggregated cluster; P/D decode-only).
-    Whole { engine: usize, load: RequestLoad },
+    Whole {
+        engine: usize,
+        load: RequestLoad,
+        features: PrefillFeatures,
+    },
     /// The prompt on `prefill` (`max_tokens` 1), then the answer on `decode`, which receives
     /// the prompt's KV.
     Split {
         prefill: usize,
         prefill_load: RequestLoad,
+        prefill_features: PrefillFeatures,
         decode: usize,
         decode_load: RequestLoad,
     },
@@ -78,15 +85,18 @@ pub(super) struct Router {
     ids: Vec<WorkerId>,
     /// The router's in-flight accounting per engine.
     pub loads: Vec<RankLoad>,
+    /// Each engine's latency models, learned from the timings observed (see `State`).
+    pub models: Vec<LatencyModel>,
     mode: Mode,
     block_size: usize,
-    num_gpu_blocks: u64,
+    /// Each engine's KV blocks.
+    num_gpu_blocks: Vec<u64>,
 }
 
 impl Router {
     /// The router of `cluster`: aggregated engines `w0..`, or prefill engines `p0..` then
-    /// decode engines `d0..`.
-    pub fn new(cluster: &Cluster, block_size: usize, num_gpu_blocks: usize) -> Self {
+    /// decode engines `d0..`; `num_gpu_blocks` has each engine's.
+    pub fn new(cluster: &Cluster, block_size: usize, num_gpu_blocks: Vec<u64>) -> Self {
         let (ids, mode): (Vec<WorkerId>, Mode) = match cluster {
             Cluster::Aggregated {
                 workers,
@@ -117,15 +127,12 @@ impl Router {
         };
         Self {
             loads: vec![RankLoad::default(); ids.len()],
+            models: vec![LatencyModel::default(); ids.len()],
             ids,
             mode,
             block_size,
-            num_gpu_blocks: num_gpu_blocks as u64,
+            num_gpu_blocks,
         }
-    }
-
-    pub fn engines(&self) -> usize {
-        self.ids.len()
     }
 
     /// The prefill engines and the decode engines, when disaggregated.
@@ -167,27 +174,34 @@ impl Router {
     ) -> Placement {
         match &self.mode {
             Mode::Aggregated(pool) => {
-                let (engine, load) = self.choose(pool, req, scores, engines, rng);
-                Placement::Whole { engine, load }
+                let (engine, load, features) = self.choose(pool, req, scores, engines, rng);
+                Placement::Whole {
+                    engine,
+                    load,
+                    features,
+                }
             }
             Mode::Disaggregated {
                 prefill,
                 decode,
                 min_uncached_tokens,
             } => {
-                let (d, decode_load) = self.choose(decode, req, scores, engines, rng);
+                let (d, decode_load, features) = self.choose(decode, req, scores, engines, rng);
                 let held = scores.get(ReplicaId(d as u32)).total() as usize * self.block_size;
                 let uncached = (req.tokens.len() - held.min(req.tokens.len())) as u64;
                 if *min_uncached_tokens > 0 && uncached < *min_uncached_tokens {
                     return Placement::Whole {
                         engine: d,
                         load: decode_load,
+                        features,
                     };
                 }
-                let (p, prefill_load) = self.choose(prefill, req, scores, engines, rng);
+                let (p, prefill_load, prefill_features) =
+                    self.choose(prefill, req, scores, engines, rng);
                 Placement::Split {
                     prefill: p,
                     prefill_load,
+                    prefill_features,
                     decode: d,
                     decode_load: RequestLoad {
                         prefill_tokens: 0,
@@ -198,7 +212,8 @@ impl Router {
         }
     }
 
-    /// `pool`'s policy's choice, and the request's load on it.
+    /// `pool`'s policy's choice, the request's load on it and the features its TTFT model
+    /// will be fed.
     fn choose(
         &self,
         pool: &Pool,
@@ -206,7 +221,7 @@ impl Router {
         scores: &OverlapScores,
         engines: &[EngineCore],
         rng: &mut dyn RngCore,
-    ) -> (usize, RequestLoad) {
+    ) -> (usize, RequestLoad, PrefillFeatures) {
         let bs = self.block_size;
         let blocks = req.hashes.iter().map(|h| h.0).collect();
         let request_load = RequestLoad::for_prompt(blocks, req.tokens.len(), 0, bs);
@@ -236,8 +251,9 @@ impl Router {
                         waiting: Some(s.waiting as f64),
                         running: Some(s.running as f64),
                         kv_usage: Some(s.kv_usage),
-                        num_gpu_blocks: Some(self.num_gpu_blocks),
+                        num_gpu_blocks: Some(self.num_gpu_blocks[e]),
                     },
+                    speed: Some(self.models[e].speed()),
                 }
             })
             .collect();
@@ -255,6 +271,7 @@ impl Router {
             .policy
             .select(&candidates, &request, rng)
             .map_or(0, |d| d.index);
+        let features = predict(&candidates[chosen], &request, 0.0).features;
         let device = candidates[chosen].kv.overlap.device as usize;
         // Its device-cached blocks are not computed.
         let load = RequestLoad {
@@ -263,6 +280,6 @@ impl Router {
                 .saturating_sub((device * bs) as u64),
             ..request_load
         };
-        (pool.engines.start + chosen, load)
+        (pool.engines.start + chosen, load, features)
     }
 }

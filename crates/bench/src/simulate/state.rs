@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use kvroute_core::latency::{DecodeFeatures, PrefillFeatures};
 use kvroute_core::RequestLoad;
 use kvroute_index::{
     block_hashes, EngineHash, KvIndex, KvIndexer, OverlapScores, ReplicaId, StorageTier,
@@ -28,6 +29,12 @@ struct Live {
     tenant: u32,
     load: RequestLoad,
     role: Role,
+    /// What the router knew when it sent it there (fed to the TTFT model with its TTFT).
+    features: PrefillFeatures,
+    /// When its last token came out (the inter-token gaps feed the decode model).
+    last_token: Option<Duration>,
+    /// Tokens it has produced.
+    outputs: u64,
 }
 
 enum Role {
@@ -165,13 +172,13 @@ pub(super) struct State<'a> {
 impl<'a> State<'a> {
     pub fn new(cfg: &'a SimConfig, last_arrival: Duration) -> Self {
         let bs = cfg.engine.block_size;
-        let router = Router::new(&cfg.cluster, bs, cfg.engine.num_gpu_blocks);
-        let n = router.engines();
+        let n = cfg.cluster.engines();
+        let router = Router::new(&cfg.cluster, bs, cfg.shapes.capacities(n, &cfg.engine));
         let engines = (0..n)
             .map(|i| {
                 EngineCore::new(EngineConfig {
                     seed: cfg.seed.wrapping_add(i as u64),
-                    ..cfg.engine.clone()
+                    ..cfg.shapes.engine(i, &cfg.engine)
                 })
             })
             .collect();
@@ -231,6 +238,13 @@ impl<'a> State<'a> {
             self.last_end = self.last_end.max(end);
             apply_events(&mut self.index, ReplicaId(e as u32), &out.events, bs);
             self.tally.tokens_by[e] += out.tokens.len() as u64;
+            let stats = self.engines[e].stats();
+            let step = DecodeFeatures {
+                running: stats.running as f64,
+                kv_usage: stats.kv_usage,
+            };
+            // One inter-token gap per step feeds the decode model.
+            let mut gap_seen = false;
             for t in &out.tokens {
                 let key = (e, t.id);
                 let Some(l) = self.live.get_mut(&key) else {
@@ -241,6 +255,13 @@ impl<'a> State<'a> {
                         answered,
                         computes_prompt,
                     } => {
+                        if let Some(last) = l.last_token.filter(|_| !gap_seen) {
+                            gap_seen = true;
+                            let gap = (end - last).as_secs_f64() * 1e3;
+                            self.router.models[e].observe_gap(&step, gap);
+                        }
+                        l.last_token = Some(end);
+                        l.outputs += 1;
                         let tenant = &mut self.tally.by_tenant[l.tenant as usize];
                         if end <= self.last_arrival {
                             tenant.tokens += 1;
@@ -254,6 +275,9 @@ impl<'a> State<'a> {
                             self.tally.ttft.push(ttft);
                             tenant.ttft.push(ttft);
                             if *computes_prompt {
+                                self.router.models[e].observe_ttft(&l.features, ttft);
+                            }
+                            if *computes_prompt {
                                 self.tally.cached += t.cached_tokens as u64;
                             }
                             self.router.loads[e].first_token(&l.load);
@@ -261,6 +285,7 @@ impl<'a> State<'a> {
                         self.tally.output += 1;
                         if t.finished {
                             let l = self.live.remove(&key).expect("live");
+                            self.router.models[e].observe_output(l.outputs as f64);
                             self.tally.e2e.push((end - l.arrival).as_secs_f64() * 1e3);
                             self.router.loads[e].finish(&l.load, false);
                         }
@@ -269,6 +294,8 @@ impl<'a> State<'a> {
                         // One token: the prefill is done; the decode half goes out.
                         self.tally.cached += t.cached_tokens as u64;
                         let l = self.live.remove(&key).expect("live");
+                        let ttft = (end - l.arrival).as_secs_f64() * 1e3;
+                        self.router.models[e].observe_ttft(&l.features, ttft);
                         self.router.loads[e].first_token(&l.load);
                         self.router.loads[e].finish(&l.load, false);
                         self.send_to_decode(l);
@@ -308,6 +335,9 @@ impl<'a> State<'a> {
                     answered: false,
                     computes_prompt: false,
                 },
+                features: l.features,
+                last_token: None,
+                outputs: 0,
             },
         );
     }
@@ -407,8 +437,12 @@ impl<'a> State<'a> {
             max_tokens: req.max_tokens,
             salt: 0,
         };
-        let (engine, load, role) = match placement {
-            Placement::Whole { engine, load } => {
+        let (engine, load, role, features) = match placement {
+            Placement::Whole {
+                engine,
+                load,
+                features,
+            } => {
                 let role = Role::Answer {
                     answered: false,
                     computes_prompt: true,
@@ -421,11 +455,12 @@ impl<'a> State<'a> {
                 if self.router.halves().is_some() {
                     self.tally.decode_only += 1;
                 }
-                (engine, load, role)
+                (engine, load, role, features)
             }
             Placement::Split {
                 prefill,
                 prefill_load,
+                prefill_features,
                 decode,
                 decode_load,
             } => {
@@ -444,7 +479,7 @@ impl<'a> State<'a> {
                     decode_load,
                     request,
                 };
-                (prefill, prefill_load, role)
+                (prefill, prefill_load, role, prefill_features)
             }
         };
         self.router.loads[engine].start(&load);
@@ -455,6 +490,9 @@ impl<'a> State<'a> {
                 tenant: req.tenant,
                 load,
                 role,
+                features,
+                last_token: None,
+                outputs: 0,
             },
         );
     }
@@ -535,6 +573,7 @@ impl<'a> State<'a> {
             engines,
             tokens_by: tally.tokens_by,
             routed: self.routed,
+            speeds: self.router.models.iter().map(|m| m.speed()).collect(),
         }
     }
 }

@@ -1,5 +1,6 @@
 use super::*;
 
+mod hetero;
 mod queue;
 mod tenants;
 
@@ -31,6 +32,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         seed: 3,
         queue: None,
         tenants: None,
+        shapes: Default::default(),
     }
 }
 
@@ -231,6 +233,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             seed: 0,
             queue: None,
             tenants: None,
+            shapes: Default::default(),
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));

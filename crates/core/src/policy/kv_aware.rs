@@ -116,6 +116,39 @@ impl MemoryCost {
     }
 }
 
+/// What `kv_aware` minimises (`--router-cost-model`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CostModel {
+    /// The weighted sum of blocks above (Dynamo's model, with kvroute's terms and weights).
+    #[default]
+    Weighted,
+    /// Predicted milliseconds from the ranks' learned latency models (see
+    /// [`super::predict`]); the weights above do not apply.
+    Predicted,
+}
+
+impl CostModel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CostModel::Weighted => "weighted",
+            CostModel::Predicted => "predicted",
+        }
+    }
+}
+
+impl std::str::FromStr for CostModel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "weighted" => Ok(CostModel::Weighted),
+            "predicted" => Ok(CostModel::Predicted),
+            _ => Err(format!(
+                "unknown cost model {s:?} (expected weighted or predicted)"
+            )),
+        }
+    }
+}
+
 /// The cost model's weights (Dynamo's flags, kvroute's defaults: see the module docs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvAwareConfig {
@@ -128,6 +161,7 @@ pub struct KvAwareConfig {
     pub shared_cache_multiplier: f64,
     pub memory_cost: MemoryCost,
     pub prefill_interference_weight: f64,
+    pub cost_model: CostModel,
 }
 
 impl Default for KvAwareConfig {
@@ -155,6 +189,7 @@ impl KvAwareConfig {
             shared_cache_multiplier: 0.0,
             memory_cost: MemoryCost::Linear,
             prefill_interference_weight: 0.0,
+            cost_model: CostModel::Weighted,
         }
     }
 }
@@ -184,6 +219,7 @@ impl std::fmt::Debug for KvAware {
                 "prefill_interference_weight",
                 &k.prefill_interference_weight,
             )
+            .field("cost_model", &k.cost_model)
             .finish()
     }
 }
@@ -207,6 +243,14 @@ impl KvAware {
     /// candidates (see the module docs).
     pub fn cost(&self, c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -> f64 {
         let k = &self.config;
+        if k.cost_model == CostModel::Predicted {
+            let cost = super::predict::predict(c, request, saturation).cost_ms;
+            return if request.has_preferred_taints {
+                cost * (-c.kv.preferred_taint_weight.tanh()).exp()
+            } else {
+                cost
+            };
+        }
         let o = c.kv.overlap;
         let block_size = request.block_size.max(1);
         let prompt_blocks = request.prompt_tokens.div_ceil(block_size) as u64;
@@ -648,7 +692,7 @@ mod tests {
     fn debug_names_every_parameter() {
         assert_eq!(
             format!("{:?}", dynamo()),
-            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0 }"
+            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0, cost_model: Weighted }"
         );
     }
 

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::load::{de_policy, parse_go_bool, parse_policy, parse_whole_secs, ser_policy};
 pub use super::values::{
-    AffinityModeArg, AssignmentModeArg, LogLevel, MemoryCostArg, QueueOrderArg,
+    AffinityModeArg, AssignmentModeArg, CostModelArg, LogLevel, MemoryCostArg, QueueOrderArg,
 };
 use super::{DiscoveryProvider, MetricsPeer, PdProtocol, PolicyClassSpec, WorkerSpec};
 
@@ -208,6 +208,10 @@ pub struct Args {
     /// block weighted by the engine's KV utilisation after the request) [default: linear].
     #[arg(long, value_enum)]
     pub router_kv_memory_cost: Option<MemoryCostArg>,
+    /// kv_aware: weighted (the weighted sum of blocks) or predicted (milliseconds from
+    /// per-rank latency models; the prior until fed) [default: weighted].
+    #[arg(long, value_enum)]
+    pub router_cost_model: Option<CostModelArg>,
     /// kv_aware: weight of the prefill-interference term, the request's uncached blocks times
     /// the requests decoding on the candidate (0: Dynamo's model) [default: 0.25].
     #[arg(long)]

@@ -6,8 +6,8 @@ use kvroute_core::affinity::AffinityMode;
 use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::{
-    AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, MemoryCost, PolicyConfig,
-    PolicyKind,
+    AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LlmDConfig, MemoryCost,
+    PolicyConfig, PolicyKind,
 };
 
 use super::*;
@@ -219,6 +219,11 @@ impl Args {
                 Some(MemoryCostArg::Linear) => MemoryCost::Linear,
                 Some(MemoryCostArg::Utilisation) => MemoryCost::Utilisation,
                 None => kv.memory_cost,
+            },
+            cost_model: match self.router_cost_model {
+                Some(CostModelArg::Weighted) => CostModel::Weighted,
+                Some(CostModelArg::Predicted) => CostModel::Predicted,
+                None => kv.cost_model,
             },
             prefill_interference_weight: weight(
                 "router_prefill_interference_weight",

@@ -55,6 +55,13 @@ pub enum MemoryCostArg {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
+pub enum CostModelArg {
+    Weighted,
+    Predicted,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AffinityModeArg {
     Hard,
     Soft,

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::eligibility::{BusyThresholds, RankPressure};
+use kvroute_core::latency::{DecodeFeatures, FittedSpeed, LatencyModel, PrefillFeatures};
 use kvroute_core::{RankLoad, RequestLoad};
 use kvroute_index::ReplicaId;
 use kvroute_protocol::{ModelId, WorkerId};
@@ -32,6 +33,8 @@ pub struct Rank {
     pub engine: Arc<EngineGauges>,
     /// The decode busy threshold's latch (see `BusyThresholds::overloaded`).
     pub(super) busy_latch: AtomicBool,
+    /// Its latency models, fed by its streams' timings (kv_aware's predicted cost).
+    pub(super) latency: Mutex<LatencyModel>,
 }
 
 impl Rank {
@@ -86,10 +89,34 @@ impl Rank {
         self.update(|l| l.first_token(load));
     }
 
+    /// The rank's fitted latency models (the prior until its streams have fed them).
+    pub fn speed(&self) -> FittedSpeed {
+        lock(&self.latency).speed()
+    }
+
+    /// One of its streams: the first token after `ttft_ms` (routed with `features`), or a
+    /// gap of `gap_ms` between two tokens, or the end after `tokens` tokens.
+    pub(crate) fn observe(&self, sample: LatencySample) {
+        let mut m = lock(&self.latency);
+        match sample {
+            LatencySample::Ttft { features, ms } => m.observe_ttft(&features, ms),
+            LatencySample::Gap { features, ms } => m.observe_gap(&features, ms),
+            LatencySample::Output { tokens } => m.observe_output(tokens),
+        }
+    }
+
     pub(crate) fn finish(&self, load: &RequestLoad, prefilling: bool) {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.update(|l| l.finish(load, prefilling));
     }
+}
+
+/// A timing observed on a rank's stream (see [`Rank::observe`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum LatencySample {
+    Ttft { features: PrefillFeatures, ms: f64 },
+    Gap { features: DecodeFeatures, ms: f64 },
+    Output { tokens: f64 },
 }
 
 /// One engine replica.

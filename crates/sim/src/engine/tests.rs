@@ -537,3 +537,19 @@ fn received_requests_preempted_for_blocks_recompute_and_lose_nothing() {
     }
     assert_eq!(s.kv_usage, 0.0);
 }
+
+#[test]
+fn a_new_speed_applies_from_the_next_step() {
+    let mut core = EngineCore::new(config(1024));
+    core.add_request(req(1, prompt(1, 4000), 4)).unwrap();
+    let first = core.step(Duration::ZERO);
+    core.set_speedup(0.25);
+    assert_eq!(core.config().timing.speedup, 0.25);
+    let mut slow = EngineCore::new(config(1024));
+    slow.set_speedup(0.25);
+    slow.add_request(req(1, prompt(1, 4000), 4)).unwrap();
+    let quarter = slow.step(Duration::ZERO);
+    // The same step at a quarter of the speed takes four times as long (virtual time).
+    let ratio = quarter.duration.as_secs_f64() / first.duration.as_secs_f64();
+    assert!((ratio - 4.0).abs() < 1e-6, "{ratio}");
+}

@@ -46,6 +46,8 @@ pub enum Command {
     },
     Abort(RequestId),
     Reset(oneshot::Sender<bool>),
+    /// A new speed factor (`POST /speed`).
+    Speed(f64),
 }
 
 struct Stream {
@@ -210,6 +212,7 @@ impl Driver {
                 self.publish(events);
                 let _ = reply.send(done);
             }
+            Command::Speed(speedup) => self.core.set_speedup(speedup),
         }
         self.series.update(&self.core.stats());
     }

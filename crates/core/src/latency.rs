@@ -1,0 +1,310 @@
+//! Per-(worker, rank) latency models learned online from what the router observes, for
+//! `kv_aware`'s predicted cost ([`crate::policy::predict`]).
+//!
+//! Two linear models per (worker, dp rank), each over features the router knows when it
+//! routes:
+//!
+//! ```text
+//! TTFT_ms       = a0 + a1 * W / 1000 + a2 * D / 100 + a3 * h(u')     (the prefill model)
+//! step_ms (ITL) = b * g(R, u)                                          (the decode model)
+//! h(u')         = max(0, u' - 0.8) / 0.2
+//! g(R, u)       = max(1, -25.74 u^2 + 54.01 u + 5.74) + 0.1 R       (the reference step)
+//! ```
+//!
+//! `W` is the prompt tokens the rank must compute before this request's first token: those
+//! routed there still prefilling plus this request's uncached ones; `D` the requests decoding
+//! there; `u'` the KV utilisation the rank would reach with this request's new blocks (the
+//! hinge `h` is 0 until 80% and 1 when full: a rank short of KV queues and preempts); `R`
+//! the sequences running at a decode step and `u` the KV utilisation then. The prefill model
+//! is fed each request's features at routing and its observed TTFT; the decode model each
+//! observed inter-token gap of a stream. `a1` (ms per thousand prompt tokens) and `b` (the
+//! step over the reference engine's at the same batch and KV use) are the rank's fitted
+//! speeds. The decode model has one coefficient because its natural features (running
+//! sequences and KV use) rise together: fitted separately, their split is unidentifiable
+//! from a busy engine's steps and wandered to the bounds in a 3-coefficient fit (measured on
+//! a synthetic batch that drifts as a real one does); a speed factor over the timing
+//! model's curve is always identified.
+//!
+//! **The estimator** is recursive least squares with exponential forgetting (`lambda`
+//! 0.995: an observation's weight halves after ~140 newer ones), chosen because it is exact
+//! for a linear model, costs O(n^2) per observation for n = 1 or 4 features, needs no
+//! learning rate, and its forgetting follows a worker whose speed changes at run time. Three
+//! guards keep it bounded:
+//! - **a prior**: the coefficients start at the timing model's (a Llama-class 8B on one
+//!   H100-class GPU, `kvroute-sim`'s defaults) with covariance `P0 = I`, so a new
+//!   worker predicts sensibly and a few dozen observations move it;
+//! - **clipped residuals** (Huber-like): a residual beyond 3 robust scales `s` (an
+//!   exponential average of recent absolute residuals, each counted at most 10 s) is
+//!   clipped, so one stalled stream or a garbage timing does not move the fit far, while a
+//!   real shift in speed (every residual large) raises `s` within ~10 observations and is
+//!   followed;
+//! - **bounds**: coefficients are clamped to a physical box (no negative time per token,
+//!   nothing above minutes), each coefficient's variance is capped (at its prior's) so that
+//!   a feature no observation excites (the KV hinge on a roomy engine) cannot wind the
+//!   covariance up, and the covariance is kept symmetric and restarted if rounding ever
+//!   costs it its positive definiteness.
+
+/// Recursive least squares with forgetting, clipped residuals and clamped coefficients
+/// (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OnlineFit<const N: usize> {
+    theta: [f64; N],
+    p: [[f64; N]; N],
+    lower: [f64; N],
+    upper: [f64; N],
+    /// The robust scale of residuals.
+    scale: f64,
+    observations: u64,
+}
+
+/// Forgetting factor.
+const LAMBDA: f64 = 0.995;
+/// Prior covariance, per coefficient.
+const P0: f64 = 1.0;
+/// Cap on each coefficient's variance.
+const P_MAX: f64 = 1.0;
+/// Residuals are clipped at this many robust scales.
+const CLIP: f64 = 3.0;
+/// Weight of a new absolute residual in the robust scale.
+const SCALE_ALPHA: f64 = 0.05;
+
+impl<const N: usize> OnlineFit<N> {
+    /// A fit starting at `prior`, kept within `[lower, upper]`; `scale` is the residual
+    /// size expected at first (ms).
+    pub fn new(prior: [f64; N], lower: [f64; N], upper: [f64; N], scale: f64) -> Self {
+        let p = Self::fresh_covariance();
+        let mut theta = prior;
+        for i in 0..N {
+            theta[i] = theta[i].clamp(lower[i], upper[i]);
+        }
+        Self {
+            theta,
+            p,
+            lower,
+            upper,
+            scale: scale.max(1e-3),
+            observations: 0,
+        }
+    }
+
+    fn fresh_covariance() -> [[f64; N]; N] {
+        let mut p = [[0.0; N]; N];
+        for (i, row) in p.iter_mut().enumerate() {
+            row[i] = P0;
+        }
+        p
+    }
+
+    pub fn coefficients(&self) -> [f64; N] {
+        self.theta
+    }
+
+    pub fn observations(&self) -> u64 {
+        self.observations
+    }
+
+    pub fn predict(&self, x: &[f64; N]) -> f64 {
+        dot(&self.theta, x)
+    }
+
+    /// One observation `y` at features `x`; a non-finite one is ignored.
+    pub fn observe(&mut self, x: &[f64; N], y: f64) {
+        if !y.is_finite() || x.iter().any(|v| !v.is_finite()) {
+            return;
+        }
+        let e = y - self.predict(x);
+        let clipped = e.clamp(-CLIP * self.scale, CLIP * self.scale);
+        self.scale = ((1.0 - SCALE_ALPHA) * self.scale
+            + SCALE_ALPHA * e.abs().min(10.0 * self.scale))
+        .max(1e-3);
+        // k = P x / (lambda + x' P x)
+        let mut px: [f64; N] = std::array::from_fn(|i| dot(&self.p[i], x));
+        let xpx = dot(x, &px);
+        if !(xpx.is_finite() && xpx >= 0.0) {
+            // Rounding cost the covariance its positive definiteness: start it afresh.
+            self.p = Self::fresh_covariance();
+            px = std::array::from_fn(|i| dot(&self.p[i], x));
+        }
+        let denom = LAMBDA + dot(x, &px);
+        let k: [f64; N] = std::array::from_fn(|i| px[i] / denom);
+        for (i, t) in self.theta.iter_mut().enumerate() {
+            *t = (*t + k[i] * clipped).clamp(self.lower[i], self.upper[i]);
+        }
+        // P = (P - k x' P) / lambda; P is symmetric, so x' P = px'.
+        for (row, ki) in self.p.iter_mut().zip(k) {
+            for (v, pj) in row.iter_mut().zip(px) {
+                *v = (*v - ki * pj) / LAMBDA;
+            }
+        }
+        // Keep it exactly symmetric (rounding drifts it).
+        for i in 0..N {
+            for j in 0..i {
+                let m = 0.5 * (self.p[i][j] + self.p[j][i]);
+                self.p[i][j] = m;
+                self.p[j][i] = m;
+            }
+        }
+        // A coefficient no observation excites (a feature that stays 0) would see its
+        // variance grow without end: cap each diagonal, scaling its row and column alike
+        // (D P D with D diagonal keeps P symmetric and positive).
+        for i in 0..N {
+            if self.p[i][i] > P_MAX {
+                let f = (P_MAX / self.p[i][i]).sqrt();
+                for j in 0..N {
+                    self.p[i][j] *= f;
+                    self.p[j][i] *= f;
+                }
+            }
+        }
+        self.observations += 1;
+    }
+}
+
+fn dot<const N: usize>(a: &[f64; N], b: &[f64; N]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// What the router knows of a request on a rank when it routes it (the prefill model's
+/// features, see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PrefillFeatures {
+    /// Prompt tokens to compute there before this request's first token, its own included.
+    pub tokens: f64,
+    /// Requests decoding there.
+    pub decoding: f64,
+    /// KV utilisation the rank would reach with the request, in [0, 1] (0 when unknown).
+    pub kv_after: f64,
+}
+
+impl PrefillFeatures {
+    fn x(&self) -> [f64; 4] {
+        [
+            1.0,
+            self.tokens.max(0.0) / 1000.0,
+            self.decoding.max(0.0) / 100.0,
+            ((self.kv_after - 0.8) / 0.2).clamp(0.0, 1.0),
+        ]
+    }
+}
+
+/// What the router knows of a decode step (the decode model's features).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DecodeFeatures {
+    /// Sequences running.
+    pub running: f64,
+    /// KV utilisation, in [0, 1].
+    pub kv_usage: f64,
+}
+
+impl DecodeFeatures {
+    /// The reference engine's step at these features (ms): the timing model's decode curve.
+    pub fn reference_step_ms(&self) -> f64 {
+        let u = self.kv_usage.clamp(0.0, 1.0);
+        (-25.74 * u * u + 54.01 * u + 5.74).max(1.0) + 0.1 * self.running.max(0.0)
+    }
+
+    fn x(&self) -> [f64; 1] {
+        [self.reference_step_ms()]
+    }
+}
+
+/// A rank's fitted coefficients, as policies read them (see the module docs for their
+/// meaning).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FittedSpeed {
+    /// `a0..a3`: TTFT intercept, ms per thousand tokens to compute, per hundred decoding, at
+    /// a full KV cache.
+    pub prefill: [f64; 4],
+    /// `b`: the rank's decode step over the reference engine's at the same batch and KV
+    /// use (2: twice as slow).
+    pub decode: f64,
+    /// The mean output length of the requests answered there (an exponential average over
+    /// ~100 requests; the prior: 200).
+    pub output_tokens: f64,
+    /// Observations behind each (0: the prior).
+    pub prefill_observations: u64,
+    pub decode_observations: u64,
+}
+
+impl Default for FittedSpeed {
+    /// The prior.
+    fn default() -> Self {
+        LatencyModel::default().speed()
+    }
+}
+
+impl FittedSpeed {
+    /// Predicted TTFT (ms).
+    pub fn ttft_ms(&self, f: &PrefillFeatures) -> f64 {
+        dot(&self.prefill, &f.x()).max(0.0)
+    }
+
+    /// Predicted prefill time of `tokens` alone, at the marginal rate (ms).
+    pub fn prefill_ms(&self, tokens: f64) -> f64 {
+        self.prefill[1] * tokens.max(0.0) / 1000.0
+    }
+
+    /// Predicted decode step, the inter-token gap (ms).
+    pub fn step_ms(&self, f: &DecodeFeatures) -> f64 {
+        self.decode * f.reference_step_ms()
+    }
+}
+
+/// One (worker, rank)'s two models (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatencyModel {
+    prefill: OnlineFit<4>,
+    decode: OnlineFit<1>,
+    output_tokens: f64,
+}
+
+impl Default for LatencyModel {
+    /// The prior: the timing model's engine (`kvroute-sim`'s defaults, speed 1). Its TTFT
+    /// is ~16.5 ms per step plus ~15 ms per thousand tokens, and ~22 ms per thousand once
+    /// chunks of 8,192 are full (the quadratic term); its step is the reference curve
+    /// (`b` = 1).
+    fn default() -> Self {
+        Self {
+            prefill: OnlineFit::new(
+                [25.0, 20.0, 10.0, 200.0],
+                [0.0, 0.05, 0.0, 0.0],
+                [60_000.0, 10_000.0, 60_000.0, 600_000.0],
+                20.0,
+            ),
+            decode: OnlineFit::new([1.0], [0.01], [100.0], 2.0),
+            output_tokens: 200.0,
+        }
+    }
+}
+
+impl LatencyModel {
+    /// A request routed with features `f` produced its first token after `ttft_ms`.
+    pub fn observe_ttft(&mut self, f: &PrefillFeatures, ttft_ms: f64) {
+        self.prefill.observe(&f.x(), ttft_ms);
+    }
+
+    /// A stream's tokens came `gap_ms` apart at a step with features `f`.
+    pub fn observe_gap(&mut self, f: &DecodeFeatures, gap_ms: f64) {
+        self.decode.observe(&f.x(), gap_ms);
+    }
+
+    /// A request answered there produced `tokens` output tokens.
+    pub fn observe_output(&mut self, tokens: f64) {
+        if tokens.is_finite() && tokens >= 0.0 {
+            self.output_tokens += 0.01 * (tokens.min(1e6) - self.output_tokens);
+        }
+    }
+
+    pub fn speed(&self) -> FittedSpeed {
+        FittedSpeed {
+            output_tokens: self.output_tokens,
+            prefill: self.prefill.coefficients(),
+            decode: self.decode.coefficients()[0],
+            prefill_observations: self.prefill.observations(),
+            decode_observations: self.decode.observations(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

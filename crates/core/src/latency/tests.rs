@@ -1,0 +1,159 @@
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+/// A worker `slow` times slower than the prior's: TTFT = slow * (20 + 22 W/1000 + 8 D/100).
+fn ttft(slow: f64, f: &PrefillFeatures) -> f64 {
+    slow * (20.0 + 22.0 * f.tokens / 1000.0 + 8.0 * f.decoding / 100.0)
+}
+
+fn features(rng: &mut SmallRng) -> PrefillFeatures {
+    PrefillFeatures {
+        tokens: rng.random_range(100.0..30_000.0),
+        decoding: rng.random_range(0.0..200.0),
+        kv_after: rng.random_range(0.0..0.7),
+    }
+}
+
+#[test]
+fn the_prior_is_the_timing_models_engine() {
+    let s = LatencyModel::default().speed();
+    let f = PrefillFeatures {
+        tokens: 1000.0,
+        ..Default::default()
+    };
+    // One thousand tokens on an idle engine: ~16.5 + 15 ms in the timing model.
+    let t = s.ttft_ms(&f);
+    assert!((30.0..60.0).contains(&t), "{t}");
+    assert_eq!(s.prefill_observations, 0);
+    let step = s.step_ms(&DecodeFeatures {
+        running: 10.0,
+        kv_usage: 0.1,
+    });
+    assert!((5.0..15.0).contains(&step), "{step}");
+}
+
+#[test]
+fn converges_on_noisy_synthetic_data() {
+    let mut rng = SmallRng::seed_from_u64(1);
+    for slow in [0.5, 1.0, 3.0] {
+        let mut m = LatencyModel::default();
+        for _ in 0..2000 {
+            let f = features(&mut rng);
+            let noise = rng.random_range(-0.05..0.05);
+            m.observe_ttft(&f, ttft(slow, &f) * (1.0 + noise));
+        }
+        let a = m.speed().prefill;
+        assert!(
+            (a[1] - 22.0 * slow).abs() < 0.05 * 22.0 * slow,
+            "{slow}: {a:?}"
+        );
+        let f = PrefillFeatures {
+            tokens: 8000.0,
+            decoding: 50.0,
+            kv_after: 0.3,
+        };
+        let p = m.speed().ttft_ms(&f);
+        assert!((p / ttft(slow, &f) - 1.0).abs() < 0.05, "{slow}: {p}");
+    }
+}
+
+#[test]
+fn decode_steps_converge_even_when_batch_and_memory_rise_together() {
+    let mut rng = SmallRng::seed_from_u64(2);
+    let mut m = LatencyModel::default();
+    let mut running: f64 = 10.0;
+    for i in 0..8000 {
+        // A batch that drifts, its KV use following it; a third of the steps carry a
+        // prefill chunk (much longer).
+        running = (running + rng.random_range(-2.0..2.0)).clamp(1.0, 200.0);
+        let f = DecodeFeatures {
+            running,
+            kv_usage: (running / 250.0 + rng.random_range(-0.02..0.02)).clamp(0.0, 1.0),
+        };
+        let chunk = if i % 3 == 0 {
+            rng.random_range(50.0..200.0)
+        } else {
+            0.0
+        };
+        m.observe_gap(&f, 2.0 * f.reference_step_ms() + chunk);
+        let b = m.speed().decode;
+        assert!((0.5..10.0).contains(&b), "{i}: {b}");
+    }
+    // Twice as slow, plus the chunks' share on average.
+    let b = m.speed().decode;
+    assert!((2.0..6.0).contains(&b), "{b}");
+    let f = DecodeFeatures {
+        running: 50.0,
+        kv_usage: 0.2,
+    };
+    assert!((m.speed().step_ms(&f) / f.reference_step_ms() - b).abs() < 1e-9);
+}
+
+#[test]
+fn outliers_move_the_fit_little() {
+    let mut rng = SmallRng::seed_from_u64(3);
+    let mut clean = LatencyModel::default();
+    let mut dirty = LatencyModel::default();
+    for i in 0..3000 {
+        let f = features(&mut rng);
+        let y = ttft(1.0, &f);
+        clean.observe_ttft(&f, y);
+        // One in twenty is a stalled stream: a hundred times the true TTFT.
+        let y = if i % 20 == 7 { 100.0 * y } else { y };
+        dirty.observe_ttft(&f, y);
+    }
+    let f = PrefillFeatures {
+        tokens: 4000.0,
+        decoding: 20.0,
+        kv_after: 0.2,
+    };
+    let (c, d) = (clean.speed().ttft_ms(&f), dirty.speed().ttft_ms(&f));
+    assert!((d / c - 1.0).abs() < 0.15, "clean {c}, with outliers {d}");
+}
+
+#[test]
+fn a_worker_that_slows_down_is_followed() {
+    let mut rng = SmallRng::seed_from_u64(4);
+    let mut m = LatencyModel::default();
+    for _ in 0..1000 {
+        let f = features(&mut rng);
+        m.observe_ttft(&f, ttft(1.0, &f));
+    }
+    for _ in 0..1000 {
+        let f = features(&mut rng);
+        m.observe_ttft(&f, ttft(4.0, &f));
+    }
+    let a = m.speed().prefill;
+    assert!((a[1] / 88.0 - 1.0).abs() < 0.1, "{a:?}");
+}
+
+#[test]
+fn coefficients_stay_in_bounds() {
+    let mut m = LatencyModel::default();
+    let f = PrefillFeatures {
+        tokens: 1000.0,
+        decoding: 10.0,
+        kv_after: 0.0,
+    };
+    // Negative and absurd timings, and no excitation at all.
+    for i in 0..5000 {
+        let y = if i % 2 == 0 { -1e9 } else { 1e12 };
+        m.observe_ttft(&f, y);
+        m.observe_ttft(&f, f64::NAN);
+    }
+    let a = m.speed().prefill;
+    assert!(a.iter().all(|v| v.is_finite()), "{a:?}");
+    assert!(a[1] >= 0.05 && a[1] <= 10_000.0, "{a:?}");
+    assert!(a.iter().all(|&v| v >= 0.0), "{a:?}");
+    assert!(m.speed().ttft_ms(&f) >= 0.0);
+    // The fit still learns afterwards.
+    let mut rng = SmallRng::seed_from_u64(5);
+    for _ in 0..3000 {
+        let f = features(&mut rng);
+        m.observe_ttft(&f, ttft(1.0, &f));
+    }
+    let a = m.speed().prefill;
+    assert!((a[1] - 22.0).abs() < 3.0, "{a:?}");
+}
