@@ -1,7 +1,7 @@
 //! A sequence's state in the engine, and the block hash of the prefix cache.
 
 use super::blocks::{BlockId, BlockPool};
-use super::{CacheEvent, PromptKv, RequestId};
+use super::{CacheEvent, LoraId, PromptKv, RequestId};
 
 /// Where a sequence's prompt KV comes from, and whether a transfer of it has landed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +32,7 @@ pub(super) struct Sequence {
     pub(super) prompt_len: usize,
     pub(super) max_tokens: usize,
     pub(super) salt: u64,
+    pub(super) lora: Option<LoraId>,
     /// Tokens whose KV is computed.
     pub(super) computed: usize,
     pub(super) blocks: Vec<BlockId>,
@@ -85,6 +86,7 @@ impl Sequence {
                             hashes: vec![self.hashes[b]],
                             parent: b.checked_sub(1).map(|p| self.hashes[p]),
                             token_ids: self.tokens[b * bs..(b + 1) * bs].to_vec(),
+                            lora: self.lora,
                         });
                     }
                 }
