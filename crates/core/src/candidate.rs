@@ -4,6 +4,8 @@ use std::time::Instant;
 
 use kvroute_protocol::WorkerId;
 
+use crate::AdapterFit;
+
 /// Leading blocks of the request a candidate already holds, per storage tier (each block
 /// counted once, in the best tier holding it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -87,6 +89,8 @@ pub struct Candidate<'a> {
     pub in_flight: u64,
     pub kv: KvTerms,
     pub engine: EngineLoad,
+    /// Where the request's LoRA adapter stands there.
+    pub adapter: AdapterFit,
 }
 
 impl<'a> Candidate<'a> {
@@ -97,6 +101,7 @@ impl<'a> Candidate<'a> {
             in_flight,
             kv: KvTerms::default(),
             engine: EngineLoad::default(),
+            adapter: AdapterFit::None,
         }
     }
 }

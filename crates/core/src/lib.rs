@@ -18,6 +18,7 @@ pub mod affinity;
 mod candidate;
 pub mod eligibility;
 pub mod load;
+pub mod lora;
 pub mod overload;
 pub mod policy;
 pub mod queue;
@@ -25,6 +26,7 @@ pub mod sessions;
 
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
+pub use lora::{predicted_adapter_load_ms, AdapterFit};
 pub use policy::{
     build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LeastLoadConfig, LlmDConfig,
     MemoryCost, Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,

@@ -337,3 +337,28 @@ fn the_exact_prefix_reads_the_kv_index_and_records_nothing() {
         "no full block: no prefix"
     );
 }
+
+#[test]
+fn the_lora_affinity_scorer_is_optional_and_weighted() {
+    use crate::AdapterFit;
+    let ids: Vec<WorkerId> = (0..3).map(|i| WorkerId::new(format!("w{i}"))).collect();
+    let fits = [AdapterFit::Full, AdapterFit::Waiting, AdapterFit::Running];
+    let c: Vec<Candidate<'_>> = idle(&ids)
+        .into_iter()
+        .zip(fits)
+        .map(|(c, adapter)| Candidate { adapter, ..c })
+        .collect();
+    let tokens = prompt(8, 1);
+    // Off by default: the three tie.
+    let off = LlmD::new(LlmDConfig::default());
+    let costs = off.costs(&c, &req(&tokens)).unwrap();
+    assert!(close(costs[0], costs[1]) && close(costs[1], costs[2]), "{costs:?}");
+    let on = LlmD::new(LlmDConfig {
+        lora_weight: 2.0,
+        ..LlmDConfig::default()
+    });
+    let costs = on.costs(&c, &req(&tokens)).unwrap();
+    assert!(close(costs[0] - costs[1], 1.2) && close(costs[1] - costs[2], 0.8), "{costs:?}");
+    let mut rng = SmallRng::seed_from_u64(0);
+    assert_eq!(on.select(&c, &req(&tokens), &mut rng).unwrap().index, 2);
+}
