@@ -35,6 +35,8 @@ pub struct Setup {
     pub queue: Option<QueueConfig>,
     /// Each request's tenant (`--tenants`), when split.
     pub tenants: Option<Arc<[u32]>>,
+    /// LoRA adapters over the requests (0: none).
+    pub loras: u32,
 }
 
 impl Setup {
@@ -49,6 +51,7 @@ impl Setup {
             seed: self.seed,
             queue: self.queue,
             tenants: self.tenants.clone(),
+            loras: self.loras,
         }
     }
 }

@@ -226,6 +226,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             seed: 0,
             queue: None,
             tenants: None,
+            loras: 0,
         },
     );
     assert!(

@@ -26,7 +26,7 @@ pub mod sessions;
 
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
-pub use lora::{predicted_adapter_load_ms, AdapterFit};
+pub use lora::{predicted_adapter_load_ms, AdapterFit, RecentAdapters};
 pub use policy::{
     build_policy, AssignmentMode, CacheAwareConfig, KvAwareConfig, LeastLoadConfig, LlmDConfig,
     MemoryCost, Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,

@@ -98,6 +98,9 @@ pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
             if let Some(costs) = &plan.costs {
                 v["cost"] = costs[i].into();
             }
+            if c.adapter != kvroute_core::AdapterFit::None {
+                v["adapter"] = c.adapter.as_str().into();
+            }
             let e = c.engine;
             if e != EngineLoad::default() {
                 v["engine"] = json!({

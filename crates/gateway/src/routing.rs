@@ -9,7 +9,7 @@ use kvroute_core::affinity::{Affinity, AffinityMode};
 use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
 use kvroute_core::overload::{OverloadProtection, PressureSum, Protected, WorkerPressure};
 use kvroute_core::{
-    Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
+    AdapterFit, Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };
 use kvroute_index::{BlockHash, TierCounts};
 use kvroute_protocol::{Prompt, RoutingFields};
@@ -33,6 +33,8 @@ pub struct Choice {
     pub in_flight: u64,
     pub kv: KvTerms,
     pub engine: EngineLoad,
+    /// Where the request's LoRA adapter stands there.
+    pub adapter: AdapterFit,
 }
 
 /// A decision and everything it was made from.
@@ -296,7 +298,29 @@ pub fn plan(
         _ => hints,
     };
     let reads_index = pool.policy.reads_kv_index();
-    let (hashes, choices) = choices(kv, pool, hints, limits, prompt, reads_index, started)?;
+    let adapter = fields
+        .model
+        .as_deref()
+        .filter(|m| pool.workers.iter().any(|w| w.serves_adapter(m)));
+    // An adapter's blocks are hashed with its name, as the engines' KV events salt them.
+    let salted;
+    let prompt = match adapter {
+        Some(a) if reads_index => {
+            let salt = kvroute_protocol::stable_hash(a.as_bytes());
+            salted = Tokens {
+                ids: prompt.ids.clone(),
+                hashes: kvroute_index::block_hashes(&prompt.ids, kv.block_size, salt),
+            };
+            &salted
+        }
+        _ => prompt,
+    };
+    let (hashes, mut choices) = choices(kv, pool, hints, limits, prompt, reads_index, started)?;
+    if let Some(adapter) = adapter {
+        for c in &mut choices {
+            c.adapter = c.worker.ranks[c.rank].adapter_fit(adapter, started);
+        }
+    }
     let text = if policy.needs_text(key) {
         fields.routing_text()
     } else {
@@ -320,6 +344,7 @@ pub fn plan(
             in_flight: c.in_flight,
             kv: c.kv,
             engine: c.engine,
+            adapter: c.adapter,
         })
         .collect();
     let costs = pool.policy.costs(&candidates, &request);
@@ -337,6 +362,10 @@ pub fn plan(
             .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?,
     };
     drop(candidates);
+    if let (Some(adapter), false) = (adapter, dry_run) {
+        let c = &choices[decision.index];
+        c.worker.ranks[c.rank].adapter_routed(adapter, started);
+    }
     if let (Some(a), Some(k), false) = (affinity, key, dry_run) {
         let c = &choices[decision.index];
         a.bind(
@@ -406,6 +435,7 @@ fn choices(
                 in_flight: rank.in_flight(),
                 kv: terms,
                 engine: rank.engine.load(started),
+                adapter: AdapterFit::None,
             });
         }
     }

@@ -122,6 +122,7 @@ impl WorkerSet {
                     series: self.metrics.rank_series(&id, dp_rank),
                     engine,
                     busy_latch: AtomicBool::new(false),
+                    recent_adapters: Mutex::default(),
                 }
             })
             .collect();

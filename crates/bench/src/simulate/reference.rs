@@ -291,6 +291,7 @@ mod tests {
             seed: 1,
             queue: None,
             tenants: None,
+            loras: 0,
         }
     }
 

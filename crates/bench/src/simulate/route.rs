@@ -13,12 +13,12 @@ use std::ops::Range;
 use std::time::Instant;
 
 use kvroute_core::{
-    build_policy, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind, RankLoad,
-    RequestLoad, RouteRequest,
+    build_policy, AdapterFit, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind,
+    RankLoad, RecentAdapters, RequestLoad, RouteRequest,
 };
 use kvroute_index::{BlockHash, OverlapScores, ReplicaId};
 use kvroute_protocol::WorkerId;
-use kvroute_sim::engine::EngineCore;
+use kvroute_sim::engine::{EngineCore, LoraId};
 use rand::RngCore;
 
 use super::Cluster;
@@ -44,6 +44,8 @@ pub(super) struct Arrival<'a> {
     pub hashes: &'a [BlockHash],
     /// Characters standing for the tokens, for the text-keyed policies.
     pub text: &'a str,
+    /// Its LoRA adapter, if any.
+    pub lora: Option<LoraId>,
     pub now: Instant,
 }
 
@@ -78,6 +80,8 @@ pub(super) struct Router {
     ids: Vec<WorkerId>,
     /// The router's in-flight accounting per engine.
     pub loads: Vec<RankLoad>,
+    /// The adapters sent to each engine lately.
+    recent: Vec<RecentAdapters<LoraId>>,
     mode: Mode,
     block_size: usize,
     num_gpu_blocks: u64,
@@ -117,10 +121,18 @@ impl Router {
         };
         Self {
             loads: vec![RankLoad::default(); ids.len()],
+            recent: vec![RecentAdapters::default(); ids.len()],
             ids,
             mode,
             block_size,
             num_gpu_blocks: num_gpu_blocks as u64,
+        }
+    }
+
+    /// A request of `lora` went to `engine`, whose slots are `engines[engine]`'s.
+    pub fn adapter_routed(&mut self, engine: &EngineCore, index: usize, lora: Option<LoraId>) {
+        if let Some(id) = lora {
+            self.recent[index].routed(id, engine.config().lora.max_loras);
         }
     }
 
@@ -238,6 +250,7 @@ impl Router {
                         kv_usage: Some(s.kv_usage),
                         num_gpu_blocks: Some(self.num_gpu_blocks),
                     },
+                    adapter: adapter_fit(req.lora, &engines[e], &self.recent[e]),
                 }
             })
             .collect();
@@ -265,4 +278,23 @@ impl Router {
         };
         (pool.engines.start + chosen, load)
     }
+}
+
+/// Where `lora` stands on `engine`, from what its `vllm:lora_requests_info` shows.
+fn adapter_fit(
+    lora: Option<LoraId>,
+    engine: &EngineCore,
+    recent: &RecentAdapters<LoraId>,
+) -> AdapterFit {
+    let Some(id) = lora else {
+        return AdapterFit::None;
+    };
+    let s = engine.lora_state();
+    AdapterFit::of(
+        &id,
+        &s.running,
+        &s.waiting,
+        s.max_loras,
+        recent.contains(&id),
+    )
 }

@@ -31,6 +31,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         seed: 3,
         queue: None,
         tenants: None,
+        loras: 0,
     }
 }
 
@@ -231,6 +232,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             seed: 0,
             queue: None,
             tenants: None,
+            loras: 0,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));

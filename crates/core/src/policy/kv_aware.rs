@@ -824,8 +824,14 @@ mod tests {
         let base = p.cost(&at(0, AdapterFit::None, 0), &r, 0.0);
         let load = p.config.lora_load_cost;
         assert_eq!(p.cost(&at(0, AdapterFit::Running, 0), &r, 0.0), base);
-        assert_eq!(p.cost(&at(0, AdapterFit::FreeSlot, 0), &r, 0.0), base + load);
-        assert_eq!(p.cost(&at(0, AdapterFit::Full, 0), &r, 0.0), base + 2.0 * load);
+        assert_eq!(
+            p.cost(&at(0, AdapterFit::FreeSlot, 0), &r, 0.0),
+            base + load
+        );
+        assert_eq!(
+            p.cost(&at(0, AdapterFit::Full, 0), &r, 0.0),
+            base + 2.0 * load
+        );
         let mut rng = SmallRng::seed_from_u64(0);
         // Equal load: where the adapter runs, then where a slot is free.
         let c = [
@@ -837,9 +843,15 @@ mod tests {
         assert_eq!(p.select(&c[..2], &r, &mut rng).unwrap().index, 1);
         // The engine running it is busy with more prefill than a load is worth: elsewhere.
         let busy = (load / p.config.prefill_load_scale * 16.0) as u64 + 1600;
-        let c = [at(0, AdapterFit::FreeSlot, 0), at(1, AdapterFit::Running, busy)];
+        let c = [
+            at(0, AdapterFit::FreeSlot, 0),
+            at(1, AdapterFit::Running, busy),
+        ];
         assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 0);
         // Dynamo's model has no such term.
-        assert_eq!(dynamo().cost(&at(0, AdapterFit::Full, 0), &r, 0.0), dynamo().cost(&at(0, AdapterFit::None, 0), &r, 0.0));
+        assert_eq!(
+            dynamo().cost(&at(0, AdapterFit::Full, 0), &r, 0.0),
+            dynamo().cost(&at(0, AdapterFit::None, 0), &r, 0.0)
+        );
     }
 }

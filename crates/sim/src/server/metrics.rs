@@ -82,11 +82,17 @@ impl LoraInfo {
             "Running stats on lora requests.",
             family.clone(),
         );
-        Self {
+        let info = Self {
             family,
             adapters,
             max_lora: max_loras.to_string(),
-        }
+        };
+        // Idle from the start, as a router may read before the first request.
+        info.update(&LoraState {
+            max_loras,
+            ..LoraState::default()
+        });
+        info
     }
 
     /// Stamps the series of `state` with the current time.

@@ -352,13 +352,19 @@ fn the_lora_affinity_scorer_is_optional_and_weighted() {
     // Off by default: the three tie.
     let off = LlmD::new(LlmDConfig::default());
     let costs = off.costs(&c, &req(&tokens)).unwrap();
-    assert!(close(costs[0], costs[1]) && close(costs[1], costs[2]), "{costs:?}");
+    assert!(
+        close(costs[0], costs[1]) && close(costs[1], costs[2]),
+        "{costs:?}"
+    );
     let on = LlmD::new(LlmDConfig {
         lora_weight: 2.0,
         ..LlmDConfig::default()
     });
     let costs = on.costs(&c, &req(&tokens)).unwrap();
-    assert!(close(costs[0] - costs[1], 1.2) && close(costs[1] - costs[2], 0.8), "{costs:?}");
+    assert!(
+        close(costs[0] - costs[1], 1.2) && close(costs[1] - costs[2], 0.8),
+        "{costs:?}"
+    );
     let mut rng = SmallRng::seed_from_u64(0);
     assert_eq!(on.select(&c, &req(&tokens), &mut rng).unwrap().index, 2);
 }
