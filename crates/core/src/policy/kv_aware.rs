@@ -102,7 +102,9 @@
 //! free as well. Each expected load costs `lora_load_cost` (in the cost's unit, blocks of
 //! prefill at scale 1), so an adapter's requests stay on the engines that run it until the
 //! load terms there outweigh a load elsewhere. (Its KV overlap is per adapter already: an
-//! adapter's blocks are hashed with its name.) A cost model in milliseconds adds
+//! adapter's blocks are hashed with its name.) [`KvAwareConfig::dynamo`] keeps the term: it
+//! is 0 for a request without an adapter, all that Dynamo routes. A cost model in
+//! milliseconds adds
 //! [`predicted_adapter_load_ms`](crate::predicted_adapter_load_ms) instead.
 
 use rand::{Rng, RngCore};
@@ -171,13 +173,15 @@ impl KvAwareConfig {
             shared_cache_multiplier: 0.0,
             memory_cost: MemoryCost::Linear,
             prefill_interference_weight: 0.0,
-            lora_load_cost: 0.0,
+            // Dynamo has no adapter term; it is 0 for every request without an adapter (all
+            // that Dynamo routes), so its model is unchanged, and adapters still count.
+            lora_load_cost: DEFAULT_LORA_LOAD_COST,
         }
     }
 }
 
 /// kvroute's default cost of an adapter load (see the module docs and BENCHMARKS.md).
-pub const DEFAULT_LORA_LOAD_COST: f64 = 1024.0;
+pub const DEFAULT_LORA_LOAD_COST: f64 = 4096.0;
 
 /// The `kv_aware` policy.
 #[derive(Clone, Default)]
@@ -848,10 +852,12 @@ mod tests {
             at(1, AdapterFit::Running, busy),
         ];
         assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 0);
-        // Dynamo's model has no such term.
-        assert_eq!(
-            dynamo().cost(&at(0, AdapterFit::Full, 0), &r, 0.0),
-            dynamo().cost(&at(0, AdapterFit::None, 0), &r, 0.0)
-        );
+        // Without an adapter the term is 0, in Dynamo's model as in kvroute's.
+        let none = at(0, AdapterFit::None, 0);
+        let zero = KvAware::new(KvAwareConfig {
+            lora_load_cost: 0.0,
+            ..KvAwareConfig::dynamo()
+        });
+        assert_eq!(dynamo().cost(&none, &r, 0.0), zero.cost(&none, &r, 0.0));
     }
 }
