@@ -674,7 +674,7 @@ mod tests {
     fn debug_names_every_parameter() {
         assert_eq!(
             format!("{:?}", dynamo()),
-            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0 }"
+            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0, lora_load_cost: 4096.0 }"
         );
     }
 

@@ -51,7 +51,7 @@ fn debug_names_the_weights_and_the_effective_block_size() {
     let p = LlmD::new(LlmDConfig::default());
     assert_eq!(
         format!("{p:?}"),
-        "LlmD { prefix_weight: 3.0, queue_weight: 2.0, kv_weight: 2.0, block_size: 64, prefix: Approximate }"
+        "LlmD { prefix_weight: 3.0, queue_weight: 2.0, kv_weight: 2.0, lora_weight: 0.0, block_size: 64, prefix: Approximate }"
     );
     let small = LlmD::new(LlmDConfig {
         block_size: 16,
