@@ -302,24 +302,13 @@ pub fn plan(
         .model
         .as_deref()
         .filter(|m| pool.workers.iter().any(|w| w.serves_adapter(m)));
-    // An adapter's blocks are hashed with its name, as the engines' KV events salt them.
-    let salted;
-    let prompt = match adapter {
-        Some(a) if reads_index => {
-            let salt = kvroute_protocol::stable_hash(a.as_bytes());
-            salted = Tokens {
-                ids: prompt.ids.clone(),
-                hashes: kvroute_index::block_hashes(&prompt.ids, kv.block_size, salt),
-            };
-            &salted
-        }
-        _ => prompt,
-    };
+    let salted = adapter
+        .filter(|_| reads_index)
+        .map(|a| salted(prompt, a, kv.block_size));
+    let prompt = salted.as_ref().unwrap_or(prompt);
     let (hashes, mut choices) = choices(kv, pool, hints, limits, prompt, reads_index, started)?;
     if let Some(adapter) = adapter {
-        for c in &mut choices {
-            c.adapter = c.worker.ranks[c.rank].adapter_fit(adapter, started);
-        }
+        fit_adapter(&mut choices, adapter, started);
     }
     let text = if policy.needs_text(key) {
         fields.routing_text()
@@ -385,6 +374,23 @@ pub fn plan(
         pinned: hints.pinned_worker.is_some(),
         reads_kv_index: reads_index,
     })
+}
+
+/// `prompt` hashed for LoRA adapter `adapter`: its name salts the blocks, as the engines' KV
+/// events salt an adapter's blocks.
+fn salted(prompt: &Tokens, adapter: &str, block_size: usize) -> Tokens {
+    let salt = kvroute_protocol::stable_hash(adapter.as_bytes());
+    Tokens {
+        ids: prompt.ids.clone(),
+        hashes: kvroute_index::block_hashes(&prompt.ids, block_size, salt),
+    }
+}
+
+/// Where `adapter` stands on each choice.
+fn fit_adapter(choices: &mut [Choice], adapter: &str, now: Instant) {
+    for c in choices {
+        c.adapter = c.worker.ranks[c.rank].adapter_fit(adapter, now);
+    }
 }
 
 /// The eligible (worker, rank) pairs of `pool` as the policy sees them, each with its KV

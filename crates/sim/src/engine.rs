@@ -40,10 +40,8 @@
 //! NIXL transfer: that last token, run as a decode, samples the first output token. A
 //! preempted request recomputes its prompt locally. See the `transfer` module.
 //!
-//! **LoRA adapters** (a request's [`EngineRequest::lora`]): at most
-//! [`LoraConfig::max_loras`] distinct adapters per step; a waiting request whose adapter does
-//! not fit is skipped, not blocking those behind it; an adapter not resident is loaded
-//! before the step, which takes [`LoraConfig::load_time`] longer. See the `lora` module.
+//! **LoRA adapters** ([`EngineRequest::lora`]): at most `max_loras` per step, loaded before
+//! the step that needs them (see the `lora` module).
 
 mod blocks;
 mod lora;
@@ -303,34 +301,6 @@ impl EngineCore {
         Ok(())
     }
 
-    pub fn contains(&self, id: RequestId) -> bool {
-        self.running
-            .iter()
-            .chain(self.waiting.iter())
-            .chain(self.receiving.iter().map(|r| &r.seq))
-            .any(|s| s.id == id)
-    }
-
-    /// Drops a request (its client went away); frees its blocks. Returns whether it existed.
-    pub fn abort(&mut self, id: RequestId) -> bool {
-        if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            let seq = self.running.remove(i);
-            self.pool.release(&seq.blocks);
-            return true;
-        }
-        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            let seq = self.waiting.remove(i).expect("index in range");
-            self.pool.release(&seq.blocks);
-            return true;
-        }
-        if let Some(i) = self.receiving.iter().position(|r| r.seq.id == id) {
-            let r = self.receiving.remove(i);
-            self.pool.release(&r.seq.blocks);
-            return true;
-        }
-        false
-    }
-
     /// vLLM's `/reset_prefix_cache`: forgets every cached block, only when idle.
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.pool.clear_cache()
@@ -355,20 +325,6 @@ impl EngineCore {
             cached_blocks: self.pool.num_cached(),
             lora_loads: self.loras.loads,
             ..self.stats.clone()
-        }
-    }
-
-    /// The adapters it runs, waits for and holds (`vllm:lora_requests_info`).
-    pub fn lora_state(&self) -> LoraState {
-        let waiting = self
-            .waiting
-            .iter()
-            .chain(self.receiving.iter().map(|r| &r.seq));
-        LoraState {
-            running: lora::distinct(self.running.iter().map(|s| s.lora)),
-            waiting: lora::distinct(waiting.map(|s| s.lora)),
-            resident: self.loras.resident(),
-            max_loras: self.config.lora.max_loras,
         }
     }
 
@@ -497,14 +453,6 @@ impl EngineCore {
             let through = seq.computed + n;
             seq.cache_blocks_through(through, &mut self.pool, self.config.block_size);
         }
-    }
-
-    /// Whether a request of adapter `lora` may join the running batch: the base model always
-    /// may, an adapter when the batch uses it or uses fewer than `max_loras` adapters.
-    fn lora_fits(&self, lora: Option<LoraId>) -> bool {
-        let Some(id) = lora else { return true };
-        let used = lora::distinct(self.running.iter().map(|s| s.lora));
-        used.contains(&id) || used.len() < self.config.lora.max_loras.max(1)
     }
 
     /// Makes `running[i]` hold blocks for `tokens` tokens; false when no block is free.

@@ -96,6 +96,30 @@ impl LoraSlots {
     }
 }
 
+impl super::EngineCore {
+    /// The adapters it runs, waits for and holds (`vllm:lora_requests_info`).
+    pub fn lora_state(&self) -> LoraState {
+        let waiting = self
+            .waiting
+            .iter()
+            .chain(self.receiving.iter().map(|r| &r.seq));
+        LoraState {
+            running: distinct(self.running.iter().map(|s| s.lora)),
+            waiting: distinct(waiting.map(|s| s.lora)),
+            resident: self.loras.resident(),
+            max_loras: self.config.lora.max_loras,
+        }
+    }
+
+    /// Whether a request of adapter `lora` may join the running batch: the base model always
+    /// may, an adapter when the batch uses it or uses fewer than `max_loras` adapters.
+    pub(super) fn lora_fits(&self, lora: Option<LoraId>) -> bool {
+        let Some(id) = lora else { return true };
+        let used = distinct(self.running.iter().map(|s| s.lora));
+        used.contains(&id) || used.len() < self.config.lora.max_loras.max(1)
+    }
+}
+
 /// Distinct adapters of `loras`, ascending.
 pub(super) fn distinct(loras: impl Iterator<Item = Option<LoraId>>) -> Vec<LoraId> {
     let mut ids: Vec<LoraId> = loras.flatten().collect();

@@ -112,6 +112,37 @@ impl Sequence {
     }
 }
 
+impl super::EngineCore {
+    /// Whether request `id` is queued, running or receiving its KV.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .chain(self.receiving.iter().map(|r| &r.seq))
+            .any(|s| s.id == id)
+    }
+
+    /// Drops a request (its client went away); frees its blocks. Returns whether it existed.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(i);
+            self.pool.release(&seq.blocks);
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let seq = self.waiting.remove(i).expect("index in range");
+            self.pool.release(&seq.blocks);
+            return true;
+        }
+        if let Some(i) = self.receiving.iter().position(|r| r.seq.id == id) {
+            let r = self.receiving.remove(i);
+            self.pool.release(&r.seq.blocks);
+            return true;
+        }
+        false
+    }
+}
+
 /// The engine's block hash: XXH3 over the parent hash, the salt and the tokens.
 pub fn block_hash(parent: Option<u64>, tokens: &[u32], salt: u64) -> u64 {
     let mut buf = Vec::with_capacity(16 + tokens.len() * 4);
