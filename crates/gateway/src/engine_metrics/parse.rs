@@ -440,6 +440,23 @@ vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} NaN
     }
 
     #[test]
+    fn the_newest_lora_series_is_the_engines_adapters() {
+        let body = "\
+vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"\",running_lora_adapters=\"sql\"} 1.7e9
+vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"b\",running_lora_adapters=\"sql,chat\"} 1.70000001e9
+vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 1.6e9
+";
+        let lora = parse(body).unwrap().lora.unwrap();
+        assert_eq!(lora.running, ["sql", "chat"]);
+        assert_eq!(lora.waiting, ["b"]);
+        assert_eq!(lora.max_lora, 4);
+        assert!(parse("vllm:num_requests_waiting 0\n")
+            .unwrap()
+            .lora
+            .is_none());
+    }
+
+    #[test]
     fn rejects_what_is_not_prometheus_text() {
         for body in [
             "<!DOCTYPE html>\n<html><body>Not Found</body></html>\n",
