@@ -37,6 +37,8 @@ pub struct Setup {
     pub tenants: Option<Arc<[u32]>>,
     /// Each engine's speed and KV blocks, when they differ.
     pub shapes: EngineShapes,
+    /// LoRA adapters over the requests (0: none).
+    pub loras: u32,
 }
 
 impl Setup {
@@ -52,6 +54,7 @@ impl Setup {
             queue: self.queue,
             tenants: self.tenants.clone(),
             shapes: self.shapes.clone(),
+            loras: self.loras,
         }
     }
 }

@@ -14,8 +14,10 @@ use kvroute_core::{CostModel, KvAwareConfig, MemoryCost, PolicyConfig, PolicyKin
 use kvroute_sim::engine::{EngineConfig, TimingModel};
 use kvroute_sim::TimingArgs;
 
+mod lora_args;
 mod queue_args;
 mod replay_args;
+use lora_args::LoraArgs;
 use queue_args::{QueueArgs, TenantArgs};
 use replay_args::ReplayArgs;
 
@@ -295,6 +297,8 @@ struct ClusterArgs {
     #[command(flatten)]
     tenants: TenantArgs,
     #[command(flatten)]
+    loras: LoraArgs,
+    #[command(flatten)]
     timing: TimingArgs,
 }
 
@@ -309,6 +313,7 @@ impl ClusterArgs {
         let queue = self.queue.config(pd_cluster.is_some())?;
         let (name, requests) = self.workload.load(command)?;
         let (name, requests, tenants) = self.tenants.apply(name, requests)?;
+        let (loras, lora) = self.loras.config()?;
         let clusters: Vec<Cluster> = match &pd_cluster {
             Some(c) => vec![Cluster::Disaggregated(c.clone())],
             None => self
@@ -365,6 +370,7 @@ impl ClusterArgs {
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 timing: self.pd.timing(self.timing.model())?,
                 scheduler: self.timing.timing_model.scheduler(),
+                lora,
                 ..EngineConfig::default()
             },
             hash_block: self.workload.hash_block_size,
@@ -372,6 +378,7 @@ impl ClusterArgs {
             queue,
             tenants,
             shapes,
+            loras,
         })
     }
 }

@@ -20,21 +20,22 @@ fn scale(x: Option<f64>) -> String {
 /// `simulate`'s column names.
 pub fn simulate_header() -> String {
     format!(
-        "{:<NAME$} {:>22} {:>22} {:>8} {:>9} {:>7} {:>7}",
+        "{:<NAME$} {:>22} {:>22} {:>8} {:>9} {:>7} {:>7} {:>6}",
         "policy",
         "TTFT ms p50/p90/p99",
         "E2E ms p50/p90/p99",
         "req/s",
         "out tok/s",
         "hit %",
-        "preempt"
+        "preempt",
+        "loras"
     )
 }
 
 /// A policy's row (and a disaggregated cluster's second line); `wall_s` is what it took.
 pub fn policy_row(r: &PolicyResult, wall_s: f64) -> String {
     let mut row = format!(
-        "{:<NAME$} {:>22} {:>22} {:>8.2} {:>9.0} {:>7.1} {:>7}   ({wall_s:.1}s; per worker {:?})",
+        "{:<NAME$} {:>22} {:>22} {:>8.2} {:>9.0} {:>7.1} {:>7} {:>6}   ({wall_s:.1}s; per worker {:?})",
         r.policy,
         ms(&r.ttft_ms),
         ms(&r.e2e_ms),
@@ -42,6 +43,7 @@ pub fn policy_row(r: &PolicyResult, wall_s: f64) -> String {
         r.output_tokens_per_s,
         r.hit_share * 100.0,
         r.preemptions,
+        r.lora_loads,
         r.requests_per_worker
     );
     if let Some(pd) = &r.pd {

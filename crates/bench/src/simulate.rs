@@ -24,6 +24,14 @@
 //! tokens are charged to their tenant as they are produced, and each tenant's figures are
 //! reported.
 //!
+//! **LoRA adapters** (`SimConfig::loras` = N > 0): each request runs with adapter
+//! `hash_ids[0] mod N`, so the requests of one prefix group (a Mooncake trace's first hash id;
+//! a generated workload's system prompt or conversation) share one; its blocks are hashed
+//! with the adapter's salt, as the engines and the router's index hash them. The engines serve
+//! adapters as `EngineConfig::lora` says; the router sees each engine's running and waiting
+//! adapters as its `vllm:lora_requests_info` would show them. `lora_loads` counts the adapter
+//! loads of all engines.
+//!
 //! [`reference`] is the yardstick printed beside the policies: each request alone on an idle
 //! engine of the same configuration, with what one LRU cache of the cluster's whole capacity
 //! would hold (see the `reference` module).
@@ -70,6 +78,8 @@ pub struct SimConfig {
     pub tenants: Option<Arc<[u32]>>,
     /// Each engine's speed and KV capacity, when they differ (see the `shapes` module).
     pub shapes: EngineShapes,
+    /// LoRA adapters over the requests (0: none; see the module docs).
+    pub loras: u32,
 }
 
 /// The engines and how requests are routed over them.

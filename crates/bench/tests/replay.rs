@@ -227,6 +227,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             queue: None,
             tenants: None,
             shapes: Default::default(),
+            loras: 0,
         },
     );
     assert!(

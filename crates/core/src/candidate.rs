@@ -5,6 +5,7 @@ use std::time::Instant;
 use kvroute_protocol::WorkerId;
 
 use crate::latency::FittedSpeed;
+use crate::AdapterFit;
 
 /// Leading blocks of the request a candidate already holds, per storage tier (each block
 /// counted once, in the best tier holding it).
@@ -92,6 +93,8 @@ pub struct Candidate<'a> {
     /// The rank's fitted latency models, when the caller learns them (`None`: the prior;
     /// read by `kv_aware`'s predicted cost).
     pub speed: Option<FittedSpeed>,
+    /// Where the request's LoRA adapter stands there.
+    pub adapter: AdapterFit,
 }
 
 impl<'a> Candidate<'a> {
@@ -103,6 +106,7 @@ impl<'a> Candidate<'a> {
             kv: KvTerms::default(),
             engine: EngineLoad::default(),
             speed: None,
+            adapter: AdapterFit::None,
         }
     }
 }

@@ -19,6 +19,7 @@ mod candidate;
 pub mod eligibility;
 pub mod latency;
 pub mod load;
+pub mod lora;
 pub mod overload;
 pub mod policy;
 pub mod queue;
@@ -26,6 +27,7 @@ pub mod sessions;
 
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};
+pub use lora::{predicted_adapter_load_ms, AdapterFit, RecentAdapters};
 pub use policy::{
     build_policy, AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LeastLoadConfig,
     LlmDConfig, MemoryCost, Observation, Observed, Policy, PolicyConfig, PolicyKind, UnknownPolicy,

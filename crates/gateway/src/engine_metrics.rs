@@ -39,7 +39,7 @@ use crate::error::BoxError;
 use crate::http::HttpClient;
 
 pub use gauges::{EngineGauges, STALE_AFTER};
-pub use parse::{parse, EngineReadings, ParseError, RankReading};
+pub use parse::{parse, EngineReadings, LoraReading, ParseError, RankReading};
 
 /// The largest `/metrics` body read (vLLM's is tens of kilobytes).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
@@ -191,8 +191,15 @@ impl EngineMetricsScraper {
         Ok(parse(text)?)
     }
 
-    /// Stores each rank's reading, taken at `at`; ranks the body lacks are left to age.
+    /// Stores each rank's reading, taken at `at`; ranks the body lacks are left to age. The
+    /// engine's adapters go to every rank.
     pub fn store(&self, readings: &EngineReadings, at: Instant) {
+        if let Some(lora) = &readings.lora {
+            let lora = Arc::new(lora.clone());
+            for (_, gauges) in &self.ranks {
+                gauges.record_lora(lora.clone(), at);
+            }
+        }
         if let ([(_, gauges)], 1) = (self.ranks.as_slice(), readings.len()) {
             if let Some((_, reading)) = readings.iter().next() {
                 gauges.record(reading, at);

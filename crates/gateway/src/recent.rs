@@ -118,6 +118,9 @@ pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
             if let Some(p) = plan.predictions.as_ref().map(|p| &p[i]) {
                 v["predicted"] = predicted_json(p);
             }
+            if c.adapter != kvroute_core::AdapterFit::None {
+                v["adapter"] = c.adapter.as_str().into();
+            }
             let e = c.engine;
             if e != EngineLoad::default() {
                 v["engine"] = json!({

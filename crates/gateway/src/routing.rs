@@ -10,7 +10,7 @@ use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, Wor
 use kvroute_core::overload::{OverloadProtection, PressureSum, Protected, WorkerPressure};
 use kvroute_core::policy::predict::{predict, Prediction};
 use kvroute_core::{
-    Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
+    AdapterFit, Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };
 use kvroute_index::{BlockHash, TierCounts};
 use kvroute_protocol::{Prompt, RoutingFields};
@@ -34,6 +34,8 @@ pub struct Choice {
     pub in_flight: u64,
     pub kv: KvTerms,
     pub engine: EngineLoad,
+    /// Where the request's LoRA adapter stands there.
+    pub adapter: AdapterFit,
 }
 
 /// A decision and everything it was made from.
@@ -300,7 +302,18 @@ pub fn plan(
         _ => hints,
     };
     let reads_index = pool.policy.reads_kv_index();
-    let (hashes, choices) = choices(kv, pool, hints, limits, prompt, reads_index, started)?;
+    let adapter = fields
+        .model
+        .as_deref()
+        .filter(|m| pool.workers.iter().any(|w| w.serves_adapter(m)));
+    let salted = adapter
+        .filter(|_| reads_index)
+        .map(|a| salted(prompt, a, kv.block_size));
+    let prompt = salted.as_ref().unwrap_or(prompt);
+    let (hashes, mut choices) = choices(kv, pool, hints, limits, prompt, reads_index, started)?;
+    if let Some(adapter) = adapter {
+        fit_adapter(&mut choices, adapter, started);
+    }
     let text = if policy.needs_text(key) {
         fields.routing_text()
     } else {
@@ -325,6 +338,7 @@ pub fn plan(
             kv: c.kv,
             engine: c.engine,
             speed: Some(c.worker.ranks[c.rank].speed()),
+            adapter: c.adapter,
         })
         .collect();
     let costs = pool.policy.costs(&candidates, &request);
@@ -349,6 +363,10 @@ pub fn plan(
             .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?,
     };
     drop(candidates);
+    if let (Some(adapter), false) = (adapter, dry_run) {
+        let c = &choices[decision.index];
+        c.worker.ranks[c.rank].adapter_routed(adapter, started);
+    }
     if let (Some(a), Some(k), false) = (affinity, key, dry_run) {
         let c = &choices[decision.index];
         a.bind(
@@ -369,6 +387,23 @@ pub fn plan(
         reads_kv_index: reads_index,
         predictions,
     })
+}
+
+/// `prompt` hashed for LoRA adapter `adapter`: its name salts the blocks, as the engines' KV
+/// events salt an adapter's blocks.
+fn salted(prompt: &Tokens, adapter: &str, block_size: usize) -> Tokens {
+    let salt = kvroute_protocol::stable_hash(adapter.as_bytes());
+    Tokens {
+        ids: prompt.ids.clone(),
+        hashes: kvroute_index::block_hashes(&prompt.ids, block_size, salt),
+    }
+}
+
+/// Where `adapter` stands on each choice.
+fn fit_adapter(choices: &mut [Choice], adapter: &str, now: Instant) {
+    for c in choices {
+        c.adapter = c.worker.ranks[c.rank].adapter_fit(adapter, now);
+    }
 }
 
 /// The eligible (worker, rank) pairs of `pool` as the policy sees them, each with its KV
@@ -419,6 +454,7 @@ fn choices(
                 in_flight: rank.in_flight(),
                 kv: terms,
                 engine: rank.engine.load(started),
+                adapter: AdapterFit::None,
             });
         }
     }

@@ -124,6 +124,7 @@ impl WorkerSet {
                     engine,
                     busy_latch: AtomicBool::new(false),
                     latency: Mutex::new(Default::default()),
+                    recent_adapters: Mutex::default(),
                 }
             })
             .collect();

@@ -28,6 +28,7 @@ fn main() {
             prompt,
             max_tokens: 256,
             salt: 0,
+            lora: None,
         })
         .expect("fits");
         next += 1;

@@ -45,6 +45,7 @@ fn model_rate(streams: usize, seconds: f64) -> f64 {
             prompt: p,
             max_tokens: MAX_TOKENS,
             salt: 0,
+            lora: None,
         })
         .expect("fits");
         next += 1;

@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::{EngineConfig, TimingFamily, TimingModel};
 
+mod lora;
+pub use lora::LoraArgs;
+
 /// The encoding of KV events on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub enum KvEventsFormat {
@@ -119,6 +122,8 @@ pub struct SimArgs {
     pub log_level: String,
     #[command(flatten)]
     pub faults: FaultSettings,
+    #[command(flatten)]
+    pub lora: LoraArgs,
 }
 
 /// The step-time model: a family and, to override its defaults, its coefficients (the
@@ -354,6 +359,7 @@ impl SimArgs {
             });
         }
         self.timing.validate()?;
+        self.lora.validate(&self.model)?;
         self.faults.validate()
     }
 
@@ -380,6 +386,7 @@ impl SimArgs {
                 ..self.timing.model()
             },
             scheduler: self.timing.timing_model.scheduler(),
+            lora: self.lora.engine(),
             output_tokens,
             seed: self.seed.wrapping_add(rank as u64),
         }

@@ -39,8 +39,12 @@
 //! scheduled with every prompt token but the last computed, as vLLM's scheduler does after a
 //! NIXL transfer: that last token, run as a decode, samples the first output token. A
 //! preempted request recomputes its prompt locally. See the `transfer` module.
+//!
+//! **LoRA adapters** ([`EngineRequest::lora`]): at most `max_loras` per step, loaded before
+//! the step that needs them (see the `lora` module).
 
 mod blocks;
+mod lora;
 mod sequence;
 pub mod timing;
 mod transfer;
@@ -54,6 +58,8 @@ use rand::{Rng, SeedableRng};
 
 pub use blocks::BlockId;
 use blocks::BlockPool;
+use lora::LoraSlots;
+pub use lora::{LoraConfig, LoraId, LoraState};
 pub use sequence::block_hash;
 use sequence::{PromptSource, Sequence};
 pub use timing::{Scheduler, StepWork, TimingFamily, TimingModel};
@@ -69,6 +75,8 @@ pub struct EngineConfig {
     pub timing: TimingModel,
     /// The scheduler's rules (the timing family's, unless set).
     pub scheduler: Scheduler,
+    /// LoRA adapter slots and load time.
+    pub lora: LoraConfig,
     /// Token ids sampled for outputs (uniformly).
     pub output_tokens: Vec<u32>,
     pub seed: u64,
@@ -83,6 +91,7 @@ impl Default for EngineConfig {
             block_size: 16,
             timing: TimingModel::default(),
             scheduler: Scheduler::default(),
+            lora: LoraConfig::default(),
             // Lowercase letters and space: printable through the fallback tokenizer.
             output_tokens: (b'a'..=b'z').chain([b' ']).map(u32::from).collect(),
             seed: 0,
@@ -103,6 +112,8 @@ pub struct EngineRequest {
     /// Mixed into every block hash (LoRA name, cache salt): different salts never share
     /// cached blocks.
     pub salt: u64,
+    /// The LoRA adapter it runs with (`None`: the base model).
+    pub lora: Option<LoraId>,
 }
 
 /// Where a request's prompt KV comes from.
@@ -142,6 +153,8 @@ pub enum CacheEvent {
         hashes: Vec<u64>,
         parent: Option<u64>,
         token_ids: Vec<u32>,
+        /// The adapter of the sequence that computed them.
+        lora: Option<LoraId>,
     },
     Removed {
         hash: u64,
@@ -202,6 +215,8 @@ pub struct EngineStats {
     pub kv_transfers_received: u64,
     /// Tokens of KV those transfers carried (their prompts less the local cache hits).
     pub kv_transfer_tokens_received: u64,
+    /// LoRA adapters loaded into a device slot.
+    pub lora_loads: u64,
 }
 
 /// One simulated engine (one data-parallel rank).
@@ -215,6 +230,7 @@ pub struct EngineCore {
     receiving: Vec<Receiving>,
     rng: SmallRng,
     stats: EngineStats,
+    loras: LoraSlots,
 }
 
 impl EngineCore {
@@ -227,6 +243,7 @@ impl EngineCore {
             running: Vec::new(),
             receiving: Vec::new(),
             stats: EngineStats::default(),
+            loras: LoraSlots::default(),
         }
     }
 
@@ -278,6 +295,7 @@ impl EngineCore {
             tokens: req.prompt,
             max_tokens: req.max_tokens,
             salt: req.salt,
+            lora: req.lora,
             computed: 0,
             blocks: Vec::new(),
             hashes: Vec::new(),
@@ -286,34 +304,6 @@ impl EngineCore {
             prompt_kv: prompt_kv.into(),
         });
         Ok(())
-    }
-
-    pub fn contains(&self, id: RequestId) -> bool {
-        self.running
-            .iter()
-            .chain(self.waiting.iter())
-            .chain(self.receiving.iter().map(|r| &r.seq))
-            .any(|s| s.id == id)
-    }
-
-    /// Drops a request (its client went away); frees its blocks. Returns whether it existed.
-    pub fn abort(&mut self, id: RequestId) -> bool {
-        if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            let seq = self.running.remove(i);
-            self.pool.release(&seq.blocks);
-            return true;
-        }
-        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            let seq = self.waiting.remove(i).expect("index in range");
-            self.pool.release(&seq.blocks);
-            return true;
-        }
-        if let Some(i) = self.receiving.iter().position(|r| r.seq.id == id) {
-            let r = self.receiving.remove(i);
-            self.pool.release(&r.seq.blocks);
-            return true;
-        }
-        false
     }
 
     /// vLLM's `/reset_prefix_cache`: forgets every cached block, only when idle.
@@ -338,6 +328,7 @@ impl EngineCore {
             waiting: self.waiting.len() + self.receiving.len(),
             kv_usage: self.pool.num_used() as f64 / self.pool.num_blocks().max(1) as f64,
             cached_blocks: self.pool.num_cached(),
+            lora_loads: self.loras.loads,
             ..self.stats.clone()
         }
     }
@@ -380,11 +371,17 @@ impl EngineCore {
             i += 1;
         }
 
+        // Waiting requests whose adapter finds no slot this step, in queue order.
+        let mut skipped = Vec::new();
         while !preempted_any
             && budget > 0
             && self.running.len() < self.config.max_num_seqs
             && !self.waiting.is_empty()
         {
+            if !self.lora_fits(self.waiting.front().and_then(|s| s.lora)) {
+                skipped.extend(self.waiting.pop_front());
+                continue;
+            }
             match self.admit(budget, now) {
                 Admitted::Running {
                     tokens,
@@ -402,12 +399,18 @@ impl EngineCore {
                 Admitted::Blocked => break,
             }
         }
+        for seq in skipped.into_iter().rev() {
+            self.waiting.push_front(seq);
+        }
 
         // The step's work and time.
         let bs = self.config.block_size;
         let (work, computed_prefill) = self.step_work(&scheduled);
         self.stats.prefill_tokens_computed += computed_prefill as u64;
-        out.duration = self.config.timing.step_time(&work);
+        let batch = lora::distinct(scheduled.iter().map(|&(i, _)| self.running[i].lora));
+        let loads = self.loras.activate(&batch, self.config.lora.max_loras);
+        out.duration =
+            self.config.timing.step_time(&work) + self.config.lora.load_time * loads as u32;
         out.work = work;
 
         // Apply: KV computed, blocks cached, tokens sampled.

@@ -12,6 +12,7 @@
 //! (the endpoints that take a prompt), `messages` (Anthropic's Messages API), `admin` (model and server info, `/metrics`, the cache
 //! reset) and `faults` (`/fault`). Errors become responses in one place, `error`.
 
+mod adapters;
 mod admin;
 mod bootstrap;
 mod completions;
@@ -66,6 +67,8 @@ struct Pending {
 
 struct AppState {
     args: SimArgs,
+    /// The LoRA adapters it serves.
+    adapters: Arc<adapters::Adapters>,
     tokenizer: Arc<Tokenizer>,
     ranks: Vec<mpsc::UnboundedSender<Command>>,
     next_rank: AtomicUsize,
@@ -121,14 +124,21 @@ impl SimServer {
     pub fn new(args: SimArgs, tokenizer: Arc<Tokenizer>) -> Self {
         let mut registry = Registry::default();
         let ranks = args.data_parallel_size.max(1);
-        let series = metrics::register(
+        let adapters = Arc::new(adapters::Adapters::new(&args.lora));
+        let lora_info = adapters.enabled().then(|| {
+            metrics::LoraInfo::register(&mut registry, adapters.clone(), args.lora.max_loras)
+        });
+        let series: Vec<metrics::EngineSeries> = metrics::register(
             &mut registry,
             &args.model,
             args.role,
             ranks,
             args.block_size,
             args.num_gpu_blocks,
-        );
+        )
+        .into_iter()
+        .map(|s| s.with_lora(lora_info.clone()))
+        .collect();
         let sent = series.iter().map(|s| s.sent.clone()).collect();
         let faults = Arc::new(Faults::new(args.faults, args.seed, &mut registry));
         let rooms = Arc::new(bootstrap::Rooms::default());
@@ -158,6 +168,7 @@ impl SimServer {
         Self {
             state: Arc::new(AppState {
                 args,
+                adapters,
                 tokenizer,
                 ranks: senders,
                 next_rank: AtomicUsize::new(0),
@@ -241,6 +252,7 @@ impl SimServer {
                         &args.kv_events_topic,
                         args.kv_events_format,
                         args.block_size,
+                        self.state.adapters.clone(),
                     )
                     .await?,
                 ),

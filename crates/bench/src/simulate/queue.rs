@@ -30,7 +30,7 @@ use std::time::Duration;
 use kvroute_core::queue::{Arrival, DrrQueue, Fairness, PolicyClass, QueueOrder, Sharing, Ticket};
 use kvroute_core::RankLoad;
 use kvroute_index::BlockHash;
-use kvroute_sim::engine::RequestId;
+use kvroute_sim::engine::{LoraId, RequestId};
 use serde::Serialize;
 
 use super::result::{percentiles, Percentiles};
@@ -131,6 +131,8 @@ pub(super) struct Queued {
     pub hashes: Vec<BlockHash>,
     pub max_tokens: usize,
     pub tenant: u32,
+    /// Its LoRA adapter (`SimConfig::loras`).
+    pub lora: Option<LoraId>,
 }
 
 /// The queue and its tallies.

@@ -214,6 +214,7 @@ pub(crate) fn alone(
             prompt: prompt[..cached].to_vec(),
             max_tokens: 1,
             salt: 0,
+            lora: None,
         })?;
         drain(engine, |_| {});
     }
@@ -222,6 +223,7 @@ pub(crate) fn alone(
         prompt,
         max_tokens,
         salt: 0,
+        lora: None,
     })?;
     let mut first = None;
     let e2e = drain(engine, |t| {
@@ -290,6 +292,7 @@ mod tests {
             queue: None,
             tenants: None,
             shapes: Default::default(),
+            loras: 0,
         }
     }
 

@@ -53,6 +53,8 @@ pub struct PolicyResult {
     /// Requests answered by each engine (disaggregated: each decode engine).
     pub requests_per_worker: Vec<usize>,
     pub preemptions: u64,
+    /// LoRA adapters the engines loaded into a slot.
+    pub lora_loads: u64,
     /// A disaggregated cluster's figures.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pd: Option<PdResult>,

@@ -15,12 +15,12 @@ use std::time::Instant;
 use kvroute_core::latency::{LatencyModel, PrefillFeatures};
 use kvroute_core::policy::predict::predict;
 use kvroute_core::{
-    build_policy, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind, RankLoad,
-    RequestLoad, RouteRequest,
+    build_policy, AdapterFit, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind,
+    RankLoad, RecentAdapters, RequestLoad, RouteRequest,
 };
 use kvroute_index::{BlockHash, OverlapScores, ReplicaId};
 use kvroute_protocol::WorkerId;
-use kvroute_sim::engine::EngineCore;
+use kvroute_sim::engine::{EngineCore, LoraId};
 use rand::RngCore;
 
 use super::Cluster;
@@ -51,6 +51,8 @@ pub(super) struct Arrival<'a> {
     pub hashes: &'a [BlockHash],
     /// Characters standing for the tokens, for the text-keyed policies.
     pub text: &'a str,
+    /// Its LoRA adapter, if any.
+    pub lora: Option<LoraId>,
     pub now: Instant,
 }
 
@@ -87,6 +89,8 @@ pub(super) struct Router {
     pub loads: Vec<RankLoad>,
     /// Each engine's latency models, learned from the timings observed (see `State`).
     pub models: Vec<LatencyModel>,
+    /// The adapters sent to each engine lately.
+    recent: Vec<RecentAdapters<LoraId>>,
     mode: Mode,
     block_size: usize,
     /// Each engine's KV blocks.
@@ -128,10 +132,18 @@ impl Router {
         Self {
             loads: vec![RankLoad::default(); ids.len()],
             models: vec![LatencyModel::default(); ids.len()],
+            recent: vec![RecentAdapters::default(); ids.len()],
             ids,
             mode,
             block_size,
             num_gpu_blocks,
+        }
+    }
+
+    /// A request of `lora` went to `engine`, whose slots are `engines[engine]`'s.
+    pub fn adapter_routed(&mut self, engine: &EngineCore, index: usize, lora: Option<LoraId>) {
+        if let Some(id) = lora {
+            self.recent[index].routed(id, engine.config().lora.max_loras);
         }
     }
 
@@ -254,6 +266,7 @@ impl Router {
                         num_gpu_blocks: Some(self.num_gpu_blocks[e]),
                     },
                     speed: Some(self.models[e].speed()),
+                    adapter: adapter_fit(req.lora, &engines[e], &self.recent[e]),
                 }
             })
             .collect();
@@ -282,4 +295,23 @@ impl Router {
         };
         (pool.engines.start + chosen, load, features)
     }
+}
+
+/// Where `lora` stands on `engine`, from what its `vllm:lora_requests_info` shows.
+fn adapter_fit(
+    lora: Option<LoraId>,
+    engine: &EngineCore,
+    recent: &RecentAdapters<LoraId>,
+) -> AdapterFit {
+    let Some(id) = lora else {
+        return AdapterFit::None;
+    };
+    let s = engine.lora_state();
+    AdapterFit::of(
+        &id,
+        &s.running,
+        &s.waiting,
+        s.max_loras,
+        recent.contains(&id),
+    )
 }

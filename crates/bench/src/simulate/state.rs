@@ -12,7 +12,7 @@ use kvroute_index::{
     StoredBlocks,
 };
 use kvroute_sim::engine::{
-    CacheEvent, EngineConfig, EngineCore, EngineRequest, PromptKv, RequestId, StepOutput,
+    CacheEvent, EngineConfig, EngineCore, EngineRequest, LoraId, PromptKv, RequestId, StepOutput,
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -60,6 +60,20 @@ fn text_of(tokens: &[u32]) -> String {
         .collect()
 }
 
+/// The block-hash salt of an adapter's requests (0 for the base model), the engines' and the
+/// router's index's alike.
+pub(super) fn lora_salt(lora: Option<LoraId>) -> u64 {
+    lora.map_or(0, |l| {
+        kvroute_protocol::stable_hash(format!("lora-{}", l.0).as_bytes())
+    })
+}
+
+/// The adapter of the trace's request `r` when there are `loras` (see the module docs).
+fn lora_of(r: &TraceRequest, loras: u32) -> Option<LoraId> {
+    let first = r.hash_ids.first().copied().unwrap_or(0);
+    (loras > 0).then(|| LoraId((first % u64::from(loras)) as u32))
+}
+
 fn apply_events(index: &mut KvIndex, replica: ReplicaId, events: &[CacheEvent], block_size: usize) {
     for e in events {
         match e {
@@ -67,6 +81,7 @@ fn apply_events(index: &mut KvIndex, replica: ReplicaId, events: &[CacheEvent], 
                 hashes,
                 parent,
                 token_ids,
+                lora,
             } => {
                 let engine_hashes: Vec<EngineHash> =
                     hashes.iter().map(|&h| EngineHash(h)).collect();
@@ -78,7 +93,7 @@ fn apply_events(index: &mut KvIndex, replica: ReplicaId, events: &[CacheEvent], 
                         token_ids,
                         block_size,
                         tier: StorageTier::Device,
-                        salt: 0,
+                        salt: lora_salt(*lora),
                     },
                 );
             }
@@ -355,7 +370,8 @@ impl<'a> State<'a> {
     /// routed at once.
     pub fn arrive(&mut self, id: RequestId, r: &TraceRequest, now: Duration) {
         let tokens = prompt_tokens(r, self.cfg.hash_block, self.cfg.vocab);
-        let hashes = block_hashes(&tokens, self.cfg.engine.block_size, 0);
+        let lora = lora_of(r, self.cfg.loras);
+        let hashes = block_hashes(&tokens, self.cfg.engine.block_size, lora_salt(lora));
         let tenant = self.cfg.tenants.as_ref().map_or(0, |of| of[id.0 as usize]);
         self.tally.by_tenant[tenant as usize].arrived += 1;
         let req = Queued {
@@ -365,6 +381,7 @@ impl<'a> State<'a> {
             hashes,
             max_tokens: r.output_length.max(1),
             tenant,
+            lora,
         };
         let Some(queue) = &self.queue else {
             return self.route(req, now);
@@ -418,6 +435,7 @@ impl<'a> State<'a> {
                 tokens: &req.tokens,
                 hashes: &req.hashes,
                 text: &text,
+                lora: req.lora,
                 now: self.base + now,
             },
             &scores,
@@ -435,7 +453,8 @@ impl<'a> State<'a> {
             id: req.id,
             prompt: req.tokens,
             max_tokens: req.max_tokens,
-            salt: 0,
+            salt: lora_salt(req.lora),
+            lora: req.lora,
         };
         let (engine, load, role, features) = match placement {
             Placement::Whole {
@@ -483,6 +502,8 @@ impl<'a> State<'a> {
             }
         };
         self.router.loads[engine].start(&load);
+        self.router
+            .adapter_routed(&self.engines[engine], engine, req.lora);
         self.live.insert(
             (engine, req.id),
             Live {
@@ -561,6 +582,7 @@ impl<'a> State<'a> {
             hit_share: tally.cached as f64 / tally.prompt.max(1) as f64,
             requests_per_worker,
             preemptions: engines.iter().map(|e| e.stats().preemptions).sum(),
+            lora_loads: engines.iter().map(|e| e.stats().lora_loads).sum(),
             pd,
             queue: self.queue.map(RouterQueue::result),
             tenants: match self.cfg.tenants {

@@ -33,6 +33,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         queue: None,
         tenants: None,
         shapes: Default::default(),
+        loras: 0,
     }
 }
 
@@ -234,6 +235,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             queue: None,
             tenants: None,
             shapes: Default::default(),
+            loras: 0,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));

@@ -13,6 +13,7 @@
 //!        + memory(M)                       M = decode_blocks + min(new_blocks, ceil(ISL / B) - device)
 //!        + prefill_interference_weight * U * D
 //!        + decode_active_request_weight * active_requests
+//!        + lora_load_cost * L
 //! memory(M) = M * M / C   (memory_cost utilisation, C the engine's KV blocks, when known)
 //!           = M           (memory_cost linear, or C unknown: Dynamo's)
 //! pending = max(0, (ceil(ISL / B) - new_blocks) - (device + host + disk + external))
@@ -25,7 +26,10 @@
 //! a first token, `decode_blocks` the distinct blocks of its requests still generating,
 //! `new_blocks` the request's blocks not already among them, `U` the blocks the engine must
 //! compute for this request and `D` the requests there that have produced a first token
-//! (decoding). When the request names preferred taints, the cost is multiplied by
+//! (decoding), and `L` the adapter loads the request is expected to cost there (0 without an
+//! adapter or where it runs, 1 with a slot to spare or where it waits, 2 where every slot is
+//! taken: [`AdapterFit::expected_loads`](crate::AdapterFit::expected_loads); see "LoRA adapters"
+//! below). When the request names preferred taints, the cost is multiplied by
 //! `exp(-tanh(w))`, `w` the summed weights of those the worker has. Exact ties are broken
 //! uniformly at random. With `temperature > 0` the choice is sampled from
 //! `softmax(-(cost - min) / ((max - min) * temperature))`.
@@ -91,6 +95,17 @@
 //!   unknown. On llm-d's shared-prefix workload with 4 replicas (2.5x overloaded), these two
 //!   terms took the hit rate from 34% to 47% (`cache_aware`: 48%); without them groups were
 //!   spread over two or three ranks, each recomputing the system prompt.
+//!
+//! **LoRA adapters** (`lora_load_cost`). An engine runs at most `max_lora` adapters per step and
+//! loads an adapter before the step that needs it; a request of an adapter that the engine
+//! does not run costs a load, and on an engine whose slots are all taken, a wait for one to
+//! free as well. Each expected load costs `lora_load_cost` (in the cost's unit, blocks of
+//! prefill at scale 1), so an adapter's requests stay on the engines that run it until the
+//! load terms there outweigh a load elsewhere. (Its KV overlap is per adapter already: an
+//! adapter's blocks are hashed with its name.) [`KvAwareConfig::dynamo`] keeps the term: it
+//! is 0 for a request without an adapter, all that Dynamo routes. A cost model in
+//! milliseconds adds
+//! [`predicted_adapter_load_ms`](crate::predicted_adapter_load_ms) instead.
 
 use rand::{Rng, RngCore};
 
@@ -162,6 +177,8 @@ pub struct KvAwareConfig {
     pub memory_cost: MemoryCost,
     pub prefill_interference_weight: f64,
     pub cost_model: CostModel,
+    /// The cost of one expected adapter load (see the module docs).
+    pub lora_load_cost: f64,
 }
 
 impl Default for KvAwareConfig {
@@ -170,6 +187,7 @@ impl Default for KvAwareConfig {
             overlap_score_credit: 2.0,
             prefill_load_scale: 4.0,
             prefill_interference_weight: 0.25,
+            lora_load_cost: DEFAULT_LORA_LOAD_COST,
             ..Self::dynamo()
         }
     }
@@ -190,9 +208,15 @@ impl KvAwareConfig {
             memory_cost: MemoryCost::Linear,
             prefill_interference_weight: 0.0,
             cost_model: CostModel::Weighted,
+            // Dynamo has no adapter term; it is 0 for every request without an adapter (all
+            // that Dynamo routes), so its model is unchanged, and adapters still count.
+            lora_load_cost: DEFAULT_LORA_LOAD_COST,
         }
     }
 }
+
+/// kvroute's default cost of an adapter load (see the module docs and BENCHMARKS.md).
+pub const DEFAULT_LORA_LOAD_COST: f64 = 4096.0;
 
 /// The `kv_aware` policy.
 #[derive(Clone, Default)]
@@ -220,6 +244,7 @@ impl std::fmt::Debug for KvAware {
                 &k.prefill_interference_weight,
             )
             .field("cost_model", &k.cost_model)
+            .field("lora_load_cost", &k.lora_load_cost)
             .finish()
     }
 }
@@ -284,7 +309,8 @@ impl KvAware {
             + k.prefill_load_scale * saturation * (prompt - credit).max(0.0)
             + memory
             + k.prefill_interference_weight * uncached * decoding
-            + k.decode_active_request_weight * c.kv.active_requests as f64;
+            + k.decode_active_request_weight * c.kv.active_requests as f64
+            + k.lora_load_cost * c.adapter.expected_loads();
         if request.has_preferred_taints {
             cost *= (-c.kv.preferred_taint_weight.tanh()).exp();
         }
@@ -692,7 +718,7 @@ mod tests {
     fn debug_names_every_parameter() {
         assert_eq!(
             format!("{:?}", dynamo()),
-            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0, cost_model: Weighted }"
+            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0, cost_model: Weighted, lora_load_cost: 4096.0 }"
         );
     }
 
@@ -825,5 +851,57 @@ mod tests {
         };
         let a = sized(&ids[0], cached, Some(16384));
         assert_eq!(p.select(&[a, b], &r, &mut rng).unwrap().index, 0);
+    }
+
+    #[test]
+    fn an_adapter_load_is_counted_until_load_elsewhere_outweighs_it() {
+        use crate::AdapterFit;
+        let ids = ids(3);
+        let p = KvAware::default();
+        let r = req(1024);
+        let at = |i: usize, fit: AdapterFit, prefill_tokens: u64| Candidate {
+            adapter: fit,
+            ..cand(
+                &ids[i],
+                KvTerms {
+                    prefill_tokens,
+                    ..KvTerms::default()
+                },
+            )
+        };
+        let base = p.cost(&at(0, AdapterFit::None, 0), &r, 0.0);
+        let load = p.config.lora_load_cost;
+        assert_eq!(p.cost(&at(0, AdapterFit::Running, 0), &r, 0.0), base);
+        assert_eq!(
+            p.cost(&at(0, AdapterFit::FreeSlot, 0), &r, 0.0),
+            base + load
+        );
+        assert_eq!(
+            p.cost(&at(0, AdapterFit::Full, 0), &r, 0.0),
+            base + 2.0 * load
+        );
+        let mut rng = SmallRng::seed_from_u64(0);
+        // Equal load: where the adapter runs, then where a slot is free.
+        let c = [
+            at(0, AdapterFit::Full, 0),
+            at(1, AdapterFit::FreeSlot, 0),
+            at(2, AdapterFit::Running, 0),
+        ];
+        assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 2);
+        assert_eq!(p.select(&c[..2], &r, &mut rng).unwrap().index, 1);
+        // The engine running it is busy with more prefill than a load is worth: elsewhere.
+        let busy = (load / p.config.prefill_load_scale * 16.0) as u64 + 1600;
+        let c = [
+            at(0, AdapterFit::FreeSlot, 0),
+            at(1, AdapterFit::Running, busy),
+        ];
+        assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 0);
+        // Without an adapter the term is 0, in Dynamo's model as in kvroute's.
+        let none = at(0, AdapterFit::None, 0);
+        let zero = KvAware::new(KvAwareConfig {
+            lora_load_cost: 0.0,
+            ..KvAwareConfig::dynamo()
+        });
+        assert_eq!(dynamo().cost(&none, &r, 0.0), zero.cost(&none, &r, 0.0));
     }
 }

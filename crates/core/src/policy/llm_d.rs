@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! total = prefix_weight * prefix + queue_weight * queue + kv_weight * kv
+//!       + lora_weight * lora
 //! prefix = leading blocks of the prompt found in the candidate's LRU / full blocks of the prompt
 //! queue  = (max_q - q) / (max_q - min_q)       (1 when every known q is equal)
 //! kv     = 1 - kv_usage
@@ -31,6 +32,10 @@
 //!   `min_q`/`max_q`.
 //! - **KV-cache utilisation** (weight 2): `1 - EngineLoad::kv_usage`, clamped to [0, 1];
 //!   0.5 when unknown.
+//! - **LoRA affinity** (weight 0: optional, llm-d's `lora-affinity-scorer`), over the
+//!   candidate's [`AdapterFit`](crate::AdapterFit) for the request's adapter: 1 where it
+//!   runs, 0.8 with a slot to spare, 0.6 where it waits, 0 where every slot is taken (and 0 for
+//!   a request with no adapter).
 //!
 //! # Capacity and memory
 //!
@@ -80,6 +85,8 @@ pub struct LlmDConfig {
     pub prefix_weight: f64,
     pub queue_weight: f64,
     pub kv_weight: f64,
+    /// The LoRA-affinity scorer's weight (0: not in the profile).
+    pub lora_weight: f64,
     /// Tokens per block of the approximate prefix cache (at least 64).
     pub block_size: usize,
     /// Where the prefix scorer learns what each candidate caches.
@@ -105,6 +112,7 @@ impl Default for LlmDConfig {
             prefix_weight: 3.0,
             queue_weight: 2.0,
             kv_weight: 2.0,
+            lora_weight: 0.0,
             block_size: 64,
             prefix: PrefixSource::Approximate,
         }
@@ -198,9 +206,24 @@ impl LlmD {
             .collect()
     }
 
-    fn total(&self, (prefix, queue, kv): (f64, f64, f64)) -> f64 {
+    fn total(&self, (prefix, queue, kv): (f64, f64, f64), candidate: &Candidate<'_>) -> f64 {
         let c = &self.config;
-        c.prefix_weight * prefix + c.queue_weight * queue + c.kv_weight * kv
+        c.prefix_weight * prefix
+            + c.queue_weight * queue
+            + c.kv_weight * kv
+            + c.lora_weight * candidate.adapter.llm_d_score()
+    }
+
+    /// Each candidate's weighted total.
+    fn totals<'a>(
+        &'a self,
+        scores: Vec<(f64, f64, f64)>,
+        candidates: &'a [Candidate<'_>],
+    ) -> impl Iterator<Item = f64> + 'a {
+        scores
+            .into_iter()
+            .zip(candidates)
+            .map(|(s, c)| self.total(s, c))
     }
 
     /// Records the request's blocks for the chosen candidate, leading blocks most recent.
@@ -258,6 +281,7 @@ impl fmt::Debug for LlmD {
             .field("prefix_weight", &self.config.prefix_weight)
             .field("queue_weight", &self.config.queue_weight)
             .field("kv_weight", &self.config.kv_weight)
+            .field("lora_weight", &self.config.lora_weight)
             .field("block_size", &self.block_size)
             .field("prefix", &self.config.prefix)
             .finish()
@@ -335,12 +359,12 @@ impl Policy for LlmD {
         if let PrefixSource::Exact { block_size } = self.config.prefix {
             // The engines' events say what they cache: nothing to record.
             let scores = self.combine(candidates, exact_prefix(candidates, request, block_size));
-            let index = best(scores.into_iter().map(|s| self.total(s)), rng)?;
+            let index = best(self.totals(scores, candidates), rng)?;
             return Some(Decision { index });
         }
         let hashes = block_hashes(request.tokens, self.block_size);
         let scores = self.scores_of(candidates, &hashes);
-        let index = best(scores.into_iter().map(|s| self.total(s)), rng)?;
+        let index = best(self.totals(scores, candidates), rng)?;
         if !request.dry_run {
             self.record(&candidates[index], &hashes);
         }
@@ -350,7 +374,7 @@ impl Policy for LlmD {
     /// The negated totals (the lowest cost is the highest score).
     fn costs(&self, candidates: &[Candidate<'_>], request: &RouteRequest<'_>) -> Option<Vec<f64>> {
         let scores = self.scores(candidates, request);
-        Some(scores.into_iter().map(|s| -self.total(s)).collect())
+        Some(self.totals(scores, candidates).map(|t| -t).collect())
     }
 }
 

@@ -152,6 +152,9 @@ pub struct Args {
     /// llm_d: weight of the KV-cache utilisation scorer [default: 2].
     #[arg(long)]
     pub llm_d_kv_weight: Option<f64>,
+    /// llm_d: weight of llm-d's LoRA-affinity scorer [default: 0, off].
+    #[arg(long)]
+    pub llm_d_lora_weight: Option<f64>,
     /// llm_d: score the prefix from the engines' KV events (the KV index), as llm-d's
     /// `precise-prefix-cache-producer`, not from the policy's own record of its decisions.
     #[arg(long)]

@@ -9,7 +9,8 @@
 //! - `queue-scorer`, `kv-cache-utilization-scorer` and `prefix-cache-scorer` give
 //!   `llm_d_queue_weight`, `llm_d_kv_weight` and `llm_d_prefix_weight`: the profile's
 //!   `weight` (1 when absent, as llm-d), 0 for a scorer the profile does not name. (The
-//!   3/2/2 default is for a start without this file.)
+//!   3/2/2 default is for a start without this file.) `lora-affinity-scorer` gives
+//!   `llm_d_lora_weight` the same way (0 without it, and by default).
 //! - `approx-prefix-cache-producer`: the prefix scorer's blocks are what the picker routed
 //!   (llm-d's estimate, kvroute's `llm_d` as it is); its parameters are llm-d's tuning.
 //! - `precise-prefix-cache-producer` (and the deprecated `precise-prefix-cache-scorer`,
@@ -200,6 +201,7 @@ enum Scorer {
     Queue,
     KvUtilisation,
     Prefix,
+    Lora,
 }
 
 fn role(plugin_type: &str) -> Option<Role> {
@@ -207,6 +209,7 @@ fn role(plugin_type: &str) -> Option<Role> {
         "queue-scorer" => Role::Scorer(Scorer::Queue),
         "kv-cache-utilization-scorer" => Role::Scorer(Scorer::KvUtilisation),
         "prefix-cache-scorer" => Role::Scorer(Scorer::Prefix),
+        "lora-affinity-scorer" => Role::Scorer(Scorer::Lora),
         "precise-prefix-cache-scorer" => Role::PreciseScorer,
         "approx-prefix-cache-producer" => Role::ApproxProducer,
         "precise-prefix-cache-producer" => Role::PreciseProducer,
@@ -221,6 +224,7 @@ pub(super) struct LlmDOverlay {
     pub prefix_weight: f64,
     pub queue_weight: f64,
     pub kv_weight: f64,
+    pub lora_weight: f64,
     /// The precise producer's block size.
     pub block_size: Option<usize>,
     /// The precise producer's `socketPort`.
@@ -256,6 +260,7 @@ impl LlmDOverlay {
             prefix_weight: 0.0,
             queue_weight: 0.0,
             kv_weight: 0.0,
+            lora_weight: 0.0,
             block_size: None,
             kv_events_socket_port: None,
             precise: false,
@@ -310,6 +315,7 @@ impl LlmDOverlay {
             let slot = match roles[&name] {
                 Role::Scorer(Scorer::Queue) => &mut overlay.queue_weight,
                 Role::Scorer(Scorer::KvUtilisation) => &mut overlay.kv_weight,
+                Role::Scorer(Scorer::Lora) => &mut overlay.lora_weight,
                 Role::Scorer(Scorer::Prefix) | Role::PreciseScorer => &mut overlay.prefix_weight,
                 Role::ApproxProducer | Role::PreciseProducer | Role::Noop => continue,
             };
@@ -402,6 +408,7 @@ impl Args {
             llm_d_prefix_weight: self.llm_d_prefix_weight.or(Some(o.prefix_weight)),
             llm_d_queue_weight: self.llm_d_queue_weight.or(Some(o.queue_weight)),
             llm_d_kv_weight: self.llm_d_kv_weight.or(Some(o.kv_weight)),
+            llm_d_lora_weight: self.llm_d_lora_weight.or(Some(o.lora_weight)),
             block_size: self.block_size.or(o.block_size),
             kv_events_socket_port: self.kv_events_socket_port.or(o.kv_events_socket_port),
             llm_d_precise_prefix: self.llm_d_precise_prefix || o.precise,

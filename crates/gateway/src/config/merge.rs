@@ -36,7 +36,7 @@ impl Args {
             pd_min_uncached_tokens, policy, prefix_token_count, prefix_hash_load_factor,
             max_idle_secs, assignment_mode, cache_threshold, balance_abs_threshold,
             balance_rel_threshold, eviction_interval_secs, max_tree_size, llm_d_prefix_weight,
-            llm_d_queue_weight, llm_d_kv_weight, least_load_kv_pressure_weight,
+            llm_d_queue_weight, llm_d_kv_weight, llm_d_lora_weight, least_load_kv_pressure_weight,
             least_load_default_throughput, least_load_mean_prefill_tokens,
             least_load_max_waiting_requests, worker_overload_waiting_requests,
             worker_overload_token_usage, metrics_refresh_ms, block_size,

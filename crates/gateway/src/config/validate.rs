@@ -250,6 +250,7 @@ impl Args {
                 self.shared_cache_multiplier,
                 kv.shared_cache_multiplier,
             )?,
+            lora_load_cost: kv.lora_load_cost,
         })
     }
 
@@ -317,6 +318,7 @@ impl Args {
                 ld.queue_weight,
             )?,
             kv_weight: weight("llm_d_kv_weight", self.llm_d_kv_weight, ld.kv_weight)?,
+            lora_weight: weight("llm_d_lora_weight", self.llm_d_lora_weight, ld.lora_weight)?,
             block_size: ld.block_size.max(block_size),
             prefix: if self.llm_d_precise_prefix {
                 kvroute_core::policy::PrefixSource::Exact { block_size }

@@ -2,11 +2,12 @@
 //! scraper that writes it and the requests that read it.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use kvroute_core::EngineLoad;
 
-use super::parse::RankReading;
+use super::parse::{LoraReading, RankReading};
 
 /// A reading older than this is unknown.
 pub const STALE_AFTER: Duration = Duration::from_secs(2);
@@ -32,6 +33,8 @@ pub struct EngineGauges {
     configured_blocks: AtomicU64,
     scraped_blocks: AtomicU64,
     engine_block_size: AtomicU64,
+    /// The engine's adapters and when they were read (a lock: a reading is a few names).
+    lora: RwLock<Option<(Arc<LoraReading>, Instant)>>,
 }
 
 impl Default for EngineGauges {
@@ -53,7 +56,20 @@ impl EngineGauges {
             configured_blocks: AtomicU64::new(0),
             scraped_blocks: AtomicU64::new(0),
             engine_block_size: AtomicU64::new(0),
+            lora: RwLock::new(None),
         }
+    }
+
+    /// Stores the engine's adapters, read at `at`.
+    pub fn record_lora(&self, lora: Arc<LoraReading>, at: Instant) {
+        *self.lora.write().unwrap_or_else(|e| e.into_inner()) = Some((lora, at));
+    }
+
+    /// The engine's adapters as of `now`, unless the reading is older than [`STALE_AFTER`].
+    pub fn lora(&self, now: Instant) -> Option<Arc<LoraReading>> {
+        let lora = self.lora.read().unwrap_or_else(|e| e.into_inner());
+        let (reading, at) = lora.as_ref()?;
+        (now.saturating_duration_since(*at) <= STALE_AFTER).then(|| reading.clone())
     }
 
     /// What the engine reported, as of `now`: the values of the last good reading if it is

@@ -23,6 +23,11 @@
 //! | running | `vllm:num_requests_running` | `sglang:num_running_reqs` |
 //! | kv_usage | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` |
 //! | num_gpu_blocks, block_size | labels of `vllm:cache_config_info` | |
+//!
+//! and, for the whole engine (vLLM labels it with no rank), its LoRA adapters
+//! ([`LoraReading`]) from `vllm:lora_requests_info{running_lora_adapters,
+//! waiting_lora_adapters, max_lora}`: vLLM keeps one series per state it has been in, each
+//! valued with the time it was last in it, so the series with the greatest value is read.
 
 use std::borrow::Cow;
 
@@ -46,10 +51,25 @@ pub struct RankReading {
     pub block_size: Option<u64>,
 }
 
+/// The engine's LoRA adapters, as its newest `vllm:lora_requests_info` series says.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoraReading {
+    /// Adapters of the running requests.
+    pub running: Vec<String>,
+    /// Adapters of the waiting requests.
+    pub waiting: Vec<String>,
+    /// Adapter slots (`max_lora`).
+    pub max_lora: usize,
+    /// The series' value: when the engine was last in this state (Unix seconds).
+    pub stamp: f64,
+}
+
 /// The readings of every rank found in one body, by rank.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineReadings {
     ranks: Vec<(u32, RankReading)>,
+    /// The engine's adapters, when it serves LoRA adapters.
+    pub lora: Option<LoraReading>,
 }
 
 impl EngineReadings {
@@ -102,6 +122,27 @@ impl EngineReadings {
                 // The older name, used only where the newer is absent.
                 let r = self.rank_mut(rank().unwrap_or(0));
                 r.kv_usage.get_or_insert(v);
+            }
+            "vllm:lora_requests_info" => {
+                if self.lora.as_ref().is_some_and(|l| l.stamp >= v) {
+                    return;
+                }
+                let names = |label| -> Vec<String> {
+                    sample.label(label).map_or_else(Vec::new, |s| {
+                        s.split(',')
+                            .map(str::trim)
+                            .filter(|n| !n.is_empty())
+                            .map(str::to_owned)
+                            .collect()
+                    })
+                };
+                let max_lora = sample.label("max_lora").and_then(|m| m.trim().parse().ok());
+                self.lora = Some(LoraReading {
+                    running: names("running_lora_adapters"),
+                    waiting: names("waiting_lora_adapters"),
+                    max_lora: max_lora.unwrap_or(1),
+                    stamp: v,
+                });
             }
             "vllm:cache_config_info" => {
                 let int = |name| sample.label(name)?.trim().parse::<u64>().ok();
@@ -396,6 +437,23 @@ vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} NaN
         s.parse(r#"m{a="x\"y\\z\nw",b="plain"} 1"#).unwrap();
         assert_eq!(s.label("a"), Some("x\"y\\z\nw"));
         assert!(matches!(s.labels[1].1, Cow::Borrowed("plain")));
+    }
+
+    #[test]
+    fn the_newest_lora_series_is_the_engines_adapters() {
+        let body = "\
+vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"\",running_lora_adapters=\"sql\"} 1.7e9
+vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"b\",running_lora_adapters=\"sql,chat\"} 1.70000001e9
+vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 1.6e9
+";
+        let lora = parse(body).unwrap().lora.unwrap();
+        assert_eq!(lora.running, ["sql", "chat"]);
+        assert_eq!(lora.waiting, ["b"]);
+        assert_eq!(lora.max_lora, 4);
+        assert!(parse("vllm:num_requests_waiting 0\n")
+            .unwrap()
+            .lora
+            .is_none());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use kvroute_core::eligibility::{BusyThresholds, RankPressure};
 use kvroute_core::latency::{DecodeFeatures, FittedSpeed, LatencyModel, PrefillFeatures};
-use kvroute_core::{RankLoad, RequestLoad};
+use kvroute_core::{AdapterFit, RankLoad, RecentAdapters, RequestLoad};
 use kvroute_index::ReplicaId;
 use kvroute_protocol::{ModelId, WorkerId};
 use tokio::sync::watch;
@@ -35,6 +35,8 @@ pub struct Rank {
     pub(super) busy_latch: AtomicBool,
     /// Its latency models, fed by its streams' timings (kv_aware's predicted cost).
     pub(super) latency: Mutex<LatencyModel>,
+    /// The LoRA adapters routed here lately (see `kvroute_core::lora`).
+    pub(super) recent_adapters: Mutex<RecentAdapters<String>>,
 }
 
 impl Rank {
@@ -78,6 +80,23 @@ impl Rank {
         let overloaded = thresholds.overloaded(&pressure, &mut latch);
         self.busy_latch.store(latch, Ordering::Relaxed);
         overloaded
+    }
+
+    /// Where `adapter` stands on this rank: from its engine's `vllm:lora_requests_info` (as
+    /// of `now`) and the adapters routed here lately; `None` when the engine reports none.
+    pub fn adapter_fit(&self, adapter: &str, now: std::time::Instant) -> AdapterFit {
+        let Some(lora) = self.engine.lora(now) else {
+            return AdapterFit::None;
+        };
+        let recent = lock(&self.recent_adapters).contains(&adapter.to_owned());
+        let owned = adapter.to_owned();
+        AdapterFit::of(&owned, &lora.running, &lora.waiting, lora.max_lora, recent)
+    }
+
+    /// A request of `adapter` was routed here.
+    pub fn adapter_routed(&self, adapter: &str, now: std::time::Instant) {
+        let slots = self.engine.lora(now).map_or(1, |l| l.max_lora);
+        lock(&self.recent_adapters).routed(adapter.to_owned(), slots);
     }
 
     pub(crate) fn start(&self, load: &RequestLoad) {
@@ -241,6 +260,13 @@ impl Worker {
     }
 
     /// The models it serves: its configured one, else those it listed when probed.
+    /// Whether `model` is a LoRA adapter here: its `/v1/models` entry names a `parent`.
+    pub fn serves_adapter(&self, model: &str) -> bool {
+        lock(&self.models)
+            .iter()
+            .any(|(m, card)| m.as_str() == model && card["parent"].is_string())
+    }
+
     pub fn model_ids(&self) -> Vec<ModelId> {
         match &self.configured_model {
             Some(m) => vec![m.clone()],

@@ -1,7 +1,7 @@
 //! A sequence's state in the engine, and the block hash of the prefix cache.
 
 use super::blocks::{BlockId, BlockPool};
-use super::{CacheEvent, PromptKv, RequestId};
+use super::{CacheEvent, LoraId, PromptKv, RequestId};
 
 /// Where a sequence's prompt KV comes from, and whether a transfer of it has landed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +32,7 @@ pub(super) struct Sequence {
     pub(super) prompt_len: usize,
     pub(super) max_tokens: usize,
     pub(super) salt: u64,
+    pub(super) lora: Option<LoraId>,
     /// Tokens whose KV is computed.
     pub(super) computed: usize,
     pub(super) blocks: Vec<BlockId>,
@@ -85,6 +86,7 @@ impl Sequence {
                             hashes: vec![self.hashes[b]],
                             parent: b.checked_sub(1).map(|p| self.hashes[p]),
                             token_ids: self.tokens[b * bs..(b + 1) * bs].to_vec(),
+                            lora: self.lora,
                         });
                     }
                 }
@@ -107,6 +109,37 @@ impl Sequence {
             let chunk = &self.tokens[i * block_size..(i + 1) * block_size];
             self.hashes.push(block_hash(parent, chunk, self.salt));
         }
+    }
+}
+
+impl super::EngineCore {
+    /// Whether request `id` is queued, running or receiving its KV.
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .chain(self.receiving.iter().map(|r| &r.seq))
+            .any(|s| s.id == id)
+    }
+
+    /// Drops a request (its client went away); frees its blocks. Returns whether it existed.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(i);
+            self.pool.release(&seq.blocks);
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let seq = self.waiting.remove(i).expect("index in range");
+            self.pool.release(&seq.blocks);
+            return true;
+        }
+        if let Some(i) = self.receiving.iter().position(|r| r.seq.id == id) {
+            let r = self.receiving.remove(i);
+            self.pool.release(&r.seq.blocks);
+            return true;
+        }
+        false
     }
 }
 

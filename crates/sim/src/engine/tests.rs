@@ -15,6 +15,7 @@ fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
         prompt,
         max_tokens,
         salt: 0,
+        lora: None,
     }
 }
 
@@ -102,6 +103,7 @@ fn repeated_prompt_hits_all_its_full_blocks() {
                 hashes,
                 parent,
                 token_ids,
+                ..
             } => Some((hashes, parent, token_ids)),
             _ => None,
         })
@@ -552,4 +554,82 @@ fn a_new_speed_applies_from_the_next_step() {
     // The same step at a quarter of the speed takes four times as long (virtual time).
     let ratio = quarter.duration.as_secs_f64() / first.duration.as_secs_f64();
     assert!((ratio - 4.0).abs() < 1e-6, "{ratio}");
+}
+
+fn lora_core(max_loras: usize, load_ms: u64) -> EngineCore {
+    EngineCore::new(EngineConfig {
+        lora: LoraConfig {
+            max_loras,
+            load_time: Duration::from_millis(load_ms),
+        },
+        ..EngineConfig::default()
+    })
+}
+
+fn lora_req(id: u64, lora: Option<u32>, max_tokens: usize) -> EngineRequest {
+    EngineRequest {
+        lora: lora.map(LoraId),
+        ..req(id, prompt(id as u32, 40), max_tokens)
+    }
+}
+
+#[test]
+fn a_step_runs_at_most_max_loras_adapters_and_skips_the_rest_without_blocking() {
+    let mut core = lora_core(2, 0);
+    // Adapters 1, 2, 3 and the base model: 3 finds no slot, the base model behind it runs.
+    for (id, lora) in [(0, Some(1)), (1, Some(2)), (2, Some(3)), (3, None)] {
+        core.add_request(lora_req(id, lora, 4)).unwrap();
+    }
+    let out = core.step(Duration::ZERO);
+    let started: Vec<u64> = out.started.iter().map(|(id, _)| id.0).collect();
+    assert_eq!(started, [0, 1, 3]);
+    let state = core.lora_state();
+    assert_eq!(state.running, [LoraId(1), LoraId(2)]);
+    assert_eq!(state.waiting, [LoraId(3)]);
+    assert_eq!(state.max_loras, 2);
+    // It runs once a slot's requests are done; everything finishes.
+    let r = run(&mut core, out.duration);
+    assert_eq!(r.tokens[&RequestId(2)].len(), 4);
+    assert_eq!(core.stats().lora_loads, 3);
+    assert_eq!(core.lora_state().resident, [LoraId(2), LoraId(3)]);
+}
+
+#[test]
+fn loading_an_adapter_lengthens_its_step_and_a_resident_one_does_not() {
+    let base = {
+        let mut core = lora_core(1, 0);
+        core.add_request(lora_req(0, Some(7), 1)).unwrap();
+        core.step(Duration::ZERO).duration
+    };
+    let mut core = lora_core(1, 40);
+    core.add_request(lora_req(0, Some(7), 1)).unwrap();
+    assert_eq!(
+        core.step(Duration::ZERO).duration,
+        base + Duration::from_millis(40)
+    );
+    // Again, with another prompt of the same length: resident, no load.
+    core.add_request(lora_req(0, Some(7), 1)).unwrap();
+    let again = core.step(Duration::ZERO).duration;
+    assert!(again <= base, "{again:?} against {base:?}");
+    // Another adapter evicts it (one slot): loaded, then 7 again is a load too.
+    core.add_request(lora_req(1, Some(8), 1)).unwrap();
+    core.step(Duration::ZERO);
+    core.add_request(lora_req(2, Some(7), 1)).unwrap();
+    core.step(Duration::ZERO);
+    assert_eq!(core.stats().lora_loads, 3);
+}
+
+#[test]
+fn an_adapters_blocks_carry_it_and_hash_apart_from_the_base_models() {
+    let mut core = lora_core(1, 0);
+    core.add_request(EngineRequest {
+        salt: 99,
+        ..lora_req(0, Some(5), 1)
+    })
+    .unwrap();
+    let out = core.step(Duration::ZERO);
+    match &out.events[..] {
+        [CacheEvent::Stored { lora, .. }] => assert_eq!(*lora, Some(LoraId(5))),
+        other => panic!("{other:?}"),
+    }
 }

@@ -95,6 +95,7 @@ mod tests {
             prompt,
             max_tokens,
             salt: 0,
+            lora: None,
         };
         core.add_request(req).unwrap();
     }

@@ -17,11 +17,19 @@ use crate::config::Role;
 
 pub(super) async fn models(State(state): State<Arc<AppState>>) -> Response {
     let a = &state.args;
-    Json(json!({"object": "list", "data": [{
+    let max_model_len = a.num_gpu_blocks * a.block_size;
+    let mut data = vec![json!({
         "id": a.model, "object": "model", "created": state.created, "owned_by": "vllm",
-        "root": a.model, "parent": null, "max_model_len": a.num_gpu_blocks * a.block_size,
-    }]}))
-    .into_response()
+        "root": a.model, "parent": null, "max_model_len": max_model_len,
+    })];
+    // Each adapter, as vLLM lists one: its root is its path, its parent the base model.
+    data.extend(state.adapters.names().into_iter().map(|name| {
+        json!({
+            "id": name, "object": "model", "created": state.created, "owned_by": "vllm",
+            "root": name, "parent": a.model, "max_model_len": max_model_len,
+        })
+    }));
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 pub(super) async fn server_info(State(state): State<Arc<AppState>>) -> Response {

@@ -18,14 +18,15 @@ use super::error::{bad_request, json_body, ApiError};
 use super::generate::{generate, Generate};
 use super::openai::{self, Api};
 use super::{AppState, DP_RANK_HEADER};
+use crate::engine::LoraId;
 
 impl AppState {
-    pub(super) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// The adapter a request's `model` names: none for the base model (or no model), an
+    /// adapter the server serves, or vLLM's 404.
+    pub(super) fn check_model(&self, model: Option<&str>) -> Result<Option<LoraId>, ApiError> {
         match model {
-            Some(m) if m != self.args.model => Err(ApiError::not_found(format!(
-                "The model `{m}` does not exist."
-            ))),
-            _ => Ok(()),
+            Some(m) if m != self.args.model => self.adapters.resolve(m).map(Some),
+            _ => Ok(None),
         }
     }
 
@@ -102,7 +103,7 @@ pub(super) async fn completions(
 ) -> Result<Response, ApiError> {
     state.faults.before_inference(&state.stopping).await?;
     let (headers, body) = json_body::<openai::CompletionRequest>(req).await?;
-    state.check_model(body.model.as_deref())?;
+    let lora = state.check_model(body.model.as_deref())?;
     let prompt = state.completion_tokens(&body.prompt)?;
     let max_tokens = body.max_tokens.unwrap_or(openai::DEFAULT_MAX_TOKENS);
     generate(
@@ -115,6 +116,7 @@ pub(super) async fn completions(
             stream: body.stream.unwrap_or(false),
             usage: openai::StreamUsage::of(body.stream_options.as_ref()),
             salt: salt_of(body.cache_salt.as_deref()),
+            lora,
             disagg: body.disagg,
         },
     )
@@ -127,7 +129,7 @@ pub(super) async fn chat(
 ) -> Result<Response, ApiError> {
     state.faults.before_inference(&state.stopping).await?;
     let (headers, body) = json_body::<openai::ChatRequest>(req).await?;
-    state.check_model(body.model.as_deref())?;
+    let lora = state.check_model(body.model.as_deref())?;
     let prompt = state.chat_tokens(&body.prompt)?;
     let max_tokens = body
         .max_completion_tokens
@@ -143,6 +145,7 @@ pub(super) async fn chat(
             stream: body.stream.unwrap_or(false),
             usage: openai::StreamUsage::of(body.stream_options.as_ref()),
             salt: salt_of(body.cache_salt.as_deref()),
+            lora,
             disagg: body.disagg,
         },
     )

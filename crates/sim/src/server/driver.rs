@@ -100,7 +100,7 @@ impl Driver {
             if out.is_idle() {
                 // Nothing can run until a KV transfer lands.
                 self.publish(out.events);
-                self.series.update(&self.core.stats());
+                self.export();
                 let wake = self.core.next_transfer_done().map(|t| start + t);
                 tokio::select! {
                     _ = sleep_until_some(wake) => {
@@ -126,9 +126,9 @@ impl Driver {
                 tokio::task::yield_now().await;
             }
             // The metrics first: a client that has its answer sees them count it.
-            self.series.update(&self.core.stats());
+            self.export();
             if self.deliver(out.tokens, &mut streams) {
-                self.series.update(&self.core.stats());
+                self.export();
             }
             let mut events = out.events;
             events.extend(self.core.take_events());
@@ -214,7 +214,13 @@ impl Driver {
             }
             Command::Speed(speedup) => self.core.set_speedup(speedup),
         }
+        self.export();
+    }
+
+    /// The engine's stats and adapters, to its metrics.
+    fn export(&self) {
         self.series.update(&self.core.stats());
+        self.series.update_lora(|| self.core.lora_state());
     }
 
     fn publish(&self, events: Vec<CacheEvent>) {

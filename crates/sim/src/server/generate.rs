@@ -16,7 +16,7 @@ use super::error::{bad_request, ApiError};
 use super::faults::Faults;
 use super::openai::{self, Api, ResponseMeta};
 use super::{pd, AppState};
-use crate::engine::{EngineRequest, PromptKv, RequestId};
+use crate::engine::{EngineRequest, LoraId, PromptKv, RequestId};
 
 /// An inference request, parsed.
 pub(super) struct Generate {
@@ -27,6 +27,9 @@ pub(super) struct Generate {
     /// Which chunks of a stream carry usage (`stream_options`).
     pub(super) usage: openai::StreamUsage,
     pub(super) salt: u64,
+    /// The adapter `model` named; its name is mixed into the salt (as the router's index
+    /// salts an adapter's blocks) and answers as the model.
+    pub(super) lora: Option<LoraId>,
     pub(super) disagg: pd::DisaggFields,
 }
 
@@ -69,8 +72,13 @@ pub(super) async fn generate(
         stream,
         usage,
         salt,
+        lora,
         disagg,
     } = g;
+    let adapter = lora.and_then(|id| state.adapters.name(id));
+    let salt = adapter
+        .as_ref()
+        .map_or(salt, |n| salt ^ kvroute_protocol::stable_hash(n.as_bytes()));
     let rank = state.rank(headers)?;
     let pd::Prepared {
         max_tokens,
@@ -82,12 +90,16 @@ pub(super) async fn generate(
         .prepare(rank, &disagg, stream, max_tokens, prompt.len())
         .await?;
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
-    let meta = response_meta(state, api, prompt.len());
+    let mut meta = response_meta(state, api, prompt.len());
+    if let Some(name) = adapter {
+        meta.model = name;
+    }
     let request = EngineRequest {
         id,
         prompt,
         max_tokens,
         salt,
+        lora,
     };
     let (rx, first, guard) = submit(state, rank, request, prompt_kv).await?;
     let answer = Answer {

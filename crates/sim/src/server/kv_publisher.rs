@@ -20,9 +20,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
+use super::adapters::Adapters;
 use super::faults::Faults;
 use crate::config::KvEventsFormat;
-use crate::engine::CacheEvent;
+use crate::engine::{CacheEvent, LoraId};
 
 /// `tcp://*:5557` with the port offset by `rank`, and `*` made bindable.
 pub fn rank_endpoint(endpoint: &str, rank: usize) -> Result<String, String> {
@@ -43,7 +44,12 @@ pub fn rank_endpoint(endpoint: &str, rank: usize) -> Result<String, String> {
 }
 
 /// The wire form of one step's cache events.
-pub fn to_batch(events: &[CacheEvent], block_size: usize, rank: usize) -> KvEventBatch {
+pub fn to_batch(
+    events: &[CacheEvent],
+    block_size: usize,
+    rank: usize,
+    lora_name: &dyn Fn(LoraId) -> Option<String>,
+) -> KvEventBatch {
     let events = events
         .iter()
         .map(|e| match e {
@@ -51,14 +57,15 @@ pub fn to_batch(events: &[CacheEvent], block_size: usize, rank: usize) -> KvEven
                 hashes,
                 parent,
                 token_ids,
+                lora,
             } => KvEvent::BlockStored(BlockStored {
                 block_hashes: hashes.iter().map(|&h| BlockHashValue::U64(h)).collect(),
                 parent_block_hash: parent.map(BlockHashValue::U64),
                 token_ids: token_ids.clone(),
                 block_size: block_size as u32,
-                lora_id: None,
+                lora_id: lora.map(|l| i64::from(l.0)),
                 medium: Some("GPU".to_owned()),
-                lora_name: None,
+                lora_name: lora.and_then(lora_name),
                 // vLLM 0.32 sends one (empty) entry per block.
                 extra_keys: Some(vec![None; hashes.len()]),
             }),
@@ -86,6 +93,7 @@ pub struct Publisher {
     block_size: usize,
     rank: usize,
     seq: u64,
+    adapters: Arc<Adapters>,
 }
 
 impl Publisher {
@@ -96,6 +104,7 @@ impl Publisher {
         topic: &str,
         format: KvEventsFormat,
         block_size: usize,
+        adapters: Arc<Adapters>,
     ) -> anyhow::Result<Self> {
         let endpoint = rank_endpoint(endpoint, rank).map_err(anyhow::Error::msg)?;
         let mut socket = zeromq::PubSocket::new();
@@ -114,6 +123,7 @@ impl Publisher {
             block_size,
             rank,
             seq: 0,
+            adapters,
         })
     }
 
@@ -138,7 +148,9 @@ impl Publisher {
                 self.seq += 1;
                 continue;
             }
-            let batch = to_batch(&events, self.block_size, self.rank);
+            let adapters = self.adapters.clone();
+            let name = move |id| adapters.name(id);
+            let batch = to_batch(&events, self.block_size, self.rank, &name);
             let payload = encode_batch(&batch, self.encoding);
             let frames = vec![
                 self.topic.clone(),

@@ -49,7 +49,7 @@ async fn create(state: &AppState, req: Request) -> Result<Response, ApiError> {
     };
     let request = openai::ChatRequest::deserialize(&chat)
         .map_err(|e| bad_request(format!("invalid request: {e}")))?;
-    state.check_model(request.model.as_deref())?;
+    let lora = state.check_model(request.model.as_deref())?;
     let prompt = state.chat_tokens(&request.prompt)?;
     generate(
         state,
@@ -61,6 +61,7 @@ async fn create(state: &AppState, req: Request) -> Result<Response, ApiError> {
             stream: request.stream.unwrap_or(false),
             usage: openai::StreamUsage::Final,
             salt: 0,
+            lora,
             disagg: request.disagg,
         },
     )

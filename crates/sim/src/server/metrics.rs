@@ -12,6 +12,11 @@
 //! they carried (prompts less the decode engine's own cache hits); and
 //! `kvroute_sim_bootstrap_waiting`, the decode engines waiting at a prefill engine's
 //! bootstrap port for the prefill of a room.
+//!
+//! With LoRA adapters served, vLLM's `vllm:lora_requests_info{max_lora, waiting_lora_adapters,
+//! running_lora_adapters}`: one series per state seen (adapter names comma-separated), whose
+//! value is the Unix time in seconds at which the engine was last in that state, as vLLM sets
+//! it; the newest series is the current state.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -23,8 +28,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use super::adapters::Adapters;
 use crate::config::Role;
-use crate::engine::EngineStats;
+use crate::engine::{EngineStats, LoraState};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EngineLabels {
@@ -51,6 +57,56 @@ pub struct TransferLabels {
 pub struct RoleLabels {
     pub model_name: String,
     pub role: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LoraLabels {
+    pub max_lora: String,
+    pub waiting_lora_adapters: String,
+    pub running_lora_adapters: String,
+}
+
+/// `vllm:lora_requests_info`, with the names of the adapters its labels list.
+#[derive(Debug, Clone)]
+pub struct LoraInfo {
+    family: Family<LoraLabels, Gauge<f64, AtomicU64>>,
+    adapters: Arc<Adapters>,
+    max_lora: String,
+}
+
+impl LoraInfo {
+    pub fn register(registry: &mut Registry, adapters: Arc<Adapters>, max_loras: usize) -> Self {
+        let family = Family::default();
+        registry.register(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            family.clone(),
+        );
+        let info = Self {
+            family,
+            adapters,
+            max_lora: max_loras.to_string(),
+        };
+        // Idle from the start, as a router may read before the first request.
+        info.update(&LoraState {
+            max_loras,
+            ..LoraState::default()
+        });
+        info
+    }
+
+    /// Stamps the series of `state` with the current time.
+    fn update(&self, state: &LoraState) {
+        let labels = LoraLabels {
+            max_lora: self.max_lora.clone(),
+            waiting_lora_adapters: self.adapters.joined(&state.waiting),
+            running_lora_adapters: self.adapters.joined(&state.running),
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.family.get_or_create(&labels).set(now);
+    }
 }
 
 /// One rank's count of KV transfers in one direction.
@@ -94,9 +150,22 @@ pub struct EngineSeries {
     pub lag_forgiven: Counter<f64, AtomicU64>,
     /// The counters' values as last exported, to add only the difference.
     exported: Arc<Mutex<EngineStats>>,
+    lora: Option<LoraInfo>,
 }
 
 impl EngineSeries {
+    /// The same series, exporting the adapters' state to `lora` (when adapters are served).
+    pub fn with_lora(self, lora: Option<LoraInfo>) -> Self {
+        Self { lora, ..self }
+    }
+
+    /// Brings `vllm:lora_requests_info` up to `state`.
+    pub fn update_lora(&self, state: impl FnOnce() -> LoraState) {
+        if let Some(lora) = &self.lora {
+            lora.update(&state());
+        }
+    }
+
     /// Brings the series up to `stats`.
     pub fn update(&self, stats: &EngineStats) {
         self.running.set(stats.running as i64);
@@ -294,6 +363,7 @@ impl Families {
             received: transfer_counters(&self.transfers, &self.transfer_tokens, &l, "received"),
             sent: transfer_counters(&self.transfers, &self.transfer_tokens, &l, "sent"),
             exported: Arc::new(Mutex::new(EngineStats::default())),
+            lora: None,
         }
     }
 }

@@ -51,7 +51,7 @@ fn debug_names_the_weights_and_the_effective_block_size() {
     let p = LlmD::new(LlmDConfig::default());
     assert_eq!(
         format!("{p:?}"),
-        "LlmD { prefix_weight: 3.0, queue_weight: 2.0, kv_weight: 2.0, block_size: 64, prefix: Approximate }"
+        "LlmD { prefix_weight: 3.0, queue_weight: 2.0, kv_weight: 2.0, lora_weight: 0.0, block_size: 64, prefix: Approximate }"
     );
     let small = LlmD::new(LlmDConfig {
         block_size: 16,
@@ -336,4 +336,35 @@ fn the_exact_prefix_reads_the_kv_index_and_records_nothing() {
         scores.iter().all(|s| close(s.0, 0.0)),
         "no full block: no prefix"
     );
+}
+
+#[test]
+fn the_lora_affinity_scorer_is_optional_and_weighted() {
+    use crate::AdapterFit;
+    let ids: Vec<WorkerId> = (0..3).map(|i| WorkerId::new(format!("w{i}"))).collect();
+    let fits = [AdapterFit::Full, AdapterFit::Waiting, AdapterFit::Running];
+    let c: Vec<Candidate<'_>> = idle(&ids)
+        .into_iter()
+        .zip(fits)
+        .map(|(c, adapter)| Candidate { adapter, ..c })
+        .collect();
+    let tokens = prompt(8, 1);
+    // Off by default: the three tie.
+    let off = LlmD::new(LlmDConfig::default());
+    let costs = off.costs(&c, &req(&tokens)).unwrap();
+    assert!(
+        close(costs[0], costs[1]) && close(costs[1], costs[2]),
+        "{costs:?}"
+    );
+    let on = LlmD::new(LlmDConfig {
+        lora_weight: 2.0,
+        ..LlmDConfig::default()
+    });
+    let costs = on.costs(&c, &req(&tokens)).unwrap();
+    assert!(
+        close(costs[0] - costs[1], 1.2) && close(costs[1] - costs[2], 0.8),
+        "{costs:?}"
+    );
+    let mut rng = SmallRng::seed_from_u64(0);
+    assert_eq!(on.select(&c, &req(&tokens), &mut rng).unwrap().index, 2);
 }

@@ -367,3 +367,25 @@ fn the_dump_shows_the_llm_d_configs_policy_and_weights() {
     let epp: EppSettings = back.into_settings().unwrap().epp.unwrap();
     assert_eq!(epp.grpc_port, 9002);
 }
+
+#[test]
+fn the_lora_affinity_scorer_gives_the_lora_weight_and_the_flag_wins() {
+    let body = format!(
+        "{THREE}- type: lora-affinity-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-scorer
+  - pluginRef: lora-affinity-scorer
+    weight: 1.5
+"
+    );
+    assert_eq!(overlay(&body).unwrap().lora_weight, 1.5);
+    // Left out of the profile: 0; and 0 in the three-scorer file with no profile.
+    assert_eq!(overlay(THREE).unwrap().lora_weight, 0.0);
+    let s = load(&[], &body).unwrap();
+    assert_eq!(s.policy_config.llm_d.lora_weight, 1.5);
+    let s = load(&["--llm-d-lora-weight", "4"], &body).unwrap();
+    assert_eq!(s.policy_config.llm_d.lora_weight, 4.0);
+    assert!(load(&["--llm-d-lora-weight=-1"], &body).is_err());
+}
