@@ -60,8 +60,7 @@ fn text_of(tokens: &[u32]) -> String {
         .collect()
 }
 
-/// The block-hash salt of an adapter's requests (0 for the base model), the engines' and the
-/// router's index's alike.
+/// The block-hash salt of an adapter's requests (0 for the base model), engines' and index's.
 pub(super) fn lora_salt(lora: Option<LoraId>) -> u64 {
     lora.map_or(0, |l| {
         kvroute_protocol::stable_hash(format!("lora-{}", l.0).as_bytes())
@@ -179,8 +178,7 @@ pub(super) struct State<'a> {
     routed: Vec<(RequestId, Duration)>,
     /// The last arrival: tokens served until then count in the tenants' shares.
     last_arrival: Duration,
-    /// The end of the last step: the run's makespan (a queue deadline of a request already
-    /// let go may come later and does not count).
+    /// The end of the last step: the run's makespan (a later queue deadline does not count).
     last_end: Duration,
 }
 
@@ -366,8 +364,7 @@ impl<'a> State<'a> {
         }
     }
 
-    /// Request `id`, the trace's `r`, arrives at `now`: it waits in the router queue or is
-    /// routed at once.
+    /// Request `id`, the trace's `r`, arrives at `now`: it waits in the router queue or goes.
     pub fn arrive(&mut self, id: RequestId, r: &TraceRequest, now: Duration) {
         let tokens = prompt_tokens(r, self.cfg.hash_block, self.cfg.vocab);
         let lora = lora_of(r, self.cfg.loras);

@@ -211,8 +211,7 @@ pub struct Args {
     /// block weighted by the engine's KV utilisation after the request) [default: linear].
     #[arg(long, value_enum)]
     pub router_kv_memory_cost: Option<MemoryCostArg>,
-    /// kv_aware: weighted (the weighted sum of blocks) or predicted (milliseconds from
-    /// per-rank latency models; the prior until fed) [default: weighted].
+    /// kv_aware: weighted (a sum of blocks) or predicted (ms from learned models) [weighted].
     #[arg(long, value_enum)]
     pub router_cost_model: Option<CostModelArg>,
     /// kv_aware: weight of the prefill-interference term, the request's uncached blocks times
