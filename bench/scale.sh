@@ -7,18 +7,18 @@
 # events from (`kvroute_processed_requests_total{worker}` beside `kvroute_kv_events_total`).
 # With nats-server installed, two router replicas synced over NATS in front of the largest
 # fleet: the sync messages a second.
-#   bench/scale.sh                 # ENGINES="16 256" N=2000 GROUPS=600 CONCURRENCY=32 SPEEDUP=20
+#   bench/scale.sh                 # ENGINES="16 256" N=2000 PREFIXES=600 CONCURRENCY=32 SPEEDUP=20
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
-ENGINES=${ENGINES:-16 256}; N=${N:-2000}; GROUPS=${GROUPS:-600}; CONCURRENCY=${CONCURRENCY:-32}
+ENGINES=${ENGINES:-16 256}; N=${N:-2000}; PREFIXES=${PREFIXES:-600}; CONCURRENCY=${CONCURRENCY:-32}
 SPEEDUP=${SPEEDUP:-20}; SYNC=${SYNC:-1}
 PORT=21000; EVENTS=24000; API=20980; PROM=20990; NATS=20970
 [ -n "${NO_BUILD:-}" ] || build -p kvroute-sim -p kvroute-gateway -p kvroute-bench
 
-# The workload: GROUPS system prompts of 512 tokens, 4 questions of 64 each (the first N
+# The workload: PREFIXES system prompts of 512 tokens, 4 questions of 64 each (the first N
 # arrivals, shuffled), 16 tokens out; arrivals fast enough that CONCURRENCY is the bound.
-WORKLOAD=(--synthetic shared-prefix --groups "$GROUPS" --prompts-per-group 4 --system-prompt-len 512
+WORKLOAD=(--synthetic shared-prefix --groups "$PREFIXES" --prompts-per-group 4 --system-prompt-len 512
   --question-len 64 --output-len 16 --request-rate 5000 --hash-block-size 16 --max-requests "$N")
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
@@ -93,7 +93,7 @@ run() { # engines, then "extra args" per router (one or two)
   sleep 1
 }
 
-echo "=== $(date -u +%FT%TZ) ENGINES=\"$ENGINES\" N=$N GROUPS=$GROUPS CONCURRENCY=$CONCURRENCY SPEEDUP=$SPEEDUP nproc=$(nproc)"
+echo "=== $(date -u +%FT%TZ) ENGINES=\"$ENGINES\" N=$N PREFIXES=$PREFIXES CONCURRENCY=$CONCURRENCY SPEEDUP=$SPEEDUP nproc=$(nproc)"
 largest=16
 for e in $ENGINES; do run "$e" "" || echo "$e engines: FAILED (logs in $LOGS)"; largest=$e; done
 if [ "$SYNC" = 1 ] && command -v nats-server >/dev/null; then
