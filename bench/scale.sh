@@ -8,6 +8,7 @@
 # With nats-server installed, two router replicas synced over NATS in front of the largest
 # fleet: the sync messages a second.
 #   bench/scale.sh                 # ENGINES="16 256" N=2000 PREFIXES=600 CONCURRENCY=32 SPEEDUP=20
+#   PERF=1 SYNC=0 bench/scale.sh   # and each fleet's router profile (perf record)
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
@@ -76,10 +77,14 @@ run() { # engines, then "extra args" per router (one or two)
   sleep 3 # the KV-event subscribers join (ZMQ drops what is published before)
   local before=() r
   for r in "${routers[@]}"; do before+=("$(cpu_ticks "$r")"); done
-  local started=$SECONDS
+  local started=$SECONDS perf=
+  if [ -n "${PERF:-}" ]; then # PERF=1: the routers' profile, for `perf report -i`
+    perf record -g -F 999 -o "$LOGS/router-$engines.perf" -p "${routers[0]}" > /dev/null 2>&1 & perf=$!
+  fi
   "$BIN/kvroute-bench" replay "${WORKLOAD[@]}" --url "$(IFS=,; echo "${urls[*]}")" \
     --max-concurrency "$CONCURRENCY" --model kvroute-sim 2>/dev/null | cut -c1-200
   local took=$((SECONDS - started)) i
+  [ -n "$perf" ] && { kill -INT "$perf"; wait "$perf"; echo "              profile: $LOGS/router-$engines.perf"; }
   for i in "${!routers[@]}"; do
     local label="$engines engines"
     [ ${#routers[@]} -gt 1 ] && label="$engines r$i"

@@ -181,11 +181,18 @@ mod tests {
         let c = copies(&trace, 4);
         assert_eq!(c.len(), 12);
         // Mean gap 200 / 3 ms: copy c arrives c * 16 ms later; ids offset by c * 4.
-        let firsts: Vec<(u64, Vec<u64>)> =
-            c[..4].iter().map(|r| (r.timestamp, r.hash_ids.clone())).collect();
+        let firsts: Vec<(u64, Vec<u64>)> = c[..4]
+            .iter()
+            .map(|r| (r.timestamp, r.hash_ids.clone()))
+            .collect();
         assert_eq!(
             firsts,
-            vec![(0, vec![0, 1]), (16, vec![4, 5]), (33, vec![8, 9]), (50, vec![12, 13])]
+            vec![
+                (0, vec![0, 1]),
+                (16, vec![4, 5]),
+                (33, vec![8, 9]),
+                (50, vec![12, 13])
+            ]
         );
         assert!(c.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
         let ids: std::collections::HashSet<u64> =

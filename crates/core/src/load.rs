@@ -156,7 +156,11 @@ mod tests {
         // Chained hashes: a block's hash names its whole prefix.
         let chain = |prefix: &[u64]| -> Vec<u64> {
             (1..=prefix.len())
-                .map(|n| prefix[..n].iter().fold(17u64, |h, &b| h.wrapping_mul(31).wrapping_add(b)))
+                .map(|n| {
+                    prefix[..n]
+                        .iter()
+                        .fold(17u64, |h, &b| h.wrapping_mul(31).wrapping_add(b))
+                })
                 .collect()
         };
         let load = |tokens: &[u64]| RequestLoad {
@@ -171,7 +175,11 @@ mod tests {
             r.start(&load(held));
         }
         // Held here: the query's first 5 blocks (the longest active prefix), nothing later.
-        let linear = query.blocks.iter().filter(|h| !r.shared.contains_key(h)).count();
+        let linear = query
+            .blocks
+            .iter()
+            .filter(|h| !r.shared.contains_key(h))
+            .count();
         assert_eq!(r.new_blocks(&query), 3);
         assert_eq!(linear, 3);
         assert_eq!(r.new_blocks(&load(&[2, 3, 4, 1])), 1);

@@ -89,7 +89,11 @@ fn cluster(n: usize) -> Cluster {
         workers.set_healthy(spec.id.as_deref().unwrap(), true);
         let sink = WorkerSink::new(kv.clone(), worker.clone());
         for p in 0..16u64 {
-            let system = if p < 8 { (i as u64 + p) % SYSTEMS as u64 } else { 100_000 + i as u64 };
+            let system = if p < 8 {
+                (i as u64 + p) % SYSTEMS as u64
+            } else {
+                100_000 + i as u64
+            };
             let ids = prompt(system, (i as u64) << 8 | p);
             let engine: Vec<EngineHash> = (0..64)
                 .map(|b| EngineHash((i as u64) << 32 | p << 16 | b))
@@ -107,7 +111,8 @@ fn cluster(n: usize) -> Cluster {
         for r in 0..4u64 {
             let ids = prompt(200_000 + (i as u64) * 4 + r, r);
             let hashes = kv.prompts.hashed(ids.clone()).hashes;
-            let load = RequestLoad::for_prompt(hashes.iter().map(|h| h.0).collect(), ids.len(), 0, BLOCK);
+            let load =
+                RequestLoad::for_prompt(hashes.iter().map(|h| h.0).collect(), ids.len(), 0, BLOCK);
             in_flight.push(InFlight::new(worker.clone(), 0, load, None));
         }
     }
@@ -130,7 +135,16 @@ fn decision(c: &mut Criterion) {
         let pool = table.resolve(Some("m")).unwrap();
         let plan = |now| {
             routing::plan(
-                &cluster.kv, pool, None, &hints, &limits, None, &fields, &cluster.query, now, true,
+                &cluster.kv,
+                pool,
+                None,
+                &hints,
+                &limits,
+                None,
+                &fields,
+                &cluster.query,
+                now,
+                true,
             )
             .unwrap()
         };

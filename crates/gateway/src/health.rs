@@ -335,7 +335,10 @@ mod tests {
             assert!(p < interval);
             tenths[(p.as_secs_f64() as usize).min(9)] += 1;
         }
-        assert!(tenths.iter().all(|&n| (40..=200).contains(&n)), "{tenths:?}");
+        assert!(
+            tenths.iter().all(|&n| (40..=200).contains(&n)),
+            "{tenths:?}"
+        );
     }
 
     #[test]

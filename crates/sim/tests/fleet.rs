@@ -36,8 +36,12 @@ async fn each_engine_serves_on_its_own_port_with_its_own_id_and_events() {
     let distinct: std::collections::HashSet<_> = urls.iter().collect();
     assert_eq!(distinct.len(), 4, "{urls:?}");
     for (i, url) in urls.iter().enumerate() {
-        let (status, body) =
-            post_json(url, "/v1/completions", &completion(&prompt_of(20, i), 1, false)).await;
+        let (status, body) = post_json(
+            url,
+            "/v1/completions",
+            &completion(&prompt_of(20, i), 1, false),
+        )
+        .await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["system_fingerprint"], format!("pod-{i}"));
         // Engine i publishes its own events on base + i: a request to it is heard there.
@@ -56,7 +60,11 @@ async fn a_crashed_engine_stops_the_fleet_with_its_number() {
     let serving = tokio::spawn(fleet.serve(shutdown));
     // Its answer is cut (or never comes): only the crash matters here.
     let _ = client()
-        .request(post(&url, "/v1/completions", &completion("crash", 2, false)))
+        .request(post(
+            &url,
+            "/v1/completions",
+            &completion("crash", 2, false),
+        ))
         .await;
     let error = serving.await.unwrap().unwrap_err();
     assert!(error.is::<kvroute_sim::Crashed>(), "{error:#}");
@@ -76,7 +84,12 @@ fn engine_flags_are_offset_by_the_engine_number() {
     assert_eq!(e.kv_events_endpoint.as_deref(), Some("tcp://*:20255"));
     assert_eq!((e.instance_id.as_str(), e.seed), ("kvroute-sim-255", 255));
     // Two ranks each: engine i's ranks are on base + 2i and base + 2i + 1.
-    let a = parse(&["--kv-events-endpoint", "tcp://*:20000", "--data-parallel-size", "2"]);
+    let a = parse(&[
+        "--kv-events-endpoint",
+        "tcp://*:20000",
+        "--data-parallel-size",
+        "2",
+    ]);
     let e = engine_args(&a, 3).unwrap();
     assert_eq!(e.kv_events_endpoint.as_deref(), Some("tcp://*:20006"));
     // One engine keeps its flags as they are.
@@ -84,7 +97,10 @@ fn engine_flags_are_offset_by_the_engine_number() {
     assert_eq!(engine_args(&one, 0).unwrap().instance_id, "kvroute-sim");
     // Ports past 65535 are an error naming the flag.
     let a = parse(&["--port", "65400"]);
-    assert!(engine_args(&a, 255).unwrap_err().to_string().contains("--port"));
+    assert!(engine_args(&a, 255)
+        .unwrap_err()
+        .to_string()
+        .contains("--port"));
     let a = parse(&["--kv-events-endpoint", "tcp://*:65500"]);
     let e = engine_args(&a, 200).unwrap_err().to_string();
     assert!(e.contains("--kv-events-endpoint"), "{e}");

@@ -84,7 +84,12 @@ impl WorkerSet {
         // checks of workers added together spread over it; then every interval (jittered).
         let mut wait = random_phase(self.health.interval);
         loop {
-            if !sleep(std::mem::replace(&mut wait, jittered(self.health.interval, 0.1))).await {
+            if !sleep(std::mem::replace(
+                &mut wait,
+                jittered(self.health.interval, 0.1),
+            ))
+            .await
+            {
                 return Watched::Stopped;
             }
             let result = probe(&client, &worker.url, endpoint, false, key, timeout).await;
