@@ -76,10 +76,12 @@ impl RankLoad {
     /// million lookups a decision (two thirds of `kvroute-bench simulate`'s time at 256
     /// workers).
     pub fn new_blocks(&self, load: &RequestLoad) -> u64 {
-        let held = if self.shared.is_empty() {
-            0
-        } else {
-            load.blocks.partition_point(|h| self.shared.contains_key(h))
+        // A rank that lacks the first block (most ranks, for most requests) lacks them all.
+        let held = match load.blocks.first() {
+            Some(first) if self.shared.contains_key(first) => {
+                load.blocks.partition_point(|h| self.shared.contains_key(h))
+            }
+            _ => 0,
         };
         (load.blocks.len() - held) as u64 + load.own_blocks
     }
