@@ -211,6 +211,10 @@ struct Workload {
     /// Only the first N requests (after --skip).
     #[arg(long, value_name = "N")]
     max_requests: Option<usize>,
+    /// K copies of the workload, interleaved in time and disjoint in prefix: K times its
+    /// rate over the same span (`trace::copies`).
+    #[arg(long, value_name = "K", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    copies: u32,
     /// Seeds the synthetic workload (and in `simulate` the engines and the policies).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -255,6 +259,9 @@ impl Workload {
         trace::skip(&mut requests, self.skip);
         if let Some(m) = self.max_requests {
             requests.truncate(m);
+        }
+        if self.copies > 1 {
+            requests = trace::copies(&requests, self.copies as usize);
         }
         Ok((format!("{name}, {} requests", requests.len()), requests))
     }

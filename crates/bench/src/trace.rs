@@ -63,6 +63,35 @@ pub fn skip(requests: &mut Vec<TraceRequest>, n: usize) {
     }
 }
 
+/// `k` copies of `requests` interleaved: `k` times the rate over the same span, as `k` clusters'
+/// users sharing one router. Copy `c` (from 0) arrives `c / k` of the mean gap later than the
+/// original, and its hash ids are offset by `c` times one more than the largest id, so no two
+/// copies share a prefix (copy 0 is the original). Sorted by arrival, copies in order on ties.
+pub fn copies(requests: &[TraceRequest], k: usize) -> Vec<TraceRequest> {
+    if k <= 1 || requests.is_empty() {
+        return requests.to_vec();
+    }
+    let span = requests.last().map_or(0, |r| r.timestamp) - requests[0].timestamp;
+    let gap = span as f64 / requests.len() as f64;
+    let stride = requests
+        .iter()
+        .flat_map(|r| r.hash_ids.iter().copied())
+        .max()
+        .map_or(1, |m| m + 1);
+    let mut out: Vec<TraceRequest> = (0..k)
+        .flat_map(|c| {
+            let at = (gap * c as f64 / k as f64) as u64;
+            requests.iter().map(move |r| TraceRequest {
+                timestamp: r.timestamp + at,
+                hash_ids: r.hash_ids.iter().map(|h| h + stride * c as u64).collect(),
+                ..r.clone()
+            })
+        })
+        .collect();
+    out.sort_by_key(|r| r.timestamp);
+    out
+}
+
 pub fn load(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
     let text = std::fs::read_to_string(path).map_err(|source| TraceError::Read {
         path: path.display().to_string(),
@@ -138,6 +167,38 @@ pub fn hit_bound(trace: &[TraceRequest], block: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copies_interleave_in_time_and_share_no_prefix() {
+        let r = |timestamp, hash_ids: Vec<u64>| TraceRequest {
+            timestamp,
+            input_length: 16 * hash_ids.len(),
+            output_length: 1,
+            hash_ids,
+        };
+        let trace = vec![r(0, vec![0, 1]), r(100, vec![0, 2]), r(200, vec![3])];
+        assert_eq!(copies(&trace, 1), trace);
+        let c = copies(&trace, 4);
+        assert_eq!(c.len(), 12);
+        // Mean gap 200 / 3 ms: copy c arrives c * 16 ms later; ids offset by c * 4.
+        let firsts: Vec<(u64, Vec<u64>)> = c[..4]
+            .iter()
+            .map(|r| (r.timestamp, r.hash_ids.clone()))
+            .collect();
+        assert_eq!(
+            firsts,
+            vec![
+                (0, vec![0, 1]),
+                (16, vec![4, 5]),
+                (33, vec![8, 9]),
+                (50, vec![12, 13])
+            ]
+        );
+        assert!(c.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
+        let ids: std::collections::HashSet<u64> =
+            c.iter().flat_map(|r| r.hash_ids.iter().copied()).collect();
+        assert_eq!(ids.len(), 16, "4 distinct ids per copy, none shared");
+    }
 
     #[test]
     fn bad_lines_name_their_line() {

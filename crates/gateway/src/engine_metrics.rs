@@ -4,7 +4,10 @@
 //!
 //! One [`EngineMetricsScraper`] per worker polls `GET {url}/metrics` every
 //! `--metrics-refresh-ms` (50 ms by default): one request at a time, the next started no
-//! sooner than one interval after the previous one started, each bounded by a timeout.
+//! sooner than one interval after the previous one started, each bounded by a timeout. The
+//! first scrape is at once; the second comes one interval plus a random phase of it later
+//! ([`crate::health::phase`]), so a thousand workers added together are scraped spread over
+//! the interval, not in one burst.
 //! The body is parsed ([`parse()`]: vLLM's and SGLang's gauge names, per data-parallel rank)
 //! and each rank's reading is stored, with its time, in that rank's [`EngineGauges`], which
 //! requests read lock-free through [`EngineGauges::load`]. A failed scrape (connection
@@ -36,6 +39,7 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::BoxError;
+use crate::health::random_phase;
 use crate::http::HttpClient;
 
 pub use gauges::{EngineGauges, STALE_AFTER};
@@ -141,13 +145,20 @@ impl EngineMetricsScraper {
 
     /// Scrapes until `shutdown` is cancelled.
     pub async fn run(self, client: HttpClient, shutdown: CancellationToken) {
-        let mut ticks = tokio::time::interval(self.timing.interval.max(Duration::from_millis(1)));
+        let interval = self.timing.interval.max(Duration::from_millis(1));
+        let mut ticks = tokio::time::interval(interval);
         ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut first = true;
         loop {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => return,
                 _ = ticks.tick() => {}
+            }
+            if std::mem::take(&mut first) {
+                // Scraped at once; from then on at this worker's phase of the interval.
+                let at = tokio::time::Instant::now() + interval + random_phase(interval);
+                ticks.reset_at(at);
             }
             let result = tokio::select! {
                 biased;

@@ -224,6 +224,21 @@ impl HealthCounter {
     }
 }
 
+/// Where in `interval` a worker's periodic work (health checks, metrics scrapes) falls:
+/// `unit` (in `[0, 1)`, drawn once per worker) of it. Workers added together (at start, or by
+/// one discovery update) would otherwise check and scrape in step, every interval, a burst of
+/// N requests; with a uniform phase each falls at its own point of the interval, N / interval
+/// a second. The first probe or scrape of a new worker is not delayed: the phase is the wait
+/// after it.
+pub fn phase(interval: Duration, unit: f64) -> Duration {
+    interval.mul_f64(unit.clamp(0.0, 1.0))
+}
+
+/// [`phase`] with a random unit.
+pub fn random_phase(interval: Duration) -> Duration {
+    phase(interval, rand::random::<f64>())
+}
+
 /// A jittered delay (±`share`) around `base`, so checks of many workers do not align.
 pub fn jittered(base: Duration, share: f64) -> Duration {
     let unit: f64 = rand::random::<f64>() * 2.0 - 1.0;
@@ -304,6 +319,26 @@ mod tests {
             c.record(false, t);
         }
         assert!(c.allows(t));
+    }
+
+    #[test]
+    fn phases_spread_over_the_interval() {
+        let interval = Duration::from_secs(10);
+        assert_eq!(phase(interval, 0.0), Duration::ZERO);
+        assert_eq!(phase(interval, 0.25), Duration::from_millis(2_500));
+        assert_eq!(phase(interval, 7.0), interval);
+        // 1,024 workers' random phases fill the interval: every tenth of it has some, none
+        // a burst (expected 102 each).
+        let mut tenths = [0usize; 10];
+        for _ in 0..1024 {
+            let p = random_phase(interval);
+            assert!(p < interval);
+            tenths[(p.as_secs_f64() as usize).min(9)] += 1;
+        }
+        assert!(
+            tenths.iter().all(|&n| (40..=200).contains(&n)),
+            "{tenths:?}"
+        );
     }
 
     #[test]

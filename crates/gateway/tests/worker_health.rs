@@ -112,3 +112,24 @@ async fn the_health_check_port_serves_the_probes_and_nothing_else() {
     let (status, _, _) = get_url(&format!("{url}/liveness")).await;
     assert_eq!(status, StatusCode::OK);
 }
+
+/// Health checks and metrics scrapes are spread over their interval (each worker at a phase
+/// of its own), but a new worker is probed and scraped at once: readiness and the load the
+/// policies read do not wait for the interval, however long it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_worker_is_probed_and_scraped_at_once_however_long_the_interval() {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let url = serve_sim(&["--speedup", "100"], &shutdown).await;
+    let mut s = sim_settings(&[url], kvroute_core::PolicyKind::KvAware);
+    s.health.interval = Duration::from_secs(3600);
+    s.metrics_refresh = Duration::from_secs(3600);
+    // Ready within `start`'s bound, not an hour: the first probe came at once.
+    let router = TestRouter::start(s).await;
+    assert_eq!(healthy(&router, "sim0"), Some(true));
+    wait_until_async("the engine's first scrape", || async {
+        debug_route(&router, "hello").await["candidates"][0]["engine"]["running"] == 0.0
+    })
+    .await;
+    router.stop().await;
+    shutdown.cancel();
+}

@@ -57,6 +57,11 @@ pub struct SimArgs {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
+    /// Engines served by this process: engine i on --port + i, its KV events on the
+    /// --kv-events-endpoint port + i (x --data-parallel-size), its instance id suffixed
+    /// with -i; all on one runtime (see `fleet`).
+    #[arg(long, default_value_t = 1)]
+    pub engines: usize,
     /// The served model name.
     #[arg(long, alias = "served-model-name", default_value = "kvroute-sim")]
     pub model: String,
@@ -328,6 +333,13 @@ impl SimArgs {
         positive("num-gpu-blocks", self.num_gpu_blocks)?;
         positive("block-size", self.block_size)?;
         positive("data-parallel-size", self.data_parallel_size)?;
+        positive("engines", self.engines)?;
+        if self.engines > crate::fleet::MAX_ENGINES {
+            return Err(SimConfigError {
+                flag: "engines",
+                reason: "must be at most 4096",
+            });
+        }
         if !(self.speedup.is_finite() && self.speedup > 0.0) {
             return Err(SimConfigError {
                 flag: "speedup",

@@ -17,13 +17,16 @@
 //! Fault injection ([`FaultSettings`]: failed requests, stalls, a crash, lost KV events),
 //! set by flags and changed at runtime by `POST /fault` or a [`FaultHandle`], serves the
 //! router's reliability tests; [`SimInstance`] runs an engine that a test can crash and
-//! restart on the same ports.
+//! restart on the same ports. [`Fleet`] runs many engines in one process (`--engines N`),
+//! as tasks on one runtime.
 
 pub mod config;
 pub mod engine;
+pub mod fleet;
 pub mod server;
 
 pub use config::{FaultSettings, Role, SimArgs, TimingArgs};
+pub use fleet::Fleet;
 pub use server::{Crashed, FaultHandle, SimInstance, SimServer};
 
 /// `len` pseudo-random lowercase letters from `seed` (xorshift): distinct prompts for tests

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use kvroute_sim::{Crashed, SimArgs, SimServer};
+use kvroute_sim::{Crashed, Fleet, SimArgs, SimServer};
 use kvroute_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
@@ -61,6 +61,9 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: SimArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
+    if args.engines > 1 {
+        return run_fleet(args, tokenizer).await;
+    }
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
@@ -84,4 +87,25 @@ async fn run(args: SimArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
     SimServer::new(args, tokenizer)
         .serve(listener, shutdown)
         .await
+}
+
+/// `--engines N`: every engine on this runtime, until a signal or the first engine to end.
+async fn run_fleet(args: SimArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
+    let fleet = Fleet::start(&args, tokenizer).await?;
+    let urls = fleet.urls();
+    tracing::info!(
+        engines = urls.len(),
+        first = %urls[0],
+        last = %urls[urls.len() - 1],
+        kv_events_endpoint = ?args.kv_events_endpoint,
+        speedup = args.speedup,
+        "kvroute-sim engines listening"
+    );
+    let shutdown = CancellationToken::new();
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
+        let _ = tokio::signal::ctrl_c().await;
+        on_signal.cancel();
+    });
+    fleet.serve(shutdown).await
 }

@@ -1,12 +1,14 @@
-//! Watching a worker: probed until it answers once (its models), then health-checked; each
-//! answer changes the worker set.
+//! Watching a worker: probed at once and until it answers once (its models), then
+//! health-checked every interval from a phase of its own ([`crate::health::phase`], so a
+//! thousand workers added together are not checked in one burst); each answer changes the
+//! worker set.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::{lock, Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
-use crate::health::{jittered, probe, HealthCounter};
+use crate::health::{jittered, probe, random_phase, HealthCounter};
 use crate::http::HttpClient;
 
 /// Why watching a worker ended.
@@ -78,8 +80,16 @@ impl WorkerSet {
         let mut counter =
             HealthCounter::new(self.health.failure_threshold, self.health.success_threshold);
         let endpoint = self.health.endpoint.as_str();
+        // The first check after readiness at this worker's phase of the interval, so the
+        // checks of workers added together spread over it; then every interval (jittered).
+        let mut wait = random_phase(self.health.interval);
         loop {
-            if !sleep(jittered(self.health.interval, 0.1)).await {
+            if !sleep(std::mem::replace(
+                &mut wait,
+                jittered(self.health.interval, 0.1),
+            ))
+            .await
+            {
                 return Watched::Stopped;
             }
             let result = probe(&client, &worker.url, endpoint, false, key, timeout).await;

@@ -115,6 +115,11 @@ impl SimInstance {
         }
     }
 
+    /// Cancelling this token stops the engine gracefully (as [`Self::stop`], without waiting).
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
     /// Stops the engine gracefully and waits for it.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         self.shutdown.cancel();

@@ -1,0 +1,129 @@
+//! 64 simulated engines from one `kvroute-sim --engines 64` fleet behind one router: the
+//! CI-sized version of `bench/scale.sh`'s 256 engines. Every engine serves, the router hears
+//! the KV events of every engine that served, and `/debug/route` lists every candidate.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use kvroute_gateway::WorkerSpec;
+use kvroute_sim::Fleet;
+use kvroute_tokenizer::Tokenizer;
+use serde_json::json;
+use support::*;
+
+const ENGINES: usize = 64;
+
+/// A fleet of `ENGINES` engines on ports of the system's choosing, publishing KV events from
+/// a free base port (retried when another test took one of them): the fleet and that base.
+async fn fleet() -> (Fleet, u16) {
+    let mut last = None;
+    for _ in 0..20 {
+        let base = free_port();
+        let endpoint = format!("tcp://127.0.0.1:{base}");
+        let engines = ENGINES.to_string();
+        let argv = [
+            "kvroute-sim",
+            "--port",
+            "0",
+            "--engines",
+            &engines,
+            "--kv-events-endpoint",
+            &endpoint,
+            // Slow enough that 64 long answers are all in flight at once.
+            "--speedup",
+            "1",
+            "--log-level",
+            "warn",
+        ];
+        let args = <kvroute_sim::SimArgs as clap::Parser>::parse_from(argv);
+        match Fleet::start(&args, Arc::new(Tokenizer::fallback())).await {
+            Ok(fleet) => return (fleet, base),
+            Err(e) => last = Some(e),
+        }
+    }
+    panic!("no fleet could bind its ports: {last:?}");
+}
+
+fn id(i: usize) -> String {
+    format!("sim{i}")
+}
+
+/// `name{worker="simI"}` summed over its other labels, per engine.
+fn per_worker(metrics: &str, name: &str) -> BTreeMap<String, f64> {
+    (0..ENGINES)
+        .map(|i| {
+            let label = format!("worker=\"{}\"", id(i));
+            (id(i), metric_sum(metrics, name, &label))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_engines_of_one_fleet_all_serve_and_publish_behind_one_router() {
+    let (fleet, base) = fleet().await;
+    let specs = fleet
+        .urls()
+        .into_iter()
+        .enumerate()
+        .map(|(i, url)| WorkerSpec {
+            id: Some(id(i)),
+            model: Some("kvroute-sim".into()),
+            kv_events: Some(format!("tcp://127.0.0.1:{}", usize::from(base) + i)),
+            ..WorkerSpec::url(url)
+        })
+        .collect();
+    let settings = kvroute_gateway::Settings::with_workers(specs).unwrap();
+    let r = TestRouter::start(settings).await;
+    for (i, url) in fleet.urls().iter().enumerate() {
+        joined(&r, url, &id(i)).await;
+    }
+    // Every engine is a candidate.
+    let debug = debug_route(&r, "anything").await;
+    let candidates: BTreeSet<String> = debug["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["worker"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(candidates, (0..ENGINES).map(id).collect(), "{debug}");
+    let before = per_worker(&r.metrics().await, "kvroute_kv_events_total");
+
+    // 64 distinct prompts at once, each answered slowly: an engine already answering one
+    // costs kv_aware more than an idle one, so each goes to an engine of its own.
+    let prompts: Vec<String> = (0..ENGINES)
+        .map(|i| format!("scale {i} {}", text(320, 7000 + i as u64)))
+        .collect();
+    let replies = futures_util::future::join_all(prompts.iter().map(|p| {
+        let body = json!({"prompt": p, "max_tokens": 200}).to_string();
+        let r = &r;
+        async move { r.complete(&[], &body).await }
+    }))
+    .await;
+    let mut served = BTreeMap::new();
+    for (prompt, reply) in prompts.iter().zip(&replies) {
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        served.insert(reply.worker().to_owned(), prompt.clone());
+    }
+    assert_eq!(served.len(), ENGINES, "engines that served: {served:?}");
+
+    // Each engine's KV events for the prompt it served reach the router's index.
+    for (worker, prompt) in &served {
+        wait_overlap(&r, prompt, worker, |o| o.is_some_and(|b| b >= 20)).await;
+    }
+    let m = r.metrics().await;
+    let processed = per_worker(&m, "kvroute_processed_requests_total");
+    let events = per_worker(&m, "kvroute_kv_events_total");
+    for (worker, n) in &processed {
+        assert!(*n >= 1.0, "{worker} served nothing");
+        assert!(
+            events[worker] > before[worker],
+            "no KV events from {worker} after it served: {} then {}",
+            before[worker],
+            events[worker]
+        );
+    }
+    r.stop().await;
+    fleet.stop().await.unwrap();
+}
