@@ -19,10 +19,13 @@ use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 use super::queue::{Queued, RouterQueue};
-use super::result::{percentiles, PdResult, PolicyResult, TenantResult};
+use super::result::{percentiles, PdResult, PolicyResult};
 use super::route::{Arrival, Placement, Router};
 use super::{Cluster, Run, SimConfig};
 use crate::trace::{prompt_tokens, TraceRequest};
+
+mod tenants;
+use tenants::{tenant_count, tenant_results, TenantTally};
 
 /// A request on an engine.
 struct Live {
@@ -105,32 +108,6 @@ fn apply_events(index: &mut KvIndex, replica: ReplicaId, events: &[CacheEvent], 
     }
 }
 
-/// How many tenants `cfg`'s requests have (1 without tenants).
-fn tenant_count(cfg: &SimConfig) -> usize {
-    cfg.tenants
-        .as_ref()
-        .and_then(|of| of.iter().max())
-        .map_or(1, |&m| m as usize + 1)
-}
-
-/// The figures of each tenant that had requests.
-fn tenant_results(by_tenant: &mut [TenantTally]) -> Vec<TenantResult> {
-    let total: u64 = by_tenant.iter().map(|t| t.tokens).sum();
-    by_tenant
-        .iter_mut()
-        .enumerate()
-        .filter(|(_, t)| t.arrived > 0)
-        .map(|(i, t)| TenantResult {
-            tenant: crate::tenants::tenant_key(i as u32),
-            requests: t.arrived,
-            answered: t.ttft.len(),
-            ttft_ms: percentiles(&mut t.ttft),
-            router_wait_ms: percentiles(&mut t.waits),
-            token_share: t.tokens as f64 / total.max(1) as f64,
-        })
-        .collect()
-}
-
 /// Running totals.
 #[derive(Default)]
 struct Tally {
@@ -148,17 +125,6 @@ struct Tally {
     split: usize,
     /// By tenant number (one, tenant 0, without tenants).
     by_tenant: Vec<TenantTally>,
-}
-
-/// One tenant's running totals.
-#[derive(Default)]
-struct TenantTally {
-    arrived: usize,
-    ttft: Vec<f64>,
-    /// Each routed request's wait in the router queue (0 when routed on arrival).
-    waits: Vec<f64>,
-    /// Tokens served up to the last arrival.
-    tokens: u64,
 }
 
 /// See the module docs.
