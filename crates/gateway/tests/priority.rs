@@ -201,6 +201,27 @@ async fn under_fcfs_fairness_another_tenant_waits_its_turn() {
     shutdown.cancel();
 }
 
+/// A kv_aware router over the engine at `sim` with the priority file `text` (written as
+/// `name`), the router queue at `threshold`, and every tenant allowed up to `interactive`.
+async fn scheduling_router(sim: &str, name: &str, text: &str, threshold: &str) -> TestRouter {
+    let file = write_file(name, text);
+    TestRouter::from_flags(&[
+        "--worker-urls",
+        sim,
+        "--policy",
+        "kv_aware",
+        "--router-queue-threshold",
+        threshold,
+        "--trust-tenant-header",
+        "--priority-scheduler-enabled",
+        "--priority-scheduler-config",
+        &file,
+        "--priority-scheduler-default-max-class",
+        "interactive",
+    ])
+    .await
+}
+
 /// What the engine at `url` has running or waiting.
 async fn engine_requests(url: &str) -> f64 {
     let (_, _, body) = get_url(&format!("{url}/metrics")).await;
@@ -215,23 +236,7 @@ async fn an_interactive_arrival_preempts_a_bulk_request_before_its_first_byte() 
     // Slowed 10x: the bulk request would decode for minutes.
     let sim = serve_sim(&["--speedup", "0.1"], &shutdown).await;
     // smg's defaults: interactive may preempt.
-    let file = write_file("preempt.yaml", "classes: {}\n");
-    let argv = [
-        "kvroute",
-        "--worker-urls",
-        &sim,
-        "--policy",
-        "kv_aware",
-        "--router-queue-threshold",
-        "0.2",
-        "--trust-tenant-header",
-        "--priority-scheduler-enabled",
-        "--priority-scheduler-config",
-        &file,
-        "--priority-scheduler-default-max-class",
-        "interactive",
-    ];
-    let r = TestRouter::from_flags(&argv[1..]).await;
+    let r = scheduling_router(&sim, "preempt.yaml", "classes: {}\n", "0.2").await;
     let bulk = [("x-smg-tenant-id", "batch"), ("x-smg-priority", "bulk")];
     let body = json!({"model": "kvroute-sim", "prompt": text(3000, 1), "max_tokens": 8000});
     let victim = r.spawn_complete(&bulk, body.to_string());
@@ -287,24 +292,8 @@ async fn a_higher_class_takes_the_capacity_it_reserves_while_a_lower_one_waits()
     let shutdown = CancellationToken::new();
     // Slowed 500x: no prompt here finishes its prefill within the test.
     let sim = serve_sim(&["--speedup", "0.002"], &shutdown).await;
-    let file = write_file("reserving.yaml", RESERVING_FILE);
-    let argv = [
-        "kvroute",
-        "--worker-urls",
-        &sim,
-        "--policy",
-        "kv_aware",
-        // 8,192 prefill tokens; default requests see 4,096.
-        "--router-queue-threshold",
-        "1",
-        "--trust-tenant-header",
-        "--priority-scheduler-enabled",
-        "--priority-scheduler-config",
-        &file,
-        "--priority-scheduler-default-max-class",
-        "interactive",
-    ];
-    let r = TestRouter::from_flags(&argv[1..]).await;
+    // 8,192 prefill tokens; default requests see 4,096.
+    let r = scheduling_router(&sim, "reserving.yaml", RESERVING_FILE, "1").await;
     let default = [("x-smg-tenant-id", "team")];
     let prompt =
         |seed| json!({"model": "kvroute-sim", "prompt": text(3000, seed), "max_tokens": 2});
