@@ -70,7 +70,7 @@ fn newest_decision(dom: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browser_sees_every_worker_and_the_decisions_change_as_traffic_flows() {
-    let k = kvroute(&["--trust-tenant-header"]).await;
+    let k = kvroute(&["--trust-tenant-header", "--router-cost-model", "predicted"]).await;
     traffic(&k.url, 12, 0).await;
     let page = format!("{}/dashboard", k.metrics_url);
     let first = rendered(&page);
@@ -107,6 +107,26 @@ async fn a_browser_sees_every_worker_and_the_decisions_change_as_traffic_flows()
         let row = &row[..row.find("</tr>").unwrap()];
         assert!(row.contains(&format!("<td>{share}</td>")), "{row}");
     }
+    // Each candidate with its predicted TTFT, and the ranks that answered with their fitted
+    // speed (the others still on the prior).
+    let cells = |class: &str| -> Vec<String> {
+        first
+            .split(&format!(r#"<td class="{class}">"#))
+            .skip(1)
+            .map(|c| c[..c.find("</td>").unwrap()].to_owned())
+            // Not the page's own script, which holds the cell's template.
+            .filter(|c| !c.starts_with("${"))
+            .collect()
+    };
+    let predicted = cells("predicted");
+    assert!(!predicted.is_empty(), "{decision}");
+    assert!(
+        predicted.iter().all(|c| c.ends_with(')') && c != "–"),
+        "{predicted:?}"
+    );
+    let speeds = cells("speed");
+    assert_eq!(speeds.len(), ids.len(), "one fitted speed per rank");
+    assert!(speeds.iter().any(|c| c.contains("x step")), "{speeds:?}");
     let before = newest_decision(&first);
     assert!(before >= 12, "{before}");
 

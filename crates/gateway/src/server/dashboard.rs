@@ -316,6 +316,12 @@ impl Dashboard {
                         r["blocks"] = json!({
                             "device": b.device, "host": b.host, "disk": b.disk, "external": b.external,
                         });
+                        let sp = rank.speed();
+                        r["speed"] = json!({
+                            "step_over_reference": sp.decode,
+                            "prefill_ms_per_1k_tokens": sp.prefill[1],
+                            "observations": sp.prefill_observations + sp.decode_observations,
+                        });
                     }
                 }
                 v
