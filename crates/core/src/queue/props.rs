@@ -459,59 +459,75 @@ fn random_sharing_operations_match_the_model() {
                     q.charge(c, u, tokens);
                     m.charge(c, u, tokens);
                 }
-                _ => {
-                    let blocked_class = rng.random_range(0..=n); // n: none
-                    let odd_blocked = rng.random_bool(0.3);
-                    let ready =
-                        |c: usize, id: u64| c != blocked_class && !(odd_blocked && id % 2 == 1);
-                    m.latest = m.latest.max(clock);
-                    m.promote(m.latest);
-                    let heads: Vec<(usize, usize, u64)> = (0..4)
-                        .flat_map(|t| (0..n).map(move |c| (t, c)))
-                        .filter_map(|(t, c)| m.head(t, c).map(|h| (t, c, h.id)))
-                        .collect();
-                    let got = q.pop_at(clock, |c, &id| {
-                        assert!(
-                            heads.contains(&(heads_tier(&heads, c, id), c, id)),
-                            "{ctx}: asked about a non-head"
-                        );
-                        ready(c, id)
-                    });
-                    let first_ready = heads.iter().find(|&&(_, c, id)| ready(c, id)).map(|h| h.0);
-                    match got {
-                        Some((c, id)) => {
-                            let &(t, _, _) = heads.iter().find(|h| h.2 == id).expect("a head");
-                            assert_eq!(Some(t), first_ready, "{ctx}: a higher tier was ready");
-                            assert!(ready(c, id));
-                            let cost = tickets.iter().find(|t| t.2 == id).unwrap().1;
-                            let tenant = m.held.iter().find(|h| h.id == id).unwrap().tenant;
-                            let served = cost as f64 / m.weight(tenant);
-                            m.leave(id, served).expect("live");
-                        }
-                        None => assert_eq!(first_ready, None, "{ctx}: a ready head was skipped"),
-                    }
-                }
+                _ => pop_and_check(&mut q, &mut m, &tickets, n, clock, &mut rng, &ctx),
             }
-            assert_eq!(q.len(), m.held.len(), "{ctx}");
-            for c in 0..n {
-                for u in TENANTS {
-                    assert_eq!(
-                        q.counter(c, u),
-                        m.counter(c, u),
-                        "{ctx}: class {c} tenant {u}"
-                    );
-                }
-                for t in 0..4 {
-                    let live = m
-                        .held
-                        .iter()
-                        .filter(|h| h.tier == t && h.class == c)
-                        .count();
-                    assert_eq!(q.lane_len(t, c), live, "{ctx}: lane ({t}, {c})");
-                }
-                assert!(q.known_tenants(c) <= TENANTS.len());
-            }
+            assert_agrees(&q, &m, n, &ctx);
         }
+    }
+}
+
+/// A pop with one class, and maybe the odd-numbered requests, blocked: the queue's pick must
+/// be the model's first ready head, in the highest tier that has one; the pick is charged.
+fn pop_and_check(
+    q: &mut DrrQueue<u64>,
+    m: &mut SharingModel,
+    tickets: &[(Ticket, u64, u64)],
+    n: usize,
+    clock: Duration,
+    rng: &mut StdRng,
+    ctx: &str,
+) {
+    let blocked_class = rng.random_range(0..=n); // n: none
+    let odd_blocked = rng.random_bool(0.3);
+    let ready = |c: usize, id: u64| c != blocked_class && !(odd_blocked && id % 2 == 1);
+    m.latest = m.latest.max(clock);
+    m.promote(m.latest);
+    let heads: Vec<(usize, usize, u64)> = (0..4)
+        .flat_map(|t| (0..n).map(move |c| (t, c)))
+        .filter_map(|(t, c)| m.head(t, c).map(|h| (t, c, h.id)))
+        .collect();
+    let got = q.pop_at(clock, |c, &id| {
+        assert!(
+            heads.contains(&(heads_tier(&heads, c, id), c, id)),
+            "{ctx}: asked about a non-head"
+        );
+        ready(c, id)
+    });
+    let first_ready = heads.iter().find(|&&(_, c, id)| ready(c, id)).map(|h| h.0);
+    match got {
+        Some((c, id)) => {
+            let &(t, _, _) = heads.iter().find(|h| h.2 == id).expect("a head");
+            assert_eq!(Some(t), first_ready, "{ctx}: a higher tier was ready");
+            assert!(ready(c, id));
+            let cost = tickets.iter().find(|t| t.2 == id).unwrap().1;
+            let tenant = m.held.iter().find(|h| h.id == id).unwrap().tenant;
+            let served = cost as f64 / m.weight(tenant);
+            m.leave(id, served).expect("live");
+        }
+        None => assert_eq!(first_ready, None, "{ctx}: a ready head was skipped"),
+    }
+}
+
+/// The queue and the model hold the same requests in the same lanes, with the same counters.
+fn assert_agrees(q: &DrrQueue<u64>, m: &SharingModel, n: usize, ctx: &str) {
+    assert_eq!(q.len(), m.held.len(), "{ctx}");
+    for c in 0..n {
+        for u in TENANTS {
+            assert_eq!(
+                q.counter(c, u),
+                m.counter(c, u),
+                "{ctx}: class {c} tenant {u}"
+            );
+        }
+        for t in 0..4 {
+            let live = m
+                .held
+                .iter()
+                .filter(|h| h.tier == t && h.class == c)
+                .count();
+            assert_eq!(q.lane_len(t, c), live, "{ctx}: lane ({t}, {c})");
+        }
+        assert!(q.known_tenants(c) <= TENANTS.len());
     }
 }
 
