@@ -22,26 +22,26 @@
 pub const SLOTS_PER_RANK: u32 = 64;
 
 /// Each tier's reservation (tier 0 the highest), as a share of `capacity` slots.
-pub fn reserved_shares(floor: &[u16], per_slot: &[f64], capacity: u32) -> Vec<f64> {
+pub fn reserved_shares<const N: usize>(
+    floor: &[u16; N],
+    per_slot: &[f64; N],
+    capacity: u32,
+) -> [f64; N] {
     if capacity == 0 {
-        return vec![0.0; floor.len()];
+        return [0.0; N];
     }
     let mut remaining = capacity;
-    floor
-        .iter()
-        .zip(per_slot)
-        .map(|(&floor, &share)| {
-            let share = (share * capacity as f64).ceil();
-            let share = if share.is_finite() && share >= 0.0 {
-                share.min(u32::MAX as f64) as u32
-            } else {
-                0
-            };
-            let give = u32::from(floor).max(share).min(capacity).min(remaining);
-            remaining -= give;
-            give as f64 / capacity as f64
-        })
-        .collect()
+    std::array::from_fn(|i| (floor[i], per_slot[i])).map(|(floor, share)| {
+        let share = (share * capacity as f64).ceil();
+        let share = if share.is_finite() && share >= 0.0 {
+            share.min(u32::MAX as f64) as u32
+        } else {
+            0
+        };
+        let give = u32::from(floor).max(share).min(capacity).min(remaining);
+        remaining -= give;
+        give as f64 / capacity as f64
+    })
 }
 
 /// The fraction of the queue threshold that a request of `tier` may use: what the tiers
@@ -63,7 +63,7 @@ mod tests {
     fn reservations_are_the_floor_or_the_share_whichever_is_larger() {
         // 8 ranks: 512 slots. system 32, interactive max(128, 128), default ceil(51.2) = 52.
         let s = reserved_shares(&FLOOR, &PER_SLOT, 512);
-        assert_eq!(s, vec![32.0 / 512.0, 128.0 / 512.0, 52.0 / 512.0, 0.0]);
+        assert_eq!(s, [32.0 / 512.0, 128.0 / 512.0, 52.0 / 512.0, 0.0]);
         // 16 ranks: interactive's share (256) passes its floor.
         let s = reserved_shares(&FLOOR, &PER_SLOT, 1024);
         assert_eq!(s[1], 256.0 / 1024.0);
@@ -73,7 +73,7 @@ mod tests {
     fn the_lowest_tiers_yield_first_when_reservations_exceed_the_capacity() {
         // One rank: 64 slots. system takes 32, interactive the 32 left, default nothing.
         let s = reserved_shares(&FLOOR, &PER_SLOT, 64);
-        assert_eq!(s, vec![0.5, 0.5, 0.0, 0.0]);
+        assert_eq!(s, [0.5, 0.5, 0.0, 0.0]);
         assert_eq!(usable_fraction(&s, 0), 1.0);
         assert_eq!(usable_fraction(&s, 1), 0.5);
         assert_eq!(
@@ -107,6 +107,6 @@ mod tests {
         assert!((0..4).all(|t| usable_fraction(&s, t) == 1.0));
         // A pathological share (the file's check refuses it) reserves nothing.
         let s = reserved_shares(&[0; 2], &[f64::NAN, f64::INFINITY], 64);
-        assert_eq!(s, vec![0.0, 0.0]);
+        assert_eq!(s, [0.0, 0.0]);
     }
 }
