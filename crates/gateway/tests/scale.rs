@@ -20,7 +20,7 @@ const ENGINES: usize = 64;
 async fn fleet() -> (Fleet, u16) {
     let mut last = None;
     for _ in 0..20 {
-        let base = free_port();
+        let base = kvroute_sim::fleet::free_port_run(ENGINES).expect("a run of free ports");
         let endpoint = format!("tcp://127.0.0.1:{base}");
         let engines = ENGINES.to_string();
         let argv = [

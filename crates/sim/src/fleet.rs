@@ -144,3 +144,27 @@ impl Fleet {
         Ok(())
     }
 }
+
+/// The first port the system hands out for a bind to port 0 (Linux's default
+/// `ip_local_port_range` starts here): a run of ports below it is never taken by another
+/// test's free port.
+const EPHEMERAL_START: u16 = 32768;
+
+/// A base port `p` with `p .. p + n` each free on 127.0.0.1 when tried, chosen at random
+/// below the system's ephemeral range: for a fleet's `--kv-events-endpoint`, whose ports are
+/// consecutive. `None` when `n` ports do not fit or 100 tries found no free run.
+pub fn free_port_run(n: usize) -> Option<u16> {
+    use rand::Rng;
+    let n = u16::try_from(n).ok()?;
+    let lowest = 10_000u16;
+    let highest = EPHEMERAL_START.checked_sub(n)?;
+    if highest <= lowest {
+        return None;
+    }
+    let mut rng = rand::rng();
+    (0..100).find_map(|_| {
+        let base = rng.random_range(lowest..highest);
+        let free = (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok());
+        free.then_some(base)
+    })
+}

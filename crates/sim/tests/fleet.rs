@@ -14,7 +14,7 @@ use support::*;
 async fn fleet(n: usize, extra: &[&str]) -> (Fleet, u16) {
     let mut last = None;
     for _ in 0..20 {
-        let base = free_port();
+        let base = kvroute_sim::fleet::free_port_run(n).expect("a run of free ports");
         let engines = n.to_string();
         let endpoint = format!("tcp://127.0.0.1:{base}");
         let mut argv = vec!["--port", "0", "--engines", &engines];
