@@ -29,6 +29,7 @@ fn main() {
             max_tokens: 256,
             salt: 0,
             lora: None,
+            priority: 0,
         })
         .expect("fits");
         next += 1;

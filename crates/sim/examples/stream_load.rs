@@ -46,6 +46,7 @@ fn model_rate(streams: usize, seconds: f64) -> f64 {
             max_tokens: MAX_TOKENS,
             salt: 0,
             lora: None,
+            priority: 0,
         })
         .expect("fits");
         next += 1;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{EngineConfig, TimingFamily, TimingModel};
+use crate::engine::{EngineConfig, SchedulingPolicy, TimingFamily, TimingModel};
 
 mod lora;
 pub use lora::LoraArgs;
@@ -79,6 +79,11 @@ pub struct SimArgs {
     pub num_gpu_blocks: usize,
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// vLLM's `--scheduling-policy`: `priority` orders the waiting queue by each request's
+    /// `priority` field (lowest first) and preempts the lowest first; under `fcfs` a
+    /// non-zero `priority` is refused.
+    #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
+    pub scheduling_policy: SchedulingPolicy,
     /// Divides every simulated time.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -399,6 +404,7 @@ impl SimArgs {
             },
             scheduler: self.timing.timing_model.scheduler(),
             lora: self.lora.engine(),
+            policy: self.scheduling_policy,
             output_tokens,
             seed: self.seed.wrapping_add(rank as u64),
         }

@@ -40,6 +40,13 @@
 //! NIXL transfer: that last token, run as a decode, samples the first output token. A
 //! preempted request recomputes its prompt locally. See the `transfer` module.
 //!
+//! **Priority scheduling** ([`SchedulingPolicy::Priority`], vLLM's `--scheduling-policy
+//! priority`): the waiting queue is ordered by ([`EngineRequest::priority`], arrival), lowest
+//! first, a preempted sequence going back to its place in that order; the running batch keeps
+//! its admission order, and the sequence preempted for blocks is the running one last in that
+//! order (the lowest priority, then the latest arrival), whose tokens already scheduled in the
+//! step are given back, as vLLM v1 does. Nothing running is preempted for a waiting request.
+//!
 //! **LoRA adapters** ([`EngineRequest::lora`]): at most `max_loras` per step, loaded before
 //! the step that needs them (see the `lora` module).
 
@@ -77,6 +84,8 @@ pub struct EngineConfig {
     pub scheduler: Scheduler,
     /// LoRA adapter slots and load time.
     pub lora: LoraConfig,
+    /// The waiting queue's order and the preemption victim (see the module docs).
+    pub policy: SchedulingPolicy,
     /// Token ids sampled for outputs (uniformly).
     pub output_tokens: Vec<u32>,
     pub seed: u64,
@@ -92,11 +101,22 @@ impl Default for EngineConfig {
             timing: TimingModel::default(),
             scheduler: Scheduler::default(),
             lora: LoraConfig::default(),
+            policy: SchedulingPolicy::Fcfs,
             // Lowercase letters and space: printable through the fallback tokenizer.
             output_tokens: (b'a'..=b'z').chain([b' ']).map(u32::from).collect(),
             seed: 0,
         }
     }
+}
+
+/// vLLM's `--scheduling-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SchedulingPolicy {
+    /// First come, first served; a request's priority must be 0.
+    #[default]
+    Fcfs,
+    /// By [`EngineRequest::priority`], lowest first, then by arrival.
+    Priority,
 }
 
 /// A request's id, unique within an engine.
@@ -114,6 +134,8 @@ pub struct EngineRequest {
     pub salt: u64,
     /// The LoRA adapter it runs with (`None`: the base model).
     pub lora: Option<LoraId>,
+    /// Its place under [`SchedulingPolicy::Priority`]: lower goes first (vLLM's `priority`).
+    pub priority: i64,
 }
 
 /// Where a request's prompt KV comes from.
@@ -142,6 +164,8 @@ pub enum AddError {
     },
     #[error("request id {0:?} is already in use")]
     DuplicateId(RequestId),
+    #[error("got priority {0} but priority scheduling is not enabled")]
+    PriorityNotEnabled(i64),
 }
 
 /// A change of the prefix cache, for KV events.
@@ -231,6 +255,8 @@ pub struct EngineCore {
     rng: SmallRng,
     stats: EngineStats,
     loras: LoraSlots,
+    /// Requests added so far: the next one's arrival order.
+    arrivals: u64,
 }
 
 impl EngineCore {
@@ -244,6 +270,7 @@ impl EngineCore {
             receiving: Vec::new(),
             stats: EngineStats::default(),
             loras: LoraSlots::default(),
+            arrivals: 0,
         }
     }
 
@@ -289,7 +316,11 @@ impl EngineCore {
         if self.contains(req.id) {
             return Err(AddError::DuplicateId(req.id));
         }
-        self.waiting.push_back(Sequence {
+        if req.priority != 0 && self.config.policy == SchedulingPolicy::Fcfs {
+            return Err(AddError::PriorityNotEnabled(req.priority));
+        }
+        self.arrivals += 1;
+        self.enqueue(Sequence {
             id: req.id,
             prompt_len: req.prompt.len(),
             tokens: req.prompt,
@@ -302,6 +333,8 @@ impl EngineCore {
             registered: 0,
             cached_tokens: None,
             prompt_kv: prompt_kv.into(),
+            priority: req.priority,
+            arrival: self.arrivals,
         });
         Ok(())
     }
@@ -353,13 +386,18 @@ impl EngineCore {
             let target = self.running[i].computed + n;
             let mut scheduled_self = true;
             while !self.ensure_blocks(i, target) {
-                // Preempt the newest running sequence; it may be this one.
-                let victim = self.running.len() - 1;
+                // Preempt the newest running sequence (the lowest in priority); it may be
+                // this one, or one scheduled earlier in the step, whose tokens come back.
+                let victim = self.victim();
                 self.preempt(victim, &mut out);
                 preempted_any = true;
                 if victim == i {
                     scheduled_self = false;
                     break;
+                }
+                if victim < i {
+                    budget += unschedule(&mut scheduled, victim);
+                    i -= 1;
                 }
             }
             if !scheduled_self {
@@ -482,7 +520,40 @@ impl EngineCore {
         seq.prompt_kv = PromptSource::Compute;
         self.stats.preemptions += 1;
         out.preempted.push(seq.id);
-        self.waiting.push_front(seq);
+        self.requeue(seq);
+    }
+
+    /// The running sequence to preempt for blocks: the newest, or under
+    /// [`SchedulingPolicy::Priority`] the last by (priority, arrival).
+    fn victim(&self) -> usize {
+        match self.config.policy {
+            SchedulingPolicy::Fcfs => self.running.len() - 1,
+            SchedulingPolicy::Priority => (0..self.running.len())
+                .max_by_key(|&i| self.running[i].order())
+                .expect("a sequence is running"),
+        }
+    }
+
+    /// Queues a new sequence: last, or under [`SchedulingPolicy::Priority`] in its order.
+    fn enqueue(&mut self, seq: Sequence) {
+        match self.config.policy {
+            SchedulingPolicy::Fcfs => self.waiting.push_back(seq),
+            SchedulingPolicy::Priority => self.insert_ordered(seq),
+        }
+    }
+
+    /// Queues a sequence that was admitted before (preempted, or its KV landed): first, or
+    /// under [`SchedulingPolicy::Priority`] in its order.
+    fn requeue(&mut self, seq: Sequence) {
+        match self.config.policy {
+            SchedulingPolicy::Fcfs => self.waiting.push_front(seq),
+            SchedulingPolicy::Priority => self.insert_ordered(seq),
+        }
+    }
+
+    fn insert_ordered(&mut self, seq: Sequence) {
+        let at = self.waiting.partition_point(|s| s.order() < seq.order());
+        self.waiting.insert(at, seq);
     }
 
     /// Admits the head of the queue if its blocks fit: into the running batch, or, for a
@@ -564,6 +635,22 @@ impl EngineCore {
             first_cached: first.then_some(hit_tokens),
         }
     }
+}
+
+/// Takes the preempted `running[victim]` out of the step's `scheduled` (indices into
+/// `running`, which shift down past it): the tokens it had been given.
+fn unschedule(scheduled: &mut Vec<(usize, usize)>, victim: usize) -> usize {
+    let mut given = 0;
+    scheduled.retain(|&(idx, n)| {
+        if idx == victim {
+            given = n;
+        }
+        idx != victim
+    });
+    for entry in scheduled.iter_mut().filter(|e| e.0 > victim) {
+        entry.0 -= 1;
+    }
+    given
 }
 
 /// What [`EngineCore::admit`] did with the head of the queue.

@@ -215,6 +215,7 @@ pub(crate) fn alone(
             max_tokens: 1,
             salt: 0,
             lora: None,
+            priority: 0,
         })?;
         drain(engine, |_| {});
     }
@@ -224,6 +225,7 @@ pub(crate) fn alone(
         max_tokens,
         salt: 0,
         lora: None,
+        priority: 0,
     })?;
     let mut first = None;
     let e2e = drain(engine, |t| {

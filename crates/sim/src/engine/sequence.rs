@@ -43,9 +43,17 @@ pub(super) struct Sequence {
     pub(super) cached_tokens: Option<usize>,
     /// Where the prompt's KV comes from; `Compute` once preempted.
     pub(super) prompt_kv: PromptSource,
+    /// Its priority (lower first) and arrival order, under priority scheduling.
+    pub(super) priority: i64,
+    pub(super) arrival: u64,
 }
 
 impl Sequence {
+    /// Its place in priority order: lower first.
+    pub(super) fn order(&self) -> (i64, u64) {
+        (self.priority, self.arrival)
+    }
+
     pub(super) fn output_len(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }

@@ -55,7 +55,7 @@ impl EngineCore {
             seq.prompt_kv = PromptSource::Received;
             self.stats.kv_transfers_received += 1;
             self.stats.kv_transfer_tokens_received += r.tokens as u64;
-            self.waiting.push_front(seq);
+            self.requeue(seq);
         }
     }
 

@@ -96,6 +96,7 @@ mod tests {
             max_tokens,
             salt: 0,
             lora: None,
+            priority: 0,
         };
         core.add_request(req).unwrap();
     }

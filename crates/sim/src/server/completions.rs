@@ -117,6 +117,7 @@ pub(super) async fn completions(
             usage: openai::StreamUsage::of(body.stream_options.as_ref()),
             salt: salt_of(body.cache_salt.as_deref()),
             lora,
+            priority: body.priority,
             disagg: body.disagg,
         },
     )
@@ -146,6 +147,7 @@ pub(super) async fn chat(
             usage: openai::StreamUsage::of(body.stream_options.as_ref()),
             salt: salt_of(body.cache_salt.as_deref()),
             lora,
+            priority: body.priority,
             disagg: body.disagg,
         },
     )

@@ -30,6 +30,8 @@ pub(super) struct Generate {
     /// The adapter `model` named; its name is mixed into the salt (as the router's index
     /// salts an adapter's blocks) and answers as the model.
     pub(super) lora: Option<LoraId>,
+    /// vLLM's `priority` field.
+    pub(super) priority: i64,
     pub(super) disagg: pd::DisaggFields,
 }
 
@@ -73,6 +75,7 @@ pub(super) async fn generate(
         usage,
         salt,
         lora,
+        priority,
         disagg,
     } = g;
     let adapter = lora.and_then(|id| state.adapters.name(id));
@@ -100,6 +103,7 @@ pub(super) async fn generate(
         max_tokens,
         salt,
         lora,
+        priority,
     };
     let (rx, first, guard) = submit(state, rank, request, prompt_kv).await?;
     let answer = Answer {

@@ -62,6 +62,7 @@ async fn create(state: &AppState, req: Request) -> Result<Response, ApiError> {
             usage: openai::StreamUsage::Final,
             salt: 0,
             lora,
+            priority: request.priority,
             disagg: request.disagg,
         },
     )

@@ -29,6 +29,9 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// vLLM's `priority` (lower first), under `--scheduling-policy priority`.
+    #[serde(default)]
+    pub priority: i64,
     #[serde(flatten)]
     pub disagg: DisaggFields,
 }
@@ -52,6 +55,9 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// vLLM's `priority` (lower first), under `--scheduling-policy priority`.
+    #[serde(default)]
+    pub priority: i64,
     #[serde(flatten)]
     pub disagg: DisaggFields,
 }
