@@ -11,7 +11,7 @@ use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::{CostModel, KvAwareConfig, MemoryCost, PolicyConfig, PolicyKind};
-use kvroute_sim::engine::{EngineConfig, TimingModel};
+use kvroute_sim::engine::{EngineConfig, SchedulingPolicy, TimingModel};
 use kvroute_sim::TimingArgs;
 
 mod lora_args;
@@ -346,6 +346,10 @@ impl ClusterArgs {
         let engines = clusters.first().map_or(self.workers, Cluster::engines);
         shapes.validate(engines)?;
         let base_blocks = self.num_gpu_blocks.first().copied().unwrap_or(16384);
+        let scheduling = match self.queue.engine_priority {
+            true => ", engines scheduling by priority",
+            false => "",
+        };
         let workers = match &pd_cluster {
             Some(c) => format!(
                 "{} prefill + {} decode workers",
@@ -359,12 +363,12 @@ impl ClusterArgs {
             clusters,
             shape: if shapes.is_uniform() {
                 format!(
-                    "{workers} x {base_blocks} blocks of {}, timing model {}",
+                    "{workers} x {base_blocks} blocks of {}, timing model {}{scheduling}",
                     self.block_size, self.timing.timing_model
                 )
             } else {
                 format!(
-                    "{workers} ({}), blocks of {}, timing model {}",
+                    "{workers} ({}), blocks of {}, timing model {}{scheduling}",
                     shapes.describe(),
                     self.block_size,
                     self.timing.timing_model
@@ -378,6 +382,10 @@ impl ClusterArgs {
                 timing: self.pd.timing(self.timing.model())?,
                 scheduler: self.timing.timing_model.scheduler(),
                 lora,
+                policy: match self.queue.engine_priority {
+                    true => SchedulingPolicy::Priority,
+                    false => SchedulingPolicy::Fcfs,
+                },
                 ..EngineConfig::default()
             },
             hash_block: self.workload.hash_block_size,

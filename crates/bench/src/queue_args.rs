@@ -36,6 +36,11 @@ pub struct QueueArgs {
     /// tenant with the fewest tokens served go first [default: fcfs].
     #[arg(long, value_enum, requires = "router_queue_threshold")]
     router_queue_fairness: Option<FairnessArg>,
+    /// The engines schedule by priority (vLLM's `--scheduling-policy priority`) and the
+    /// router writes each request's level, as the gateway's `--engine-priority vllm`: a
+    /// tenant below its share of the prompt tokens in flight goes first in the engine.
+    #[arg(long)]
+    pub engine_priority: bool,
 }
 
 /// `--router-queue-fairness`.

@@ -82,6 +82,7 @@ use std::time::Duration;
 
 mod config;
 mod drr;
+pub mod engine_priority;
 mod lane;
 pub mod reserve;
 mod saturation;

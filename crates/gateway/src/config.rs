@@ -33,7 +33,9 @@ pub use epp::{EppEndpoints, EppServing, EppSettings, PoolRef, DEFAULT_POOL_GROUP
 pub use llmd::LlmDConfigError;
 pub use load::CliWorkers;
 pub use metrics_compat::{MetricsCompat, MetricsPeer};
-pub use priority::{ClassSettings, PriorityClass, PrioritySettings, QueueSharing, TenantOrder};
+pub use priority::{
+    ClassSettings, EnginePriorityArg, PriorityClass, PrioritySettings, QueueSharing, TenantOrder,
+};
 pub use rate_limits::{
     load as load_rate_limits, Limits, ModelRule, RateLimitFileError, RateLimitPolicy, TenantPolicy,
 };

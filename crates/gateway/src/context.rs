@@ -51,6 +51,8 @@ pub(crate) struct AppState {
     /// Replica sync, once serving started with it.
     pub(crate) sync: std::sync::OnceLock<SyncHandle>,
     pub(crate) sync_metrics: SyncMetrics,
+    /// `--engine-priority`'s tokens in flight per tenant, when on.
+    pub(crate) engine_levels: Option<Arc<crate::engine_priority::EngineLevels>>,
     /// The last routing decisions, for the dashboard.
     pub(crate) recent: crate::recent::Recent,
     /// OpenTelemetry traces, when on.
@@ -128,6 +130,7 @@ impl AppState {
             sync: std::sync::OnceLock::new(),
             sync_metrics: SyncMetrics::register(registry),
             recent: Default::default(),
+            engine_levels: crate::engine_priority::EngineLevels::new(&settings),
             tracer: settings.trace.clone().map(|t| {
                 Arc::new(crate::otlp::Tracer::new(
                     t,

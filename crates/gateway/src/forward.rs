@@ -148,6 +148,21 @@ pub(crate) async fn route_and_forward(
         span,
     };
 
+    // Its place in the engine's queue, when the router writes it (`--engine-priority`).
+    let (sent, admitted) = match &state.engine_levels {
+        Some(levels) => {
+            let (sent, in_flight) = levels.send(
+                route,
+                body.clone(),
+                tenant,
+                queued.tier,
+                tokens.len() as u64,
+            );
+            (sent, admitted.holding(in_flight))
+        }
+        None => (body.clone(), admitted),
+    };
+
     // The dispatch, and the response; preempted, it ends there (its upstream request dropped).
     // Its usage settles the rate limits' reservation.
     let answer = respond(
@@ -155,7 +170,7 @@ pub(crate) async fn route_and_forward(
         route,
         shape,
         &attempt,
-        body.clone(),
+        sent,
         queued.released,
         admitted,
     );

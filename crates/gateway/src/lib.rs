@@ -17,7 +17,8 @@
 //!    (the trace exporter and spans), `tls`, `usage` (the usage tap on a response body);
 //! 2. engine edge, one engine at a time: `engine_metrics`, `kv_events`, `health` (probes, circuit);
 //! 3. state: `workers` (the set and its routing-table snapshot), `kv`, `prompts` (tokens and
-//!    the tokenizer prefix cache), `busy`, `rate_limit` (the tenants' token buckets), `peer_metrics` (`--metrics-compat`: the peers' metric
+//!    the tokenizer prefix cache), `busy`, `rate_limit` (the tenants' token buckets), `engine_priority` (the tenants' tokens
+//!    in flight, for `--engine-priority`), `peer_metrics` (`--metrics-compat`: the peers' metric
 //!    names over the workers' series);
 //! 4. request path: `admission` (the concurrency limit, its queue and rate), `routing`, `recent` (the last decisions), `queue`, `proxy`, `sync`, `context`,
 //!    `pick` (the stages both front doors share: admission, queue, pick, learn),
@@ -42,6 +43,7 @@ pub mod kv_events;
 
 // 3. State.
 pub mod busy;
+pub mod engine_priority;
 pub mod kv;
 pub mod peer_metrics;
 pub mod prompts;

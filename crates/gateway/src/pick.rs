@@ -217,6 +217,7 @@ pub(crate) async fn queue_admission<'s>(
         class: Some(c),
         released: Some(released),
         preemptible,
+        tier: queue.priority().map(|_| standing.class.tier()),
     })
 }
 
@@ -229,6 +230,8 @@ pub(crate) struct QueueAdmission<'s> {
     pub(crate) released: Option<Released<'s>>,
     /// With the priority scheduler, its preemption until its first byte.
     pub(crate) preemptible: Option<crate::queue::Preemptible<'s>>,
+    /// With the priority scheduler, its priority class's tier (0 the highest).
+    pub(crate) tier: Option<usize>,
 }
 
 /// Charges `a`'s tenant with the output tokens it is served (VTC's output charge, weighted

@@ -235,6 +235,8 @@ impl Drop for InFlight {
 pub struct Admitted {
     _permit: Option<OwnedSemaphorePermit>,
     gauge: Gauge,
+    /// Its tokens in flight for `--engine-priority`, until the response ends.
+    _in_flight: Option<crate::engine_priority::InFlightGuard>,
 }
 
 impl Admitted {
@@ -243,7 +245,14 @@ impl Admitted {
         Self {
             _permit: permit,
             gauge,
+            _in_flight: None,
         }
+    }
+
+    /// The same, also holding the request's tokens in flight until its response ends.
+    pub fn holding(mut self, in_flight: Option<crate::engine_priority::InFlightGuard>) -> Self {
+        self._in_flight = in_flight;
+        self
     }
 }
 

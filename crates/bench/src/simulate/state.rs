@@ -24,7 +24,9 @@ use super::route::{Arrival, Placement, Router};
 use super::{Cluster, Run, SimConfig};
 use crate::trace::{prompt_tokens, TraceRequest};
 
+mod levels;
 mod tenants;
+use levels::Levels;
 use tenants::{tenant_count, tenant_results, TenantTally};
 
 /// A request on an engine.
@@ -147,6 +149,7 @@ pub(super) struct State<'a> {
     live: HashMap<(usize, RequestId), Live>,
     tally: Tally,
     queue: Option<RouterQueue>,
+    levels: Levels,
     /// The order requests were routed in, and when (the tests read it).
     routed: Vec<(RequestId, Duration)>,
     /// The last arrival: tokens served until then count in the tenants' shares.
@@ -190,6 +193,7 @@ impl<'a> State<'a> {
                 ..Tally::default()
             },
             queue: cfg.queue.map(|q| RouterQueue::new(q, budget)),
+            levels: Levels::new(cfg),
             routed: Vec::new(),
             last_arrival,
             last_end: Duration::ZERO,
@@ -281,6 +285,7 @@ impl<'a> State<'a> {
                         }
                         self.tally.output += 1;
                         if t.finished {
+                            self.levels.end(t.id);
                             let l = self.live.remove(&key).expect("live");
                             self.router.models[e].observe_output(l.outputs as f64);
                             self.tally.e2e.push((end - l.arrival).as_secs_f64() * 1e3);
@@ -318,7 +323,7 @@ impl<'a> State<'a> {
             .is_err()
         {
             self.tally.rejected += 1;
-            return;
+            return self.levels.end(id);
         }
         self.router.loads[decode].start(&decode_load);
         self.tally.answered_by[decode] += 1;
@@ -367,7 +372,7 @@ impl<'a> State<'a> {
         let Some(queue) = &self.queue else {
             return self.route(req, now);
         };
-        if !queue.must_wait(&self.router.loads) {
+        if !queue.must_wait(&self.router.loads) || self.levels.below_share(tenant) {
             return self.route(req, now);
         }
         // The cost: uncached tokens on the engine holding most of the prompt.
@@ -430,12 +435,16 @@ impl<'a> State<'a> {
         if now <= self.last_arrival {
             tenant.tokens += req.tokens.len() as u64;
         }
+        let priority = self
+            .levels
+            .send(req.id, req.tenant, req.tokens.len() as u64);
         let request = EngineRequest {
             id: req.id,
             prompt: req.tokens,
             max_tokens: req.max_tokens,
             salt: lora_salt(req.lora),
             lora: req.lora,
+            priority,
         };
         let (engine, load, role, features) = match placement {
             Placement::Whole {
@@ -450,7 +459,7 @@ impl<'a> State<'a> {
                 self.wake.insert(engine);
                 if self.engines[engine].add_request(request).is_err() {
                     self.tally.rejected += 1;
-                    return;
+                    return self.levels.end(req.id);
                 }
                 self.tally.answered_by[engine] += 1;
                 if self.router.halves().is_some() {
@@ -471,7 +480,7 @@ impl<'a> State<'a> {
                 };
                 if self.engines[prefill].add_request(prefill_request).is_err() {
                     self.tally.rejected += 1;
-                    return;
+                    return self.levels.end(req.id);
                 }
                 self.tally.prefills_on[prefill] += 1;
                 self.tally.split += 1;

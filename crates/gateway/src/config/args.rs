@@ -300,6 +300,10 @@ pub struct Args {
     /// The highest class of a tenant the priority file does not list [default: default].
     #[arg(long, value_enum)]
     pub priority_scheduler_default_max_class: Option<super::PriorityClass>,
+    /// Write each request's place in its engine's queue (its class, then its tenant's share of
+    /// the work in flight) as vllm's or sglang's `priority` field [default: off].
+    #[arg(long, value_enum)]
+    pub engine_priority: Option<super::EnginePriorityArg>,
     /// Policy classes of the queue (config file only): name, weight (a quantum in uncached
     /// tokens), optional max_queued.
     #[arg(skip)]

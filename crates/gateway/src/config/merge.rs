@@ -63,7 +63,7 @@ impl Args {
             cert_path, pool_name, pool_namespace, pool_group, endpoint_selector,
             kv_events_socket_port, metrics_prefix, tenant_header_name, jwt_issuer, jwt_audience,
             jwt_jwks_uri, priority_scheduler_tenant_metric_top_n, router_queue_fairness,
-            priority_scheduler_config, priority_scheduler_default_max_class,
+            priority_scheduler_config, priority_scheduler_default_max_class, engine_priority,
             tenant_rate_limit_config;
         flag
             service_discovery, pd_disaggregation, llm_d_precise_prefix,

@@ -132,6 +132,28 @@ pub enum TenantOrder {
     Vtc,
 }
 
+/// `--engine-priority`: whose `priority` field the router writes into each request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnginePriorityArg {
+    /// Nothing written.
+    Off,
+    /// vLLM's (`--scheduling-policy priority`): lower first.
+    Vllm,
+    /// SGLang's (`--enable-priority-scheduling`): higher first.
+    Sglang,
+}
+
+impl From<EnginePriorityArg> for kvroute_core::queue::engine_priority::EnginePriority {
+    fn from(arg: EnginePriorityArg) -> Self {
+        match arg {
+            EnginePriorityArg::Off => Self::Off,
+            EnginePriorityArg::Vllm => Self::Vllm,
+            EnginePriorityArg::Sglang => Self::Sglang,
+        }
+    }
+}
+
 /// The router queue's sharing: its order between tenants, its priority classes and weights.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct QueueSharing {

@@ -340,6 +340,8 @@ pub struct Settings {
     pub session_affinity: Option<(AffinityMode, Duration)>,
     /// The admission queue, when `--router-queue-threshold` is set.
     pub queue: Option<QueueSettings>,
+    /// `--engine-priority`: the engines' `priority` field written, or not.
+    pub engine_priority: kvroute_core::queue::engine_priority::EnginePriority,
     pub tokenizer: Option<PathBuf>,
     /// The tokenizer prefix cache's bound in bytes (0: off).
     pub tokenizer_cache_bytes: usize,

@@ -116,6 +116,9 @@ impl Args {
             config_path: self.config.take(),
             cli_workers: CliWorkers::default(),
             queue: self.take_queue_settings(pd_on)?,
+            engine_priority: self
+                .engine_priority
+                .map_or_else(Default::default, Into::into),
             session_affinity: self.session_affinity(),
             tokenizer: self.tokenizer.take(),
             tokenizer_cache_bytes: self.tokenizer_cache_l1_max_memory.unwrap_or(256 << 20),
