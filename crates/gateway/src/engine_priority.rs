@@ -9,6 +9,10 @@
 //! client sent: with the flag on, the router owns the engine's order. Only the OpenAI routes
 //! carry it (vLLM's Anthropic and SGLang's native routes take no `priority`). A request
 //! counts in flight from the moment it is sent until its response ends, whatever the outcome.
+//!
+//! A request whose tenant is below its share does not wait in the router queue either
+//! ([`EngineLevels::below_share`]): it would be first in any engine's queue, and the router
+//! queue is there to keep the engines' queues short, not to hold back who they put first.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -56,6 +60,13 @@ impl EngineLevels {
         self.weights.get(tenant).copied().unwrap_or(1.0)
     }
 
+    /// Whether `tenant` is below its share of the tokens in flight: its next request would
+    /// be first in its engine's queue, so the router queue does not hold it.
+    pub fn below_share(&self, tenant: &Tenant) -> bool {
+        let in_flight = self.in_flight.lock().expect("not poisoned");
+        !in_flight.over(tenant.as_str(), self.weight(tenant.as_str()))
+    }
+
     /// The body to send on `route` for `tenant`'s request of `tier` (its priority class's,
     /// when the priority scheduler is on) with `tokens` prompt tokens, and its count in
     /// flight, which ends when the [`InFlightGuard`] drops. A body that is not a JSON
@@ -78,7 +89,7 @@ impl EngineLevels {
         let weight = self.weight(&tenant);
         let over = {
             let mut in_flight = self.in_flight.lock().expect("not poisoned");
-            let over = in_flight.over(&tenant, weight);
+            let over = in_flight.over(&*tenant, weight);
             in_flight.start(tenant.clone(), weight, tokens);
             over
         };
@@ -109,6 +120,6 @@ pub struct InFlightGuard {
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         let mut in_flight = self.levels.in_flight.lock().expect("not poisoned");
-        in_flight.end(&self.tenant, self.tokens);
+        in_flight.end(&*self.tenant, self.tokens);
     }
 }

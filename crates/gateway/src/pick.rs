@@ -205,7 +205,8 @@ pub(crate) async fn queue_admission<'s>(
         Some(_) => ranks.iter().map(|(w, _)| w.id.clone()).collect(),
         None => Vec::new(),
     };
-    let released = queue.admit(req, ranks).await?;
+    let below_share = (state.engine_levels.as_ref()).is_some_and(|l| l.below_share(ask.tenant));
+    let released = queue.admit(req, ranks, below_share).await?;
     let preemptible = queue.preemptible(standing.class, workers);
     if let Some(span) = span {
         span.set_double(

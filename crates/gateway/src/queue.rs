@@ -301,16 +301,20 @@ impl AdmissionQueue {
 
     /// Waits, if every one of `ranks` is saturated, until the queue lets the request go.
     /// Keep the returned token until the request's load is counted. A request that does not
-    /// wait is charged its cost at once, as the queue charges one it lets go.
+    /// wait is charged its cost at once, as the queue charges one it lets go. One whose
+    /// tenant is `below_share` of the work in flight, with `--engine-priority`, never waits:
+    /// its engine puts it first in its own queue.
     pub async fn admit(
         &self,
         req: Queued<'_>,
         ranks: Vec<(Arc<Worker>, usize)>,
+        below_share: bool,
     ) -> Result<Released<'_>, GatewayError> {
         let Queued { class, cost, .. } = req;
         let tier = req.standing.class.tier();
         let full = all_saturated(&ranks, self.threshold, self.priority.as_ref(), tier);
-        if !must_wait(full, !self.is_empty()) && !self.in_transit.load(Ordering::Acquire) {
+        let free = !must_wait(full, !self.is_empty()) && !self.in_transit.load(Ordering::Acquire);
+        if free || below_share {
             self.lock().charge_prompt(class, req.tenant, cost);
             return Ok(Released { queue: None });
         }
@@ -519,7 +523,7 @@ mod tests {
     /// `n` requests that find the worker saturated and wait.
     fn queue_up<'a>(q: &'a AdmissionQueue, w: &Arc<Worker>, n: usize) -> Vec<Admit<'a>> {
         let mut waiting: Vec<Admit<'a>> = (0..n)
-            .map(|_| Box::pin(q.admit(request(), vec![(w.clone(), 0)])) as Admit<'a>)
+            .map(|_| Box::pin(q.admit(request(), vec![(w.clone(), 0)], false)) as Admit<'a>)
             .collect();
         for admit in &mut waiting {
             assert!(admit.as_mut().now_or_never().is_none(), "it waits");
@@ -605,7 +609,7 @@ mod tests {
         drop(waiting.remove(0));
         assert!(q.is_empty());
         w.ranks[0].finish(&load(1500), true);
-        let mut next: Admit<'_> = Box::pin(q.admit(request(), vec![(w.clone(), 0)]));
+        let mut next: Admit<'_> = Box::pin(q.admit(request(), vec![(w.clone(), 0)], false));
         assert!(let_go(&mut next).is_some(), "nothing is in transit");
     }
 }

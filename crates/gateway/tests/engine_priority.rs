@@ -26,8 +26,11 @@ fn completion(seed: u64, extra: serde_json::Value) -> String {
     body.to_string()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_light_tenant_goes_ahead_of_a_heavy_tenants_requests_already_queued_in_the_engine() {
+/// The order the requests of this scenario finish in, behind a router with `flags` (and
+/// `--engine-priority vllm`): the heavy tenant's first request holds the engine; two more
+/// of its requests follow (the second waits in the router queue when `queued`), then the
+/// light tenant's; then the holder's client leaves and the engine serves its queue.
+async fn finishing_order(flags: &[&str], queued: bool) -> Vec<&'static str> {
     let shutdown = CancellationToken::new();
     let sim_flags = [
         "--scheduling-policy",
@@ -38,18 +41,18 @@ async fn a_light_tenant_goes_ahead_of_a_heavy_tenants_requests_already_queued_in
         "1",
     ];
     let sim = serve_sim(&sim_flags, &shutdown).await;
-    let r = TestRouter::from_flags(&[
+    let mut argv = vec![
         "--worker-urls",
         &sim,
         "--policy",
-        "round_robin",
+        "kv_aware",
         "--trust-tenant-header",
-        "--engine-priority",
-        "vllm",
-    ])
-    .await;
+    ];
+    argv.extend(["--engine-priority", "vllm"]);
+    argv.extend_from_slice(flags);
+    let r = TestRouter::from_flags(&argv).await;
     let heavy = [("x-smg-tenant-id", "heavy")];
-    // The heavy tenant's first request holds the engine: a stream that would run for hours.
+    // A stream that would run for hours.
     let holding = json!({"model": "kvroute-sim", "prompt": text(64, 1), "max_tokens": 200_000, "stream": true});
     let holder = open_stream_with(&r.url, "/v1/completions", &heavy, &holding.to_string()).await;
     assert_eq!(holder.status(), 200);
@@ -73,36 +76,72 @@ async fn a_light_tenant_goes_ahead_of_a_heavy_tenants_requests_already_queued_in
             finished.lock().unwrap().push(name);
         })
     };
-    // Two more of the heavy tenant's queue in the engine; each asks for priority -100,
-    // which the router replaces: with --engine-priority the router owns the engine's order.
-    let mut tasks = Vec::new();
-    for (i, name) in ["heavy-1", "heavy-2"].into_iter().enumerate() {
-        tasks.push(send(
-            name,
-            "heavy",
-            completion(10 + i as u64, json!({"priority": -100})),
-        ));
-        let queued = i as f64 + 1.0;
-        wait_until_async("the heavy tenant's request waits in the engine", || async {
-            engine(&sim, "waiting").await == queued
+    // Each asks for priority -100, which the router replaces: with --engine-priority the
+    // router owns the engine's order.
+    let mut tasks = vec![send(
+        "heavy-1",
+        "heavy",
+        completion(10, json!({"priority": -100})),
+    )];
+    wait_until_async("heavy-1 waits in the engine", || async {
+        engine(&sim, "waiting").await == 1.0
+    })
+    .await;
+    tasks.push(send(
+        "heavy-2",
+        "heavy",
+        completion(11, json!({"priority": -100})),
+    ));
+    if queued {
+        wait_until_async("heavy-2 waits in the router queue", || async {
+            metric_value(
+                &r.metrics().await,
+                "kvroute_queue_pending",
+                r#"class="default""#,
+            ) == Some(1.0)
+        })
+        .await;
+    } else {
+        wait_until_async("heavy-2 waits in the engine", || async {
+            engine(&sim, "waiting").await == 2.0
         })
         .await;
     }
-    // The light tenant arrives last, with nothing in flight: it goes first.
+    // The light tenant arrives last, with nothing in flight: straight to the engine.
     tasks.push(send("light", "light", completion(20, json!({}))));
-    wait_until_async("all three wait", || async {
-        engine(&sim, "waiting").await == 3.0
+    let waiting = if queued { 2.0 } else { 3.0 };
+    wait_until_async("the light one waits in the engine", || async {
+        engine(&sim, "waiting").await == waiting
     })
     .await;
-    // The holder's client goes away: the engine drops it and serves its queue in order.
     drop(holder);
     for t in tasks {
         t.await.unwrap();
     }
-    let order = finished.lock().unwrap().clone();
-    assert_eq!(order, ["light", "heavy-1", "heavy-2"]);
     r.stop().await;
     shutdown.cancel();
+    let order = finished.lock().unwrap().clone();
+    order
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_light_tenant_goes_ahead_of_a_heavy_tenants_requests_already_queued_in_the_engine() {
+    assert_eq!(
+        finishing_order(&[], false).await,
+        ["light", "heavy-1", "heavy-2"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_below_its_share_skips_the_router_queue_for_the_engines() {
+    // The engine is saturated (64 prefill tokens over 0.001 x 8,192) once heavy-1 waits in
+    // it: heavy-2 waits in the router queue. The light tenant's request skips it and goes
+    // first in the engine; held in the router queue it would have come after heavy-1.
+    let flags = ["--router-queue-threshold", "0.001"];
+    assert_eq!(
+        finishing_order(&flags, true).await,
+        ["light", "heavy-1", "heavy-2"]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

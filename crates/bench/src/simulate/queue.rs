@@ -18,8 +18,12 @@
 //!   gateway's `queue_timeout`).
 //!
 //! - With tenants, `--router-queue-fairness vtc` orders them by virtual token counters
-//!   (`kvroute_core::queue::vtc`): a request's uncached tokens are charged when it is let go,
-//!   each output token (weight 2) as it is produced. `fcfs` ignores tenants.
+//!   (`kvroute_core::queue::vtc`): a request's uncached tokens are charged when it is let go
+//!   (or at once when it does not wait), each output token (weight 2) as it is produced.
+//!   `fcfs` ignores tenants.
+//! - With `--engine-priority` (engines scheduling by priority), a request whose tenant is
+//!   below its share of the prompt tokens in flight does not wait: it goes first in its
+//!   engine's own queue (`kvroute_core::queue::engine_priority`), as in the gateway.
 //!
 //! One policy class, `default`, and one priority tier, as the gateway's without
 //! `policy_classes` (a trace names neither). A request's TTFT and E2E count from its arrival, its wait included.
@@ -191,6 +195,14 @@ impl RouterQueue {
     pub fn charge(&mut self, tenant: u32, tokens: u64) {
         self.learn(tenant);
         self.queue.charge(0, &self.keys[tenant as usize], tokens);
+    }
+
+    /// `tenant`'s request of `cost` uncached tokens went without waiting: charged as the
+    /// queue charges one it lets go (the gateway's `AdmissionQueue::admit`).
+    pub fn charge_prompt(&mut self, tenant: u32, cost: u64) {
+        self.learn(tenant);
+        self.queue
+            .charge_prompt(0, &self.keys[tenant as usize], cost);
     }
 
     fn all_saturated(&self, loads: &[RankLoad]) -> bool {

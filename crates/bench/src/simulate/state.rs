@@ -372,9 +372,7 @@ impl<'a> State<'a> {
         let Some(queue) = &self.queue else {
             return self.route(req, now);
         };
-        if !queue.must_wait(&self.router.loads) || self.levels.below_share(tenant) {
-            return self.route(req, now);
-        }
+        let direct = !queue.must_wait(&self.router.loads) || self.levels.below_share(tenant);
         // The cost: uncached tokens on the engine holding most of the prompt.
         let scores = self.scores(&req.hashes);
         let best = (0..self.engines.len())
@@ -384,8 +382,13 @@ impl<'a> State<'a> {
         let cost = req
             .tokens
             .len()
-            .saturating_sub(best * self.cfg.engine.block_size);
-        self.queue.as_mut().expect("checked").push(req, cost as u64);
+            .saturating_sub(best * self.cfg.engine.block_size) as u64;
+        let queue = self.queue.as_mut().expect("checked");
+        if direct {
+            queue.charge_prompt(tenant, cost);
+            return self.route(req, now);
+        }
+        queue.push(req, cost);
         self.dispatch(now);
     }
 

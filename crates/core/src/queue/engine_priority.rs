@@ -21,6 +21,7 @@
 //! The tokens in flight are tracked by [`InFlight`]; the level is written into the request
 //! in the engine's convention by [`EnginePriority::value`].
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::hash::Hash;
 
@@ -81,7 +82,11 @@ impl<K> Default for InFlight<K> {
 
 impl<K: Hash + Eq> InFlight<K> {
     /// Whether `tenant` (of `weight`) has at least its share of the tokens in flight.
-    pub fn over(&self, tenant: &K, weight: f64) -> bool {
+    pub fn over<Q>(&self, tenant: &Q, weight: f64) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let Some(own) = self.tenants.get(tenant) else {
             return false;
         };
@@ -103,7 +108,11 @@ impl<K: Hash + Eq> InFlight<K> {
     }
 
     /// A request of `tenant` sent with `tokens` ended (answered, failed or dropped).
-    pub fn end(&mut self, tenant: &K, tokens: u64) {
+    pub fn end<Q>(&mut self, tenant: &Q, tokens: u64)
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let tokens = tokens.max(1);
         let Some(share) = self.tenants.get_mut(tenant) else {
             debug_assert!(false, "a request ended that never started");
