@@ -40,18 +40,14 @@
 //! NIXL transfer: that last token, run as a decode, samples the first output token. A
 //! preempted request recomputes its prompt locally. See the `transfer` module.
 //!
-//! **Priority scheduling** ([`SchedulingPolicy::Priority`], vLLM's `--scheduling-policy
-//! priority`): the waiting queue is ordered by ([`EngineRequest::priority`], arrival), lowest
-//! first, a preempted sequence going back to its place in that order; the running batch keeps
-//! its admission order, and the sequence preempted for blocks is the running one last in that
-//! order (the lowest priority, then the latest arrival), whose tokens already scheduled in the
-//! step are given back, as vLLM v1 does. Nothing running is preempted for a waiting request.
+//! **Priority scheduling** ([`SchedulingPolicy::Priority`]): see the `order` module.
 //!
 //! **LoRA adapters** ([`EngineRequest::lora`]): at most `max_loras` per step, loaded before
 //! the step that needs them (see the `lora` module).
 
 mod blocks;
 mod lora;
+mod order;
 mod sequence;
 pub mod timing;
 mod transfer;
@@ -67,6 +63,8 @@ pub use blocks::BlockId;
 use blocks::BlockPool;
 use lora::LoraSlots;
 pub use lora::{LoraConfig, LoraId, LoraState};
+use order::unschedule;
+pub use order::SchedulingPolicy;
 pub use sequence::block_hash;
 use sequence::{PromptSource, Sequence};
 pub use timing::{Scheduler, StepWork, TimingFamily, TimingModel};
@@ -107,16 +105,6 @@ impl Default for EngineConfig {
             seed: 0,
         }
     }
-}
-
-/// vLLM's `--scheduling-policy`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum SchedulingPolicy {
-    /// First come, first served; a request's priority must be 0.
-    #[default]
-    Fcfs,
-    /// By [`EngineRequest::priority`], lowest first, then by arrival.
-    Priority,
 }
 
 /// A request's id, unique within an engine.
@@ -510,52 +498,6 @@ impl EngineCore {
         true
     }
 
-    fn preempt(&mut self, idx: usize, out: &mut StepOutput) {
-        let mut seq = self.running.remove(idx);
-        self.pool.release(&seq.blocks);
-        seq.blocks.clear();
-        seq.computed = 0;
-        seq.registered = 0;
-        // Recomputed here, as vLLM does: the prefill engine's KV is gone.
-        seq.prompt_kv = PromptSource::Compute;
-        self.stats.preemptions += 1;
-        out.preempted.push(seq.id);
-        self.requeue(seq);
-    }
-
-    /// The running sequence to preempt for blocks: the newest, or under
-    /// [`SchedulingPolicy::Priority`] the last by (priority, arrival).
-    fn victim(&self) -> usize {
-        match self.config.policy {
-            SchedulingPolicy::Fcfs => self.running.len() - 1,
-            SchedulingPolicy::Priority => (0..self.running.len())
-                .max_by_key(|&i| self.running[i].order())
-                .expect("a sequence is running"),
-        }
-    }
-
-    /// Queues a new sequence: last, or under [`SchedulingPolicy::Priority`] in its order.
-    fn enqueue(&mut self, seq: Sequence) {
-        match self.config.policy {
-            SchedulingPolicy::Fcfs => self.waiting.push_back(seq),
-            SchedulingPolicy::Priority => self.insert_ordered(seq),
-        }
-    }
-
-    /// Queues a sequence that was admitted before (preempted, or its KV landed): first, or
-    /// under [`SchedulingPolicy::Priority`] in its order.
-    fn requeue(&mut self, seq: Sequence) {
-        match self.config.policy {
-            SchedulingPolicy::Fcfs => self.waiting.push_front(seq),
-            SchedulingPolicy::Priority => self.insert_ordered(seq),
-        }
-    }
-
-    fn insert_ordered(&mut self, seq: Sequence) {
-        let at = self.waiting.partition_point(|s| s.order() < seq.order());
-        self.waiting.insert(at, seq);
-    }
-
     /// Admits the head of the queue if its blocks fit: into the running batch, or, for a
     /// request whose prompt KV is to be received, into the transfers in flight.
     fn admit(&mut self, budget: usize, now: Duration) -> Admitted {
@@ -635,22 +577,6 @@ impl EngineCore {
             first_cached: first.then_some(hit_tokens),
         }
     }
-}
-
-/// Takes the preempted `running[victim]` out of the step's `scheduled` (indices into
-/// `running`, which shift down past it): the tokens it had been given.
-fn unschedule(scheduled: &mut Vec<(usize, usize)>, victim: usize) -> usize {
-    let mut given = 0;
-    scheduled.retain(|&(idx, n)| {
-        if idx == victim {
-            given = n;
-        }
-        idx != victim
-    });
-    for entry in scheduled.iter_mut().filter(|e| e.0 > victim) {
-        entry.0 -= 1;
-    }
-    given
 }
 
 /// What [`EngineCore::admit`] did with the head of the queue.

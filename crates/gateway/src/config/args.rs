@@ -26,7 +26,6 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-
     /// Address to serve the API on [default: 127.0.0.1].
     #[arg(alias = "http-host", long)]
     pub host: Option<String>,
@@ -39,14 +38,12 @@ pub struct Args {
     /// Port to serve Prometheus metrics on [default: 29000].
     #[arg(long)]
     pub prometheus_port: Option<u16>,
-
     /// Worker base URLs; each one's id is its URL, its models come from its /v1/models.
     #[arg(long, num_args = 1.., value_name = "URL")]
     pub worker_urls: Vec<String>,
     /// Workers with an id and a model (config file only).
     #[arg(skip)]
     pub workers: Vec<WorkerSpec>,
-
     /// Find workers among Kubernetes pods by label selector (`--selector`).
     #[arg(long)]
     #[serde(default)]
@@ -300,8 +297,7 @@ pub struct Args {
     /// The highest class of a tenant the priority file does not list [default: default].
     #[arg(long, value_enum)]
     pub priority_scheduler_default_max_class: Option<super::PriorityClass>,
-    /// Write each request's place in its engine's queue (its class, then its tenant's share of
-    /// the work in flight) as vllm's or sglang's `priority` field [default: off].
+    /// Write each request's engine `priority` (class, then tenant share) [default: off].
     #[arg(long, value_enum)]
     pub engine_priority: Option<super::EnginePriorityArg>,
     /// Policy classes of the queue (config file only): name, weight (a quantum in uncached
