@@ -122,6 +122,22 @@ pub(super) fn refuse_pd(epp: Option<&EppSettings>, pd_on: bool) -> Result<(), Co
     Ok(())
 }
 
+/// `--engine-priority` writes the request's body, which in endpoint-picker mode is the
+/// gateway's to send: refused there rather than ignored.
+pub(super) fn refuse_engine_priority(
+    epp: Option<&EppSettings>,
+    engine_priority: Option<super::EnginePriorityArg>,
+) -> Result<(), ConfigError> {
+    let on = engine_priority.is_some_and(|p| p != super::EnginePriorityArg::Off);
+    if on && epp.is_some() {
+        return Err(ConfigError::Invalid {
+            name: "engine_priority",
+            reason: "the proxy writes the body's priority: not in endpoint-picker mode",
+        });
+    }
+    Ok(())
+}
+
 /// A static picker needs endpoints from the proxy's sources (`has_endpoints`: workers or
 /// discovery): the embedded simulated engines are the proxy's demo, and a picker without
 /// endpoints has nothing to pick.

@@ -57,6 +57,7 @@ impl Args {
             || discovers_halves
             || workers.iter().any(|w| w.role != WorkerRole::Both);
         super::epp::refuse_pd(epp.as_ref(), pd_on)?;
+        super::epp::refuse_engine_priority(epp.as_ref(), self.engine_priority)?;
         let pd = self.pd_settings(pd_on, &workers, &policy_config)?;
         Ok(Settings {
             metrics_compat: super::MetricsCompat::new(

@@ -330,3 +330,36 @@ fn prefill_decode_disaggregation_is_refused_in_picker_mode() {
     ]);
     assert!(e.contains("not in endpoint-picker mode"), "{e}");
 }
+
+#[test]
+fn engine_priority_is_refused_in_picker_mode_and_off_is_fine() {
+    let e = err(&[
+        "--epp",
+        "--worker-urls",
+        "http://w:8000",
+        "--engine-priority",
+        "vllm",
+    ]);
+    assert!(
+        e.contains("engine_priority") && e.contains("endpoint-picker"),
+        "{e}"
+    );
+    let off = [
+        "--epp",
+        "--worker-urls",
+        "http://w:8000",
+        "--engine-priority",
+        "off",
+    ];
+    assert!(settings(&off).is_ok());
+    let proxy = settings(&[
+        "--worker-urls",
+        "http://w:8000",
+        "--engine-priority",
+        "sglang",
+    ]);
+    assert_eq!(
+        proxy.unwrap().engine_priority,
+        kvroute_core::queue::engine_priority::EnginePriority::Sglang
+    );
+}
