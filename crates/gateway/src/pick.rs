@@ -303,13 +303,19 @@ pub(crate) fn pick(
         &routing::Limits {
             busy,
             overload: state.settings.overload,
+            slo_shed: state.settings.slo_shed,
         },
         state.affinity.as_deref(),
         a.fields,
         a.tokens,
         now,
         false,
-    )?;
+    )
+    .inspect_err(|e| {
+        if let GatewayError::SloUnattainable(_) = e {
+            state.metrics.slo.shed(&a.hints.slo);
+        }
+    })?;
     if let Some(started) = measured {
         state
             .metrics
@@ -356,6 +362,13 @@ pub(crate) fn pick(
     });
     // Its load is counted: the queue may consider the next request.
     released.take();
+    guard = guard.with_slo(crate::metrics::SloWatch::new(
+        &state.metrics.slo,
+        a.hints.slo,
+        plan.slo.as_ref(),
+        a.arrived,
+        a.fields.stream,
+    ));
     if a.fields.stream {
         guard = guard.with_ttft(a.arrived, state.metrics.ttft_seconds.clone());
         // A stream's timings teach its rank's latency models (kv_aware).
