@@ -17,9 +17,11 @@ use kvroute_sim::TimingArgs;
 mod lora_args;
 mod queue_args;
 mod replay_args;
+mod slo_args;
 use lora_args::LoraArgs;
 use queue_args::{QueueArgs, TenantArgs};
 use replay_args::ReplayArgs;
+use slo_args::SloArgs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -306,6 +308,8 @@ struct ClusterArgs {
     #[command(flatten)]
     loras: LoraArgs,
     #[command(flatten)]
+    slo: SloArgs,
+    #[command(flatten)]
     timing: TimingArgs,
 }
 
@@ -386,6 +390,7 @@ impl ClusterArgs {
             tenants,
             shapes,
             loras,
+            slo: self.slo.config(),
         })
     }
 }

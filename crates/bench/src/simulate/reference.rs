@@ -293,6 +293,7 @@ mod tests {
             tenants: None,
             shapes: Default::default(),
             loras: 0,
+            slo: None,
         }
     }
 

@@ -34,6 +34,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         tenants: None,
         shapes: Default::default(),
         loras: 0,
+        slo: None,
     }
 }
 
@@ -236,6 +237,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             tenants: None,
             shapes: Default::default(),
             loras: 0,
+            slo: None,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));
