@@ -787,6 +787,33 @@ mod tests {
     }
 
     #[test]
+    fn simulate_and_goodput_take_an_slo_mix() {
+        for command in ["simulate", "goodput --slo-ttft-p90-ms 2000"] {
+            let cli = Cli::try_parse_from(
+                format!("b {command} --trace t --slo-mix 0.3:1000,0.7:10000 --slo-headers drop")
+                    .split_whitespace(),
+            )
+            .unwrap();
+            let (Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. }) =
+                cli.command
+            else {
+                panic!("not simulate or goodput");
+            };
+            let slo = cluster.slo.config().unwrap();
+            assert_eq!(slo.routing, kvroute_bench::simulate::SloRouting::Blind);
+            assert_eq!(slo.mix.classes().len(), 2);
+        }
+        assert_eq!(
+            parse("b simulate --trace t --slo-headers send").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
+        assert_eq!(
+            parse("b simulate --trace t --slo-mix 0.3:1000,0.6:10000").err(),
+            Some(ErrorKind::ValueValidation)
+        );
+    }
+
+    #[test]
     fn simulate_passes_kv_aware_weights_through() {
         let cli = Cli::try_parse_from(
             "b simulate --trace t --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 --router-kv-memory-cost linear --router-prefill-interference-weight 0"

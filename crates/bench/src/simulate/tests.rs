@@ -2,6 +2,7 @@ use super::*;
 
 mod hetero;
 mod queue;
+mod slo;
 mod tenants;
 
 fn small_trace() -> Vec<TraceRequest> {
