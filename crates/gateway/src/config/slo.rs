@@ -57,7 +57,7 @@ mod tests {
         assert!(Args::from_text("slo_shedd: true\n").is_err());
         let merged = Args::try_parse_from(["kvroute"]).unwrap().merge(file);
         assert!(merged.slo.slo_shed);
-        assert_eq!(merged.slo.shed(PolicyKind::KvAware).unwrap(), true);
+        assert!(merged.slo.shed(PolicyKind::KvAware).unwrap());
         let e = merged
             .slo
             .shed(PolicyKind::RoundRobin)
