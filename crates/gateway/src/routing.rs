@@ -338,18 +338,7 @@ pub fn plan(
         dry_run,
         now: started,
     };
-    let candidates: Vec<Candidate<'_>> = choices
-        .iter()
-        .map(|c| Candidate {
-            worker: &c.worker.id,
-            dp_rank: c.worker.ranks[c.rank].dp_rank,
-            in_flight: c.in_flight,
-            kv: c.kv,
-            engine: c.engine,
-            speed: Some(c.worker.ranks[c.rank].speed()),
-            adapter: c.adapter,
-        })
-        .collect();
+    let candidates = candidates(&choices);
     let costs = pool.policy.costs(&candidates, &request);
     let predictions = (policy == PolicyKind::KvAware).then(|| {
         let saturation = kvroute_core::policy::KvAware::saturation(&candidates);
@@ -358,12 +347,8 @@ pub fn plan(
             .map(|c| predict(c, &request, saturation))
             .collect()
     });
-    let slo = slo_choice(&hints.slo, predictions.as_deref(), costs.as_deref());
-    if let (Some(s), true, false) = (&slo, limits.slo_shed, dry_run) {
-        if !s.attainable() {
-            return Err(unattainable(&hints.slo, s, predictions.as_deref()));
-        }
-    }
+    let shed = limits.slo_shed && !dry_run;
+    let slo = slo_choice(&hints.slo, predictions.as_deref(), costs.as_deref(), shed)?;
     let soft_bound = match (&bound, affinity.map(|a| a.mode)) {
         (Some((worker, rank)), Some(AffinityMode::Soft)) => candidates
             .iter()
@@ -408,31 +393,52 @@ pub fn plan(
     })
 }
 
-/// The choice by headroom, when the request has targets and the policy predicts latencies.
+/// The candidates the policy sees, one per choice.
+fn candidates(choices: &[Choice]) -> Vec<Candidate<'_>> {
+    choices
+        .iter()
+        .map(|c| Candidate {
+            worker: &c.worker.id,
+            dp_rank: c.worker.ranks[c.rank].dp_rank,
+            in_flight: c.in_flight,
+            kv: c.kv,
+            engine: c.engine,
+            speed: Some(c.worker.ranks[c.rank].speed()),
+            adapter: c.adapter,
+        })
+        .collect()
+}
+
+/// The choice by headroom, when the request has targets and the policy predicts latencies;
+/// with `shed`, an unattainable request's refusal.
 fn slo_choice(
     targets: &SloTargets,
     predictions: Option<&[Prediction]>,
     costs: Option<&[f64]>,
-) -> Option<SloChoice> {
-    let predicted: Vec<kvroute_core::slo::Predicted> =
-        predictions?.iter().map(Into::into).collect();
-    kvroute_core::slo::choose(targets, &predicted, costs)
+    shed: bool,
+) -> Result<Option<SloChoice>, GatewayError> {
+    let Some(p) = predictions else {
+        return Ok(None);
+    };
+    let predicted: Vec<kvroute_core::slo::Predicted> = p.iter().map(Into::into).collect();
+    let choice = kvroute_core::slo::choose(targets, &predicted, costs);
+    match choice {
+        Some(s) if shed && !s.attainable() => Err(unattainable(targets, &s, p)),
+        choice => Ok(choice),
+    }
 }
 
 /// `--slo-shed`'s refusal, with what the best candidate was predicted to do.
-fn unattainable(
-    targets: &SloTargets,
-    s: &SloChoice,
-    predictions: Option<&[Prediction]>,
-) -> GatewayError {
+fn unattainable(targets: &SloTargets, s: &SloChoice, predictions: &[Prediction]) -> GatewayError {
+    let p = &predictions[s.index];
     let mut parts = Vec::new();
-    if let (Some(t), Some(p)) = (targets.ttft_ms, predictions.map(|p| &p[s.index])) {
+    if let Some(t) = targets.ttft_ms {
         parts.push(format!(
             "TTFT target {t} ms, the best worker's predicted TTFT {:.0} ms",
             p.ttft_ms
         ));
     }
-    if let (Some(t), Some(p)) = (targets.tpot_ms, predictions.map(|p| &p[s.index])) {
+    if let Some(t) = targets.tpot_ms {
         parts.push(format!(
             "TPOT target {t} ms, its predicted time per output token {:.1} ms",
             p.step_ms
