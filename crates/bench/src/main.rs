@@ -17,9 +17,11 @@ use kvroute_sim::TimingArgs;
 mod lora_args;
 mod queue_args;
 mod replay_args;
+mod slo_args;
 use lora_args::LoraArgs;
 use queue_args::{QueueArgs, TenantArgs};
 use replay_args::ReplayArgs;
+use slo_args::SloArgs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -306,6 +308,8 @@ struct ClusterArgs {
     #[command(flatten)]
     loras: LoraArgs,
     #[command(flatten)]
+    slo: SloArgs,
+    #[command(flatten)]
     timing: TimingArgs,
 }
 
@@ -394,6 +398,7 @@ impl ClusterArgs {
             tenants,
             shapes,
             loras,
+            slo: self.slo.config(),
         })
     }
 }
@@ -787,6 +792,33 @@ mod tests {
                 Some(ErrorKind::MissingRequiredArgument)
             );
         }
+    }
+
+    #[test]
+    fn simulate_and_goodput_take_an_slo_mix() {
+        for command in ["simulate", "goodput --slo-ttft-p90-ms 2000"] {
+            let cli = Cli::try_parse_from(
+                format!("b {command} --trace t --slo-mix 0.3:1000,0.7:10000 --slo-headers drop")
+                    .split_whitespace(),
+            )
+            .unwrap();
+            let (Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. }) =
+                cli.command
+            else {
+                panic!("not simulate or goodput");
+            };
+            let slo = cluster.slo.config().unwrap();
+            assert_eq!(slo.routing, kvroute_bench::simulate::SloRouting::Blind);
+            assert_eq!(slo.mix.classes().len(), 2);
+        }
+        assert_eq!(
+            parse("b simulate --trace t --slo-headers send").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
+        assert_eq!(
+            parse("b simulate --trace t --slo-mix 0.3:1000,0.6:10000").err(),
+            Some(ErrorKind::ValueValidation)
+        );
     }
 
     #[test]

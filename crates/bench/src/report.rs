@@ -73,6 +73,30 @@ pub fn policy_row(r: &PolicyResult, wall_s: f64) -> String {
             q.longest
         ));
     }
+    if let Some(s) = &r.slo {
+        row.push_str(&format!(
+            "\n{:<NAME$} SLO ({}): {:.1}% of requests met their TTFT target, goodput {:.2} req/s",
+            "",
+            match s.routed_on_targets {
+                true => "routed on targets",
+                false => "targets not sent",
+            },
+            s.attainment * 100.0,
+            s.goodput_rps
+        ));
+        for c in &s.classes {
+            row.push_str(&format!(
+                "\n{:<NAME$}   TTFT <= {} ms ({:.0}% of requests): {}/{} met ({:.1}%), TTFT ms p50/p90/p99 {}",
+                "",
+                c.ttft_slo_ms,
+                c.fraction * 100.0,
+                c.met,
+                c.requests,
+                c.attainment * 100.0,
+                ms(&c.ttft_ms)
+            ));
+        }
+    }
     for t in &r.tenants {
         row.push_str(&format!(
             "\n{:<NAME$} {}: {} requests ({} answered), TTFT ms p50/p90/p99 {} (router queue {}), {:.1}% of tokens served to the last arrival",

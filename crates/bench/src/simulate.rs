@@ -41,6 +41,7 @@ pub mod reference;
 mod result;
 mod route;
 mod shapes;
+mod slo;
 mod state;
 
 use std::sync::Arc;
@@ -57,6 +58,7 @@ pub use result::{
     nearest_rank, percentiles, PdResult, Percentiles, PolicyResult, QueueResult, TenantResult,
 };
 pub use shapes::{EngineShapes, InvalidShapes};
+pub use slo::{SloClass, SloClassResult, SloConfig, SloMix, SloResult, SloRouting};
 use state::State;
 
 /// What a simulation runs.
@@ -80,6 +82,9 @@ pub struct SimConfig {
     pub shapes: EngineShapes,
     /// LoRA adapters over the requests (0: none; see the module docs).
     pub loras: u32,
+    /// Per-request TTFT targets (`--slo-mix`), when set: their attainment is reported, and
+    /// the router sees them or not (see the `slo` module).
+    pub slo: Option<SloConfig>,
 }
 
 /// The engines and how requests are routed over them.

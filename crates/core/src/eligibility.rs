@@ -38,6 +38,9 @@ pub struct Hints {
     pub required_taints: Vec<String>,
     /// Taint and weight (1 when not given).
     pub preferred_taints: Vec<(String, f64)>,
+    /// The request's latency targets (read by the choice, not by eligibility: see
+    /// [`crate::slo`]).
+    pub slo: crate::slo::SloTargets,
 }
 
 impl Hints {

@@ -24,6 +24,7 @@ pub mod overload;
 pub mod policy;
 pub mod queue;
 pub mod sessions;
+pub mod slo;
 
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
 pub use load::{RankLoad, RequestLoad};

@@ -21,6 +21,7 @@ mod priority;
 mod rate_limits;
 mod service;
 mod settings;
+mod slo;
 mod tenancy;
 mod validate;
 mod values;
@@ -44,6 +45,7 @@ pub use settings::{
     PdProtocol, PdSettings, PolicyClassSpec, QueueSettings, RetrySettings, Settings, SyncConfig,
     WorkerRole, WorkerSource, WorkerSpec,
 };
+pub use slo::SloArgs;
 
 /// Errors in the configuration; `kvroute` exits with status 2 on any of them.
 #[derive(Debug, thiserror::Error)]

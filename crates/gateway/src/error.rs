@@ -90,6 +90,9 @@ pub enum GatewayError {
     WorkerExists(String),
     #[error("the router is shutting down")]
     ShuttingDown,
+    /// No candidate is predicted to meet the request's latency targets, with `--slo-shed`.
+    #[error("no worker is predicted to meet the request's latency targets: {0}")]
+    SloUnattainable(String),
 }
 
 impl GatewayError {
@@ -114,7 +117,8 @@ impl GatewayError {
             | GatewayError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
             GatewayError::AllWorkersOverloaded
             | GatewayError::PinnedWorkerOverloaded
-            | GatewayError::OverloadShed => StatusCode::SERVICE_UNAVAILABLE,
+            | GatewayError::OverloadShed
+            | GatewayError::SloUnattainable(_) => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             GatewayError::Forbidden(_) => StatusCode::FORBIDDEN,
             GatewayError::QueueFull(_)
@@ -165,6 +169,7 @@ impl GatewayError {
             GatewayError::UnknownWorker(_) => "worker_not_found",
             GatewayError::WorkerExists(_) => "worker_exists",
             GatewayError::ShuttingDown => "shutting_down",
+            GatewayError::SloUnattainable(_) => "slo_unattainable",
         }
     }
 
@@ -228,6 +233,7 @@ impl GatewayError {
             self,
             GatewayError::AllWorkersOverloaded
                 | GatewayError::OverloadShed
+                | GatewayError::SloUnattainable(_)
                 | GatewayError::TooManyRequests(_)
                 | GatewayError::AdmissionTimeout(_)
                 | GatewayError::ShuttingDown

@@ -10,8 +10,9 @@
 //! half-open), `kvroute_worker_healthy{worker}`, `kvroute_upstream_attempts_total{worker,outcome}`
 //! (every attempt, retries included), `kvroute_request_retries_total`,
 //! `kvroute_requests_in_router`, `kvroute_discovered_workers{source}`,
-//! `kvroute_discovery_errors_total{reason}`, `kvroute_request_migrations_total{outcome}`, and
-//! the per-tenant series of [`tenants`].
+//! `kvroute_discovery_errors_total{reason}`, `kvroute_request_migrations_total{outcome}`,
+//! `kvroute_slo_requests_total{slo,outcome}` ([`slo`]), and the per-tenant series of
+//! [`tenants`].
 //! Label values are bounded: routes are the fixed set of proxied paths, workers are
 //! configured ids.
 
@@ -25,8 +26,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+pub mod slo;
 pub mod tenants;
 
+pub use slo::{SloMetrics, SloOutcome, SloWatch};
 pub use tenants::{TenantMetrics, TokenKind};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -162,6 +165,8 @@ pub struct GatewayMetrics {
     pub discovery: DiscoveryMetrics,
     /// Per tenant: requests, tokens, rate-limit refusals.
     pub tenants: TenantMetrics,
+    /// SLO attainment of requests with latency targets.
+    pub slo: SloMetrics,
     /// Streams carried on by another worker after theirs failed, by outcome.
     pub migrations: Family<MigrationLabels, Counter>,
     /// Requests inside the router (admitted, not yet answered in full).
@@ -239,6 +244,7 @@ impl GatewayMetrics {
             reloads: Family::default(),
             discovery: DiscoveryMetrics::default(),
             tenants: TenantMetrics::default(),
+            slo: SloMetrics::default(),
             migrations: Family::default(),
             in_router: Gauge::default(),
             rank_prefill: Family::default(),
@@ -266,6 +272,7 @@ impl GatewayMetrics {
         m.register_pd(registry, disagg);
         m.register_resilience(registry);
         m.tenants.register(registry);
+        m.slo.register(registry);
         m
     }
 

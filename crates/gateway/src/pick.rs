@@ -307,13 +307,15 @@ pub(crate) fn pick(
         &routing::Limits {
             busy,
             overload: state.settings.overload,
+            slo_shed: state.settings.slo_shed,
         },
         state.affinity.as_deref(),
         a.fields,
         a.tokens,
         now,
         false,
-    )?;
+    )
+    .inspect_err(|e| count_shed(state, a, e))?;
     if let Some(started) = measured {
         state
             .metrics
@@ -360,6 +362,7 @@ pub(crate) fn pick(
     });
     // Its load is counted: the queue may consider the next request.
     released.take();
+    guard = guard.with_slo(slo_watch(state, a, &plan));
     if a.fields.stream {
         guard = guard.with_ttft(a.arrived, state.metrics.ttft_seconds.clone());
         // A stream's timings teach its rank's latency models (kv_aware).
@@ -376,6 +379,29 @@ pub(crate) fn pick(
         model,
         now,
     })
+}
+
+/// A request refused for its latency targets (`--slo-shed`) is counted `shed`.
+fn count_shed(state: &AppState, a: &Attempt<'_>, e: &GatewayError) {
+    if let GatewayError::SloUnattainable(_) = e {
+        state.metrics.slo.shed(&a.hints.slo);
+    }
+}
+
+/// The watch that counts the outcomes of `a`'s latency targets, when it has some.
+fn slo_watch(
+    state: &AppState,
+    a: &Attempt<'_>,
+    plan: &routing::Plan,
+) -> Option<crate::metrics::SloWatch> {
+    let (targets, choice) = (a.hints.slo, plan.slo.as_ref());
+    crate::metrics::SloWatch::new(
+        &state.metrics.slo,
+        targets,
+        choice,
+        a.arrived,
+        a.fields.stream,
+    )
 }
 
 /// What the router learns from a request that went to its pick: kv_aware's hit ratio and

@@ -71,6 +71,8 @@ pub struct InFlight {
     span: Option<crate::otlp::AttemptSpan>,
     /// A stream's timings, for its rank's latency models.
     timing: Option<StreamTiming>,
+    /// The request's latency targets, when it has some: their outcomes are counted.
+    slo: Option<crate::metrics::SloWatch>,
 }
 
 /// What a stream's timings feed its rank's latency models with: the TTFT from the dispatch
@@ -103,7 +105,14 @@ impl InFlight {
             sync: None,
             span: None,
             timing: None,
+            slo: None,
         }
+    }
+
+    /// Counts the outcomes of the request's latency targets from this attempt's answer.
+    pub fn with_slo(mut self, watch: Option<crate::metrics::SloWatch>) -> Self {
+        self.slo = watch;
+        self
     }
 
     /// Feeds the rank's latency models from this stream (routed with `features`).
@@ -120,10 +129,13 @@ impl InFlight {
     /// A data frame of the answer: the first ends the prefill; each feeds the timings.
     pub(crate) fn data_frame(&mut self) {
         self.first_frame();
+        let now = Instant::now();
+        if let Some(w) = &mut self.slo {
+            w.data_frame(now);
+        }
         let Some(t) = &mut self.timing else {
             return;
         };
-        let now = Instant::now();
         let rank = &self.worker.ranks[self.rank];
         let sample = match t.last {
             None => LatencySample::Ttft {
@@ -200,6 +212,9 @@ impl InFlight {
             self.worker.ranks[self.rank].first_token(&self.load);
             if let Some((arrived, histogram)) = &self.ttft {
                 histogram.observe(arrived.elapsed().as_secs_f64());
+            }
+            if let Some(w) = &mut self.slo {
+                w.first_frame(Instant::now());
             }
             if let Some(q) = &self.queue {
                 q.dispatch();

@@ -118,6 +118,10 @@ pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
             if let Some(p) = plan.predictions.as_ref().map(|p| &p[i]) {
                 v["predicted"] = predicted_json(p);
             }
+            if let Some(h) = plan.slo.as_ref().map(|s| s.headroom[i]) {
+                v["headroom"] =
+                    json!({"ttft_ms": h.ttft_ms, "tpot_ms": h.tpot_ms, "meets": h.meets()});
+            }
             if c.adapter != kvroute_core::AdapterFit::None {
                 v["adapter"] = c.adapter.as_str().into();
             }
@@ -146,5 +150,27 @@ pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
     if let Some(costs) = &plan.costs {
         v["cost"] = costs[plan.chosen].into();
     }
+    if plan.slo_targets.is_set() {
+        v["slo"] = slo_json(plan);
+    }
     v
+}
+
+/// The request's latency targets, and the verdicts of the choice by headroom (`null` when
+/// the policy predicts no latency: the targets are then only counted).
+fn slo_json(plan: &Plan) -> Value {
+    let t = plan.slo_targets;
+    let verdict = |v: Option<kvroute_core::slo::Verdict>| {
+        v.map(|v| match v {
+            kvroute_core::slo::Verdict::Meets => "meets",
+            kvroute_core::slo::Verdict::Unattainable => "unattainable",
+        })
+    };
+    let s = plan.slo.as_ref();
+    json!({
+        "ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms,
+        "attainable": s.map(|s| s.attainable()),
+        "ttft": verdict(s.and_then(|s| s.ttft)),
+        "tpot": verdict(s.and_then(|s| s.tpot)),
+    })
 }

@@ -9,6 +9,7 @@ use kvroute_core::affinity::{Affinity, AffinityMode};
 use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
 use kvroute_core::overload::{OverloadProtection, PressureSum, Protected, WorkerPressure};
 use kvroute_core::policy::predict::{predict, Prediction};
+use kvroute_core::slo::{SloChoice, SloTargets};
 use kvroute_core::{
     AdapterFit, Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
 };
@@ -22,8 +23,10 @@ use crate::prompts::{Prompts, Tokens};
 use crate::workers::{Pool, Worker};
 
 mod hints;
+mod slo;
 
 pub use hints::{parse_hints, prefill_pin, session_key};
+pub use slo::{slo_targets, TPOT_HEADERS, TTFT_HEADERS};
 
 /// One (worker, rank) considered for a request.
 #[derive(Debug, Clone)]
@@ -55,6 +58,10 @@ pub struct Plan {
     /// kv_aware: each candidate's predicted latencies and its rank's fitted models
     /// (`policy::predict`, whichever cost model decides).
     pub predictions: Option<Vec<Prediction>>,
+    /// The request's latency targets (SLO headers).
+    pub slo_targets: SloTargets,
+    /// kv_aware with targets: the choice by headroom that decided (see `kvroute_core::slo`).
+    pub slo: Option<SloChoice>,
 }
 
 impl Plan {
@@ -211,6 +218,8 @@ pub struct Limits {
     pub busy: BusyThresholds,
     /// smg's overload protection, per worker, on its engine's reported load.
     pub overload: OverloadProtection,
+    /// `--slo-shed`: a request whose targets no candidate is predicted to meet is refused.
+    pub slo_shed: bool,
 }
 
 /// The pairs of the workers overload protection lets through (see
@@ -329,18 +338,7 @@ pub fn plan(
         dry_run,
         now: started,
     };
-    let candidates: Vec<Candidate<'_>> = choices
-        .iter()
-        .map(|c| Candidate {
-            worker: &c.worker.id,
-            dp_rank: c.worker.ranks[c.rank].dp_rank,
-            in_flight: c.in_flight,
-            kv: c.kv,
-            engine: c.engine,
-            speed: Some(c.worker.ranks[c.rank].speed()),
-            adapter: c.adapter,
-        })
-        .collect();
+    let candidates = candidates(&choices);
     let costs = pool.policy.costs(&candidates, &request);
     let predictions = (policy == PolicyKind::KvAware).then(|| {
         let saturation = kvroute_core::policy::KvAware::saturation(&candidates);
@@ -349,15 +347,19 @@ pub fn plan(
             .map(|c| predict(c, &request, saturation))
             .collect()
     });
+    let shed = limits.slo_shed && !dry_run;
+    let slo = slo_choice(&hints.slo, predictions.as_deref(), costs.as_deref(), shed)?;
     let soft_bound = match (&bound, affinity.map(|a| a.mode)) {
         (Some((worker, rank)), Some(AffinityMode::Soft)) => candidates
             .iter()
             .position(|c| c.worker.as_str() == worker && c.dp_rank == *rank),
         _ => None,
     };
-    let decision = match soft_bound {
-        Some(index) => kvroute_core::Decision { index },
-        None => pool
+    // A request's own targets outweigh a session's soft preference.
+    let decision = match (&slo, soft_bound) {
+        (Some(s), _) => kvroute_core::Decision { index: s.index },
+        (None, Some(index)) => kvroute_core::Decision { index },
+        (None, None) => pool
             .policy
             .select(&candidates, &request, &mut rand::rng())
             .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?,
@@ -386,7 +388,63 @@ pub fn plan(
         pinned: hints.pinned_worker.is_some(),
         reads_kv_index: reads_index,
         predictions,
+        slo_targets: hints.slo,
+        slo,
     })
+}
+
+/// The candidates the policy sees, one per choice.
+fn candidates(choices: &[Choice]) -> Vec<Candidate<'_>> {
+    choices
+        .iter()
+        .map(|c| Candidate {
+            worker: &c.worker.id,
+            dp_rank: c.worker.ranks[c.rank].dp_rank,
+            in_flight: c.in_flight,
+            kv: c.kv,
+            engine: c.engine,
+            speed: Some(c.worker.ranks[c.rank].speed()),
+            adapter: c.adapter,
+        })
+        .collect()
+}
+
+/// The choice by headroom, when the request has targets and the policy predicts latencies;
+/// with `shed`, an unattainable request's refusal.
+fn slo_choice(
+    targets: &SloTargets,
+    predictions: Option<&[Prediction]>,
+    costs: Option<&[f64]>,
+    shed: bool,
+) -> Result<Option<SloChoice>, GatewayError> {
+    let Some(p) = predictions else {
+        return Ok(None);
+    };
+    let predicted: Vec<kvroute_core::slo::Predicted> = p.iter().map(Into::into).collect();
+    let choice = kvroute_core::slo::choose(targets, &predicted, costs);
+    match choice {
+        Some(s) if shed && !s.attainable() => Err(unattainable(targets, &s, p)),
+        choice => Ok(choice),
+    }
+}
+
+/// `--slo-shed`'s refusal, with what the best candidate was predicted to do.
+fn unattainable(targets: &SloTargets, s: &SloChoice, predictions: &[Prediction]) -> GatewayError {
+    let p = &predictions[s.index];
+    let mut parts = Vec::new();
+    if let Some(t) = targets.ttft_ms {
+        parts.push(format!(
+            "TTFT target {t} ms, the best worker's predicted TTFT {:.0} ms",
+            p.ttft_ms
+        ));
+    }
+    if let Some(t) = targets.tpot_ms {
+        parts.push(format!(
+            "TPOT target {t} ms, its predicted time per output token {:.1} ms",
+            p.step_ms
+        ));
+    }
+    GatewayError::SloUnattainable(parts.join("; "))
 }
 
 /// `prompt` hashed for LoRA adapter `adapter`: its name salts the blocks, as the engines' KV

@@ -64,6 +64,9 @@ pub struct PolicyResult {
     /// Each tenant's figures, when the requests have tenants (`--tenants`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<TenantResult>,
+    /// Attainment of the requests' TTFT targets, with `--slo-mix`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slo: Option<super::SloResult>,
 }
 
 /// One tenant's figures.

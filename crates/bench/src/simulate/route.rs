@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use kvroute_core::latency::{LatencyModel, PrefillFeatures};
 use kvroute_core::policy::predict::predict;
+use kvroute_core::slo::{Predicted, SloTargets};
 use kvroute_core::{
     build_policy, AdapterFit, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind,
     RankLoad, RecentAdapters, RequestLoad, RouteRequest,
@@ -53,6 +54,8 @@ pub(super) struct Arrival<'a> {
     pub text: &'a str,
     /// Its LoRA adapter, if any.
     pub lora: Option<LoraId>,
+    /// Its latency targets, when it tells the router (see the `slo` module).
+    pub slo: Option<SloTargets>,
     pub now: Instant,
 }
 
@@ -280,10 +283,13 @@ impl Router {
             dry_run: false,
             now: req.now,
         };
-        let chosen = pool
-            .policy
-            .select(&candidates, &request, rng)
-            .map_or(0, |d| d.index);
+        let by_headroom = req
+            .slo
+            .and_then(|t| by_headroom(pool, &candidates, &request, &t));
+        let chosen = match by_headroom {
+            Some(index) => index,
+            None => (pool.policy.select(&candidates, &request, rng)).map_or(0, |d| d.index),
+        };
         let features = predict(&candidates[chosen], &request, 0.0).features;
         let device = candidates[chosen].kv.overlap.device as usize;
         // Its device-cached blocks are not computed.
@@ -295,6 +301,26 @@ impl Router {
         };
         (pool.engines.start + chosen, load, features)
     }
+}
+
+/// The choice by headroom against the request's `targets`, as the gateway makes it for a
+/// kv_aware pool (`routing::plan`): `None` for another policy, or without targets.
+fn by_headroom(
+    pool: &Pool,
+    candidates: &[Candidate<'_>],
+    request: &RouteRequest<'_>,
+    targets: &SloTargets,
+) -> Option<usize> {
+    if pool.kind != PolicyKind::KvAware || !targets.is_set() {
+        return None;
+    }
+    let saturation = kvroute_core::policy::KvAware::saturation(candidates);
+    let predicted: Vec<Predicted> = candidates
+        .iter()
+        .map(|c| (&predict(c, request, saturation)).into())
+        .collect();
+    let costs = pool.policy.costs(candidates, request);
+    kvroute_core::slo::choose(targets, &predicted, costs.as_deref()).map(|c| c.index)
 }
 
 /// Where `lora` stands on `engine`, from what its `vllm:lora_requests_info` shows.

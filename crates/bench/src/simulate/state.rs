@@ -21,6 +21,7 @@ use rand::SeedableRng;
 use super::queue::{Queued, RouterQueue};
 use super::result::{percentiles, PdResult, PolicyResult};
 use super::route::{Arrival, Placement, Router};
+use super::slo::SloTally;
 use super::{Cluster, Run, SimConfig};
 use crate::trace::{prompt_tokens, TraceRequest};
 
@@ -127,6 +128,7 @@ struct Tally {
     split: usize,
     /// By tenant number (one, tenant 0, without tenants).
     by_tenant: Vec<TenantTally>,
+    slo: SloTally,
 }
 
 /// See the module docs.
@@ -275,6 +277,7 @@ impl<'a> State<'a> {
                             let ttft = (end - l.arrival).as_secs_f64() * 1e3;
                             self.tally.ttft.push(ttft);
                             tenant.ttft.push(ttft);
+                            self.tally.slo.answered(self.cfg.slo.as_ref(), t.id.0, ttft);
                             if *computes_prompt {
                                 self.router.models[e].observe_ttft(&l.features, ttft);
                             }
@@ -360,6 +363,7 @@ impl<'a> State<'a> {
         let hashes = block_hashes(&tokens, self.cfg.engine.block_size, lora_salt(lora));
         let tenant = self.cfg.tenants.as_ref().map_or(0, |of| of[id.0 as usize]);
         self.tally.by_tenant[tenant as usize].arrived += 1;
+        self.tally.slo.arrived(self.cfg.slo.as_ref(), id.0);
         let req = Queued {
             id,
             arrival: now,
@@ -425,6 +429,7 @@ impl<'a> State<'a> {
                 hashes: &req.hashes,
                 text: &text,
                 lora: req.lora,
+                slo: self.cfg.slo.as_ref().map(|s| s.targets(req.id.0)),
                 now: self.base + now,
             },
             &scores,
@@ -587,6 +592,7 @@ impl<'a> State<'a> {
                 Some(_) => tenant_results(&mut tally.by_tenant),
                 None => Vec::new(),
             },
+            slo: tally.slo.result(self.cfg.slo.as_ref(), makespan),
         };
         Run {
             result,

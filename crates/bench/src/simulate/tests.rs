@@ -2,6 +2,7 @@ use super::*;
 
 mod hetero;
 mod queue;
+mod slo;
 mod tenants;
 
 fn small_trace() -> Vec<TraceRequest> {
@@ -34,6 +35,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         tenants: None,
         shapes: Default::default(),
         loras: 0,
+        slo: None,
     }
 }
 
@@ -236,6 +238,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             tenants: None,
             shapes: Default::default(),
             loras: 0,
+            slo: None,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));

@@ -44,6 +44,9 @@ pub struct Prediction {
     pub prefill_ms: f64,
     /// This request's decode: its expected output tokens at the predicted step.
     pub decode_ms: f64,
+    /// The predicted decode step with this request running there: its time per output
+    /// token (what a TPOT target is held against, see [`crate::slo`]).
+    pub step_ms: f64,
     /// The decoding requests' summed wait for this prefill.
     pub interference_ms: f64,
     /// What the policy minimises (see the module docs).
@@ -103,6 +106,7 @@ pub fn predict(c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -
         queue_ms: ttft_ms - prefill_ms,
         prefill_ms,
         decode_ms,
+        step_ms: step,
         interference_ms,
         cost_ms,
         features,

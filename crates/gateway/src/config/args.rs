@@ -48,8 +48,7 @@ pub struct Args {
     #[arg(long)]
     #[serde(default)]
     pub service_discovery: bool,
-    /// smg's name for the discovery source: kubernetes (the same as --service-discovery) or
-    /// file (with --discovery-file).
+    /// smg's discovery source: kubernetes (as --service-discovery) or file (--discovery-file).
     #[arg(long, value_enum)]
     pub discovery_provider: Option<DiscoveryProvider>,
     /// Pods whose labels match all of these are workers (`key=value`).
@@ -67,8 +66,7 @@ pub struct Args {
     /// The namespace whose pods are watched [default: all namespaces].
     #[arg(long)]
     pub service_discovery_namespace: Option<String>,
-    /// The kubeconfig to reach the API with; else the in-cluster config, $KUBECONFIG or
-    /// ~/.kube/config.
+    /// The API's kubeconfig; else the in-cluster config, $KUBECONFIG or ~/.kube/config.
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
     /// Workers listed in this file (the config file's `workers:`), watched for changes.
@@ -178,8 +176,7 @@ pub struct Args {
     /// ranks) is at least this, in (0, 1]; turns protection on. smg's.
     #[arg(long)]
     pub worker_overload_token_usage: Option<f64>,
-    /// Overload protection on with smg's thresholds (8 waiting requests, 0.8 KV usage) where
-    /// not given [default: off].
+    /// Overload protection on, with smg's thresholds (8 waiting, 0.8 KV usage) if not given.
     #[arg(long)]
     #[serde(default)]
     pub worker_overload_protection: bool,
@@ -187,11 +184,14 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["worker_overload_protection", "worker_overload_waiting_requests", "worker_overload_token_usage", "worker_overload_shed"])]
     #[serde(default)]
     pub disable_worker_overload_protection: bool,
-    /// When every worker is overloaded, answer 503 `worker_overload_protection_shed` instead
-    /// of sending the request to the least loaded.
+    /// Every worker overloaded: answer 503 `worker_overload_protection_shed`, not the least loaded.
     #[arg(long)]
     #[serde(default)]
     pub worker_overload_shed: bool,
+    /// Per-request latency targets: `--slo-shed`.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub slo: super::slo::SloArgs,
     /// How often each engine's /metrics is read, when the policy uses engine metrics [default: 50].
     #[arg(long)]
     pub metrics_refresh_ms: Option<u64>,

@@ -79,6 +79,7 @@ impl Args {
             // Only on the command line.
             config: self.config,
             dump_config_to: self.dump_config_to,
+            slo: self.slo.merge(file.slo),
             // Only in the file.
             workers: file.workers,
             policy_classes: file.policy_classes,

@@ -305,6 +305,8 @@ pub struct Settings {
     pub health_check_port: Option<u16>,
     /// smg's worker overload protection (off unless a threshold is given).
     pub overload: OverloadProtection,
+    /// `--slo-shed`: refuse a request whose latency targets no worker is predicted to meet.
+    pub slo_shed: bool,
     pub admin_api_key: Option<Secret>,
     pub client_api_key: Option<Secret>,
     /// Tenant keys, the trusted tenant header, JWT/OIDC.

@@ -93,6 +93,7 @@ impl Args {
             busy,
             health_check_port: self.health_check_port,
             overload: self.overload_protection()?,
+            slo_shed: self.slo.shed(self.policy.unwrap_or(PolicyKind::KvAware))?,
             admin_api_key: self.admin_api_key.take().and_then(Secret::new),
             client_api_key: self.client_api_key.take().and_then(Secret::new),
             tenancy: self.take_tenancy()?,

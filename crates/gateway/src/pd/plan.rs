@@ -155,6 +155,12 @@ fn half(
         };
         &kept
     };
+    // Latency targets are not routed on in a disaggregated cluster (yet): each half's
+    // prediction is only part of the TTFT.
+    let hints = &Hints {
+        slo: Default::default(),
+        ..hints.clone()
+    };
     routing::plan(
         &state.kv,
         pool,
@@ -167,6 +173,7 @@ fn half(
         &routing::Limits {
             busy,
             overload: state.settings.overload,
+            slo_shed: false,
         },
         // Sessions are bound to the decode half.
         if decode {

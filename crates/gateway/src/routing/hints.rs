@@ -148,6 +148,7 @@ pub fn parse_hints(
         allowed_workers: list(headers, "x-kvroute-allowed-workers")?
             .map(|v| v.into_iter().collect()),
         required_taints: list(headers, "x-kvroute-required-taints")?.unwrap_or_default(),
+        slo: super::slo_targets(headers)?,
         ..Hints::default()
     };
     let nvext = fields.nvext.as_ref();

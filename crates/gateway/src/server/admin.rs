@@ -38,6 +38,7 @@ pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request
             &routing::Limits {
                 busy,
                 overload: state.settings.overload,
+                slo_shed: state.settings.slo_shed,
             },
             state.affinity.as_deref(),
             &fields,

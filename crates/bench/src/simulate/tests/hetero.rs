@@ -6,7 +6,7 @@ use kvroute_core::CostModel;
 use super::*;
 
 /// Four engines, the last one four times slower; busy enough that where requests go matters.
-fn slow_last(cost_model: CostModel) -> SimConfig {
+pub(super) fn slow_last(cost_model: CostModel) -> SimConfig {
     let mut policy_config = PolicyConfig::default();
     policy_config.kv_aware.cost_model = cost_model;
     SimConfig {
