@@ -8,12 +8,9 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::latency::{DecodeFeatures, PrefillFeatures};
 use kvroute_core::RequestLoad;
-use kvroute_index::{
-    block_hashes, EngineHash, KvIndex, KvIndexer, OverlapScores, ReplicaId, StorageTier,
-    StoredBlocks,
-};
+use kvroute_index::{block_hashes, KvIndex, KvIndexer, OverlapScores, ReplicaId};
 use kvroute_sim::engine::{
-    CacheEvent, EngineConfig, EngineCore, EngineRequest, LoraId, PromptKv, RequestId, StepOutput,
+    EngineConfig, EngineCore, EngineRequest, LoraId, PromptKv, RequestId, StepOutput,
 };
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
@@ -25,8 +22,10 @@ use super::slo::SloTally;
 use super::{Cluster, Run, SimConfig};
 use crate::trace::{prompt_tokens, TraceRequest};
 
+mod events;
 mod levels;
 mod tenants;
+use events::apply_events;
 use levels::Levels;
 use tenants::{tenant_count, tenant_results, TenantTally};
 
@@ -78,37 +77,6 @@ pub(super) fn lora_salt(lora: Option<LoraId>) -> u64 {
 fn lora_of(r: &TraceRequest, loras: u32) -> Option<LoraId> {
     let first = r.hash_ids.first().copied().unwrap_or(0);
     (loras > 0).then(|| LoraId((first % u64::from(loras)) as u32))
-}
-
-fn apply_events(index: &mut KvIndex, replica: ReplicaId, events: &[CacheEvent], block_size: usize) {
-    for e in events {
-        match e {
-            CacheEvent::Stored {
-                hashes,
-                parent,
-                token_ids,
-                lora,
-            } => {
-                let engine_hashes: Vec<EngineHash> =
-                    hashes.iter().map(|&h| EngineHash(h)).collect();
-                let _ = index.apply_stored(
-                    replica,
-                    &StoredBlocks {
-                        parent: parent.map(EngineHash),
-                        engine_hashes: &engine_hashes,
-                        token_ids,
-                        block_size,
-                        tier: StorageTier::Device,
-                        salt: lora_salt(*lora),
-                    },
-                );
-            }
-            CacheEvent::Removed { hash } => {
-                index.apply_removed(replica, StorageTier::Device, &[EngineHash(*hash)])
-            }
-            CacheEvent::Cleared => index.clear_replica(replica),
-        }
-    }
 }
 
 /// Running totals.
