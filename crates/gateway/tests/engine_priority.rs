@@ -26,8 +26,8 @@ fn completion(seed: u64, extra: serde_json::Value) -> String {
     body.to_string()
 }
 
-/// The order the requests of this scenario finish in, behind a router with `flags` (and
-/// `--engine-priority vllm`): the heavy tenant's first request holds the engine; two more
+/// The order the requests of this scenario finish in, behind a router with `flags`: the
+/// heavy tenant's first request holds the engine; two more
 /// of its requests follow (the second waits in the router queue when `queued`), then the
 /// light tenant's; then the holder's client leaves and the engine serves its queue.
 async fn finishing_order(flags: &[&str], queued: bool) -> Vec<&'static str> {
@@ -48,7 +48,6 @@ async fn finishing_order(flags: &[&str], queued: bool) -> Vec<&'static str> {
         "kv_aware",
         "--trust-tenant-header",
     ];
-    argv.extend(["--engine-priority", "vllm"]);
     argv.extend_from_slice(flags);
     let r = TestRouter::from_flags(&argv).await;
     let heavy = [("x-smg-tenant-id", "heavy")];
@@ -124,12 +123,12 @@ async fn finishing_order(flags: &[&str], queued: bool) -> Vec<&'static str> {
     order
 }
 
+const ENGINE_PRIORITY: [&str; 2] = ["--engine-priority", "vllm"];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_light_tenant_goes_ahead_of_a_heavy_tenants_requests_already_queued_in_the_engine() {
-    assert_eq!(
-        finishing_order(&[], false).await,
-        ["light", "heavy-1", "heavy-2"]
-    );
+    let order = finishing_order(&ENGINE_PRIORITY, false).await;
+    assert_eq!(order, ["light", "heavy-1", "heavy-2"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,7 +136,8 @@ async fn a_tenant_below_its_share_skips_the_router_queue_for_the_engines() {
     // The engine is saturated (64 prefill tokens over 0.001 x 8,192) once heavy-1 waits in
     // it: heavy-2 waits in the router queue. The light tenant's request skips it and goes
     // first in the engine; held in the router queue it would have come after heavy-1.
-    let flags = ["--router-queue-threshold", "0.001"];
+    let mut flags = vec!["--router-queue-threshold", "0.001"];
+    flags.extend(ENGINE_PRIORITY);
     assert_eq!(
         finishing_order(&flags, true).await,
         ["light", "heavy-1", "heavy-2"]
@@ -145,32 +145,8 @@ async fn a_tenant_below_its_share_skips_the_router_queue_for_the_engines() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_engine_priority_the_body_goes_as_it_came() {
-    // The engine schedules first come, first served, and refuses a priority (as vLLM does):
-    // the router writes none of its own, and passes the client's on.
-    let shutdown = CancellationToken::new();
-    let sim = serve_sim(&[], &shutdown).await;
-    let r = TestRouter::from_flags(&["--worker-urls", &sim, "--trust-tenant-header"]).await;
-    let tenant = [("x-smg-tenant-id", "a")];
-    let plain = post(
-        &r.url,
-        "/v1/completions",
-        &tenant,
-        &completion(1, json!({})),
-    )
-    .await;
-    assert_eq!(plain.status, 200, "{:?}", plain.body);
-    let asked = post(
-        &r.url,
-        "/v1/completions",
-        &tenant,
-        &completion(2, json!({"priority": 3})),
-    )
-    .await;
-    assert_eq!(
-        asked.status, 400,
-        "the client's priority reached the engine"
-    );
-    r.stop().await;
-    shutdown.cancel();
+async fn without_engine_priority_the_clients_priority_goes_as_it_came() {
+    // The heavy tenant's `priority: -100` reaches the engine: its requests go first.
+    let order = finishing_order(&[], false).await;
+    assert_eq!(order, ["heavy-1", "heavy-2", "light"]);
 }

@@ -80,8 +80,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// vLLM's `--scheduling-policy`: `priority` orders the waiting queue by each request's
-    /// `priority` field (lowest first) and preempts the lowest first; under `fcfs` a
-    /// non-zero `priority` is refused.
+    /// `priority` field (lowest first) and preempts the lowest first; `fcfs` ignores it.
     #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
     pub scheduling_policy: SchedulingPolicy,
     /// Divides every simulated time.

@@ -152,8 +152,6 @@ pub enum AddError {
     },
     #[error("request id {0:?} is already in use")]
     DuplicateId(RequestId),
-    #[error("got priority {0} but priority scheduling is not enabled")]
-    PriorityNotEnabled(i64),
 }
 
 /// A change of the prefix cache, for KV events.
@@ -303,9 +301,6 @@ impl EngineCore {
         }
         if self.contains(req.id) {
             return Err(AddError::DuplicateId(req.id));
-        }
-        if req.priority != 0 && self.config.policy == SchedulingPolicy::Fcfs {
-            return Err(AddError::PriorityNotEnabled(req.priority));
         }
         self.arrivals += 1;
         self.enqueue(Sequence {

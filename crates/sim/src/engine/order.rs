@@ -13,7 +13,7 @@ use super::{EngineCore, PromptSource, Sequence, StepOutput};
 /// vLLM's `--scheduling-policy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum SchedulingPolicy {
-    /// First come, first served; a request's priority must be 0.
+    /// First come, first served; a request's priority is ignored (as vLLM 0.32 does).
     #[default]
     Fcfs,
     /// By [`EngineRequest::priority`](super::EngineRequest::priority), lowest first, then by

@@ -663,24 +663,28 @@ fn first_token_order(r: &Run) -> Vec<u64> {
 }
 
 #[test]
-fn priority_orders_the_waiting_queue_and_fcfs_refuses_a_priority() {
-    let mut fcfs = EngineCore::new(EngineConfig::default());
-    assert_eq!(
-        fcfs.add_request(with_priority(1, 20, 1, 1)).unwrap_err(),
-        AddError::PriorityNotEnabled(1)
-    );
-    fcfs.add_request(with_priority(1, 20, 1, 0)).unwrap();
-
+fn priority_orders_the_waiting_queue_and_fcfs_ignores_it() {
     // One sequence at a time: the queue's order is the order of service.
     let mut core = priority_core(16384, 1);
+    let mut fcfs = EngineCore::new(EngineConfig {
+        max_num_seqs: 1,
+        ..EngineConfig::default()
+    });
     for (id, priority) in [(1, 0), (2, 2), (3, 1), (4, 1), (5, -1)] {
         core.add_request(with_priority(id, 40, 3, priority))
+            .unwrap();
+        fcfs.add_request(with_priority(id, 40, 3, priority))
             .unwrap();
     }
     let r = run(&mut core, Duration::ZERO);
     // 5 comes first (lowest), then 1 (0), then 3 and 4 (1, by arrival), then 2.
     assert_eq!(first_token_order(&r), [5, 1, 3, 4, 2]);
     assert!(r.tokens.values().all(|t| t.len() == 3));
+    // FCFS serves them as they came (vLLM 0.32 takes a priority and ignores it).
+    assert_eq!(
+        first_token_order(&run(&mut fcfs, Duration::ZERO)),
+        [1, 2, 3, 4, 5]
+    );
 }
 
 #[test]
