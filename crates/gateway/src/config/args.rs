@@ -67,15 +67,13 @@ pub struct Args {
     /// The namespace whose pods are watched [default: all namespaces].
     #[arg(long)]
     pub service_discovery_namespace: Option<String>,
-    /// The kubeconfig to reach the API with; else the in-cluster config, $KUBECONFIG or
-    /// ~/.kube/config.
+    /// The kubeconfig [default: the in-cluster config, $KUBECONFIG or ~/.kube/config].
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
     /// Workers listed in this file (the config file's `workers:`), watched for changes.
     #[arg(long, value_name = "PATH")]
     pub discovery_file: Option<PathBuf>,
-    /// Seconds between full re-lists of the pods and re-reads of the discovery file, which
-    /// catch what a watch missed [default: 30].
+    /// Seconds between full re-lists of pods (and discovery file re-reads) [default: 30].
     #[arg(long)]
     pub discovery_check_interval_secs: Option<u64>,
 
@@ -93,13 +91,11 @@ pub struct Args {
     #[arg(long, value_parser = parse_policy)]
     #[serde(deserialize_with = "de_policy", serialize_with = "ser_policy")]
     pub prefill_policy: Option<PolicyKind>,
-    /// Policy choosing the decode worker [default: kv_aware with overlap credit 0, i.e. by
-    /// load only].
+    /// Policy choosing the decode worker [default: kv_aware by load only (credit 0)].
     #[arg(long, value_parser = parse_policy)]
     #[serde(deserialize_with = "de_policy", serialize_with = "ser_policy")]
     pub decode_policy: Option<PolicyKind>,
-    /// How the halves reach the engines: vllm (NIXL kv_transfer_params) or sglang
-    /// (bootstrap) [default: vllm].
+    /// How halves reach engines: vllm (NIXL kv_transfer_params), sglang (bootstrap) [vllm].
     #[arg(long, value_enum)]
     pub pd_protocol: Option<PdProtocol>,
     /// Skip the remote prefill when the chosen decode worker already holds all but fewer
@@ -218,6 +214,10 @@ pub struct Args {
     /// kv_aware: weight of each active request [default: 0].
     #[arg(long)]
     pub router_decode_active_request_weight: Option<f64>,
+    /// kv_aware: decode load counts streamed output blocks, decayed toward agent_hints.osl.
+    #[arg(alias = "track-output-blocks", long)]
+    #[serde(default)]
+    pub router_track_output_blocks: bool,
     /// kv_aware: sample from a softmax over costs at this temperature; 0 picks the cheapest [default: 0].
     #[arg(long)]
     pub router_temperature: Option<f64>,
@@ -466,7 +466,7 @@ pub struct Args {
     /// Subject prefix of the sync messages [default: kvroute].
     #[arg(long)]
     pub replica_sync_subject_prefix: Option<String>,
-    /// A peer replica silent this long is gone: its load is dropped [default: 10].
+    /// A peer replica silent this long is gone, with its load [default: 10].
     #[arg(long)]
     pub replica_timeout_secs: Option<u64>,
     /// Requests in the router at once; more wait in the admission queue (--queue-size).
