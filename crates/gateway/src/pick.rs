@@ -322,12 +322,8 @@ pub(crate) fn pick(
     }
     let choice = plan.choice();
     let rank = &choice.worker.ranks[choice.rank];
-    let mut load = plan.request_load(state.kv.block_size);
-    if state.settings.track_output_blocks && a.fields.stream {
-        // A stream's tokens are seen as they come: its decode load grows with them.
-        let osl = kvroute_protocol::NvExt::osl(a.fields.nvext.as_ref());
-        load = load.tracking_output(plan.prompt_tokens, state.kv.block_size, osl);
-    }
+    let track = state.settings.track_output_blocks;
+    let load = plan.answer_load(state.kv.block_size, track, a.fields);
     let synced_model = state.sync.get().map(|_| pool.model.as_str().to_owned());
     let model = pool.model.clone();
     let policy = plan.policy;
