@@ -13,7 +13,9 @@ use crate::goodput::{goodput, Search, Slo};
 use crate::plot::load::LoadSeries;
 use crate::plot::{self, Series};
 use crate::report;
-use crate::simulate::{reference, simulate, Cluster, EngineShapes, QueueConfig, SimConfig};
+use crate::simulate::{
+    reference, simulate, Cluster, EngineShapes, OutputTracking, QueueConfig, SimConfig,
+};
 use crate::sweep::{self, Percentile};
 use crate::trace::{self, TraceRequest};
 
@@ -39,6 +41,8 @@ pub struct Setup {
     pub shapes: EngineShapes,
     /// LoRA adapters over the requests (0: none).
     pub loras: u32,
+    /// Output-block tracking in the router, when on.
+    pub output_blocks: Option<OutputTracking>,
 }
 
 impl Setup {
@@ -55,6 +59,7 @@ impl Setup {
             tenants: self.tenants.clone(),
             shapes: self.shapes.clone(),
             loras: self.loras,
+            output_blocks: self.output_blocks,
         }
     }
 }

@@ -228,6 +228,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             tenants: None,
             shapes: Default::default(),
             loras: 0,
+            output_blocks: None,
         },
     );
     assert!(

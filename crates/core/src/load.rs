@@ -45,7 +45,12 @@ impl RequestLoad {
     }
 
     /// The same, also counting output blocks as it generates, toward `expected` tokens.
-    pub fn tracking_output(mut self, prompt_tokens: usize, block_size: usize, expected: Option<u32>) -> Self {
+    pub fn tracking_output(
+        mut self,
+        prompt_tokens: usize,
+        block_size: usize,
+        expected: Option<u32>,
+    ) -> Self {
         self.output = Some(OutputBlocks::new(prompt_tokens, block_size, expected));
         self
     }
@@ -325,7 +330,11 @@ mod tests {
         let mut b = prompt(vec![1, 2, 9]);
         r.start(&b);
         r.output_tokens(&mut b, 100);
-        assert_eq!(r.decode_blocks(), 9, "b adds its block 9 and its partial one");
+        assert_eq!(
+            r.decode_blocks(),
+            9,
+            "b adds its block 9 and its partial one"
+        );
         r.finish(&a, true);
         assert_eq!((r.decode_blocks(), r.output_blocks()), (4, 0));
         r.finish(&b, true);
@@ -348,9 +357,17 @@ mod tests {
         // A later request sharing the decayed block 3 does not restore it (Dynamo's tree).
         let c = prompt(vec![1, 2, 3]);
         r.start(&c);
-        assert_eq!(r.decode_weight(), 4.0 + 3.0 * 0.25 + 1.0, "c's partial block");
+        assert_eq!(
+            r.decode_weight(),
+            4.0 + 3.0 * 0.25 + 1.0,
+            "c's partial block"
+        );
         r.finish(&a, true);
-        assert_eq!(r.decode_weight(), 5.0 + 0.25, "block 3 keeps its weight while held");
+        assert_eq!(
+            r.decode_weight(),
+            5.0 + 0.25,
+            "block 3 keeps its weight while held"
+        );
         r.finish(&b, true);
         r.finish(&c, true);
         assert!(r.is_idle());

@@ -561,7 +561,11 @@ mod tests {
     #[test]
     fn an_event_stream_chunk_counts_its_data_events_but_done() {
         let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"x\":\"data: no\"}\n\n";
-        assert_eq!(sse_tokens(chunk), 2, "a data: inside the JSON is not an event");
+        assert_eq!(
+            sse_tokens(chunk),
+            2,
+            "a data: inside the JSON is not an event"
+        );
         assert_eq!(sse_tokens(b"data: [DONE]\n\n"), 0);
         assert_eq!(sse_tokens(b"event: ping\n: comment\n\n"), 0);
         assert_eq!(sse_tokens(b"data:{}\r\n\r\n"), 1);

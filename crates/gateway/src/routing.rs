@@ -74,7 +74,12 @@ impl Plan {
 
     /// [`Self::request_load`], which with `track` (`--router-track-output-blocks`) a stream
     /// grows as it generates, toward the body's `nvext.agent_hints.osl`.
-    pub fn answer_load(&self, block_size: usize, track: bool, fields: &RoutingFields) -> RequestLoad {
+    pub fn answer_load(
+        &self,
+        block_size: usize,
+        track: bool,
+        fields: &RoutingFields,
+    ) -> RequestLoad {
         let load = self.request_load(block_size);
         if !(track && fields.stream) {
             return load;

@@ -37,7 +37,10 @@ async fn stream(r: &TestRouter, prompt: &str, nvext: Value, tokens: usize) -> (S
     }
     let resp = open_stream(&r.url, "/v1/completions", &body.to_string()).await;
     assert_eq!(resp.status(), 200);
-    let worker = resp.headers()["x-kvroute-worker"].to_str().unwrap().to_owned();
+    let worker = resp.headers()["x-kvroute-worker"]
+        .to_str()
+        .unwrap()
+        .to_owned();
     let mut body = resp.into_body();
     read_events(&mut body, tokens).await;
     (worker, body)
@@ -97,7 +100,10 @@ async fn a_long_stream_raises_its_ranks_decode_load_and_the_next_request_goes_el
     let (long_blocks, long_output) = blocks(l);
     let (young_blocks, young_output) = blocks(y);
     assert!(long_output >= 12, "{d}");
-    assert!(long_blocks - long_output == young_blocks - young_output, "{d}");
+    assert!(
+        long_blocks - long_output == young_blocks - young_output,
+        "{d}"
+    );
     assert!(long_blocks >= young_blocks + 10, "{d}");
     assert_eq!(d["worker"], young.as_str(), "{d}");
 

@@ -93,7 +93,9 @@ pub struct AgentHints {
 impl NvExt {
     /// `agent_hints.osl`, if the request gave one.
     pub fn osl(nvext: Option<&NvExt>) -> Option<u32> {
-        nvext.and_then(|n| n.agent_hints.as_ref()).and_then(|h| h.osl)
+        nvext
+            .and_then(|n| n.agent_hints.as_ref())
+            .and_then(|h| h.osl)
     }
 }
 
@@ -433,13 +435,20 @@ mod tests {
         assert_eq!(osl(r#"{"nvext":{"agent_hints":{"osl":512}}}"#), Some(512));
         assert_eq!(osl(r#"{"nvext":{"agent_hints":{"osl":0}}}"#), Some(0));
         // Beyond u32: the largest (Dynamo's field is a u32).
-        assert_eq!(osl(r#"{"nvext":{"agent_hints":{"osl":9999999999}}}"#), Some(u32::MAX));
+        assert_eq!(
+            osl(r#"{"nvext":{"agent_hints":{"osl":9999999999}}}"#),
+            Some(u32::MAX)
+        );
         // Wrong types are ignored: a string, a negative, a fraction, null.
         for bad in [r#""512""#, "-1", "1.5", "null", "[1]"] {
             let body = format!(r#"{{"nvext":{{"agent_hints":{{"osl":{bad}}}}}}}"#);
             assert_eq!(osl(&body), None, "{bad}");
         }
         assert_eq!(osl(r#"{"nvext":{}}"#), None);
-        assert_eq!(osl(r#"{"max_tokens":7}"#), None, "max_tokens is not an osl (Dynamo's)");
+        assert_eq!(
+            osl(r#"{"max_tokens":7}"#),
+            None,
+            "max_tokens is not an osl (Dynamo's)"
+        );
     }
 }

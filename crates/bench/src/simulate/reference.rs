@@ -295,6 +295,7 @@ mod tests {
             tenants: None,
             shapes: Default::default(),
             loras: 0,
+            output_blocks: None,
         }
     }
 

@@ -123,7 +123,11 @@ mod tests {
     fn the_weight_is_the_share_of_the_expected_output_to_come() {
         assert_eq!(decay_fraction(0, 100), 1.0);
         assert_eq!(decay_fraction(25, 100), 0.75);
-        assert_eq!(decay_fraction(150, 100), 0.0, "past its estimate: nothing left");
+        assert_eq!(
+            decay_fraction(150, 100),
+            0.0,
+            "past its estimate: nothing left"
+        );
         assert_eq!(decay_fraction(3, 0), 0.0, "osl 0 counts as 1");
         let mut o = OutputBlocks::new(16, 16, Some(64));
         let step = o.advance(1).expect("a block");
