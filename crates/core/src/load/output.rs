@@ -10,7 +10,9 @@
 //! not `max_tokens`), each time an output block is added the request's *exclusive* blocks all
 //! take the weight
 //!
-//!     w = max(0, 1 - g / max(osl, 1))
+//! ```text
+//! w = max(0, 1 - g / max(osl, 1))
+//! ```
 //!
 //! the share of its expected output still to come: a request near its end is about to free
 //! them. Its exclusive blocks are its output blocks, its own partial prompt block and the
