@@ -14,7 +14,7 @@ use crate::plot::load::LoadSeries;
 use crate::plot::{self, Series};
 use crate::report;
 use crate::simulate::{
-    reference, simulate, Cluster, EngineShapes, QueueConfig, SimConfig, SloConfig,
+    reference, simulate, Cluster, EngineShapes, OutputTracking, QueueConfig, SimConfig, SloConfig,
 };
 use crate::sweep::{self, Percentile};
 use crate::trace::{self, TraceRequest};
@@ -43,6 +43,8 @@ pub struct Setup {
     pub loras: u32,
     /// Per-request TTFT targets (`--slo-mix`), when set.
     pub slo: Option<SloConfig>,
+    /// Output-block tracking in the router, when on.
+    pub output_blocks: Option<OutputTracking>,
 }
 
 impl Setup {
@@ -60,6 +62,7 @@ impl Setup {
             shapes: self.shapes.clone(),
             loras: self.loras,
             slo: self.slo.clone(),
+            output_blocks: self.output_blocks,
         }
     }
 }

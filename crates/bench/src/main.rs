@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
-use kvroute_bench::simulate::{Cluster, EngineShapes, PdCluster};
+use kvroute_bench::simulate::{Cluster, EngineShapes, OutputTracking, PdCluster};
 use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
@@ -88,6 +88,13 @@ struct KvAwareArgs {
     /// Sample from a softmax over costs at this temperature; 0 picks the cheapest [default: 0].
     #[arg(long)]
     router_temperature: Option<f64>,
+    /// Count a decode block each time an answer needs one more as it generates (Dynamo's).
+    #[arg(long, alias = "track-output-blocks")]
+    router_track_output_blocks: bool,
+    /// Each request carries `nvext.agent_hints.osl`, its true output length (the upper bound
+    /// of the hint): its exclusive blocks decay toward it.
+    #[arg(long, requires = "router_track_output_blocks")]
+    agent_hints_osl: bool,
 }
 
 impl KvAwareArgs {
@@ -399,6 +406,14 @@ impl ClusterArgs {
             shapes,
             loras,
             slo: self.slo.config(),
+            output_blocks: match (
+                self.kv_aware.router_track_output_blocks,
+                self.kv_aware.agent_hints_osl,
+            ) {
+                (false, _) => None,
+                (true, false) => Some(OutputTracking::Blocks),
+                (true, true) => Some(OutputTracking::ExactOsl),
+            },
         })
     }
 }

@@ -32,6 +32,11 @@
 //! adapters as its `vllm:lora_requests_info` would show them. `lora_loads` counts the adapter
 //! loads of all engines.
 //!
+//! **Output blocks** (`SimConfig::output_blocks`, `--router-track-output-blocks`): the
+//! router's decode load grows with each token an answer produces, as the gateway's does with a
+//! stream (`kvroute_core::load::output`); with [`OutputTracking::ExactOsl`] each request also
+//! carries `nvext.agent_hints.osl` = its true output length, the hint's upper bound.
+//!
 //! [`reference`] is the yardstick printed beside the policies: each request alone on an idle
 //! engine of the same configuration, with what one LRU cache of the cluster's whole capacity
 //! would hold (see the `reference` module).
@@ -85,6 +90,17 @@ pub struct SimConfig {
     /// Per-request TTFT targets (`--slo-mix`), when set: their attainment is reported, and
     /// the router sees them or not (see the `slo` module).
     pub slo: Option<SloConfig>,
+    /// Output-block tracking in the router, when on (see the module docs).
+    pub output_blocks: Option<OutputTracking>,
+}
+
+/// What the router counts of an answer's output (`--router-track-output-blocks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputTracking {
+    /// A block each time an answer needs one more, at full weight (no `osl` hint).
+    Blocks,
+    /// The same, each request's exclusive blocks decayed toward its true output length.
+    ExactOsl,
 }
 
 /// The engines and how requests are routed over them.

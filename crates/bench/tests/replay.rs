@@ -229,6 +229,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             shapes: Default::default(),
             loras: 0,
             slo: None,
+            output_blocks: None,
         },
     );
     assert!(

@@ -324,7 +324,8 @@ pub(crate) fn pick(
     }
     let choice = plan.choice();
     let rank = &choice.worker.ranks[choice.rank];
-    let load = plan.request_load(state.kv.block_size);
+    let track = state.settings.track_output_blocks;
+    let load = plan.answer_load(state.kv.block_size, track, a.fields);
     let synced_model = state.sync.get().map(|_| pool.model.as_str().to_owned());
     let model = pool.model.clone();
     let policy = plan.policy;

@@ -52,6 +52,16 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
         || name.as_str() == "proxy-connection"
 }
 
+/// The tokens in a chunk of an event stream: its `data:` lines but `[DONE]`, as engines
+/// stream a token an event (a role-only or usage-only event counts one too).
+fn sse_tokens(chunk: &[u8]) -> u64 {
+    chunk
+        .split(|&b| b == b'\n')
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .filter(|data| !data.trim_ascii().starts_with(b"[DONE]"))
+        .count() as u64
+}
+
 /// Counts one request in flight on a worker and rank, with its prefill and decode load,
 /// for as long as it lives. The prefill load ends at the first body frame (for a
 /// non-streaming request, the whole answer: its prefill count is held until then).
@@ -156,6 +166,15 @@ impl InFlight {
         t.last = Some(now);
         t.frames += 1;
         rank.observe(sample);
+    }
+
+    /// A chunk of the answer's event stream: with output-block tracking, its tokens (see
+    /// [`sse_tokens`]) grow the request's decode load.
+    pub(crate) fn output(&mut self, chunk: &[u8]) {
+        if self.load.output.is_some() {
+            let tokens = sse_tokens(chunk);
+            self.worker.ranks[self.rank].output_tokens(&mut self.load, tokens);
+        }
     }
 
     /// Traces this attempt: its `traceparent` goes to the worker.
@@ -326,7 +345,14 @@ impl Body for TrackedBody {
         }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
-            Poll::Ready(Some(Ok(frame))) if frame.is_data() => self.guard.data_frame(),
+            Poll::Ready(Some(Ok(frame))) if frame.is_data() => {
+                self.guard.data_frame();
+                if self.sse {
+                    if let Some(data) = frame.data_ref() {
+                        self.guard.output(data);
+                    }
+                }
+            }
             Poll::Ready(Some(Err(error))) => {
                 let worker = self.guard.worker.clone();
                 worker.circuit.record(false, Instant::now());
@@ -540,5 +566,23 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .collect();
     for name in hop {
         headers.remove(name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sse_tokens;
+
+    #[test]
+    fn an_event_stream_chunk_counts_its_data_events_but_done() {
+        let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"x\":\"data: no\"}\n\n";
+        assert_eq!(
+            sse_tokens(chunk),
+            2,
+            "a data: inside the JSON is not an event"
+        );
+        assert_eq!(sse_tokens(b"data: [DONE]\n\n"), 0);
+        assert_eq!(sse_tokens(b"event: ping\n: comment\n\n"), 0);
+        assert_eq!(sse_tokens(b"data:{}\r\n\r\n"), 1);
     }
 }

@@ -515,6 +515,7 @@ mod tests {
             prefill_tokens,
             blocks: Vec::new(),
             own_blocks: 0,
+            output: None,
         }
     }
 

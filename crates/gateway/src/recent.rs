@@ -111,6 +111,9 @@ pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
                 v["decode_blocks"] = c.kv.decode_blocks.into();
                 v["new_blocks"] = c.kv.new_blocks.into();
                 v["prefilling_requests"] = c.kv.prefilling_requests.into();
+                // Of the decode blocks, those its streams added (--router-track-output-blocks).
+                let output = c.worker.ranks[c.rank].with_load(|l| l.output_blocks());
+                v["output_blocks"] = output.into();
             }
             if let Some(costs) = &plan.costs {
                 v["cost"] = costs[i].into();

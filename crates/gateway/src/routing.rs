@@ -78,6 +78,22 @@ impl Plan {
             block_size,
         )
     }
+
+    /// [`Self::request_load`], which with `track` (`--router-track-output-blocks`) a stream
+    /// grows as it generates, toward the body's `nvext.agent_hints.osl`.
+    pub fn answer_load(
+        &self,
+        block_size: usize,
+        track: bool,
+        fields: &RoutingFields,
+    ) -> RequestLoad {
+        let load = self.request_load(block_size);
+        if !(track && fields.stream) {
+            return load;
+        }
+        let osl = kvroute_protocol::NvExt::osl(fields.nvext.as_ref());
+        load.tracking_output(self.prompt_tokens, block_size, osl)
+    }
 }
 
 fn ineligible(e: Ineligible) -> GatewayError {

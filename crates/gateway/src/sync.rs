@@ -266,6 +266,7 @@ impl Ledger {
                     prefill_tokens,
                     blocks,
                     own_blocks,
+                    output: None,
                 };
                 peer.requests.insert(
                     request,

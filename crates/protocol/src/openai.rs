@@ -69,8 +69,8 @@ pub struct NvExt {
     pub dp_rank: Option<u32>,
 }
 
-/// Dynamo 1.6's `nvext.agent_hints`, the fields its router queue reads. A value of the wrong
-/// type is ignored (the engine may still read it), never a reason to refuse the request.
+/// Dynamo 1.6's `nvext.agent_hints`, the fields its router reads. A value of the wrong type is
+/// ignored (the engine may still read it), never a reason to refuse the request.
 #[derive(Debug, Default, Clone, PartialEq, Deserialize)]
 pub struct AgentHints {
     /// The strict pending-queue tier (u32): a higher tier always goes first.
@@ -84,6 +84,19 @@ pub struct AgentHints {
         deserialize_with = "lenient_f64"
     )]
     pub priority: Option<f64>,
+    /// The expected output length in tokens (u32): with `--router-track-output-blocks`, the
+    /// request's exclusive blocks decay as its output nears it.
+    #[serde(default, deserialize_with = "lenient_u32")]
+    pub osl: Option<u32>,
+}
+
+impl NvExt {
+    /// `agent_hints.osl`, if the request gave one.
+    pub fn osl(nvext: Option<&NvExt>) -> Option<u32> {
+        nvext
+            .and_then(|n| n.agent_hints.as_ref())
+            .and_then(|h| h.osl)
+    }
 }
 
 fn lenient_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
@@ -410,6 +423,32 @@ mod tests {
         let h = hints(r#"{"nvext":{"agent_hints":{"strict_priority":"high","priority":null}}}"#);
         assert_eq!((h.strict_priority, h.priority), (None, None));
         let h = hints(r#"{"nvext":{"agent_hints":{"strict_priority":-1,"osl":5}}}"#);
-        assert_eq!(h.strict_priority, None);
+        assert_eq!((h.strict_priority, h.osl), (None, Some(5)));
+    }
+
+    #[test]
+    fn osl_is_read_leniently() {
+        let osl = |body: &str| {
+            let f = RoutingFields::from_json(body.as_bytes()).unwrap();
+            NvExt::osl(f.nvext.as_ref())
+        };
+        assert_eq!(osl(r#"{"nvext":{"agent_hints":{"osl":512}}}"#), Some(512));
+        assert_eq!(osl(r#"{"nvext":{"agent_hints":{"osl":0}}}"#), Some(0));
+        // Beyond u32: the largest (Dynamo's field is a u32).
+        assert_eq!(
+            osl(r#"{"nvext":{"agent_hints":{"osl":9999999999}}}"#),
+            Some(u32::MAX)
+        );
+        // Wrong types are ignored: a string, a negative, a fraction, null.
+        for bad in [r#""512""#, "-1", "1.5", "null", "[1]"] {
+            let body = format!(r#"{{"nvext":{{"agent_hints":{{"osl":{bad}}}}}}}"#);
+            assert_eq!(osl(&body), None, "{bad}");
+        }
+        assert_eq!(osl(r#"{"nvext":{}}"#), None);
+        assert_eq!(
+            osl(r#"{"max_tokens":7}"#),
+            None,
+            "max_tokens is not an osl (Dynamo's)"
+        );
     }
 }

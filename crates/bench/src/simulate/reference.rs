@@ -296,6 +296,7 @@ mod tests {
             shapes: Default::default(),
             loras: 0,
             slo: None,
+            output_blocks: None,
         }
     }
 

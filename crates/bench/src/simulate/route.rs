@@ -24,7 +24,7 @@ use kvroute_protocol::WorkerId;
 use kvroute_sim::engine::{EngineCore, LoraId};
 use rand::RngCore;
 
-use super::Cluster;
+use super::{Cluster, OutputTracking};
 
 /// Where an arriving request goes.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,6 +56,8 @@ pub(super) struct Arrival<'a> {
     pub lora: Option<LoraId>,
     /// Its latency targets, when it tells the router (see the `slo` module).
     pub slo: Option<SloTargets>,
+    /// Its output length (its `max_tokens`): the `osl` hint under `OutputTracking::ExactOsl`.
+    pub output_tokens: u32,
     pub now: Instant,
 }
 
@@ -98,6 +100,8 @@ pub(super) struct Router {
     block_size: usize,
     /// Each engine's KV blocks.
     num_gpu_blocks: Vec<u64>,
+    /// Output-block tracking, when on.
+    pub output_blocks: Option<OutputTracking>,
 }
 
 impl Router {
@@ -140,6 +144,7 @@ impl Router {
             mode,
             block_size,
             num_gpu_blocks,
+            output_blocks: None,
         }
     }
 
@@ -192,7 +197,7 @@ impl Router {
                 let (engine, load, features) = self.choose(pool, req, scores, engines, rng);
                 Placement::Whole {
                     engine,
-                    load,
+                    load: self.answer(load, req),
                     features,
                 }
             }
@@ -202,6 +207,7 @@ impl Router {
                 min_uncached_tokens,
             } => {
                 let (d, decode_load, features) = self.choose(decode, req, scores, engines, rng);
+                let decode_load = self.answer(decode_load, req);
                 let held = scores.get(ReplicaId(d as u32)).total() as usize * self.block_size;
                 let uncached = (req.tokens.len() - held.min(req.tokens.len())) as u64;
                 if *min_uncached_tokens > 0 && uncached < *min_uncached_tokens {
@@ -225,6 +231,16 @@ impl Router {
                 }
             }
         }
+    }
+
+    /// `load` of an answer to `req`, tracking its output blocks when the router does.
+    fn answer(&self, load: RequestLoad, req: &Arrival<'_>) -> RequestLoad {
+        let osl = match self.output_blocks {
+            None => return load,
+            Some(OutputTracking::Blocks) => None,
+            Some(OutputTracking::ExactOsl) => Some(req.output_tokens),
+        };
+        load.tracking_output(req.tokens.len(), self.block_size, osl)
     }
 
     /// `pool`'s policy's choice, the request's load on it and the features its TTFT model

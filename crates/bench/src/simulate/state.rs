@@ -132,7 +132,8 @@ impl<'a> State<'a> {
     pub fn new(cfg: &'a SimConfig, last_arrival: Duration) -> Self {
         let bs = cfg.engine.block_size;
         let n = cfg.cluster.engines();
-        let router = Router::new(&cfg.cluster, bs, cfg.shapes.capacities(n, &cfg.engine));
+        let mut router = Router::new(&cfg.cluster, bs, cfg.shapes.capacities(n, &cfg.engine));
+        router.output_blocks = cfg.output_blocks;
         let engines = (0..n)
             .map(|i| {
                 EngineCore::new(EngineConfig {
@@ -233,6 +234,7 @@ impl<'a> State<'a> {
                         }
                         l.last_token = Some(end);
                         l.outputs += 1;
+                        self.router.loads[e].output_tokens(&mut l.load, 1);
                         let tenant = &mut self.tally.by_tenant[l.tenant as usize];
                         if end <= self.last_arrival {
                             tenant.tokens += 1;
@@ -248,8 +250,6 @@ impl<'a> State<'a> {
                             self.tally.slo.answered(self.cfg.slo.as_ref(), t.id.0, ttft);
                             if *computes_prompt {
                                 self.router.models[e].observe_ttft(&l.features, ttft);
-                            }
-                            if *computes_prompt {
                                 self.tally.cached += t.cached_tokens as u64;
                             }
                             self.router.loads[e].first_token(&l.load);
@@ -398,6 +398,7 @@ impl<'a> State<'a> {
                 text: &text,
                 lora: req.lora,
                 slo: self.cfg.slo.as_ref().map(|s| s.targets(req.id.0)),
+                output_tokens: req.max_tokens as u32,
                 now: self.base + now,
             },
             &scores,

@@ -36,6 +36,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         shapes: Default::default(),
         loras: 0,
         slo: None,
+        output_blocks: None,
     }
 }
 
@@ -239,6 +240,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             shapes: Default::default(),
             loras: 0,
             slo: None,
+            output_blocks: None,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));
@@ -284,4 +286,40 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
         r.preemptions,
         golden.preemptions
     );
+}
+
+#[test]
+fn tracking_output_blocks_moves_kv_awares_choices_and_every_request_completes() {
+    // Unshared prompts and answers of 100 to 1,000 tokens: the answers' KV is what tracking adds.
+    let trace: Vec<TraceRequest> = small_trace()
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| TraceRequest {
+            output_length: 100 + (i * 7 % 10) * 100,
+            hash_ids: vec![1000 + i as u64],
+            ..r
+        })
+        .collect();
+    let run = |output_blocks| {
+        let c = SimConfig {
+            output_blocks,
+            ..cfg(PolicyKind::KvAware)
+        };
+        let r = simulate(&trace, &c);
+        assert_eq!((r.requests, r.rejected), (120, 0), "{output_blocks:?}");
+        assert_eq!(r, simulate(&trace, &c), "deterministic");
+        r
+    };
+    let off = run(None);
+    let blocks = run(Some(OutputTracking::Blocks));
+    let osl = run(Some(OutputTracking::ExactOsl));
+    assert_ne!(off, blocks, "the answers' blocks change where requests go");
+    assert_ne!(blocks, osl, "the decay changes it again");
+    // Disaggregated: the decode half's load tracks its answer.
+    let pd = SimConfig {
+        output_blocks: Some(OutputTracking::ExactOsl),
+        ..pd_cfg(2, 2, 0)
+    };
+    let r = simulate(&trace, &pd);
+    assert_eq!((r.requests, r.rejected), (120, 0));
 }

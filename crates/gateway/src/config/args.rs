@@ -72,8 +72,7 @@ pub struct Args {
     /// Workers listed in this file (the config file's `workers:`), watched for changes.
     #[arg(long, value_name = "PATH")]
     pub discovery_file: Option<PathBuf>,
-    /// Seconds between full re-lists of the pods and re-reads of the discovery file, which
-    /// catch what a watch missed [default: 30].
+    /// Seconds between full re-lists of pods (and discovery file re-reads) [default: 30].
     #[arg(long)]
     pub discovery_check_interval_secs: Option<u64>,
 
@@ -91,13 +90,11 @@ pub struct Args {
     #[arg(long, value_parser = parse_policy)]
     #[serde(deserialize_with = "de_policy", serialize_with = "ser_policy")]
     pub prefill_policy: Option<PolicyKind>,
-    /// Policy choosing the decode worker [default: kv_aware with overlap credit 0, i.e. by
-    /// load only].
+    /// Policy choosing the decode worker [default: kv_aware by load only (credit 0)].
     #[arg(long, value_parser = parse_policy)]
     #[serde(deserialize_with = "de_policy", serialize_with = "ser_policy")]
     pub decode_policy: Option<PolicyKind>,
-    /// How the halves reach the engines: vllm (NIXL kv_transfer_params) or sglang
-    /// (bootstrap) [default: vllm].
+    /// How halves reach engines: vllm (NIXL kv_transfer_params), sglang (bootstrap) [vllm].
     #[arg(long, value_enum)]
     pub pd_protocol: Option<PdProtocol>,
     /// Skip the remote prefill when the chosen decode worker already holds all but fewer
@@ -218,6 +215,10 @@ pub struct Args {
     /// kv_aware: weight of each active request [default: 0].
     #[arg(long)]
     pub router_decode_active_request_weight: Option<f64>,
+    /// kv_aware: decode load counts streamed output blocks, decayed toward agent_hints.osl.
+    #[arg(alias = "track-output-blocks", long)]
+    #[serde(default)]
+    pub router_track_output_blocks: bool,
     /// kv_aware: sample from a softmax over costs at this temperature; 0 picks the cheapest [default: 0].
     #[arg(long)]
     pub router_temperature: Option<f64>,
@@ -304,8 +305,7 @@ pub struct Args {
     /// tokens), optional max_queued.
     #[arg(skip)]
     pub policy_classes: Vec<PolicyClassSpec>,
-    /// Session affinity: a session's requests go to the (worker, rank) it used last, if
-    /// within this many seconds (off when absent).
+    /// Session affinity: a session goes back to its last (worker, rank) within this many seconds.
     #[arg(aliases = ["kv-aware-session-affinity-ttl-secs", "router-session-affinity-ttl-secs"], long)]
     pub session_affinity_ttl_secs: Option<u64>,
     /// hard: the binding is a pin; soft: the policy may choose another when the bound worker
@@ -466,7 +466,7 @@ pub struct Args {
     /// Subject prefix of the sync messages [default: kvroute].
     #[arg(long)]
     pub replica_sync_subject_prefix: Option<String>,
-    /// A peer replica silent this long is gone: its load is dropped [default: 10].
+    /// A peer replica silent this long is gone, with its load [default: 10].
     #[arg(long)]
     pub replica_timeout_secs: Option<u64>,
     /// Requests in the router at once; more wait in the admission queue (--queue-size).

@@ -68,7 +68,7 @@ impl Args {
         flag
             service_discovery, pd_disaggregation, llm_d_precise_prefix,
             worker_overload_protection, disable_worker_overload_protection,
-            worker_overload_shed, no_router_kv_events, tokenizer_cache_enable_l0,
+            worker_overload_shed, no_router_kv_events, router_track_output_blocks, tokenizer_cache_enable_l0,
             tokenizer_cache_enable_l1, disable_retries, disable_circuit_breaker, log_json,
             enable_trace, epp, trust_tenant_header, priority_scheduler_enabled,
             tenant_rate_limit_enabled;

@@ -294,6 +294,8 @@ pub struct Settings {
     /// OpenTelemetry traces, when on.
     pub trace: Option<crate::otlp::TraceSettings>,
     pub block_size: usize,
+    /// `--router-track-output-blocks`: streams add decode blocks as they generate.
+    pub track_output_blocks: bool,
     pub kv_events: KvEventsMode,
     pub router_ttl: Duration,
     pub max_indexed_blocks: usize,

@@ -82,6 +82,7 @@ impl Args {
                 self.otlp_sampling_ratio,
             )?,
             block_size,
+            track_output_blocks: self.router_track_output_blocks,
             kv_events: if self.no_router_kv_events {
                 KvEventsMode::Approximate
             } else {

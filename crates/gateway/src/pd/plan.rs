@@ -58,7 +58,7 @@ pub(super) fn pair(
             state.kv.counts(&overlaps, &choice.worker, replica).total()
         };
         let cached = (cached_blocks as usize * bs).min(a.tokens.len());
-        let load = plan.request_load(bs);
+        let load = plan.answer_load(bs, state.settings.track_output_blocks, a.fields);
         (choice, load, cached)
     };
     let uncached = (a.tokens.len() - cached) as u64;

@@ -108,6 +108,7 @@ mod tests {
             agent_hints: Some(AgentHints {
                 strict_priority: strict,
                 priority,
+                osl: None,
             }),
             ..NvExt::default()
         }
