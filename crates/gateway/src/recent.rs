@@ -75,7 +75,8 @@ impl Recent {
 fn predicted_json(p: &Prediction) -> Value {
     let s = &p.speed;
     json!({
-        "ttft_ms": p.ttft_ms, "queue_ms": p.queue_ms, "prefill_ms": p.prefill_ms,
+        "ttft_ms": p.ttft_ms, "queue_ms": p.queue_ms, "adapter_ms": p.adapter_ms,
+        "prefill_ms": p.prefill_ms,
         "decode_ms": p.decode_ms, "interference_ms": p.interference_ms, "cost_ms": p.cost_ms,
         "fitted": {
             "ttft_base_ms": s.prefill[0], "prefill_ms_per_1k_tokens": s.prefill[1],

@@ -103,9 +103,9 @@
 //! prefill at scale 1), so an adapter's requests stay on the engines that run it until the
 //! load terms there outweigh a load elsewhere. (Its KV overlap is per adapter already: an
 //! adapter's blocks are hashed with its name.) [`KvAwareConfig::dynamo`] keeps the term: it
-//! is 0 for a request without an adapter, all that Dynamo routes. A cost model in
-//! milliseconds adds
-//! [`predicted_adapter_load_ms`](crate::predicted_adapter_load_ms) instead.
+//! is 0 for a request without an adapter, all that Dynamo routes. The predicted cost model
+//! adds the loads' time to the predicted TTFT instead
+//! ([`predicted_adapter_load_ms`](crate::predicted_adapter_load_ms) at 50 ms a load).
 
 use rand::{Rng, RngCore};
 

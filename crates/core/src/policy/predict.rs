@@ -10,6 +10,7 @@
 //! ```text
 //! uncached     = max(0, ISL - cached)
 //! ttft         = TTFT model(W = P + uncached, D, u')              (queueing + own prefill)
+//!                + L * ADAPTER_LOAD_MS                            (L expected adapter loads)
 //! prefill      = a1 * uncached / 1000                             (own prefill, marginal)
 //! queue        = max(0, ttft - prefill)
 //! decode       = O * step model(R + 1, u')                        (own decode, O tokens)
@@ -21,7 +22,9 @@
 //! any candidate, as in the weighted model: that many will wait behind this prefill wherever
 //! it goes). `O` is the rank's observed mean output length (the prior: 200). A slow rank
 //! has a larger `a1` and step, so it costs more for the same work; a rank short of KV
-//! reaches the hinge of the TTFT model sooner.
+//! reaches the hinge of the TTFT model sooner. `L` is the request's expected adapter loads
+//! on the candidate ([`crate::AdapterFit::expected_loads`]: 0 without an adapter or where it
+//! runs, 1 for a load, 2 when every slot is taken), each [`ADAPTER_LOAD_MS`].
 
 use crate::latency::{DecodeFeatures, FittedSpeed, PrefillFeatures};
 use crate::{Candidate, RouteRequest};
@@ -32,14 +35,20 @@ use crate::{Candidate, RouteRequest};
 /// ranks, so a quarter of it counts.
 pub const INTERFERENCE_SHARE: f64 = 0.25;
 
+/// One LoRA adapter load before the step that needs it, in milliseconds (kvroute-sim's
+/// `--lora-load-ms` default; vLLM loads an adapter from host memory in tens of them).
+pub const ADAPTER_LOAD_MS: f64 = 50.0;
+
 /// A candidate's predicted latencies for one request, in milliseconds, and the features
 /// the prediction used (record them to feed the TTFT model the observed answer).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Prediction {
     /// Predicted time to first token: `queue_ms + prefill_ms`.
     pub ttft_ms: f64,
-    /// Of which waiting for the work ahead.
+    /// Of which waiting for the work ahead (its adapter's loads included).
     pub queue_ms: f64,
+    /// Of the queue, the expected loads of its adapter there.
+    pub adapter_ms: f64,
     /// Of which computing this request's uncached prompt.
     pub prefill_ms: f64,
     /// This request's decode: its expected output tokens at the predicted step.
@@ -90,7 +99,8 @@ pub fn predict(c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -
         decoding,
         kv_after,
     };
-    let ttft_ms = speed.ttft_ms(&features);
+    let adapter_ms = crate::predicted_adapter_load_ms(c, ADAPTER_LOAD_MS);
+    let ttft_ms = speed.ttft_ms(&features) + adapter_ms;
     let prefill_ms = speed.prefill_ms(uncached).min(ttft_ms);
     let running = c.engine.running.unwrap_or(c.kv.active_requests as f64);
     let step = speed.step_ms(&DecodeFeatures {
@@ -104,6 +114,7 @@ pub fn predict(c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -
     Prediction {
         ttft_ms,
         queue_ms: ttft_ms - prefill_ms,
+        adapter_ms,
         prefill_ms,
         decode_ms,
         step_ms: step,
@@ -121,7 +132,7 @@ mod tests {
     use super::*;
     use crate::latency::LatencyModel;
     use crate::policy::test_support::ids;
-    use crate::{KvTerms, Overlap};
+    use crate::{AdapterFit, KvTerms, Overlap};
 
     fn req(prompt_tokens: usize) -> RouteRequest<'static> {
         RouteRequest {
@@ -166,6 +177,26 @@ mod tests {
         // Saturation counts the own prefill once more per waiting request.
         let s = predict(&cold, &r, 2.0);
         assert!((s.cost_ms - c.cost_ms - 2.0 * c.prefill_ms).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_adapter_load_adds_its_time_to_the_ttft_and_the_cost() {
+        let ids = ids(1);
+        let at = |adapter| Candidate {
+            adapter,
+            ..Candidate::new(&ids[0], 0)
+        };
+        let r = req(1600);
+        let running = predict(&at(AdapterFit::Running), &r, 0.0);
+        assert_eq!(running.adapter_ms, 0.0);
+        for (fit, loads) in [(AdapterFit::FreeSlot, 1.0), (AdapterFit::Full, 2.0)] {
+            let p = predict(&at(fit), &r, 0.0);
+            let extra = loads * ADAPTER_LOAD_MS;
+            assert_eq!(p.adapter_ms, extra);
+            assert!((p.ttft_ms - running.ttft_ms - extra).abs() < 1e-9);
+            assert!((p.queue_ms - running.queue_ms - extra).abs() < 1e-9);
+            assert!((p.cost_ms - running.cost_ms - extra).abs() < 1e-9);
+        }
     }
 
     #[test]
