@@ -47,6 +47,7 @@
 //! their engines had evicted them, until the bound holds. This keeps memory bounded when
 //! removal events are lost; with a bound that is never reached, nothing is ever evicted.
 
+mod flat;
 mod record;
 mod store;
 mod table;
