@@ -12,6 +12,8 @@ use crate::{BlockHash, EngineHash, IndexError, ReplicaId, StoredBlocks};
 #[derive(Debug, Default)]
 pub(super) struct Scratch {
     bytes: Vec<u8>,
+    /// Router blocks of the event being stored (whole engine blocks).
+    blocks: Vec<BlockHash>,
     /// Tokens of the partial router block being filled.
     tokens: Vec<u32>,
     /// Engine blocks of the partial router block being filled, in order.
@@ -22,7 +24,10 @@ pub(super) struct Scratch {
 
 impl Scratch {
     pub(super) fn memory_bytes(&self) -> usize {
-        self.bytes.capacity() + 4 * self.tokens.capacity() + 8 * self.members.capacity()
+        self.bytes.capacity()
+            + 8 * self.blocks.capacity()
+            + 4 * self.tokens.capacity()
+            + 8 * self.members.capacity()
     }
 }
 
@@ -57,7 +62,7 @@ impl KvIndex {
                 self.tier_counts.resize(slot as usize + 1, [0; 4]);
             }
             if engine >= router {
-                self.store_whole(slot, event, base, &mut scratch.bytes);
+                self.store_whole(slot, event, base, &mut scratch);
             } else {
                 self.store_pieces(slot, event, base, &mut scratch);
             }
@@ -119,37 +124,45 @@ impl KvIndex {
         Ok(base)
     }
 
-    /// Engine block size a multiple of the router's.
+    /// Engine block size a multiple of the router's. All router hashes first, then the
+    /// entries they touch are brought into cache together, then the blocks are stored.
     fn store_whole(
         &mut self,
         slot: u32,
         event: &StoredBlocks<'_>,
         base: Option<BlockHash>,
-        bytes: &mut Vec<u8>,
+        scratch: &mut Scratch,
     ) {
-        let router = self.block_size;
+        let per = event.block_size / self.block_size;
         let mut previous = base;
-        for (&hash, tokens) in event
+        scratch.blocks.clear();
+        for tokens in event.token_ids.chunks_exact(self.block_size) {
+            let block = hash_into(previous, event.salt, tokens, &mut scratch.bytes);
+            scratch.blocks.push(block);
+            previous = Some(block);
+        }
+        let engine = &self.replicas[slot as usize];
+        for (hash, blocks) in event
             .engine_hashes
             .iter()
-            .zip(event.token_ids.chunks_exact(event.block_size))
+            .zip(scratch.blocks.chunks_exact(per))
         {
-            let kind = if tokens.len() == router {
-                let block = hash_into(previous, event.salt, tokens, bytes);
-                previous = Some(block);
-                Kind::One(block)
-            } else {
-                let blocks = tokens
-                    .chunks_exact(router)
-                    .map(|piece| {
-                        let block = hash_into(previous, event.salt, piece, bytes);
-                        previous = Some(block);
-                        block
-                    })
-                    .collect();
-                Kind::Many(Box::new(blocks))
+            std::hint::black_box(engine.get(hash).is_some());
+            for &block in blocks {
+                self.table.touch(block, slot);
+            }
+        }
+        let tier = tier_index(event.tier);
+        for (&hash, blocks) in event
+            .engine_hashes
+            .iter()
+            .zip(scratch.blocks.chunks_exact(per))
+        {
+            let kind = match blocks {
+                [block] => Kind::One(*block),
+                _ => Kind::Many(Box::new(blocks.into())),
             };
-            self.upsert(slot, hash, kind, tier_index(event.tier));
+            self.upsert(slot, hash, kind, tier);
         }
     }
 

@@ -123,6 +123,11 @@ impl BlockTable {
         Some(holders)
     }
 
+    /// Brings the table entry of `block` for `slot` into cache (see [`FlatMap::touch`]).
+    pub(crate) fn touch(&self, block: BlockHash, slot: u32) {
+        self.map.touch(group_key(block, split(slot).0));
+    }
+
     fn in_other_group(&self, block: BlockHash, group: u32, groups: u32) -> bool {
         groups > 1 && (0..groups).any(|g| g != group && self.map.contains(group_key(block, g)))
     }
