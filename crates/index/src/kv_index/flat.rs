@@ -1,34 +1,57 @@
-//! An open-addressing map from block-table keys (router block hashes, already uniform) to a
-//! 64-bit value: one 16-byte slot per entry holding key and value side by side, linear
-//! probing, no tombstones (backward-shift deletion). A lookup touches one cache line in the
-//! common case, where a general map touches two (its control bytes, then its entries), and
-//! an entry costs 16 bytes at a load of 3/8 to 3/4.
+//! A map from block-table keys (router block hashes, already uniform) to a 64-bit value, in
+//! two arrays:
+//! - `nodes`, an arena of (key, value) pairs, 16 bytes each, allocated in insertion order (a
+//!   freed node is reused last freed, first reused), so the blocks of one chain stored
+//!   together lie side by side, and a query walking that chain reads consecutive memory: it
+//!   checks the node after the last one matched ([`FlatMap::successor`]) before it looks the
+//!   block up;
+//! - `index`, an open-addressing table (linear probing, backward-shift deletion, no
+//!   tombstones) of 8-byte entries: the key's upper half as a tag, and the node's position.
+//!   Only a tag match reads the node.
 //!
-//! Key 0 marks an empty slot, so a key of 0 is stored as [`ZERO_STANDIN`]: the two keys then
-//! share an entry, which is as likely as two blocks sharing a 64-bit hash.
+//! About 32 bytes an entry all in all. Key 0 marks a free node, so a key of 0 is stored as
+//! [`ZERO_STANDIN`]: the two keys then share an entry, which is as likely as two blocks
+//! sharing a 64-bit hash.
 
-const EMPTY: u64 = 0;
+const FREE: u64 = 0;
 const ZERO_STANDIN: u64 = 0x5BD1_E995_C6A4_A793;
-const MIN_SLOTS: usize = 64;
+const MIN_ENTRIES: usize = 64;
+/// `Entry::at` of an empty index entry.
+const NONE: u32 = u32::MAX;
 
 #[derive(Debug, Default, Clone, Copy)]
-struct Slot {
+struct Node {
     key: u64,
     value: u64,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    tag: u32,
+    at: u32,
+}
+
+const EMPTY: Entry = Entry { tag: 0, at: NONE };
+
 #[derive(Debug, Default)]
 pub(crate) struct FlatMap {
-    slots: Vec<Slot>,
+    index: Vec<Entry>,
+    nodes: Vec<Node>,
+    /// Free nodes, the last freed last.
+    free: Vec<u32>,
     len: usize,
 }
 
 fn stored(key: u64) -> u64 {
-    if key == EMPTY {
+    if key == FREE {
         ZERO_STANDIN
     } else {
         key
     }
+}
+
+fn tag(key: u64) -> u32 {
+    (key >> 32) as u32
 }
 
 impl FlatMap {
@@ -38,125 +61,161 @@ impl FlatMap {
     }
 
     fn mask(&self) -> usize {
-        self.slots.len() - 1
+        self.index.len() - 1
     }
 
     fn home(&self, key: u64) -> usize {
-        // The keys are uniform: their high bits index the table directly.
-        (key.rotate_left(32) as usize) & self.mask()
+        // The keys are uniform: their low bits index the table directly.
+        (key as usize) & self.mask()
     }
 
-    /// The position of `key`, if present.
+    /// The node of `key`, if present.
     pub(crate) fn find(&self, key: u64) -> Option<usize> {
         if self.len == 0 {
             return None;
         }
         let key = stored(key);
-        let mask = self.mask();
+        let (mask, tag) = (self.mask(), tag(key));
         let mut i = self.home(key);
         loop {
-            let slot = self.slots[i];
-            if slot.key == key {
-                return Some(i);
-            }
-            if slot.key == EMPTY {
+            let entry = self.index[i];
+            if entry.at == NONE {
                 return None;
+            }
+            if entry.tag == tag && self.nodes[entry.at as usize].key == key {
+                return Some(entry.at as usize);
             }
             i = (i + 1) & mask;
         }
     }
 
-    /// Loads the first slot `key` probes, so that a later lookup finds it in cache: issued
-    /// for a batch of keys at once, the cache misses overlap instead of coming one by one.
+    /// The node after `at`, if it holds `key`.
+    pub(crate) fn successor(&self, at: usize, key: u64) -> Option<usize> {
+        let next = self.nodes.get(at + 1)?;
+        (next.key == stored(key)).then_some(at + 1)
+    }
+
+    /// The node of `key`, looked for after `at` first (see [`successor`](Self::successor)).
+    pub(crate) fn find_after(&self, at: usize, key: u64) -> Option<usize> {
+        self.successor(at, key).or_else(|| self.find(key))
+    }
+
+    /// Loads the index entry `key` probes first, so that a later lookup finds it in cache:
+    /// issued for a batch of keys at once, the cache misses overlap instead of coming one by
+    /// one.
     pub(crate) fn touch(&self, key: u64) {
-        if !self.slots.is_empty() {
-            std::hint::black_box(self.slots[self.home(stored(key))].key);
+        if !self.index.is_empty() {
+            std::hint::black_box(self.index[self.home(stored(key))].at);
         }
     }
 
     /// The value of `key`, if present.
+    #[cfg(test)]
     pub(crate) fn get(&self, key: u64) -> Option<u64> {
-        self.find(key).map(|i| self.slots[i].value)
+        self.find(key).map(|at| self.nodes[at].value)
     }
 
     pub(crate) fn contains(&self, key: u64) -> bool {
         self.find(key).is_some()
     }
 
-    /// The value at a position [`find`](Self::find) or [`insert`](Self::insert) returned
-    /// (valid until the next insertion or removal).
-    pub(crate) fn value_mut(&mut self, at: usize) -> &mut u64 {
-        &mut self.slots[at].value
+    /// The value of node `at` (a node stays where it is until removed).
+    pub(crate) fn value(&self, at: usize) -> u64 {
+        self.nodes[at].value
     }
 
-    /// The position of `key`, inserted with value 0 if absent, and whether it was inserted.
+    pub(crate) fn value_mut(&mut self, at: usize) -> &mut u64 {
+        &mut self.nodes[at].value
+    }
+
+    /// The node of `key`, inserted with value 0 if absent, and whether it was inserted.
     pub(crate) fn insert(&mut self, key: u64) -> (usize, bool) {
-        if (self.len + 1) * 4 > self.slots.len() * 3 {
+        if (self.len + 1) * 4 > self.index.len() * 3 {
             self.grow();
         }
         let key = stored(key);
-        let mask = self.mask();
+        let (mask, tag) = (self.mask(), tag(key));
         let mut i = self.home(key);
         loop {
-            let slot = self.slots[i];
-            if slot.key == key {
-                return (i, false);
+            let entry = self.index[i];
+            if entry.at == NONE {
+                break;
             }
-            if slot.key == EMPTY {
-                self.slots[i] = Slot { key, value: 0 };
-                self.len += 1;
-                return (i, true);
+            if entry.tag == tag && self.nodes[entry.at as usize].key == key {
+                return (entry.at as usize, false);
             }
             i = (i + 1) & mask;
         }
+        let node = Node { key, value: 0 };
+        let at = match self.free.pop() {
+            Some(at) => {
+                self.nodes[at as usize] = node;
+                at
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.index[i] = Entry { tag, at };
+        self.len += 1;
+        (at as usize, true)
     }
 
-    /// Removes the entry at `at`, shifting back the entries probing past it.
+    /// Removes node `at` and its index entry, shifting back the entries probing past it.
     pub(crate) fn remove_at(&mut self, at: usize) {
+        let key = self.nodes[at].key;
         let mask = self.mask();
-        let mut hole = at;
-        let mut j = at;
+        let mut hole = self.home(key);
+        while self.index[hole].at != at as u32 {
+            hole = (hole + 1) & mask;
+        }
+        let mut j = hole;
         loop {
             j = (j + 1) & mask;
-            let key = self.slots[j].key;
-            if key == EMPTY {
+            let entry = self.index[j];
+            if entry.at == NONE {
                 break;
             }
             // The entry at `j` may fill the hole if the hole lies on its probe path.
-            let home = self.home(key);
+            let home = self.home(self.nodes[entry.at as usize].key);
             if j.wrapping_sub(home) & mask >= j.wrapping_sub(hole) & mask {
-                self.slots[hole] = self.slots[j];
+                self.index[hole] = entry;
                 hole = j;
             }
         }
-        self.slots[hole] = Slot::default();
+        self.index[hole] = EMPTY;
+        self.nodes[at] = Node::default();
+        self.free.push(at as u32);
         self.len -= 1;
     }
 
     fn grow(&mut self) {
-        let size = (self.slots.len() * 2).max(MIN_SLOTS);
-        let old = std::mem::replace(&mut self.slots, vec![Slot::default(); size]);
+        let size = (self.index.len() * 2).max(MIN_ENTRIES);
+        let old = std::mem::replace(&mut self.index, vec![EMPTY; size]);
         let mask = size - 1;
-        for slot in old.into_iter().filter(|s| s.key != EMPTY) {
-            let mut i = self.home(slot.key);
-            while self.slots[i].key != EMPTY {
+        for entry in old.into_iter().filter(|e| e.at != NONE) {
+            let mut i = self.home(self.nodes[entry.at as usize].key);
+            while self.index[i].at != NONE {
                 i = (i + 1) & mask;
             }
-            self.slots[i] = slot;
+            self.index[i] = entry;
         }
     }
 
     /// Every value (for tests).
     #[cfg(test)]
     pub(crate) fn values(&self) -> impl Iterator<Item = u64> + '_ {
-        self.slots
+        self.nodes
             .iter()
-            .filter(|s| s.key != EMPTY)
-            .map(|s| s.value)
+            .filter(|n| n.key != FREE)
+            .map(|n| n.value)
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Slot>()
+        self.index.capacity() * std::mem::size_of::<Entry>()
+            + self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free.capacity() * std::mem::size_of::<u32>()
     }
 }
 
@@ -174,9 +233,8 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            // Few distinct keys, many colliding homes: keys differ in their low bits only
-            // (and key 0 is among them).
-            let key = (x % 1500) << 40 | (x % 3);
+            // Few distinct keys, many colliding homes and tags (and key 0 among them).
+            let key = (x % 3) << 32 | (x % 1500) << 20;
             if x % 3 == 0 {
                 if let Some(at) = flat.find(key) {
                     flat.remove_at(at);
@@ -192,9 +250,35 @@ mod tests {
         }
         for (key, value) in &model {
             assert_eq!(flat.get(*key), Some(*value));
+            let at = flat.find(*key).unwrap();
+            assert_eq!(flat.value(at), *value);
         }
         assert_eq!(flat.values().count(), model.len());
         assert!(flat.get(0xFFFF_FFFF).is_none());
         assert!(flat.contains(*model.keys().next().unwrap()));
+    }
+
+    #[test]
+    fn a_chain_inserted_together_lies_side_by_side() {
+        let mut flat = FlatMap::default();
+        let keys: Vec<u64> = (1..=10).map(|k| 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(k)).collect();
+        let first = flat.insert(keys[0]).0;
+        let mut at = first;
+        for &key in &keys[1..] {
+            assert_eq!(flat.insert(key).0, at + 1);
+            assert_eq!(flat.successor(at, key), Some(at + 1));
+            at = flat.find_after(at, key).unwrap();
+        }
+        assert_eq!(flat.successor(first, keys[5]), None);
+        assert_eq!(flat.find_after(first, keys[5]), flat.find(keys[5]));
+        // Freed nodes are reused last freed first: a chain removed from its end and stored
+        // again lies side by side again.
+        for &key in keys[4..].iter().rev() {
+            let at = flat.find(key).unwrap();
+            flat.remove_at(at);
+            assert_eq!(flat.successor(at - 1, key), None);
+        }
+        let at = flat.insert(keys[4] ^ 1).0;
+        assert_eq!(flat.insert(keys[5] ^ 1).0, at + 1);
     }
 }

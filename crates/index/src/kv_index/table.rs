@@ -1,13 +1,15 @@
 //! The block table: for each (router block, group of 64 slots), one holder mask per tier.
 //!
-//! A bit set in `tiers[t]` means the slot holds the block in tier `t` at least once. The device
-//! masks live in a flat open-addressing map ([`FlatMap`], 16 bytes an entry, one cache line a
-//! lookup); the masks of the other tiers, rarer, in a side map, `lower`, consulted only when
-//! it is not empty. Counts above one (several engine blocks covering one router block) live
-//! in another side map, `extra`, which stays empty in the common one-to-one case.
+//! A bit set in `tiers[t]` means the slot holds the block in tier `t` at least once. The
+//! device masks live in a [`FlatMap`] (an arena of 16-byte nodes in insertion order, found by
+//! an open-addressing index of 8-byte entries, about 32 bytes a block); the masks of the other
+//! tiers, rarer, in a side map, `lower`, consulted only when it is not empty. Counts above one
+//! (several engine blocks covering one router block) live in another side map, `extra`, which
+//! stays empty in the common one-to-one case.
 //!
 //! The query walks the request's blocks in order with a mask of the replicas still matching:
-//! one table lookup per block per group, and the per-replica work happens only when a replica
+//! one step per block per group (the node after the last one matched, which is where a chain
+//! stored together lies, else a lookup), and the per-replica work happens only when a replica
 //! drops out or holds a block outside the device tier. Counts per tier follow from
 //! `device = matched - host - disk - external`.
 
@@ -109,18 +111,17 @@ impl BlockTable {
         }
     }
 
-    /// The holders of a table key.
-    fn holders(&self, key: u64) -> Option<Holders> {
-        let device = self.map.get(key)?;
+    /// The holders of table key `key`, at node `at`.
+    fn holders(&self, at: usize, key: u64) -> Holders {
         let mut holders = Holders {
-            tiers: [device, 0, 0, 0],
+            tiers: [self.map.value(at), 0, 0, 0],
         };
         if !self.lower.is_empty() {
             if let Some(lower) = self.lower.get(&key) {
                 holders.tiers[1..].copy_from_slice(lower);
             }
         }
-        Some(holders)
+        holders
     }
 
     /// Brings the table entry of `block` for `slot` into cache (see [`FlatMap::touch`]).
@@ -147,8 +148,9 @@ impl BlockTable {
             return OverlapScores { scores };
         };
         for group in 0..slots.groups() {
-            if let Some(holders) = self.holders(group_key(first, group)) {
-                self.walk_group(hashes, group, holders, slots, &mut scores);
+            let key = group_key(first, group);
+            if let Some(at) = self.map.find(key) {
+                self.walk_group(hashes, group, at, slots, &mut scores);
             }
         }
         if slots.groups() > 1 || scores.len() > 1 {
@@ -161,7 +163,7 @@ impl BlockTable {
         &self,
         hashes: &[BlockHash],
         group: u32,
-        first: Holders,
+        mut at: usize,
         slots: &Slots,
         scores: &mut Vec<(crate::ReplicaId, TierCounts)>,
     ) {
@@ -170,9 +172,9 @@ impl BlockTable {
         // the processor already overlaps the misses of consecutive iterations.)
         let mut matched = [0u32; 64];
         let mut lower = [[0u32; 3]; 64];
-        let holders_of_first = first.any();
+        let mut current = self.holders(at, group_key(hashes[0], group));
+        let holders_of_first = current.any();
         let mut active = holders_of_first;
-        let mut current = first;
         let mut i = 0;
         loop {
             let any = current.any();
@@ -196,11 +198,15 @@ impl BlockTable {
                 lower[b as usize][tier] += 1;
             }
             i += 1;
-            let next = hashes
-                .get(i)
-                .and_then(|h| self.holders(group_key(*h, group)));
+            let next = hashes.get(i).and_then(|h| {
+                let key = group_key(*h, group);
+                self.map.find_after(at, key).map(|next| (next, key))
+            });
             match next {
-                Some(holders) => current = holders,
+                Some((next, key)) => {
+                    at = next;
+                    current = self.holders(at, key);
+                }
                 None => {
                     for b in bits(active, 0) {
                         matched[b as usize] = i as u32;
