@@ -5,7 +5,6 @@ use std::sync::Arc;
 use super::record::{Basis, Kind, Part, Record, Tail};
 use super::{tier_index, KvIndex};
 use crate::hash::hash_into;
-use crate::hasher::MixMap;
 use crate::{BlockHash, EngineHash, IndexError, ReplicaId, StoredBlocks};
 
 /// Buffers reused across events.
@@ -56,9 +55,8 @@ impl KvIndex {
         let result = self.resolve_parent(replica, event, &mut scratch);
         let result = result.map(|base| {
             let slot = self.slots.get_or_insert(replica);
-            if self.replicas.len() <= slot as usize {
-                self.replicas
-                    .resize_with(slot as usize + 1, MixMap::default);
+            self.records.ensure_slot(slot);
+            if self.tier_counts.len() <= slot as usize {
                 self.tier_counts.resize(slot as usize + 1, [0; 4]);
             }
             if engine >= router {
@@ -86,13 +84,13 @@ impl KvIndex {
         let Some(parent) = event.parent else {
             return Ok(None);
         };
-        let engine = self
+        let slot = self
             .slots
             .get(replica)
-            .map(|slot| &self.replicas[slot as usize])
             .ok_or(IndexError::UnknownParent(parent))?;
-        let record = engine
-            .get(&parent)
+        let record = self
+            .records
+            .get(slot, parent)
             .ok_or(IndexError::UnknownParent(parent))?;
         let Basis { base, filled } = record.kind.basis();
         if filled == 0 {
@@ -116,7 +114,7 @@ impl KvIndex {
             .members
             .iter()
             .rev()
-            .find(|m| !engine.contains_key(m))
+            .find(|m| !self.records.contains(slot, **m))
         {
             return Err(IndexError::UnknownParent(*gone));
         }
@@ -141,13 +139,12 @@ impl KvIndex {
             scratch.blocks.push(block);
             previous = Some(block);
         }
-        let engine = &self.replicas[slot as usize];
-        for (hash, blocks) in event
+        for (&hash, blocks) in event
             .engine_hashes
             .iter()
             .zip(scratch.blocks.chunks_exact(per))
         {
-            std::hint::black_box(engine.get(hash).is_some());
+            self.records.touch(slot, hash);
             for &block in blocks {
                 self.table.touch(block, slot);
             }
@@ -245,7 +242,7 @@ impl KvIndex {
 
     /// Records that `block` was completed through the piece `member`.
     fn add_member_of(&mut self, slot: u32, member: EngineHash, block: BlockHash) {
-        let Some(record) = self.replicas[slot as usize].get_mut(&member) else {
+        let Some(record) = self.records.get_mut(slot, member) else {
             return;
         };
         if let Kind::Part(part) = &mut record.kind {
@@ -260,13 +257,12 @@ impl KvIndex {
 
     /// Stores engine block `hash` of `slot` in `tier` with mapping `kind`.
     fn upsert(&mut self, slot: u32, hash: EngineHash, kind: Kind, tier: usize) {
-        use std::collections::hash_map::Entry;
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         let groups = self.slots.groups();
-        match self.replicas[slot as usize].entry(hash) {
-            Entry::Occupied(mut held) if held.get().kind.same_mapping(&kind) => {
-                let record = held.get_mut();
+        match self.records.find(slot, hash) {
+            Some(at) if self.records.at(at).kind.same_mapping(&kind) => {
+                let record = self.records.at_mut(at);
                 record.set_stamp(stamp);
                 if record.tiers() & (1 << tier) == 0 {
                     record.set_tiers(record.tiers() | 1 << tier);
@@ -276,19 +272,11 @@ impl KvIndex {
                     }
                 }
             }
-            Entry::Occupied(_) => {
+            Some(_) => {
                 self.remove_record(slot, hash);
                 self.insert(slot, hash, kind, tier, stamp);
             }
-            Entry::Vacant(vacant) => {
-                for &block in kind.own() {
-                    self.table.inc(block, slot, tier, groups);
-                }
-                self.records += 1;
-                self.record_heap += kind.heap_bytes();
-                self.tier_counts[slot as usize][tier] += 1;
-                vacant.insert(Record::new(kind, stamp, 1 << tier));
-            }
+            None => self.insert(slot, hash, kind, tier, stamp),
         }
         self.push_fifo(slot, hash, stamp);
     }
@@ -298,9 +286,10 @@ impl KvIndex {
         for &block in kind.own() {
             self.table.inc(block, slot, tier, groups);
         }
-        self.records += 1;
+        self.engine_blocks += 1;
         self.record_heap += kind.heap_bytes();
         self.tier_counts[slot as usize][tier] += 1;
-        self.replicas[slot as usize].insert(hash, Record::new(kind, stamp, 1 << tier));
+        self.records
+            .insert(slot, hash, Record::new(kind, stamp, 1 << tier));
     }
 }

@@ -82,7 +82,7 @@ fn the_bound_keeps_memory_flat_under_unbounded_traffic() {
         "{} > {peak}",
         index.memory_bytes()
     );
-    assert!(index.fifo.len() <= 2 * index.records + 1024);
+    assert!(index.fifo.len() <= 2 * index.engine_blocks + 1024);
 }
 
 #[test]
@@ -108,7 +108,7 @@ fn cleared_slots_hold_no_bits_and_are_reused() {
     index.clear_replica(ReplicaId(2));
     index.clear_replica(ReplicaId(9));
     assert_eq!(
-        (index.num_blocks(), index.records, index.record_heap),
+        (index.num_blocks(), index.engine_blocks, index.record_heap),
         (0, 0, 0)
     );
     assert!(
@@ -201,7 +201,7 @@ fn replica_blocks_counts_each_replicas_engine_blocks_per_tier() {
 fn walked(index: &KvIndex, replica: u32) -> [u32; 4] {
     let mut counts = [0; 4];
     if let Some(slot) = index.slots.get(ReplicaId(replica)) {
-        for record in index.replicas[slot as usize].values() {
+        for record in index.records.values(slot) {
             for tier in tier_bits(record.tiers()) {
                 counts[tier] += 1;
             }
