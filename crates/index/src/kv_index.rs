@@ -279,9 +279,23 @@ impl KvIndexer for KvIndex {
             self.unknown_removals += engine_hashes.len() as u64;
             return;
         };
-        for &hash in engine_hashes {
-            if !self.remove_tier(slot, hash, tier_index(tier)) {
-                self.unknown_removals += 1;
+        // In batches: the records, then the table entries they name, are brought into cache
+        // together (their misses overlap), then the blocks are removed.
+        for batch in engine_hashes.chunks(32) {
+            for &hash in batch {
+                self.records.touch(slot, hash);
+            }
+            for &hash in batch {
+                if let Some(record) = self.records.get(slot, hash) {
+                    for block in record.kind.covered() {
+                        self.table.touch(block, slot);
+                    }
+                }
+            }
+            for &hash in batch {
+                if !self.remove_tier(slot, hash, tier_index(tier)) {
+                    self.unknown_removals += 1;
+                }
             }
         }
     }
