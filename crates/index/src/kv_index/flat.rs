@@ -7,7 +7,7 @@
 //!   block up;
 //! - `index`, an open-addressing table (linear probing, backward-shift deletion, no
 //!   tombstones) of 8-byte entries: the key's upper half as a tag, and the node's position.
-//!   Only a tag match reads the node.
+//!   Only a tag match reads the node; the tag's low bits are the entry's home.
 //!
 //! About 32 bytes an entry all in all. Key 0 marks a free node, so a key of 0 is stored as
 //! [`ZERO_STANDIN`]: the two keys then share an entry, which is as likely as two blocks
@@ -64,9 +64,11 @@ impl FlatMap {
         self.index.len() - 1
     }
 
-    fn home(&self, key: u64) -> usize {
-        // The keys are uniform: their low bits index the table directly.
-        (key as usize) & self.mask()
+    /// Where the entry of a key with this tag probes first. The keys are uniform, so their
+    /// tag's low bits index the table directly; a home computed from the entry alone lets
+    /// growth and removal move entries without reading their nodes.
+    fn home(&self, tag: u32) -> usize {
+        tag as usize & self.mask()
     }
 
     /// The node of `key`, if present.
@@ -76,7 +78,7 @@ impl FlatMap {
         }
         let key = stored(key);
         let (mask, tag) = (self.mask(), tag(key));
-        let mut i = self.home(key);
+        let mut i = self.home(tag);
         loop {
             let entry = self.index[i];
             if entry.at == NONE {
@@ -105,7 +107,7 @@ impl FlatMap {
     /// one.
     pub(crate) fn touch(&self, key: u64) {
         if !self.index.is_empty() {
-            std::hint::black_box(self.index[self.home(stored(key))].at);
+            std::hint::black_box(self.index[self.home(tag(stored(key)))].at);
         }
     }
 
@@ -135,7 +137,7 @@ impl FlatMap {
         }
         let key = stored(key);
         let (mask, tag) = (self.mask(), tag(key));
-        let mut i = self.home(key);
+        let mut i = self.home(tag);
         loop {
             let entry = self.index[i];
             if entry.at == NONE {
@@ -166,7 +168,7 @@ impl FlatMap {
     pub(crate) fn remove_at(&mut self, at: usize) {
         let key = self.nodes[at].key;
         let mask = self.mask();
-        let mut hole = self.home(key);
+        let mut hole = self.home(tag(key));
         while self.index[hole].at != at as u32 {
             hole = (hole + 1) & mask;
         }
@@ -178,7 +180,7 @@ impl FlatMap {
                 break;
             }
             // The entry at `j` may fill the hole if the hole lies on its probe path.
-            let home = self.home(self.nodes[entry.at as usize].key);
+            let home = self.home(entry.tag);
             if j.wrapping_sub(home) & mask >= j.wrapping_sub(hole) & mask {
                 self.index[hole] = entry;
                 hole = j;
@@ -195,7 +197,7 @@ impl FlatMap {
         let old = std::mem::replace(&mut self.index, vec![EMPTY; size]);
         let mask = size - 1;
         for entry in old.into_iter().filter(|e| e.at != NONE) {
-            let mut i = self.home(self.nodes[entry.at as usize].key);
+            let mut i = self.home(entry.tag);
             while self.index[i].at != NONE {
                 i = (i + 1) & mask;
             }

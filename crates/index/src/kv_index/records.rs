@@ -1,6 +1,7 @@
 //! Every replica's engine blocks: the [`Record`]s of all slots in one arena, in store order (a
 //! freed one reused last freed, first reused), and per slot an open-addressing index of
-//! 8-byte entries (a tag of the engine hash, mixed, and the record's position; linear
+//! 8-byte entries (a tag of the engine hash, mixed, whose low bits are the entry's home, and
+//! the record's position; linear
 //! probing, backward-shift deletion). A record costs its 32 bytes in the arena and about 14
 //! in its slot's index; a slot's index is small enough to stay in cache while its events are
 //! applied, and records stored together lie together.
@@ -40,10 +41,13 @@ pub(crate) struct Records {
     slots: Vec<SlotIndex>,
 }
 
-/// Engine hashes come from engines (any values): one folded multiply spreads them.
-fn mix(hash: EngineHash) -> u64 {
+/// The index tag of an engine hash: engine hashes come from engines (any values), so one
+/// folded multiply spreads them first. Its low bits are the entry's home, so growth and
+/// removal move entries without reading their records.
+fn tag(hash: EngineHash) -> u32 {
     let m = u128::from(hash.0 ^ 0x243F_6A88_85A3_08D3) * u128::from(0x9E37_79B9_7F4A_7C15u64);
-    (m as u64) ^ ((m >> 64) as u64)
+    let mixed = (m as u64) ^ ((m >> 64) as u64);
+    (mixed >> 32) as u32
 }
 
 fn placeholder() -> Record {
@@ -77,9 +81,8 @@ impl Records {
     /// The index entry where `hash` of `slot` is, or where it would go.
     fn probe(&self, slot: u32, hash: EngineHash) -> (usize, Option<u32>) {
         let index = &self.slots[slot as usize];
-        let mixed = mix(hash);
-        let (mask, tag) = (index.mask(), (mixed >> 32) as u32);
-        let mut i = mixed as usize & mask;
+        let (mask, tag) = (index.mask(), tag(hash));
+        let mut i = tag as usize & mask;
         loop {
             let entry = index.entries[i];
             if entry.at == NONE {
@@ -104,7 +107,7 @@ impl Records {
     pub(crate) fn touch(&self, slot: u32, hash: EngineHash) {
         let index = &self.slots[slot as usize];
         if !index.entries.is_empty() {
-            std::hint::black_box(index.entries[mix(hash) as usize & index.mask()].at);
+            std::hint::black_box(index.entries[tag(hash) as usize & index.mask()].at);
         }
     }
 
@@ -154,7 +157,7 @@ impl Records {
                 (self.arena.len() - 1) as u32
             }
         };
-        let tag = (mix(hash) >> 32) as u32;
+        let tag = tag(hash);
         let index = &mut self.slots[slot as usize];
         index.entries[i] = Entry { tag, at };
         index.len += 1;
@@ -177,7 +180,7 @@ impl Records {
             if entry.at == NONE {
                 break;
             }
-            let home = mix(self.arena[entry.at as usize].engine) as usize & mask;
+            let home = entry.tag as usize & mask;
             if j.wrapping_sub(home) & mask >= j.wrapping_sub(hole) & mask {
                 index.entries[hole] = entry;
                 hole = j;
@@ -223,7 +226,7 @@ impl Records {
         let old = std::mem::replace(&mut index.entries, vec![EMPTY; size]);
         let mask = size - 1;
         for entry in old.into_iter().filter(|e| e.at != NONE) {
-            let mut i = mix(self.arena[entry.at as usize].engine) as usize & mask;
+            let mut i = entry.tag as usize & mask;
             while index.entries[i].at != NONE {
                 i = (i + 1) & mask;
             }
