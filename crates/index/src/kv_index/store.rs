@@ -122,8 +122,9 @@ impl KvIndex {
         Ok(base)
     }
 
-    /// Engine block size a multiple of the router's. All router hashes first, then the
-    /// entries they touch are brought into cache together, then the blocks are stored.
+    /// Engine block size a multiple of the router's. The records' index entries are brought
+    /// into cache while the router hashes are computed, then the table's entries, all
+    /// together (their cache misses overlap), then the blocks are stored.
     fn store_whole(
         &mut self,
         slot: u32,
@@ -132,6 +133,9 @@ impl KvIndex {
         scratch: &mut Scratch,
     ) {
         let per = event.block_size / self.block_size;
+        for &hash in event.engine_hashes {
+            self.records.touch(slot, hash);
+        }
         let mut previous = base;
         scratch.blocks.clear();
         for tokens in event.token_ids.chunks_exact(self.block_size) {
@@ -139,15 +143,8 @@ impl KvIndex {
             scratch.blocks.push(block);
             previous = Some(block);
         }
-        for (&hash, blocks) in event
-            .engine_hashes
-            .iter()
-            .zip(scratch.blocks.chunks_exact(per))
-        {
-            self.records.touch(slot, hash);
-            for &block in blocks {
-                self.table.touch(block, slot);
-            }
+        for &block in &scratch.blocks {
+            self.table.touch(block, slot);
         }
         let tier = tier_index(event.tier);
         for (&hash, blocks) in event
