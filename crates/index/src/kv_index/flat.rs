@@ -208,10 +208,7 @@ impl FlatMap {
     /// Every value (for tests).
     #[cfg(test)]
     pub(crate) fn values(&self) -> impl Iterator<Item = u64> + '_ {
-        self.nodes
-            .iter()
-            .filter(|n| n.key != FREE)
-            .map(|n| n.value)
+        self.nodes.iter().filter(|n| n.key != FREE).map(|n| n.value)
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
@@ -237,7 +234,7 @@ mod tests {
             x ^= x << 17;
             // Few distinct keys, many colliding homes and tags (and key 0 among them).
             let key = (x % 3) << 32 | (x % 1500) << 20;
-            if x % 3 == 0 {
+            if x.is_multiple_of(3) {
                 if let Some(at) = flat.find(key) {
                     flat.remove_at(at);
                 }
@@ -263,7 +260,9 @@ mod tests {
     #[test]
     fn a_chain_inserted_together_lies_side_by_side() {
         let mut flat = FlatMap::default();
-        let keys: Vec<u64> = (1..=10).map(|k| 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(k)).collect();
+        let keys: Vec<u64> = (1..=10)
+            .map(|k| 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(k))
+            .collect();
         let first = flat.insert(keys[0]).0;
         let mut at = first;
         for &key in &keys[1..] {

@@ -64,7 +64,8 @@ impl Records {
     /// Makes room for slots up to `slot`.
     pub(crate) fn ensure_slot(&mut self, slot: u32) {
         if self.slots.len() <= slot as usize {
-            self.slots.resize_with(slot as usize + 1, SlotIndex::default);
+            self.slots
+                .resize_with(slot as usize + 1, SlotIndex::default);
         }
     }
 
@@ -279,7 +280,10 @@ mod tests {
             let mine = model.iter().filter(|((s, _), _)| *s == slot);
             assert_eq!(records.len(slot), mine.clone().count());
             for ((_, hash), stamp) in mine {
-                assert_eq!(records.get(slot, EngineHash(*hash)).unwrap().stamp(), *stamp);
+                assert_eq!(
+                    records.get(slot, EngineHash(*hash)).unwrap().stamp(),
+                    *stamp
+                );
                 assert!(records.contains(slot, EngineHash(*hash)));
             }
         }

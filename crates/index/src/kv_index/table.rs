@@ -138,7 +138,10 @@ impl BlockTable {
     pub(crate) fn any_bit_of(&self, slot: u32) -> bool {
         let (_, bit) = split(slot);
         self.map.values().any(|device| device & bit != 0)
-            || self.lower.values().any(|lower| (lower[0] | lower[1] | lower[2]) & bit != 0)
+            || self
+                .lower
+                .values()
+                .any(|lower| (lower[0] | lower[1] | lower[2]) & bit != 0)
             || self.extra.keys().any(|(_, s, _)| *s == slot)
     }
 
