@@ -1,13 +1,18 @@
 //! [`KvIndex`]: the exact index, fed by engine KV events.
 //!
 //! # Layout
-//! - A block table keyed by the router block hash (already uniform, so hashed by identity)
+//! - A block table keyed by the router block hash (already uniform, so used as its own hash)
 //!   holding, per storage tier, a 64-bit mask of the replicas holding the block (replicas get
-//!   dense internal slots; more than 64 replicas use one table entry per group of 64). A query
-//!   is one lookup per leading block, with the still-matching replicas as a mask.
-//! - Per replica, a map from engine hash to a record of the router blocks the engine block
-//!   maps to and the tiers holding it. Removal and `AllBlocksCleared` go through it, so
-//!   clearing a replica costs time proportional to what it holds.
+//!   dense internal slots; more than 64 replicas use one table entry per group of 64). Its
+//!   entries are nodes of an arena in store order, so the blocks of a chain stored together
+//!   lie side by side: a query steps to the next node, and looks a block up only where the
+//!   chain was not stored in one piece, with the still-matching replicas as a mask.
+//! - Per replica, an index from engine hash to a record of the router blocks the engine block
+//!   maps to and the tiers holding it (the records of all replicas in one arena, in store
+//!   order). Removal and `AllBlocksCleared` go through it, so clearing a replica costs time
+//!   proportional to what it holds.
+//! - An event's blocks are applied in passes: their hashes first, then the entries they will
+//!   touch are loaded together, so that their cache misses overlap, then the changes.
 //!
 //! # Mapping engine blocks to router blocks (re-blocking)
 //! Let `B` be the router's block size and `E` the event's. The chain of router hashes of a

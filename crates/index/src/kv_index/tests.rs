@@ -118,6 +118,49 @@ fn cleared_slots_hold_no_bits_and_are_reused() {
 }
 
 #[test]
+fn storing_and_removing_in_rounds_reuses_nodes_and_records() {
+    // Conversations on a shared prefix, stored then removed newest block first, round after
+    // round, by changing replicas: the answers stay right and the memory stays flat (freed
+    // nodes and records are reused).
+    let mut index = KvIndex::new(BS);
+    let shared = prompt(0, 4);
+    store(&mut index, 0, &shared, BS, StorageTier::Device);
+    let mut settled = 0;
+    for round in 0..50u32 {
+        let replica = 1 + round % 5;
+        let tokens = [shared.clone(), prompt(10_000 + round * 1000, 20)].concat();
+        let hashes = engine(&tokens, BS);
+        let event = StoredBlocks {
+            parent: None,
+            engine_hashes: &hashes,
+            token_ids: &tokens,
+            block_size: BS,
+            tier: StorageTier::Device,
+            salt: 0,
+        };
+        index.apply_stored(ReplicaId(replica), &event).unwrap();
+        assert_eq!(held(&index, replica, &tokens), 24);
+        assert_eq!(held(&index, 0, &tokens), 4);
+        assert_eq!(index.num_blocks(), 24);
+        let newest_first: Vec<EngineHash> = hashes[4..].iter().rev().copied().collect();
+        index.apply_removed(ReplicaId(replica), StorageTier::Device, &newest_first);
+        assert_eq!(held(&index, replica, &tokens), 4);
+        index.apply_removed(ReplicaId(replica), StorageTier::Device, &hashes[..4]);
+        assert_eq!(held(&index, replica, &tokens), 0);
+        assert_eq!(held(&index, 0, &tokens), 4);
+        assert_eq!((index.num_blocks(), index.num_engine_blocks()), (4, 4));
+        // (Once every replica has had its slot.)
+        if round == 5 {
+            settled = index.memory_bytes();
+        }
+        if round > 5 {
+            assert!(index.memory_bytes() <= settled, "round {round}");
+        }
+    }
+    assert_eq!(index.unknown_removals(), 0);
+}
+
+#[test]
 fn storing_with_another_mapping_replaces_the_old_one() {
     let mut index = KvIndex::new(BS);
     let a = prompt(0, 2);
