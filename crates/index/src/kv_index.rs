@@ -177,7 +177,7 @@ impl KvIndex {
     /// Removes `hash` from tier `tier` of `slot`; false when it was not held there.
     fn remove_tier(&mut self, slot: u32, hash: EngineHash, tier: usize) -> bool {
         let groups = self.slots.groups();
-        let Some(at) = self.records.find(slot, hash) else {
+        let Some((entry, at)) = self.records.locate(slot, hash) else {
             return false;
         };
         let record = self.records.at_mut(at);
@@ -190,7 +190,7 @@ impl KvIndex {
             self.table.dec(block, slot, tier, groups);
         }
         if record.tiers() == 0 {
-            let record = self.records.remove(slot, hash).expect("just found");
+            let record = self.records.remove_entry(slot, entry);
             self.engine_blocks -= 1;
             self.record_heap -= record.kind.heap_bytes();
         }

@@ -73,6 +73,11 @@ impl FlatMap {
 
     /// The node of `key`, if present.
     pub(crate) fn find(&self, key: u64) -> Option<usize> {
+        self.locate(key).map(|(_, at)| at)
+    }
+
+    /// The index entry and the node of `key`, if present.
+    pub(crate) fn locate(&self, key: u64) -> Option<(usize, usize)> {
         if self.len == 0 {
             return None;
         }
@@ -85,7 +90,7 @@ impl FlatMap {
                 return None;
             }
             if entry.tag == tag && self.nodes[entry.at as usize].key == key {
-                return Some(entry.at as usize);
+                return Some((i, entry.at as usize));
             }
             i = (i + 1) & mask;
         }
@@ -165,6 +170,7 @@ impl FlatMap {
     }
 
     /// Removes node `at` and its index entry, shifting back the entries probing past it.
+    #[cfg(test)]
     pub(crate) fn remove_at(&mut self, at: usize) {
         let key = self.nodes[at].key;
         let mask = self.mask();
@@ -172,6 +178,15 @@ impl FlatMap {
         while self.index[hole].at != at as u32 {
             hole = (hole + 1) & mask;
         }
+        self.remove_entry(hole);
+    }
+
+    /// Removes the node of index entry `entry` (as [`locate`](Self::locate) found it, the
+    /// map unchanged since) and the entry.
+    pub(crate) fn remove_entry(&mut self, entry: usize) {
+        let at = self.index[entry].at as usize;
+        let mask = self.mask();
+        let mut hole = entry;
         let mut j = hole;
         loop {
             j = (j + 1) & mask;

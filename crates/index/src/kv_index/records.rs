@@ -164,15 +164,30 @@ impl Records {
         index.len += 1;
     }
 
-    /// Removes `hash` of `slot`, returning its record.
-    pub(crate) fn remove(&mut self, slot: u32, hash: EngineHash) -> Option<Record> {
+    /// The index entry and the arena position of `hash` of `slot`.
+    pub(crate) fn locate(&self, slot: u32, hash: EngineHash) -> Option<(usize, u32)> {
         if self.len(slot) == 0 {
             return None;
         }
-        let (mut hole, Some(at)) = self.probe(slot, hash) else {
-            return None;
-        };
+        match self.probe(slot, hash) {
+            (entry, Some(at)) => Some((entry, at)),
+            (_, None) => None,
+        }
+    }
+
+    /// Removes `hash` of `slot`, returning its record.
+    #[cfg(test)]
+    pub(crate) fn remove(&mut self, slot: u32, hash: EngineHash) -> Option<Record> {
+        let (entry, _) = self.locate(slot, hash)?;
+        Some(self.remove_entry(slot, entry))
+    }
+
+    /// Removes the record of index entry `entry` of `slot` (as [`locate`](Self::locate) found
+    /// it, the slot's index unchanged since), returning it.
+    pub(crate) fn remove_entry(&mut self, slot: u32, entry: usize) -> Record {
         let index = &mut self.slots[slot as usize];
+        let at = index.entries[entry].at;
+        let mut hole = entry;
         let mask = index.mask();
         let mut j = hole;
         loop {
@@ -189,7 +204,7 @@ impl Records {
         }
         index.entries[hole] = EMPTY;
         index.len -= 1;
-        Some(self.release(at))
+        self.release(at)
     }
 
     fn release(&mut self, at: u32) -> Record {

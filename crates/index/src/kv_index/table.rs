@@ -73,7 +73,7 @@ impl BlockTable {
     pub(crate) fn dec(&mut self, block: BlockHash, slot: u32, tier: usize, groups: u32) {
         let (group, bit) = split(slot);
         let key = group_key(block, group);
-        let Some(at) = self.map.find(key) else {
+        let Some((entry, at)) = self.map.locate(key) else {
             return;
         };
         let held = if tier == 0 {
@@ -104,7 +104,7 @@ impl BlockTable {
             }
         }
         if !lower_left && !self.lower.contains_key(&key) && *self.map.value_mut(at) == 0 {
-            self.map.remove_at(at);
+            self.map.remove_entry(entry);
             if !self.in_other_group(block, group, groups) {
                 self.distinct -= 1;
             }
