@@ -1,15 +1,18 @@
-//! Every replica's engine blocks: the [`Record`]s of all slots in one arena, in store order (a
-//! freed one reused last freed, first reused), and per slot an open-addressing index of
-//! 8-byte entries (a tag of the engine hash, mixed, whose low bits are the entry's home, and
-//! the record's position; linear
-//! probing, backward-shift deletion). A record costs its 32 bytes in the arena and about 14
-//! in its slot's index; a slot's index is small enough to stay in cache while its events are
-//! applied, and records stored together lie together.
+//! Every replica's engine blocks: the [`Record`]s of all slots in one arena of 1 MiB chunks,
+//! in store order (a freed one reused last freed, first reused), and per slot an
+//! open-addressing index of 8-byte entries (a tag of the engine hash, mixed, whose low bits
+//! are the entry's home, and the record's position; linear probing, backward-shift deletion).
+//! A record costs its 32 bytes in the arena and about 14 in its slot's index; a slot's index
+//! is small enough to stay in cache while its events are applied, and records stored
+//! together lie together.
 
 use super::record::{Kind, Record};
 use crate::{BlockHash, EngineHash};
 
 const MIN_ENTRIES: usize = 16;
+/// Records per arena chunk (1 MiB).
+const CHUNK_BITS: u32 = 15;
+const CHUNK: usize = 1 << CHUNK_BITS;
 /// `Entry::at` of an empty index entry.
 const NONE: u32 = u32::MAX;
 
@@ -35,7 +38,11 @@ struct SlotIndex {
 
 #[derive(Debug, Default)]
 pub(crate) struct Records {
-    arena: Vec<Held>,
+    /// Chunks of `CHUNK` records: growing never copies, the slack is one chunk at most, and
+    /// no allocation is large enough to bypass the allocator's reuse of freed memory.
+    arena: Vec<Vec<Held>>,
+    /// Records in the arena, freed ones included.
+    used: usize,
     /// Free arena positions, the last freed last.
     free: Vec<u32>,
     slots: Vec<SlotIndex>,
@@ -61,6 +68,14 @@ impl SlotIndex {
 }
 
 impl Records {
+    fn held(&self, at: u32) -> &Held {
+        &self.arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
+    }
+
+    fn held_mut(&mut self, at: u32) -> &mut Held {
+        &mut self.arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
+    }
+
     /// Makes room for slots up to `slot`.
     pub(crate) fn ensure_slot(&mut self, slot: u32) {
         if self.slots.len() <= slot as usize {
@@ -89,7 +104,7 @@ impl Records {
             if entry.at == NONE {
                 return (i, None);
             }
-            if entry.tag == tag && self.arena[entry.at as usize].engine == hash {
+            if entry.tag == tag && self.held(entry.at).engine == hash {
                 return (i, Some(entry.at));
             }
             i = (i + 1) & mask;
@@ -125,11 +140,11 @@ impl Records {
     }
 
     pub(crate) fn at(&self, at: u32) -> &Record {
-        &self.arena[at as usize].record
+        &self.held(at).record
     }
 
     pub(crate) fn at_mut(&mut self, at: u32) -> &mut Record {
-        &mut self.arena[at as usize].record
+        &mut self.held_mut(at).record
     }
 
     /// Adds `hash` of `slot`, which must not be there yet.
@@ -146,16 +161,21 @@ impl Records {
         };
         let at = match self.free.pop() {
             Some(at) => {
-                self.arena[at as usize] = held;
+                *self.held_mut(at) = held;
                 at
             }
             None => {
-                if self.arena.len() == self.arena.capacity() {
-                    // Half again, not double: the arena is most of the index's memory.
-                    self.arena.reserve_exact((self.arena.len() / 2).max(64));
+                if self.used.is_multiple_of(CHUNK) {
+                    self.arena.push(Vec::new());
                 }
-                self.arena.push(held);
-                (self.arena.len() - 1) as u32
+                let chunk = self.arena.last_mut().expect("a chunk with room");
+                if chunk.len() == chunk.capacity() {
+                    // Doubling up to the chunk's size (a small index stays small).
+                    chunk.reserve_exact(chunk.len().clamp(64, CHUNK - chunk.len()));
+                }
+                chunk.push(held);
+                self.used += 1;
+                (self.used - 1) as u32
             }
         };
         let tag = tag(hash);
@@ -209,7 +229,7 @@ impl Records {
 
     fn release(&mut self, at: u32) -> Record {
         self.free.push(at);
-        std::mem::replace(&mut self.arena[at as usize].record, placeholder())
+        std::mem::replace(&mut self.held_mut(at).record, placeholder())
     }
 
     /// Removes every record of `slot`, returning them.
@@ -252,7 +272,8 @@ impl Records {
 
     /// Heap bytes of the arena and the indexes (not what the records point to).
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.arena.capacity() * std::mem::size_of::<Held>()
+        self.arena.iter().map(Vec::capacity).sum::<usize>() * std::mem::size_of::<Held>()
+            + self.arena.capacity() * std::mem::size_of::<Vec<Held>>()
             + self.free.capacity() * std::mem::size_of::<u32>()
             + self.slots.capacity() * std::mem::size_of::<SlotIndex>()
             + self
