@@ -42,11 +42,12 @@ pub(crate) fn hash_into(
     tokens: &[u32],
     buf: &mut Vec<u8>,
 ) -> BlockHash {
-    buf.clear();
-    buf.extend_from_slice(&parent.map_or(ROOT_HASH_SEED, |p| p.0).to_le_bytes());
-    buf.extend_from_slice(&salt.to_le_bytes());
-    for token in tokens {
-        buf.extend_from_slice(&token.to_le_bytes());
+    buf.resize(16 + 4 * tokens.len(), 0);
+    let (head, body) = buf.split_at_mut(16);
+    head[..8].copy_from_slice(&parent.map_or(ROOT_HASH_SEED, |p| p.0).to_le_bytes());
+    head[8..].copy_from_slice(&salt.to_le_bytes());
+    for (bytes, token) in body.chunks_exact_mut(4).zip(tokens) {
+        bytes.copy_from_slice(&token.to_le_bytes());
     }
     BlockHash(stable_hash(buf))
 }

@@ -1,13 +1,18 @@
 //! [`KvIndex`]: the exact index, fed by engine KV events.
 //!
 //! # Layout
-//! - A block table keyed by the router block hash (already uniform, so hashed by identity)
+//! - A block table keyed by the router block hash (already uniform, so used as its own hash)
 //!   holding, per storage tier, a 64-bit mask of the replicas holding the block (replicas get
-//!   dense internal slots; more than 64 replicas use one table entry per group of 64). A query
-//!   is one lookup per leading block, with the still-matching replicas as a mask.
-//! - Per replica, a map from engine hash to a record of the router blocks the engine block
-//!   maps to and the tiers holding it. Removal and `AllBlocksCleared` go through it, so
-//!   clearing a replica costs time proportional to what it holds.
+//!   dense internal slots; more than 64 replicas use one table entry per group of 64). Its
+//!   entries are nodes of an arena in store order, so the blocks of a chain stored together
+//!   lie side by side: a query steps to the next node, and looks a block up only where the
+//!   chain was not stored in one piece, with the still-matching replicas as a mask.
+//! - Per replica, an index from engine hash to a record of the router blocks the engine block
+//!   maps to and the tiers holding it (the records of all replicas in one arena, in store
+//!   order). Removal and `AllBlocksCleared` go through it, so clearing a replica costs time
+//!   proportional to what it holds.
+//! - An event's blocks are applied in passes: their hashes first, then the entries they will
+//!   touch are loaded together, so that their cache misses overlap, then the changes.
 //!
 //! # Mapping engine blocks to router blocks (re-blocking)
 //! Let `B` be the router's block size and `E` the event's. The chain of router hashes of a
@@ -47,19 +52,21 @@
 //! their engines had evicted them, until the bound holds. This keeps memory bounded when
 //! removal events are lost; with a bound that is never reached, nothing is ever evicted.
 
+mod flat;
 mod record;
+mod records;
 mod store;
 mod table;
 
 use std::collections::VecDeque;
 
-use crate::hasher::{map_bytes, MixMap};
 use crate::slots::Slots;
 use crate::{
     BlockHash, EngineHash, IndexError, KvIndexer, OverlapScores, ReplicaId, StorageTier,
     StoredBlocks, TierCounts,
 };
-use record::{tier_bits, Record};
+use record::tier_bits;
+use records::Records;
 use table::BlockTable;
 
 /// The exact KV-block index; see the [module docs](self) for its rules.
@@ -68,11 +75,11 @@ pub struct KvIndex {
     slots: Slots,
     table: BlockTable,
     /// Per slot, the replica's engine blocks.
-    replicas: Vec<MixMap<EngineHash, Record>>,
+    records: Records,
     /// Per slot, its engine blocks in each tier (kept as records change).
     tier_counts: Vec<[u32; 4]>,
     /// Engine blocks remembered, all replicas together.
-    records: usize,
+    engine_blocks: usize,
     /// Heap bytes behind the records (multi-block and piece records).
     record_heap: usize,
     next_stamp: u64,
@@ -89,7 +96,7 @@ impl std::fmt::Debug for KvIndex {
         f.debug_struct("KvIndex")
             .field("block_size", &self.block_size)
             .field("blocks", &self.table.distinct())
-            .field("engine_blocks", &self.records)
+            .field("engine_blocks", &self.engine_blocks)
             .field("max_blocks", &self.max_blocks)
             .finish_non_exhaustive()
     }
@@ -106,9 +113,9 @@ impl KvIndex {
             block_size,
             slots: Slots::default(),
             table: BlockTable::default(),
-            replicas: Vec::new(),
+            records: Records::default(),
             tier_counts: Vec::new(),
-            records: 0,
+            engine_blocks: 0,
             record_heap: 0,
             next_stamp: 0,
             max_blocks: None,
@@ -133,12 +140,12 @@ impl KvIndex {
 
     /// Engine blocks remembered, all replicas together.
     pub fn num_engine_blocks(&self) -> usize {
-        self.records
+        self.engine_blocks
     }
 
     /// Replicas holding at least one engine block.
     pub fn num_replicas(&self) -> usize {
-        self.replicas.iter().filter(|r| !r.is_empty()).count()
+        self.records.slots_in_use()
     }
 
     /// The engine blocks `replica` holds, per tier (a block in two tiers counts in both).
@@ -170,10 +177,10 @@ impl KvIndex {
     /// Removes `hash` from tier `tier` of `slot`; false when it was not held there.
     fn remove_tier(&mut self, slot: u32, hash: EngineHash, tier: usize) -> bool {
         let groups = self.slots.groups();
-        let engine = &mut self.replicas[slot as usize];
-        let Some(record) = engine.get_mut(&hash) else {
+        let Some((entry, at)) = self.records.locate(slot, hash) else {
             return false;
         };
+        let record = self.records.at_mut(at);
         if record.tiers() & (1 << tier) == 0 {
             return false;
         }
@@ -183,8 +190,8 @@ impl KvIndex {
             self.table.dec(block, slot, tier, groups);
         }
         if record.tiers() == 0 {
-            let record = engine.remove(&hash).expect("just found");
-            self.records -= 1;
+            let record = self.records.remove_entry(slot, entry);
+            self.engine_blocks -= 1;
             self.record_heap -= record.kind.heap_bytes();
         }
         true
@@ -192,8 +199,9 @@ impl KvIndex {
 
     /// Removes `hash` of `slot` from every tier.
     fn remove_record(&mut self, slot: u32, hash: EngineHash) {
-        let tiers = self.replicas[slot as usize]
-            .get(&hash)
+        let tiers = self
+            .records
+            .get(slot, hash)
             .map_or(0, |record| record.tiers());
         for tier in tier_bits(tiers) {
             self.remove_tier(slot, hash, tier);
@@ -205,12 +213,13 @@ impl KvIndex {
         let Some(max) = self.max_blocks else {
             return;
         };
-        while self.records > max {
+        while self.engine_blocks > max {
             let Some((slot, hash, stamp)) = self.fifo.pop_front() else {
                 break;
             };
-            let live = self.replicas[slot as usize]
-                .get(&hash)
+            let live = self
+                .records
+                .get(slot, hash)
                 .is_some_and(|record| record.stamp() == stamp);
             if live {
                 self.remove_record(slot, hash);
@@ -225,11 +234,11 @@ impl KvIndex {
             return;
         }
         self.fifo.push_back((slot, hash, stamp));
-        if self.fifo.len() > 2 * self.records + 1024 {
-            let replicas = &self.replicas;
+        if self.fifo.len() > 2 * self.engine_blocks + 1024 {
+            let records = &self.records;
             self.fifo.retain(|(slot, hash, stamp)| {
-                replicas[*slot as usize]
-                    .get(hash)
+                records
+                    .get(*slot, *hash)
                     .is_some_and(|record| record.stamp() == *stamp)
             });
         }
@@ -275,9 +284,23 @@ impl KvIndexer for KvIndex {
             self.unknown_removals += engine_hashes.len() as u64;
             return;
         };
-        for &hash in engine_hashes {
-            if !self.remove_tier(slot, hash, tier_index(tier)) {
-                self.unknown_removals += 1;
+        // In batches: the records, then the table entries they name, are brought into cache
+        // together (their misses overlap), then the blocks are removed.
+        for batch in engine_hashes.chunks(32) {
+            for &hash in batch {
+                self.records.touch(slot, hash);
+            }
+            for &hash in batch {
+                if let Some(record) = self.records.get(slot, hash) {
+                    for block in record.kind.covered() {
+                        self.table.touch(block, slot);
+                    }
+                }
+            }
+            for &hash in batch {
+                if !self.remove_tier(slot, hash, tier_index(tier)) {
+                    self.unknown_removals += 1;
+                }
             }
         }
     }
@@ -287,10 +310,10 @@ impl KvIndexer for KvIndex {
             return;
         };
         let groups = self.slots.groups();
-        let engine = std::mem::take(&mut self.replicas[slot as usize]);
+        let taken = self.records.take_slot(slot);
         self.tier_counts[slot as usize] = [0; 4];
-        self.records -= engine.len();
-        for record in engine.into_values() {
+        self.engine_blocks -= taken.len();
+        for record in taken {
             self.record_heap -= record.kind.heap_bytes();
             for tier in tier_bits(record.tiers()) {
                 for block in record.kind.covered() {
@@ -312,12 +335,7 @@ impl KvIndexer for KvIndex {
     fn memory_bytes(&self) -> usize {
         self.table.memory_bytes()
             + self.slots.memory_bytes()
-            + self.replicas.capacity() * std::mem::size_of::<MixMap<EngineHash, Record>>()
-            + self
-                .replicas
-                .iter()
-                .map(|engine| map_bytes::<EngineHash, Record>(engine.capacity()))
-                .sum::<usize>()
+            + self.records.memory_bytes()
             + self.record_heap
             + self.fifo.capacity() * std::mem::size_of::<(u32, EngineHash, u64)>()
             + self.scratch.memory_bytes()

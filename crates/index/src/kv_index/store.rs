@@ -5,13 +5,14 @@ use std::sync::Arc;
 use super::record::{Basis, Kind, Part, Record, Tail};
 use super::{tier_index, KvIndex};
 use crate::hash::hash_into;
-use crate::hasher::MixMap;
 use crate::{BlockHash, EngineHash, IndexError, ReplicaId, StoredBlocks};
 
 /// Buffers reused across events.
 #[derive(Debug, Default)]
 pub(super) struct Scratch {
     bytes: Vec<u8>,
+    /// Router blocks of the event being stored (whole engine blocks).
+    blocks: Vec<BlockHash>,
     /// Tokens of the partial router block being filled.
     tokens: Vec<u32>,
     /// Engine blocks of the partial router block being filled, in order.
@@ -22,7 +23,10 @@ pub(super) struct Scratch {
 
 impl Scratch {
     pub(super) fn memory_bytes(&self) -> usize {
-        self.bytes.capacity() + 4 * self.tokens.capacity() + 8 * self.members.capacity()
+        self.bytes.capacity()
+            + 8 * self.blocks.capacity()
+            + 4 * self.tokens.capacity()
+            + 8 * self.members.capacity()
     }
 }
 
@@ -51,13 +55,12 @@ impl KvIndex {
         let result = self.resolve_parent(replica, event, &mut scratch);
         let result = result.map(|base| {
             let slot = self.slots.get_or_insert(replica);
-            if self.replicas.len() <= slot as usize {
-                self.replicas
-                    .resize_with(slot as usize + 1, MixMap::default);
+            self.records.ensure_slot(slot);
+            if self.tier_counts.len() <= slot as usize {
                 self.tier_counts.resize(slot as usize + 1, [0; 4]);
             }
             if engine >= router {
-                self.store_whole(slot, event, base, &mut scratch.bytes);
+                self.store_whole(slot, event, base, &mut scratch);
             } else {
                 self.store_pieces(slot, event, base, &mut scratch);
             }
@@ -81,13 +84,13 @@ impl KvIndex {
         let Some(parent) = event.parent else {
             return Ok(None);
         };
-        let engine = self
+        let slot = self
             .slots
             .get(replica)
-            .map(|slot| &self.replicas[slot as usize])
             .ok_or(IndexError::UnknownParent(parent))?;
-        let record = engine
-            .get(&parent)
+        let record = self
+            .records
+            .get(slot, parent)
             .ok_or(IndexError::UnknownParent(parent))?;
         let Basis { base, filled } = record.kind.basis();
         if filled == 0 {
@@ -111,7 +114,7 @@ impl KvIndex {
             .members
             .iter()
             .rev()
-            .find(|m| !engine.contains_key(m))
+            .find(|m| !self.records.contains(slot, **m))
         {
             return Err(IndexError::UnknownParent(*gone));
         }
@@ -119,37 +122,41 @@ impl KvIndex {
         Ok(base)
     }
 
-    /// Engine block size a multiple of the router's.
+    /// Engine block size a multiple of the router's. The records' index entries are brought
+    /// into cache while the router hashes are computed, then the table's entries, all
+    /// together (their cache misses overlap), then the blocks are stored.
     fn store_whole(
         &mut self,
         slot: u32,
         event: &StoredBlocks<'_>,
         base: Option<BlockHash>,
-        bytes: &mut Vec<u8>,
+        scratch: &mut Scratch,
     ) {
-        let router = self.block_size;
+        let per = event.block_size / self.block_size;
+        for &hash in event.engine_hashes {
+            self.records.touch(slot, hash);
+        }
         let mut previous = base;
-        for (&hash, tokens) in event
+        scratch.blocks.clear();
+        for tokens in event.token_ids.chunks_exact(self.block_size) {
+            let block = hash_into(previous, event.salt, tokens, &mut scratch.bytes);
+            scratch.blocks.push(block);
+            previous = Some(block);
+        }
+        for &block in &scratch.blocks {
+            self.table.touch(block, slot);
+        }
+        let tier = tier_index(event.tier);
+        for (&hash, blocks) in event
             .engine_hashes
             .iter()
-            .zip(event.token_ids.chunks_exact(event.block_size))
+            .zip(scratch.blocks.chunks_exact(per))
         {
-            let kind = if tokens.len() == router {
-                let block = hash_into(previous, event.salt, tokens, bytes);
-                previous = Some(block);
-                Kind::One(block)
-            } else {
-                let blocks = tokens
-                    .chunks_exact(router)
-                    .map(|piece| {
-                        let block = hash_into(previous, event.salt, piece, bytes);
-                        previous = Some(block);
-                        block
-                    })
-                    .collect();
-                Kind::Many(Box::new(blocks))
+            let kind = match blocks {
+                [block] => Kind::One(*block),
+                _ => Kind::Many(Box::new(blocks.into())),
             };
-            self.upsert(slot, hash, kind, tier_index(event.tier));
+            self.upsert(slot, hash, kind, tier);
         }
     }
 
@@ -232,7 +239,7 @@ impl KvIndex {
 
     /// Records that `block` was completed through the piece `member`.
     fn add_member_of(&mut self, slot: u32, member: EngineHash, block: BlockHash) {
-        let Some(record) = self.replicas[slot as usize].get_mut(&member) else {
+        let Some(record) = self.records.get_mut(slot, member) else {
             return;
         };
         if let Kind::Part(part) = &mut record.kind {
@@ -247,13 +254,12 @@ impl KvIndex {
 
     /// Stores engine block `hash` of `slot` in `tier` with mapping `kind`.
     fn upsert(&mut self, slot: u32, hash: EngineHash, kind: Kind, tier: usize) {
-        use std::collections::hash_map::Entry;
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         let groups = self.slots.groups();
-        match self.replicas[slot as usize].entry(hash) {
-            Entry::Occupied(mut held) if held.get().kind.same_mapping(&kind) => {
-                let record = held.get_mut();
+        match self.records.find(slot, hash) {
+            Some(at) if self.records.at(at).kind.same_mapping(&kind) => {
+                let record = self.records.at_mut(at);
                 record.set_stamp(stamp);
                 if record.tiers() & (1 << tier) == 0 {
                     record.set_tiers(record.tiers() | 1 << tier);
@@ -263,19 +269,11 @@ impl KvIndex {
                     }
                 }
             }
-            Entry::Occupied(_) => {
+            Some(_) => {
                 self.remove_record(slot, hash);
                 self.insert(slot, hash, kind, tier, stamp);
             }
-            Entry::Vacant(vacant) => {
-                for &block in kind.own() {
-                    self.table.inc(block, slot, tier, groups);
-                }
-                self.records += 1;
-                self.record_heap += kind.heap_bytes();
-                self.tier_counts[slot as usize][tier] += 1;
-                vacant.insert(Record::new(kind, stamp, 1 << tier));
-            }
+            None => self.insert(slot, hash, kind, tier, stamp),
         }
         self.push_fifo(slot, hash, stamp);
     }
@@ -285,9 +283,10 @@ impl KvIndex {
         for &block in kind.own() {
             self.table.inc(block, slot, tier, groups);
         }
-        self.records += 1;
+        self.engine_blocks += 1;
         self.record_heap += kind.heap_bytes();
         self.tier_counts[slot as usize][tier] += 1;
-        self.replicas[slot as usize].insert(hash, Record::new(kind, stamp, 1 << tier));
+        self.records
+            .insert(slot, hash, Record::new(kind, stamp, 1 << tier));
     }
 }

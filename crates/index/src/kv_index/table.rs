@@ -1,14 +1,19 @@
 //! The block table: for each (router block, group of 64 slots), one holder mask per tier.
 //!
-//! A bit set in `tiers[t]` means the slot holds the block in tier `t` at least once. Counts
-//! above one (several engine blocks covering one router block) live in a side map, `extra`,
-//! which stays empty in the common one-to-one case, so the table itself is 40 bytes a block.
+//! A bit set in `tiers[t]` means the slot holds the block in tier `t` at least once. The
+//! device masks live in a [`FlatMap`] (an arena of 16-byte nodes in insertion order, found by
+//! an open-addressing index of 8-byte entries, about 32 bytes a block); the masks of the other
+//! tiers, rarer, in a side map, `lower`, consulted only when it is not empty. Counts above one
+//! (several engine blocks covering one router block) live in another side map, `extra`, which
+//! stays empty in the common one-to-one case.
 //!
 //! The query walks the request's blocks in order with a mask of the replicas still matching:
-//! one table lookup per block per group, and the per-replica work happens only when a replica
+//! one step per block per group (the node after the last one matched, which is where a chain
+//! stored together lies, else a lookup), and the per-replica work happens only when a replica
 //! drops out or holds a block outside the device tier. Counts per tier follow from
 //! `device = matched - host - disk - external`.
 
+use super::flat::FlatMap;
 use crate::hasher::{map_bytes, IdentityMap, MixMap};
 use crate::slots::{bits, group_key, split, Slots};
 use crate::{BlockHash, OverlapScores, TierCounts};
@@ -29,7 +34,10 @@ impl Holders {
 
 #[derive(Debug, Default)]
 pub(crate) struct BlockTable {
-    map: IdentityMap<u64, Holders>,
+    /// Table key → device mask; an entry exists while some slot holds the key in some tier.
+    map: FlatMap,
+    /// Table key → host, disk and external masks, while one is not zero.
+    lower: IdentityMap<u64, [u64; 3]>,
     /// (table key, slot, tier) → holdings beyond the first.
     extra: MixMap<(u64, u32, u8), u32>,
     distinct: usize,
@@ -45,13 +53,14 @@ impl BlockTable {
     pub(crate) fn inc(&mut self, block: BlockHash, slot: u32, tier: usize, groups: u32) {
         let (group, bit) = split(slot);
         let key = group_key(block, group);
-        let mut created = false;
-        let holders = self.map.entry(key).or_insert_with(|| {
-            created = true;
-            Holders::default()
-        });
-        if holders.tiers[tier] & bit == 0 {
-            holders.tiers[tier] |= bit;
+        let (at, created) = self.map.insert(key);
+        let mask = if tier == 0 {
+            self.map.value_mut(at)
+        } else {
+            &mut self.lower.entry(key).or_default()[tier - 1]
+        };
+        if *mask & bit == 0 {
+            *mask |= bit;
         } else {
             *self.extra.entry((key, slot, tier as u8)).or_insert(0) += 1;
         }
@@ -64,10 +73,15 @@ impl BlockTable {
     pub(crate) fn dec(&mut self, block: BlockHash, slot: u32, tier: usize, groups: u32) {
         let (group, bit) = split(slot);
         let key = group_key(block, group);
-        let Some(holders) = self.map.get_mut(&key) else {
+        let Some((entry, at)) = self.map.locate(key) else {
             return;
         };
-        if holders.tiers[tier] & bit == 0 {
+        let held = if tier == 0 {
+            *self.map.value_mut(at)
+        } else {
+            self.lower.get(&key).map_or(0, |lower| lower[tier - 1])
+        };
+        if held & bit == 0 {
             return;
         }
         if !self.extra.is_empty() {
@@ -79,24 +93,55 @@ impl BlockTable {
                 return;
             }
         }
-        holders.tiers[tier] &= !bit;
-        if holders.any() == 0 {
-            self.map.remove(&key);
+        let mut lower_left = false;
+        if tier == 0 {
+            *self.map.value_mut(at) &= !bit;
+        } else if let Some(lower) = self.lower.get_mut(&key) {
+            lower[tier - 1] &= !bit;
+            lower_left = *lower != [0; 3];
+            if !lower_left {
+                self.lower.remove(&key);
+            }
+        }
+        if !lower_left && !self.lower.contains_key(&key) && *self.map.value_mut(at) == 0 {
+            self.map.remove_entry(entry);
             if !self.in_other_group(block, group, groups) {
                 self.distinct -= 1;
             }
         }
     }
 
+    /// The holders of table key `key`, at node `at`.
+    fn holders(&self, at: usize, key: u64) -> Holders {
+        let mut holders = Holders {
+            tiers: [self.map.value(at), 0, 0, 0],
+        };
+        if !self.lower.is_empty() {
+            if let Some(lower) = self.lower.get(&key) {
+                holders.tiers[1..].copy_from_slice(lower);
+            }
+        }
+        holders
+    }
+
+    /// Brings the table entry of `block` for `slot` into cache (see [`FlatMap::touch`]).
+    pub(crate) fn touch(&self, block: BlockHash, slot: u32) {
+        self.map.touch(group_key(block, split(slot).0));
+    }
+
     fn in_other_group(&self, block: BlockHash, group: u32, groups: u32) -> bool {
-        groups > 1 && (0..groups).any(|g| g != group && self.map.contains_key(&group_key(block, g)))
+        groups > 1 && (0..groups).any(|g| g != group && self.map.contains(group_key(block, g)))
     }
 
     /// Whether any bit of `slot` is set anywhere (for tests).
     #[cfg(test)]
     pub(crate) fn any_bit_of(&self, slot: u32) -> bool {
         let (_, bit) = split(slot);
-        self.map.values().any(|h| h.any() & bit != 0)
+        self.map.values().any(|device| device & bit != 0)
+            || self
+                .lower
+                .values()
+                .any(|lower| (lower[0] | lower[1] | lower[2]) & bit != 0)
             || self.extra.keys().any(|(_, s, _)| *s == slot)
     }
 
@@ -106,8 +151,9 @@ impl BlockTable {
             return OverlapScores { scores };
         };
         for group in 0..slots.groups() {
-            if let Some(holders) = self.map.get(&group_key(first, group)) {
-                self.walk_group(hashes, group, *holders, slots, &mut scores);
+            let key = group_key(first, group);
+            if let Some(at) = self.map.find(key) {
+                self.walk_group(hashes, group, at, slots, &mut scores);
             }
         }
         if slots.groups() > 1 || scores.len() > 1 {
@@ -120,7 +166,7 @@ impl BlockTable {
         &self,
         hashes: &[BlockHash],
         group: u32,
-        first: Holders,
+        mut at: usize,
         slots: &Slots,
         scores: &mut Vec<(crate::ReplicaId, TierCounts)>,
     ) {
@@ -129,9 +175,9 @@ impl BlockTable {
         // the processor already overlaps the misses of consecutive iterations.)
         let mut matched = [0u32; 64];
         let mut lower = [[0u32; 3]; 64];
-        let holders_of_first = first.any();
+        let mut current = self.holders(at, group_key(hashes[0], group));
+        let holders_of_first = current.any();
         let mut active = holders_of_first;
-        let mut current = first;
         let mut i = 0;
         loop {
             let any = current.any();
@@ -155,11 +201,15 @@ impl BlockTable {
                 lower[b as usize][tier] += 1;
             }
             i += 1;
-            let next = hashes
-                .get(i)
-                .and_then(|h| self.map.get(&group_key(*h, group)));
+            let next = hashes.get(i).and_then(|h| {
+                let key = group_key(*h, group);
+                self.map.find_after(at, key).map(|next| (next, key))
+            });
             match next {
-                Some(holders) => current = *holders,
+                Some((next, key)) => {
+                    at = next;
+                    current = self.holders(at, key);
+                }
                 None => {
                     for b in bits(active, 0) {
                         matched[b as usize] = i as u32;
@@ -181,7 +231,8 @@ impl BlockTable {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        map_bytes::<u64, Holders>(self.map.capacity())
+        self.map.memory_bytes()
+            + map_bytes::<u64, [u64; 3]>(self.lower.capacity())
             + map_bytes::<(u64, u32, u8), u32>(self.extra.capacity())
     }
 }

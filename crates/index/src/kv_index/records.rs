@@ -1,0 +1,332 @@
+//! Every replica's engine blocks: the [`Record`]s of all slots in one arena of 1 MiB chunks,
+//! in store order (a freed one reused last freed, first reused), and per slot an
+//! open-addressing index of 8-byte entries (a tag of the engine hash, mixed, whose low bits
+//! are the entry's home, and the record's position; linear probing, backward-shift deletion).
+//! A record costs its 32 bytes in the arena and about 14 in its slot's index; a slot's index
+//! is small enough to stay in cache while its events are applied, and records stored
+//! together lie together.
+
+use super::record::{Kind, Record};
+use crate::{BlockHash, EngineHash};
+
+const MIN_ENTRIES: usize = 16;
+/// Records per arena chunk (1 MiB).
+const CHUNK_BITS: u32 = 15;
+const CHUNK: usize = 1 << CHUNK_BITS;
+/// `Entry::at` of an empty index entry.
+const NONE: u32 = u32::MAX;
+
+#[derive(Debug)]
+struct Held {
+    engine: EngineHash,
+    record: Record,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    tag: u32,
+    at: u32,
+}
+
+const EMPTY: Entry = Entry { tag: 0, at: NONE };
+
+#[derive(Debug, Default)]
+struct SlotIndex {
+    entries: Vec<Entry>,
+    len: usize,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Records {
+    /// Chunks of `CHUNK` records: growing never copies, the slack is one chunk at most, and
+    /// no allocation is large enough to bypass the allocator's reuse of freed memory.
+    arena: Vec<Vec<Held>>,
+    /// Records in the arena, freed ones included.
+    used: usize,
+    /// Free arena positions, the last freed last.
+    free: Vec<u32>,
+    slots: Vec<SlotIndex>,
+}
+
+/// The index tag of an engine hash: engine hashes come from engines (any values), so one
+/// folded multiply spreads them first. Its low bits are the entry's home, so growth and
+/// removal move entries without reading their records.
+fn tag(hash: EngineHash) -> u32 {
+    let m = u128::from(hash.0 ^ 0x243F_6A88_85A3_08D3) * u128::from(0x9E37_79B9_7F4A_7C15u64);
+    let mixed = (m as u64) ^ ((m >> 64) as u64);
+    (mixed >> 32) as u32
+}
+
+fn placeholder() -> Record {
+    Record::new(Kind::One(BlockHash(0)), 0, 0)
+}
+
+impl SlotIndex {
+    fn mask(&self) -> usize {
+        self.entries.len() - 1
+    }
+}
+
+impl Records {
+    fn held(&self, at: u32) -> &Held {
+        &self.arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
+    }
+
+    fn held_mut(&mut self, at: u32) -> &mut Held {
+        &mut self.arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
+    }
+
+    /// Makes room for slots up to `slot`.
+    pub(crate) fn ensure_slot(&mut self, slot: u32) {
+        if self.slots.len() <= slot as usize {
+            self.slots
+                .resize_with(slot as usize + 1, SlotIndex::default);
+        }
+    }
+
+    /// Engine blocks of `slot`.
+    pub(crate) fn len(&self, slot: u32) -> usize {
+        self.slots.get(slot as usize).map_or(0, |index| index.len)
+    }
+
+    /// Slots holding at least one engine block.
+    pub(crate) fn slots_in_use(&self) -> usize {
+        self.slots.iter().filter(|index| index.len > 0).count()
+    }
+
+    /// The index entry where `hash` of `slot` is, or where it would go.
+    fn probe(&self, slot: u32, hash: EngineHash) -> (usize, Option<u32>) {
+        let index = &self.slots[slot as usize];
+        let (mask, tag) = (index.mask(), tag(hash));
+        let mut i = tag as usize & mask;
+        loop {
+            let entry = index.entries[i];
+            if entry.at == NONE {
+                return (i, None);
+            }
+            if entry.tag == tag && self.held(entry.at).engine == hash {
+                return (i, Some(entry.at));
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// The arena position of `hash` of `slot`.
+    pub(crate) fn find(&self, slot: u32, hash: EngineHash) -> Option<u32> {
+        if self.len(slot) == 0 {
+            return None;
+        }
+        self.probe(slot, hash).1
+    }
+
+    /// Loads the index entry `hash` of `slot` probes first (see `FlatMap::touch`).
+    pub(crate) fn touch(&self, slot: u32, hash: EngineHash) {
+        let index = &self.slots[slot as usize];
+        if !index.entries.is_empty() {
+            std::hint::black_box(index.entries[tag(hash) as usize & index.mask()].at);
+        }
+    }
+
+    pub(crate) fn get(&self, slot: u32, hash: EngineHash) -> Option<&Record> {
+        self.find(slot, hash).map(|at| self.at(at))
+    }
+
+    pub(crate) fn get_mut(&mut self, slot: u32, hash: EngineHash) -> Option<&mut Record> {
+        self.find(slot, hash).map(|at| self.at_mut(at))
+    }
+
+    pub(crate) fn contains(&self, slot: u32, hash: EngineHash) -> bool {
+        self.find(slot, hash).is_some()
+    }
+
+    pub(crate) fn at(&self, at: u32) -> &Record {
+        &self.held(at).record
+    }
+
+    pub(crate) fn at_mut(&mut self, at: u32) -> &mut Record {
+        &mut self.held_mut(at).record
+    }
+
+    /// Adds `hash` of `slot`, which must not be there yet.
+    pub(crate) fn insert(&mut self, slot: u32, hash: EngineHash, record: Record) {
+        let index = &self.slots[slot as usize];
+        if (index.len + 1) * 4 > index.entries.len() * 3 {
+            self.grow(slot);
+        }
+        let (i, found) = self.probe(slot, hash);
+        debug_assert!(found.is_none(), "inserting a record already there");
+        let held = Held {
+            engine: hash,
+            record,
+        };
+        let at = match self.free.pop() {
+            Some(at) => {
+                *self.held_mut(at) = held;
+                at
+            }
+            None => {
+                if self.used.is_multiple_of(CHUNK) {
+                    self.arena.push(Vec::new());
+                }
+                let chunk = self.arena.last_mut().expect("a chunk with room");
+                if chunk.len() == chunk.capacity() {
+                    // Doubling up to the chunk's size (a small index stays small).
+                    chunk.reserve_exact(chunk.len().clamp(64, CHUNK - chunk.len()));
+                }
+                chunk.push(held);
+                self.used += 1;
+                (self.used - 1) as u32
+            }
+        };
+        let tag = tag(hash);
+        let index = &mut self.slots[slot as usize];
+        index.entries[i] = Entry { tag, at };
+        index.len += 1;
+    }
+
+    /// The index entry and the arena position of `hash` of `slot`.
+    pub(crate) fn locate(&self, slot: u32, hash: EngineHash) -> Option<(usize, u32)> {
+        if self.len(slot) == 0 {
+            return None;
+        }
+        match self.probe(slot, hash) {
+            (entry, Some(at)) => Some((entry, at)),
+            (_, None) => None,
+        }
+    }
+
+    /// Removes `hash` of `slot`, returning its record.
+    #[cfg(test)]
+    pub(crate) fn remove(&mut self, slot: u32, hash: EngineHash) -> Option<Record> {
+        let (entry, _) = self.locate(slot, hash)?;
+        Some(self.remove_entry(slot, entry))
+    }
+
+    /// Removes the record of index entry `entry` of `slot` (as [`locate`](Self::locate) found
+    /// it, the slot's index unchanged since), returning it.
+    pub(crate) fn remove_entry(&mut self, slot: u32, entry: usize) -> Record {
+        let index = &mut self.slots[slot as usize];
+        let at = index.entries[entry].at;
+        let mut hole = entry;
+        let mask = index.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let entry = index.entries[j];
+            if entry.at == NONE {
+                break;
+            }
+            let home = entry.tag as usize & mask;
+            if j.wrapping_sub(home) & mask >= j.wrapping_sub(hole) & mask {
+                index.entries[hole] = entry;
+                hole = j;
+            }
+        }
+        index.entries[hole] = EMPTY;
+        index.len -= 1;
+        self.release(at)
+    }
+
+    fn release(&mut self, at: u32) -> Record {
+        self.free.push(at);
+        std::mem::replace(&mut self.held_mut(at).record, placeholder())
+    }
+
+    /// Removes every record of `slot`, returning them.
+    pub(crate) fn take_slot(&mut self, slot: u32) -> Vec<Record> {
+        let Some(index) = self.slots.get_mut(slot as usize) else {
+            return Vec::new();
+        };
+        let index = std::mem::take(index);
+        index
+            .entries
+            .iter()
+            .filter(|e| e.at != NONE)
+            .map(|e| self.release(e.at))
+            .collect()
+    }
+
+    /// The records of `slot` (for tests).
+    #[cfg(test)]
+    pub(crate) fn values(&self, slot: u32) -> impl Iterator<Item = &Record> + '_ {
+        self.slots[slot as usize]
+            .entries
+            .iter()
+            .filter(|e| e.at != NONE)
+            .map(|e| self.at(e.at))
+    }
+
+    fn grow(&mut self, slot: u32) {
+        let index = &mut self.slots[slot as usize];
+        let size = (index.entries.len() * 2).max(MIN_ENTRIES);
+        let old = std::mem::replace(&mut index.entries, vec![EMPTY; size]);
+        let mask = size - 1;
+        for entry in old.into_iter().filter(|e| e.at != NONE) {
+            let mut i = entry.tag as usize & mask;
+            while index.entries[i].at != NONE {
+                i = (i + 1) & mask;
+            }
+            index.entries[i] = entry;
+        }
+    }
+
+    /// Heap bytes of the arena and the indexes (not what the records point to).
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.arena.iter().map(Vec::capacity).sum::<usize>() * std::mem::size_of::<Held>()
+            + self.arena.capacity() * std::mem::size_of::<Vec<Held>>()
+            + self.free.capacity() * std::mem::size_of::<u32>()
+            + self.slots.capacity() * std::mem::size_of::<SlotIndex>()
+            + self
+                .slots
+                .iter()
+                .map(|index| index.entries.capacity() * std::mem::size_of::<Entry>())
+                .sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn behaves_as_a_map_per_slot() {
+        let mut records = Records::default();
+        records.ensure_slot(2);
+        let mut model: HashMap<(u32, u64), u64> = HashMap::new();
+        let mut x = 0x1234_5678_9ABC_DEF1u64;
+        for stamp in 0..20_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Small engine hashes, as some engines have, in three slots.
+            let (slot, hash) = ((x % 3) as u32, EngineHash(x % 700));
+            if x % 5 < 2 {
+                let removed = records.remove(slot, hash).map(|r| r.stamp());
+                assert_eq!(removed, model.remove(&(slot, hash.0)));
+            } else if let Some(record) = records.get_mut(slot, hash) {
+                record.set_stamp(stamp);
+                model.insert((slot, hash.0), stamp);
+            } else {
+                records.insert(slot, hash, Record::new(Kind::One(BlockHash(1)), stamp, 1));
+                model.insert((slot, hash.0), stamp);
+            }
+        }
+        for slot in 0..3 {
+            let mine = model.iter().filter(|((s, _), _)| *s == slot);
+            assert_eq!(records.len(slot), mine.clone().count());
+            for ((_, hash), stamp) in mine {
+                assert_eq!(
+                    records.get(slot, EngineHash(*hash)).unwrap().stamp(),
+                    *stamp
+                );
+                assert!(records.contains(slot, EngineHash(*hash)));
+            }
+        }
+        let taken = records.take_slot(1);
+        assert_eq!(taken.len(), model.keys().filter(|(s, _)| *s == 1).count());
+        assert_eq!(records.len(1), 0);
+        assert!(records.get(1, EngineHash(3)).is_none());
+        assert_eq!(records.slots_in_use(), 2);
+    }
+}
