@@ -49,11 +49,13 @@ mod hash;
 mod hasher;
 pub mod kv_index;
 pub mod reference;
+pub mod sharded;
 mod slots;
 
 pub use approx::ApproxIndex;
 pub use hash::{block_hash, block_hashes, ROOT_HASH_SEED};
 pub use kv_index::KvIndex;
+pub use sharded::ShardedKvIndex;
 
 /// The router's hash of a block: chains every token of the prefix up to and including it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_index::reference::{ReferenceApprox, ReferenceIndex};
 use kvroute_index::{
-    ApproxIndex, ApproxIndexer, BlockHash, EngineHash, KvIndex, KvIndexer, ReplicaId, StorageTier,
+    ApproxIndex, ApproxIndexer, BlockHash, EngineHash, KvIndex, KvIndexer, ReplicaId,
+    ShardedKvIndex, StorageTier,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -211,12 +212,14 @@ fn kv_index_agrees_with_the_reference_on_random_streams() {
         let mut real = KvIndex::new(BS);
         let mut reference = ReferenceIndex::new(BS);
         let mut bounded = KvIndex::with_max_blocks(BS, 40);
+        let mut sharded = ShardedKvIndex::new(BS, 3);
         let mut log = Vec::new();
         for step in 0..250 {
             let op = stream.next_op();
             log.push(describe(&op));
             let (a, b) = (apply(&mut real, &op), apply(&mut reference, &op));
             apply(&mut bounded, &op);
+            let c = apply(&mut sharded, &op);
             let sizes = stream.engine_bs.clone();
             let context = || {
                 format!(
@@ -225,12 +228,21 @@ fn kv_index_agrees_with_the_reference_on_random_streams() {
                 )
             };
             assert_eq!(a, b, "result differs: {}", context());
+            assert_eq!(a, c, "sharded result differs: {}", context());
             assert!(bounded.num_engine_blocks() <= 40, "{}", context());
             for _ in 0..3 {
                 let query = stream.query();
+                let expected = reference.find_matches(&query);
+                assert_eq!(
+                    sharded.find_matches(&query),
+                    expected,
+                    "sharded, query of {} blocks: {}",
+                    query.len(),
+                    context()
+                );
                 assert_eq!(
                     real.find_matches(&query),
-                    reference.find_matches(&query),
+                    expected,
                     "query of {} blocks: {}",
                     query.len(),
                     context()

@@ -32,6 +32,9 @@ macro_rules! kv_suite {
         mod kv_index_bounded {
             $(#[test] fn $name() { super::$name(|bs| kvroute_index::KvIndex::with_max_blocks(bs, 1 << 20)); })*
         }
+        mod sharded_mirrored {
+            $(#[test] fn $name() { super::$name(|bs| kvroute_index::ShardedKvIndex::new(bs, 1)); })*
+        }
         mod reference {
             $(#[test] fn $name() { super::$name(kvroute_index::reference::ReferenceIndex::new); })*
         }

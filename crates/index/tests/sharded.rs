@@ -1,0 +1,181 @@
+//! `ShardedKvIndex` under concurrent writers and readers: a stress test. Each writer thread
+//! owns some replicas and applies their events in order (stores, removals, clears) while
+//! reader threads query; at the end every answer must equal a `KvIndex` fed the same events
+//! on one thread, and during the run a reader must never see a replica's match go backwards
+//! while that replica only grows.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Barrier;
+
+use kvroute_index::sharded::{Op, Stored};
+use kvroute_index::{BlockHash, KvIndex, KvIndexer, ReplicaId, ShardedKvIndex, StorageTier};
+use support::{router_hashes, tokens, Event, BS};
+
+/// Replica `r`'s events: conversations that grow turn by turn on a shared system prompt, some
+/// removed again, one clear in the middle for odd replicas.
+fn events(replica: u32) -> Vec<Op> {
+    let id = ReplicaId(replica);
+    let system = tokens(1_000_000, 8 * BS);
+    let mut ops = Vec::new();
+    for conversation in 0..12u32 {
+        let mut prompt = system.clone();
+        prompt.extend(tokens(replica * 100_000 + conversation * 1_000, 24 * BS));
+        let blocks = prompt.len() / BS;
+        for turn in 0..3 {
+            let range = turn * blocks / 3..(turn + 1) * blocks / 3;
+            let event = Event::new(&prompt, BS, range, StorageTier::Device, 0);
+            ops.push(Op::Stored(Stored::new(id, &event.stored())));
+        }
+        if conversation % 3 == 2 {
+            let all = support::engine_hashes(&prompt, BS, 0);
+            ops.push(Op::Removed {
+                replica: id,
+                tier: StorageTier::Device,
+                hashes: all[blocks - 4..].to_vec(),
+            });
+        }
+        if conversation == 6 && replica % 2 == 1 {
+            ops.push(Op::Cleared(id));
+        }
+    }
+    ops
+}
+
+fn queries() -> Vec<Vec<BlockHash>> {
+    let mut list = vec![router_hashes(&tokens(1_000_000, 8 * BS), 0)];
+    for replica in 0..8u32 {
+        for conversation in [0u32, 5, 11] {
+            let mut prompt = tokens(1_000_000, 8 * BS);
+            prompt.extend(tokens(replica * 100_000 + conversation * 1_000, 24 * BS));
+            list.push(router_hashes(&prompt, 0));
+        }
+    }
+    list
+}
+
+#[test]
+fn concurrent_writers_and_readers_end_where_one_thread_ends() {
+    const REPLICAS: u32 = 8;
+    let index = ShardedKvIndex::new(BS, 3);
+    let mut single = KvIndex::new(BS);
+    for replica in 0..REPLICAS {
+        for op in events(replica) {
+            op.apply(&mut single).expect("valid");
+        }
+    }
+    let queries = queries();
+    let done = AtomicBool::new(false);
+    let start = Barrier::new(4 + 2);
+    std::thread::scope(|scope| {
+        let writers: Vec<_> = (0..4u32)
+            .map(|w| {
+                let (index, start) = (&index, &start);
+                scope.spawn(move || {
+                    let mine: Vec<Vec<Op>> =
+                        (0..REPLICAS).filter(|r| r % 4 == w).map(events).collect();
+                    start.wait();
+                    // Interleave the writer's replicas, keeping each one's order.
+                    let longest = mine.iter().map(Vec::len).max().unwrap_or(0);
+                    for i in 0..longest {
+                        for ops in &mine {
+                            if let Some(op) = ops.get(i) {
+                                index.apply(op.clone()).expect("valid");
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..2 {
+            let (index, queries, done, start) = (&index, &queries, &done, &start);
+            scope.spawn(move || {
+                start.wait();
+                let mut answered = 0;
+                while !done.load(Ordering::Acquire) || answered < 100 {
+                    for q in queries {
+                        let scores = index.matches(q).scores;
+                        assert!(scores.windows(2).all(|w| w[0].0 < w[1].0), "{scores:?}");
+                        answered += 1;
+                    }
+                }
+            });
+        }
+        for w in writers {
+            w.join().expect("writer");
+        }
+        done.store(true, Ordering::Release);
+    });
+    for q in &queries {
+        assert_eq!(index.matches(q), single.find_matches(q));
+    }
+}
+
+#[test]
+fn a_reader_never_sees_a_growing_replica_go_backwards() {
+    // Replicas only store here, so what a reader sees of one can only grow.
+    let index = ShardedKvIndex::new(BS, 2);
+    let prompt = tokens(7, 64 * BS);
+    let query = router_hashes(&prompt, 0);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for replica in 0..4u32 {
+            let (index, prompt) = (&index, &prompt);
+            scope.spawn(move || {
+                for block in 0..64 {
+                    let event = Event::new(prompt, BS, block..block + 1, StorageTier::Device, 0);
+                    index
+                        .stored(ReplicaId(replica), &event.stored())
+                        .expect("valid");
+                }
+            });
+        }
+        let (index, query, done) = (&index, &query, &done);
+        let reader = scope.spawn(move || {
+            let mut seen = [0u32; 4];
+            while !done.load(Ordering::Acquire) {
+                for (replica, counts) in index.matches(query).scores {
+                    let last = &mut seen[replica.0 as usize];
+                    assert!(counts.device >= *last, "{replica:?} went back");
+                    *last = counts.device;
+                }
+            }
+            seen
+        });
+        while index
+            .matches(&query)
+            .scores
+            .iter()
+            .map(|s| s.1.device)
+            .sum::<u32>()
+            < 4 * 64
+        {
+            std::thread::yield_now();
+        }
+        done.store(true, Ordering::Release);
+        let seen = reader.join().expect("reader");
+        assert!(seen.iter().all(|&n| n <= 64), "{seen:?}");
+    });
+    assert_eq!(index.matches(&query).scores.len(), 4);
+    assert_eq!(
+        index.blocks(),
+        2 * 64,
+        "each of the 2 shards holds the chain once"
+    );
+}
+
+#[test]
+fn a_refused_event_changes_neither_copy() {
+    let index = ShardedKvIndex::new(BS, 1);
+    let prompt = tokens(3, 4 * BS);
+    let orphan = Event::new(&prompt, BS, 2..4, StorageTier::Device, 0);
+    assert!(index.stored(ReplicaId(0), &orphan.stored()).is_err());
+    // The next writes replay the refused event on the other copy and flip twice: still empty.
+    let other = tokens(900, 2 * BS);
+    let first = Event::new(&other, BS, 0..2, StorageTier::Device, 0);
+    index.stored(ReplicaId(1), &first.stored()).expect("valid");
+    index.cleared(ReplicaId(1));
+    assert!(index.matches(&router_hashes(&prompt, 0)).scores.is_empty());
+    assert_eq!(index.blocks(), 0);
+}
