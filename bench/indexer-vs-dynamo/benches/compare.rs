@@ -21,8 +21,9 @@
 //!   2 threads (its events are applied only by a pool thread's loop: `enqueue_event`, then
 //!   `flush`; queries run inline on the caller, as the pool does);
 //! - `Positional+TP2`: the `PositionalIndexer` in `ThreadPoolIndexer` with 2 threads;
-//! - `KvIndex x2`: kvroute sharded by replica over 2 threads (a `KvIndex` per shard behind a
-//!   read-write lock; queries read both shards).
+//! - `KvIndex x2`: kvroute's `ShardedKvIndex`, sharded by replica over 2 threads, each shard
+//!   mirrored (two copies: queries read one while the shard's writer changes the other, and
+//!   never wait for it; queries read both shards).
 //!
 //! Then, once each, not as criterion figures (`ALONGSIDE=0` skips them): `KvIndex x2`,
 //! `CRTC+TP2` and `Positional+TP2`, at full size, apply the churn events 20 times while this
@@ -30,7 +31,6 @@
 //! p99.
 
 use std::hint::black_box;
-use std::sync::RwLock;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
@@ -40,7 +40,7 @@ use dynamo_kv_router::indexer::{
 };
 use dynamo_kv_router::protocols::{LocalBlockHash, RouterEvent};
 use indexer_vs_dynamo::{local_hashes, Converter};
-use kvroute_index::{BlockHash, KvIndex, KvIndexer, OverlapScores, StorageTier};
+use kvroute_index::{BlockHash, KvIndex, KvIndexer, OverlapScores, ShardedKvIndex, StorageTier};
 
 #[path = "../../../crates/index/benches/support/workload.rs"]
 mod workload;
@@ -180,31 +180,28 @@ impl Subject for Kv {
     }
 }
 
-/// kvroute sharded by replica over N threads.
-struct KvShards(Vec<RwLock<KvIndex>>);
+/// kvroute's `ShardedKvIndex` over N threads: shard `i`'s events applied by thread `i`.
+struct KvShards(ShardedKvIndex);
 
 impl KvShards {
-    /// Each shard's events on a thread of its own, each event under the shard's write lock
-    /// (so a query waits for one event at most).
     fn ingest(&self, events: Events<'_>) {
-        let n = self.0.len();
+        let index = &self.0;
         std::thread::scope(|scope| {
-            for (i, shard) in self.0.iter().enumerate() {
+            for i in 0..index.shards() {
                 scope.spawn(move || {
-                    let index = || shard.write().expect("no panic");
-                    let mine = |r: kvroute_index::ReplicaId| r.0 as usize % n == i;
+                    let mine = |r: kvroute_index::ReplicaId| index.shard_of(r) == i;
                     match events {
                         Events::Build(load, _) => {
                             for s in load.build.iter().filter(|s| mine(s.replica)) {
-                                index().apply_stored(s.replica, &s.event()).expect("valid");
+                                index.stored(s.replica, &s.event()).expect("valid");
                             }
                         }
                         Events::Churn(load, _) => {
                             for s in load.churn.iter().filter(|s| mine(s.replica)) {
-                                index().apply_stored(s.replica, &s.event()).expect("valid");
+                                index.stored(s.replica, &s.event()).expect("valid");
                             }
                             for (r, hashes) in load.churn_removed.iter().filter(|(r, _)| mine(*r)) {
-                                index().apply_removed(*r, StorageTier::Device, hashes);
+                                index.removed(*r, StorageTier::Device, hashes);
                             }
                         }
                     }
@@ -216,17 +213,13 @@ impl KvShards {
 
 impl Subject for KvShards {
     fn name(&self) -> String {
-        format!("KvIndex x{}", self.0.len())
+        format!("KvIndex x{}", self.0.shards())
     }
     fn apply(&mut self, events: Events<'_>) {
         self.ingest(events);
     }
     fn query(&self, kv: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
-        self.0
-            .iter()
-            .map(|s| best(&s.read().expect("no panic").find_matches(kv)))
-            .max()
-            .unwrap_or(0)
+        best(&self.0.matches(kv))
     }
 }
 
@@ -326,11 +319,7 @@ fn subjects() -> Vec<Box<dyn Fn() -> Box<dyn Subject>>> {
         Box::new(|| Box::new(Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 1))),
         Box::new(|| Box::new(Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 2))),
         Box::new(|| Box::new(Pool::new("Positional", PositionalIndexer::new(32), 2))),
-        Box::new(|| {
-            Box::new(KvShards(
-                (0..2).map(|_| RwLock::new(KvIndex::new(BS))).collect(),
-            ))
-        }),
+        Box::new(|| Box::new(KvShards(ShardedKvIndex::new(BS, 2)))),
     ]
 }
 
@@ -405,7 +394,7 @@ fn compare(c: &mut Criterion) {
 /// alongside on this thread, once each (not a criterion figure): block events/s and the
 /// queries' p50 / p99 while the writers run.
 fn alongside(load: &Workload, dynamo: &Dyn) {
-    let kv = KvShards((0..2).map(|_| RwLock::new(KvIndex::new(BS))).collect());
+    let kv = KvShards(ShardedKvIndex::new(BS, 2));
     run_alongside(
         "KvIndex x2",
         load,

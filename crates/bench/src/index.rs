@@ -1,7 +1,7 @@
 //! `kvroute-bench index`: replays a file of KV events ([`events`]) against the indexer and
 //! prints block events per second, query latency percentiles and memory per block, for one
-//! ingest thread (one [`KvIndex`]) and for N ([`shards`]: sharded by replica, with hit queries
-//! timed while the writers run). It also writes such a file from the synthetic workload of
+//! ingest thread (one [`KvIndex`]) and for N (a [`ShardedKvIndex`]: sharded by replica over
+//! mirrored shards, with hit queries timed while the writers run). It also writes such a file from the synthetic workload of
 //! `kvroute-index`'s `query_latency` example (`--write`).
 
 use std::fs::File;
@@ -13,18 +13,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use kvroute_index::{BlockHash, KvIndex, KvIndexer, OverlapScores};
+use kvroute_index::{BlockHash, KvIndex, KvIndexer, OverlapScores, ShardedKvIndex};
 
 pub mod events;
 pub mod queries;
-pub mod shards;
 
 #[path = "../../index/benches/support/workload.rs"]
 mod workload;
 
 use events::{Op, Replay};
 use queries::Queries;
-use shards::Shards;
 
 /// `kvroute-bench index`'s flags.
 #[derive(Debug, Args)]
@@ -117,7 +115,7 @@ pub fn replay_into<I: KvIndexer>(index: &mut I, replay: &Replay) -> usize {
     replay
         .ops
         .iter()
-        .filter(|op| !shards::apply(index, op))
+        .filter(|op| op.apply(index).is_err())
         .count()
 }
 
@@ -144,18 +142,28 @@ fn single_thread(replay: &Replay, queries: &Queries, block_size: usize) -> f64 {
 /// `threads` ingest threads over as many shards, hit queries timed alongside on this thread;
 /// returns block events per second.
 fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize) -> f64 {
-    let index = Shards::new(threads, block_size);
-    let mut parts: Vec<Vec<&Op>> = vec![Vec::new(); index.len()];
+    let index = ShardedKvIndex::new(block_size, threads);
+    // Each writer's events, owned (the index keeps each one to replay on its shard's second
+    // copy), taken apart before the clock starts.
+    let mut parts: Vec<Vec<Op>> = vec![Vec::new(); index.shards()];
     for op in &replay.ops {
-        parts[index.shard_of(op.replica())].push(op);
+        parts[index.shard_of(op.replica())].push(op.clone());
     }
     let done = AtomicBool::new(false);
     let mut during = Vec::new();
     let start = Instant::now();
     let elapsed = std::thread::scope(|scope| {
         let writers: Vec<_> = parts
-            .iter()
-            .map(|part| scope.spawn(|| part.iter().filter(|op| !index.apply(op)).count()))
+            .into_iter()
+            .map(|part| {
+                let index = &index;
+                scope.spawn(move || {
+                    part.into_iter()
+                        .map(|op| index.apply(op))
+                        .filter(Result::is_err)
+                        .count()
+                })
+            })
             .collect();
         let clock = scope.spawn(|| {
             let refused: usize = writers.into_iter().map(|w| w.join().expect("writer")).sum();
@@ -167,7 +175,7 @@ fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize
         while !done.load(Ordering::Acquire) && !queries.hit.is_empty() {
             let query = &queries.hit[i % queries.hit.len()];
             let begin = Instant::now();
-            black_box(index.find_matches(black_box(query)));
+            black_box(index.matches(black_box(query)));
             during.push(begin.elapsed());
             i += 1;
         }
@@ -176,10 +184,10 @@ fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize
     let (elapsed, refused) = elapsed;
     let rate = rate(replay.block_events, elapsed);
     println!(
-        "{threads} threads (sharded by replica): {:.2} M block events/s ({refused} refused), hit queries alongside; {} shard blocks, {:.1} MiB",
+        "{threads} threads (sharded by replica, mirrored): {:.2} M block events/s ({refused} refused), hit queries alongside; {} shard blocks, {:.1} MiB",
         rate / 1e6,
-        index.num_blocks(),
-        index.memory_bytes() as f64 / (1 << 20) as f64,
+        index.blocks(),
+        index.heap_bytes() as f64 / (1 << 20) as f64,
     );
     if !during.is_empty() {
         println!(
@@ -189,7 +197,7 @@ fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize
         );
     }
     for (kind, list) in [("hit", &queries.hit), ("miss", &queries.miss)] {
-        let times = time_queries(|q| index.find_matches(q), list, 5);
+        let times = time_queries(|q| index.matches(q), list, 5);
         println!("  {kind:<4} {}", percentiles(times));
     }
     rate

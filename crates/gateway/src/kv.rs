@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use kvroute_index::{
     ApproxIndex, ApproxIndexer, BlockHash, EngineHash, IndexError, KvIndex, KvIndexer,
-    OverlapScores, ReplicaId, StorageTier, StoredBlocks, TierCounts,
+    OverlapScores, ReplicaId, ShardedKvIndex, StorageTier, StoredBlocks, TierCounts,
 };
 use prometheus_client::metrics::gauge::Gauge;
 
@@ -26,7 +26,7 @@ pub struct KvState {
     pub mode: KvEventsMode,
     /// The tokenizer and its prefix cache.
     pub prompts: Prompts,
-    index: RwLock<KvIndex>,
+    index: EventIndex,
     approx: Mutex<ApproxIndex>,
     size: (Gauge, Gauge),
 }
@@ -60,10 +60,7 @@ impl KvState {
             block_size: settings.block_size,
             mode: settings.kv_events,
             prompts,
-            index: RwLock::new(KvIndex::with_max_blocks(
-                settings.block_size,
-                settings.max_indexed_blocks,
-            )),
+            index: EventIndex::new(settings),
             approx: Mutex::new(ApproxIndex::with_max_entries(
                 settings.router_ttl,
                 settings.max_indexed_blocks,
@@ -72,9 +69,10 @@ impl KvState {
         }
     }
 
-    fn report(&self, index: &KvIndex) {
-        self.size.0.set(index.num_blocks() as i64);
-        self.size.1.set(index.memory_bytes() as i64);
+    fn report(&self) {
+        let (blocks, bytes) = self.index_size();
+        self.size.0.set(blocks as i64);
+        self.size.1.set(bytes as i64);
     }
 
     /// Whether `worker`'s cache is learnt from its events (else approximated).
@@ -87,7 +85,7 @@ impl KvState {
         if hashes.is_empty() {
             return Default::default();
         }
-        let events = read(&self.index).find_matches(hashes);
+        let events = self.index.find_matches(hashes);
         let approx = lock(&self.approx).find_matches(hashes, now);
         (events, approx)
     }
@@ -129,36 +127,74 @@ impl KvState {
     }
 
     pub fn stored(&self, replica: ReplicaId, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
-        let mut index = write(&self.index);
-        let result = index.apply_stored(replica, event);
-        self.report(&index);
+        let result = match &self.index {
+            EventIndex::One(index) => write(index).apply_stored(replica, event),
+            EventIndex::Sharded(index) => index.stored(replica, event),
+        };
+        self.report();
         result
     }
 
     pub fn removed(&self, replica: ReplicaId, tier: StorageTier, hashes: &[EngineHash]) {
-        let mut index = write(&self.index);
-        index.apply_removed(replica, tier, hashes);
-        self.report(&index);
+        match &self.index {
+            EventIndex::One(index) => write(index).apply_removed(replica, tier, hashes),
+            EventIndex::Sharded(index) => index.removed(replica, tier, hashes),
+        }
+        self.report();
     }
 
     /// Forgets what a replica holds, in both indexes.
     pub fn clear(&self, replica: ReplicaId) {
-        let mut index = write(&self.index);
-        index.clear_replica(replica);
-        self.report(&index);
-        drop(index);
+        match &self.index {
+            EventIndex::One(index) => write(index).clear_replica(replica),
+            EventIndex::Sharded(index) => index.cleared(replica),
+        }
+        self.report();
         lock(&self.approx).clear_replica(replica);
     }
 
     /// The engine blocks a replica holds per tier, in the event-fed index.
     pub fn replica_blocks(&self, replica: ReplicaId) -> TierCounts {
-        read(&self.index).replica_blocks(replica)
+        match &self.index {
+            EventIndex::One(index) => read(index).replica_blocks(replica),
+            EventIndex::Sharded(index) => index.replica_blocks(replica),
+        }
     }
 
     /// (indexed blocks, approximate bytes) of the event-fed index.
     pub fn index_size(&self) -> (usize, usize) {
-        let index = read(&self.index);
-        (index.num_blocks(), index.memory_bytes())
+        match &self.index {
+            EventIndex::One(index) => {
+                let index = read(index);
+                (index.num_blocks(), index.memory_bytes())
+            }
+            EventIndex::Sharded(index) => (index.blocks(), index.heap_bytes()),
+        }
+    }
+}
+
+/// The event-fed index: one `KvIndex` behind a lock (`--router-event-threads 1`, the
+/// default), or sharded by replica over mirrored shards, whose queries never wait on a
+/// writer and whose shards take events from several threads at once.
+enum EventIndex {
+    One(Box<RwLock<KvIndex>>),
+    Sharded(ShardedKvIndex),
+}
+
+impl EventIndex {
+    fn new(settings: &Settings) -> Self {
+        let (bs, max) = (settings.block_size, settings.max_indexed_blocks);
+        match settings.event_threads {
+            0 | 1 => Self::One(Box::new(RwLock::new(KvIndex::with_max_blocks(bs, max)))),
+            n => Self::Sharded(ShardedKvIndex::with_max_blocks(bs, n, max)),
+        }
+    }
+
+    fn find_matches(&self, hashes: &[BlockHash]) -> OverlapScores {
+        match self {
+            Self::One(index) => read(index).find_matches(hashes),
+            Self::Sharded(index) => index.matches(hashes),
+        }
     }
 }
 

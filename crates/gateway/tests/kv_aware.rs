@@ -130,6 +130,52 @@ async fn a_reset_cache_is_no_longer_credited() {
 }
 
 #[tokio::test]
+async fn with_two_event_threads_the_sharded_index_credits_and_forgets_per_replica() {
+    let (a, b) = (
+        Engine::start(&["--speedup", "100"]).await,
+        Engine::start(&["--speedup", "100"]).await,
+    );
+    let mut s = Settings::with_workers(vec![a.spec("a"), b.spec("b")]).unwrap();
+    s.event_threads = 2;
+    let r = TestRouter::start(s).await;
+    joined(&r, &a.url(), "a").await;
+    joined(&r, &b.url(), "b").await;
+    // One prefix through the router, another sent to the other engine directly: both engines'
+    // events reach the index, in different shards (one replica each).
+    let (first, second) = (text(1600, 11), text(1600, 12));
+    let home = complete_ok(&r, &first).await.worker().to_owned();
+    let (other, other_url) = if home == "a" {
+        ("b", b.url())
+    } else {
+        ("a", a.url())
+    };
+    let body = json!({"prompt": second, "max_tokens": 2}).to_string();
+    assert_eq!(
+        post(&other_url, "/v1/completions", &[], &body).await.status,
+        200
+    );
+    wait_overlap(&r, &format!("{first} tail"), &home, |o| o == Some(100)).await;
+    wait_overlap(&r, &format!("{second} tail"), other, |o| o == Some(100)).await;
+    let debug = debug_route(&r, &format!("{second} and a question")).await;
+    assert_eq!(debug["worker"], other, "{debug}");
+    assert_eq!(device_overlap(&debug, &home), Some(0), "{debug}");
+    let m = r.metrics().await;
+    assert_metric_at_least(&m, "kvroute_kv_index_blocks", "", 200.0);
+    // A reset clears one replica's shard only.
+    let home_url = if home == "a" { a.url() } else { b.url() };
+    assert_eq!(
+        post(&home_url, "/reset_prefix_cache", &[], "{}")
+            .await
+            .status,
+        200
+    );
+    wait_overlap(&r, &format!("{first} tail"), &home, |o| o == Some(0)).await;
+    let debug = debug_route(&r, &format!("{second} tail")).await;
+    assert_eq!(device_overlap(&debug, other), Some(100), "{debug}");
+    r.stop().await;
+}
+
+#[tokio::test]
 async fn a_burst_on_one_prefix_spreads_once_the_home_is_loaded() {
     let (_a, _b, r) = two_engines(&["--speedup", "1"]).await;
     let prefix = text(2048, 3);

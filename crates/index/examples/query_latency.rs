@@ -1,16 +1,20 @@
 //! Per-query latency percentiles (p50, p90, p99) of `find_matches`, events per second and
 //! memory per block, for `KvIndex` and the reference model on the same workload (see
-//! `benches/support/workload.rs`), in one run:
+//! `benches/support/workload.rs`), in one run; then `ShardedKvIndex` on N ingest threads
+//! (`--threads N,M`, 2 by default, 0 for none): build and churn with hit queries timed
+//! alongside on this thread.
 //!
 //! ```text
-//! cargo run --release -p kvroute-index --example query_latency [-- BLOCKS [--no-reference]]
+//! cargo run --release -p kvroute-index --example query_latency [-- BLOCKS [--no-reference] [--threads 2,4]]
 //! ```
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use kvroute_index::reference::ReferenceIndex;
-use kvroute_index::{BlockHash, KvIndex, KvIndexer};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use kvroute_index::{BlockHash, KvIndex, KvIndexer, ShardedKvIndex, StorageTier};
 
 #[path = "../benches/support/workload.rs"]
 mod workload;
@@ -146,4 +150,90 @@ fn main() {
     if with_reference {
         run("reference", ReferenceIndex::new(workload::BS), &load);
     }
+    let threads = args
+        .iter()
+        .position(|a| a == "--threads")
+        .and_then(|i| args.get(i + 1))
+        .map_or("2", String::as_str);
+    for n in threads.split(',').filter_map(|n| n.parse::<usize>().ok()) {
+        if n > 0 {
+            run_threads(n, &load);
+        }
+    }
+}
+
+/// `ShardedKvIndex` with `n` shards, shard `i`'s events applied by thread `i`: the build, then
+/// the churn at full size with hit queries running alongside on this thread.
+fn run_threads(n: usize, load: &workload::Workload) {
+    let name = format!("KvIndex x{n} (sharded, mirrored)");
+    let index = ShardedKvIndex::new(workload::BS, n);
+    let ingest = |churn: bool| {
+        std::thread::scope(|scope| {
+            for shard in 0..n {
+                let index = &index;
+                scope.spawn(move || {
+                    let mine = |r| index.shard_of(r) == shard;
+                    let events = if churn { &load.churn } else { &load.build };
+                    for stored in events.iter().filter(|s| mine(s.replica)) {
+                        index
+                            .stored(stored.replica, &stored.event())
+                            .expect("valid");
+                    }
+                    for (replica, hashes) in
+                        load.churn_removed.iter().filter(|(r, _)| churn && mine(*r))
+                    {
+                        index.removed(*replica, StorageTier::Device, hashes);
+                    }
+                });
+            }
+        })
+    };
+    let start = Instant::now();
+    ingest(false);
+    let build = start.elapsed();
+    println!(
+        "{name}: build {:.2?} = {:.2} M block events/s; {} shard blocks, {:.1} MiB (both copies)",
+        build,
+        load.build_blocks as f64 / build.as_secs_f64() / 1e6,
+        index.blocks(),
+        index.heap_bytes() as f64 / (1 << 20) as f64,
+    );
+    const ROUNDS: usize = 10;
+    let done = AtomicBool::new(false);
+    let mut during = Vec::new();
+    let start = Instant::now();
+    let churn = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            for _ in 0..ROUNDS {
+                ingest(true);
+            }
+            let elapsed = start.elapsed();
+            done.store(true, Ordering::Release);
+            elapsed
+        });
+        let mut i = 0;
+        while !done.load(Ordering::Acquire) {
+            i = (i + 389) % load.hit.len();
+            let begin = Instant::now();
+            black_box(index.matches(black_box(&load.hit[i])));
+            during.push(begin.elapsed());
+        }
+        writer.join().expect("writers")
+    });
+    println!(
+        "{name}: churn at full size {:.2} M block events/s (stored + removed), with {} hit queries alongside: {}",
+        (ROUNDS * 2 * load.churn_blocks) as f64 / churn.as_secs_f64() / 1e6,
+        during.len(),
+        percentiles(during)
+    );
+    let mut after = Vec::new();
+    for round in 0..20 {
+        for i in 0..load.hit.len() {
+            let query = &load.hit[(i * 389 + round * 97) % load.hit.len()];
+            let begin = Instant::now();
+            black_box(index.matches(black_box(query)));
+            after.push(begin.elapsed());
+        }
+    }
+    println!("{name}: hit    {}", percentiles(after));
 }

@@ -29,7 +29,7 @@ use std::sync::{Mutex, RwLock, RwLockReadGuard, TryLockError};
 
 use crate::{
     BlockHash, EngineHash, IndexError, KvIndex, KvIndexer, OverlapScores, ReplicaId, StorageTier,
-    StoredBlocks,
+    StoredBlocks, TierCounts,
 };
 
 /// One event of one replica, owned (a mirrored shard replays it on its second copy).
@@ -164,23 +164,10 @@ impl Mirror {
         }
     }
 
+    /// The current copy's heap bytes, twice: the other copy holds the same changes but the
+    /// last write's (read without waiting, as a query).
     fn memory_bytes(&self) -> usize {
-        let behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
-        let ops: usize = behind
-            .iter()
-            .map(|op| match op {
-                Op::Stored(s) => 8 * s.hashes.capacity() + 4 * s.tokens.capacity(),
-                Op::Removed { hashes, .. } => 8 * hashes.capacity(),
-                Op::Cleared(_) => 0,
-            })
-            .sum();
-        drop(behind);
-        let copies: usize = self
-            .copies
-            .iter()
-            .map(|c| c.read().unwrap_or_else(|e| e.into_inner()).memory_bytes())
-            .sum();
-        copies + ops
+        2 * self.read().memory_bytes()
     }
 }
 
@@ -262,7 +249,14 @@ impl ShardedKvIndex {
         self.shards.iter().map(|s| s.read().num_blocks()).sum()
     }
 
-    /// Heap bytes of both copies of every shard and of the operations not yet replayed.
+    /// The engine blocks `replica` holds per tier, as [`KvIndex::replica_blocks`].
+    pub fn replica_blocks(&self, replica: ReplicaId) -> TierCounts {
+        self.shards[self.shard_of(replica)]
+            .read()
+            .replica_blocks(replica)
+    }
+
+    /// Heap bytes of both copies of every shard (each counted as twice the current copy).
     pub fn heap_bytes(&self) -> usize {
         self.shards.iter().map(Mirror::memory_bytes).sum()
     }

@@ -144,7 +144,7 @@ fn a_reader_never_sees_a_growing_replica_go_backwards() {
             seen
         });
         while index
-            .matches(&query)
+            .matches(query)
             .scores
             .iter()
             .map(|s| s.1.device)

@@ -9,64 +9,11 @@ use std::collections::HashMap;
 use std::io::{BufRead, Write};
 
 use anyhow::Context;
-use kvroute_index::{EngineHash, ReplicaId, StorageTier, StoredBlocks};
+use kvroute_index::{EngineHash, ReplicaId, StoredBlocks};
 use kvroute_protocol::kv_events::{decode_batch, KvEvent};
 use serde_json::{json, Value};
 
-/// One event of one replica, owned, ready to apply.
-#[derive(Debug, Clone)]
-pub enum Op {
-    Stored(Stored),
-    Removed {
-        replica: ReplicaId,
-        tier: StorageTier,
-        hashes: Vec<EngineHash>,
-    },
-    Cleared(ReplicaId),
-}
-
-/// A `BlockStored` event of one replica.
-#[derive(Debug, Clone)]
-pub struct Stored {
-    pub replica: ReplicaId,
-    pub parent: Option<EngineHash>,
-    pub hashes: Vec<EngineHash>,
-    pub tokens: Vec<u32>,
-    pub block_size: usize,
-    pub tier: StorageTier,
-    pub salt: u64,
-}
-
-impl Stored {
-    pub fn event(&self) -> StoredBlocks<'_> {
-        StoredBlocks {
-            parent: self.parent,
-            engine_hashes: &self.hashes,
-            token_ids: &self.tokens,
-            block_size: self.block_size,
-            tier: self.tier,
-            salt: self.salt,
-        }
-    }
-}
-
-impl Op {
-    pub fn replica(&self) -> ReplicaId {
-        match self {
-            Op::Stored(s) => s.replica,
-            Op::Removed { replica, .. } | Op::Cleared(replica) => *replica,
-        }
-    }
-
-    /// Block events: a stored or removed block counts one, a clear counts one.
-    pub fn blocks(&self) -> usize {
-        match self {
-            Op::Stored(s) => s.hashes.len(),
-            Op::Removed { hashes, .. } => hashes.len(),
-            Op::Cleared(_) => 1,
-        }
-    }
-}
+pub use kvroute_index::sharded::{Op, Stored};
 
 /// A replay file, read: the operations in order and the replicas by (worker, dp_rank).
 #[derive(Debug, Default)]

@@ -201,15 +201,13 @@ pub struct Args {
     /// kv_aware: weight of the prefill term [default: 4.0; Dynamo's: 1.0].
     #[arg(long)]
     pub router_prefill_load_scale: Option<f64>,
-    /// kv_aware: how the memory term counts KV blocks: linear (Dynamo's) or utilisation (each
-    /// block weighted by the engine's KV utilisation after the request) [default: linear].
+    /// kv_aware: memory term in blocks: linear (Dynamo's) or by utilisation [default: linear].
     #[arg(long, value_enum)]
     pub router_kv_memory_cost: Option<MemoryCostArg>,
     /// kv_aware: weighted (a sum of blocks) or predicted (ms from learned models) [weighted].
     #[arg(long, value_enum)]
     pub router_cost_model: Option<CostModelArg>,
-    /// kv_aware: weight of the prefill-interference term, the request's uncached blocks times
-    /// the requests decoding on the candidate (0: Dynamo's model) [default: 0.25].
+    /// kv_aware: weight of uncached blocks times decoding requests (0: Dynamo's) [default: 0.25].
     #[arg(long)]
     pub router_prefill_interference_weight: Option<f64>,
     /// kv_aware: weight of each active request [default: 0].
@@ -238,6 +236,9 @@ pub struct Args {
     /// The most KV blocks the router indexes; the least recently stored go first [default: 4194304].
     #[arg(long)]
     pub router_max_indexed_blocks: Option<usize>,
+    /// KV-event threads: >1 shards the index by replica, mirrored; queries never wait [default: 1].
+    #[arg(long)]
+    pub router_event_threads: Option<usize>,
     /// Approximate mode: how long a routed prefix is assumed cached [default: 120]; whole
     /// seconds, also written as Dynamo's float (`120.0`).
     #[arg(long, value_parser = parse_whole_secs)]
@@ -246,8 +247,7 @@ pub struct Args {
     /// tokenise like the engines; without it, the fallback shared with kvroute-sim.
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
-    /// Bytes the tokenizer's prefix cache may hold (token ids, block hashes and per-entry
-    /// overhead); 0 turns it off [default: 268435456]. On by default, unlike smg's.
+    /// Bytes the tokenizer's prefix cache may hold; 0 turns it off [default: 268435456].
     #[arg(long, value_name = "BYTES")]
     pub tokenizer_cache_l1_max_memory: Option<usize>,
     /// smg's flag, accepted: exact repeats are served by the one prefix cache.

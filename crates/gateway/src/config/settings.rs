@@ -299,6 +299,8 @@ pub struct Settings {
     pub kv_events: KvEventsMode,
     pub router_ttl: Duration,
     pub max_indexed_blocks: usize,
+    /// `--router-event-threads`: >1 shards the KV index by replica (mirrored shards).
+    pub event_threads: usize,
     /// How often engine metrics are scraped (when the policy uses them).
     pub metrics_refresh: Duration,
     /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).

@@ -37,6 +37,7 @@ fn command_line_wins_over_file_and_defaults_apply() {
     assert_eq!((s.host.as_str(), s.port), ("127.0.0.1", 30000));
     assert_eq!(s.policy, PolicyKind::KvAware);
     assert_eq!(s.block_size, 16);
+    assert_eq!(s.event_threads, 1, "one index behind a lock");
     assert_eq!(s.kv_events, KvEventsMode::Events);
     assert_eq!(s.policy_config.kv_aware, KvAwareConfig::default());
     let s = Args::try_parse_from([
@@ -46,6 +47,8 @@ fn command_line_wins_over_file_and_defaults_apply() {
         "0.5",
         "--block-size",
         "32",
+        "--router-event-threads",
+        "4",
     ])
     .unwrap()
     .into_settings()
@@ -53,6 +56,7 @@ fn command_line_wins_over_file_and_defaults_apply() {
     assert_eq!(s.kv_events, KvEventsMode::Approximate);
     assert_eq!(s.policy_config.kv_aware.temperature, 0.5);
     assert_eq!(s.block_size, 32);
+    assert_eq!(s.event_threads, 4);
     let w = Args::from_text(
         "workers: [{url: 'http://a:1', kv_events: 'tcp://a:5557', dp_size: 2, dp_start_rank: 4}]",
     )
@@ -273,6 +277,7 @@ fn zero_is_refused_wherever_a_positive_number_is_needed() {
         "--request-timeout-secs",
         "--block-size",
         "--health-check-interval-secs",
+        "--router-event-threads",
     ] {
         let settings = Args::try_parse_from(["kvroute", flag, "0"])
             .unwrap()
