@@ -42,7 +42,8 @@ pub(crate) struct FlatMap {
     len: usize,
 }
 
-fn stored(key: u64) -> u64 {
+/// `key` as the map stores it (0 becomes [`ZERO_STANDIN`]).
+pub(crate) fn stored(key: u64) -> u64 {
     if key == FREE {
         ZERO_STANDIN
     } else {
@@ -55,7 +56,6 @@ fn tag(key: u64) -> u32 {
 }
 
 impl FlatMap {
-    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.len
     }
@@ -122,6 +122,7 @@ impl FlatMap {
         self.find(key).map(|at| self.nodes[at].value)
     }
 
+    #[cfg(test)]
     pub(crate) fn contains(&self, key: u64) -> bool {
         self.find(key).is_some()
     }
@@ -218,6 +219,11 @@ impl FlatMap {
             }
             self.index[i] = entry;
         }
+    }
+
+    /// Every key, as stored (a key of 0 as [`ZERO_STANDIN`]).
+    pub(crate) fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.nodes.iter().filter(|n| n.key != FREE).map(|n| n.key)
     }
 
     /// Every value (for tests).

@@ -13,7 +13,7 @@
 //! drops out or holds a block outside the device tier. Counts per tier follow from
 //! `device = matched - host - disk - external`.
 
-use super::flat::FlatMap;
+use super::flat::{self, FlatMap};
 use crate::hasher::{map_bytes, IdentityMap, MixMap};
 use crate::slots::{bits, group_key, split, Slots};
 use crate::{BlockHash, OverlapScores, TierCounts};
@@ -40,6 +40,10 @@ pub(crate) struct BlockTable {
     lower: IdentityMap<u64, [u64; 3]>,
     /// (table key, slot, tier) → holdings beyond the first.
     extra: MixMap<(u64, u32, u8), u32>,
+    /// With more than one group of slots: router block → the groups holding it, so that
+    /// `distinct` follows in one lookup (not one per group). Built when a second group appears
+    /// (every key then is group 0's, which is the block itself).
+    groups_of: Option<IdentityMap<u64, u32>>,
     distinct: usize,
 }
 
@@ -53,6 +57,7 @@ impl BlockTable {
     pub(crate) fn inc(&mut self, block: BlockHash, slot: u32, tier: usize, groups: u32) {
         let (group, bit) = split(slot);
         let key = group_key(block, group);
+        self.count_groups(groups);
         let (at, created) = self.map.insert(key);
         let mask = if tier == 0 {
             self.map.value_mut(at)
@@ -64,8 +69,8 @@ impl BlockTable {
         } else {
             *self.extra.entry((key, slot, tier as u8)).or_insert(0) += 1;
         }
-        if created && !self.in_other_group(block, group, groups) {
-            self.distinct += 1;
+        if created {
+            self.group_gained(block);
         }
     }
 
@@ -76,6 +81,7 @@ impl BlockTable {
         let Some((entry, at)) = self.map.locate(key) else {
             return;
         };
+        self.count_groups(groups);
         let held = if tier == 0 {
             *self.map.value_mut(at)
         } else {
@@ -105,9 +111,7 @@ impl BlockTable {
         }
         if !lower_left && !self.lower.contains_key(&key) && *self.map.value_mut(at) == 0 {
             self.map.remove_entry(entry);
-            if !self.in_other_group(block, group, groups) {
-                self.distinct -= 1;
-            }
+            self.group_lost(block);
         }
     }
 
@@ -129,8 +133,49 @@ impl BlockTable {
         self.map.touch(group_key(block, split(slot).0));
     }
 
-    fn in_other_group(&self, block: BlockHash, group: u32, groups: u32) -> bool {
-        groups > 1 && (0..groups).any(|g| g != group && self.map.contains(group_key(block, g)))
+    /// Starts counting the groups holding each block once there are several (groups only grow).
+    fn count_groups(&mut self, groups: u32) {
+        if groups > 1 && self.groups_of.is_none() {
+            let mut of = IdentityMap::default();
+            of.reserve(self.map.len());
+            of.extend(self.map.keys().map(|key| (key, 1)));
+            self.groups_of = Some(of);
+        }
+    }
+
+    /// A group's entry for `block` was created.
+    fn group_gained(&mut self, block: BlockHash) {
+        let first = match &mut self.groups_of {
+            None => true,
+            Some(of) => {
+                let held = of.entry(flat::stored(block.0)).or_insert(0);
+                *held += 1;
+                *held == 1
+            }
+        };
+        if first {
+            self.distinct += 1;
+        }
+    }
+
+    /// A group's entry for `block` was removed.
+    fn group_lost(&mut self, block: BlockHash) {
+        let last = match &mut self.groups_of {
+            None => true,
+            Some(of) => {
+                let key = flat::stored(block.0);
+                match of.get_mut(&key) {
+                    Some(held) if *held > 1 => {
+                        *held -= 1;
+                        false
+                    }
+                    _ => of.remove(&key).is_some(),
+                }
+            }
+        };
+        if last {
+            self.distinct -= 1;
+        }
     }
 
     /// Whether any bit of `slot` is set anywhere (for tests).
@@ -234,5 +279,9 @@ impl BlockTable {
         self.map.memory_bytes()
             + map_bytes::<u64, [u64; 3]>(self.lower.capacity())
             + map_bytes::<(u64, u32, u8), u32>(self.extra.capacity())
+            + self
+                .groups_of
+                .as_ref()
+                .map_or(0, |of| map_bytes::<u64, u32>(of.capacity()))
     }
 }

@@ -12,7 +12,13 @@ fn engine(tokens: &[u32], engine_bs: usize) -> Vec<EngineHash> {
         .collect()
 }
 
-fn store(index: &mut KvIndex, replica: u32, tokens: &[u32], engine_bs: usize, tier: StorageTier) {
+fn store(
+    index: &mut impl KvIndexer,
+    replica: u32,
+    tokens: &[u32],
+    engine_bs: usize,
+    tier: StorageTier,
+) {
     let hashes = engine(tokens, engine_bs);
     let event = StoredBlocks {
         parent: None,
@@ -282,4 +288,50 @@ fn kept_tier_counts_match_the_records_through_stores_removals_and_evictions() {
         }
     }
     assert!(index.evicted_blocks() > 0);
+}
+
+#[test]
+fn distinct_blocks_are_counted_across_groups_of_replicas() {
+    // 200 replicas: 4 groups of 64 slots, the second appearing with blocks already held. Each
+    // replica holds a prefix of one of 5 prompts; some are cleared, some stored again, and
+    // the count of distinct router blocks must equal the reference model's at every step.
+    let mut index = KvIndex::new(BS);
+    let mut reference = crate::reference::ReferenceIndex::new(BS);
+    let prompts: Vec<Vec<u32>> = (0..5).map(|p| prompt(p * 10_000, 12)).collect();
+    let mut steps = 0;
+    for round in 0..3u32 {
+        for replica in 0..200u32 {
+            let tokens = &prompts[((replica + round) % 5) as usize];
+            let blocks = ((replica * 7 + round) % 12 + 1) as usize;
+            store(
+                &mut index,
+                replica,
+                &tokens[..blocks * BS],
+                BS,
+                StorageTier::Device,
+            );
+            store(
+                &mut reference,
+                replica,
+                &tokens[..blocks * BS],
+                BS,
+                StorageTier::Device,
+            );
+            if (replica + round) % 3 == 0 {
+                index.clear_replica(ReplicaId(replica / 2));
+                reference.clear_replica(ReplicaId(replica / 2));
+            }
+            assert_eq!(
+                index.num_blocks(),
+                reference.num_blocks(),
+                "round {round} replica {replica}"
+            );
+            steps += 1;
+        }
+    }
+    assert_eq!(steps, 600);
+    for replica in 0..200 {
+        index.clear_replica(ReplicaId(replica));
+    }
+    assert_eq!(index.num_blocks(), 0);
 }
