@@ -47,7 +47,7 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use kvroute_gateway::{Settings, WorkerSpec};
 use kvroute_tokenizer::Tokenizer;
-use serde_json::{json, Value};
+use serde_json::json;
 use support::*;
 
 /// Each candidate's adapter fit for a completion with `model`, by worker id.
@@ -154,10 +154,17 @@ async fn an_adapters_requests_go_to_the_vllm_engine_that_runs_it() {
             fits_are(&r, sql, &want)
         })
         .await;
-        eprintln!("engine {home_id} runs {sql}: {}", lora_info(&urls[home]).await);
+        eprintln!(
+            "engine {home_id} runs {sql}: {}",
+            lora_info(&urls[home]).await
+        );
         // One slot, taken by `sql`: another adapter must wait there for it, then load.
         want[home].1 = "full";
-        assert!(fits_are(&r, chat, &want).await, "{:?}", fits(&r, chat).await);
+        assert!(
+            fits_are(&r, chat, &want).await,
+            "{:?}",
+            fits(&r, chat).await
+        );
 
         for i in 0..6 {
             let prompt = format!("request {i} of {sql} in run {nonce}.{home}");
