@@ -188,6 +188,7 @@ async fn an_adapters_requests_go_to_the_vllm_engine_that_runs_it() {
         );
         holder.abort();
         let _ = holder.await;
+        let cut = std::time::Instant::now();
 
         // Cut, the engine reports no adapter (its newest series is empty), and the router
         // keeps `sql` where it sent it from its own memory.
@@ -198,7 +199,11 @@ async fn an_adapters_requests_go_to_the_vllm_engine_that_runs_it() {
             fits_are(&r, sql, &want)
         })
         .await;
-        eprintln!("engine {home_id} idle: {}", lora_info(&urls[home]).await);
+        eprintln!(
+            "engine {home_id} idle {:?} after the cut: {}",
+            cut.elapsed(),
+            lora_info(&urls[home]).await
+        );
         r.stop_idle().await;
     }
 }
