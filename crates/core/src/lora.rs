@@ -51,6 +51,9 @@ impl AdapterFit {
     /// sent it there lately ([`RecentAdapters`]): the first case that holds, in llm-d's order
     /// (running, a slot to spare, waiting, full); a slot to spare where it waits is queued,
     /// and one sent there lately is resident while no other adapter needs its slot.
+    ///
+    /// An adapter in both lists takes one slot: vLLM 0.32 writes every adapter that has
+    /// requests into both labels, so counting the lists' lengths would halve its slots.
     pub fn of<T: PartialEq>(
         adapter: &T,
         running: &[T],
@@ -58,7 +61,8 @@ impl AdapterFit {
         max_lora: usize,
         recent: bool,
     ) -> Self {
-        let spare = running.len() + waiting.len() < max_lora;
+        let only_waiting = waiting.iter().filter(|a| !running.contains(a)).count();
+        let spare = running.len() + only_waiting < max_lora;
         if running.contains(adapter) {
             AdapterFit::Running
         } else if spare && waiting.contains(adapter) {
@@ -168,6 +172,18 @@ mod tests {
             .map(|f| f.llm_d_score())
             .collect();
         assert_eq!(scores, [1.0, 0.6, 0.0]);
+    }
+
+    #[test]
+    fn an_adapter_listed_both_running_and_waiting_takes_one_slot() {
+        // vLLM 0.32 lists each adapter that has requests in both labels.
+        let fit =
+            |a: u32, listed: &[u32], max_lora| AdapterFit::of(&a, listed, listed, max_lora, false);
+        assert_eq!(fit(1, &[1], 1), AdapterFit::Running);
+        assert_eq!(fit(2, &[1], 1), AdapterFit::Full);
+        assert_eq!(fit(2, &[1], 2), AdapterFit::FreeSlot);
+        assert_eq!(fit(3, &[1, 2], 3), AdapterFit::FreeSlot);
+        assert_eq!(fit(3, &[1, 2], 2), AdapterFit::Full);
     }
 
     #[test]

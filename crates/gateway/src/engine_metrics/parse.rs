@@ -28,6 +28,9 @@
 //! ([`LoraReading`]) from `vllm:lora_requests_info{running_lora_adapters,
 //! waiting_lora_adapters, max_lora}`: vLLM keeps one series per state it has been in, each
 //! valued with the time it was last in it, so the series with the greatest value is read.
+//! vLLM (0.32) declares the family (`# HELP`, `# TYPE`) from its start but writes its first
+//! series only once it has served a request: a declared family without a series is an
+//! engine with no adapter running or waiting (its slots unknown: one).
 
 use std::borrow::Cow;
 
@@ -160,9 +163,14 @@ impl EngineReadings {
 pub fn parse(body: &str) -> Result<EngineReadings, ParseError> {
     let mut readings = EngineReadings::default();
     let mut sample = Sample::default();
+    let mut declares_lora = false;
     for (i, line) in body.lines().enumerate() {
         let line = line.trim_start_matches([' ', '\t', '\r']);
-        if line.is_empty() || line.starts_with('#') {
+        if let Some(comment) = line.strip_prefix('#') {
+            declares_lora |= declares(comment, "vllm:lora_requests_info");
+            continue;
+        }
+        if line.is_empty() {
             continue;
         }
         sample.parse(line).map_err(|reason| ParseError {
@@ -171,7 +179,20 @@ pub fn parse(body: &str) -> Result<EngineReadings, ParseError> {
         })?;
         readings.absorb(&sample);
     }
+    if declares_lora && readings.lora.is_none() {
+        readings.lora = Some(LoraReading {
+            max_lora: 1,
+            stamp: f64::NEG_INFINITY,
+            ..LoraReading::default()
+        });
+    }
     Ok(readings)
+}
+
+/// Whether a comment line (after its `#`) is the `HELP` or `TYPE` line of family `name`.
+fn declares(comment: &str, name: &str) -> bool {
+    let mut words = comment.split_ascii_whitespace();
+    matches!(words.next(), Some("HELP" | "TYPE")) && words.next() == Some(name)
 }
 
 /// One sample line, borrowed from the body (label values are owned only when escaped).
@@ -451,6 +472,44 @@ vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"\",running_lora_a
         assert_eq!(lora.waiting, ["b"]);
         assert_eq!(lora.max_lora, 4);
         assert!(parse("vllm:num_requests_waiting 0\n")
+            .unwrap()
+            .lora
+            .is_none());
+    }
+
+    #[test]
+    fn vllms_lora_series_as_vllm_0_32_writes_them() {
+        // Taken from a vLLM 0.32 engine on CPU (--enable-lora --max-loras 1): before its
+        // first request, the family without a series; running a request of `sql`, `sql` in
+        // both labels; then idle, a newer series with both empty.
+        let fresh = "\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+";
+        let idle = LoraReading {
+            max_lora: 1,
+            stamp: f64::NEG_INFINITY,
+            ..LoraReading::default()
+        };
+        assert_eq!(parse(fresh).unwrap().lora, Some(idle));
+        let running = "\
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"sql\",waiting_lora_adapters=\"sql\"} 1.7963059742836576e+09
+";
+        let lora = parse(running).unwrap().lora.unwrap();
+        assert_eq!(
+            (lora.running, lora.waiting),
+            (vec!["sql".to_owned()], vec!["sql".to_owned()])
+        );
+        let idle_again = format!(
+            "{running}vllm:lora_requests_info{{max_lora=\"1\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"}} 1.7963059789588418e+09\n"
+        );
+        let lora = parse(&idle_again).unwrap().lora.unwrap();
+        assert!(lora.running.is_empty() && lora.waiting.is_empty());
+        assert_eq!(lora.max_lora, 1);
+        // Another family's comments declare nothing.
+        assert!(parse("# TYPE vllm:lora_requests_info_total counter\n")
             .unwrap()
             .lora
             .is_none());
