@@ -65,6 +65,18 @@ pub trait Policy: Send + Sync + fmt::Debug {
         rng: &mut dyn RngCore,
     ) -> Option<Decision>;
 
+    /// As [`Policy::select`], given what [`Policy::costs`] returned for the same candidates
+    /// and request: a policy that chooses by those costs need not compute them again.
+    fn select_costed(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+        _costs: Option<&[f64]>,
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        self.select(candidates, request, rng)
+    }
+
     /// Each candidate's cost, for policies that score (`kv_aware`); `None` otherwise.
     fn costs(
         &self,

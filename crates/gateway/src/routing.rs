@@ -196,32 +196,29 @@ fn eligible_pairs(
     busy: &BusyThresholds,
     started: Instant,
 ) -> Result<Vec<(usize, usize)>, GatewayError> {
-    // Eligibility first: hints, health, taints, busy thresholds.
-    let rank_lists: Vec<Vec<Option<u32>>> = pool
-        .workers
-        .iter()
-        .map(|w| w.ranks.iter().map(|r| r.dp_rank).collect())
-        .collect();
-    let overloaded: Vec<Vec<bool>> = pool
-        .workers
-        .iter()
-        .map(|w| {
-            w.ranks
-                .iter()
-                .map(|r| r.overloaded(busy, w.max_num_batched_tokens, started))
-                .collect()
-        })
-        .collect();
+    // Eligibility first: hints, health, taints, busy thresholds. Every worker's ranks in one
+    // list (a view per worker slices it): two allocations a decision, not two per worker.
+    let (mut rank_list, mut overloaded) = (Vec::new(), Vec::new());
+    for w in &pool.workers {
+        for r in &w.ranks {
+            rank_list.push(r.dp_rank);
+            overloaded.push(r.overloaded(busy, w.max_num_batched_tokens, started));
+        }
+    }
+    let mut start = 0;
     let views: Vec<WorkerView<'_>> = pool
         .workers
         .iter()
-        .enumerate()
-        .map(|(i, w)| WorkerView {
-            id: w.id.as_str(),
-            ranks: &rank_lists[i],
-            overloaded: &overloaded[i],
-            healthy: w.available(started),
-            taints: &w.taints,
+        .map(|w| {
+            let ranks = start..start + w.ranks.len();
+            start = ranks.end;
+            WorkerView {
+                id: w.id.as_str(),
+                ranks: &rank_list[ranks.clone()],
+                overloaded: &overloaded[ranks],
+                healthy: w.available(started),
+                taints: &w.taints,
+            }
         })
         .collect();
     eligible(&views, hints).map_err(ineligible)
@@ -377,7 +374,7 @@ pub fn plan(
         (None, Some(index)) => kvroute_core::Decision { index },
         (None, None) => pool
             .policy
-            .select(&candidates, &request, &mut rand::rng())
+            .select_costed(&candidates, &request, costs.as_deref(), &mut rand::rng())
             .ok_or(GatewayError::NoEndpoint("the policy chose no worker"))?,
     };
     drop(candidates);
@@ -510,7 +507,7 @@ fn choices(
         0,
         kv.block_size,
     );
-    let mut choices = Vec::new();
+    let mut choices = Vec::with_capacity(eligible_pairs.len());
     for (wi, rank_index) in eligible_pairs {
         let w = &pool.workers[wi];
         {

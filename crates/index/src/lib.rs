@@ -113,11 +113,10 @@ pub struct OverlapScores {
 impl OverlapScores {
     /// The counts of `replica`; all zero when it holds not even the first block.
     pub fn get(&self, replica: ReplicaId) -> TierCounts {
+        // Sorted by replica: a binary search (a decision asks once per candidate).
         self.scores
-            .iter()
-            .find(|(r, _)| *r == replica)
-            .map(|(_, c)| *c)
-            .unwrap_or_default()
+            .binary_search_by_key(&replica, |(r, _)| *r)
+            .map_or_else(|_| TierCounts::default(), |i| self.scores[i].1)
     }
 }
 

@@ -14,6 +14,7 @@ pub mod anthropic;
 mod error;
 pub mod fallback;
 mod hash;
+pub mod hashers;
 mod ids;
 pub mod kv_events;
 mod openai;

@@ -330,6 +330,42 @@ impl Policy for KvAware {
         rng: &mut dyn RngCore,
     ) -> Option<Decision> {
         let costs = self.costs(candidates, request)?;
+        Some(self.choose(&costs, rng))
+    }
+
+    fn select_costed(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+        costs: Option<&[f64]>,
+        rng: &mut dyn RngCore,
+    ) -> Option<Decision> {
+        match costs {
+            Some(costs) if costs.len() == candidates.len() && !costs.is_empty() => {
+                Some(self.choose(costs, rng))
+            }
+            _ => self.select(candidates, request, rng),
+        }
+    }
+
+    fn costs(&self, candidates: &[Candidate<'_>], request: &RouteRequest<'_>) -> Option<Vec<f64>> {
+        if candidates.is_empty() {
+            return None;
+        }
+        let saturation = Self::saturation(candidates);
+        Some(
+            candidates
+                .iter()
+                .map(|c| self.cost(c, request, saturation))
+                .collect(),
+        )
+    }
+}
+
+impl KvAware {
+    /// The cheapest of `costs` (ties at random), or with a temperature a draw from the softmax
+    /// over the normalised negative costs.
+    fn choose(&self, costs: &[f64], rng: &mut dyn RngCore) -> Decision {
         let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
         let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let t = self.config.temperature;
@@ -363,20 +399,7 @@ impl Policy for KvAware {
             }
             chosen
         };
-        Some(Decision { index })
-    }
-
-    fn costs(&self, candidates: &[Candidate<'_>], request: &RouteRequest<'_>) -> Option<Vec<f64>> {
-        if candidates.is_empty() {
-            return None;
-        }
-        let saturation = Self::saturation(candidates);
-        Some(
-            candidates
-                .iter()
-                .map(|c| self.cost(c, request, saturation))
-                .collect(),
-        )
+        Decision { index }
     }
 }
 
