@@ -305,7 +305,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            if x % 3 == 0 && !active.is_empty() {
+            if x.is_multiple_of(3) && !active.is_empty() {
                 let gone = active.swap_remove((x >> 8) as usize % active.len());
                 r.finish(&gone, false);
             } else {
