@@ -17,6 +17,8 @@
 //!   events name blocks by the engine's hashes ([`EngineHash`]) and carry their tokens; the
 //!   index maps each engine block onto router blocks per replica, re-blocking when the
 //!   engine's block size differs from the router's (rules in [`kv_index`]'s docs).
+//! - [`ShardedKvIndex`], the same index sharded by replica over mirrored shards for N ingest
+//!   threads: its queries never wait for a writer (see [`sharded`]'s docs).
 //! - [`ApproxIndex`], the approximate index for replicas without events ([`ApproxIndexer`]):
 //!   the blocks the router sent to a replica, remembered for a TTL.
 //! - [`reference`](mod@reference): deliberately naive models of both, the oracles of the differential tests
@@ -34,8 +36,9 @@
 //! - Time only comes in as a parameter (`now`); nothing here reads a clock.
 //!
 //! # What it does not do
-//! No I/O, no threads, no locks, no clock, no metrics: it is a synchronous structure that the
-//! caller owns (and shares behind its own lock or snapshot). It does not decode wire events
+//! No I/O, no threads, no clock, no metrics: `KvIndex` is a synchronous structure that the
+//! caller owns (and shares behind its own lock or snapshot); only [`ShardedKvIndex`] holds
+//! locks, its shards' own. It does not decode wire events
 //! (`kvroute_protocol::kv_events` does), does not fold LoRA names or extra keys into a salt,
 //! does not detect sequence gaps (the subscriber does, and calls
 //! [`KvIndexer::clear_replica`]) and does not score candidates (the routing core does).
