@@ -57,6 +57,7 @@ mod record;
 mod records;
 mod store;
 mod table;
+mod tags;
 
 use std::collections::VecDeque;
 

@@ -5,19 +5,18 @@
 //!   together lie side by side, and a query walking that chain reads consecutive memory: it
 //!   checks the node after the last one matched ([`FlatMap::successor`]) before it looks the
 //!   block up;
-//! - `index`, an open-addressing table (linear probing, backward-shift deletion, no
-//!   tombstones) of 8-byte entries: the key's upper half as a tag, and the node's position.
-//!   Only a tag match reads the node; the tag's low bits are the entry's home.
+//! - `index`, a [`TagIndex`] whose tag is the key's upper half: only a tag match reads the
+//!   node.
 //!
 //! About 32 bytes an entry all in all. Key 0 marks a free node, so a key of 0 is stored as
 //! [`ZERO_STANDIN`]: the two keys then share an entry, which is as likely as two blocks
 //! sharing a 64-bit hash.
 
+use super::tags::TagIndex;
+
 const FREE: u64 = 0;
 const ZERO_STANDIN: u64 = 0x5BD1_E995_C6A4_A793;
 const MIN_ENTRIES: usize = 64;
-/// `Entry::at` of an empty index entry.
-const NONE: u32 = u32::MAX;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct Node {
@@ -25,21 +24,12 @@ struct Node {
     value: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Entry {
-    tag: u32,
-    at: u32,
-}
-
-const EMPTY: Entry = Entry { tag: 0, at: NONE };
-
 #[derive(Debug, Default)]
 pub(crate) struct FlatMap {
-    index: Vec<Entry>,
+    index: TagIndex,
     nodes: Vec<Node>,
     /// Free nodes, the last freed last.
     free: Vec<u32>,
-    len: usize,
 }
 
 /// `key` as the map stores it (0 becomes [`ZERO_STANDIN`]).
@@ -57,18 +47,7 @@ fn tag(key: u64) -> u32 {
 
 impl FlatMap {
     pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    fn mask(&self) -> usize {
-        self.index.len() - 1
-    }
-
-    /// Where the entry of a key with this tag probes first. The keys are uniform, so their
-    /// tag's low bits index the table directly; a home computed from the entry alone lets
-    /// growth and removal move entries without reading their nodes.
-    fn home(&self, tag: u32) -> usize {
-        tag as usize & self.mask()
+        self.index.len()
     }
 
     /// The node of `key`, if present.
@@ -78,22 +57,12 @@ impl FlatMap {
 
     /// The index entry and the node of `key`, if present.
     pub(crate) fn locate(&self, key: u64) -> Option<(usize, usize)> {
-        if self.len == 0 {
-            return None;
-        }
         let key = stored(key);
-        let (mask, tag) = (self.mask(), tag(key));
-        let mut i = self.home(tag);
-        loop {
-            let entry = self.index[i];
-            if entry.at == NONE {
-                return None;
-            }
-            if entry.tag == tag && self.nodes[entry.at as usize].key == key {
-                return Some((i, entry.at as usize));
-            }
-            i = (i + 1) & mask;
-        }
+        let nodes = &self.nodes;
+        let (entry, at) = self
+            .index
+            .find(tag(key), |at| nodes[at as usize].key == key)?;
+        Some((entry, at as usize))
     }
 
     /// The node after `at`, if it holds `key`.
@@ -107,13 +76,9 @@ impl FlatMap {
         self.successor(at, key).or_else(|| self.find(key))
     }
 
-    /// Loads the index entry `key` probes first, so that a later lookup finds it in cache:
-    /// issued for a batch of keys at once, the cache misses overlap instead of coming one by
-    /// one.
+    /// Loads the index entry `key` probes first (see [`TagIndex::touch`]).
     pub(crate) fn touch(&self, key: u64) {
-        if !self.index.is_empty() {
-            std::hint::black_box(self.index[self.home(tag(stored(key)))].at);
-        }
+        self.index.touch(tag(stored(key)));
     }
 
     /// The value of `key`, if present.
@@ -138,21 +103,13 @@ impl FlatMap {
 
     /// The node of `key`, inserted with value 0 if absent, and whether it was inserted.
     pub(crate) fn insert(&mut self, key: u64) -> (usize, bool) {
-        if (self.len + 1) * 4 > self.index.len() * 3 {
-            self.grow();
-        }
-        let key = stored(key);
-        let (mask, tag) = (self.mask(), tag(key));
-        let mut i = self.home(tag);
-        loop {
-            let entry = self.index[i];
-            if entry.at == NONE {
-                break;
-            }
-            if entry.tag == tag && self.nodes[entry.at as usize].key == key {
-                return (entry.at as usize, false);
-            }
-            i = (i + 1) & mask;
+        self.index.reserve(MIN_ENTRIES);
+        let (key, nodes) = (stored(key), &self.nodes);
+        let (entry, found) = self
+            .index
+            .probe(tag(key), |at| nodes[at as usize].key == key);
+        if let Some(at) = found {
+            return (at as usize, false);
         }
         let node = Node { key, value: 0 };
         let at = match self.free.pop() {
@@ -165,60 +122,24 @@ impl FlatMap {
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.index[i] = Entry { tag, at };
-        self.len += 1;
+        self.index.set(entry, tag(key), at);
         (at as usize, true)
     }
 
-    /// Removes node `at` and its index entry, shifting back the entries probing past it.
+    /// Removes node `at` and its index entry.
     #[cfg(test)]
     pub(crate) fn remove_at(&mut self, at: usize) {
         let key = self.nodes[at].key;
-        let mask = self.mask();
-        let mut hole = self.home(tag(key));
-        while self.index[hole].at != at as u32 {
-            hole = (hole + 1) & mask;
-        }
-        self.remove_entry(hole);
+        let (entry, _) = self.index.probe(tag(key), |a| a as usize == at);
+        self.remove_entry(entry);
     }
 
     /// Removes the node of index entry `entry` (as [`locate`](Self::locate) found it, the
     /// map unchanged since) and the entry.
     pub(crate) fn remove_entry(&mut self, entry: usize) {
-        let at = self.index[entry].at as usize;
-        let mask = self.mask();
-        let mut hole = entry;
-        let mut j = hole;
-        loop {
-            j = (j + 1) & mask;
-            let entry = self.index[j];
-            if entry.at == NONE {
-                break;
-            }
-            // The entry at `j` may fill the hole if the hole lies on its probe path.
-            let home = self.home(entry.tag);
-            if j.wrapping_sub(home) & mask >= j.wrapping_sub(hole) & mask {
-                self.index[hole] = entry;
-                hole = j;
-            }
-        }
-        self.index[hole] = EMPTY;
-        self.nodes[at] = Node::default();
-        self.free.push(at as u32);
-        self.len -= 1;
-    }
-
-    fn grow(&mut self) {
-        let size = (self.index.len() * 2).max(MIN_ENTRIES);
-        let old = std::mem::replace(&mut self.index, vec![EMPTY; size]);
-        let mask = size - 1;
-        for entry in old.into_iter().filter(|e| e.at != NONE) {
-            let mut i = self.home(entry.tag);
-            while self.index[i].at != NONE {
-                i = (i + 1) & mask;
-            }
-            self.index[i] = entry;
-        }
+        let at = self.index.remove(entry);
+        self.nodes[at as usize] = Node::default();
+        self.free.push(at);
     }
 
     /// Every key, as stored (a key of 0 as [`ZERO_STANDIN`]).
@@ -233,7 +154,7 @@ impl FlatMap {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.index.capacity() * std::mem::size_of::<Entry>()
+        self.index.memory_bytes()
             + self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.free.capacity() * std::mem::size_of::<u32>()
     }

@@ -1,39 +1,23 @@
 //! Every replica's engine blocks: the [`Record`]s of all slots in one arena of 1 MiB chunks,
-//! in store order (a freed one reused last freed, first reused), and per slot an
-//! open-addressing index of 8-byte entries (a tag of the engine hash, mixed, whose low bits
-//! are the entry's home, and the record's position; linear probing, backward-shift deletion).
+//! in store order (a freed one reused last freed, first reused), and per slot a
+//! [`TagIndex`] of the engine hashes (tagged by a mix of the hash) to the records' positions.
 //! A record costs its 32 bytes in the arena and about 14 in its slot's index; a slot's index
 //! is small enough to stay in cache while its events are applied, and records stored
 //! together lie together.
 
 use super::record::{Kind, Record};
+use super::tags::TagIndex;
 use crate::{BlockHash, EngineHash};
 
 const MIN_ENTRIES: usize = 16;
 /// Records per arena chunk (1 MiB).
 const CHUNK_BITS: u32 = 15;
 const CHUNK: usize = 1 << CHUNK_BITS;
-/// `Entry::at` of an empty index entry.
-const NONE: u32 = u32::MAX;
 
 #[derive(Debug)]
 struct Held {
     engine: EngineHash,
     record: Record,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Entry {
-    tag: u32,
-    at: u32,
-}
-
-const EMPTY: Entry = Entry { tag: 0, at: NONE };
-
-#[derive(Debug, Default)]
-struct SlotIndex {
-    entries: Vec<Entry>,
-    len: usize,
 }
 
 #[derive(Debug, Default)]
@@ -45,7 +29,7 @@ pub(crate) struct Records {
     used: usize,
     /// Free arena positions, the last freed last.
     free: Vec<u32>,
-    slots: Vec<SlotIndex>,
+    slots: Vec<TagIndex>,
 }
 
 /// The index tag of an engine hash: engine hashes come from engines (any values), so one
@@ -61,12 +45,6 @@ fn placeholder() -> Record {
     Record::new(Kind::One(BlockHash(0)), 0, 0)
 }
 
-impl SlotIndex {
-    fn mask(&self) -> usize {
-        self.entries.len() - 1
-    }
-}
-
 impl Records {
     fn held(&self, at: u32) -> &Held {
         &self.arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
@@ -79,52 +57,29 @@ impl Records {
     /// Makes room for slots up to `slot`.
     pub(crate) fn ensure_slot(&mut self, slot: u32) {
         if self.slots.len() <= slot as usize {
-            self.slots
-                .resize_with(slot as usize + 1, SlotIndex::default);
+            self.slots.resize_with(slot as usize + 1, TagIndex::default);
         }
     }
 
     /// Engine blocks of `slot`.
+    #[cfg(test)]
     pub(crate) fn len(&self, slot: u32) -> usize {
-        self.slots.get(slot as usize).map_or(0, |index| index.len)
+        self.slots.get(slot as usize).map_or(0, TagIndex::len)
     }
 
     /// Slots holding at least one engine block.
     pub(crate) fn slots_in_use(&self) -> usize {
-        self.slots.iter().filter(|index| index.len > 0).count()
-    }
-
-    /// The index entry where `hash` of `slot` is, or where it would go.
-    fn probe(&self, slot: u32, hash: EngineHash) -> (usize, Option<u32>) {
-        let index = &self.slots[slot as usize];
-        let (mask, tag) = (index.mask(), tag(hash));
-        let mut i = tag as usize & mask;
-        loop {
-            let entry = index.entries[i];
-            if entry.at == NONE {
-                return (i, None);
-            }
-            if entry.tag == tag && self.held(entry.at).engine == hash {
-                return (i, Some(entry.at));
-            }
-            i = (i + 1) & mask;
-        }
+        self.slots.iter().filter(|index| index.len() > 0).count()
     }
 
     /// The arena position of `hash` of `slot`.
     pub(crate) fn find(&self, slot: u32, hash: EngineHash) -> Option<u32> {
-        if self.len(slot) == 0 {
-            return None;
-        }
-        self.probe(slot, hash).1
+        self.locate(slot, hash).map(|(_, at)| at)
     }
 
     /// Loads the index entry `hash` of `slot` probes first (see `FlatMap::touch`).
     pub(crate) fn touch(&self, slot: u32, hash: EngineHash) {
-        let index = &self.slots[slot as usize];
-        if !index.entries.is_empty() {
-            std::hint::black_box(index.entries[tag(hash) as usize & index.mask()].at);
-        }
+        self.slots[slot as usize].touch(tag(hash));
     }
 
     pub(crate) fn get(&self, slot: u32, hash: EngineHash) -> Option<&Record> {
@@ -149,11 +104,9 @@ impl Records {
 
     /// Adds `hash` of `slot`, which must not be there yet.
     pub(crate) fn insert(&mut self, slot: u32, hash: EngineHash, record: Record) {
-        let index = &self.slots[slot as usize];
-        if (index.len + 1) * 4 > index.entries.len() * 3 {
-            self.grow(slot);
-        }
-        let (i, found) = self.probe(slot, hash);
+        self.slots[slot as usize].reserve(MIN_ENTRIES);
+        let (i, found) =
+            self.slots[slot as usize].probe(tag(hash), |at| self.held(at).engine == hash);
         debug_assert!(found.is_none(), "inserting a record already there");
         let held = Held {
             engine: hash,
@@ -178,21 +131,14 @@ impl Records {
                 (self.used - 1) as u32
             }
         };
-        let tag = tag(hash);
-        let index = &mut self.slots[slot as usize];
-        index.entries[i] = Entry { tag, at };
-        index.len += 1;
+        self.slots[slot as usize].set(i, tag(hash), at);
     }
 
     /// The index entry and the arena position of `hash` of `slot`.
     pub(crate) fn locate(&self, slot: u32, hash: EngineHash) -> Option<(usize, u32)> {
-        if self.len(slot) == 0 {
-            return None;
-        }
-        match self.probe(slot, hash) {
-            (entry, Some(at)) => Some((entry, at)),
-            (_, None) => None,
-        }
+        self.slots
+            .get(slot as usize)?
+            .find(tag(hash), |at| self.held(at).engine == hash)
     }
 
     /// Removes `hash` of `slot`, returning its record.
@@ -205,25 +151,7 @@ impl Records {
     /// Removes the record of index entry `entry` of `slot` (as [`locate`](Self::locate) found
     /// it, the slot's index unchanged since), returning it.
     pub(crate) fn remove_entry(&mut self, slot: u32, entry: usize) -> Record {
-        let index = &mut self.slots[slot as usize];
-        let at = index.entries[entry].at;
-        let mut hole = entry;
-        let mask = index.mask();
-        let mut j = hole;
-        loop {
-            j = (j + 1) & mask;
-            let entry = index.entries[j];
-            if entry.at == NONE {
-                break;
-            }
-            let home = entry.tag as usize & mask;
-            if j.wrapping_sub(home) & mask >= j.wrapping_sub(hole) & mask {
-                index.entries[hole] = entry;
-                hole = j;
-            }
-        }
-        index.entries[hole] = EMPTY;
-        index.len -= 1;
+        let at = self.slots[slot as usize].remove(entry);
         self.release(at)
     }
 
@@ -238,36 +166,13 @@ impl Records {
             return Vec::new();
         };
         let index = std::mem::take(index);
-        index
-            .entries
-            .iter()
-            .filter(|e| e.at != NONE)
-            .map(|e| self.release(e.at))
-            .collect()
+        index.positions().map(|at| self.release(at)).collect()
     }
 
     /// The records of `slot` (for tests).
     #[cfg(test)]
     pub(crate) fn values(&self, slot: u32) -> impl Iterator<Item = &Record> + '_ {
-        self.slots[slot as usize]
-            .entries
-            .iter()
-            .filter(|e| e.at != NONE)
-            .map(|e| self.at(e.at))
-    }
-
-    fn grow(&mut self, slot: u32) {
-        let index = &mut self.slots[slot as usize];
-        let size = (index.entries.len() * 2).max(MIN_ENTRIES);
-        let old = std::mem::replace(&mut index.entries, vec![EMPTY; size]);
-        let mask = size - 1;
-        for entry in old.into_iter().filter(|e| e.at != NONE) {
-            let mut i = entry.tag as usize & mask;
-            while index.entries[i].at != NONE {
-                i = (i + 1) & mask;
-            }
-            index.entries[i] = entry;
-        }
+        self.slots[slot as usize].positions().map(|at| self.at(at))
     }
 
     /// Heap bytes of the arena and the indexes (not what the records point to).
@@ -275,12 +180,8 @@ impl Records {
         self.arena.iter().map(Vec::capacity).sum::<usize>() * std::mem::size_of::<Held>()
             + self.arena.capacity() * std::mem::size_of::<Vec<Held>>()
             + self.free.capacity() * std::mem::size_of::<u32>()
-            + self.slots.capacity() * std::mem::size_of::<SlotIndex>()
-            + self
-                .slots
-                .iter()
-                .map(|index| index.entries.capacity() * std::mem::size_of::<Entry>())
-                .sum::<usize>()
+            + self.slots.capacity() * std::mem::size_of::<TagIndex>()
+            + self.slots.iter().map(TagIndex::memory_bytes).sum::<usize>()
     }
 }
 
