@@ -69,8 +69,7 @@ impl KvState {
         }
     }
 
-    fn report(&self) {
-        let (blocks, bytes) = self.index_size();
+    fn report(&self, (blocks, bytes): (usize, usize)) {
         self.size.0.set(blocks as i64);
         self.size.1.set(bytes as i64);
     }
@@ -127,29 +126,29 @@ impl KvState {
     }
 
     pub fn stored(&self, replica: ReplicaId, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
-        let result = match &self.index {
-            EventIndex::One(index) => write(index).apply_stored(replica, event),
-            EventIndex::Sharded(index) => index.stored(replica, event),
-        };
-        self.report();
+        let (result, size) = self.index.write(
+            |one| one.apply_stored(replica, event),
+            |sharded| sharded.stored(replica, event),
+        );
+        self.report(size);
         result
     }
 
     pub fn removed(&self, replica: ReplicaId, tier: StorageTier, hashes: &[EngineHash]) {
-        match &self.index {
-            EventIndex::One(index) => write(index).apply_removed(replica, tier, hashes),
-            EventIndex::Sharded(index) => index.removed(replica, tier, hashes),
-        }
-        self.report();
+        let ((), size) = self.index.write(
+            |one| one.apply_removed(replica, tier, hashes),
+            |sharded| sharded.removed(replica, tier, hashes),
+        );
+        self.report(size);
     }
 
     /// Forgets what a replica holds, in both indexes.
     pub fn clear(&self, replica: ReplicaId) {
-        match &self.index {
-            EventIndex::One(index) => write(index).clear_replica(replica),
-            EventIndex::Sharded(index) => index.cleared(replica),
-        }
-        self.report();
+        let ((), size) = self.index.write(
+            |one| one.clear_replica(replica),
+            |sharded| sharded.cleared(replica),
+        );
+        self.report(size);
         lock(&self.approx).clear_replica(replica);
     }
 
@@ -164,13 +163,14 @@ impl KvState {
     /// (indexed blocks, approximate bytes) of the event-fed index.
     pub fn index_size(&self) -> (usize, usize) {
         match &self.index {
-            EventIndex::One(index) => {
-                let index = read(index);
-                (index.num_blocks(), index.memory_bytes())
-            }
+            EventIndex::One(index) => size(&*read(index)),
             EventIndex::Sharded(index) => (index.blocks(), index.heap_bytes()),
         }
     }
+}
+
+fn size(index: &impl KvIndexer) -> (usize, usize) {
+    (index.num_blocks(), index.memory_bytes())
 }
 
 /// The event-fed index: one `KvIndex` behind a lock (`--router-event-threads 1`, the
@@ -187,6 +187,23 @@ impl EventIndex {
         match settings.event_threads {
             0 | 1 => Self::One(Box::new(RwLock::new(KvIndex::with_max_blocks(bs, max)))),
             n => Self::Sharded(ShardedKvIndex::with_max_blocks(bs, n, max)),
+        }
+    }
+
+    /// Applies one change, `one` to the single index or `sharded` to the sharded one, and
+    /// returns the index's size after it (read under the same write lock for the single one).
+    fn write<R>(
+        &self,
+        one: impl FnOnce(&mut KvIndex) -> R,
+        sharded: impl FnOnce(&ShardedKvIndex) -> R,
+    ) -> (R, (usize, usize)) {
+        match self {
+            Self::One(index) => {
+                let mut index = write(index);
+                let result = one(&mut index);
+                (result, size(&*index))
+            }
+            Self::Sharded(index) => (sharded(index), (index.blocks(), index.heap_bytes())),
         }
     }
 

@@ -17,21 +17,6 @@ async fn route(r: &TestRouter, model: &str, prompt: &str) -> Value {
     reply.json()
 }
 
-/// Each candidate's adapter fit, by worker.
-fn fits(decision: &Value) -> Vec<(String, String)> {
-    let mut fits: Vec<(String, String)> = decision["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            let fit = c["adapter"].as_str().unwrap_or("-").to_owned();
-            (c["worker"].as_str().unwrap().to_owned(), fit)
-        })
-        .collect();
-    fits.sort();
-    fits
-}
-
 #[tokio::test]
 async fn an_adapters_requests_go_to_the_engine_that_has_it_loaded() {
     let shutdown = CancellationToken::new();
@@ -49,7 +34,11 @@ async fn an_adapters_requests_go_to_the_engine_that_has_it_loaded() {
     // read their adapters (none running, two slots each).
     wait_until_async("the router reads every engine's adapters", || async {
         let d = route(&r, "sql", "probe").await;
-        fits(&d).iter().filter(|(_, f)| f == "free_slot").count() == 3
+        adapter_fits(&d)
+            .iter()
+            .filter(|(_, f)| f == "free_slot")
+            .count()
+            == 3
     })
     .await;
     let ask = |i: usize| {
@@ -67,13 +56,13 @@ async fn an_adapters_requests_go_to_the_engine_that_has_it_loaded() {
         assert_eq!(reply.worker(), home, "request {i}");
     }
     let d = route(&r, "sql", "another").await;
-    for (worker, fit) in fits(&d) {
+    for (worker, fit) in adapter_fits(&d) {
         let loaded = ["running", "resident", "queued"].contains(&fit.as_str());
         assert_eq!(loaded, worker == home, "{worker}: {fit}");
     }
     // The base model's requests name no adapter.
     let d = route(&r, "kvroute-sim", "plain").await;
-    assert!(fits(&d).iter().all(|(_, f)| f == "-"), "{d}");
+    assert!(adapter_fits(&d).iter().all(|(_, f)| f == "-"), "{d}");
     // An adapter no engine serves: no worker serves that model.
     let body = json!({"model": "poetry", "prompt": "x", "max_tokens": 1}).to_string();
     assert_eq!(r.complete(&[], &body).await.status, 404);

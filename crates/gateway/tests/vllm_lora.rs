@@ -55,17 +55,7 @@ async fn fits(r: &TestRouter, model: &str) -> Vec<(String, String)> {
     let body = json!({"model": model, "prompt": "where would this go"}).to_string();
     let reply = r.post("/debug/route", &[], &body).await;
     assert_eq!(reply.status, 200, "{:?}", reply.body);
-    let mut fits: Vec<(String, String)> = reply.json()["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            let fit = c["adapter"].as_str().unwrap_or("-").to_owned();
-            (c["worker"].as_str().unwrap().to_owned(), fit)
-        })
-        .collect();
-    fits.sort();
-    fits
+    adapter_fits(&reply.json())
 }
 
 /// Whether the router's fits of `model` are `want` (by worker, sorted).

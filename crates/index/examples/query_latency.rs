@@ -226,14 +226,6 @@ fn run_threads(n: usize, load: &workload::Workload) {
         during.len(),
         percentiles(during)
     );
-    let mut after = Vec::new();
-    for round in 0..20 {
-        for i in 0..load.hit.len() {
-            let query = &load.hit[(i * 389 + round * 97) % load.hit.len()];
-            let begin = Instant::now();
-            black_box(index.matches(black_box(query)));
-            after.push(begin.elapsed());
-        }
-    }
+    let (after, _) = time_queries(&index, &load.hit, 20, false);
     println!("{name}: hit    {}", percentiles(after));
 }

@@ -545,3 +545,18 @@ pub fn test_python() -> String {
     }
     "python3".to_owned()
 }
+
+/// Each candidate's adapter fit in a `/debug/route` answer, by worker ("-" without one).
+pub fn adapter_fits(decision: &serde_json::Value) -> Vec<(String, String)> {
+    let mut fits: Vec<(String, String)> = decision["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let fit = c["adapter"].as_str().unwrap_or("-").to_owned();
+            (c["worker"].as_str().unwrap().to_owned(), fit)
+        })
+        .collect();
+    fits.sort();
+    fits
+}
