@@ -50,6 +50,7 @@ struct Source {
 enum CostModelArg {
     Weighted,
     Predicted,
+    Calibrated,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -64,7 +65,8 @@ enum MemoryCostArg {
 #[command(next_help_heading = "kv_aware (as the gateway's flags)")]
 struct KvAwareArgs {
     /// What kv_aware minimises: weighted (the weighted sum of blocks; the weight flags below
-    /// apply to it) or predicted (milliseconds from latency models each engine's timings
+    /// apply to it), calibrated (that sum with each engine's terms priced at the speed its
+    /// timings show) or predicted (milliseconds from latency models each engine's timings
     /// train) [default: weighted].
     #[arg(long, value_enum)]
     router_cost_model: Option<CostModelArg>,
@@ -137,6 +139,7 @@ impl KvAwareArgs {
             cost_model: match self.router_cost_model {
                 Some(CostModelArg::Weighted) => CostModel::Weighted,
                 Some(CostModelArg::Predicted) => CostModel::Predicted,
+                Some(CostModelArg::Calibrated) => CostModel::Calibrated,
                 None => d.cost_model,
             },
             ..d

@@ -84,6 +84,7 @@ fn predicted_json(p: &Prediction) -> Value {
             "step_over_reference": s.decode, "output_tokens": s.output_tokens,
             "ttft_observations": s.prefill_observations,
             "gap_observations": s.decode_observations,
+            "prefill_factor": s.prefill_factor, "decode_factor": s.decode_factor,
         },
     })
 }
