@@ -8,7 +8,7 @@ use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
 use kvroute_bench::simulate::{Cluster, EngineShapes, OutputTracking, PdCluster};
 use kvroute_bench::sweep::Percentile;
-use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
+use kvroute_bench::synthetic::{SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::{CostModel, KvAwareConfig, MemoryCost, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, SchedulingPolicy, TimingModel};
@@ -254,14 +254,8 @@ impl Workload {
                     sub.error(clap::error::ErrorKind::ArgumentConflict, e)
                         .exit()
                 });
-                if let Synthetic::SharedPrefix(s) = &spec {
-                    let shared = s.shared_len(self.hash_block_size);
-                    if shared < s.system_prompt_len {
-                        eprintln!(
-                            "note: a group shares {shared} of its {} system prompt tokens (whole hash blocks); a --hash-block-size dividing {} shares them all",
-                            s.system_prompt_len, s.system_prompt_len
-                        );
-                    }
+                if let Some(note) = spec.sharing_note(self.hash_block_size) {
+                    eprintln!("{note}");
                 }
                 let requests = spec.generate(self.hash_block_size, self.seed);
                 (spec.to_string(), requests)
@@ -584,6 +578,7 @@ mod tests {
             );
             assert!(parse(&format!("b {command} --trace t")).is_ok());
             assert!(parse(&format!("b {command} --synthetic shared-prefix --groups 3")).is_ok());
+            assert!(parse(&format!("b {command} --synthetic agentic --sessions 3")).is_ok());
         }
     }
 
