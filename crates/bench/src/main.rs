@@ -67,7 +67,7 @@ struct KvAwareArgs {
     /// What kv_aware minimises: weighted (the weighted sum of blocks; the weight flags below
     /// apply to it), calibrated (that sum with each engine's terms priced at the speed its
     /// timings show) or predicted (milliseconds from latency models each engine's timings
-    /// train) [default: weighted].
+    /// train) [default: calibrated].
     #[arg(long, value_enum)]
     router_cost_model: Option<CostModelArg>,
     /// Credit per prefix block cached on the device [default: 2.0; Dynamo's: 1.0].
@@ -837,7 +837,7 @@ mod tests {
     #[test]
     fn simulate_passes_kv_aware_weights_through() {
         let cli = Cli::try_parse_from(
-            "b simulate --trace t --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 --router-kv-memory-cost linear --router-prefill-interference-weight 0"
+            "b simulate --trace t --router-cost-model weighted --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 --router-kv-memory-cost linear --router-prefill-interference-weight 0"
                 .split_whitespace(),
         )
         .unwrap();

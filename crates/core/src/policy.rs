@@ -88,6 +88,18 @@ pub trait Policy: Send + Sync + fmt::Debug {
         None
     }
 
+    /// The costs that place a request with latency targets among the candidates predicted
+    /// to meet them ([`crate::slo::choose`]): [`Policy::costs`] less any price of a
+    /// candidate's speed, which the targets already judge, so that a loose target leaves the
+    /// fast engines to the tight ones.
+    fn target_costs(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Vec<f64>> {
+        self.costs(candidates, request)
+    }
+
     /// Periodic upkeep (eviction), called by the gateway every second with the time.
     fn maintain(&self, _now: std::time::Instant) {}
 

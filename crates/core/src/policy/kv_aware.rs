@@ -34,8 +34,9 @@
 //! uniformly at random. With `temperature > 0` the choice is sampled from
 //! `softmax(-(cost - min) / ((max - min) * temperature))`.
 //! [`KvAwareConfig::dynamo`] is Dynamo 1.6.1's model exactly (credit 1, scale 1, linear memory,
-//! no interference term); the defaults are kvroute's (credit 2, scale 4, linear memory,
-//! interference 0.25), measured in `docs/policies.md` ("kv_aware") and BENCHMARKS.md.
+//! no interference term, every rank priced alike); the defaults are kvroute's (credit 2, scale
+//! 4, linear memory, interference 0.25, each rank priced at its learned speed: "Calibrated"
+//! below), measured in `docs/policies.md` ("kv_aware") and BENCHMARKS.md.
 //!
 //! The terms estimate what the request adds to the rank: compute (the prefill term: the
 //! work queued ahead of it plus its own uncached prompt), KV memory (the memory term: the
@@ -96,7 +97,8 @@
 //!   terms took the hit rate from 34% to 47% (`cache_aware`: 48%); without them groups were
 //!   spread over two or three ranks, each recomputing the system prompt.
 //!
-//! **Calibrated** (`--router-cost-model calibrated`). The terms above count work in blocks,
+//! **Calibrated** (`--router-cost-model calibrated`, the default; `weighted` is the model
+//! above with every rank priced alike). The terms above count work in blocks,
 //! the same for every rank. On a cluster of mixed GPUs a block of prefill or a step of
 //! decode costs more on a slower rank, and the router is not told which is which. The
 //! calibrated model prices each rank's terms at its learned speed: the prefill terms
@@ -107,7 +109,9 @@
 //! price = exp(sign(l) * max(0, |l| - 0.1)),   l = ln(factor / mean factor of the candidates)
 //! ```
 //!
-//! where the factors are the rank's robust speed factors
+//! and the memory term by `C / C_i` as well, `C_i` the rank's KV capacity in blocks and `C`
+//! the candidates' mean (where known): a block is a larger share of a smaller engine, which
+//! preempts sooner. The factors are the rank's robust speed factors
 //! ([`crate::latency`], "Speed factors": TTFT over the prior model's, decode step over the
 //! reference step). Prices are relative to the candidates' mean, so the weights keep their
 //! balance, and differences within 10% (the factors' spread between identical engines) are
@@ -155,13 +159,13 @@ impl MemoryCost {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CostModel {
     /// The weighted sum of blocks above (Dynamo's model, with kvroute's terms and weights).
-    #[default]
     Weighted,
     /// Predicted milliseconds from the ranks' learned latency models (see
     /// [`super::predict`]); the weights above do not apply.
     Predicted,
     /// The weighted sum with each rank's terms priced at its learned speed relative to the
-    /// cluster's (see "Calibrated" in the module docs).
+    /// cluster's (see "Calibrated" in the module docs): kvroute's default.
+    #[default]
     Calibrated,
 }
 
@@ -213,6 +217,7 @@ impl Default for KvAwareConfig {
             prefill_load_scale: 4.0,
             prefill_interference_weight: 0.25,
             lora_load_cost: DEFAULT_LORA_LOAD_COST,
+            cost_model: CostModel::Calibrated,
             ..Self::dynamo()
         }
     }
@@ -292,6 +297,8 @@ pub struct Cluster {
     /// ([`FittedSpeed`](crate::latency::FittedSpeed)).
     pub prefill_factor: f64,
     pub decode_factor: f64,
+    /// The mean KV capacity in blocks of the candidates that report one (0: none does).
+    pub capacity: f64,
 }
 
 impl Cluster {
@@ -301,6 +308,16 @@ impl Cluster {
             saturation,
             prefill_factor: 1.0,
             decode_factor: 1.0,
+            capacity: 0.0,
+        }
+    }
+
+    /// What one block of `c`'s memory term counts: the share of its engine's KV it takes,
+    /// against the mean engine's (1 where either is unknown).
+    pub fn memory_share(&self, c: &Candidate<'_>) -> f64 {
+        match c.engine.num_gpu_blocks {
+            Some(n) if n > 0 && self.capacity > 0.0 => self.capacity / n as f64,
+            _ => 1.0,
         }
     }
 
@@ -360,10 +377,21 @@ impl KvAware {
             }
         }
         let mean = |(sum, n): (f64, f64)| if n > 0.0 { sum / n } else { 1.0 };
+        let capacity = candidates
+            .iter()
+            .filter_map(|c| c.engine.num_gpu_blocks.filter(|&n| n > 0))
+            .fold((0.0, 0.0), |(sum, n), blocks| {
+                (sum + blocks as f64, n + 1.0)
+            });
         Cluster {
             saturation,
             prefill_factor: mean(prefill),
             decode_factor: mean(decode),
+            capacity: if capacity.1 > 0.0 {
+                mean(capacity)
+            } else {
+                0.0
+            },
         }
     }
 
@@ -418,9 +446,13 @@ impl KvAware {
             CostModel::Calibrated => cluster.prices(c),
             _ => (1.0, 1.0),
         };
+        let share = match k.cost_model {
+            CostModel::Calibrated => cluster.memory_share(c),
+            _ => 1.0,
+        };
         let mut cost = p * k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
             + p * k.prefill_load_scale * saturation * (prompt - credit).max(0.0)
-            + d * memory
+            + d * share * memory
             + p * k.prefill_interference_weight * uncached * decoding
             + d * k.decode_active_request_weight * c.kv.active_requests as f64
             + k.lora_load_cost * c.adapter.expected_loads();
@@ -459,6 +491,21 @@ impl Policy for KvAware {
             }
             _ => self.select(candidates, request, rng),
         }
+    }
+
+    fn target_costs(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Vec<f64>> {
+        if self.config.cost_model != CostModel::Calibrated {
+            return self.costs(candidates, request);
+        }
+        let neutral = KvAware::new(KvAwareConfig {
+            cost_model: CostModel::Weighted,
+            ..self.config.clone()
+        });
+        neutral.costs(candidates, request)
     }
 
     fn costs(&self, candidates: &[Candidate<'_>], request: &RouteRequest<'_>) -> Option<Vec<f64>> {
@@ -1111,5 +1158,18 @@ mod tests {
         );
         // The weighted and predicted models ignore the factors.
         assert_eq!(weighted.cluster(&tiers), Cluster::uniform(0.0));
+        // A block of memory on an engine with half the KV counts as two on the other.
+        let sized = |i: usize, blocks| Candidate {
+            engine: EngineLoad {
+                num_gpu_blocks: Some(blocks),
+                ..EngineLoad::default()
+            },
+            ..at(i, fitted(1.0, 1.0, 100))
+        };
+        let mem = [sized(0, 16384), sized(1, 8192)];
+        let (c, w) = (costs(&calibrated, &mem), costs(&weighted, &mem));
+        let memory = (kv.decode_blocks + kv.new_blocks) as f64;
+        assert!((c[0] - (w[0] - memory / 4.0)).abs() < 1e-9, "{c:?} {w:?}");
+        assert!((c[1] - (w[1] + memory / 2.0)).abs() < 1e-9, "{c:?} {w:?}");
     }
 }
