@@ -9,6 +9,7 @@ use kvroute_core::affinity::{Affinity, AffinityMode};
 use kvroute_core::eligibility::{eligible, BusyThresholds, Hints, Ineligible, WorkerView};
 use kvroute_core::overload::{OverloadProtection, PressureSum, Protected, WorkerPressure};
 use kvroute_core::policy::predict::{predict, Prediction};
+use kvroute_core::policy::Policy;
 use kvroute_core::slo::{SloChoice, SloTargets};
 use kvroute_core::{
     AdapterFit, Candidate, EngineLoad, KvTerms, Overlap, PolicyKind, RequestLoad, RouteRequest,
@@ -361,16 +362,8 @@ pub fn plan(
             .collect()
     });
     let shed = limits.slo_shed && !dry_run;
-    let target_costs = match hints.slo.is_set() {
-        true => pool.policy.target_costs(&candidates, &request),
-        false => None,
-    };
-    let slo = slo_choice(
-        &hints.slo,
-        predictions.as_deref(),
-        target_costs.as_deref(),
-        shed,
-    )?;
+    let targets = (&hints.slo, &*pool.policy, candidates.as_slice(), &request);
+    let slo = slo_choice(targets, predictions.as_deref(), shed)?;
     let soft_bound = match (&bound, affinity.map(|a| a.mode)) {
         (Some((worker, rank)), Some(AffinityMode::Soft)) => candidates
             .iter()
@@ -431,19 +424,28 @@ fn candidates(choices: &[Choice]) -> Vec<Candidate<'_>> {
         .collect()
 }
 
-/// The choice by headroom, when the request has targets and the policy predicts latencies;
-/// with `shed`, an unattainable request's refusal.
+/// The request's targets, the pool's policy, the candidates and the request.
+type Targeted<'a> = (
+    &'a SloTargets,
+    &'a dyn Policy,
+    &'a [Candidate<'a>],
+    &'a RouteRequest<'a>,
+);
+
+/// The choice by headroom, when the request has targets and the policy predicts latencies
+/// (among the candidates that meet them, by the policy's [`Policy::target_costs`]); with
+/// `shed`, an unattainable request's refusal.
 fn slo_choice(
-    targets: &SloTargets,
+    (targets, policy, candidates, request): Targeted<'_>,
     predictions: Option<&[Prediction]>,
-    costs: Option<&[f64]>,
     shed: bool,
 ) -> Result<Option<SloChoice>, GatewayError> {
-    let Some(p) = predictions else {
+    let Some(p) = predictions.filter(|_| targets.is_set()) else {
         return Ok(None);
     };
     let predicted: Vec<kvroute_core::slo::Predicted> = p.iter().map(Into::into).collect();
-    let choice = kvroute_core::slo::choose(targets, &predicted, costs);
+    let costs = policy.target_costs(candidates, request);
+    let choice = kvroute_core::slo::choose(targets, &predicted, costs.as_deref());
     match choice {
         Some(s) if shed && !s.attainable() => Err(unattainable(targets, &s, p)),
         choice => Ok(choice),

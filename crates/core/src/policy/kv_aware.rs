@@ -1107,7 +1107,10 @@ mod tests {
             cost_model: CostModel::Calibrated,
             ..KvAwareConfig::default()
         });
-        let weighted = KvAware::default();
+        let weighted = KvAware::new(KvAwareConfig {
+            cost_model: CostModel::Weighted,
+            ..KvAwareConfig::default()
+        });
         let kv = KvTerms {
             prefill_tokens: 3200,
             decode_blocks: 400,
