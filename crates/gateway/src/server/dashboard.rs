@@ -321,6 +321,8 @@ impl Dashboard {
                             "step_over_reference": sp.decode,
                             "prefill_ms_per_1k_tokens": sp.prefill[1],
                             "observations": sp.prefill_observations + sp.decode_observations,
+                            "adapter_load_ms": sp.adapter_load_ms,
+                            "adapter_load_observations": sp.adapter_load_observations,
                         });
                     }
                 }
