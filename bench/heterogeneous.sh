@@ -7,7 +7,7 @@
 # prints its table, with the requests each engine answered.
 #   bench/heterogeneous.sh            # SPEEDS, BLOCKS, RATES="1 2", SEEDS="0", OUT
 # Environment: TRACE (default ../shared/data/mooncake_synthetic_trace.jsonl), TIMING (kvroute or
-# dynamo, default kvroute), WORKLOADS (default "trace multi-turn shared-prefix").
+# dynamo, default kvroute), WORKLOADS (default "trace multi-turn shared-prefix agentic").
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
@@ -17,7 +17,7 @@ BLOCKS=${BLOCKS:-16384,8192,16384,16384,8192,16384,8192,8192}
 RATES=${RATES:-1 2}
 SEEDS=${SEEDS:-0}
 TIMING=${TIMING:-kvroute}
-WORKLOADS=${WORKLOADS:-trace multi-turn shared-prefix}
+WORKLOADS=${WORKLOADS:-trace multi-turn shared-prefix agentic}
 OUT=${OUT:-$LOGS}
 OTHERS=round_robin,least_load,cache_aware,llm_d,kv_aware
 mkdir -p "$OUT"
@@ -28,6 +28,7 @@ source_of() { # workload -> kvroute-bench source flags
     trace) echo "--trace $TRACE" ;;
     multi-turn) echo "--synthetic multi-turn --conversations 100 --turns 5 --request-rate 20" ;;
     shared-prefix) echo "--synthetic shared-prefix" ;;
+    agentic) echo "--synthetic agentic" ;;
   esac
 }
 

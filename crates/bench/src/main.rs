@@ -8,7 +8,7 @@ use kvroute_bench::commands::{self, Setup};
 use kvroute_bench::goodput::{Search, Slo};
 use kvroute_bench::simulate::{Cluster, EngineShapes, OutputTracking, PdCluster};
 use kvroute_bench::sweep::Percentile;
-use kvroute_bench::synthetic::{Synthetic, SyntheticArgs, SyntheticKind};
+use kvroute_bench::synthetic::{SyntheticArgs, SyntheticKind};
 use kvroute_bench::trace::{self, TraceRequest};
 use kvroute_core::{CostModel, KvAwareConfig, MemoryCost, PolicyConfig, PolicyKind};
 use kvroute_sim::engine::{EngineConfig, SchedulingPolicy, TimingModel};
@@ -50,6 +50,7 @@ struct Source {
 enum CostModelArg {
     Weighted,
     Predicted,
+    Calibrated,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -64,8 +65,9 @@ enum MemoryCostArg {
 #[command(next_help_heading = "kv_aware (as the gateway's flags)")]
 struct KvAwareArgs {
     /// What kv_aware minimises: weighted (the weighted sum of blocks; the weight flags below
-    /// apply to it) or predicted (milliseconds from latency models each engine's timings
-    /// train) [default: weighted].
+    /// apply to it), calibrated (that sum with each engine's terms priced at the speed its
+    /// timings show) or predicted (milliseconds from latency models each engine's timings
+    /// train) [default: calibrated].
     #[arg(long, value_enum)]
     router_cost_model: Option<CostModelArg>,
     /// Credit per prefix block cached on the device [default: 2.0; Dynamo's: 1.0].
@@ -137,6 +139,7 @@ impl KvAwareArgs {
             cost_model: match self.router_cost_model {
                 Some(CostModelArg::Weighted) => CostModel::Weighted,
                 Some(CostModelArg::Predicted) => CostModel::Predicted,
+                Some(CostModelArg::Calibrated) => CostModel::Calibrated,
                 None => d.cost_model,
             },
             ..d
@@ -251,14 +254,8 @@ impl Workload {
                     sub.error(clap::error::ErrorKind::ArgumentConflict, e)
                         .exit()
                 });
-                if let Synthetic::SharedPrefix(s) = &spec {
-                    let shared = s.shared_len(self.hash_block_size);
-                    if shared < s.system_prompt_len {
-                        eprintln!(
-                            "note: a group shares {shared} of its {} system prompt tokens (whole hash blocks); a --hash-block-size dividing {} shares them all",
-                            s.system_prompt_len, s.system_prompt_len
-                        );
-                    }
+                if let Some(note) = spec.sharing_note(self.hash_block_size) {
+                    eprintln!("{note}");
                 }
                 let requests = spec.generate(self.hash_block_size, self.seed);
                 (spec.to_string(), requests)
@@ -581,6 +578,7 @@ mod tests {
             );
             assert!(parse(&format!("b {command} --trace t")).is_ok());
             assert!(parse(&format!("b {command} --synthetic shared-prefix --groups 3")).is_ok());
+            assert!(parse(&format!("b {command} --synthetic agentic --sessions 3")).is_ok());
         }
     }
 
@@ -839,7 +837,7 @@ mod tests {
     #[test]
     fn simulate_passes_kv_aware_weights_through() {
         let cli = Cli::try_parse_from(
-            "b simulate --trace t --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 --router-kv-memory-cost linear --router-prefill-interference-weight 0"
+            "b simulate --trace t --router-cost-model weighted --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 --router-kv-memory-cost linear --router-prefill-interference-weight 0"
                 .split_whitespace(),
         )
         .unwrap();

@@ -10,9 +10,14 @@
 //!   a shuffled order, then every chat's turn k + 1 in another: a chat's turns are N arrivals
 //!   apart on average (N / rate seconds, time for the answer to come back), and no fixed
 //!   rotation lines chats up with a round-robin router.
+//! - **agentic** ([`agentic`]): agent sessions over a few agent types' shared system prompts,
+//!   each a loop of short tool calls whose heavy-tailed results grow the context to tens of
+//!   thousands of tokens; a session's next step arrives when its answer would be back and its
+//!   tool has run.
 //!
-//! Arrivals are a Poisson process: gaps are exponential with mean 1 / `request_rate` seconds,
-//! the first arrival at 0. Everything is a function of the seed.
+//! Arrivals of shared-prefix and multi-turn are a Poisson process: gaps are exponential with
+//! mean 1 / `request_rate` seconds, the first arrival at 0; agentic sessions start as one
+//! (see [`agentic`]). Everything is a function of the seed. The flags are [`args`]'.
 //!
 //! Every new block of `hash_block` tokens gets a fresh id, so ids are equal exactly where the
 //! content is; a prompt's last block may be partial. Ids name whole blocks, which has two
@@ -34,11 +39,29 @@ use rand::{Rng, SeedableRng};
 
 use crate::trace::TraceRequest;
 
+pub mod agentic;
+pub mod args;
+
+pub use agentic::Agentic;
+pub use args::{SyntheticArgs, SyntheticError};
+
 /// The generators, as named on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SyntheticKind {
     SharedPrefix,
     MultiTurn,
+    Agentic,
+}
+
+impl SyntheticKind {
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            SyntheticKind::SharedPrefix => "shared-prefix",
+            SyntheticKind::MultiTurn => "multi-turn",
+            SyntheticKind::Agentic => "agentic",
+        }
+    }
 }
 
 /// Groups of prompts that share a system prompt.
@@ -105,126 +128,7 @@ impl Default for MultiTurn {
 pub enum Synthetic {
     SharedPrefix(SharedPrefix),
     MultiTurn(MultiTurn),
-}
-
-/// A flag that does not fit the generator or a value it cannot use.
-#[derive(Debug, thiserror::Error, PartialEq)]
-pub enum SyntheticError {
-    #[error("--{flag} applies to --synthetic {kind} only")]
-    OtherKind {
-        flag: &'static str,
-        kind: &'static str,
-    },
-    #[error("--{flag} must be positive")]
-    NotPositive { flag: &'static str },
-}
-
-/// The generators' flags; each applies to one generator (or both), unset ones take that
-/// generator's default.
-#[derive(Debug, Clone, Default, clap::Args)]
-#[command(next_help_heading = "Synthetic workload (with --synthetic)")]
-pub struct SyntheticArgs {
-    /// shared-prefix: groups, each with its own system prompt [default: 150]
-    #[arg(long, conflicts_with = "trace")]
-    pub groups: Option<usize>,
-    /// shared-prefix: prompts per group [default: 5]
-    #[arg(long, conflicts_with = "trace")]
-    pub prompts_per_group: Option<usize>,
-    /// shared-prefix: tokens of a group's system prompt; shared as whole hash blocks [default: 6000]
-    #[arg(long, conflicts_with = "trace")]
-    pub system_prompt_len: Option<usize>,
-    /// shared-prefix: tokens of each prompt's own question [default: 1200]
-    #[arg(long, conflicts_with = "trace")]
-    pub question_len: Option<usize>,
-    /// multi-turn: conversations [default: 100]
-    #[arg(long, conflicts_with = "trace")]
-    pub conversations: Option<usize>,
-    /// multi-turn: turns per conversation [default: 5]
-    #[arg(long, conflicts_with = "trace")]
-    pub turns: Option<usize>,
-    /// multi-turn: tokens of each new user message [default: 500]
-    #[arg(long, conflicts_with = "trace")]
-    pub turn_len: Option<usize>,
-    /// Output tokens per request [default: 1000 shared-prefix, 200 multi-turn]
-    #[arg(long, conflicts_with = "trace")]
-    pub output_len: Option<usize>,
-    /// Mean arrivals per second, Poisson [default: 10]
-    #[arg(long, conflicts_with = "trace")]
-    pub request_rate: Option<f64>,
-}
-
-impl SyntheticArgs {
-    /// The workload of `kind`, or which flag does not fit it.
-    pub fn resolve(&self, kind: SyntheticKind) -> Result<Synthetic, SyntheticError> {
-        let foreign = match kind {
-            SyntheticKind::SharedPrefix => vec![
-                ("conversations", self.conversations.is_some()),
-                ("turns", self.turns.is_some()),
-                ("turn-len", self.turn_len.is_some()),
-            ],
-            SyntheticKind::MultiTurn => vec![
-                ("groups", self.groups.is_some()),
-                ("prompts-per-group", self.prompts_per_group.is_some()),
-                ("system-prompt-len", self.system_prompt_len.is_some()),
-                ("question-len", self.question_len.is_some()),
-            ],
-        };
-        if let Some((flag, _)) = foreign.iter().find(|(_, set)| *set) {
-            return Err(SyntheticError::OtherKind {
-                flag,
-                kind: match kind {
-                    SyntheticKind::SharedPrefix => "multi-turn",
-                    SyntheticKind::MultiTurn => "shared-prefix",
-                },
-            });
-        }
-        let positive =
-            |flag, ok: bool| ok.then_some(()).ok_or(SyntheticError::NotPositive { flag });
-        let spec = match kind {
-            SyntheticKind::SharedPrefix => {
-                let d = SharedPrefix::default();
-                Synthetic::SharedPrefix(SharedPrefix {
-                    groups: self.groups.unwrap_or(d.groups),
-                    prompts_per_group: self.prompts_per_group.unwrap_or(d.prompts_per_group),
-                    system_prompt_len: self.system_prompt_len.unwrap_or(d.system_prompt_len),
-                    question_len: self.question_len.unwrap_or(d.question_len),
-                    output_len: self.output_len.unwrap_or(d.output_len),
-                    request_rate: self.request_rate.unwrap_or(d.request_rate),
-                })
-            }
-            SyntheticKind::MultiTurn => {
-                let d = MultiTurn::default();
-                Synthetic::MultiTurn(MultiTurn {
-                    conversations: self.conversations.unwrap_or(d.conversations),
-                    turns: self.turns.unwrap_or(d.turns),
-                    turn_len: self.turn_len.unwrap_or(d.turn_len),
-                    output_len: self.output_len.unwrap_or(d.output_len),
-                    request_rate: self.request_rate.unwrap_or(d.request_rate),
-                })
-            }
-        };
-        match &spec {
-            Synthetic::SharedPrefix(s) => {
-                positive("groups", s.groups > 0)?;
-                positive("prompts-per-group", s.prompts_per_group > 0)?;
-                positive("question-len", s.question_len > 0)?;
-                positive(
-                    "request-rate",
-                    s.request_rate > 0.0 && s.request_rate.is_finite(),
-                )?;
-            }
-            Synthetic::MultiTurn(m) => {
-                positive("conversations", m.conversations > 0)?;
-                positive("turns", m.turns > 0)?;
-                positive("turn-len", m.turn_len > 0)?;
-                positive(
-                    "request-rate",
-                    m.request_rate > 0.0 && m.request_rate.is_finite(),
-                )?;
-            }
-        }
-        Ok(spec)
-    }
+    Agentic(Agentic),
 }
 
 impl fmt::Display for Synthetic {
@@ -245,6 +149,18 @@ impl fmt::Display for Synthetic {
                 "multi-turn {} chats x {} turns ({} tokens a message, {} an answer, {} req/s)",
                 m.conversations, m.turns, m.turn_len, m.output_len, m.request_rate
             ),
+            Synthetic::Agentic(a) => write!(
+                f,
+                "agentic {} sessions x {}-{} steps over {} agent types ({} system tokens, tool results ~{}, {} an answer, {} sessions/s)",
+                a.sessions,
+                a.min_turns,
+                a.max_turns,
+                a.agent_types,
+                a.system_prompt_len,
+                a.tool_result_len,
+                a.output_len,
+                a.session_rate
+            ),
         }
     }
 }
@@ -261,6 +177,12 @@ impl Ids {
     }
 }
 
+/// An exponential draw of mean 1 / `rate`.
+fn exponential(rng: &mut StdRng, rate: f64) -> f64 {
+    // Inverse transform: -ln(1 - u) / rate is exponential for u uniform in [0, 1).
+    -(1.0 - rng.random::<f64>()).ln() / rate
+}
+
 impl Synthetic {
     /// The requests, in arrival order, with `hash_block` tokens per hash id.
     pub fn generate(&self, hash_block: usize, seed: u64) -> Vec<TraceRequest> {
@@ -272,16 +194,35 @@ impl Synthetic {
                 (shared_prefix(s, block, &mut ids, &mut rng), s.request_rate)
             }
             Synthetic::MultiTurn(m) => (multi_turn(m, block, &mut ids, &mut rng), m.request_rate),
+            Synthetic::Agentic(a) => return agentic::agentic(a, block, &mut ids, &mut rng),
         };
         let mut t = 0.0f64;
         for (i, r) in requests.iter_mut().enumerate() {
             if i > 0 {
-                // Inverse transform: -ln(1 - u) / rate is exponential for u uniform in [0, 1).
-                t -= (1.0 - rng.random::<f64>()).ln() / rate;
+                t += exponential(&mut rng, rate);
             }
             r.timestamp = (t * 1000.0).round() as u64;
         }
         requests
+    }
+
+    /// A note when a system prompt is not whole hash blocks, so that its last, partial block
+    /// is not shared.
+    pub fn sharing_note(&self, hash_block: usize) -> Option<String> {
+        let (who, len, shared) = match self {
+            Synthetic::SharedPrefix(s) => {
+                ("a group", s.system_prompt_len, s.shared_len(hash_block))
+            }
+            Synthetic::Agentic(a) => (
+                "an agent type",
+                a.system_prompt_len,
+                a.shared_len(hash_block),
+            ),
+            Synthetic::MultiTurn(_) => return None,
+        };
+        (shared < len).then(|| {
+            format!("note: {who} shares {shared} of its {len} system prompt tokens (whole hash blocks); a --hash-block-size dividing {len} shares them all")
+        })
     }
 }
 
@@ -336,8 +277,6 @@ fn multi_turn(m: &MultiTurn, block: usize, ids: &mut Ids, rng: &mut StdRng) -> V
 
 #[cfg(test)]
 mod tests {
-    use clap::{Args, Command};
-
     use super::*;
     use crate::trace::{hit_bound, prompt_tokens};
 
@@ -477,68 +416,5 @@ mod tests {
         // 2 chats x 3 turns of 300 + 100 tokens: turns 2 and 3 reuse 300 and 700 tokens.
         let b = hit_bound(&chats(300, 100).generate(512, 0), 512);
         assert!((b - 2.0 * 1000.0 / (2.0 * 2100.0)).abs() < 1e-12, "{b}");
-    }
-
-    #[test]
-    fn flags_resolve_with_defaults_and_refuse_the_other_generator() {
-        let args = SyntheticArgs {
-            groups: Some(4),
-            ..SyntheticArgs::default()
-        };
-        assert_eq!(
-            args.resolve(SyntheticKind::SharedPrefix),
-            Ok(Synthetic::SharedPrefix(SharedPrefix {
-                groups: 4,
-                ..SharedPrefix::default()
-            }))
-        );
-        assert_eq!(
-            args.resolve(SyntheticKind::MultiTurn)
-                .unwrap_err()
-                .to_string(),
-            "--groups applies to --synthetic shared-prefix only"
-        );
-        let zero = SyntheticArgs {
-            turns: Some(0),
-            ..SyntheticArgs::default()
-        };
-        assert_eq!(
-            zero.resolve(SyntheticKind::MultiTurn),
-            Err(SyntheticError::NotPositive { flag: "turns" })
-        );
-    }
-
-    #[test]
-    fn the_help_states_the_defaults() {
-        let command = Command::new("t").arg(clap::Arg::new("trace").long("trace"));
-        let help = SyntheticArgs::augment_args(command)
-            .render_long_help()
-            .to_string();
-        let (s, m) = (SharedPrefix::default(), MultiTurn::default());
-        for (flag, default) in [
-            ("--groups", s.groups),
-            ("--prompts-per-group", s.prompts_per_group),
-            ("--system-prompt-len", s.system_prompt_len),
-            ("--question-len", s.question_len),
-            ("--conversations", m.conversations),
-            ("--turns", m.turns),
-            ("--turn-len", m.turn_len),
-        ] {
-            let mut lines = help.lines();
-            lines
-                .find(|l| l.trim_start().starts_with(&format!("{flag} <")))
-                .unwrap_or_else(|| panic!("{flag} in {help}"));
-            let doc = lines.next().unwrap_or_default();
-            assert!(
-                doc.ends_with(&format!("[default: {default}]")),
-                "{flag}: {doc}"
-            );
-        }
-        assert!(help.contains(&format!(
-            "[default: {} shared-prefix, {} multi-turn]",
-            s.output_len, m.output_len
-        )));
-        assert!(help.contains(&format!("[default: {}]", s.request_rate)));
-        assert_eq!(s.request_rate, m.request_rate);
     }
 }

@@ -69,6 +69,28 @@
 //! `TTFT_ms - c * L`, so the TTFT intercept does not absorb the loads (they would be counted
 //! twice). The split is identified by the requests without loads: were every request to need
 //! one, an intercept and `c` would trade off, and `c` would stay near its prior.
+//!
+//! **Speed factors.** Beside the fits, each rank keeps two scalars that say how much slower
+//! than the reference engine it is, for the `calibrated` cost model
+//! ([`crate::policy::KvAware`]):
+//!
+//! ```text
+//! prefill factor = exp(median of ln((TTFT - c * L) / prior TTFT(features)))
+//! decode factor  = exp(20th percentile of ln(gap / reference step(R, u)))
+//! ```
+//!
+//! each tracked online by a stochastic quantile in log space: a step of
+//! [`FACTOR_STEP`] towards each observation, up with weight `tau` and down with `1 - tau`,
+//! kept within e^±3. A quantile moves by the same step whatever the observation's size, so
+//! an outlier (a stalled stream, a TTFT spent in a queue) moves it no more than any other.
+//! The decode factor is a low quantile because an inter-token gap includes any prefill
+//! chunk that shares its step: the median of the gaps measures how much prefill a rank
+//! mixes in, its lower fifth the steps closest to pure decode. Why not the fits' own
+//! coefficients: on eight identical engines in Dynamo's engine model at 5x the Mooncake
+//! trace's rate, the fitted `a1` ranged 0.1-39 ms per thousand tokens and `b` 1.1-3.8, one
+//! engine against another (queueing the features do not explain, steps shared with prefill
+//! chunks); these two factors stayed within 0.7-1.5 there and found 0.5, 1 and 2 on
+//! engines of those speeds.
 
 /// Recursive least squares with forgetting, clipped residuals and clamped coefficients
 /// (see the module docs).
@@ -93,6 +115,36 @@ const P_MAX: f64 = 1.0;
 const CLIP: f64 = 3.0;
 /// Weight of a new absolute residual in the robust scale.
 const SCALE_ALPHA: f64 = 0.05;
+/// A speed factor's step in log space per observation (see "Speed factors").
+pub const FACTOR_STEP: f64 = 0.02;
+/// The prefill model's prior coefficients (see [`LatencyModel::default`]).
+const PREFILL_PRIOR: [f64; 4] = [25.0, 20.0, 10.0, 200.0];
+
+/// An online quantile of `ln(x)`, as a factor (see "Speed factors").
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct LogQuantile {
+    log: f64,
+    tau: f64,
+}
+
+impl LogQuantile {
+    fn new(tau: f64) -> Self {
+        Self { log: 0.0, tau }
+    }
+
+    /// One ratio of observed to reference; a non-finite or non-positive one is ignored.
+    fn observe(&mut self, ratio: f64) {
+        if !(ratio.is_finite() && ratio > 0.0) {
+            return;
+        }
+        let below = if ratio.ln() < self.log { 1.0 } else { 0.0 };
+        self.log = (self.log + FACTOR_STEP * (self.tau - below)).clamp(-3.0, 3.0);
+    }
+
+    fn factor(&self) -> f64 {
+        self.log.exp()
+    }
+}
 
 impl<const N: usize> OnlineFit<N> {
     /// A fit starting at `prior`, kept within `[lower, upper]`; `scale` is the residual
@@ -256,6 +308,10 @@ pub struct FittedSpeed {
     pub prefill_observations: u64,
     pub decode_observations: u64,
     pub adapter_load_observations: u64,
+    /// The rank's TTFT over the prior model's at the same features, and its decode step
+    /// over the reference step: robust quantiles (see "Speed factors"; 1 at first).
+    pub prefill_factor: f64,
+    pub decode_factor: f64,
 }
 
 impl Default for FittedSpeed {
@@ -294,6 +350,8 @@ pub struct LatencyModel {
     decode: OnlineFit<1>,
     adapter_load: OnlineFit<1>,
     output_tokens: f64,
+    prefill_factor: LogQuantile,
+    decode_factor: LogQuantile,
 }
 
 impl Default for LatencyModel {
@@ -304,7 +362,7 @@ impl Default for LatencyModel {
     fn default() -> Self {
         Self {
             prefill: OnlineFit::new(
-                [25.0, 20.0, 10.0, 200.0],
+                PREFILL_PRIOR,
                 [0.0, 0.05, 0.0, 0.0],
                 [60_000.0, 10_000.0, 60_000.0, 600_000.0],
                 20.0,
@@ -317,6 +375,8 @@ impl Default for LatencyModel {
                 20.0,
             ),
             output_tokens: 200.0,
+            prefill_factor: LogQuantile::new(0.5),
+            decode_factor: LogQuantile::new(0.2),
         }
     }
 }
@@ -327,19 +387,25 @@ impl LatencyModel {
     /// and the TTFT less the fitted loads the prefill model (see the module docs).
     pub fn observe_ttft(&mut self, f: &PrefillFeatures, ttft_ms: f64) {
         let loads = f.adapter_loads;
-        if !(loads.is_finite() && loads > 0.0) {
-            self.prefill.observe(&f.x(), ttft_ms);
-            return;
-        }
-        let without_loads = self.prefill.predict(&f.x()).max(0.0);
-        self.adapter_load.observe(&[loads], ttft_ms - without_loads);
-        let load_ms = self.adapter_load.coefficients()[0];
-        self.prefill.observe(&f.x(), ttft_ms - loads * load_ms);
+        let ttft_ms = if loads.is_finite() && loads > 0.0 {
+            let without_loads = self.prefill.predict(&f.x()).max(0.0);
+            self.adapter_load.observe(&[loads], ttft_ms - without_loads);
+            ttft_ms - loads * self.adapter_load.coefficients()[0]
+        } else {
+            ttft_ms
+        };
+        self.prefill.observe(&f.x(), ttft_ms);
+        // The speed factor reads the TTFT less the fitted loads too: a rank loading adapters
+        // is not a slower rank.
+        let prior = dot(&PREFILL_PRIOR, &f.x()).max(1.0);
+        self.prefill_factor.observe(ttft_ms / prior);
     }
 
     /// A stream's tokens came `gap_ms` apart at a step with features `f`.
     pub fn observe_gap(&mut self, f: &DecodeFeatures, gap_ms: f64) {
         self.decode.observe(&f.x(), gap_ms);
+        self.decode_factor
+            .observe(gap_ms / f.reference_step_ms().max(0.1));
     }
 
     /// A request answered there produced `tokens` output tokens.
@@ -358,6 +424,8 @@ impl LatencyModel {
             prefill_observations: self.prefill.observations(),
             decode_observations: self.decode.observations(),
             adapter_load_observations: self.adapter_load.observations(),
+            prefill_factor: self.prefill_factor.factor(),
+            decode_factor: self.decode_factor.factor(),
         }
     }
 }

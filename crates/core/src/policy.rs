@@ -39,7 +39,9 @@ use crate::{Candidate, Decision, RouteRequest};
 
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
-pub use kv_aware::{CostModel, KvAware, KvAwareConfig, MemoryCost};
+pub use kv_aware::{
+    Cluster, CostModel, KvAware, KvAwareConfig, MemoryCost, SPEED_EVIDENCE, SPEED_NOISE,
+};
 pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
 pub use llm_d::{LlmD, LlmDConfig, PrefixSource};
 pub(crate) use load::least_at_random;
@@ -84,6 +86,18 @@ pub trait Policy: Send + Sync + fmt::Debug {
         _request: &RouteRequest<'_>,
     ) -> Option<Vec<f64>> {
         None
+    }
+
+    /// The costs that place a request with latency targets among the candidates predicted
+    /// to meet them ([`crate::slo::choose`]): [`Policy::costs`] less any price of a
+    /// candidate's speed, which the targets already judge, so that a loose target leaves the
+    /// fast engines to the tight ones.
+    fn target_costs(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Vec<f64>> {
+        self.costs(candidates, request)
     }
 
     /// Periodic upkeep (eviction), called by the gateway every second with the time.

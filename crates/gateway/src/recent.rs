@@ -86,6 +86,7 @@ fn predicted_json(p: &Prediction) -> Value {
             "ttft_observations": s.prefill_observations,
             "gap_observations": s.decode_observations,
             "adapter_load_observations": s.adapter_load_observations,
+            "prefill_factor": s.prefill_factor, "decode_factor": s.decode_factor,
         },
     })
 }

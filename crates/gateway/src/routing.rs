@@ -361,7 +361,16 @@ pub fn plan(
             .collect()
     });
     let shed = limits.slo_shed && !dry_run;
-    let slo = slo_choice(&hints.slo, predictions.as_deref(), costs.as_deref(), shed)?;
+    let target_costs = match hints.slo.is_set() {
+        true => pool.policy.target_costs(&candidates, &request),
+        false => None,
+    };
+    let slo = slo_choice(
+        &hints.slo,
+        predictions.as_deref(),
+        target_costs.as_deref(),
+        shed,
+    )?;
     let soft_bound = match (&bound, affinity.map(|a| a.mode)) {
         (Some((worker, rank)), Some(AffinityMode::Soft)) => candidates
             .iter()

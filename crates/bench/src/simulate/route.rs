@@ -335,7 +335,7 @@ fn by_headroom(
         .iter()
         .map(|c| (&predict(c, request, saturation)).into())
         .collect();
-    let costs = pool.policy.costs(candidates, request);
+    let costs = pool.policy.target_costs(candidates, request);
     kvroute_core::slo::choose(targets, &predicted, costs.as_deref()).map(|c| c.index)
 }
 

@@ -217,6 +217,34 @@ fn the_adapter_load_time_converges_to_the_engines() {
             s.prefill
         );
         assert!(s.prefill[0] < 40.0, "{load_ms}: {:?}", s.prefill);
+#[test]
+fn speed_factors_find_each_ranks_speed_and_ignore_outliers() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    for slow in [0.5, 1.0, 2.0] {
+        let mut m = LatencyModel::default();
+        for i in 0..2000 {
+            let f = features(&mut rng);
+            // Every 10th TTFT waited in a queue for 30 s: the median ignores it.
+            let queued = if i % 10 == 0 { 30_000.0 } else { 0.0 };
+            let noise = rng.random_range(0.8..1.2);
+            m.observe_ttft(&f, slow * noise * dot(&PREFILL_PRIOR, &f.x()) + queued);
+            let d = DecodeFeatures {
+                running: rng.random_range(1.0..100.0),
+                kv_usage: rng.random_range(0.0..0.9),
+            };
+            // Two steps in three carry a prefill chunk of up to 150 ms: the low quantile
+            // reads the others.
+            let chunk = if i % 3 == 0 {
+                0.0
+            } else {
+                rng.random_range(20.0..150.0)
+            };
+            m.observe_gap(&d, slow * (d.reference_step_ms() + chunk));
+        }
+        let s = m.speed();
+        let within = |got: f64| (got / slow - 1.0).abs() < 0.2;
+        assert!(within(s.prefill_factor), "{slow}: {}", s.prefill_factor);
+        assert!(within(s.decode_factor), "{slow}: {}", s.decode_factor);
     }
 }
 
@@ -263,4 +291,26 @@ fn the_adapter_load_time_stays_in_its_box_and_recovers() {
     observe_mixed(&mut m, &mut rng, 200.0, 6000);
     let c = m.speed().adapter_load_ms;
     assert!((c / 200.0 - 1.0).abs() < 0.05, "{c}");
+fn speed_factors_start_at_one_are_bounded_and_follow_a_change() {
+    let mut m = LatencyModel::default();
+    assert_eq!(m.speed().prefill_factor, 1.0);
+    assert_eq!(m.speed().decode_factor, 1.0);
+    let d = DecodeFeatures {
+        running: 10.0,
+        kv_usage: 0.5,
+    };
+    // Garbage is ignored; absurd values stop at the bound.
+    for gap in [f64::NAN, -1.0, 0.0, f64::INFINITY] {
+        m.observe_gap(&d, gap);
+    }
+    assert_eq!(m.speed().decode_factor, 1.0);
+    for _ in 0..1000 {
+        m.observe_gap(&d, 1e12);
+    }
+    assert!((m.speed().decode_factor - 3f64.exp()).abs() < 1e-9);
+    // The rank recovers to twice the reference within a few hundred steps.
+    for _ in 0..400 {
+        m.observe_gap(&d, 2.0 * d.reference_step_ms());
+    }
+    assert!((m.speed().decode_factor / 2.0 - 1.0).abs() < 0.1);
 }

@@ -34,8 +34,9 @@
 //! uniformly at random. With `temperature > 0` the choice is sampled from
 //! `softmax(-(cost - min) / ((max - min) * temperature))`.
 //! [`KvAwareConfig::dynamo`] is Dynamo 1.6.1's model exactly (credit 1, scale 1, linear memory,
-//! no interference term); the defaults are kvroute's (credit 2, scale 4, linear memory,
-//! interference 0.25), measured in `docs/policies.md` ("kv_aware") and BENCHMARKS.md.
+//! no interference term, every rank priced alike); the defaults are kvroute's (credit 2, scale
+//! 4, linear memory, interference 0.25, each rank priced at its learned speed: "Calibrated"
+//! below), measured in `docs/policies.md` ("kv_aware") and BENCHMARKS.md.
 //!
 //! The terms estimate what the request adds to the rank: compute (the prefill term: the
 //! work queued ahead of it plus its own uncached prompt), KV memory (the memory term: the
@@ -96,6 +97,29 @@
 //!   terms took the hit rate from 34% to 47% (`cache_aware`: 48%); without them groups were
 //!   spread over two or three ranks, each recomputing the system prompt.
 //!
+//! **Calibrated** (`--router-cost-model calibrated`, the default; `weighted` is the model
+//! above with every rank priced alike). The terms above count work in blocks,
+//! the same for every rank. On a cluster of mixed GPUs a block of prefill or a step of
+//! decode costs more on a slower rank, and the router is not told which is which. The
+//! calibrated model prices each rank's terms at its learned speed: the prefill terms
+//! (prefill, saturation, interference) are multiplied by the rank's prefill price and the
+//! memory and active-request terms by its decode price,
+//!
+//! ```text
+//! price = exp(sign(l) * max(0, |l| - 0.1)),   l = ln(factor / mean factor of the candidates)
+//! ```
+//!
+//! and the memory term by `C / C_i` as well, `C_i` the rank's KV capacity in blocks and `C`
+//! the candidates' mean (where known): a block is a larger share of a smaller engine, which
+//! preempts sooner. The factors are the rank's robust speed factors
+//! ([`crate::latency`], "Speed factors": TTFT over the prior model's, decode step over the
+//! reference step). Prices are relative to the candidates' mean, so the weights keep their
+//! balance, and differences within 10% (the factors' spread between identical engines) are
+//! taken as none, so that on identical engines the model is the weighted one. A rank with
+//! fewer than 20 observations is priced at the mean of those with more. On three speed
+//! tiers it sends less of the work to the slow ranks, and a rank made slower at run time
+//! loses traffic as its factors rise.
+//!
 //! **LoRA adapters** (`lora_load_cost`). An engine runs at most `max_lora` adapters per step and
 //! loads an adapter before the step that needs it; a request of an adapter that the engine
 //! does not run costs a load, and on an engine whose slots are all taken, a wait for one to
@@ -136,11 +160,14 @@ impl MemoryCost {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CostModel {
     /// The weighted sum of blocks above (Dynamo's model, with kvroute's terms and weights).
-    #[default]
     Weighted,
     /// Predicted milliseconds from the ranks' learned latency models (see
     /// [`super::predict`]); the weights above do not apply.
     Predicted,
+    /// The weighted sum with each rank's terms priced at its learned speed relative to the
+    /// cluster's (see "Calibrated" in the module docs): kvroute's default.
+    #[default]
+    Calibrated,
 }
 
 impl CostModel {
@@ -148,6 +175,7 @@ impl CostModel {
         match self {
             CostModel::Weighted => "weighted",
             CostModel::Predicted => "predicted",
+            CostModel::Calibrated => "calibrated",
         }
     }
 }
@@ -158,8 +186,9 @@ impl std::str::FromStr for CostModel {
         match s {
             "weighted" => Ok(CostModel::Weighted),
             "predicted" => Ok(CostModel::Predicted),
+            "calibrated" => Ok(CostModel::Calibrated),
             _ => Err(format!(
-                "unknown cost model {s:?} (expected weighted or predicted)"
+                "unknown cost model {s:?} (expected weighted, predicted or calibrated)"
             )),
         }
     }
@@ -189,6 +218,7 @@ impl Default for KvAwareConfig {
             prefill_load_scale: 4.0,
             prefill_interference_weight: 0.25,
             lora_load_cost: DEFAULT_LORA_LOAD_COST,
+            cost_model: CostModel::Calibrated,
             ..Self::dynamo()
         }
     }
@@ -250,6 +280,72 @@ impl std::fmt::Debug for KvAware {
     }
 }
 
+/// Differences in speed factor within this share (in log terms) of the cluster's mean are
+/// taken as noise: eight identical engines measured within about ±10% of each other.
+pub const SPEED_NOISE: f64 = 0.1;
+
+/// A rank's speed factor counts after this many observations; before, the rank is priced
+/// at the cluster's mean (an engine the router has not seen work is not taken as slow or
+/// fast, which would keep it from ever being seen).
+pub const SPEED_EVIDENCE: u64 = 20;
+
+/// What each candidate's cost reads from all the candidates ([`KvAware::cluster`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cluster {
+    /// `S` (see the module docs).
+    pub saturation: f64,
+    /// The candidates' mean prefill and decode speed factors
+    /// ([`FittedSpeed`](crate::latency::FittedSpeed)).
+    pub prefill_factor: f64,
+    pub decode_factor: f64,
+    /// The mean KV capacity in blocks of the candidates that report one (0: none does).
+    pub capacity: f64,
+}
+
+impl Cluster {
+    /// Candidates all at the reference speed.
+    pub fn uniform(saturation: f64) -> Self {
+        Self {
+            saturation,
+            prefill_factor: 1.0,
+            decode_factor: 1.0,
+            capacity: 0.0,
+        }
+    }
+
+    /// What one block of `c`'s memory term counts: the share of its engine's KV it takes,
+    /// against the mean engine's (1 where either is unknown).
+    pub fn memory_share(&self, c: &Candidate<'_>) -> f64 {
+        match c.engine.num_gpu_blocks {
+            Some(n) if n > 0 && self.capacity > 0.0 => self.capacity / n as f64,
+            _ => 1.0,
+        }
+    }
+
+    /// The prices of `c`'s prefill and decode work relative to the cluster's mean, with
+    /// differences within [`SPEED_NOISE`] taken as none and a rank without
+    /// [`SPEED_EVIDENCE`] at the mean.
+    pub fn prices(&self, c: &Candidate<'_>) -> (f64, f64) {
+        let s = c.speed.unwrap_or_default();
+        let price = |factor: f64, mean: f64, seen: u64| {
+            let l = (factor / mean).ln();
+            if seen >= SPEED_EVIDENCE && l.is_finite() {
+                (l.signum() * (l.abs() - SPEED_NOISE).max(0.0)).exp()
+            } else {
+                1.0
+            }
+        };
+        (
+            price(
+                s.prefill_factor,
+                self.prefill_factor,
+                s.prefill_observations,
+            ),
+            price(s.decode_factor, self.decode_factor, s.decode_observations),
+        )
+    }
+}
+
 impl KvAware {
     pub fn new(config: KvAwareConfig) -> Self {
         Self { config }
@@ -265,9 +361,50 @@ impl KvAware {
             .unwrap_or(0.0)
     }
 
+    /// What the cost of each candidate reads from all of them: the saturation and, for the
+    /// calibrated model, the mean speed factors.
+    pub fn cluster(&self, candidates: &[Candidate<'_>]) -> Cluster {
+        let saturation = Self::saturation(candidates);
+        if self.config.cost_model != CostModel::Calibrated || candidates.is_empty() {
+            return Cluster::uniform(saturation);
+        }
+        let (mut prefill, mut decode) = ((0.0, 0.0), (0.0, 0.0));
+        for s in candidates.iter().map(|c| c.speed.unwrap_or_default()) {
+            if s.prefill_observations >= SPEED_EVIDENCE {
+                prefill = (prefill.0 + s.prefill_factor, prefill.1 + 1.0);
+            }
+            if s.decode_observations >= SPEED_EVIDENCE {
+                decode = (decode.0 + s.decode_factor, decode.1 + 1.0);
+            }
+        }
+        let mean = |(sum, n): (f64, f64)| if n > 0.0 { sum / n } else { 1.0 };
+        let capacity = candidates
+            .iter()
+            .filter_map(|c| c.engine.num_gpu_blocks.filter(|&n| n > 0))
+            .fold((0.0, 0.0), |(sum, n), blocks| {
+                (sum + blocks as f64, n + 1.0)
+            });
+        Cluster {
+            saturation,
+            prefill_factor: mean(prefill),
+            decode_factor: mean(decode),
+            capacity: if capacity.1 > 0.0 {
+                mean(capacity)
+            } else {
+                0.0
+            },
+        }
+    }
+
     /// The cost of one candidate, `saturation` being [`KvAware::saturation`] of all the
-    /// candidates (see the module docs).
+    /// candidates, every rank at the same speed (see the module docs).
     pub fn cost(&self, c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -> f64 {
+        self.cost_in(c, request, &Cluster::uniform(saturation))
+    }
+
+    /// The cost of one candidate among the candidates `cluster` describes.
+    pub fn cost_in(&self, c: &Candidate<'_>, request: &RouteRequest<'_>, cluster: &Cluster) -> f64 {
+        let saturation = cluster.saturation;
         let k = &self.config;
         if k.cost_model == CostModel::Predicted {
             let cost = super::predict::predict(c, request, saturation).cost_ms;
@@ -306,11 +443,19 @@ impl KvAware {
         let decoding =
             c.kv.active_requests
                 .saturating_sub(c.kv.prefilling_requests) as f64;
-        let mut cost = k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
-            + k.prefill_load_scale * saturation * (prompt - credit).max(0.0)
-            + memory
-            + k.prefill_interference_weight * uncached * decoding
-            + k.decode_active_request_weight * c.kv.active_requests as f64
+        let (p, d) = match k.cost_model {
+            CostModel::Calibrated => cluster.prices(c),
+            _ => (1.0, 1.0),
+        };
+        let share = match k.cost_model {
+            CostModel::Calibrated => cluster.memory_share(c),
+            _ => 1.0,
+        };
+        let mut cost = p * k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
+            + p * k.prefill_load_scale * saturation * (prompt - credit).max(0.0)
+            + d * share * memory
+            + p * k.prefill_interference_weight * uncached * decoding
+            + d * k.decode_active_request_weight * c.kv.active_requests as f64
             + k.lora_load_cost * c.adapter.expected_loads();
         if request.has_preferred_taints {
             cost *= (-c.kv.preferred_taint_weight.tanh()).exp();
@@ -349,15 +494,30 @@ impl Policy for KvAware {
         }
     }
 
+    fn target_costs(
+        &self,
+        candidates: &[Candidate<'_>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Vec<f64>> {
+        if self.config.cost_model != CostModel::Calibrated {
+            return self.costs(candidates, request);
+        }
+        let neutral = KvAware::new(KvAwareConfig {
+            cost_model: CostModel::Weighted,
+            ..self.config.clone()
+        });
+        neutral.costs(candidates, request)
+    }
+
     fn costs(&self, candidates: &[Candidate<'_>], request: &RouteRequest<'_>) -> Option<Vec<f64>> {
         if candidates.is_empty() {
             return None;
         }
-        let saturation = Self::saturation(candidates);
+        let cluster = self.cluster(candidates);
         Some(
             candidates
                 .iter()
-                .map(|c| self.cost(c, request, saturation))
+                .map(|c| self.cost_in(c, request, &cluster))
                 .collect(),
         )
     }
@@ -927,5 +1087,90 @@ mod tests {
             ..KvAwareConfig::dynamo()
         });
         assert_eq!(dynamo().cost(&none, &r, 0.0), zero.cost(&none, &r, 0.0));
+    }
+
+    /// A rank's fitted speed after `n` observations at `prefill` and `decode` times the
+    /// reference.
+    fn fitted(prefill: f64, decode: f64, n: u64) -> Option<crate::latency::FittedSpeed> {
+        Some(crate::latency::FittedSpeed {
+            prefill_factor: prefill,
+            decode_factor: decode,
+            prefill_observations: n,
+            decode_observations: n,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn calibrated_prices_each_rank_at_its_speed_against_the_clusters() {
+        let ids = ids(3);
+        let calibrated = KvAware::new(KvAwareConfig {
+            cost_model: CostModel::Calibrated,
+            ..KvAwareConfig::default()
+        });
+        let weighted = KvAware::default();
+        let kv = KvTerms {
+            prefill_tokens: 3200,
+            decode_blocks: 400,
+            new_blocks: 100,
+            active_requests: 4,
+            prefilling_requests: 1,
+            ..KvTerms::default()
+        };
+        let at = |i: usize, speed| Candidate {
+            speed,
+            ..cand(&ids[i], kv)
+        };
+        let r = req(1600);
+        let costs = |p: &KvAware, c: &[Candidate<'_>]| p.costs(c, &r).unwrap();
+        // Identical ranks within the noise: exactly the weighted costs.
+        let same = [
+            at(0, fitted(1.0, 1.0, 100)),
+            at(1, fitted(1.08, 0.93, 100)),
+            at(2, fitted(0.95, 1.05, 100)),
+        ];
+        assert_eq!(costs(&calibrated, &same), costs(&weighted, &same));
+        // Two times slower at both: each term costs about twice the fast rank's.
+        let tiers = [
+            at(0, fitted(0.5, 0.5, 100)),
+            at(1, fitted(1.0, 1.0, 100)),
+            at(2, fitted(2.0, 2.0, 100)),
+        ];
+        let c = costs(&calibrated, &tiers);
+        let w = costs(&weighted, &tiers);
+        assert!(c[0] < w[0] && c[2] > w[2], "{c:?} {w:?}");
+        let ratio = c[2] / c[0];
+        assert!((3.0..4.0).contains(&ratio), "{ratio}");
+        let mut rng = SmallRng::seed_from_u64(0);
+        assert_eq!(calibrated.select(&tiers, &r, &mut rng).unwrap().index, 0);
+        // A rank without evidence is priced at the mean of those with it, not at the prior.
+        let unseen = [
+            at(0, fitted(0.2, 0.2, 100)),
+            at(1, fitted(0.2, 0.2, 100)),
+            at(2, fitted(1.0, 1.0, SPEED_EVIDENCE - 1)),
+        ];
+        let cluster = calibrated.cluster(&unseen);
+        assert!((cluster.prefill_factor - 0.2).abs() < 1e-12);
+        assert_eq!(cluster.prices(&unseen[2]), (1.0, 1.0));
+        assert_eq!(
+            costs(&calibrated, &unseen),
+            costs(&weighted, &unseen),
+            "the unseen rank is neither cheap nor dear"
+        );
+        // The weighted and predicted models ignore the factors.
+        assert_eq!(weighted.cluster(&tiers), Cluster::uniform(0.0));
+        // A block of memory on an engine with half the KV counts as two on the other.
+        let sized = |i: usize, blocks| Candidate {
+            engine: EngineLoad {
+                num_gpu_blocks: Some(blocks),
+                ..EngineLoad::default()
+            },
+            ..at(i, fitted(1.0, 1.0, 100))
+        };
+        let mem = [sized(0, 16384), sized(1, 8192)];
+        let (c, w) = (costs(&calibrated, &mem), costs(&weighted, &mem));
+        let memory = (kv.decode_blocks + kv.new_blocks) as f64;
+        assert!((c[0] - (w[0] - memory / 4.0)).abs() < 1e-9, "{c:?} {w:?}");
+        assert!((c[1] - (w[1] + memory / 2.0)).abs() < 1e-9, "{c:?} {w:?}");
     }
 }

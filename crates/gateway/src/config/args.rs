@@ -204,7 +204,7 @@ pub struct Args {
     /// kv_aware: memory term in blocks: linear (Dynamo's) or by utilisation [default: linear].
     #[arg(long, value_enum)]
     pub router_kv_memory_cost: Option<MemoryCostArg>,
-    /// kv_aware: weighted (a sum of blocks) or predicted (ms from learned models) [weighted].
+    /// kv_aware: weighted (blocks), calibrated (blocks at learned speeds), predicted (ms) [calibrated].
     #[arg(long, value_enum)]
     pub router_cost_model: Option<CostModelArg>,
     /// kv_aware: weight of uncached blocks times decoding requests (0: Dynamo's) [default: 0.25].

@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use clap::Parser;
-use kvroute_core::{KvAwareConfig, MemoryCost, PolicyKind};
+use kvroute_core::{CostModel, KvAwareConfig, MemoryCost, PolicyKind};
 
 use super::*;
 
@@ -559,14 +559,17 @@ fn the_embedded_engines_timing_model_is_a_flag_and_a_key() {
 }
 
 #[test]
-fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_three_flags_away() {
+fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_four_flags_away() {
     let s = Args::try_parse_from(["kvroute"])
         .unwrap()
         .into_settings()
         .unwrap();
     assert_eq!(s.policy_config.kv_aware, KvAwareConfig::default());
+    assert_eq!(s.policy_config.kv_aware.cost_model, CostModel::Calibrated);
     let s = Args::try_parse_from([
         "kvroute",
+        "--router-cost-model",
+        "weighted",
         "--router-kv-overlap-score-credit",
         "1",
         "--router-prefill-load-scale",
@@ -580,11 +583,12 @@ fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_three_flags_away() {
     assert_eq!(s.policy_config.kv_aware, KvAwareConfig::dynamo());
     // The same keys in the config file; a bad weight or curve is refused.
     let file = Args::from_text(
-        "router_kv_memory_cost: utilisation\nrouter_prefill_interference_weight: 0.5",
+        "router_kv_memory_cost: utilisation\nrouter_prefill_interference_weight: 0.5\nrouter_cost_model: predicted",
     )
     .unwrap()
     .into_settings()
     .unwrap();
+    assert_eq!(file.policy_config.kv_aware.cost_model, CostModel::Predicted);
     assert_eq!(
         file.policy_config.kv_aware.memory_cost,
         MemoryCost::Utilisation

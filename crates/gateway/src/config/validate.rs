@@ -230,6 +230,7 @@ impl Args {
             cost_model: match self.router_cost_model {
                 Some(CostModelArg::Weighted) => CostModel::Weighted,
                 Some(CostModelArg::Predicted) => CostModel::Predicted,
+                Some(CostModelArg::Calibrated) => CostModel::Calibrated,
                 None => kv.cost_model,
             },
             prefill_interference_weight: weight(

@@ -58,6 +58,7 @@ pub enum MemoryCostArg {
 pub enum CostModelArg {
     Weighted,
     Predicted,
+    Calibrated,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize, Serialize)]

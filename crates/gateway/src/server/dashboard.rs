@@ -320,6 +320,8 @@ impl Dashboard {
                         r["speed"] = json!({
                             "step_over_reference": sp.decode,
                             "prefill_ms_per_1k_tokens": sp.prefill[1],
+                            "prefill_factor": sp.prefill_factor,
+                            "decode_factor": sp.decode_factor,
                             "observations": sp.prefill_observations + sp.decode_observations,
                             "adapter_load_ms": sp.adapter_load_ms,
                             "adapter_load_observations": sp.adapter_load_observations,
