@@ -97,6 +97,18 @@ pub fn policy_row(r: &PolicyResult, wall_s: f64) -> String {
             ));
         }
     }
+    if !r.fitted_lora_load_ms.is_empty() {
+        let fitted: Vec<String> = r
+            .fitted_lora_load_ms
+            .iter()
+            .map(|ms| format!("{ms:.0}"))
+            .collect();
+        row.push_str(&format!(
+            "\n{:<NAME$} fitted LoRA load ms per worker [{}]",
+            "",
+            fitted.join(", ")
+        ));
+    }
     for t in &r.tenants {
         row.push_str(&format!(
             "\n{:<NAME$} {}: {} requests ({} answered), TTFT ms p50/p90/p99 {} (router queue {}), {:.1}% of tokens served to the last arrival",

@@ -30,7 +30,9 @@
 //! with the adapter's salt, as the engines and the router's index hash them. The engines serve
 //! adapters as `EngineConfig::lora` says; the router sees each engine's running and waiting
 //! adapters as its `vllm:lora_requests_info` would show them. `lora_loads` counts the adapter
-//! loads of all engines.
+//! loads of all engines; `fitted_lora_load_ms` is each engine's load time as the router's
+//! latency model learned it (from the TTFTs of the requests it expected to load, as the
+//! gateway's: `kvroute_core::latency`).
 //!
 //! **Output blocks** (`SimConfig::output_blocks`, `--router-track-output-blocks`): the
 //! router's decode load grows with each token an answer produces, as the gateway's does with a

@@ -2,7 +2,7 @@
 //! `kv_aware`'s predicted cost ([`crate::policy::predict`]).
 //!
 //! Two linear models per (worker, dp rank), each over features the router knows when it
-//! routes:
+//! routes, and the time of one LoRA adapter load (below):
 //!
 //! ```text
 //! TTFT_ms       = a0 + a1 * W / 1000 + a2 * D / 100 + a3 * h(u')     (the prefill model)
@@ -44,12 +44,38 @@
 //!   covariance up, and the covariance is kept symmetric and restarted if rounding ever
 //!   costs it its positive definiteness.
 //!
+//! **The adapter load time** (per (worker, rank), like the rest): a request routed where its
+//! LoRA adapter is expected to need `L` > 0 loads ([`PrefillFeatures::adapter_loads`], from
+//! [`crate::AdapterFit::expected_loads`]) waits for them before its first token, so the
+//! residual of its observed TTFT against the prefill model's TTFT without the loads is `L`
+//! samples of one load's time:
+//!
+//! ```text
+//! TTFT_ms - TTFT model(W, D, u')  =  c * L                            (the load model)
+//! ```
+//!
+//! `c` (ms a load) is fitted by the same estimator with one feature, `L`: with a constant
+//! feature, RLS with forgetting is an exponentially weighted mean of the samples (over
+//! ~200), and the clipped residuals make it a Huber-like M-estimate of their location. A
+//! mean, not a median, because the samples are a mixture: a load predicted but not needed
+//! (another request loaded the adapter first) gives ~0, one that also waited for a slot
+//! more than `c`; the prediction charges `c * L` for the expected cost of such loads, which
+//! is the mixture's mean, and a median would jump to whichever case is the majority. The
+//! clipping bounds an outlier's pull (a stalled stream moves `c` by at most `3 s` times the
+//! gain, `s` the robust scale). The prior is [`ADAPTER_LOAD_PRIOR_MS`] (50, kvroute-sim's
+//! default and vLLM's tens of milliseconds from host memory); `c` is clamped to
+//! `[0, ADAPTER_LOAD_MAX_MS]` (no negative load; a minute is more than a load from remote
+//! storage takes). Such a request teaches the prefill model its TTFT less the fitted loads,
+//! `TTFT_ms - c * L`, so the TTFT intercept does not absorb the loads (they would be counted
+//! twice). The split is identified by the requests without loads: were every request to need
+//! one, an intercept and `c` would trade off, and `c` would stay near its prior.
+//!
 //! **Speed factors.** Beside the fits, each rank keeps two scalars that say how much slower
 //! than the reference engine it is, for the `calibrated` cost model
 //! ([`crate::policy::KvAware`]):
 //!
 //! ```text
-//! prefill factor = exp(median of ln(TTFT / prior TTFT(features)))
+//! prefill factor = exp(median of ln((TTFT - c * L) / prior TTFT(features)))
 //! decode factor  = exp(20th percentile of ln(gap / reference step(R, u)))
 //! ```
 //!
@@ -217,7 +243,7 @@ fn dot<const N: usize>(a: &[f64; N], b: &[f64; N]) -> f64 {
 }
 
 /// What the router knows of a request on a rank when it routes it (the prefill model's
-/// features, see the module docs).
+/// features, and the adapter loads it is expected to wait for: see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PrefillFeatures {
     /// Prompt tokens to compute there before this request's first token, its own included.
@@ -226,6 +252,9 @@ pub struct PrefillFeatures {
     pub decoding: f64,
     /// KV utilisation the rank would reach with the request, in [0, 1] (0 when unknown).
     pub kv_after: f64,
+    /// LoRA adapter loads expected before its first token
+    /// ([`crate::AdapterFit::expected_loads`]; 0 without an adapter).
+    pub adapter_loads: f64,
 }
 
 impl PrefillFeatures {
@@ -273,9 +302,12 @@ pub struct FittedSpeed {
     /// The mean output length of the requests answered there (an exponential average over
     /// ~100 requests; the prior: 200).
     pub output_tokens: f64,
+    /// The time of one LoRA adapter load (ms; the load model's `c`).
+    pub adapter_load_ms: f64,
     /// Observations behind each (0: the prior).
     pub prefill_observations: u64,
     pub decode_observations: u64,
+    pub adapter_load_observations: u64,
     /// The rank's TTFT over the prior model's at the same features, and its decode step
     /// over the reference step: robust quantiles (see "Speed factors"; 1 at first).
     pub prefill_factor: f64,
@@ -306,11 +338,17 @@ impl FittedSpeed {
     }
 }
 
-/// One (worker, rank)'s two models (see the module docs).
+/// The adapter load model's prior: one load, in milliseconds (see the module docs).
+pub const ADAPTER_LOAD_PRIOR_MS: f64 = 50.0;
+/// The most one adapter load is taken to cost, in milliseconds.
+pub const ADAPTER_LOAD_MAX_MS: f64 = 60_000.0;
+
+/// One (worker, rank)'s models (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LatencyModel {
     prefill: OnlineFit<4>,
     decode: OnlineFit<1>,
+    adapter_load: OnlineFit<1>,
     output_tokens: f64,
     prefill_factor: LogQuantile,
     decode_factor: LogQuantile,
@@ -330,6 +368,12 @@ impl Default for LatencyModel {
                 20.0,
             ),
             decode: OnlineFit::new([1.0], [0.01], [100.0], 2.0),
+            adapter_load: OnlineFit::new(
+                [ADAPTER_LOAD_PRIOR_MS],
+                [0.0],
+                [ADAPTER_LOAD_MAX_MS],
+                20.0,
+            ),
             output_tokens: 200.0,
             prefill_factor: LogQuantile::new(0.5),
             decode_factor: LogQuantile::new(0.2),
@@ -338,9 +382,21 @@ impl Default for LatencyModel {
 }
 
 impl LatencyModel {
-    /// A request routed with features `f` produced its first token after `ttft_ms`.
+    /// A request routed with features `f` produced its first token after `ttft_ms`: with
+    /// adapter loads expected, the residual over the prefill model teaches the load model,
+    /// and the TTFT less the fitted loads the prefill model (see the module docs).
     pub fn observe_ttft(&mut self, f: &PrefillFeatures, ttft_ms: f64) {
+        let loads = f.adapter_loads;
+        let ttft_ms = if loads.is_finite() && loads > 0.0 {
+            let without_loads = self.prefill.predict(&f.x()).max(0.0);
+            self.adapter_load.observe(&[loads], ttft_ms - without_loads);
+            ttft_ms - loads * self.adapter_load.coefficients()[0]
+        } else {
+            ttft_ms
+        };
         self.prefill.observe(&f.x(), ttft_ms);
+        // The speed factor reads the TTFT less the fitted loads too: a rank loading adapters
+        // is not a slower rank.
         let prior = dot(&PREFILL_PRIOR, &f.x()).max(1.0);
         self.prefill_factor.observe(ttft_ms / prior);
     }
@@ -364,8 +420,10 @@ impl LatencyModel {
             output_tokens: self.output_tokens,
             prefill: self.prefill.coefficients(),
             decode: self.decode.coefficients()[0],
+            adapter_load_ms: self.adapter_load.coefficients()[0],
             prefill_observations: self.prefill.observations(),
             decode_observations: self.decode.observations(),
+            adapter_load_observations: self.adapter_load.observations(),
             prefill_factor: self.prefill_factor.factor(),
             decode_factor: self.decode_factor.factor(),
         }

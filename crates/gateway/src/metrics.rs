@@ -156,6 +156,7 @@ pub struct GatewayMetrics {
     pub disagg_decode_only: Counter,
     circuit: Family<WorkerLabels, Gauge>,
     healthy: Family<WorkerLabels, Gauge>,
+    model_list_failures: Family<WorkerLabels, Counter>,
     attempts: Family<AttemptLabels, Counter>,
     /// Attempts after the first, over all requests.
     pub retries: Counter,
@@ -208,6 +209,8 @@ pub struct WorkerSeries {
     pub pd_decode: Counter,
     pub circuit: Gauge,
     pub healthy: Gauge,
+    /// Re-reads of its `/v1/models` that failed (its last good list kept).
+    pub model_list_failures: Counter,
     /// One counter per [`Outcome`], in `Outcome::ALL`'s order.
     pub attempts: [Counter; 4],
     pub processed: Counter,
@@ -239,6 +242,7 @@ impl GatewayMetrics {
             disagg_decode_only,
             circuit: Family::default(),
             healthy: Family::default(),
+            model_list_failures: Family::default(),
             attempts: Family::default(),
             retries: Counter::default(),
             reloads: Family::default(),
@@ -381,6 +385,11 @@ impl GatewayMetrics {
             self.healthy.clone(),
         );
         registry.register(
+            "kvroute_worker_model_list_failures",
+            "Re-reads of each worker's /v1/models that failed or were malformed (its last good list is kept)",
+            self.model_list_failures.clone(),
+        );
+        registry.register(
             "kvroute_upstream_attempts",
             "Attempts to send a request to a worker, retries included, by outcome",
             self.attempts.clone(),
@@ -417,6 +426,7 @@ impl GatewayMetrics {
         self.pd_prefill.remove(&w);
         self.pd_decode.remove(&w);
         self.healthy.remove(&w);
+        self.model_list_failures.remove(&w);
         self.processed.remove(&w);
         self.active.remove(&w);
         self.prompt_tokens.remove(&w);
@@ -498,6 +508,7 @@ impl GatewayMetrics {
             pd_decode: self.pd_decode.get_or_create(&w).clone(),
             circuit: self.circuit.get_or_create(&w).clone(),
             healthy: self.healthy.get_or_create(&w).clone(),
+            model_list_failures: self.model_list_failures.get_or_create(&w).clone(),
             attempts: Outcome::ALL.map(|outcome| {
                 self.attempts
                     .get_or_create(&AttemptLabels {

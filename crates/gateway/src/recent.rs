@@ -71,7 +71,7 @@ impl Recent {
     }
 }
 
-/// A candidate's predicted latencies (ms) and its rank's fitted speeds.
+/// A candidate's predicted latencies (ms) and its rank's fitted speeds and adapter load time.
 fn predicted_json(p: &Prediction) -> Value {
     let s = &p.speed;
     json!({
@@ -82,8 +82,10 @@ fn predicted_json(p: &Prediction) -> Value {
             "ttft_base_ms": s.prefill[0], "prefill_ms_per_1k_tokens": s.prefill[1],
             "ttft_ms_per_100_decoding": s.prefill[2], "ttft_ms_at_full_kv": s.prefill[3],
             "step_over_reference": s.decode, "output_tokens": s.output_tokens,
+            "adapter_load_ms": s.adapter_load_ms,
             "ttft_observations": s.prefill_observations,
             "gap_observations": s.decode_observations,
+            "adapter_load_observations": s.adapter_load_observations,
             "prefill_factor": s.prefill_factor, "decode_factor": s.decode_factor,
         },
     })

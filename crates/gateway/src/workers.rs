@@ -10,7 +10,8 @@
 //! also for workers added at run time): it probes the worker until it answers once (`GET
 //! /v1/models` for a worker whose model is not configured: its models are what it lists,
 //! LoRA adapters included; `GET /health` for one whose model is), then checks its health
-//! endpoint every interval (see `health`). The router is ready when every worker has been
+//! endpoint every interval (see `health`), re-reading the models it lists after each check
+//! that passes (adapters come and go at run time; see `monitor`). The router is ready when every worker has been
 //! probed at least once and every model has a healthy worker.
 //!
 //! Workers come and go at run time ([`WorkerSet::add`], [`WorkerSet::remove`]): a removed

@@ -124,7 +124,7 @@ impl SimServer {
     pub fn new(args: SimArgs, tokenizer: Arc<Tokenizer>) -> Self {
         let mut registry = Registry::default();
         let ranks = args.data_parallel_size.max(1);
-        let adapters = Arc::new(adapters::Adapters::new(&args.lora));
+        let adapters = Arc::new(adapters::Adapters::new(&args.lora, &args.model));
         let lora_info = adapters.enabled().then(|| {
             metrics::LoraInfo::register(&mut registry, adapters.clone(), args.lora.max_loras)
         });
@@ -205,6 +205,8 @@ impl SimServer {
             .route("/v1/completions/render", post(render_completion))
             .route("/v1/chat/completions/render", post(render_chat))
             .route("/v1/models", get(models))
+            .route("/v1/load_lora_adapter", post(adapters::load_adapter))
+            .route("/v1/unload_lora_adapter", post(adapters::unload_adapter))
             .route("/health", get(|| async { StatusCode::OK }))
             .route("/tokenize", post(tokenize))
             .route("/detokenize", post(detokenize))

@@ -1,10 +1,11 @@
 //! kvroute-sim serving LoRA adapters, over HTTP: what `/v1/models` lists, vLLM's 404 for an
-//! adapter it does not serve, adapters loaded on demand, and `vllm:lora_requests_info`.
+//! adapter it does not serve, adapters loaded on demand or at run time (vLLM's
+//! `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`), and `vllm:lora_requests_info`.
 
 mod support;
 
 use serde_json::{json, Value};
-use support::{get, metrics, post_json, prompt_of, start};
+use support::{get, metrics, post_json, post_raw, prompt_of, start};
 
 fn completion(model: &str, seed: usize) -> Value {
     json!({"model": model, "prompt": prompt_of(40, seed), "max_tokens": 2})
@@ -90,6 +91,62 @@ async fn with_lora_any_an_adapter_is_served_on_first_use_and_listed_from_then_on
     let models: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(models["data"][1]["id"], "fresh");
     assert_eq!(models["data"][1]["parent"], "kvroute-sim");
+    sim.stop().await.unwrap();
+}
+
+/// The ids `/v1/models` lists after the base model's.
+async fn listed_adapters(url: &str) -> Vec<String> {
+    let (_, body) = get(url, "/v1/models").await;
+    let models: Value = serde_json::from_str(&body).unwrap();
+    let data = models["data"].as_array().unwrap();
+    assert_eq!(data[0]["id"], "kvroute-sim");
+    assert!(data[1..].iter().all(|m| m["parent"] == "kvroute-sim"));
+    data[1..]
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn adapters_load_and_unload_at_run_time_as_vllm_answers() {
+    let sim = start(&["--lora-modules", "sql", "--max-loras", "2"]).await;
+    let url = sim.url();
+    let load = json!({"lora_name": "chat", "lora_path": "/adapters/chat"});
+    let (status, text) = post_raw(&url, "/v1/load_lora_adapter", &load).await;
+    assert_eq!(
+        (status, text.as_str()),
+        (200, "Success: LoRA adapter 'chat' added successfully.")
+    );
+    assert_eq!(listed_adapters(&url).await, ["sql", "chat"]);
+    let (status, answer) = post_json(&url, "/v1/completions", &completion("chat", 1)).await;
+    assert_eq!(status, 200, "{answer}");
+    // Loaded twice: vLLM's 400.
+    let (status, err) = post_json(&url, "/v1/load_lora_adapter", &load).await;
+    assert_eq!(status, 400);
+    assert_eq!(err["error"]["type"], "InvalidUserInput");
+    assert_eq!(
+        err["error"]["message"],
+        "The lora adapter 'chat' has already been loaded."
+    );
+    let (status, _) = post_json(&url, "/v1/load_lora_adapter", &json!({"lora_name": "x"})).await;
+    assert_eq!(status, 400);
+    // Unloaded: no longer listed nor served; unloading it again is vLLM's 404.
+    let unload = json!({"lora_name": "chat"});
+    let (status, text) = post_raw(&url, "/v1/unload_lora_adapter", &unload).await;
+    assert_eq!(
+        (status, text.as_str()),
+        (200, "Success: LoRA adapter 'chat' removed successfully.")
+    );
+    assert_eq!(listed_adapters(&url).await, ["sql"]);
+    let (status, _) = post_json(&url, "/v1/completions", &completion("chat", 2)).await;
+    assert_eq!(status, 404);
+    let (status, err) = post_json(&url, "/v1/unload_lora_adapter", &unload).await;
+    assert_eq!(status, 404);
+    assert_eq!(err["error"]["type"], "NotFoundError");
+    assert_eq!(
+        err["error"]["message"],
+        "The lora adapter 'chat' cannot be found."
+    );
     sim.stop().await.unwrap();
 }
 

@@ -55,6 +55,10 @@ pub struct PolicyResult {
     pub preemptions: u64,
     /// LoRA adapters the engines loaded into a slot.
     pub lora_loads: u64,
+    /// With adapters: the router's fitted time of one adapter load on each engine (ms; its
+    /// latency model's, learned from the TTFTs of the requests it expected to load).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fitted_lora_load_ms: Vec<f64>,
     /// A disaggregated cluster's figures.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pd: Option<PdResult>,

@@ -555,6 +555,15 @@ impl<'a> State<'a> {
             requests_per_worker,
             preemptions: engines.iter().map(|e| e.stats().preemptions).sum(),
             lora_loads: engines.iter().map(|e| e.stats().lora_loads).sum(),
+            fitted_lora_load_ms: match self.cfg.loras {
+                0 => Vec::new(),
+                _ => self
+                    .router
+                    .models
+                    .iter()
+                    .map(|m| m.speed().adapter_load_ms)
+                    .collect(),
+            },
             pd,
             queue: self.queue.map(RouterQueue::result),
             tenants: match self.cfg.tenants {

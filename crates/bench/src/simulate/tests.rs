@@ -1,6 +1,7 @@
 use super::*;
 
 mod hetero;
+mod lora;
 mod queue;
 mod slo;
 mod tenants;

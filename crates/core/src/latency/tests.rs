@@ -13,6 +13,7 @@ fn features(rng: &mut SmallRng) -> PrefillFeatures {
         tokens: rng.random_range(100.0..30_000.0),
         decoding: rng.random_range(0.0..200.0),
         kv_after: rng.random_range(0.0..0.7),
+        adapter_loads: 0.0,
     }
 }
 
@@ -53,6 +54,7 @@ fn converges_on_noisy_synthetic_data() {
             tokens: 8000.0,
             decoding: 50.0,
             kv_after: 0.3,
+            adapter_loads: 0.0,
         };
         let p = m.speed().ttft_ms(&f);
         assert!((p / ttft(slow, &f) - 1.0).abs() < 0.05, "{slow}: {p}");
@@ -108,6 +110,7 @@ fn outliers_move_the_fit_little() {
         tokens: 4000.0,
         decoding: 20.0,
         kv_after: 0.2,
+        adapter_loads: 0.0,
     };
     let (c, d) = (clean.speed().ttft_ms(&f), dirty.speed().ttft_ms(&f));
     assert!((d / c - 1.0).abs() < 0.15, "clean {c}, with outliers {d}");
@@ -136,6 +139,7 @@ fn coefficients_stay_in_bounds() {
         tokens: 1000.0,
         decoding: 10.0,
         kv_after: 0.0,
+        adapter_loads: 0.0,
     };
     // Negative and absurd timings, and no excitation at all.
     for i in 0..5000 {
@@ -158,6 +162,61 @@ fn coefficients_stay_in_bounds() {
     assert!((a[1] - 22.0).abs() < 3.0, "{a:?}");
 }
 
+/// A request of `features`' shape that expects `loads` adapter loads of `load_ms` each.
+fn with_loads(rng: &mut SmallRng, loads: f64) -> PrefillFeatures {
+    PrefillFeatures {
+        adapter_loads: loads,
+        ..features(rng)
+    }
+}
+
+/// Three requests in ten expect loads (one, or two where every slot is taken), the rest
+/// none; each TTFT is the prefill's plus the loads', with 5% noise.
+fn observe_mixed(m: &mut LatencyModel, rng: &mut SmallRng, load_ms: f64, n: usize) {
+    for i in 0..n {
+        let loads = match i % 10 {
+            0 | 1 => 1.0,
+            2 => 2.0,
+            _ => 0.0,
+        };
+        let f = with_loads(rng, loads);
+        let noise = rng.random_range(-0.05..0.05);
+        m.observe_ttft(&f, ttft(1.0, &f) * (1.0 + noise) + loads * load_ms);
+    }
+}
+
+#[test]
+fn the_adapter_load_time_starts_at_its_prior() {
+    let s = LatencyModel::default().speed();
+    assert_eq!(s.adapter_load_ms, ADAPTER_LOAD_PRIOR_MS);
+    assert_eq!(s.adapter_load_observations, 0);
+    // A request without loads teaches the load model nothing.
+    let mut m = LatencyModel::default();
+    m.observe_ttft(&with_loads(&mut SmallRng::seed_from_u64(6), 0.0), 500.0);
+    assert_eq!(m.speed().adapter_load_observations, 0);
+}
+
+#[test]
+fn the_adapter_load_time_converges_to_the_engines() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    for load_ms in [10.0, 200.0, 1500.0] {
+        let mut m = LatencyModel::default();
+        observe_mixed(&mut m, &mut rng, load_ms, 3000);
+        let s = m.speed();
+        assert!(
+            (s.adapter_load_ms / load_ms - 1.0).abs() < 0.05
+                || (s.adapter_load_ms - load_ms).abs() < 2.0,
+            "{load_ms}: {}",
+            s.adapter_load_ms
+        );
+        assert_eq!(s.adapter_load_observations, 900);
+        // The loads do not leak into the prefill model.
+        assert!(
+            (s.prefill[1] / 22.0 - 1.0).abs() < 0.05,
+            "{load_ms}: {:?}",
+            s.prefill
+        );
+        assert!(s.prefill[0] < 40.0, "{load_ms}: {:?}", s.prefill);
 #[test]
 fn speed_factors_find_each_ranks_speed_and_ignore_outliers() {
     let mut rng = SmallRng::seed_from_u64(7);
@@ -190,6 +249,48 @@ fn speed_factors_find_each_ranks_speed_and_ignore_outliers() {
 }
 
 #[test]
+fn adapter_load_outliers_move_it_little() {
+    let mut rng = SmallRng::seed_from_u64(8);
+    let (mut clean, mut dirty) = (LatencyModel::default(), LatencyModel::default());
+    for i in 0..4000 {
+        let f = with_loads(&mut rng, f64::from(u8::from(i % 3 == 0)));
+        let y = ttft(1.0, &f) + 200.0 * f.adapter_loads;
+        clean.observe_ttft(&f, y);
+        // One load in twenty stalls: a hundred times its TTFT (or answers at once).
+        let y = match i % 60 {
+            0 => 100.0 * y,
+            30 => 0.0,
+            _ => y,
+        };
+        dirty.observe_ttft(&f, y);
+    }
+    let (c, d) = (clean.speed().adapter_load_ms, dirty.speed().adapter_load_ms);
+    assert!((c / 200.0 - 1.0).abs() < 0.05, "clean {c}");
+    assert!((d / c - 1.0).abs() < 0.05, "clean {c}, with outliers {d}");
+}
+
+#[test]
+fn the_adapter_load_time_stays_in_its_box_and_recovers() {
+    let mut rng = SmallRng::seed_from_u64(9);
+    let mut m = LatencyModel::default();
+    for i in 0..3000 {
+        let f = with_loads(&mut rng, 1.0);
+        let y = if i % 2 == 0 { -1e9 } else { 1e12 };
+        m.observe_ttft(&f, y);
+        m.observe_ttft(&f, f64::INFINITY);
+        let c = m.speed().adapter_load_ms;
+        assert!((0.0..=ADAPTER_LOAD_MAX_MS).contains(&c), "{i}: {c}");
+    }
+    // Timings that only fall: clamped at 0, not below.
+    for _ in 0..500 {
+        let f = with_loads(&mut rng, 2.0);
+        m.observe_ttft(&f, 0.0);
+    }
+    assert_eq!(m.speed().adapter_load_ms, 0.0);
+    // Sane timings again: it learns afterwards.
+    observe_mixed(&mut m, &mut rng, 200.0, 6000);
+    let c = m.speed().adapter_load_ms;
+    assert!((c / 200.0 - 1.0).abs() < 0.05, "{c}");
 fn speed_factors_start_at_one_are_bounded_and_follow_a_change() {
     let mut m = LatencyModel::default();
     assert_eq!(m.speed().prefill_factor, 1.0);

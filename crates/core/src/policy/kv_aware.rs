@@ -129,7 +129,8 @@
 //! adapter's blocks are hashed with its name.) [`KvAwareConfig::dynamo`] keeps the term: it
 //! is 0 for a request without an adapter, all that Dynamo routes. The predicted cost model
 //! adds the loads' time to the predicted TTFT instead
-//! ([`predicted_adapter_load_ms`](crate::predicted_adapter_load_ms) at 50 ms a load).
+//! ([`predicted_adapter_load_ms`](crate::predicted_adapter_load_ms) at the rank's fitted load
+//! time, 50 ms a load until its answers have taught it: see [`crate::latency`]).
 
 use rand::{Rng, RngCore};
 

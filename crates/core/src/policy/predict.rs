@@ -10,7 +10,7 @@
 //! ```text
 //! uncached     = max(0, ISL - cached)
 //! ttft         = TTFT model(W = P + uncached, D, u')              (queueing + own prefill)
-//!                + L * ADAPTER_LOAD_MS                            (L expected adapter loads)
+//!                + L * c                                          (L expected adapter loads)
 //! prefill      = a1 * uncached / 1000                             (own prefill, marginal)
 //! queue        = max(0, ttft - prefill)
 //! decode       = O * step model(R + 1, u')                        (own decode, O tokens)
@@ -24,7 +24,9 @@
 //! has a larger `a1` and step, so it costs more for the same work; a rank short of KV
 //! reaches the hinge of the TTFT model sooner. `L` is the request's expected adapter loads
 //! on the candidate ([`crate::AdapterFit::expected_loads`]: 0 without an adapter or where it
-//! runs, 1 for a load, 2 when every slot is taken), each [`ADAPTER_LOAD_MS`].
+//! runs, 1 for a load, 2 when every slot is taken), each `c` ms: the rank's fitted load time
+//! ([`FittedSpeed::adapter_load_ms`], learned from the TTFTs of requests that loaded; the
+//! prior [`ADAPTER_LOAD_MS`] until they have).
 
 use crate::latency::{DecodeFeatures, FittedSpeed, PrefillFeatures};
 use crate::{Candidate, RouteRequest};
@@ -35,9 +37,10 @@ use crate::{Candidate, RouteRequest};
 /// ranks, so a quarter of it counts.
 pub const INTERFERENCE_SHARE: f64 = 0.25;
 
-/// One LoRA adapter load before the step that needs it, in milliseconds (kvroute-sim's
+/// One LoRA adapter load before the step that needs it, in milliseconds, before a rank has
+/// learned its own (the load model's prior, see [`crate::latency`]: kvroute-sim's
 /// `--lora-load-ms` default; vLLM loads an adapter from host memory in tens of them).
-pub const ADAPTER_LOAD_MS: f64 = 50.0;
+pub const ADAPTER_LOAD_MS: f64 = crate::latency::ADAPTER_LOAD_PRIOR_MS;
 
 /// A candidate's predicted latencies for one request, in milliseconds, and the features
 /// the prediction used (record them to feed the TTFT model the observed answer).
@@ -98,8 +101,9 @@ pub fn predict(c: &Candidate<'_>, request: &RouteRequest<'_>, saturation: f64) -
         tokens: c.kv.prefill_tokens as f64 + uncached,
         decoding,
         kv_after,
+        adapter_loads: c.adapter.expected_loads(),
     };
-    let adapter_ms = crate::predicted_adapter_load_ms(c, ADAPTER_LOAD_MS);
+    let adapter_ms = crate::predicted_adapter_load_ms(c, speed.adapter_load_ms);
     let ttft_ms = speed.ttft_ms(&features) + adapter_ms;
     let prefill_ms = speed.prefill_ms(uncached).min(ttft_ms);
     let running = c.engine.running.unwrap_or(c.kv.active_requests as f64);
@@ -200,6 +204,33 @@ mod tests {
     }
 
     #[test]
+    fn the_ranks_fitted_load_time_replaces_the_prior() {
+        let ids = ids(1);
+        let mut m = LatencyModel::default();
+        let f = |loads| PrefillFeatures {
+            tokens: 1000.0,
+            adapter_loads: loads,
+            ..PrefillFeatures::default()
+        };
+        for i in 0..400 {
+            let loads = f64::from(i % 2);
+            let base = m.speed().ttft_ms(&f(0.0));
+            m.observe_ttft(&f(loads), base + 300.0 * loads);
+        }
+        let learned = m.speed().adapter_load_ms;
+        assert!((learned - 300.0).abs() < 15.0, "{learned}");
+        let c = Candidate {
+            adapter: AdapterFit::Full,
+            speed: Some(m.speed()),
+            ..Candidate::new(&ids[0], 0)
+        };
+        let p = predict(&c, &req(1600), 0.0);
+        assert_eq!(p.adapter_ms, 2.0 * learned);
+        // The features carry the expected loads, for the load model to learn from.
+        assert_eq!(p.features.adapter_loads, 2.0);
+    }
+
+    #[test]
     fn a_slower_fitted_rank_costs_more_for_the_same_work() {
         let ids = ids(2);
         let mut slow = LatencyModel::default();
@@ -207,6 +238,7 @@ mod tests {
             tokens: t,
             decoding: d,
             kv_after: 0.1,
+            adapter_loads: 0.0,
         };
         for i in 0..500 {
             let (t, d) = (f64::from(i % 20) * 1000.0, f64::from(i % 7) * 10.0);

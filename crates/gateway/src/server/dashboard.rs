@@ -323,6 +323,8 @@ impl Dashboard {
                             "prefill_factor": sp.prefill_factor,
                             "decode_factor": sp.decode_factor,
                             "observations": sp.prefill_observations + sp.decode_observations,
+                            "adapter_load_ms": sp.adapter_load_ms,
+                            "adapter_load_observations": sp.adapter_load_observations,
                         });
                     }
                 }

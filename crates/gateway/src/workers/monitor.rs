@@ -2,10 +2,21 @@
 //! health-checked every interval from a phase of its own ([`crate::health::phase`], so a
 //! thousand workers added together are not checked in one burst); each answer changes the
 //! worker set.
+//!
+//! A worker whose models are read from it (no configured model) has its `GET /v1/models`
+//! re-read after each health check that passes, so the models and LoRA adapters it lists
+//! follow what the engine serves (vLLM loads and unloads adapters at run time with
+//! `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`): one more GET per worker and
+//! interval. A re-read that fails or is malformed keeps the last good list, is logged and
+//! counted (`kvroute_worker_model_list_failures_total`), and changes neither the worker's
+//! health nor its models: the health checks judge the worker, and a garbled answer must not
+//! take every model off it.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+
+use http::HeaderValue;
 
 use super::{lock, Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
 use crate::health::{jittered, probe, random_phase, HealthCounter};
@@ -112,6 +123,33 @@ impl WorkerSet {
                 if !healthy && self.health.remove_unhealthy {
                     return Watched::Unhealthy;
                 }
+            }
+            if result.is_ok() && worker.configured_model.is_none() {
+                self.reread_models(&worker, &client, key, timeout).await;
+            }
+        }
+    }
+
+    /// Re-reads the models `worker` lists (see the module docs): the table is rebuilt when
+    /// they changed; a failed or malformed answer keeps the last good list.
+    async fn reread_models(
+        &self,
+        worker: &Worker,
+        client: &HttpClient,
+        key: Option<&HeaderValue>,
+        timeout: Duration,
+    ) {
+        match probe(client, &worker.url, "/v1/models", true, key, timeout).await {
+            Ok(models) => {
+                let (added, dropped) = worker.replace_models(models);
+                if !(added.is_empty() && dropped.is_empty()) {
+                    tracing::info!(worker = %worker.id, ?added, ?dropped, "Worker models changed");
+                    self.rebuild();
+                }
+            }
+            Err(error) => {
+                worker.series.model_list_failures.inc();
+                tracing::warn!(worker = %worker.id, %error, "Worker models re-read failed: keeping its last list");
             }
         }
     }

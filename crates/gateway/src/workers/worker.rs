@@ -266,7 +266,27 @@ impl Worker {
         self.series.active.dec();
     }
 
-    /// The models it serves: its configured one, else those it listed when probed.
+    /// Takes `models` as what it lists now (a re-read of its `/v1/models`); returns the
+    /// models (adapters included) it added and dropped, both empty when the ids and parents
+    /// are unchanged (the cards' other fields, such as `created`, may change at every read).
+    pub(super) fn replace_models(
+        &self,
+        models: Vec<(ModelId, serde_json::Value)>,
+    ) -> (Vec<ModelId>, Vec<ModelId>) {
+        let key = |(m, card): &(ModelId, serde_json::Value)| (m.clone(), card["parent"].clone());
+        let mut current = lock(&self.models);
+        let before: Vec<_> = current.iter().map(key).collect();
+        let after: Vec<_> = models.iter().map(key).collect();
+        let added = after.iter().filter(|k| !before.contains(k));
+        let dropped = before.iter().filter(|k| !after.contains(k));
+        let (added, dropped) = (
+            added.map(|k| k.0.clone()).collect(),
+            dropped.map(|k| k.0.clone()).collect(),
+        );
+        *current = models;
+        (added, dropped)
+    }
+
     /// Whether `model` is a LoRA adapter here: its `/v1/models` entry names a `parent`.
     pub fn serves_adapter(&self, model: &str) -> bool {
         lock(&self.models)
@@ -274,10 +294,50 @@ impl Worker {
             .any(|(m, card)| m.as_str() == model && card["parent"].is_string())
     }
 
+    /// The models it serves: its configured one, else those it listed when last read.
     pub fn model_ids(&self) -> Vec<ModelId> {
         match &self.configured_model {
             Some(m) => vec![m.clone()],
             None => lock(&self.models).iter().map(|(m, _)| m.clone()).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::config::Settings;
+    use crate::metrics::GatewayMetrics;
+    use crate::workers::WorkerSet;
+
+    #[test]
+    fn a_new_list_reports_the_models_added_and_dropped_not_fresh_cards() {
+        let settings = Settings::with_workers(vec![WorkerSpec::url("http://w:1")]).unwrap();
+        let metrics = GatewayMetrics::register(&mut Default::default());
+        let set = WorkerSet::new(&settings, &metrics);
+        let w = set.workers()[0].clone();
+        let card = |id: &str, parent: Option<&str>, created: u64| {
+            let c = json!({"id": id, "parent": parent, "created": created});
+            (ModelId::new(id), c)
+        };
+        let ids = |v: Vec<ModelId>| v.iter().map(|m| m.to_string()).collect::<Vec<_>>();
+        let (added, dropped) = w.replace_models(vec![card("base", None, 1)]);
+        assert_eq!(
+            (ids(added), ids(dropped)),
+            (vec!["base".to_owned()], vec![])
+        );
+        // vLLM stamps `created` at every read: not a change.
+        let (added, dropped) = w.replace_models(vec![card("base", None, 2)]);
+        assert!(added.is_empty() && dropped.is_empty());
+        let (added, _) =
+            w.replace_models(vec![card("base", None, 3), card("sql", Some("base"), 3)]);
+        assert_eq!(ids(added), ["sql"]);
+        assert!(w.serves_adapter("sql"));
+        let (added, dropped) = w.replace_models(vec![card("base", None, 4)]);
+        assert_eq!((ids(added), ids(dropped)), (vec![], vec!["sql".to_owned()]));
+        assert!(!w.serves_adapter("sql"));
+        assert_eq!(ids(w.model_ids()), ["base"]);
     }
 }

@@ -1,5 +1,6 @@
 //! The endpoints beside inference: what the engine serves (`/v1/models`, vLLM's and SGLang's
-//! server and model info), `/metrics`, and `/reset_prefix_cache`.
+//! server and model info), `/metrics`, and `/reset_prefix_cache`. (Adapters loaded and unloaded
+//! at run time: `adapters`.)
 
 use std::sync::Arc;
 

@@ -13,6 +13,8 @@ use super::openai;
 pub(super) struct ApiError {
     pub(super) status: StatusCode,
     message: String,
+    /// Its `type` where vLLM names it otherwise than after the status.
+    kind: Option<&'static str>,
 }
 
 impl ApiError {
@@ -20,6 +22,16 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            kind: None,
+        }
+    }
+
+    /// vLLM's 400 for a request it rejects before the engine sees it (`InvalidUserInput`:
+    /// its LoRA adapter endpoints').
+    pub(super) fn invalid_user_input(message: impl Into<String>) -> Self {
+        Self {
+            kind: Some("InvalidUserInput"),
+            ..Self::bad_request(message)
         }
     }
 
@@ -44,9 +56,10 @@ impl ApiError {
         &self.message
     }
 
-    /// The error's `type`, named after its status (see [`openai::error_type`]).
+    /// The error's `type`: named after its status (see [`openai::error_type`]) unless vLLM
+    /// names it otherwise.
     pub(super) fn kind(&self) -> &'static str {
-        openai::error_type(self.status)
+        self.kind.unwrap_or_else(|| openai::error_type(self.status))
     }
 }
 
