@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# kv_aware's predicted cost model (--router-cost-model predicted) against every other policy on
-# a heterogeneous simulated cluster, in virtual time: 8 engines in three speed tiers and two
-# memory tiers (the router is told the memory, never the speeds), on the Mooncake trace and on
-# kvroute-bench's generated workloads. One `simulate` per workload and rate with the other
-# policies (kv_aware with its weighted model among them), one with kv_aware predicted; each
-# prints its table, with the requests each engine answered.
+# kv_aware's cost models (calibrated, the default; weighted; predicted) against every other
+# policy on a heterogeneous simulated cluster, in virtual time: 8 engines in three speed tiers
+# and two memory tiers (the router is told the memory, never the speeds), on the Mooncake trace
+# and on kvroute-bench's generated workloads. One `simulate` per workload and rate with the
+# other policies (kv_aware calibrated among them), one with kv_aware weighted and one with
+# kv_aware predicted; each prints its table, with the requests each engine answered.
 #   bench/heterogeneous.sh            # SPEEDS, BLOCKS, RATES="1 2", SEEDS="0", OUT
 # Environment: TRACE (default ../shared/data/mooncake_synthetic_trace.jsonl), TIMING (kvroute or
 # dynamo, default kvroute), WORKLOADS (default "trace multi-turn shared-prefix agentic").
@@ -42,11 +42,15 @@ for w in $WORKLOADS; do
       echo "== $w x$r seed $s"
       [ -s "$base.others.json" ] || "$BIN/kvroute-bench" simulate "${common[@]}" \
         --policies "$OTHERS" --json "$base.others.json" > "$base.others.txt" 2>&1
-      [ -s "$base.predicted.json" ] || "$BIN/kvroute-bench" simulate "${common[@]}" \
-        --policies kv_aware --router-cost-model predicted --json "$base.predicted.json" \
-        > "$base.predicted.txt" 2>&1
+      for model in weighted predicted; do
+        [ -s "$base.$model.json" ] || "$BIN/kvroute-bench" simulate "${common[@]}" \
+          --policies kv_aware --router-cost-model "$model" --json "$base.$model.json" \
+          > "$base.$model.txt" 2>&1
+      done
       cat "$base.others.txt"
-      tail -n +3 "$base.predicted.txt" | sed 's/^kv_aware /kv_aware(predicted)/'
+      for model in weighted predicted; do
+        tail -n +3 "$base.$model.txt" | sed "s/^kv_aware /kv_aware($model)/"
+      done
     done
   done
 done

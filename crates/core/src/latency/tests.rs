@@ -217,6 +217,9 @@ fn the_adapter_load_time_converges_to_the_engines() {
             s.prefill
         );
         assert!(s.prefill[0] < 40.0, "{load_ms}: {:?}", s.prefill);
+    }
+}
+
 #[test]
 fn speed_factors_find_each_ranks_speed_and_ignore_outliers() {
     let mut rng = SmallRng::seed_from_u64(7);
@@ -291,6 +294,9 @@ fn the_adapter_load_time_stays_in_its_box_and_recovers() {
     observe_mixed(&mut m, &mut rng, 200.0, 6000);
     let c = m.speed().adapter_load_ms;
     assert!((c / 200.0 - 1.0).abs() < 0.05, "{c}");
+}
+
+#[test]
 fn speed_factors_start_at_one_are_bounded_and_follow_a_change() {
     let mut m = LatencyModel::default();
     assert_eq!(m.speed().prefill_factor, 1.0);
