@@ -102,16 +102,20 @@
 //! the same for every rank. On a cluster of mixed GPUs a block of prefill or a step of
 //! decode costs more on a slower rank, and the router is not told which is which. The
 //! calibrated model prices each rank's terms at its learned speed: the prefill terms
-//! (prefill, saturation, interference) are multiplied by the rank's prefill price and the
-//! memory and active-request terms by its decode price,
+//! (prefill, saturation, interference) are multiplied by the rank's prefill price, the
+//! request's own new blocks in the memory term and the active-request term by its decode
+//! price,
 //!
 //! ```text
 //! price = exp(sign(l) * max(0, |l| - 0.1)),   l = ln(factor / mean factor of the candidates)
+//! memory = (C / C_i) * (decode_blocks + d * new)       (M's two parts, as above)
 //! ```
 //!
-//! and the memory term by `C / C_i` as well, `C_i` the rank's KV capacity in blocks and `C`
-//! the candidates' mean (where known): a block is a larger share of a smaller engine, which
-//! preempts sooner. The factors are the rank's robust speed factors
+//! with `C_i` the rank's KV capacity in blocks and `C` the candidates' mean (where known): a
+//! block is a larger share of a smaller engine, which preempts sooner. The blocks already
+//! held are not priced by speed (memory held is memory held on any GPU; priced, they drove
+//! long agent sessions off the slow engines and made them re-prefill elsewhere, TTFT p90
+//! 1.5-2.3x, BENCHMARKS.md). The factors are the rank's robust speed factors
 //! ([`crate::latency`], "Speed factors": TTFT over the prior model's, decode step over the
 //! reference step). Prices are relative to the candidates' mean, so the weights keep their
 //! balance, and differences within 10% (the factors' spread between identical engines) are
@@ -284,6 +288,19 @@ impl std::fmt::Debug for KvAware {
 /// taken as noise: eight identical engines measured within about ±10% of each other.
 pub const SPEED_NOISE: f64 = 0.1;
 
+/// The memory term with the request's own blocks at the decode price `d`: the blocks already
+/// there count as they are (memory held is memory held on any GPU), the request's new ones
+/// as the decode work it brings (see "Calibrated" in the module docs).
+fn memory_priced(memory: f64, blocks: u64, new_blocks: u64, d: f64) -> f64 {
+    if d == 1.0 || blocks == 0 {
+        return memory;
+    }
+    // The request's share of the blocks (`memory` is `blocks`, or `blocks^2 / C` under
+    // utilisation: either way the share of it that is the request's).
+    let own = new_blocks.min(blocks) as f64 / blocks as f64;
+    memory * (1.0 + (d - 1.0) * own)
+}
+
 /// A rank's speed factor counts after this many observations; before, the rank is priced
 /// at the cluster's mean (an engine the router has not seen work is not taken as slow or
 /// fast, which would keep it from ever being seen).
@@ -453,7 +470,7 @@ impl KvAware {
         };
         let mut cost = p * k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
             + p * k.prefill_load_scale * saturation * (prompt - credit).max(0.0)
-            + d * share * memory
+            + share * memory_priced(memory, c.kv.decode_blocks + new_blocks, new_blocks, d)
             + p * k.prefill_interference_weight * uncached * decoding
             + d * k.decode_active_request_weight * c.kv.active_requests as f64
             + k.lora_load_cost * c.adapter.expected_loads();
@@ -1133,7 +1150,8 @@ mod tests {
             at(2, fitted(0.95, 1.05, 100)),
         ];
         assert_eq!(costs(&calibrated, &same), costs(&weighted, &same));
-        // Two times slower at both: each term costs about twice the fast rank's.
+        // Two times slower at both: each priced term costs about twice the fast rank's; the
+        // 400 blocks held there count alike everywhere.
         let tiers = [
             at(0, fitted(0.5, 0.5, 100)),
             at(1, fitted(1.0, 1.0, 100)),
@@ -1142,7 +1160,7 @@ mod tests {
         let c = costs(&calibrated, &tiers);
         let w = costs(&weighted, &tiers);
         assert!(c[0] < w[0] && c[2] > w[2], "{c:?} {w:?}");
-        let ratio = c[2] / c[0];
+        let ratio = (c[2] - 400.0) / (c[0] - 400.0);
         assert!((3.0..4.0).contains(&ratio), "{ratio}");
         let mut rng = SmallRng::seed_from_u64(0);
         assert_eq!(calibrated.select(&tiers, &r, &mut rng).unwrap().index, 0);
