@@ -9,12 +9,13 @@ use std::time::Instant;
 use anyhow::Context;
 use kvroute_sim::engine::EngineConfig;
 
-use crate::goodput::{goodput, Search, Slo};
+use crate::goodput::{goodput, Objective, Search};
 use crate::plot::load::LoadSeries;
 use crate::plot::{self, Series};
 use crate::report;
 use crate::simulate::{
     reference, simulate, Cluster, EngineShapes, OutputTracking, QueueConfig, SimConfig, SloConfig,
+    SloRouting,
 };
 use crate::sweep::{self, Percentile};
 use crate::trace::{self, TraceRequest};
@@ -142,7 +143,7 @@ pub fn simulate_command(
 /// `goodput`: each cluster's bracket, a line per simulation on stderr, then a table.
 pub fn goodput_command(
     setup: &Setup,
-    slo: &Slo,
+    objective: &Objective,
     search: &Search,
     json: Option<PathBuf>,
 ) -> anyhow::Result<()> {
@@ -153,12 +154,9 @@ pub fn goodput_command(
         ..
     } = setup;
     let span_s = requests.last().map_or(0, |r| r.timestamp) as f64 / 1e3;
-    let objective = match slo.e2e_p90_ms {
-        Some(e2e) => format!("TTFT p90 <= {} ms and E2E p90 <= {e2e} ms", slo.ttft_p90_ms),
-        None => format!("TTFT p90 <= {} ms", slo.ttft_p90_ms),
-    };
+    let (described, slo) = describe_objective(objective, setup.slo.as_ref())?;
     println!(
-        "{name} ({:.2} req/s at x1); {shape}; SLO: {objective}",
+        "{name} ({:.2} req/s at x1); {shape}; SLO: {described}",
         requests.len() as f64 / span_s.max(1e-3)
     );
     let mut results = Vec::new();
@@ -168,7 +166,7 @@ pub fn goodput_command(
         let g = goodput(
             requests,
             &setup.config(cluster, 1.0),
-            slo,
+            objective,
             search,
             |p, b| {
                 eprintln!(
@@ -194,6 +192,45 @@ pub fn goodput_command(
             .with_context(|| format!("cannot write {}", out.display()))?;
     }
     Ok(())
+}
+
+/// The objective in words, and as the JSON's `"slo"`: the percentiles' SLO, or the
+/// attainment with the mix's classes and whether the router saw them.
+fn describe_objective(
+    objective: &Objective,
+    mix: Option<&SloConfig>,
+) -> anyhow::Result<(String, serde_json::Value)> {
+    Ok(match (objective, mix) {
+        (Objective::Percentiles(slo), _) => (
+            match slo.e2e_p90_ms {
+                Some(e2e) => format!("TTFT p90 <= {} ms and E2E p90 <= {e2e} ms", slo.ttft_p90_ms),
+                None => format!("TTFT p90 <= {} ms", slo.ttft_p90_ms),
+            },
+            serde_json::to_value(slo)?,
+        ),
+        (Objective::Attainment(p), Some(mix)) => {
+            let classes: Vec<String> = (mix.mix.classes().iter())
+                .map(|c| format!("{}% at {} ms", c.fraction * 100.0, c.ttft_ms))
+                .collect();
+            let headers = match mix.routing {
+                SloRouting::Headers => "send",
+                SloRouting::Blind => "drop",
+            };
+            (
+                format!(
+                    "every class within its TTFT target for >= {}% of its requests ({}; targets: {headers})",
+                    p * 100.0,
+                    classes.join(", ")
+                ),
+                serde_json::json!({
+                    "attainment": p,
+                    "classes": mix.mix.classes(),
+                    "headers": headers,
+                }),
+            )
+        }
+        (Objective::Attainment(_), None) => anyhow::bail!("--slo-attainment needs --slo-mix"),
+    })
 }
 
 /// Writes the TTFT figure, saying where.

@@ -1,7 +1,17 @@
 //! SLO goodput: the highest rate scale at which a simulated cluster meets a latency SLO.
 //!
-//! A run passes when its TTFT p90 is at most the SLO's (and its E2E p90, when the SLO has
-//! one), and its router queue (when on) timed no request out. Passing is assumed monotone in the rate: if a rate passes, every lower one does.
+//! The [`Objective`] is one of:
+//! - **percentiles** ([`Slo`], `--slo-ttft-p90-ms`): a run passes when its TTFT p90 is at most
+//!   the SLO's (and its E2E p90, when the SLO has one), and its router queue (when on) timed no
+//!   request out;
+//! - **per-class attainment** (`--slo-mix` with `--slo-attainment P`): each request has the
+//!   TTFT target of its class (`crate::simulate`'s `slo` module), and a run passes when every
+//!   class met its target for at least `P` of its requests, `met / arrived >= P` (a request
+//!   rejected, timed out in the queue or never answered misses). At `P = 0.9` that is each
+//!   class's nearest-rank TTFT p90 within its own target, counting the unanswered as late.
+//!   A class the run drew no request for passes.
+//!
+//! Passing is assumed monotone in the rate: if a rate passes, every lower one does.
 //! [`search`] finds a bracket, a passing rate `pass` and a failing rate `fail` above it:
 //!
 //! 1. The start: `--min-rate-scale` and `--max-rate-scale` when given (each is run; a failing
@@ -37,6 +47,8 @@ pub enum InvalidGoodput {
     NotPositive { flag: &'static str, value: f64 },
     #[error("--min-rate-scale ({min}) must be below --max-rate-scale ({max})")]
     EmptyRange { min: f64, max: f64 },
+    #[error("--slo-attainment must be a fraction in (0, 1], got {0}")]
+    Attainment(f64),
 }
 
 fn positive(flag: &'static str, value: Option<f64>) -> Result<(), InvalidGoodput> {
@@ -60,6 +72,37 @@ impl Slo {
         r.ttft_ms.p90 <= self.ttft_p90_ms
             && self.e2e_p90_ms.is_none_or(|e| r.e2e_ms.p90 <= e)
             && r.queue.as_ref().is_none_or(|q| q.timed_out == 0)
+    }
+}
+
+/// What a run must meet to pass (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Objective {
+    /// TTFT p90 (and E2E p90) over all the run's requests.
+    Percentiles(Slo),
+    /// Every class of the run's `--slo-mix` met its TTFT target for at least this fraction of
+    /// its requests.
+    Attainment(f64),
+}
+
+impl Objective {
+    pub fn validate(&self) -> Result<(), InvalidGoodput> {
+        match *self {
+            Self::Percentiles(slo) => slo.validate(),
+            Self::Attainment(p) if p > 0.0 && p <= 1.0 => Ok(()),
+            Self::Attainment(p) => Err(InvalidGoodput::Attainment(p)),
+        }
+    }
+
+    /// Whether `r` meets the objective; a run without a mix meets no attainment.
+    pub fn met_by(&self, r: &PolicyResult) -> bool {
+        match *self {
+            Self::Percentiles(slo) => slo.met_by(r),
+            Self::Attainment(p) => r
+                .slo
+                .as_ref()
+                .is_some_and(|s| (s.classes.iter()).all(|c| c.requests == 0 || c.attainment >= p)),
+        }
     }
 }
 
@@ -237,11 +280,12 @@ pub struct Goodput {
 }
 
 /// Searches the goodput of `cfg`'s cluster (its `rate_scale` is what the search sets) on
-/// `trace`; `progress` gets every simulation as it ends.
+/// `trace`; `progress` gets every simulation as it ends. An [`Objective::Attainment`] reads
+/// the classes of `cfg.slo`.
 pub fn goodput(
     trace: &[TraceRequest],
     cfg: &SimConfig,
-    slo: &Slo,
+    objective: &Objective,
     s: &Search,
     mut progress: impl FnMut(&Probe, &Bracket),
 ) -> Goodput {
@@ -257,7 +301,7 @@ pub fn goodput(
         );
         let probe = Probe {
             rate_scale,
-            passes: slo.met_by(&result),
+            passes: objective.met_by(&result),
             result,
         };
         search.record(probe.passes);
@@ -278,6 +322,7 @@ pub fn goodput(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::simulate::{Percentiles, SloClassResult, SloResult};
 
     fn threshold(t: f64) -> impl FnMut(f64) -> bool {
         move |x| x <= t
@@ -362,6 +407,68 @@ mod tests {
             ..Search::default()
         };
         assert!(tolerance.validate().is_err());
+    }
+
+    /// A run with these classes' attainments (`(requests, met)` each), every other figure 0.
+    fn with_classes(classes: &[(usize, usize)]) -> PolicyResult {
+        let zero = Percentiles {
+            p50: 0.0,
+            p90: 0.0,
+            p99: 0.0,
+        };
+        let slo = SloResult {
+            routed_on_targets: false,
+            classes: (classes.iter())
+                .map(|&(requests, met)| SloClassResult {
+                    ttft_slo_ms: 100.0,
+                    fraction: 1.0 / classes.len() as f64,
+                    requests,
+                    met,
+                    attainment: met as f64 / requests.max(1) as f64,
+                    ttft_ms: zero,
+                })
+                .collect(),
+            attainment: 0.0,
+            goodput_rps: 0.0,
+        };
+        PolicyResult {
+            policy: "kv_aware".into(),
+            requests: 0,
+            rejected: 0,
+            ttft_ms: zero,
+            ttft_sorted_ms: Vec::new(),
+            e2e_ms: zero,
+            throughput_rps: 0.0,
+            output_tokens_per_s: 0.0,
+            hit_share: 0.0,
+            requests_per_worker: Vec::new(),
+            preemptions: 0,
+            lora_loads: 0,
+            fitted_lora_load_ms: Vec::new(),
+            pd: None,
+            queue: None,
+            tenants: Vec::new(),
+            slo: Some(slo),
+        }
+    }
+
+    #[test]
+    fn attainment_needs_every_class_with_requests() {
+        let p90 = Objective::Attainment(0.9);
+        assert!(p90.met_by(&with_classes(&[(10, 9), (100, 95)])));
+        assert!(!p90.met_by(&with_classes(&[(10, 8), (100, 100)])));
+        // A class the run drew no request for does not fail it.
+        assert!(p90.met_by(&with_classes(&[(0, 0), (10, 10)])));
+        // Without a mix there is nothing to attain.
+        let no_mix = PolicyResult {
+            slo: None,
+            ..with_classes(&[])
+        };
+        assert!(!p90.met_by(&no_mix));
+        assert!(Objective::Attainment(1.0).validate().is_ok());
+        for bad in [0.0, -0.5, 1.01, f64::NAN] {
+            assert!(Objective::Attainment(bad).validate().is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
-use kvroute_bench::goodput::{Search, Slo};
 use kvroute_bench::simulate::{Cluster, EngineShapes, OutputTracking, PdCluster};
 use kvroute_bench::sweep::Percentile;
 use kvroute_bench::synthetic::{SyntheticArgs, SyntheticKind};
@@ -14,10 +13,12 @@ use kvroute_core::{CostModel, KvAwareConfig, MemoryCost, PolicyConfig, PolicyKin
 use kvroute_sim::engine::{EngineConfig, SchedulingPolicy, TimingModel};
 use kvroute_sim::TimingArgs;
 
+mod goodput_args;
 mod lora_args;
 mod queue_args;
 mod replay_args;
 mod slo_args;
+use goodput_args::GoodputArgs;
 use lora_args::LoraArgs;
 use queue_args::{QueueArgs, TenantArgs};
 use replay_args::ReplayArgs;
@@ -441,24 +442,8 @@ enum Command {
     Goodput {
         #[command(flatten)]
         cluster: ClusterArgs,
-        /// The objective: TTFT p90 at most this many milliseconds.
-        #[arg(long, value_name = "MS")]
-        slo_ttft_p90_ms: f64,
-        /// And E2E p90 at most this many milliseconds.
-        #[arg(long, value_name = "MS")]
-        slo_e2e_p90_ms: Option<f64>,
-        /// Start the search at this rate scale [default: doubling or halving from x1].
-        #[arg(long, value_name = "X")]
-        min_rate_scale: Option<f64>,
-        /// And this one.
-        #[arg(long, value_name = "X")]
-        max_rate_scale: Option<f64>,
-        /// Stop when the bracket is this narrow, relative to its passing end.
-        #[arg(long, default_value_t = Search::default().tolerance)]
-        tolerance: f64,
-        /// Or after this many bisections.
-        #[arg(long, value_name = "N", default_value_t = Search::default().max_steps)]
-        max_steps: usize,
+        #[command(flatten)]
+        goodput: GoodputArgs,
         /// Write the brackets as JSON.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -497,27 +482,12 @@ fn main() -> anyhow::Result<()> {
         } => commands::simulate_command(&cluster.setup("simulate")?, rate_scale, json, plot)?,
         Command::Goodput {
             cluster,
-            slo_ttft_p90_ms,
-            slo_e2e_p90_ms,
-            min_rate_scale,
-            max_rate_scale,
-            tolerance,
-            max_steps,
+            goodput,
             json,
         } => {
-            let slo = Slo {
-                ttft_p90_ms: slo_ttft_p90_ms,
-                e2e_p90_ms: slo_e2e_p90_ms,
-            };
-            let search = Search {
-                min: min_rate_scale,
-                max: max_rate_scale,
-                tolerance,
-                max_steps,
-            };
-            slo.validate()?;
-            search.validate()?;
-            commands::goodput_command(&cluster.setup("goodput")?, &slo, &search, json)?;
+            let (objective, search) = (goodput.objective()?, goodput.search()?);
+            let setup = cluster.setup("goodput")?;
+            commands::goodput_command(&setup, &objective, &search, json)?;
         }
         Command::PlotLoad {
             files,
@@ -541,6 +511,7 @@ mod tests {
     use std::time::Duration;
 
     use clap::error::ErrorKind;
+    use kvroute_bench::goodput::{Objective, Slo};
     use kvroute_bench::simulate::{QueueConfig, TenantFairness};
     use kvroute_core::queue::QueueOrder;
     use kvroute_sim::engine::TimingFamily;
@@ -644,13 +615,7 @@ mod tests {
         )
         .unwrap();
         let Command::Goodput {
-            cluster,
-            slo_ttft_p90_ms,
-            slo_e2e_p90_ms,
-            max_rate_scale,
-            tolerance,
-            max_steps,
-            ..
+            cluster, goodput, ..
         } = cli.command
         else {
             panic!("not goodput");
@@ -658,14 +623,72 @@ mod tests {
         assert_eq!((cluster.workers, cluster.num_gpu_blocks), (4, vec![99]));
         assert_eq!(cluster.kv_aware.config().unwrap().overlap_score_credit, 2.0);
         assert_eq!(
-            (slo_ttft_p90_ms, slo_e2e_p90_ms, max_rate_scale),
-            (2000.0, Some(9000.0), Some(8.0))
+            goodput.objective(),
+            Ok(Objective::Percentiles(Slo {
+                ttft_p90_ms: 2000.0,
+                e2e_p90_ms: Some(9000.0)
+            }))
         );
-        assert_eq!((tolerance, max_steps), (0.02, 8));
+        let search = goodput.search().unwrap();
+        assert_eq!(search.max, Some(8.0));
+        assert_eq!((search.tolerance, search.max_steps), (0.02, 8));
         assert!(parse(
             "b goodput --trace t --slo-ttft-p90-ms 1 --prefill-workers 2 --decode-workers 2"
         )
         .is_ok());
+    }
+
+    #[test]
+    fn goodput_takes_exactly_one_of_a_percentile_and_a_mix() {
+        let goodput = |args: &str| match Cli::try_parse_from(
+            format!("b goodput --trace t {args}").split_whitespace(),
+        )
+        .map(|c| c.command)
+        {
+            Ok(Command::Goodput {
+                cluster, goodput, ..
+            }) => Ok((cluster.slo.config(), goodput.objective())),
+            Ok(_) => panic!("not goodput"),
+            Err(e) => Err(e.kind()),
+        };
+        // Neither, both.
+        assert_eq!(goodput("").err(), Some(ErrorKind::MissingRequiredArgument));
+        assert_eq!(
+            goodput("--slo-ttft-p90-ms 2000 --slo-mix 0.3:1000,0.7:10000").err(),
+            Some(ErrorKind::ArgumentConflict)
+        );
+        // A mix: per-class attainment, 0.9 unless given.
+        let (mix, objective) = goodput("--slo-mix 0.3:1000,0.7:10000 --slo-headers drop").unwrap();
+        assert_eq!(objective, Ok(Objective::Attainment(0.9)));
+        let mix = mix.unwrap();
+        assert_eq!(mix.routing, kvroute_bench::simulate::SloRouting::Blind);
+        assert_eq!(mix.mix.classes().len(), 2);
+        let (_, objective) = goodput("--slo-mix 1:500 --slo-attainment 0.99").unwrap();
+        assert_eq!(objective, Ok(Objective::Attainment(0.99)));
+        // An attainment out of (0, 1], or without a mix; an E2E objective without the TTFT one.
+        for bad in ["0", "1.5", "-0.2", "NaN"] {
+            let (_, objective) =
+                goodput(&format!("--slo-mix 1:500 --slo-attainment={bad}")).unwrap();
+            assert_eq!(
+                objective.unwrap_err().to_string(),
+                format!("--slo-attainment must be a fraction in (0, 1], got {bad}")
+            );
+        }
+        for mixed in [
+            "--slo-ttft-p90-ms 2000 --slo-attainment 0.9",
+            "--slo-ttft-p90-ms 2000 --slo-headers send",
+            "--slo-mix 1:500 --slo-e2e-p90-ms 9000",
+        ] {
+            assert_eq!(
+                goodput(mixed).err(),
+                Some(ErrorKind::ArgumentConflict),
+                "{mixed}"
+            );
+        }
+        assert_eq!(
+            goodput("--slo-attainment 0.9").err(),
+            Some(ErrorKind::MissingRequiredArgument)
+        );
     }
 
     #[test]
@@ -808,22 +831,18 @@ mod tests {
     }
 
     #[test]
-    fn simulate_and_goodput_take_an_slo_mix() {
-        for command in ["simulate", "goodput --slo-ttft-p90-ms 2000"] {
-            let cli = Cli::try_parse_from(
-                format!("b {command} --trace t --slo-mix 0.3:1000,0.7:10000 --slo-headers drop")
-                    .split_whitespace(),
-            )
-            .unwrap();
-            let (Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. }) =
-                cli.command
-            else {
-                panic!("not simulate or goodput");
-            };
-            let slo = cluster.slo.config().unwrap();
-            assert_eq!(slo.routing, kvroute_bench::simulate::SloRouting::Blind);
-            assert_eq!(slo.mix.classes().len(), 2);
-        }
+    fn simulate_takes_an_slo_mix() {
+        let cli = Cli::try_parse_from(
+            "b simulate --trace t --slo-mix 0.3:1000,0.7:10000 --slo-headers drop"
+                .split_whitespace(),
+        )
+        .unwrap();
+        let Command::Simulate { cluster, .. } = cli.command else {
+            panic!("not simulate");
+        };
+        let slo = cluster.slo.config().unwrap();
+        assert_eq!(slo.routing, kvroute_bench::simulate::SloRouting::Blind);
+        assert_eq!(slo.mix.classes().len(), 2);
         assert_eq!(
             parse("b simulate --trace t --slo-headers send").err(),
             Some(ErrorKind::MissingRequiredArgument)
@@ -831,6 +850,11 @@ mod tests {
         assert_eq!(
             parse("b simulate --trace t --slo-mix 0.3:1000,0.6:10000").err(),
             Some(ErrorKind::ValueValidation)
+        );
+        assert_eq!(
+            parse("b simulate --trace t --slo-mix 1:500 --slo-attainment 0.9").err(),
+            Some(ErrorKind::UnknownArgument),
+            "the attainment is goodput's"
         );
     }
 

@@ -73,6 +73,69 @@ fn goodput_reports_an_open_end_when_the_range_given_passes() {
     assert_eq!(p["runs"], 2);
 }
 
+/// Each policy's passing and failing rate scales, and its runs.
+fn brackets(doc: &Value) -> Vec<(f64, f64, u64)> {
+    let policies = doc["policies"].as_array().unwrap();
+    (policies.iter())
+        .map(|p| {
+            let rate = |end: &str| p[end]["rate_scale"].as_f64().expect("both ends");
+            (rate("pass"), rate("fail"), p["runs"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn goodput_of_one_class_at_90_percent_is_the_ttft_p90_objective() {
+    // Every request is answered here, so a class of all requests meeting 80 ms for 90% of
+    // them is the nearest-rank TTFT p90 within 80 ms: the same runs, the same brackets.
+    let policies = "--policies kv_aware,round_robin";
+    let p90 = run(
+        "goodput-p90.json",
+        &format!("goodput {WORKLOAD} {policies} --slo-ttft-p90-ms 80"),
+    );
+    let one = run(
+        "goodput-one-class.json",
+        &format!("goodput {WORKLOAD} {policies} --slo-mix 1:80 --slo-headers drop"),
+    );
+    assert_eq!(brackets(&one), brackets(&p90));
+    assert_eq!(one["slo"]["attainment"], 0.9);
+    assert_eq!(one["slo"]["classes"][0]["ttft_ms"], 80.0);
+    assert_eq!(one["slo"]["headers"], "drop");
+}
+
+#[test]
+fn goodput_of_a_mix_needs_every_class_and_a_looser_target_passes_higher() {
+    // The same fractions draw the same classes, and the router is blind to them: the runs
+    // differ only in what they are measured against.
+    let mix = |name: &str, mix: &str| {
+        run(
+            name,
+            &format!(
+                "goodput {WORKLOAD} --policies kv_aware,round_robin --slo-mix {mix} --slo-headers drop"
+            ),
+        )
+    };
+    let tight = mix("goodput-tight.json", "0.5:60,0.5:400");
+    let loose = mix("goodput-loose.json", "0.5:80,0.5:400");
+    for (t, l) in brackets(&tight).iter().zip(brackets(&loose)) {
+        assert!(l.0 > t.0, "loose {l:?}, tight {t:?}");
+    }
+    for doc in [&tight, &loose] {
+        for p in doc["policies"].as_array().unwrap() {
+            let attainment = |end: &str| -> Vec<f64> {
+                let classes = p[end]["slo"]["classes"].as_array().unwrap();
+                (classes.iter())
+                    .map(|c| c["attainment"].as_f64().unwrap())
+                    .collect()
+            };
+            // Each class at the passing end; some class short of it at the failing end.
+            assert!(attainment("pass").iter().all(|a| *a >= 0.9), "{p}");
+            assert!(attainment("fail").iter().any(|a| *a < 0.9), "{p}");
+            assert!(p["pass"]["passes"].as_bool().unwrap());
+        }
+    }
+}
+
 #[test]
 fn simulate_puts_the_reference_beside_the_policies() {
     let doc = run(
