@@ -231,6 +231,10 @@ struct Workload {
     /// Seeds the synthetic workload (and in `simulate` the engines and the policies).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also write the workload's requests, as run, to FILE as Mooncake JSONL (for `--trace`,
+    /// or Dynamo's replay).
+    #[arg(long, value_name = "FILE")]
+    write_trace: Option<std::path::PathBuf>,
     #[command(flatten)]
     generator: SyntheticArgs,
 }
@@ -269,6 +273,9 @@ impl Workload {
         }
         if self.copies > 1 {
             requests = trace::copies(&requests, self.copies as usize);
+        }
+        if let Some(path) = &self.write_trace {
+            trace::save(path, &requests)?;
         }
         Ok((format!("{name}, {} requests", requests.len()), requests))
     }

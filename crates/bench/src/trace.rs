@@ -7,10 +7,10 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// One request of a trace.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 pub struct TraceRequest {
     /// Arrival, in milliseconds from the start.
     pub timestamp: u64,
@@ -23,6 +23,11 @@ pub struct TraceRequest {
 pub enum TraceError {
     #[error("cannot read {path}: {source}")]
     Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}: {source}")]
+    Write {
         path: String,
         source: std::io::Error,
     },
@@ -90,6 +95,20 @@ pub fn copies(requests: &[TraceRequest], k: usize) -> Vec<TraceRequest> {
         .collect();
     out.sort_by_key(|r| r.timestamp);
     out
+}
+
+/// `requests` as Mooncake JSONL, one line each: what [`load`] reads back, and what Dynamo's
+/// replay takes (a generated workload run through both routers).
+pub fn save(path: &Path, requests: &[TraceRequest]) -> Result<(), TraceError> {
+    let mut text = String::new();
+    for r in requests {
+        text.push_str(&serde_json::to_string(r).expect("a trace request serialises"));
+        text.push('\n');
+    }
+    std::fs::write(path, text).map_err(|source| TraceError::Write {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 pub fn load(path: &Path) -> Result<Vec<TraceRequest>, TraceError> {
@@ -167,6 +186,25 @@ pub fn hit_bound(trace: &[TraceRequest], block: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_saved_workload_loads_back_the_same() {
+        let requests = crate::synthetic::Synthetic::Agentic(Default::default()).generate(512, 3);
+        assert!(requests.len() > 100);
+        let dir = std::env::temp_dir().join(format!("kvroute-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("agentic.jsonl");
+        save(&path, &requests).unwrap();
+        assert_eq!(load(&path).unwrap(), requests);
+        // A path that cannot be written is an error naming it, not a panic.
+        let bad = dir.join("missing").join("x.jsonl");
+        let e = save(&bad, &requests).unwrap_err().to_string();
+        assert!(
+            e.starts_with("cannot write") && e.contains("missing"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn copies_interleave_in_time_and_share_no_prefix() {
