@@ -143,7 +143,7 @@ impl KvAwareArgs {
                 Some(CostModelArg::Calibrated) => CostModel::Calibrated,
                 None => d.cost_model,
             },
-            ..d
+            ..d.tracking_output_blocks(self.router_track_output_blocks)
         })
     }
 }

@@ -566,6 +566,18 @@ fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_four_flags_away() {
         .unwrap();
     assert_eq!(s.policy_config.kv_aware, KvAwareConfig::default());
     assert_eq!(s.policy_config.kv_aware.cost_model, CostModel::Calibrated);
+    assert_eq!(s.policy_config.kv_aware.kv_overflow_weight, 0.0);
+    // Output blocks tracked: the KV-overflow term is on.
+    let tracked = Args::try_parse_from(["kvroute", "--router-track-output-blocks"])
+        .unwrap()
+        .into_settings()
+        .unwrap();
+    assert!(tracked.track_output_blocks);
+    assert_eq!(
+        tracked.policy_config.kv_aware,
+        KvAwareConfig::default().tracking_output_blocks(true)
+    );
+    assert!(tracked.policy_config.kv_aware.kv_overflow_weight > 0.0);
     let s = Args::try_parse_from([
         "kvroute",
         "--router-cost-model",

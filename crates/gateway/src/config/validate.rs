@@ -258,7 +258,7 @@ impl Args {
                 self.shared_cache_multiplier,
                 kv.shared_cache_multiplier,
             )?,
-            lora_load_cost: kv.lora_load_cost,
+            ..kv.tracking_output_blocks(self.router_track_output_blocks)
         })
     }
 
