@@ -1,0 +1,100 @@
+//! The calibrated cost model's pricing (see "Calibrated" and "KV overflow" in
+//! [`super`]'s docs): each rank's speed against the cluster's, its share of the cluster's KV,
+//! and the blocks beyond nine tenths of its KV.
+
+use crate::Candidate;
+
+/// kvroute's weight of the KV-overflow term where output blocks are tracked.
+pub const DEFAULT_KV_OVERFLOW_WEIGHT: f64 = 4.0;
+/// The share of an engine's KV blocks beyond which the overflow term counts.
+pub const KV_OVERFLOW_SHARE: f64 = 0.9;
+
+/// Differences in speed factor within this share (in log terms) of the cluster's mean are
+/// taken as noise: eight identical engines measured within about ±10% of each other.
+pub const SPEED_NOISE: f64 = 0.1;
+
+/// The blocks `c`'s engine would hold beyond [`KV_OVERFLOW_SHARE`] of its KV with the
+/// request's `new_blocks` (0 when its capacity is unknown).
+pub(super) fn overflow(c: &Candidate<'_>, new_blocks: u64) -> f64 {
+    match c.engine.num_gpu_blocks {
+        Some(n) if n > 0 => {
+            ((c.kv.decode_blocks + new_blocks) as f64 - KV_OVERFLOW_SHARE * n as f64).max(0.0)
+        }
+        _ => 0.0,
+    }
+}
+
+/// The memory term with the request's own blocks at the decode price `d`: the blocks already
+/// there count as they are (memory held is memory held on any GPU), the request's new ones
+/// as the decode work it brings (see "Calibrated" in the module docs).
+pub(super) fn memory_priced(memory: f64, blocks: u64, new_blocks: u64, d: f64) -> f64 {
+    if d == 1.0 || blocks == 0 {
+        return memory;
+    }
+    // The request's share of the blocks (`memory` is `blocks`, or `blocks^2 / C` under
+    // utilisation: either way the share of it that is the request's).
+    let own = new_blocks.min(blocks) as f64 / blocks as f64;
+    memory * (1.0 + (d - 1.0) * own)
+}
+
+/// A rank's speed factor counts after this many observations; before, the rank is priced
+/// at the cluster's mean (an engine the router has not seen work is not taken as slow or
+/// fast, which would keep it from ever being seen).
+pub const SPEED_EVIDENCE: u64 = 20;
+
+/// What each candidate's cost reads from all the candidates ([`KvAware::cluster`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cluster {
+    /// `S` (see the module docs).
+    pub saturation: f64,
+    /// The candidates' mean prefill and decode speed factors
+    /// ([`FittedSpeed`](crate::latency::FittedSpeed)).
+    pub prefill_factor: f64,
+    pub decode_factor: f64,
+    /// The mean KV capacity in blocks of the candidates that report one (0: none does).
+    pub capacity: f64,
+}
+
+impl Cluster {
+    /// Candidates all at the reference speed.
+    pub fn uniform(saturation: f64) -> Self {
+        Self {
+            saturation,
+            prefill_factor: 1.0,
+            decode_factor: 1.0,
+            capacity: 0.0,
+        }
+    }
+
+    /// What one block of `c`'s memory term counts: the share of its engine's KV it takes,
+    /// against the mean engine's (1 where either is unknown).
+    pub fn memory_share(&self, c: &Candidate<'_>) -> f64 {
+        match c.engine.num_gpu_blocks {
+            Some(n) if n > 0 && self.capacity > 0.0 => self.capacity / n as f64,
+            _ => 1.0,
+        }
+    }
+
+    /// The prices of `c`'s prefill and decode work relative to the cluster's mean, with
+    /// differences within [`SPEED_NOISE`] taken as none and a rank without
+    /// [`SPEED_EVIDENCE`] at the mean.
+    pub fn prices(&self, c: &Candidate<'_>) -> (f64, f64) {
+        let s = c.speed.unwrap_or_default();
+        let price = |factor: f64, mean: f64, seen: u64| {
+            let l = (factor / mean).ln();
+            if seen >= SPEED_EVIDENCE && l.is_finite() {
+                (l.signum() * (l.abs() - SPEED_NOISE).max(0.0)).exp()
+            } else {
+                1.0
+            }
+        };
+        (
+            price(
+                s.prefill_factor,
+                self.prefill_factor,
+                s.prefill_observations,
+            ),
+            price(s.decode_factor, self.decode_factor, s.decode_observations),
+        )
+    }
+}
