@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! cargo bench -p kvroute-gateway --bench decision -- --warm-up-time 1 --measurement-time 3
+//! COST_MODEL=weighted cargo bench -p kvroute-gateway --bench decision     # another cost model
 //! ```
 //!
 //! Each worker is healthy, publishes KV events (so the index, not the approximation, answers)
@@ -73,7 +74,11 @@ fn cluster(n: usize) -> Cluster {
             ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
         })
         .collect();
-    let settings = Settings::with_workers(specs.clone()).unwrap();
+    let mut settings = Settings::with_workers(specs.clone()).unwrap();
+    // COST_MODEL=weighted|calibrated|predicted measures another cost model (A/B in one build).
+    if let Ok(model) = std::env::var("COST_MODEL") {
+        settings.policy_config.kv_aware.cost_model = model.parse().expect("a cost model");
+    }
     let mut registry = Registry::default();
     let metrics = GatewayMetrics::register(&mut registry);
     let workers = Arc::new(WorkerSet::new(&settings, &metrics));

@@ -26,21 +26,6 @@ fn quick_checks(specs: Vec<WorkerSpec>) -> Settings {
     s
 }
 
-/// The model ids the router's `/v1/models` lists.
-async fn router_models(r: &TestRouter) -> Vec<String> {
-    let (status, _, body) = get_url(&format!("{}/v1/models", r.url)).await;
-    assert_eq!(status, 200);
-    let list: Value = serde_json::from_slice(&body).unwrap();
-    let mut ids: Vec<String> = list["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap().to_owned())
-        .collect();
-    ids.sort();
-    ids
-}
-
 fn completion(model: &str, seed: u64) -> String {
     json!({"model": model, "prompt": text(100, seed), "max_tokens": 2}).to_string()
 }
@@ -59,7 +44,7 @@ async fn an_adapter_loaded_at_run_time_is_routed_to_its_engine_and_dropped_once_
         });
     }
     let r = TestRouter::start(quick_checks(specs)).await;
-    assert_eq!(router_models(&r).await, ["kvroute-sim"]);
+    assert_eq!(r.model_ids().await, ["kvroute-sim"]);
     assert_eq!(r.complete(&[], &completion("poetry", 0)).await.status, 404);
     // Loaded on sim1 at run time: the router sees it without a restart, and sends its
     // requests there (the only engine that serves it).
@@ -67,7 +52,7 @@ async fn an_adapter_loaded_at_run_time_is_routed_to_its_engine_and_dropped_once_
     let loaded = post(&urls[1], "/v1/load_lora_adapter", &[], &load).await;
     assert_eq!(loaded.status, 200, "{:?}", loaded.body);
     wait_until_async("the router lists the loaded adapter", || async {
-        router_models(&r).await == ["kvroute-sim", "poetry"]
+        r.model_ids().await == ["kvroute-sim", "poetry"]
     })
     .await;
     for i in 0..3 {
@@ -87,7 +72,7 @@ async fn an_adapter_loaded_at_run_time_is_routed_to_its_engine_and_dropped_once_
     let unloaded = post(&urls[1], "/v1/unload_lora_adapter", &[], &unload).await;
     assert_eq!(unloaded.status, 200, "{:?}", unloaded.body);
     wait_until_async("the router drops the unloaded adapter", || async {
-        router_models(&r).await == ["kvroute-sim"]
+        r.model_ids().await == ["kvroute-sim"]
     })
     .await;
     assert_eq!(r.complete(&[], &completion("poetry", 9)).await.status, 404);
@@ -132,7 +117,7 @@ async fn a_malformed_models_answer_at_a_re_read_keeps_the_last_good_list() {
         ..WorkerSpec::url(url)
     };
     let r = TestRouter::start(quick_checks(vec![spec])).await;
-    assert_eq!(router_models(&r).await, ["base", "sql"]);
+    assert_eq!(r.model_ids().await, ["base", "sql"]);
     let failures = |text: &str| {
         metric_value(
             text,
@@ -159,7 +144,7 @@ async fn a_malformed_models_answer_at_a_re_read_keeps_the_last_good_list() {
                 && failures(&r.metrics().await) >= (i + 1) as f64
         })
         .await;
-        assert_eq!(router_models(&r).await, ["base", "sql"], "after {bad}");
+        assert_eq!(r.model_ids().await, ["base", "sql"], "after {bad}");
         let body = json!({"model": "sql", "prompt": "still here"}).to_string();
         let decision = post(&r.url, "/debug/route", &[], &body).await;
         assert_eq!(decision.status, 200, "after {bad}: {:?}", decision.body);
@@ -169,7 +154,7 @@ async fn a_malformed_models_answer_at_a_re_read_keeps_the_last_good_list() {
     // A good list again is taken: the adapter unloaded meanwhile goes.
     *listing.models.lock().unwrap() = r#"{"data":[{"id":"base"}]}"#.to_owned();
     wait_until_async("the router takes the good list", || async {
-        router_models(&r).await == ["base"]
+        r.model_ids().await == ["base"]
     })
     .await;
 }

@@ -74,15 +74,7 @@ async fn models_are_the_union_and_pick_the_pool() {
     let b = MockWorker::start("b", &["qwen"]).await;
     let c = MockWorker::start("c", &["llama"]).await;
     let r = TestRouter::start(settings(&[&a, &b, &c])).await;
-    let v = r.get_json("/v1/models").await;
-    let mut ids: Vec<_> = v["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap().to_owned())
-        .collect();
-    ids.sort();
-    assert_eq!(ids, ["llama", "llama-lora", "qwen"]);
+    assert_eq!(r.model_ids().await, ["llama", "llama-lora", "qwen"]);
 
     for _ in 0..6 {
         let reply = r

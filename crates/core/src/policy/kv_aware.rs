@@ -419,13 +419,13 @@ impl KvAware {
         let decoding =
             c.kv.active_requests
                 .saturating_sub(c.kv.prefilling_requests) as f64;
-        let (p, d) = match k.cost_model {
-            CostModel::Calibrated => cluster.prices(c),
-            _ => (1.0, 1.0),
-        };
-        let share = match k.cost_model {
-            CostModel::Calibrated => cluster.memory_share(c),
-            _ => 1.0,
+        // The calibrated model's prices of prefill and decode work and its KV share.
+        let (p, d, share) = match k.cost_model {
+            CostModel::Calibrated => {
+                let (p, d) = cluster.prices(c);
+                (p, d, cluster.memory_share(c))
+            }
+            _ => (1.0, 1.0, 1.0),
         };
         let mut cost = p * k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
             + p * k.prefill_load_scale * saturation * (prompt - credit).max(0.0)

@@ -43,6 +43,19 @@ impl TestRouter {
         serde_json::from_slice(&body).unwrap()
     }
 
+    /// The model ids the router's `GET /v1/models` lists, sorted.
+    pub async fn model_ids(&self) -> Vec<String> {
+        let v = self.get_json("/v1/models").await;
+        let mut ids: Vec<String> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect();
+        ids.sort();
+        ids
+    }
+
     /// `POST /v1/completions` in a task of its own (for requests that never answer, held
     /// until the handle is aborted).
     pub fn spawn_complete(&self, headers: &[(&str, &str)], body: String) -> JoinHandle<Reply> {
