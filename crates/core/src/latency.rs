@@ -317,7 +317,15 @@ pub struct FittedSpeed {
 impl Default for FittedSpeed {
     /// The prior.
     fn default() -> Self {
-        LatencyModel::default().speed()
+        *Self::prior()
+    }
+}
+
+impl FittedSpeed {
+    /// The prior, computed once.
+    pub fn prior() -> &'static FittedSpeed {
+        static PRIOR: std::sync::OnceLock<FittedSpeed> = std::sync::OnceLock::new();
+        PRIOR.get_or_init(|| LatencyModel::default().speed())
     }
 }
 

@@ -27,7 +27,7 @@ pub mod sessions;
 pub mod slo;
 
 pub use candidate::{Candidate, Decision, EngineLoad, KvTerms, Overlap, RouteRequest};
-pub use load::{RankLoad, RequestLoad};
+pub use load::{LoadSummary, RankLoad, RequestLoad};
 pub use lora::{predicted_adapter_load_ms, AdapterFit, RecentAdapters};
 pub use policy::{
     build_policy, AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LeastLoadConfig,

@@ -12,7 +12,9 @@
 use kvroute_protocol::hashers::IdentityMap;
 
 pub mod output;
+mod summary;
 pub use output::{OutputBlocks, OutputStep};
+pub use summary::LoadSummary;
 
 /// What one request adds to its rank.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -256,6 +258,20 @@ impl RankLoad {
         }
     }
 
+    /// The numbers [`LoadSummary::terms_apart`] reads.
+    pub fn summary(&self) -> LoadSummary {
+        let first_buckets = (self.firsts.iter().enumerate())
+            .filter(|(_, &n)| n > 0)
+            .fold(0u64, |mask, (b, _)| mask | 1 << b);
+        LoadSummary {
+            prefill_tokens: self.prefill_tokens,
+            decode_blocks: self.decode_blocks(),
+            active_requests: self.requests,
+            prefilling_requests: self.prefilling,
+            first_buckets,
+        }
+    }
+
     /// Whether nothing is accounted (every request released).
     pub fn is_idle(&self) -> bool {
         self.requests == 0
@@ -300,7 +316,7 @@ mod tests {
         let mut r = RankLoad::default();
         let mut active: Vec<RequestLoad> = Vec::new();
         let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut skipped = 0;
+        let (mut skipped, mut answered) = (0, 0);
         for step in 0..3000 {
             x ^= x << 13;
             x ^= x >> 7;
@@ -321,9 +337,21 @@ mod tests {
                     "step {step} first {first}"
                 );
                 skipped += usize::from(r.firsts[first_bucket(q.blocks[0])] == 0);
+                // The summary answers exactly when the bucket is empty, as the lock would.
+                let apart = r.summary().terms_apart(&q, 0.5);
+                let locked = r.kv_terms(crate::Overlap::default(), &q, 0.5);
+                match apart {
+                    Some(terms) => assert_eq!(terms, locked, "step {step} first {first}"),
+                    None => assert!(r.firsts[first_bucket(q.blocks[0])] > 0),
+                }
+                answered += usize::from(apart.is_some());
             }
         }
         assert!(skipped > 0, "some answers came from an empty bucket");
+        assert_eq!(
+            answered, skipped,
+            "the summary answers for every empty bucket"
+        );
         for l in active.drain(..) {
             r.finish(&l, false);
         }

@@ -100,6 +100,12 @@ pub trait Policy: Send + Sync + fmt::Debug {
         self.costs(candidates, request)
     }
 
+    /// The policy as `kv_aware`, for a caller that scores its candidates itself
+    /// ([`KvAware::decides_on_load`]).
+    fn kv_aware(&self) -> Option<&KvAware> {
+        None
+    }
+
     /// Periodic upkeep (eviction), called by the gateway every second with the time.
     fn maintain(&self, _now: std::time::Instant) {}
 

@@ -5,7 +5,11 @@
 //! ```text
 //! cargo bench -p kvroute-gateway --bench decision -- --warm-up-time 1 --measurement-time 3
 //! COST_MODEL=weighted cargo bench -p kvroute-gateway --bench decision     # another cost model
+//! FULL=1 cargo bench -p kvroute-gateway --bench decision     # every candidate built (no lean path)
 //! ```
+//!
+//! A decision is a request's (not a dry run's): from 64 workers on, a plain request takes the
+//! lean path (`routing/lean.rs`); `FULL=1` measures the full path, `POST /debug/route`'s.
 //!
 //! Each worker is healthy, publishes KV events (so the index, not the approximation, answers)
 //! and holds 16 prompts of 64 blocks in the index: 8 under one of 64 shared 32-block system
@@ -134,6 +138,7 @@ fn decision(c: &mut Criterion) {
     let mut group = c.benchmark_group("kv_aware_decision");
     let fields = RoutingFields::default();
     let (hints, limits) = (Hints::default(), Limits::default());
+    let dry_run = std::env::var_os("FULL").is_some();
     for n in [16, 256, 1024] {
         let cluster = cluster(n);
         let table = cluster.workers.table();
@@ -149,13 +154,13 @@ fn decision(c: &mut Criterion) {
                 &fields,
                 &cluster.query,
                 now,
-                true,
+                dry_run,
             )
             .unwrap()
         };
         // The query hits its system prompt's holders: 32 blocks.
         let p = plan(Instant::now());
-        assert_eq!(p.choices.len(), n);
+        assert_eq!(p.ranks_scored, n);
         assert_eq!(p.choice().kv.overlap.device, 32, "a holder wins");
         group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
             b.iter(|| black_box(plan(Instant::now()).chosen))

@@ -150,6 +150,7 @@ pub fn plan_json(plan: &Plan, block_size: usize) -> Value {
         "prompt_tokens": plan.prompt_tokens,
         "block_size": block_size,
         "candidates": candidates,
+        "ranks_scored": plan.ranks_scored,
     });
     if kv_aware {
         v["overlap_blocks"] = chosen.kv.overlap.total().into();

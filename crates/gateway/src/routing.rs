@@ -24,9 +24,11 @@ use crate::prompts::{Prompts, Tokens};
 use crate::workers::{Pool, Worker};
 
 mod hints;
+mod lean;
 mod slo;
 
 pub use hints::{parse_hints, prefill_pin, session_key};
+pub use lean::LEAN_FROM_WORKERS;
 pub use slo::{slo_targets, TPOT_HEADERS, TTFT_HEADERS};
 
 /// One (worker, rank) considered for a request.
@@ -63,6 +65,10 @@ pub struct Plan {
     pub slo_targets: SloTargets,
     /// kv_aware with targets: the choice by headroom that decided (see `kvroute_core::slo`).
     pub slo: Option<SloChoice>,
+    /// The ranks whose cost was computed: every choice, or in a large pool every eligible
+    /// rank, of which `choices` keeps those read under their lock and the winner (see
+    /// `routing/lean.rs`).
+    pub ranks_scored: usize,
 }
 
 impl Plan {
@@ -333,6 +339,13 @@ pub fn plan(
         .filter(|_| reads_index)
         .map(|a| salted(prompt, a, kv.block_size));
     let prompt = salted.as_ref().unwrap_or(prompt);
+    let lean = (bound.is_none() && adapter.is_none())
+        .then(|| lean::applies(pool, hints, limits, dry_run))
+        .flatten();
+    if let Some(plan) = lean.and_then(|k| lean::plan(kv, pool, k, prompt, started)) {
+        remember(affinity, key, plan.choice(), started);
+        return Ok(plan);
+    }
     let (hashes, mut choices) = choices(kv, pool, hints, limits, prompt, reads_index, started)?;
     if let Some(adapter) = adapter {
         fit_adapter(&mut choices, adapter, started);
@@ -384,15 +397,10 @@ pub fn plan(
         let c = &choices[decision.index];
         c.worker.ranks[c.rank].adapter_routed(adapter, started);
     }
-    if let (Some(a), Some(k), false) = (affinity, key, dry_run) {
-        let c = &choices[decision.index];
-        a.bind(
-            k,
-            c.worker.id.as_str(),
-            c.worker.ranks[c.rank].dp_rank,
-            started,
-        );
+    if !dry_run {
+        remember(affinity, key, &choices[decision.index], started);
     }
+    let ranks_scored = choices.len();
     Ok(Plan {
         policy,
         choices,
@@ -405,7 +413,15 @@ pub fn plan(
         predictions,
         slo_targets: hints.slo,
         slo,
+        ranks_scored,
     })
+}
+
+/// Binds the session `key` to the chosen rank, with session affinity on.
+fn remember(affinity: Option<&Affinity>, key: Option<&str>, c: &Choice, now: Instant) {
+    if let (Some(a), Some(k)) = (affinity, key) {
+        a.bind(k, c.worker.id.as_str(), c.worker.ranks[c.rank].dp_rank, now);
+    }
 }
 
 /// The candidates the policy sees, one per choice.

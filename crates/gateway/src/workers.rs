@@ -41,6 +41,7 @@ use crate::metrics::GatewayMetrics;
 mod monitor;
 
 pub use monitor::Watched;
+mod published;
 mod table;
 mod worker;
 
@@ -126,6 +127,7 @@ impl WorkerSet {
                     busy_latch: AtomicBool::new(false),
                     latency: Mutex::new(Default::default()),
                     recent_adapters: Mutex::default(),
+                    published: Default::default(),
                 }
             })
             .collect();
@@ -149,6 +151,7 @@ impl WorkerSet {
             probed: AtomicBool::new(false),
             last_error: Mutex::new(None),
             healthy: watch::channel(false).0,
+            healthy_now: AtomicBool::new(false),
             in_flight: AtomicU64::new(0),
             tasks: self.shutdown.child_token(),
         })

@@ -1,6 +1,7 @@
 //! 64 simulated engines from one `kvroute-sim --engines 64` fleet behind one router: the
 //! CI-sized version of `bench/scale.sh`'s 256 engines. Every engine serves, the router hears
-//! the KV events of every engine that served, and `/debug/route` lists every candidate.
+//! the KV events of every engine that served, and `/debug/route` lists every candidate,
+//! while a request is decided on the lean path (`routing/lean.rs`).
 
 mod support;
 
@@ -125,6 +126,19 @@ async fn sixty_four_engines_of_one_fleet_all_serve_and_publish_behind_one_router
         ENGINES,
         "engines that served: {:?}",
         served.keys()
+    );
+    // A request in a pool of 64 takes the lean path: every rank costed, few kept as
+    // choices (those read under their lock and the winner), the winner among them.
+    let (status, _, feed) = get_url(&format!("{}/dashboard/state", r.metrics_url)).await;
+    assert_eq!(status, 200);
+    let feed: serde_json::Value = serde_json::from_slice(&feed).unwrap();
+    let newest = &feed["decisions"][0];
+    assert_eq!(newest["ranks_scored"], ENGINES, "{newest}");
+    let kept = newest["candidates"].as_array().unwrap();
+    assert!(kept.len() < ENGINES, "{newest}");
+    assert!(
+        kept.iter().any(|c| c["worker"] == newest["worker"]),
+        "{newest}"
     );
 
     // Each engine's KV events for the prompt it served reach the router's index.

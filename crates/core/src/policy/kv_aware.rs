@@ -155,7 +155,8 @@
 use rand::{Rng, RngCore};
 
 use super::{Policy, PolicyKind};
-use crate::{Candidate, Decision, RouteRequest};
+use crate::latency::FittedSpeed;
+use crate::{Candidate, Decision, EngineLoad, RouteRequest};
 
 mod calibrated;
 
@@ -330,9 +331,13 @@ impl KvAware {
     /// The cluster's saturation `S`: the fewest requests waiting in any candidate's engine,
     /// 0 when one of them does not report it (see the module docs).
     pub fn saturation(candidates: &[Candidate<'_>]) -> f64 {
-        candidates
-            .iter()
-            .map(|c| c.engine.waiting.map_or(0.0, |w| w.max(0.0)))
+        Self::saturation_of(candidates.iter().map(|c| c.engine))
+    }
+
+    /// [`KvAware::saturation`] of the candidates' engines' loads.
+    fn saturation_of(engines: impl Iterator<Item = EngineLoad>) -> f64 {
+        engines
+            .map(|e| e.waiting.map_or(0.0, |w| w.max(0.0)))
             .reduce(f64::min)
             .unwrap_or(0.0)
     }
@@ -340,26 +345,34 @@ impl KvAware {
     /// What the cost of each candidate reads from all of them: the saturation and, for the
     /// calibrated model, the mean speed factors.
     pub fn cluster(&self, candidates: &[Candidate<'_>]) -> Cluster {
-        let saturation = Self::saturation(candidates);
-        if self.config.cost_model != CostModel::Calibrated || candidates.is_empty() {
+        self.cluster_of(candidates.iter().map(|c| (c.engine, c.speed)))
+    }
+
+    /// [`KvAware::cluster`] of candidates given by their engines' loads and their speeds
+    /// (`None`: the prior), for a caller that has not built the candidates.
+    pub fn cluster_of(
+        &self,
+        ranks: impl Iterator<Item = (EngineLoad, Option<FittedSpeed>)> + Clone,
+    ) -> Cluster {
+        let saturation = Self::saturation_of(ranks.clone().map(|(engine, _)| engine));
+        if self.config.cost_model != CostModel::Calibrated || ranks.clone().next().is_none() {
             return Cluster::uniform(saturation);
         }
         let (mut prefill, mut decode) = ((0.0, 0.0), (0.0, 0.0));
-        for s in candidates.iter().map(|c| c.speed.unwrap_or_default()) {
+        let (mut capacity, prior) = ((0.0, 0.0), FittedSpeed::prior());
+        for (engine, speed) in ranks {
+            let s = speed.as_ref().unwrap_or(prior);
             if s.prefill_observations >= SPEED_EVIDENCE {
                 prefill = (prefill.0 + s.prefill_factor, prefill.1 + 1.0);
             }
             if s.decode_observations >= SPEED_EVIDENCE {
                 decode = (decode.0 + s.decode_factor, decode.1 + 1.0);
             }
+            if let Some(blocks) = engine.num_gpu_blocks.filter(|&n| n > 0) {
+                capacity = (capacity.0 + blocks as f64, capacity.1 + 1.0);
+            }
         }
         let mean = |(sum, n): (f64, f64)| if n > 0.0 { sum / n } else { 1.0 };
-        let capacity = candidates
-            .iter()
-            .filter_map(|c| c.engine.num_gpu_blocks.filter(|&n| n > 0))
-            .fold((0.0, 0.0), |(sum, n), blocks| {
-                (sum + blocks as f64, n + 1.0)
-            });
         Cluster {
             saturation,
             prefill_factor: mean(prefill),
@@ -370,6 +383,15 @@ impl KvAware {
                 0.0
             },
         }
+    }
+
+    /// Whether its choice is the cheapest candidate (no temperature) by a cost that reads
+    /// of a candidate's speed only its factors and their observations (the weighted and
+    /// calibrated models): then a caller may score a rank that holds none of the prompt
+    /// from a [`LoadSummary`](crate::load::LoadSummary) and those four numbers, without
+    /// building its candidate from the rank's locked state.
+    pub fn decides_on_load(&self) -> bool {
+        self.config.temperature <= 0.0 && self.config.cost_model != CostModel::Predicted
     }
 
     /// The cost of one candidate, `saturation` being [`KvAware::saturation`] of all the
@@ -444,6 +466,10 @@ impl KvAware {
 impl Policy for KvAware {
     fn kind(&self) -> PolicyKind {
         PolicyKind::KvAware
+    }
+
+    fn kv_aware(&self) -> Option<&KvAware> {
+        Some(self)
     }
 
     fn select(

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use kvroute_core::eligibility::{BusyThresholds, RankPressure};
 use kvroute_core::latency::{DecodeFeatures, FittedSpeed, LatencyModel, PrefillFeatures};
-use kvroute_core::{AdapterFit, RankLoad, RecentAdapters, RequestLoad};
+use kvroute_core::{AdapterFit, LoadSummary, RankLoad, RecentAdapters, RequestLoad};
 use kvroute_index::ReplicaId;
 use kvroute_protocol::{ModelId, WorkerId};
 use tokio::sync::watch;
@@ -37,6 +37,8 @@ pub struct Rank {
     pub(super) latency: Mutex<LatencyModel>,
     /// The LoRA adapters routed here lately (see `kvroute_core::lora`).
     pub(super) recent_adapters: Mutex<RecentAdapters<String>>,
+    /// Its load summary and speed factors, for reads without its locks.
+    pub(super) published: super::published::Published,
 }
 
 impl Rank {
@@ -54,6 +56,18 @@ impl Rank {
         f(&mut load);
         self.series.prefill_tokens.set(load.prefill_tokens() as i64);
         self.series.decode_blocks.set(load.decode_blocks() as i64);
+        self.published.store_load(&load.summary());
+    }
+
+    /// Its load summary as last published (no lock; see `workers/published.rs`).
+    pub fn load_summary(&self) -> LoadSummary {
+        self.published.load()
+    }
+
+    /// Its speed factors as last published, on the prior (no lock; all that
+    /// `KvAware::decides_on_load` costs read of a speed).
+    pub fn published_speed(&self) -> FittedSpeed {
+        self.published.speed()
     }
 
     /// Whether `thresholds` call this rank overloaded now (updates the decode latch).
@@ -129,6 +143,7 @@ impl Rank {
             LatencySample::Gap { features, ms } => m.observe_gap(&features, ms),
             LatencySample::Output { tokens } => m.observe_output(tokens),
         }
+        self.published.store_speed(&m.speed());
     }
 
     pub(crate) fn finish(&self, load: &RequestLoad, prefilling: bool) {
@@ -174,6 +189,8 @@ pub struct Worker {
     pub(super) last_error: Mutex<Option<String>>,
     /// Passes its health checks (sends on change: the KV-event subscription follows it).
     pub(super) healthy: watch::Sender<bool>,
+    /// The same, for readers on the request path (the watch's read takes a lock).
+    pub(super) healthy_now: AtomicBool,
     pub(super) in_flight: AtomicU64,
     pub(crate) series: WorkerSeries,
     /// Opened by failed requests.
@@ -227,7 +244,7 @@ impl Worker {
     }
 
     pub fn is_healthy(&self) -> bool {
-        *self.healthy.borrow()
+        self.healthy_now.load(Ordering::Relaxed)
     }
 
     /// Why its last probe or health check failed; `None` once one passed.
@@ -246,6 +263,7 @@ impl Worker {
 
     pub(super) fn set_health(&self, healthy: bool) {
         self.series.healthy.set(i64::from(healthy));
+        self.healthy_now.store(healthy, Ordering::Relaxed);
         if self.healthy.send_replace(healthy) != healthy && healthy {
             self.circuit.reset();
         }

@@ -79,11 +79,17 @@ impl Cluster {
     /// differences within [`SPEED_NOISE`] taken as none and a rank without
     /// [`SPEED_EVIDENCE`] at the mean.
     pub fn prices(&self, c: &Candidate<'_>) -> (f64, f64) {
-        let s = c.speed.unwrap_or_default();
+        let s = c
+            .speed
+            .as_ref()
+            .unwrap_or(crate::latency::FittedSpeed::prior());
         let price = |factor: f64, mean: f64, seen: u64| {
+            if seen < SPEED_EVIDENCE {
+                return 1.0;
+            }
             let l = (factor / mean).ln();
-            if seen >= SPEED_EVIDENCE && l.is_finite() {
-                (l.signum() * (l.abs() - SPEED_NOISE).max(0.0)).exp()
+            if l.abs() > SPEED_NOISE && l.is_finite() {
+                (l.signum() * (l.abs() - SPEED_NOISE)).exp()
             } else {
                 1.0
             }

@@ -1,0 +1,219 @@
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvroute_core::eligibility::Hints;
+use kvroute_core::latency::PrefillFeatures;
+use kvroute_core::{CostModel, PolicyKind, RequestLoad};
+use kvroute_index::{EngineHash, StorageTier, StoredBlocks};
+use kvroute_protocol::RoutingFields;
+use kvroute_tokenizer::Tokenizer;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::LEAN_FROM_WORKERS;
+use crate::engine_metrics::RankReading;
+use crate::kv::{KvState, WorkerSink};
+use crate::kv_events::EventSink;
+use crate::metrics::GatewayMetrics;
+use crate::prompts::{Prompts, Tokens};
+use crate::proxy::InFlight;
+use crate::routing::{plan, Limits, Plan};
+use crate::workers::{LatencySample, WorkerSet};
+use crate::{Settings, WorkerSpec};
+
+const BLOCK: usize = 16;
+
+/// `blocks` blocks of token ids of prefix `group` then of `tail`.
+fn tokens(group: u64, tail: u64, blocks: usize) -> Vec<u32> {
+    let head = blocks / 2;
+    (0..blocks * BLOCK)
+        .map(|i| {
+            let (seed, at) = if i < head * BLOCK {
+                (group, i)
+            } else {
+                (1_000 + tail, i)
+            };
+            (seed.wrapping_mul(7919).wrapping_add(at as u64 * 31) % 30_000) as u32
+        })
+        .collect()
+}
+
+struct Cluster {
+    kv: Arc<KvState>,
+    workers: Arc<WorkerSet>,
+    _in_flight: Vec<InFlight>,
+}
+
+/// `n` workers in random states: prompts of 8 groups in the index of some, requests in
+/// flight (some on the query's group), engine queues, and speeds taught to some ranks.
+fn cluster(n: usize, model: CostModel, seed: u64) -> Cluster {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let specs: Vec<WorkerSpec> = (0..n)
+        .map(|i| WorkerSpec {
+            id: Some(format!("w{i}")),
+            model: Some("m".into()),
+            kv_events: Some(format!("tcp://127.0.0.1:{}", 20_000 + i)),
+            num_gpu_blocks: Some(if i % 3 == 0 { 2_000 } else { 4_000 }),
+            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
+        })
+        .collect();
+    let mut settings = Settings::with_workers(specs.clone()).unwrap();
+    settings.policy = PolicyKind::KvAware;
+    settings.policy_config.kv_aware.cost_model = model;
+    let mut registry = Registry::default();
+    let metrics = GatewayMetrics::register(&mut registry);
+    let workers = Arc::new(WorkerSet::new(&settings, &metrics));
+    let prompts = Prompts::new(Arc::new(Tokenizer::fallback()), BLOCK, 0, &mut registry);
+    let kv = Arc::new(KvState::new(
+        &settings,
+        prompts,
+        (Gauge::default(), Gauge::default()),
+    ));
+    let now = Instant::now();
+    let mut in_flight = Vec::new();
+    for (i, spec) in specs.iter().enumerate() {
+        let id = spec.id.as_deref().unwrap();
+        let worker = workers.get(id).unwrap();
+        workers.set_healthy(id, rng.random_bool(0.95));
+        let sink = WorkerSink::new(kv.clone(), worker.clone());
+        for p in 0..rng.random_range(0..3u64) {
+            let ids = tokens(rng.random_range(0..8), i as u64, 8);
+            let engine: Vec<EngineHash> = (0..8)
+                .map(|b| EngineHash((i as u64) << 32 | p << 16 | b))
+                .collect();
+            let stored = StoredBlocks {
+                parent: None,
+                engine_hashes: &engine,
+                token_ids: &ids,
+                block_size: BLOCK,
+                tier: StorageTier::Device,
+                salt: 0,
+            };
+            sink.stored(0, &stored).unwrap();
+        }
+        for _ in 0..rng.random_range(0..4) {
+            let tail = u64::from(rng.random::<u32>());
+            let ids = tokens(rng.random_range(0..16), tail, rng.random_range(1..40));
+            let hashes = kv.prompts.hashed(ids.clone()).hashes;
+            let load =
+                RequestLoad::for_prompt(hashes.iter().map(|h| h.0).collect(), ids.len(), 0, BLOCK);
+            let mut request = InFlight::new(worker.clone(), 0, load, None);
+            if rng.random_bool(0.5) {
+                request.data_frame();
+            }
+            in_flight.push(request);
+        }
+        let rank = &worker.ranks[0];
+        if rng.random_bool(0.7) {
+            let reading = RankReading {
+                waiting: Some(rng.random_range(0..3) as f64),
+                ..RankReading::default()
+            };
+            rank.engine.record(&reading, now);
+        }
+        // A third of the ranks taught a speed: twice as slow, or twice as fast.
+        if i % 3 != 1 {
+            let slow = if i % 3 == 0 { 2.0 } else { 0.5 };
+            for _ in 0..30 {
+                let features = PrefillFeatures {
+                    tokens: 1_000.0,
+                    decoding: 0.0,
+                    kv_after: 0.0,
+                    adapter_loads: 0.0,
+                };
+                let ms = slow * kvroute_core::latency::FittedSpeed::prior().ttft_ms(&features);
+                rank.observe(LatencySample::Ttft { features, ms });
+            }
+        }
+    }
+    Cluster {
+        kv,
+        workers,
+        _in_flight: in_flight,
+    }
+}
+
+fn decide(c: &Cluster, query: &Tokens, dry_run: bool, now: Instant) -> Plan {
+    let table = c.workers.table();
+    let pool = table.resolve(Some("m")).unwrap();
+    let fields = RoutingFields::default();
+    let (hints, limits) = (Hints::default(), Limits::default());
+    plan(
+        &c.kv, pool, None, &hints, &limits, None, &fields, query, now, dry_run,
+    )
+    .unwrap()
+}
+
+#[test]
+fn the_lean_decision_is_the_full_decisions_cheapest() {
+    let mut leaner = 0;
+    for model in [CostModel::Weighted, CostModel::Calibrated] {
+        for seed in 0..12 {
+            let c = cluster(LEAN_FROM_WORKERS + 16, model, seed);
+            for q in 0..8 {
+                let query = c.kv.prompts.hashed(tokens(q, 99_999, 6 + q as usize));
+                // dry_run takes the full path: every candidate and its cost.
+                let now = Instant::now();
+                let full = decide(&c, &query, true, now);
+                let lean = decide(&c, &query, false, now);
+                let full_costs = full.costs.as_ref().unwrap();
+                let min = full_costs.iter().copied().fold(f64::INFINITY, f64::min);
+                let lean_cost = lean.costs.as_ref().unwrap()[lean.chosen];
+                assert_eq!(lean_cost, min, "{model:?} seed {seed} query {q}");
+                // The same rank costs the same on the full path: it is one of its cheapest.
+                let chosen = lean.choice();
+                let i = (full.choices.iter())
+                    .position(|f| Arc::ptr_eq(&f.worker, &chosen.worker))
+                    .unwrap();
+                assert_eq!(full_costs[i], min, "{model:?} seed {seed} query {q}");
+                assert_eq!(full.choices[i].kv, chosen.kv);
+                assert_eq!(lean.ranks_scored, full.choices.len());
+                assert!(lean.choices.len() <= full.choices.len());
+                leaner += usize::from(lean.choices.len() < full.choices.len() / 2);
+            }
+        }
+    }
+    assert!(
+        leaner > 100,
+        "most decisions read few ranks under their lock: {leaner}"
+    );
+}
+
+#[test]
+fn ties_among_idle_ranks_are_drawn_at_random() {
+    let specs: Vec<WorkerSpec> = (0..LEAN_FROM_WORKERS)
+        .map(|i| WorkerSpec {
+            id: Some(format!("w{i}")),
+            model: Some("m".into()),
+            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
+        })
+        .collect();
+    let settings = Settings::with_workers(specs.clone()).unwrap();
+    let mut registry = Registry::default();
+    let metrics = GatewayMetrics::register(&mut registry);
+    let workers = Arc::new(WorkerSet::new(&settings, &metrics));
+    let prompts = Prompts::new(Arc::new(Tokenizer::fallback()), BLOCK, 0, &mut registry);
+    let kv = Arc::new(KvState::new(
+        &settings,
+        prompts,
+        (Gauge::default(), Gauge::default()),
+    ));
+    for s in &specs {
+        workers.set_healthy(s.id.as_deref().unwrap(), true);
+    }
+    let c = Cluster {
+        kv,
+        workers,
+        _in_flight: Vec::new(),
+    };
+    let query = c.kv.prompts.hashed(tokens(1, 2, 4));
+    let chosen: std::collections::HashSet<String> = (0..300)
+        .map(|_| decide(&c, &query, false, Instant::now()))
+        .inspect(|p| assert_eq!(p.ranks_scored, LEAN_FROM_WORKERS))
+        .map(|p| p.choice().worker.id.to_string())
+        .collect();
+    // 300 uniform draws from 64 miss about 0.6 of them; the first always winning gives 1.
+    assert!(chosen.len() > 40, "{} distinct", chosen.len());
+}
