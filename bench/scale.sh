@@ -9,6 +9,7 @@
 # fleet: the sync messages a second.
 #   bench/scale.sh                 # ENGINES="16 256" N=2000 PREFIXES=600 CONCURRENCY=32 SPEEDUP=20
 #   PERF=1 SYNC=0 bench/scale.sh   # and each fleet's router profile (perf record)
+#   ROUTER_ARGS="--router-cost-model weighted" bench/scale.sh   # more flags for every router
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
@@ -100,10 +101,10 @@ run() { # engines, then "extra args" per router (one or two)
 
 echo "=== $(date -u +%FT%TZ) ENGINES=\"$ENGINES\" N=$N PREFIXES=$PREFIXES CONCURRENCY=$CONCURRENCY SPEEDUP=$SPEEDUP nproc=$(nproc)"
 largest=16
-for e in $ENGINES; do run "$e" "" || echo "$e engines: FAILED (logs in $LOGS)"; largest=$e; done
+for e in $ENGINES; do run "$e" "${ROUTER_ARGS:-}" || echo "$e engines: FAILED (logs in $LOGS)"; largest=$e; done
 if [ "$SYNC" = 1 ] && command -v nats-server >/dev/null; then
   nats-server -a 127.0.0.1 -p $NATS > "$LOGS/nats.log" 2>&1 & pids+=($!)
   sleep 0.5
-  FLAGS="--replica-sync nats://127.0.0.1:$NATS --replica-timeout-secs 5"
+  FLAGS="--replica-sync nats://127.0.0.1:$NATS --replica-timeout-secs 5 ${ROUTER_ARGS:-}"
   run "$largest" "$FLAGS" "$FLAGS" || echo "two replicas: FAILED (logs in $LOGS)"
 fi

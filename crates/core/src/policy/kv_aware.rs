@@ -1150,6 +1150,16 @@ mod tests {
         assert!((3.0..4.0).contains(&ratio), "{ratio}");
         let mut rng = SmallRng::seed_from_u64(0);
         assert_eq!(calibrated.select(&tiers, &r, &mut rng).unwrap().index, 0);
+        // The prices are exp(sign(l) * max(0, |l| - noise)), l = ln(factor / mean).
+        let cluster = calibrated.cluster(&tiers);
+        let mean = (0.5 + 1.0 + 2.0) / 3.0;
+        for (c, factor) in tiers.iter().zip([0.5f64, 1.0, 2.0]) {
+            let l = (factor / mean).ln();
+            let expected = (l.signum() * (l.abs() - SPEED_NOISE).max(0.0)).exp();
+            let (p, d) = cluster.prices(c);
+            assert!((p - expected).abs() < 1e-12 && (d - expected).abs() < 1e-12);
+        }
+        assert_eq!(calibrated::NOISE_BAND, SPEED_NOISE.exp());
         // A rank without evidence is priced at the mean of those with it, not at the prior.
         let unseen = [
             at(0, fitted(0.2, 0.2, 100)),

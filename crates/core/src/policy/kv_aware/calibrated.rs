@@ -12,6 +12,8 @@ pub const KV_OVERFLOW_SHARE: f64 = 0.9;
 /// Differences in speed factor within this share (in log terms) of the cluster's mean are
 /// taken as noise: eight identical engines measured within about ±10% of each other.
 pub const SPEED_NOISE: f64 = 0.1;
+/// `exp(SPEED_NOISE)`: the ratio of speed factors at the edge of the noise band.
+pub(super) const NOISE_BAND: f64 = 1.105_170_918_075_647_7;
 
 /// The blocks `c`'s engine would hold beyond [`KV_OVERFLOW_SHARE`] of its KV with the
 /// request's `new_blocks` (0 when its capacity is unknown).
@@ -83,13 +85,17 @@ impl Cluster {
             .speed
             .as_ref()
             .unwrap_or(crate::latency::FittedSpeed::prior());
+        // exp(sign(l) * max(0, |l| - noise)) with l = ln(ratio), without a log or an exp: 1
+        // inside the band, the ratio brought back by the band's edge outside it.
+        let band = NOISE_BAND;
         let price = |factor: f64, mean: f64, seen: u64| {
-            if seen < SPEED_EVIDENCE {
-                return 1.0;
-            }
-            let l = (factor / mean).ln();
-            if l.abs() > SPEED_NOISE && l.is_finite() {
-                (l.signum() * (l.abs() - SPEED_NOISE)).exp()
+            let ratio = factor / mean;
+            if seen < SPEED_EVIDENCE || !(ratio.is_finite() && ratio > 0.0) {
+                1.0
+            } else if ratio > band {
+                ratio / band
+            } else if ratio * band < 1.0 {
+                ratio * band
             } else {
                 1.0
             }
