@@ -90,7 +90,11 @@ pub struct InFlight {
 /// engines stream), and the tokens in all.
 #[derive(Debug)]
 struct StreamTiming {
-    features: PrefillFeatures,
+    /// `None`: the gaps only (a disaggregated decode half, whose first token is not its
+    /// own prefill's).
+    features: Option<PrefillFeatures>,
+    /// Whether its gaps and length teach the decode model (not a prefill half's answer).
+    decodes: bool,
     sent: Instant,
     last: Option<Instant>,
     frames: u64,
@@ -126,9 +130,25 @@ impl InFlight {
     }
 
     /// Feeds the rank's latency models from this stream (routed with `features`).
-    pub fn with_timing(mut self, features: PrefillFeatures) -> Self {
+    pub fn with_timing(self, features: PrefillFeatures) -> Self {
+        self.timed(Some(features), true)
+    }
+
+    /// Feeds the rank's decode model from this stream's gaps, not its TTFT model.
+    pub fn with_gap_timing(self) -> Self {
+        self.timed(None, true)
+    }
+
+    /// Feeds the rank's TTFT model from the answer's first byte only (a disaggregated
+    /// prefill half: its answer is one token).
+    pub fn with_ttft_timing(self, features: PrefillFeatures) -> Self {
+        self.timed(Some(features), false)
+    }
+
+    fn timed(mut self, features: Option<PrefillFeatures>, decodes: bool) -> Self {
         self.timing = Some(StreamTiming {
             features,
+            decodes,
             sent: Instant::now(),
             last: None,
             frames: 0,
@@ -147,25 +167,29 @@ impl InFlight {
             return;
         };
         let rank = &self.worker.ranks[self.rank];
-        let sample = match t.last {
-            None => LatencySample::Ttft {
-                features: t.features,
+        let sample = match (t.last, t.features) {
+            (None, Some(features)) => Some(LatencySample::Ttft {
+                features,
                 ms: (now - t.sent).as_secs_f64() * 1e3,
-            },
-            Some(last) => {
+            }),
+            (None, None) => None,
+            (Some(_), _) if !t.decodes => None,
+            (Some(last), _) => {
                 let engine = rank.engine.load(now);
-                LatencySample::Gap {
+                Some(LatencySample::Gap {
                     features: DecodeFeatures {
                         running: engine.running.unwrap_or(rank.in_flight() as f64),
                         kv_usage: engine.kv_usage.unwrap_or(0.0),
                     },
                     ms: (now - last).as_secs_f64() * 1e3,
-                }
+                })
             }
         };
         t.last = Some(now);
         t.frames += 1;
-        rank.observe(sample);
+        if let Some(sample) = sample {
+            rank.observe(sample);
+        }
     }
 
     /// A chunk of the answer's event stream: with output-block tracking, its tokens (see
@@ -247,7 +271,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        if let Some(t) = self.timing.as_ref().filter(|t| t.frames > 1) {
+        if let Some(t) = self.timing.as_ref().filter(|t| t.frames > 1 && t.decodes) {
             // The last frame of an OpenAI stream is `[DONE]`, usage may be another.
             let tokens = t.frames.saturating_sub(2).max(1) as f64;
             self.worker.ranks[self.rank].observe(LatencySample::Output { tokens });

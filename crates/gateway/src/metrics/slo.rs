@@ -125,11 +125,24 @@ impl SloWatch {
         arrived: Instant,
         stream: bool,
     ) -> Option<Self> {
+        let verdicts = (choice.and_then(|c| c.ttft), choice.and_then(|c| c.tpot));
+        Self::with_verdicts(metrics, targets, verdicts, arrived, stream)
+    }
+
+    /// As [`SloWatch::new`], given the routing's verdicts on the TTFT and TPOT targets (a
+    /// disaggregated request's come from its two halves).
+    pub fn with_verdicts(
+        metrics: &SloMetrics,
+        targets: SloTargets,
+        (ttft, tpot): (Option<Verdict>, Option<Verdict>),
+        arrived: Instant,
+        stream: bool,
+    ) -> Option<Self> {
         targets.is_set().then(|| Self {
             metrics: metrics.clone(),
             targets,
-            ttft: choice.and_then(|c| c.ttft),
-            tpot: choice.and_then(|c| c.tpot),
+            ttft,
+            tpot,
             arrived,
             stream,
             first: None,

@@ -4,6 +4,8 @@
 use std::time::Instant;
 
 use kvroute_core::eligibility::Hints;
+use kvroute_core::latency::PrefillFeatures;
+use kvroute_core::slo::{SloTargets, Verdict};
 use kvroute_core::{PolicyKind, RequestLoad};
 use kvroute_protocol::WorkerId;
 
@@ -18,7 +20,29 @@ pub(super) struct Pair {
     pub decode: Choice,
     pub decode_load: RequestLoad,
     /// None: decode-only, the decode worker computes the prompt itself.
-    pub prefill: Option<(Choice, RequestLoad)>,
+    pub prefill: Option<Prefill>,
+    /// The routing's verdicts on the request's TTFT target (the prefill half's choice) and
+    /// TPOT target (the decode half's), for counting their outcomes.
+    pub verdicts: (Option<Verdict>, Option<Verdict>),
+}
+
+/// The prefill half of a pair.
+pub(super) struct Prefill {
+    pub choice: Choice,
+    pub load: RequestLoad,
+    /// What its TTFT was predicted from (kv_aware): its answer's time teaches the rank's
+    /// TTFT model, as a single request's first token does.
+    pub features: Option<PrefillFeatures>,
+}
+
+impl Prefill {
+    fn of(plan: &Plan, block_size: usize) -> Self {
+        Self {
+            choice: plan.choice().clone(),
+            load: plan.request_load(block_size),
+            features: (plan.predictions.as_ref()).map(|p| p[plan.chosen].features),
+        }
+    }
 }
 
 /// Plans the pair for `a`, no worker in `excluded`: the decode half first, since it decides
@@ -38,10 +62,11 @@ pub(super) fn pair(
     let model = a.fields.model.as_deref();
     let bs = state.kv.block_size;
 
-    let (decode, decode_load, cached) = {
+    let (decode, decode_load, cached, tpot) = {
         let table = state.workers.table();
         let pool = table.resolve_half(Half::Decode, model)?;
         let plan = half(state, pool, a, excluded, a.hints, true, now)?;
+        let tpot = plan.slo.as_ref().and_then(|s| s.tpot);
         if let Some(span) = a.span {
             routing::trace_decision(span, &plan, bs);
         }
@@ -59,7 +84,7 @@ pub(super) fn pair(
         };
         let cached = (cached_blocks as usize * bs).min(a.tokens.len());
         let load = plan.answer_load(bs, state.settings.track_output_blocks, a.fields);
-        (choice, load, cached)
+        (choice, load, cached, tpot)
     };
     let uncached = (a.tokens.len() - cached) as u64;
     if pd.min_uncached_tokens > 0 && uncached < pd.min_uncached_tokens {
@@ -70,11 +95,12 @@ pub(super) fn pair(
             decode,
             decode_load,
             prefill: None,
+            verdicts: (None, tpot),
         });
     }
     state.metrics.disagg_remote.inc();
 
-    let (prefill, prefill_load) = {
+    let (prefill, ttft) = {
         let table = state.workers.table();
         let pool = table.resolve_half(Half::Prefill, model)?;
         let hints = Hints {
@@ -83,17 +109,18 @@ pub(super) fn pair(
             ..a.hints.clone()
         };
         let plan = half(state, pool, a, excluded, &hints, false, now)?;
-        let choice = plan.choice().clone();
-        if plan.policy == PolicyKind::KvAware && !state.kv.uses_events(&choice.worker) {
-            state
-                .kv
-                .record_routed(choice.worker.ranks[choice.rank].replica, &plan.hashes, now);
+        let prefill = Prefill::of(&plan, bs);
+        let worker = &prefill.choice.worker;
+        if plan.policy == PolicyKind::KvAware && !state.kv.uses_events(worker) {
+            let replica = worker.ranks[prefill.choice.rank].replica;
+            state.kv.record_routed(replica, &plan.hashes, now);
         }
-        (choice, plan.request_load(bs))
+        (prefill, plan.slo.as_ref().and_then(|s| s.ttft))
     };
-    prefill.worker.series.pd_prefill.inc();
+    let prefill_worker = &prefill.choice.worker;
+    prefill_worker.series.pd_prefill.inc();
     decode.worker.series.pd_decode.inc();
-    tracing::debug!(prefill = %prefill.worker.id, decode = %decode.worker.id, "Disaggregated");
+    tracing::debug!(prefill = %prefill_worker.id, decode = %decode.worker.id, "Disaggregated");
     // The decode worker receives the prompt's KV instead of computing it.
     let decode_load = RequestLoad {
         prefill_tokens: 0,
@@ -102,7 +129,8 @@ pub(super) fn pair(
     Ok(Pair {
         decode,
         decode_load,
-        prefill: Some((prefill, prefill_load)),
+        prefill: Some(prefill),
+        verdicts: (ttft, tpot),
     })
 }
 
@@ -112,7 +140,7 @@ pub(super) fn next_prefill(
     state: &AppState,
     a: &Attempt<'_>,
     tried: &[WorkerId],
-) -> Result<Option<(Choice, RequestLoad)>, GatewayError> {
+) -> Result<Option<Prefill>, GatewayError> {
     let table = state.workers.table();
     let pool = table.resolve_half(Half::Prefill, a.fields.model.as_deref())?;
     let hints = Hints {
@@ -123,9 +151,9 @@ pub(super) fn next_prefill(
     let Ok(plan) = half(state, pool, a, tried, &hints, false, Instant::now()) else {
         return Ok(None);
     };
-    let choice = plan.choice().clone();
-    choice.worker.series.pd_prefill.inc();
-    Ok(Some((choice, plan.request_load(state.kv.block_size))))
+    let prefill = Prefill::of(&plan, state.kv.block_size);
+    prefill.choice.worker.series.pd_prefill.inc();
+    Ok(Some(prefill))
 }
 
 /// The plan of one half over `pool`, its workers in `excluded` left out.
@@ -155,13 +183,25 @@ fn half(
         };
         &kept
     };
-    // Latency targets are not routed on in a disaggregated cluster (yet): each half's
-    // prediction is only part of the TTFT.
+    // Each half answers for its part of the latency: the prefill half for the first token
+    // (its queue and its prefill: the KV transfer and the decode's first step are not
+    // predicted), the decode half for the time per output token.
+    let slo = if decode {
+        SloTargets {
+            ttft_ms: None,
+            ..hints.slo
+        }
+    } else {
+        SloTargets {
+            tpot_ms: None,
+            ..hints.slo
+        }
+    };
     let hints = &Hints {
-        slo: Default::default(),
+        slo,
         ..hints.clone()
     };
-    routing::plan(
+    let planned = routing::plan(
         &state.kv,
         pool,
         routing::session_key(
@@ -173,7 +213,7 @@ fn half(
         &routing::Limits {
             busy,
             overload: state.settings.overload,
-            slo_shed: false,
+            slo_shed: state.settings.slo_shed,
         },
         // Sessions are bound to the decode half.
         if decode {
@@ -185,5 +225,10 @@ fn half(
         a.tokens,
         now,
         false,
-    )
+    );
+    // Refused for one half's target: the request's targets are all shed.
+    if let Err(GatewayError::SloUnattainable(_)) = &planned {
+        state.metrics.slo.shed(&a.hints.slo);
+    }
+    planned
 }

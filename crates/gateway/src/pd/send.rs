@@ -6,15 +6,17 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::HeaderValue;
 use http_body_util::BodyExt;
+use kvroute_core::slo::Verdict;
 use kvroute_core::RequestLoad;
 use kvroute_protocol::WorkerId;
 use serde_json::{Map, Value};
 
-use super::plan::{self, Pair};
+use super::plan::{self, Pair, Prefill};
 use super::{Once, PdAnswer};
 use crate::config::PdProtocol;
 use crate::context::AppState;
 use crate::error::GatewayError;
+use crate::metrics::SloWatch;
 use crate::pick::Attempt;
 use crate::proxy::{self, Forward, InFlight};
 use crate::routing::{self, Choice};
@@ -39,12 +41,18 @@ pub(super) async fn pair(
         decode,
         decode_load,
         prefill,
+        verdicts,
     } = pair;
-    let Some((prefill, prefill_load)) = prefill else {
-        let response = send_decode(state, a, &decode, decode_load, body).await?;
+    let decode_half = Decode {
+        choice: &decode,
+        load: decode_load,
+        verdicts,
+    };
+    let Some(prefill) = prefill else {
+        let response = send_decode(state, a, decode_half, body).await?;
         return Ok(answered(response, &decode, None));
     };
-    let prefill_name = HeaderValue::from_str(prefill.worker.id.as_str()).ok();
+    let prefill_name = HeaderValue::from_str(prefill.choice.worker.id.as_str()).ok();
     let mut json: Value = serde_json::from_slice(&body).map_err(GatewayError::InvalidJson)?;
     let Some(object) = json.as_object_mut() else {
         return Err(GatewayError::InvalidAdmin(
@@ -55,7 +63,7 @@ pub(super) async fn pair(
     match pd.protocol {
         PdProtocol::Vllm => {
             let first = vllm_prefill_body(object);
-            let prefilled = prefill_retried(state, a, excluded, prefill, prefill_load, first);
+            let prefilled = prefill_retried(state, a, excluded, prefill, first);
             let (params, prefill_name) = match prefilled.await? {
                 Ok(done) => done,
                 // The prefill's own error is the client's answer.
@@ -63,14 +71,14 @@ pub(super) async fn pair(
             };
             object.insert("kv_transfer_params".into(), params);
             let second = Bytes::from(serde_json::to_vec(&json).expect("a JSON value"));
-            let response = send_decode(state, a, &decode, decode_load, second).await?;
+            let response = send_decode(state, a, decode_half, second).await?;
             Ok(answered(response, &decode, prefill_name))
         }
         PdProtocol::Sglang => {
-            add_bootstrap(object, &prefill);
+            add_bootstrap(object, &prefill.choice);
             // Both halves get the same body.
             let both = Bytes::from(serde_json::to_vec(&json).expect("a JSON value"));
-            let halves = (&prefill, prefill_load, &decode, decode_load);
+            let halves = (prefill, decode_half);
             let response = match sglang_halves(state, a, halves, both).await? {
                 Ok(response) => response,
                 Err(once) => return Ok(once),
@@ -135,23 +143,23 @@ fn add_bootstrap(object: &mut Map<String, Value>, prefill: &Choice) {
 async fn sglang_halves(
     state: &AppState,
     a: &Attempt<'_>,
-    (prefill, prefill_load, decode, decode_load): (&Choice, RequestLoad, &Choice, RequestLoad),
+    (prefill, decode): (Prefill, Decode<'_>),
     both: Bytes,
 ) -> Result<Result<http::Response<proxy::TrackedBody>, Once>, GatewayError> {
+    let prefill_worker = prefill.choice.worker.id.clone();
     // Spawned: the prefill must run to its end even when the decode answers first
     // (an engine aborts a request whose client went away).
-    let mut prefill_half =
-        tokio::spawn(prefill_task(state, a, prefill, prefill_load, both.clone()));
-    let decode_half = send_decode(state, a, decode, decode_load, both);
+    let mut prefill_half = tokio::spawn(prefill_task(state, a, prefill, both.clone()));
+    let decode_half = send_decode(state, a, decode, both);
     tokio::pin!(decode_half);
     // Whichever ends first; a failed prefill stops the decode half.
     Ok(Ok(tokio::select! {
         prefilled = &mut prefill_half => {
             let prefilled = prefilled.map_err(|e| GatewayError::Upstream {
-                worker: prefill.worker.id.clone(),
+                worker: prefill_worker.clone(),
                 source: e.into(),
             })?;
-            let retry = Once::RetryPrefill(prefill.worker.id.clone());
+            let retry = Once::RetryPrefill(prefill_worker);
             match prefilled {
                 Ok(Ok(_)) => decode_half.await?,
                 Ok(Err(response)) if matches!(response.status().as_u16(), 502..=504) => {
@@ -176,32 +184,32 @@ async fn prefill_retried(
     state: &AppState,
     a: &Attempt<'_>,
     excluded: &[WorkerId],
-    first: Choice,
-    first_load: RequestLoad,
+    first: Prefill,
     body: Bytes,
 ) -> Result<Result<(Value, Option<HeaderValue>), Response>, GatewayError> {
-    let (mut prefill, mut load) = (first, first_load);
+    let mut prefill = first;
     let mut tried: Vec<WorkerId> = excluded.to_vec();
     let max_retries = state.settings.retry.max_retries;
     for attempt in 0..=max_retries {
-        let answer = prefill_task(state, a, &prefill, load, body.clone()).await;
+        let worker = prefill.choice.worker.id.clone();
+        let answer = prefill_task(state, a, prefill, body.clone()).await;
         let retryable = match &answer {
             Err(GatewayError::Upstream { .. } | GatewayError::UpstreamTimeout { .. }) => true,
             Ok(Err(r)) => matches!(r.status().as_u16(), 502..=504),
             _ => false,
         };
-        let name = HeaderValue::from_str(prefill.worker.id.as_str()).ok();
+        let name = HeaderValue::from_str(worker.as_str()).ok();
         if !retryable || attempt == max_retries {
             return Ok(answer?.map(|params| (params, name)));
         }
-        tracing::warn!(worker = %prefill.worker.id, attempt = attempt + 1, "Prefill half failed before any byte; retrying on another prefill worker");
+        tracing::warn!(%worker, attempt = attempt + 1, "Prefill half failed before any byte; retrying on another prefill worker");
         state.metrics.retries.inc();
         if let Some(span) = a.span {
             span.add("kvroute.retries", 1);
         }
-        tried.push(prefill.worker.id.clone());
+        tried.push(worker);
         match plan::next_prefill(state, a, &tried)? {
-            Some((choice, l)) => (prefill, load) = (choice, l),
+            Some(next) => prefill = next,
             // No other prefill worker: the last failure is the answer.
             None => return Ok(answer?.map(|params| (params, name))),
         }
@@ -218,16 +226,23 @@ fn host_of(url: &str) -> String {
     }
 }
 
-/// The prefill half, as a future that owns what it needs (SGLang's is spawned).
+/// The prefill half, as a future that owns what it needs (SGLang's is spawned). Its answer
+/// (one token) teaches the rank's TTFT model.
 fn prefill_task(
     state: &AppState,
     a: &Attempt<'_>,
-    prefill: &Choice,
-    load: RequestLoad,
+    Prefill {
+        choice: prefill,
+        load,
+        features,
+    }: Prefill,
     body: Bytes,
 ) -> impl std::future::Future<Output = Result<Prefilled, GatewayError>> + Send + 'static {
     let mut guard = InFlight::new(prefill.worker.clone(), prefill.rank, load, None)
         .with_sync(state.sync.get(), || synced(state, a, Half::Prefill));
+    if let Some(features) = features {
+        guard = guard.with_ttft_timing(features);
+    }
     if let Some(span) = a.span {
         let rank = prefill.worker.ranks[prefill.rank].dp_rank;
         span.set_str("kvroute.prefill_worker", prefill.worker.id.as_str());
@@ -281,18 +296,35 @@ fn prefill_task(
     }
 }
 
-/// The decode half: the client's response.
+/// The decode half of a pair.
+struct Decode<'a> {
+    choice: &'a Choice,
+    load: RequestLoad,
+    /// The routing's verdicts on the request's targets ([`Pair::verdicts`]).
+    verdicts: (Option<Verdict>, Option<Verdict>),
+}
+
+/// The decode half: the client's response, whose timings count the request's targets
+/// (from its arrival) and teach the rank's decode model (its gaps).
 async fn send_decode(
     state: &AppState,
     a: &Attempt<'_>,
-    decode: &Choice,
-    load: RequestLoad,
+    Decode {
+        choice: decode,
+        load,
+        verdicts,
+    }: Decode<'_>,
     body: Bytes,
 ) -> Result<http::Response<proxy::TrackedBody>, GatewayError> {
+    let stream = a.fields.stream;
+    let slo = SloWatch::with_verdicts(&state.metrics.slo, a.hints.slo, verdicts, a.arrived, stream);
     let mut guard = InFlight::new(decode.worker.clone(), decode.rank, load, None)
-        .with_sync(state.sync.get(), || synced(state, a, Half::Decode));
-    if a.fields.stream {
-        guard = guard.with_ttft(a.arrived, state.metrics.ttft_seconds.clone());
+        .with_sync(state.sync.get(), || synced(state, a, Half::Decode))
+        .with_slo(slo);
+    if stream {
+        guard = guard
+            .with_ttft(a.arrived, state.metrics.ttft_seconds.clone())
+            .with_gap_timing();
     }
     if let Some(span) = a.span {
         let rank = decode.worker.ranks[decode.rank].dp_rank;

@@ -144,7 +144,11 @@ pub(super) fn plan(
         };
         scan.offer(costed, from_lock);
     }
-    let (locked, chosen, scored) = scan.finish()?;
+    let Scanned {
+        costed: locked,
+        chosen,
+        scored,
+    } = scan.finish()?;
     let saturation = cluster.saturation;
     let predictions = (locked.iter())
         .map(|(c, _)| predict(&candidate_of(c), &request, saturation))
@@ -201,7 +205,7 @@ impl<'a> Scan<'a> {
 
     /// The choices (the locked ones and the winner), the winner's index among them, and
     /// how many ranks were costed; `None` when none was.
-    fn finish(mut self) -> Option<(Vec<(Choice, f64)>, usize, usize)> {
+    fn finish(mut self) -> Option<Scanned> {
         let best = self.best?;
         let winner = |(c, _): &(Choice, f64)| {
             std::sync::Arc::ptr_eq(&c.worker, best.worker) && c.rank == best.rank
@@ -213,8 +217,19 @@ impl<'a> Scan<'a> {
                 self.locked.len() - 1
             }
         };
-        Some((self.locked, chosen, self.scored))
+        Some(Scanned {
+            costed: self.locked,
+            chosen,
+            scored: self.scored,
+        })
     }
+}
+
+/// What [`Scan::finish`] keeps.
+struct Scanned {
+    costed: Vec<(Choice, f64)>,
+    chosen: usize,
+    scored: usize,
 }
 
 /// The replicas in either answer of the index, as a 256-bit filter: most ranks hold none
