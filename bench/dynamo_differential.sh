@@ -17,6 +17,12 @@
 # BLOCKS (of 16 tokens), MAX_REQUESTS (the first N requests only), OUT (where each run's JSON
 # is kept; a run whose file is there is not run again), TIMEOUT (seconds per Dynamo run, 3600).
 # 10-20 s a run on 2 cores; the whole table (20 runs) in about 10 minutes.
+# SLO_MIX=0.3:1000,0.7:10000 [SLO_ATTAINMENT=0.9] then finds the goodput of a mix of TTFT
+# targets (every class meets its own target for that share of its requests) in this engine model:
+# kvroute-bench goodput --timing-model dynamo --slo-mix for kv_aware with its requests' targets
+# (--slo-headers send) and without (drop), llm_d and round robin, and the same search over
+# Dynamo's replay for its kv_router (both configurations; it routes on no target), each
+# request's class taken as kvroute-bench takes it (mix64 of its index); one table of brackets.
 # SLO_TTFT_P90_MS=2000 [SLO_E2E_P90_MS=N] then also finds each router's SLO goodput in this
 # engine model: kvroute-bench goodput --timing-model dynamo for round robin, llm_d and kv_aware
 # (its defaults, and Dynamo's model at both settings), and the same search (from x1, doubling or halving, then bisecting to 2% or 8
@@ -141,6 +147,7 @@ for c in checks:
     print("- " + c)
 PY
 
+[ -n "${SLO_MIX:-}" ] && . "$ROOT/bench/dynamo_slo_mix.sh"
 [ -n "${SLO_TTFT_P90_MS:-}" ] || exit 0
 slo=(--slo-ttft-p90-ms "$SLO_TTFT_P90_MS")
 [ -n "${SLO_E2E_P90_MS:-}" ] && slo+=(--slo-e2e-p90-ms "$SLO_E2E_P90_MS")
@@ -157,49 +164,13 @@ goodput_kvroute "$OUT/goodput-kvroute-dynmodel.json" --policies kv_aware "${DYN_
 goodput_kvroute "$OUT/goodput-kvroute-dynmodel-c2s4.json" --policies kv_aware "${DYN_MODEL[@]}" \
   --router-kv-overlap-score-credit 2 --router-prefill-load-scale 4
 # Dynamo's side: the same search, one replay per rate.
-"$PY" - "$ROOT/bench/dynamo_replay_requests.py" "$trace" "$WORKERS" "$BLOCKS" "$OUT" \
-  "$SLO_TTFT_P90_MS" "${SLO_E2E_P90_MS:-}" <<'PY'
-import json, os, subprocess, sys
-script, trace, workers, blocks, out, ttft_slo, e2e_slo = sys.argv[1:8]
-ttft_slo = float(ttft_slo)
-e2e_slo = float(e2e_slo) if e2e_slo else None
-for cfg, extra in (("defaults", []), ("c2s4", ["--credit", "2", "--scale", "4"])):
-    path = os.path.join(out, f"goodput-dynamo-{cfg}.json")
-    if os.path.exists(path):
-        continue
-    runs = []
-    def passes(x):
-        cmd = [sys.executable, script, trace, workers, "kv_router", "--speed", repr(x), "--blocks", blocks] + extra
-        d = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-        ok = d["ttft_ms"][1] <= ttft_slo and (e2e_slo is None or d["e2e_ms"][1] <= e2e_slo)
-        runs.append(dict(rate_scale=x, passes=ok, ttft_ms=d["ttft_ms"], e2e_ms=d["e2e_ms"], rps=d["rps"]))
-        print(f"Dynamo kv_router {cfg}: x{x:.4g} {'passes' if ok else 'fails'} (TTFT p90 {d['ttft_ms'][1]:.0f} ms)", file=sys.stderr)
-        return ok
-    # kvroute-bench goodput's search: x1, then doubling or halving (at most 10), then bisecting
-    # until the bracket is within 2% of its passing end or after 8 bisections.
-    lo = hi = None
-    x = 1.0
-    for _ in range(11):
-        if passes(x):
-            lo = x
-            if hi is not None:
-                break
-            x *= 2
-        else:
-            hi = x
-            if lo is not None:
-                break
-            x /= 2
-    steps = 0
-    while lo is not None and hi is not None and steps < 8 and (hi - lo) / lo > 0.02:
-        mid = (lo + hi) / 2
-        if passes(mid):
-            lo = mid
-        else:
-            hi = mid
-        steps += 1
-    json.dump(dict(pass_rate=lo, fail_rate=hi, runs=runs), open(path, "w"))
-PY
+dyn_p90=(--ttft-p90-ms "$SLO_TTFT_P90_MS")
+[ -n "${SLO_E2E_P90_MS:-}" ] && dyn_p90+=(--e2e-p90-ms "$SLO_E2E_P90_MS")
+for cfg in defaults c2s4; do
+  extra=(); [ "$cfg" = c2s4 ] && extra=(--credit 2 --scale 4)
+  [ -s "$OUT/goodput-dynamo-$cfg.json" ] || "$PY" "$ROOT/bench/dynamo_goodput.py" \
+    "$OUT/goodput-dynamo-$cfg.json" "$trace" "$WORKERS" "$BLOCKS" "$cfg" "${extra[@]}" "${dyn_p90[@]}"
+done
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]

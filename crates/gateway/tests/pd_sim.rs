@@ -5,9 +5,9 @@
 mod support;
 
 use http_body_util::BodyExt;
-use kvroute_gateway::config::{PdProtocol, WorkerRole};
+use kvroute_gateway::config::PdProtocol;
 use kvroute_gateway::{Settings, WorkerSpec};
-use kvroute_sim::{FaultSettings, SimArgs, SimInstance};
+use kvroute_sim::{FaultSettings, SimInstance};
 use serde_json::{json, Value};
 use support::*;
 
@@ -17,37 +17,7 @@ struct Engine {
 }
 
 async fn engine(id: &str, role: &str, seed: u64) -> (Engine, WorkerSpec) {
-    let (sim, events) = sim_with_events(|events| {
-        let bootstrap = free_port().to_string();
-        let mut argv = vec![
-            "kvroute-sim",
-            "--role",
-            role,
-            "--kv-events-endpoint",
-            events,
-            "--speedup",
-            "10",
-        ];
-        if role == "prefill" {
-            argv.extend(["--bootstrap-port", &bootstrap]);
-        }
-        SimArgs {
-            seed,
-            ..<SimArgs as clap::Parser>::parse_from(argv)
-        }
-    })
-    .await;
-    let spec = WorkerSpec {
-        id: Some(id.into()),
-        kv_events: Some(events),
-        role: if role == "prefill" {
-            WorkerRole::Prefill
-        } else {
-            WorkerRole::Decode
-        },
-        bootstrap_port: sim.args().bootstrap_port,
-        ..WorkerSpec::url(sim.url())
-    };
+    let (sim, spec) = pd_engine(id, role, "10", seed).await;
     (Engine { sim, id: id.into() }, spec)
 }
 

@@ -6,40 +6,11 @@
 mod support;
 
 use kvroute_core::PolicyKind;
-use kvroute_gateway::config::WorkerRole;
-use kvroute_gateway::{Settings, WorkerSpec};
-use kvroute_sim::{SimArgs, SimInstance};
+use kvroute_gateway::Settings;
 use serde_json::json;
 use support::*;
 
 const METRIC: &str = "kvroute_slo_requests_total";
-
-async fn engine(id: &str, role: &str, speedup: &str) -> (SimInstance, WorkerSpec) {
-    let (sim, events) = sim_with_events(|events| {
-        let argv = [
-            "kvroute-sim",
-            "--role",
-            role,
-            "--kv-events-endpoint",
-            events,
-            "--speedup",
-            speedup,
-        ];
-        <SimArgs as clap::Parser>::parse_from(argv)
-    })
-    .await;
-    let spec = WorkerSpec {
-        id: Some(id.into()),
-        kv_events: Some(events),
-        role: if role == "prefill" {
-            WorkerRole::Prefill
-        } else {
-            WorkerRole::Decode
-        },
-        ..WorkerSpec::url(sim.url())
-    };
-    (sim, spec)
-}
 
 /// A streamed prompt of ~2,000 tokens no other request shares.
 fn body(i: u64) -> String {
@@ -64,7 +35,7 @@ async fn each_half_answers_for_its_target_and_the_outcomes_are_counted() {
         ("d0", "decode", "10"),
         ("d1", "decode", "10"),
     ] {
-        let (sim, spec) = engine(id, role, speedup).await;
+        let (sim, spec) = pd_engine(id, role, speedup, 0).await;
         sims.push(sim);
         specs.push(spec);
     }

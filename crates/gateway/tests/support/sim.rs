@@ -100,6 +100,50 @@ pub async fn sim_with_events(mut args: impl FnMut(&str) -> SimArgs) -> (SimInsta
     panic!("no engine could bind its ports: {error:?}");
 }
 
+/// A kvroute-sim replica in a disaggregated role (`prefill` or `decode`) at `speedup`, seeded
+/// with `seed`, publishing KV events (a prefill one with a bootstrap port): the replica, and
+/// the router's spec for it, known as `id`.
+pub async fn pd_engine(
+    id: &str,
+    role: &str,
+    speedup: &str,
+    seed: u64,
+) -> (SimInstance, kvroute_gateway::WorkerSpec) {
+    use kvroute_gateway::config::WorkerRole;
+    let (sim, events) = sim_with_events(|events| {
+        let bootstrap = free_port().to_string();
+        let mut argv = vec![
+            "kvroute-sim",
+            "--role",
+            role,
+            "--kv-events-endpoint",
+            events,
+            "--speedup",
+            speedup,
+        ];
+        if role == "prefill" {
+            argv.extend(["--bootstrap-port", &bootstrap]);
+        }
+        SimArgs {
+            seed,
+            ..<SimArgs as clap::Parser>::parse_from(argv)
+        }
+    })
+    .await;
+    let spec = kvroute_gateway::WorkerSpec {
+        id: Some(id.into()),
+        kv_events: Some(events),
+        role: if role == "prefill" {
+            WorkerRole::Prefill
+        } else {
+            WorkerRole::Decode
+        },
+        bootstrap_port: sim.args().bootstrap_port,
+        ..kvroute_gateway::WorkerSpec::url(sim.url())
+    };
+    (sim, spec)
+}
+
 /// `POST /debug/route` for `prompt`: the router's decision and its candidates.
 pub async fn debug_route(r: &TestRouter, prompt: &str) -> Value {
     let body = serde_json::json!({ "prompt": prompt }).to_string();

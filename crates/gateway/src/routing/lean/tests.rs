@@ -40,6 +40,19 @@ fn tokens(group: u64, tail: u64, blocks: usize) -> Vec<u32> {
         .collect()
 }
 
+/// A router's workers and KV state for `specs`, under kv_aware with `model`.
+fn router(specs: &[WorkerSpec], model: CostModel) -> (Arc<WorkerSet>, Arc<KvState>) {
+    let mut settings = Settings::with_workers(specs.to_vec()).unwrap();
+    settings.policy = PolicyKind::KvAware;
+    settings.policy_config.kv_aware.cost_model = model;
+    let mut registry = Registry::default();
+    let metrics = GatewayMetrics::register(&mut registry);
+    let workers = Arc::new(WorkerSet::new(&settings, &metrics));
+    let prompts = Prompts::new(Arc::new(Tokenizer::fallback()), BLOCK, 0, &mut registry);
+    let gauges = (Gauge::default(), Gauge::default());
+    (workers, Arc::new(KvState::new(&settings, prompts, gauges)))
+}
+
 struct Cluster {
     kv: Arc<KvState>,
     workers: Arc<WorkerSet>,
@@ -59,18 +72,7 @@ fn cluster(n: usize, model: CostModel, seed: u64) -> Cluster {
             ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
         })
         .collect();
-    let mut settings = Settings::with_workers(specs.clone()).unwrap();
-    settings.policy = PolicyKind::KvAware;
-    settings.policy_config.kv_aware.cost_model = model;
-    let mut registry = Registry::default();
-    let metrics = GatewayMetrics::register(&mut registry);
-    let workers = Arc::new(WorkerSet::new(&settings, &metrics));
-    let prompts = Prompts::new(Arc::new(Tokenizer::fallback()), BLOCK, 0, &mut registry);
-    let kv = Arc::new(KvState::new(
-        &settings,
-        prompts,
-        (Gauge::default(), Gauge::default()),
-    ));
+    let (workers, kv) = router(&specs, model);
     let now = Instant::now();
     let mut in_flight = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
@@ -190,16 +192,7 @@ fn ties_among_idle_ranks_are_drawn_at_random() {
             ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
         })
         .collect();
-    let settings = Settings::with_workers(specs.clone()).unwrap();
-    let mut registry = Registry::default();
-    let metrics = GatewayMetrics::register(&mut registry);
-    let workers = Arc::new(WorkerSet::new(&settings, &metrics));
-    let prompts = Prompts::new(Arc::new(Tokenizer::fallback()), BLOCK, 0, &mut registry);
-    let kv = Arc::new(KvState::new(
-        &settings,
-        prompts,
-        (Gauge::default(), Gauge::default()),
-    ));
+    let (workers, kv) = router(&specs, CostModel::Calibrated);
     for s in &specs {
         workers.set_healthy(s.id.as_deref().unwrap(), true);
     }
