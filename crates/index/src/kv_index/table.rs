@@ -45,12 +45,21 @@ pub(crate) struct BlockTable {
     /// (every key then is group 0's, which is the block itself).
     groups_of: Option<IdentityMap<u64, u32>>,
     distinct: usize,
+    /// Count (block, group) entries instead of distinct blocks past one group (see
+    /// [`KvIndex::counting_entries`](super::KvIndex::counting_entries)).
+    entries_only: bool,
 }
 
 impl BlockTable {
-    /// Distinct router blocks held by some slot.
+    /// Distinct router blocks held by some slot (with `entries_only`, the entries).
     pub(crate) fn distinct(&self) -> usize {
         self.distinct
+    }
+
+    /// From now on, counts (block, group) entries (see the field).
+    pub(crate) fn count_entries_only(&mut self) {
+        self.entries_only = true;
+        self.groups_of = None;
     }
 
     /// One more holding of `block` by `slot` in `tier`; `groups` is the number of slot groups.
@@ -135,7 +144,7 @@ impl BlockTable {
 
     /// Starts counting the groups holding each block once there are several (groups only grow).
     fn count_groups(&mut self, groups: u32) {
-        if groups > 1 && self.groups_of.is_none() {
+        if groups > 1 && self.groups_of.is_none() && !self.entries_only {
             let mut of = IdentityMap::default();
             of.reserve(self.map.len());
             of.extend(self.map.keys().map(|key| (key, 1)));

@@ -297,6 +297,8 @@ fn distinct_blocks_are_counted_across_groups_of_replicas() {
     // the count of distinct router blocks must equal the reference model's at every step.
     let mut index = KvIndex::new(BS);
     let mut reference = crate::reference::ReferenceIndex::new(BS);
+    // The same events into an index counting (block, group) entries: the same answers.
+    let mut entries = KvIndex::new(BS).counting_entries();
     let prompts: Vec<Vec<u32>> = (0..5).map(|p| prompt(p * 10_000, 12)).collect();
     let mut steps = 0;
     for round in 0..3u32 {
@@ -317,10 +319,14 @@ fn distinct_blocks_are_counted_across_groups_of_replicas() {
                 BS,
                 StorageTier::Device,
             );
+            let held = &tokens[..blocks * BS];
+            store(&mut entries, replica, held, BS, StorageTier::Device);
             if (replica + round) % 3 == 0 {
                 index.clear_replica(ReplicaId(replica / 2));
                 reference.clear_replica(ReplicaId(replica / 2));
+                entries.clear_replica(ReplicaId(replica / 2));
             }
+            assert!(entries.num_blocks() >= index.num_blocks());
             assert_eq!(
                 index.num_blocks(),
                 reference.num_blocks(),
@@ -330,8 +336,17 @@ fn distinct_blocks_are_counted_across_groups_of_replicas() {
         }
     }
     assert_eq!(steps, 600);
+    for p in &prompts {
+        let hashes = crate::block_hashes(p, BS, 0);
+        assert_eq!(entries.find_matches(&hashes), index.find_matches(&hashes));
+    }
+    // 60 distinct blocks, held from more than one group of 64 replicas: counted once each
+    // group.
+    assert_eq!(index.num_blocks(), 60);
+    assert!(entries.num_blocks() > 60, "{}", entries.num_blocks());
     for replica in 0..200 {
         index.clear_replica(ReplicaId(replica));
+        entries.clear_replica(ReplicaId(replica));
     }
-    assert_eq!(index.num_blocks(), 0);
+    assert_eq!((index.num_blocks(), entries.num_blocks()), (0, 0));
 }
