@@ -210,6 +210,9 @@ pub struct Args {
     /// kv_aware: weight of uncached blocks times decoding requests (0: Dynamo's) [default: 0.25].
     #[arg(long)]
     pub router_prefill_interference_weight: Option<f64>,
+    /// kv_aware: weight of KV blocks beyond 90% of an engine's (0: Dynamo's) [default: 4].
+    #[arg(long)]
+    pub router_kv_overflow_weight: Option<f64>,
     /// kv_aware: weight of each active request [default: 0].
     #[arg(long)]
     pub router_decode_active_request_weight: Option<f64>,

@@ -238,6 +238,11 @@ impl Args {
                 self.router_prefill_interference_weight,
                 kv.prefill_interference_weight,
             )?,
+            kv_overflow_weight: weight(
+                "router_kv_overflow_weight",
+                self.router_kv_overflow_weight,
+                kv.kv_overflow_weight,
+            )?,
             temperature: weight(
                 "router_temperature",
                 self.router_temperature,
@@ -258,7 +263,7 @@ impl Args {
                 self.shared_cache_multiplier,
                 kv.shared_cache_multiplier,
             )?,
-            ..kv.tracking_output_blocks(self.router_track_output_blocks)
+            ..kv
         })
     }
 
