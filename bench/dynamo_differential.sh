@@ -65,7 +65,7 @@ kvroute() { # file args...
 
 # kv_aware with Dynamo's cost model (linear memory, no interference term), at Dynamo's defaults
 # and at credit 2 / scale 4: the same routing as Dynamo's kv_router, in kvroute's core.
-DYN_MODEL=(--router-cost-model weighted --router-kv-memory-cost linear --router-prefill-interference-weight 0)
+DYN_MODEL=(--router-cost-model weighted --router-kv-memory-cost linear --router-prefill-interference-weight 0 --router-kv-overflow-weight 0)
 for r in $RATES; do
   kvroute "$OUT/kvroute-x$r-defaults.json" --rate-scale "$r" \
     --policies round_robin,kv_aware,llm_d,cache_aware

@@ -200,7 +200,7 @@ for group in $GROUP; do
       run 2 "kvroute kv_aware (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}"
       run 2 "kvroute kv_aware, Dynamo's model" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" \
         --router-cost-model weighted --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 \
-        --router-prefill-interference-weight 0
+        --router-prefill-interference-weight 0 --router-kv-overflow-weight 0
       run 2 "kvroute round_robin (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy round_robin
       run 2 "kvroute cache_aware (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy cache_aware
       run 2 "kvroute llm_d (dynamo engines)" "$SIM" kvroute-sim "${DSIM[@]}" -- "${KVT[@]}" --policy llm_d

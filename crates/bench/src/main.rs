@@ -85,6 +85,10 @@ struct KvAwareArgs {
     /// 0: Dynamo's model) [default: 0.25].
     #[arg(long)]
     router_prefill_interference_weight: Option<f64>,
+    /// Weight of the KV-overflow term (blocks beyond 90% of an engine's KV, as prefill; 0:
+    /// Dynamo's model) [default: 4].
+    #[arg(long)]
+    router_kv_overflow_weight: Option<f64>,
     /// Weight of each active request [default: 0].
     #[arg(long)]
     router_decode_active_request_weight: Option<f64>,
@@ -137,13 +141,19 @@ impl KvAwareArgs {
                 self.router_prefill_interference_weight,
                 d.prefill_interference_weight,
             )?,
+            kv_overflow_weight: weight(
+                "router-kv-overflow-weight",
+                self.router_kv_overflow_weight,
+                d.kv_overflow_weight,
+            )?,
             cost_model: match self.router_cost_model {
                 Some(CostModelArg::Weighted) => CostModel::Weighted,
                 Some(CostModelArg::Predicted) => CostModel::Predicted,
                 Some(CostModelArg::Calibrated) => CostModel::Calibrated,
                 None => d.cost_model,
             },
-            ..d.tracking_output_blocks(self.router_track_output_blocks)
+            answers_counted: self.router_track_output_blocks,
+            ..d
         })
     }
 }
@@ -868,7 +878,7 @@ mod tests {
     #[test]
     fn simulate_passes_kv_aware_weights_through() {
         let cli = Cli::try_parse_from(
-            "b simulate --trace t --router-cost-model weighted --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 --router-kv-memory-cost linear --router-prefill-interference-weight 0"
+            "b simulate --trace t --router-cost-model weighted --router-kv-overlap-score-credit 1 --router-prefill-load-scale 1 --router-kv-memory-cost linear --router-prefill-interference-weight 0 --router-kv-overflow-weight 0"
                 .split_whitespace(),
         )
         .unwrap();

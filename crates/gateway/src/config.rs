@@ -12,6 +12,7 @@ mod certs;
 mod discovery;
 mod dump;
 mod epp;
+mod kv_aware;
 mod llmd;
 mod load;
 mod merge;

@@ -124,21 +124,33 @@
 //! tiers it sends less of the work to the slow ranks, and a rank made slower at run time
 //! loses traffic as its factors rise.
 //!
-//! **KV overflow** (on with `--router-track-output-blocks`, weight 4). An engine whose
-//! running requests need more KV than it has preempts one and recomputes it later, and the
-//! preempted requests are a workload's TTFT tail. With answers' output blocks tracked the
-//! router's `decode_blocks` is the engine's KV in use, and the blocks the request would take
-//! it beyond 90% of its capacity `C_i` cost as prefill again, `kv_overflow_weight` times (a
-//! preemption recomputes a whole sequence, many blocks for each block short):
+//! **KV overflow** (`kv_overflow_weight`, 4; 0 in Dynamo's model). An engine whose running
+//! requests need more KV than it has preempts one and recomputes it later, and one whose KV is
+//! full holds new requests in its queue until blocks free: those requests are a workload's TTFT
+//! tail. The blocks the request would take the engine beyond 90% of its capacity `C_i` cost as
+//! prefill again, `kv_overflow_weight` times (a preemption recomputes a whole sequence, many
+//! blocks for each block short):
 //!
 //! ```text
-//! + prefill_load_scale * kv_overflow_weight * max(0, decode_blocks + new - 0.9 * C_i)
+//! + prefill_load_scale * kv_overflow_weight * max(0, K + new - 0.9 * C_i)
+//! K = max(decode_blocks, kv_usage * C_i)
 //! ```
 //!
-//! (priced at the rank's prefill price under the calibrated model). On agentic sessions at 3-5x
-//! their rate, in Dynamo's engine model, it took the TTFT p99 from 1-16 s to 0.3 s, level with
-//! Dynamo's (BENCHMARKS.md). Off without the tracking: the router's count then misses the
-//! answers' blocks, and alone the term gained less (x5 p99 4.4 s).
+//! (priced at the rank's prefill price under the calibrated model), `kv_usage` the engine's
+//! reported KV utilisation: without `--router-track-output-blocks` the router's count misses
+//! the answers' blocks, which the engine's figure holds (on shared-prefix groups with 1,000-token
+//! answers an engine was full, its queue waiting for KV, while the router counted 87%, and a
+//! group's prefix kept sending requests there). The term is 0 when no candidate is under 90%
+//! (`Cluster::kv_room`): with nowhere to go with room it would only balance memory at four
+//! times the prefill price, recomputing prefixes for nothing (on the Mooncake trace at 5x, where
+//! every engine is full, it cost TTFT p50 a third). Not so with the answers' blocks tracked
+//! (`answers_counted`): the router's counts then tell full engines apart by how far over they
+//! are, where the engines' reported utilisation stops at 100%, and the term keeps spreading
+//! (without it there, shared-prefix groups at 3x had TTFT p99 2.2 s against 0.28 s).
+//! Agentic sessions grow where they started,
+//! and the prefix credit keeps them there; without the term one engine filled and its sessions
+//! queued for KV (TTFT p99 1-16 s at 3-5x their rate in Dynamo's engine model, against Dynamo's
+//! 0.3 s; with it 0.37-1.05 s; BENCHMARKS.md).
 //!
 //! **LoRA adapters** (`lora_load_cost`). An engine runs at most `max_lora` adapters per step and
 //! loads an adapter before the step that needs it; a request of an adapter that the engine
@@ -160,7 +172,7 @@ use crate::{Candidate, Decision, EngineLoad, RouteRequest};
 
 mod calibrated;
 
-use calibrated::{memory_priced, overflow};
+use calibrated::{has_kv_room, memory_priced, overflow};
 pub use calibrated::{Cluster, DEFAULT_KV_OVERFLOW_WEIGHT, SPEED_EVIDENCE, SPEED_NOISE};
 
 /// How the memory term counts KV blocks (see the module docs).
@@ -237,6 +249,10 @@ pub struct KvAwareConfig {
     pub lora_load_cost: f64,
     /// Weight of the KV-overflow term (see the module docs; 0: off).
     pub kv_overflow_weight: f64,
+    /// Whether the router's count of a rank's blocks holds its answers' blocks
+    /// (`--router-track-output-blocks`): then the overflow term applies even where no
+    /// candidate has room (see the module docs).
+    pub answers_counted: bool,
 }
 
 impl Default for KvAwareConfig {
@@ -247,6 +263,7 @@ impl Default for KvAwareConfig {
             prefill_interference_weight: 0.25,
             lora_load_cost: DEFAULT_LORA_LOAD_COST,
             cost_model: CostModel::Calibrated,
+            kv_overflow_weight: DEFAULT_KV_OVERFLOW_WEIGHT,
             ..Self::dynamo()
         }
     }
@@ -271,20 +288,7 @@ impl KvAwareConfig {
             // that Dynamo routes), so its model is unchanged, and adapters still count.
             lora_load_cost: DEFAULT_LORA_LOAD_COST,
             kv_overflow_weight: 0.0,
-        }
-    }
-
-    /// This model with the KV-overflow term on where the router tracks answers' output
-    /// blocks (`--router-track-output-blocks`), off otherwise: without them the router's
-    /// count of an engine's blocks misses the answers' and the term would misjudge.
-    pub fn tracking_output_blocks(self, tracked: bool) -> Self {
-        Self {
-            kv_overflow_weight: if tracked {
-                DEFAULT_KV_OVERFLOW_WEIGHT
-            } else {
-                0.0
-            },
-            ..self
+            answers_counted: false,
         }
     }
 }
@@ -345,22 +349,28 @@ impl KvAware {
     /// What the cost of each candidate reads from all of them: the saturation and, for the
     /// calibrated model, the mean speed factors.
     pub fn cluster(&self, candidates: &[Candidate<'_>]) -> Cluster {
-        self.cluster_of(candidates.iter().map(|c| (c.engine, c.speed)))
+        self.cluster_of((candidates.iter()).map(|c| (c.engine, c.speed, c.kv.decode_blocks)))
     }
 
-    /// [`KvAware::cluster`] of candidates given by their engines' loads and their speeds
-    /// (`None`: the prior), for a caller that has not built the candidates.
+    /// [`KvAware::cluster`] of candidates given by their engines' loads, their speeds
+    /// (`None`: the prior) and their decode blocks, for a caller that has not built the
+    /// candidates.
     pub fn cluster_of(
         &self,
-        ranks: impl Iterator<Item = (EngineLoad, Option<FittedSpeed>)> + Clone,
+        ranks: impl Iterator<Item = (EngineLoad, Option<FittedSpeed>, u64)> + Clone,
     ) -> Cluster {
-        let saturation = Self::saturation_of(ranks.clone().map(|(engine, _)| engine));
+        let saturation = Self::saturation_of(ranks.clone().map(|(engine, _, _)| engine));
+        let mut kv_room = self.config.answers_counted || ranks.clone().next().is_none();
+        kv_room |= (ranks.clone()).any(|(engine, _, blocks)| has_kv_room(&engine, blocks));
         if self.config.cost_model != CostModel::Calibrated || ranks.clone().next().is_none() {
-            return Cluster::uniform(saturation);
+            return Cluster {
+                kv_room,
+                ..Cluster::uniform(saturation)
+            };
         }
         let (mut prefill, mut decode) = ((0.0, 0.0), (0.0, 0.0));
         let (mut capacity, prior) = ((0.0, 0.0), FittedSpeed::prior());
-        for (engine, speed) in ranks {
+        for (engine, speed, _) in ranks {
             let s = speed.as_ref().unwrap_or(prior);
             if s.prefill_observations >= SPEED_EVIDENCE {
                 prefill = (prefill.0 + s.prefill_factor, prefill.1 + 1.0);
@@ -382,6 +392,7 @@ impl KvAware {
             } else {
                 0.0
             },
+            kv_room,
         }
     }
 
@@ -442,6 +453,12 @@ impl KvAware {
             c.kv.active_requests
                 .saturating_sub(c.kv.prefilling_requests) as f64;
         // The calibrated model's prices of prefill and decode work and its KV share.
+        // The overflow term, where some candidate has room to send the request to.
+        let overflow_weight = if cluster.kv_room {
+            k.kv_overflow_weight
+        } else {
+            0.0
+        };
         let (p, d, share) = match k.cost_model {
             CostModel::Calibrated => {
                 let (p, d) = cluster.prices(c);
@@ -455,7 +472,7 @@ impl KvAware {
             + p * k.prefill_interference_weight * uncached * decoding
             + d * k.decode_active_request_weight * c.kv.active_requests as f64
             + k.lora_load_cost * c.adapter.expected_loads()
-            + p * k.prefill_load_scale * k.kv_overflow_weight * overflow(c, new_blocks);
+            + p * k.prefill_load_scale * overflow_weight * overflow(c, new_blocks);
         if request.has_preferred_taints {
             cost *= (-c.kv.preferred_taint_weight.tanh()).exp();
         }
@@ -1192,20 +1209,19 @@ mod tests {
     }
 
     #[test]
-    fn with_output_blocks_tracked_blocks_beyond_nine_tenths_of_the_kv_cost_as_prefill_again() {
-        let ids = ids(2);
-        let weighted = |tracked| {
-            KvAware::new(
-                KvAwareConfig {
-                    cost_model: CostModel::Weighted,
-                    ..KvAwareConfig::default()
-                }
-                .tracking_output_blocks(tracked),
-            )
+    fn blocks_beyond_nine_tenths_of_the_kv_cost_as_prefill_again_where_another_engine_has_room() {
+        let ids = ids(3);
+        let weighted = |kv_overflow_weight| {
+            KvAware::new(KvAwareConfig {
+                cost_model: CostModel::Weighted,
+                kv_overflow_weight,
+                ..KvAwareConfig::default()
+            })
         };
-        let at = |i: usize, decode_blocks| Candidate {
+        let at = |i: usize, decode_blocks, kv_usage| Candidate {
             engine: EngineLoad {
                 num_gpu_blocks: Some(1000),
+                kv_usage,
                 ..EngineLoad::default()
             },
             ..cand(
@@ -1218,26 +1234,50 @@ mod tests {
             )
         };
         let r = req(1600);
-        let (on, off) = (weighted(true), weighted(false));
-        assert_eq!(on.config.kv_overflow_weight, DEFAULT_KV_OVERFLOW_WEIGHT);
-        assert_eq!(off.config.kv_overflow_weight, 0.0);
-        assert_eq!(KvAwareConfig::dynamo().kv_overflow_weight, 0.0);
-        // 750 + 100 blocks of 1,000: under 900, no term.
+        let (on, off) = (weighted(DEFAULT_KV_OVERFLOW_WEIGHT), weighted(0.0));
         assert_eq!(
-            on.cost(&at(0, 750), &r, 0.0),
-            off.cost(&at(0, 750), &r, 0.0)
+            KvAwareConfig::default().kv_overflow_weight,
+            DEFAULT_KV_OVERFLOW_WEIGHT
         );
-        // 850 + 100: 50 blocks over, each at the prefill scale times the weight.
-        let extra = on.cost(&at(0, 850), &r, 0.0) - off.cost(&at(0, 850), &r, 0.0);
-        assert!(
-            (extra - 50.0 * 4.0 * DEFAULT_KV_OVERFLOW_WEIGHT).abs() < 1e-9,
-            "{extra}"
+        assert_eq!(KvAwareConfig::dynamo().kv_overflow_weight, 0.0);
+        let extra = |c: &[Candidate<'_>]| -> Vec<f64> {
+            let (a, b) = (on.costs(c, &r).unwrap(), off.costs(c, &r).unwrap());
+            a.iter().zip(&b).map(|(a, b)| a - b).collect()
+        };
+        let per_block = 4.0 * DEFAULT_KV_OVERFLOW_WEIGHT;
+        // 750 + 100 blocks of 1,000: under 900, no term; 850 + 100: 50 blocks over, each at
+        // the prefill scale times the weight (the first engine has room).
+        let e = extra(&[at(0, 750, None), at(1, 850, None)]);
+        assert_eq!(e[0], 0.0);
+        assert!((e[1] - 50.0 * per_block).abs() < 1e-9, "{e:?}");
+        // The engine's reported utilisation counts where the router's count is lower (the
+        // answers' blocks it does not track): 85% of 1,000 and 100 more, 50 over.
+        let e = extra(&[at(0, 750, None), at(1, 500, Some(0.85))]);
+        assert!((e[1] - 50.0 * per_block).abs() < 1e-9, "{e:?}");
+        // and the router's count where it is higher.
+        let e = extra(&[at(0, 750, None), at(1, 850, Some(0.5))]);
+        assert!((e[1] - 50.0 * per_block).abs() < 1e-9, "{e:?}");
+        // No engine under nine tenths: nowhere to go with room, no term.
+        assert_eq!(
+            extra(&[at(0, 950, None), at(1, 500, Some(0.95))]),
+            vec![0.0, 0.0]
         );
-        // Unknown capacity: no term.
+        // Unless the router's counts hold the answers' blocks: they tell full engines apart.
+        let counted = KvAware::new(KvAwareConfig {
+            answers_counted: true,
+            ..on.config.clone()
+        });
+        let full = [at(0, 950, None), at(1, 1000, None)];
+        let (a, b) = (counted.costs(&full, &r).unwrap(), off.costs(&full, &r).unwrap());
+        assert!((a[0] - b[0] - 150.0 * per_block).abs() < 1e-9, "{a:?} {b:?}");
+        assert!((a[1] - b[1] - 200.0 * per_block).abs() < 1e-9, "{a:?} {b:?}");
+        // Unknown capacity: no term, and room to go to.
         let unknown = Candidate {
             engine: EngineLoad::default(),
-            ..at(1, 5000)
+            ..at(2, 5000, None)
         };
-        assert_eq!(on.cost(&unknown, &r, 0.0), off.cost(&unknown, &r, 0.0));
+        let e = extra(&[at(0, 950, None), unknown]);
+        assert!((e[0] - 150.0 * per_block).abs() < 1e-9, "{e:?}");
+        assert_eq!(e[1], 0.0);
     }
 }

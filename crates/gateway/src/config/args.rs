@@ -101,7 +101,6 @@ pub struct Args {
     /// than this many prompt tokens [default: 0, always disaggregate].
     #[arg(long)]
     pub pd_min_uncached_tokens: Option<u64>,
-
     /// Routing policy [default: kv_aware].
     #[arg(long, value_parser = parse_policy)]
     #[serde(deserialize_with = "de_policy", serialize_with = "ser_policy")]
@@ -118,7 +117,6 @@ pub struct Args {
     /// manual: how a new session key is placed [default: min_load].
     #[arg(long, value_enum)]
     pub assignment_mode: Option<AssignmentModeArg>,
-
     /// cache_aware: route by the tree when the matched share of the prompt exceeds this [default: 0.3].
     #[arg(alias = "cache-match-threshold", long)]
     pub cache_threshold: Option<f64>,
@@ -210,6 +208,9 @@ pub struct Args {
     /// kv_aware: weight of uncached blocks times decoding requests (0: Dynamo's) [default: 0.25].
     #[arg(long)]
     pub router_prefill_interference_weight: Option<f64>,
+    /// kv_aware: weight of KV blocks beyond 90% of an engine's (0: Dynamo's) [default: 4].
+    #[arg(long)]
+    pub router_kv_overflow_weight: Option<f64>,
     /// kv_aware: weight of each active request [default: 0].
     #[arg(long)]
     pub router_decode_active_request_weight: Option<f64>,
@@ -262,7 +263,6 @@ pub struct Args {
     /// given): kvroute's own, or Dynamo 1.6.1's mocker exactly [default: kvroute].
     #[arg(long, value_enum)]
     pub timing_model: Option<TimingFamily>,
-
     /// A rank is busy with more active prefill tokens than this.
     #[arg(long)]
     pub active_prefill_tokens_threshold: Option<u64>,

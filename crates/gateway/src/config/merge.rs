@@ -42,7 +42,7 @@ impl Args {
             worker_overload_token_usage, metrics_refresh_ms, block_size,
             router_kv_overlap_score_credit, router_prefill_load_scale,
             router_decode_active_request_weight, router_kv_memory_cost, router_cost_model,
-            router_prefill_interference_weight, router_temperature,
+            router_prefill_interference_weight, router_kv_overflow_weight, router_temperature,
             router_host_cache_hit_weight, router_disk_cache_hit_weight, shared_cache_multiplier,
             router_ttl_secs, router_max_indexed_blocks, router_event_threads, tokenizer,
             tokenizer_cache_l1_max_memory, active_prefill_tokens_threshold,

@@ -559,25 +559,22 @@ fn the_embedded_engines_timing_model_is_a_flag_and_a_key() {
 }
 
 #[test]
-fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_four_flags_away() {
+fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_five_flags_away() {
     let s = Args::try_parse_from(["kvroute"])
         .unwrap()
         .into_settings()
         .unwrap();
     assert_eq!(s.policy_config.kv_aware, KvAwareConfig::default());
     assert_eq!(s.policy_config.kv_aware.cost_model, CostModel::Calibrated);
-    assert_eq!(s.policy_config.kv_aware.kv_overflow_weight, 0.0);
-    // Output blocks tracked: the KV-overflow term is on.
+    // The KV-overflow term is on, output blocks tracked or not (the engine's reported KV
+    // utilisation holds the answers' blocks the router does not count).
+    assert!(s.policy_config.kv_aware.kv_overflow_weight > 0.0);
     let tracked = Args::try_parse_from(["kvroute", "--router-track-output-blocks"])
         .unwrap()
         .into_settings()
         .unwrap();
     assert!(tracked.track_output_blocks);
-    assert_eq!(
-        tracked.policy_config.kv_aware,
-        KvAwareConfig::default().tracking_output_blocks(true)
-    );
-    assert!(tracked.policy_config.kv_aware.kv_overflow_weight > 0.0);
+    assert_eq!(tracked.policy_config.kv_aware, KvAwareConfig::default());
     let s = Args::try_parse_from([
         "kvroute",
         "--router-cost-model",
@@ -587,6 +584,8 @@ fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_four_flags_away() {
         "--router-prefill-load-scale",
         "1",
         "--router-prefill-interference-weight",
+        "0",
+        "--router-kv-overflow-weight",
         "0",
     ])
     .unwrap()

@@ -6,8 +6,7 @@ use kvroute_core::affinity::AffinityMode;
 use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::queue::{PolicyClass, QueueOrder};
 use kvroute_core::{
-    AssignmentMode, CacheAwareConfig, CostModel, KvAwareConfig, LlmDConfig, MemoryCost,
-    PolicyConfig, PolicyKind,
+    AssignmentMode, CacheAwareConfig, KvAwareConfig, LlmDConfig, PolicyConfig, PolicyKind,
 };
 
 use super::*;
@@ -203,65 +202,6 @@ impl Args {
         Ok(load_factor)
     }
 
-    /// The `kv_aware` policy's weights (`--router-*`, `--shared-cache-multiplier`).
-    fn kv_aware_config(&self) -> Result<KvAwareConfig, ConfigError> {
-        let kv = KvAwareConfig::default();
-        Ok(KvAwareConfig {
-            overlap_score_credit: weight(
-                "router_kv_overlap_score_credit",
-                self.router_kv_overlap_score_credit,
-                kv.overlap_score_credit,
-            )?,
-            prefill_load_scale: weight(
-                "router_prefill_load_scale",
-                self.router_prefill_load_scale,
-                kv.prefill_load_scale,
-            )?,
-            decode_active_request_weight: weight(
-                "router_decode_active_request_weight",
-                self.router_decode_active_request_weight,
-                kv.decode_active_request_weight,
-            )?,
-            memory_cost: match self.router_kv_memory_cost {
-                Some(MemoryCostArg::Linear) => MemoryCost::Linear,
-                Some(MemoryCostArg::Utilisation) => MemoryCost::Utilisation,
-                None => kv.memory_cost,
-            },
-            cost_model: match self.router_cost_model {
-                Some(CostModelArg::Weighted) => CostModel::Weighted,
-                Some(CostModelArg::Predicted) => CostModel::Predicted,
-                Some(CostModelArg::Calibrated) => CostModel::Calibrated,
-                None => kv.cost_model,
-            },
-            prefill_interference_weight: weight(
-                "router_prefill_interference_weight",
-                self.router_prefill_interference_weight,
-                kv.prefill_interference_weight,
-            )?,
-            temperature: weight(
-                "router_temperature",
-                self.router_temperature,
-                kv.temperature,
-            )?,
-            host_cache_hit_weight: weight(
-                "router_host_cache_hit_weight",
-                self.router_host_cache_hit_weight,
-                kv.host_cache_hit_weight,
-            )?,
-            disk_cache_hit_weight: weight(
-                "router_disk_cache_hit_weight",
-                self.router_disk_cache_hit_weight,
-                kv.disk_cache_hit_weight,
-            )?,
-            shared_cache_multiplier: weight(
-                "shared_cache_multiplier",
-                self.shared_cache_multiplier,
-                kv.shared_cache_multiplier,
-            )?,
-            ..kv.tracking_output_blocks(self.router_track_output_blocks)
-        })
-    }
-
     /// The `cache_aware` policy's thresholds and tree limits.
     fn cache_aware_config(&self) -> Result<CacheAwareConfig, ConfigError> {
         let ca = CacheAwareConfig::default();
@@ -426,7 +366,7 @@ impl Args {
 }
 
 /// A policy weight: a non-negative number, or the default.
-fn weight(name: &'static str, v: Option<f64>, default: f64) -> Result<f64, ConfigError> {
+pub(super) fn weight(name: &'static str, v: Option<f64>, default: f64) -> Result<f64, ConfigError> {
     match v {
         Some(x) if !(x.is_finite() && x >= 0.0) => Err(ConfigError::Invalid {
             name,

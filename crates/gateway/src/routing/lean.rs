@@ -91,9 +91,14 @@ pub(super) fn plan(
                 .map(move |(r, rank)| (w, r, rank))
         })
     };
-    let cluster = policy.cluster_of(
-        ranks().map(|(_, _, rank)| (rank.engine.load(started), Some(rank.published_speed()))),
-    );
+    let cluster = policy.cluster_of(ranks().map(|(_, _, rank)| {
+        let blocks = rank.load_summary().decode_blocks;
+        (
+            rank.engine.load(started),
+            Some(rank.published_speed()),
+            blocks,
+        )
+    }));
     let (tokens, block_size) = (prompt.ids.as_slice(), kv.block_size);
     let scores = kv.overlaps(&prompt.hashes, started);
     let held = Held::of(&scores);

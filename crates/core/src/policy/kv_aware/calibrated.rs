@@ -2,9 +2,9 @@
 //! [`super`]'s docs): each rank's speed against the cluster's, its share of the cluster's KV,
 //! and the blocks beyond nine tenths of its KV.
 
-use crate::Candidate;
+use crate::{Candidate, EngineLoad};
 
-/// kvroute's weight of the KV-overflow term where output blocks are tracked.
+/// kvroute's weight of the KV-overflow term.
 pub const DEFAULT_KV_OVERFLOW_WEIGHT: f64 = 4.0;
 /// The share of an engine's KV blocks beyond which the overflow term counts.
 pub const KV_OVERFLOW_SHARE: f64 = 0.9;
@@ -15,15 +15,38 @@ pub const SPEED_NOISE: f64 = 0.1;
 /// `exp(SPEED_NOISE)`: the ratio of speed factors at the edge of the noise band.
 pub(super) const NOISE_BAND: f64 = 1.105_170_918_075_647_7;
 
-/// The blocks `c`'s engine would hold beyond [`KV_OVERFLOW_SHARE`] of its KV with the
-/// request's `new_blocks` (0 when its capacity is unknown).
-pub(super) fn overflow(c: &Candidate<'_>, new_blocks: u64) -> f64 {
-    match c.engine.num_gpu_blocks {
+/// The KV blocks an engine (`engine`) holds for its active requests as the router best
+/// knows it: its own count (`decode_blocks`) or the engine's reported utilisation times its
+/// blocks, whichever is more. Without output blocks tracked the router's count misses the
+/// answers' blocks, which the engine's figure holds; the router's count holds the requests
+/// routed there that the engine has not admitted yet (or reported).
+fn kv_in_use(engine: &EngineLoad, decode_blocks: u64, capacity: u64) -> f64 {
+    let reported = engine.kv_usage.map_or(0.0, |u| u.clamp(0.0, 1.0)) * capacity as f64;
+    (decode_blocks as f64).max(reported)
+}
+
+/// The blocks an engine holding `decode_blocks` for the router would hold beyond
+/// [`KV_OVERFLOW_SHARE`] of its KV with `new_blocks` more (0 when its capacity is unknown).
+fn beyond_share(engine: &EngineLoad, decode_blocks: u64, new_blocks: u64) -> f64 {
+    match engine.num_gpu_blocks {
         Some(n) if n > 0 => {
-            ((c.kv.decode_blocks + new_blocks) as f64 - KV_OVERFLOW_SHARE * n as f64).max(0.0)
+            let held = kv_in_use(engine, decode_blocks, n);
+            (held + new_blocks as f64 - KV_OVERFLOW_SHARE * n as f64).max(0.0)
         }
         _ => 0.0,
     }
+}
+
+/// The blocks `c`'s engine would hold beyond [`KV_OVERFLOW_SHARE`] of its KV with the
+/// request's `new_blocks` (0 when its capacity is unknown).
+pub(super) fn overflow(c: &Candidate<'_>, new_blocks: u64) -> f64 {
+    beyond_share(&c.engine, c.kv.decode_blocks, new_blocks)
+}
+
+/// Whether an engine holds no more than [`KV_OVERFLOW_SHARE`] of its KV (or does not say how
+/// much it has): a place the overflow term can send a request to.
+pub(super) fn has_kv_room(engine: &EngineLoad, decode_blocks: u64) -> bool {
+    beyond_share(engine, decode_blocks, 0) == 0.0
 }
 
 /// The memory term with the request's own blocks at the decode price `d`: the blocks already
@@ -55,6 +78,8 @@ pub struct Cluster {
     pub decode_factor: f64,
     /// The mean KV capacity in blocks of the candidates that report one (0: none does).
     pub capacity: f64,
+    /// Whether some candidate has KV room ([`has_kv_room`]); without, the overflow term is 0.
+    pub kv_room: bool,
 }
 
 impl Cluster {
@@ -65,6 +90,7 @@ impl Cluster {
             prefill_factor: 1.0,
             decode_factor: 1.0,
             capacity: 0.0,
+            kv_room: true,
         }
     }
 
