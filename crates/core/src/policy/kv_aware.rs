@@ -1268,9 +1268,18 @@ mod tests {
             ..on.config.clone()
         });
         let full = [at(0, 950, None), at(1, 1000, None)];
-        let (a, b) = (counted.costs(&full, &r).unwrap(), off.costs(&full, &r).unwrap());
-        assert!((a[0] - b[0] - 150.0 * per_block).abs() < 1e-9, "{a:?} {b:?}");
-        assert!((a[1] - b[1] - 200.0 * per_block).abs() < 1e-9, "{a:?} {b:?}");
+        let (a, b) = (
+            counted.costs(&full, &r).unwrap(),
+            off.costs(&full, &r).unwrap(),
+        );
+        assert!(
+            (a[0] - b[0] - 150.0 * per_block).abs() < 1e-9,
+            "{a:?} {b:?}"
+        );
+        assert!(
+            (a[1] - b[1] - 200.0 * per_block).abs() < 1e-9,
+            "{a:?} {b:?}"
+        );
         // Unknown capacity: no term, and room to go to.
         let unknown = Candidate {
             engine: EngineLoad::default(),
