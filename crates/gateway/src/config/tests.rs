@@ -574,7 +574,12 @@ fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_five_flags_away() {
         .into_settings()
         .unwrap();
     assert!(tracked.track_output_blocks);
-    assert_eq!(tracked.policy_config.kv_aware, KvAwareConfig::default());
+    // Tracked, the router's counts hold the answers: the term applies where no engine has room.
+    let counted = KvAwareConfig {
+        answers_counted: true,
+        ..KvAwareConfig::default()
+    };
+    assert_eq!(tracked.policy_config.kv_aware, counted);
     let s = Args::try_parse_from([
         "kvroute",
         "--router-cost-model",
