@@ -52,24 +52,30 @@ async fn wait_candidates(router: &TestRouter, want: &[&str]) {
 }
 
 /// Where `n` requests went, each routed while the dry-run decision showed exactly the
-/// candidates `want` before and after it. On a starved machine an engine's gauges can go stale
-/// (after 2 s without a scrape) and read as unknown, which makes an overloaded engine a
-/// candidate again until the next scrape; a request routed in such a moment says nothing of
-/// the protection, so it is not counted and the test waits for fresh gauges again.
+/// candidates `want` before and after it, and not retried. On a starved machine an engine's
+/// gauges can go stale (after 2 s without a scrape) and read as unknown, which makes an
+/// overloaded engine a candidate again until the next scrape; and a request whose worker failed
+/// before its first byte (a pooled connection the mock closed) is retried on the others, the
+/// overloaded included when no other is left. Such a request says nothing of the protection,
+/// so it is not counted and the test waits for fresh gauges again.
 async fn routed_among(router: &TestRouter, want: &[&str], n: usize) -> Vec<String> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let retries = || async { metric_sum(&router.metrics().await, RETRIES, "") };
     let mut seen = Vec::new();
     while seen.len() < n {
         assert!(std::time::Instant::now() < deadline, "gauges never held");
         wait_candidates(router, want).await;
+        let before = retries().await;
         let r = post(&router.url, "/v1/completions", &[], BODY).await;
         assert_eq!(r.status, 200, "{:?}", r.body);
-        if decision(router).await.2 == want {
+        if decision(router).await.2 == want && retries().await == before {
             seen.push(r.worker().to_owned());
         }
     }
     seen
 }
+
+const RETRIES: &str = "kvroute_request_retries_total";
 
 async fn routed_to(router: &TestRouter, n: usize) -> Vec<String> {
     let mut seen = Vec::new();
