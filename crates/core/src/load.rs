@@ -78,6 +78,8 @@ pub struct RankLoad {
     /// so an empty bucket answers [`Self::new_blocks`] without reading `shared` (a cache miss
     /// per candidate, most of a decision's time at 1,024 workers).
     firsts: [u32; FIRST_BUCKETS],
+    /// Bit `b` set while `firsts[b] > 0` (what [`Self::summary`] publishes).
+    first_mask: u64,
 }
 
 const FIRST_BUCKETS: usize = 64;
@@ -98,6 +100,7 @@ impl Default for RankLoad {
             decayed: IdentityMap::default(),
             discount: 0.0,
             firsts: [0; FIRST_BUCKETS],
+            first_mask: 0,
         }
     }
 }
@@ -194,6 +197,7 @@ impl RankLoad {
         self.own_blocks += load.own_blocks;
         if let Some(&first) = load.blocks.first() {
             self.firsts[first_bucket(first)] += 1;
+            self.first_mask |= 1 << first_bucket(first);
         }
         for &h in &load.blocks {
             *self.shared.entry(h).or_insert(0) += 1;
@@ -217,6 +221,9 @@ impl RankLoad {
         if let Some(&first) = load.blocks.first() {
             let count = &mut self.firsts[first_bucket(first)];
             *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.first_mask &= !(1 << first_bucket(first));
+            }
         }
         if let Some(o) = &load.output {
             self.output_blocks = self.output_blocks.saturating_sub(o.blocks());
@@ -260,15 +267,12 @@ impl RankLoad {
 
     /// The numbers [`LoadSummary::terms_apart`] reads.
     pub fn summary(&self) -> LoadSummary {
-        let first_buckets = (self.firsts.iter().enumerate())
-            .filter(|(_, &n)| n > 0)
-            .fold(0u64, |mask, (b, _)| mask | 1 << b);
         LoadSummary {
             prefill_tokens: self.prefill_tokens,
             decode_blocks: self.decode_blocks(),
             active_requests: self.requests,
             prefilling_requests: self.prefilling,
-            first_buckets,
+            first_buckets: self.first_mask,
         }
     }
 
@@ -345,6 +349,10 @@ mod tests {
                     None => assert!(r.firsts[first_bucket(q.blocks[0])] > 0),
                 }
                 answered += usize::from(apart.is_some());
+                let counted = (r.firsts.iter().enumerate())
+                    .filter(|(_, &n)| n > 0)
+                    .fold(0u64, |mask, (b, _)| mask | 1 << b);
+                assert_eq!(r.summary().first_buckets, counted);
             }
         }
         assert!(skipped > 0, "some answers came from an empty bucket");
@@ -356,6 +364,7 @@ mod tests {
             r.finish(&l, false);
         }
         assert!(r.firsts.iter().all(|&n| n == 0) && r.shared.is_empty());
+        assert_eq!(r.first_mask, 0);
     }
 
     #[test]

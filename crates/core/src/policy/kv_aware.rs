@@ -293,6 +293,11 @@ impl KvAwareConfig {
     }
 }
 
+/// An engine's waiting requests as the saturation counts them (unknown: 0).
+fn waiting(engine: &EngineLoad) -> f64 {
+    engine.waiting.map_or(0.0, |w| w.max(0.0))
+}
+
 /// kvroute's default cost of an adapter load (see the module docs and BENCHMARKS.md).
 pub const DEFAULT_LORA_LOAD_COST: f64 = 4096.0;
 
@@ -335,13 +340,8 @@ impl KvAware {
     /// The cluster's saturation `S`: the fewest requests waiting in any candidate's engine,
     /// 0 when one of them does not report it (see the module docs).
     pub fn saturation(candidates: &[Candidate<'_>]) -> f64 {
-        Self::saturation_of(candidates.iter().map(|c| c.engine))
-    }
-
-    /// [`KvAware::saturation`] of the candidates' engines' loads.
-    fn saturation_of(engines: impl Iterator<Item = EngineLoad>) -> f64 {
-        engines
-            .map(|e| e.waiting.map_or(0.0, |w| w.max(0.0)))
+        (candidates.iter())
+            .map(|c| waiting(&c.engine))
             .reduce(f64::min)
             .unwrap_or(0.0)
     }
@@ -357,20 +357,17 @@ impl KvAware {
     /// candidates.
     pub fn cluster_of(
         &self,
-        ranks: impl Iterator<Item = (EngineLoad, Option<FittedSpeed>, u64)> + Clone,
+        ranks: impl Iterator<Item = (EngineLoad, Option<FittedSpeed>, u64)>,
     ) -> Cluster {
-        let saturation = Self::saturation_of(ranks.clone().map(|(engine, _, _)| engine));
-        let mut kv_room = self.config.answers_counted || ranks.clone().next().is_none();
-        kv_room |= (ranks.clone()).any(|(engine, _, blocks)| has_kv_room(&engine, blocks));
-        if self.config.cost_model != CostModel::Calibrated || ranks.clone().next().is_none() {
-            return Cluster {
-                kv_room,
-                ..Cluster::uniform(saturation)
-            };
-        }
-        let (mut prefill, mut decode) = ((0.0, 0.0), (0.0, 0.0));
-        let (mut capacity, prior) = ((0.0, 0.0), FittedSpeed::prior());
-        for (engine, speed, _) in ranks {
+        // One pass: a caller may read each rank's gauges from atomics as it goes.
+        let (mut saturation, mut kv_room, mut seen) = (None::<f64>, self.config.answers_counted, 0);
+        let (mut prefill, mut decode, mut capacity) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
+        let prior = FittedSpeed::prior();
+        for (engine, speed, blocks) in ranks {
+            seen += 1;
+            let queued = waiting(&engine);
+            saturation = Some(saturation.map_or(queued, |s| s.min(queued)));
+            kv_room = kv_room || has_kv_room(&engine, blocks);
             let s = speed.as_ref().unwrap_or(prior);
             if s.prefill_observations >= SPEED_EVIDENCE {
                 prefill = (prefill.0 + s.prefill_factor, prefill.1 + 1.0);
@@ -382,9 +379,15 @@ impl KvAware {
                 capacity = (capacity.0 + blocks as f64, capacity.1 + 1.0);
             }
         }
+        let uniform = Cluster {
+            kv_room: kv_room || seen == 0,
+            ..Cluster::uniform(saturation.unwrap_or(0.0))
+        };
+        if self.config.cost_model != CostModel::Calibrated || seen == 0 {
+            return uniform;
+        }
         let mean = |(sum, n): (f64, f64)| if n > 0.0 { sum / n } else { 1.0 };
         Cluster {
-            saturation,
             prefill_factor: mean(prefill),
             decode_factor: mean(decode),
             capacity: if capacity.1 > 0.0 {
@@ -392,7 +395,7 @@ impl KvAware {
             } else {
                 0.0
             },
-            kv_room,
+            ..uniform
         }
     }
 
