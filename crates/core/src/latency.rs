@@ -79,10 +79,17 @@
 //! decode factor  = exp(20th percentile of ln(gap / reference step(R, u)))
 //! ```
 //!
-//! each tracked online by a stochastic quantile in log space: a step of
-//! [`FACTOR_STEP`] towards each observation, up with weight `tau` and down with `1 - tau`,
+//! each tracked online by a stochastic quantile in log space: a step of [`FACTOR_STEP`]
+//! towards each observation, up with weight `tau` and down with `1 - tau`,
 //! kept within e^±3. A quantile moves by the same step whatever the observation's size, so
 //! an outlier (a stalled stream, a TTFT spent in a queue) moves it no more than any other.
+//! At its [`FACTOR_WARMUP`]th observation, when the factor starts to count, the exact
+//! quantile of the observations so far replaces the stepped one if they differ by more than
+//! the noise band ([`SPEED_NOISE`](crate::policy::SPEED_NOISE)): steps from the prior would
+//! take hundreds of observations to reach a rank far from it, and on the way the ranks that
+//! served more would read further from the prior than the idle ones (measured: 256 engines
+//! twenty times faster than the prior, where the busier ranks read faster and took every
+//! new prefix).
 //! The decode factor is a low quantile because an inter-token gap includes any prefill
 //! chunk that shares its step: the median of the gaps measures how much prefill a rank
 //! mixes in, its lower fifth the steps closest to pure decode. Why not the fits' own
@@ -120,16 +127,28 @@ pub const FACTOR_STEP: f64 = 0.02;
 /// The prefill model's prior coefficients (see [`LatencyModel::default`]).
 const PREFILL_PRIOR: [f64; 4] = [25.0, 20.0, 10.0, 200.0];
 
+/// After this many observations a speed factor starts from their own quantile when that is
+/// outside the noise band of the stepped one (see "Speed factors").
+pub const FACTOR_WARMUP: usize = 20;
+
 /// An online quantile of `ln(x)`, as a factor (see "Speed factors").
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct LogQuantile {
     log: f64,
     tau: f64,
+    /// The logs of the first [`FACTOR_WARMUP`] observations (`seen` of them so far).
+    first: [f32; FACTOR_WARMUP],
+    seen: u8,
 }
 
 impl LogQuantile {
     fn new(tau: f64) -> Self {
-        Self { log: 0.0, tau }
+        Self {
+            log: 0.0,
+            tau,
+            first: [0.0; FACTOR_WARMUP],
+            seen: 0,
+        }
     }
 
     /// One ratio of observed to reference; a non-finite or non-positive one is ignored.
@@ -139,6 +158,27 @@ impl LogQuantile {
         }
         let below = if ratio.ln() < self.log { 1.0 } else { 0.0 };
         self.log = (self.log + FACTOR_STEP * (self.tau - below)).clamp(-3.0, 3.0);
+        let seen = usize::from(self.seen);
+        if seen < FACTOR_WARMUP {
+            self.first[seen] = ratio.ln().clamp(-3.0, 3.0) as f32;
+            self.seen += 1;
+            if seen + 1 == FACTOR_WARMUP {
+                // The factor starts to count now. Steps from the prior have moved it at most
+                // a few tenths; were the rank far from the prior, the factor would be on its
+                // way still, and further along the more the rank served, so that the busier
+                // ranks of a cluster of engines faster (or slower) than the prior would read
+                // faster (slower) than the idle ones, whatever their speed. When the first
+                // observations' own quantile (nearest rank) is outside the noise band of the
+                // stepped factor, it starts from that quantile instead.
+                let mut logs = self.first;
+                logs.sort_unstable_by(f32::total_cmp);
+                let rank = (self.tau * FACTOR_WARMUP as f64).ceil().max(1.0) as usize - 1;
+                let quantile = f64::from(logs[rank]);
+                if (quantile - self.log).abs() > crate::policy::SPEED_NOISE {
+                    self.log = quantile;
+                }
+            }
+        }
     }
 
     fn factor(&self) -> f64 {
@@ -312,6 +352,27 @@ pub struct FittedSpeed {
     /// over the reference step: robust quantiles (see "Speed factors"; 1 at first).
     pub prefill_factor: f64,
     pub decode_factor: f64,
+}
+
+/// What the weighted and calibrated costs read of a rank's speed: its two factors and the
+/// observations behind them ([`FittedSpeed`]'s fields of those names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpeedFactors {
+    pub prefill_factor: f64,
+    pub decode_factor: f64,
+    pub prefill_observations: u64,
+    pub decode_observations: u64,
+}
+
+impl FittedSpeed {
+    pub fn factors(&self) -> SpeedFactors {
+        SpeedFactors {
+            prefill_factor: self.prefill_factor,
+            decode_factor: self.decode_factor,
+            prefill_observations: self.prefill_observations,
+            decode_observations: self.decode_observations,
+        }
+    }
 }
 
 impl Default for FittedSpeed {

@@ -12,10 +12,10 @@
 //! lean path (`routing/lean.rs`); `FULL=1` measures the full path, `POST /debug/route`'s.
 //!
 //! Each worker is healthy, publishes KV events (so the index, not the approximation, answers)
-//! and holds 16 prompts of 64 blocks in the index: 8 under one of 64 shared 32-block system
+//! and holds 16 prompts of 64 blocks in the index: 8 under 8 of 64 shared 32-block system
 //! prompts, 8 of its own. Four requests of 64 blocks are in flight on each (their blocks in
 //! its load accounting). The query is a held prompt's system prompt and a new tail: a hit of
-//! 32 blocks on the 1/64 of the workers that hold that system prompt. A worker count that the
+//! 32 blocks on the 1/8 of the workers that hold that system prompt. A worker count that the
 //! decision's cost grows with shows as a slope between the three.
 
 use std::hint::black_box;

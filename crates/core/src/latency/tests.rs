@@ -320,3 +320,39 @@ fn speed_factors_start_at_one_are_bounded_and_follow_a_change() {
     }
     assert!((m.speed().decode_factor / 2.0 - 1.0).abs() < 0.1);
 }
+
+#[test]
+fn a_ranks_factor_does_not_depend_on_how_much_it_served() {
+    // Twenty times faster than the reference (kvroute-sim at --speedup 20): ranks that
+    // served 20, 40 and 400 requests' worth read the same speed, within the noise band.
+    // Stepped from the prior, the busier rank read ~2x faster than the one that had just
+    // started to count, and took the cluster's new prefixes.
+    let mut rng = SmallRng::seed_from_u64(11);
+    let d = DecodeFeatures {
+        running: 8.0,
+        kv_usage: 0.3,
+    };
+    let factors: Vec<(f64, f64)> = [FACTOR_WARMUP, 2 * FACTOR_WARMUP, 20 * FACTOR_WARMUP]
+        .into_iter()
+        .map(|n| {
+            let mut m = LatencyModel::default();
+            for _ in 0..n {
+                let f = features(&mut rng);
+                let noise = rng.random_range(0.95..1.05);
+                m.observe_ttft(&f, noise * dot(&PREFILL_PRIOR, &f.x()) / 20.0);
+                m.observe_gap(&d, noise * d.reference_step_ms() / 20.0);
+            }
+            let s = m.speed();
+            (s.prefill_factor, s.decode_factor)
+        })
+        .collect();
+    let band = crate::policy::SPEED_NOISE.exp();
+    for (prefill, decode) in &factors {
+        for got in [prefill, decode] {
+            assert!((got * 20.0 - 1.0).abs() < 0.1, "{factors:?}");
+        }
+        let (p0, d0) = factors[0];
+        assert!(prefill / p0 < band && p0 / prefill < band, "{factors:?}");
+        assert!(decode / d0 < band && d0 / decode < band, "{factors:?}");
+    }
+}

@@ -167,13 +167,15 @@
 use rand::{Rng, RngCore};
 
 use super::{Policy, PolicyKind};
-use crate::latency::FittedSpeed;
+use crate::latency::{FittedSpeed, SpeedFactors};
 use crate::{Candidate, Decision, EngineLoad, RouteRequest};
 
 mod calibrated;
+mod priced;
 
-use calibrated::{has_kv_room, memory_priced, overflow};
+use calibrated::has_kv_room;
 pub use calibrated::{Cluster, DEFAULT_KV_OVERFLOW_WEIGHT, SPEED_EVIDENCE, SPEED_NOISE};
+pub use priced::PromptTerms;
 
 /// How the memory term counts KV blocks (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -349,26 +351,27 @@ impl KvAware {
     /// What the cost of each candidate reads from all of them: the saturation and, for the
     /// calibrated model, the mean speed factors.
     pub fn cluster(&self, candidates: &[Candidate<'_>]) -> Cluster {
-        self.cluster_of((candidates.iter()).map(|c| (c.engine, c.speed, c.kv.decode_blocks)))
+        let prior = FittedSpeed::prior();
+        self.cluster_of((candidates.iter()).map(|c| {
+            let speed = c.speed.as_ref().unwrap_or(prior).factors();
+            (c.engine, speed, c.kv.decode_blocks)
+        }))
     }
 
-    /// [`KvAware::cluster`] of candidates given by their engines' loads, their speeds
-    /// (`None`: the prior) and their decode blocks, for a caller that has not built the
-    /// candidates.
+    /// [`KvAware::cluster`] of candidates given by their engines' loads, their speed factors
+    /// and their decode blocks, for a caller that has not built the candidates.
     pub fn cluster_of(
         &self,
-        ranks: impl Iterator<Item = (EngineLoad, Option<FittedSpeed>, u64)>,
+        ranks: impl Iterator<Item = (EngineLoad, SpeedFactors, u64)>,
     ) -> Cluster {
         // One pass: a caller may read each rank's gauges from atomics as it goes.
         let (mut saturation, mut kv_room, mut seen) = (None::<f64>, self.config.answers_counted, 0);
         let (mut prefill, mut decode, mut capacity) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
-        let prior = FittedSpeed::prior();
-        for (engine, speed, blocks) in ranks {
+        for (engine, s, blocks) in ranks {
             seen += 1;
             let queued = waiting(&engine);
             saturation = Some(saturation.map_or(queued, |s| s.min(queued)));
             kv_room = kv_room || has_kv_room(&engine, blocks);
-            let s = speed.as_ref().unwrap_or(prior);
             if s.prefill_observations >= SPEED_EVIDENCE {
                 prefill = (prefill.0 + s.prefill_factor, prefill.1 + 1.0);
             }
@@ -426,60 +429,20 @@ impl KvAware {
                 cost
             };
         }
-        let o = c.kv.overlap;
-        let block_size = request.block_size.max(1);
-        let prompt_blocks = request.prompt_tokens.div_ceil(block_size) as u64;
-        // Blocks held by the rank's active requests that the overlap does not report yet.
-        let pending = prompt_blocks
-            .saturating_sub(c.kv.new_blocks)
-            .saturating_sub(u64::from(o.total()));
-        let credit = k.overlap_score_credit * (f64::from(o.device) + pending as f64)
-            + k.host_cache_hit_weight * f64::from(o.host)
-            + k.disk_cache_hit_weight * f64::from(o.disk)
-            + k.shared_cache_multiplier * f64::from(o.external);
-        let prompt = request.prompt_tokens as f64 / block_size as f64;
-        let prefill_blocks = c.kv.prefill_tokens as f64 / block_size as f64 + prompt;
-        // The request's blocks not resident on the rank (see the module docs).
-        let new_blocks =
-            c.kv.new_blocks
-                .min(prompt_blocks.saturating_sub(u64::from(o.device)));
-        let memory = (c.kv.decode_blocks + new_blocks) as f64;
-        let memory = match (k.memory_cost, c.engine.num_gpu_blocks) {
-            (MemoryCost::Utilisation, Some(capacity)) if capacity > 0 => {
-                memory * memory / capacity as f64
-            }
-            _ => memory,
-        };
-        // The blocks this request's prefill computes, and the requests decoding beside it.
-        let uncached = prompt_blocks.saturating_sub(u64::from(o.total()) + pending) as f64;
-        let decoding =
-            c.kv.active_requests
-                .saturating_sub(c.kv.prefilling_requests) as f64;
-        // The calibrated model's prices of prefill and decode work and its KV share.
-        // The overflow term, where some candidate has room to send the request to.
-        let overflow_weight = if cluster.kv_room {
-            k.kv_overflow_weight
-        } else {
-            0.0
-        };
-        let (p, d, share) = match k.cost_model {
-            CostModel::Calibrated => {
-                let (p, d) = cluster.prices(c);
-                (p, d, cluster.memory_share(c))
-            }
-            _ => (1.0, 1.0, 1.0),
-        };
-        let mut cost = p * k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
-            + p * k.prefill_load_scale * saturation * (prompt - credit).max(0.0)
-            + share * memory_priced(memory, c.kv.decode_blocks + new_blocks, new_blocks, d)
-            + p * k.prefill_interference_weight * uncached * decoding
-            + d * k.decode_active_request_weight * c.kv.active_requests as f64
-            + k.lora_load_cost * c.adapter.expected_loads()
-            + p * k.prefill_load_scale * overflow_weight * overflow(c, new_blocks);
+        let speed = c.speed.as_ref().unwrap_or(FittedSpeed::prior()).factors();
+        let cost = self.priced(
+            &PromptTerms::of(request),
+            cluster,
+            &c.kv,
+            &c.engine,
+            &speed,
+            c.adapter.expected_loads(),
+        );
         if request.has_preferred_taints {
-            cost *= (-c.kv.preferred_taint_weight.tanh()).exp();
+            cost * (-c.kv.preferred_taint_weight.tanh()).exp()
+        } else {
+            cost
         }
-        cost
     }
 }
 

@@ -4,30 +4,35 @@
 //! active requests; every other rank's cost is a function of its load alone. So in a pool of
 //! [`LEAN_FROM_WORKERS`] workers or more, a plain request (no pin, allowed list, taints,
 //! latency targets, adapter, session binding, busy thresholds or overload protection: those
-//! take the full path, [`super::plan`]'s) is decided in two passes over the ranks, neither
-//! taking a rank's lock nor allocating per rank:
+//! take the full path, [`super::plan`]'s) is decided in two passes, neither taking a rank's
+//! lock nor building a candidate for a rank that holds none of the prompt:
 //!
-//! 1. the cluster's terms ([`KvAware::cluster_of`]: saturation, mean speeds and capacity)
-//!    from each rank's engine gauges and published speed factors;
-//! 2. each rank's cost: from its published [`LoadSummary`] when the index reports none of
-//!    the prompt there and no active request there starts in the bucket of the prompt's
-//!    first block ([`LoadSummary::terms_apart`]), else from its locked load, as the full
-//!    path reads it. The cheapest wins, exact ties at random.
+//! 1. each rank's published [`LoadSummary`], engine gauges and speed factors are read once,
+//!    into a flat array of rows, and the cluster's terms ([`KvAware::cluster_of`]:
+//!    saturation, mean speeds and capacity) summed on the way;
+//! 2. each row's cost: from its summary when the index reports none of the prompt there
+//!    and no active request there starts in the bucket of the prompt's first block
+//!    ([`LoadSummary::terms_apart`]), else from its rank's locked load, as the full path
+//!    reads it. The cheapest wins, exact ties at random.
 //!
-//! The cost is [`KvAware::cost_in`], the full path's, on the same terms: the choice is the
-//! one the full path would make on the same state. The plan keeps as choices the ranks
-//! costed from their locked load and the winner (the dashboard shows those, and how many
-//! ranks were costed); `POST /debug/route` takes the full path and shows every candidate.
-//! What it saves: at 1,024 workers, a locked read, a speed model's copy, a candidate and a
-//! predicted latency per rank (BENCHMARKS.md, "A kv_aware decision at 16, 256 and 1,024
-//! workers").
+//! The cost is [`KvAware::priced`], what the full path's [`KvAware::cost_in`] computes, on
+//! the same terms: the choice is the one the full path would make on the same state. The
+//! plan keeps as choices the [`SHOWN`] cheapest ranks costed from their locked load and the
+//! winner (the dashboard shows those, and how many ranks were costed); `POST /debug/route`
+//! takes the full path and shows every candidate. What it saves: at 1,024 workers, a
+//! locked read, a speed model's copy, a candidate and a predicted latency per rank
+//! (BENCHMARKS.md, "A kv_aware decision at 16, 256 and 1,024 workers").
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_core::eligibility::{BusyThresholds, Hints};
+use kvroute_core::latency::SpeedFactors;
 use kvroute_core::policy::predict::predict;
-use kvroute_core::policy::KvAware;
-use kvroute_core::{AdapterFit, Candidate, RequestLoad, RouteRequest};
+use kvroute_core::policy::{KvAware, PromptTerms};
+use kvroute_core::{
+    AdapterFit, Candidate, EngineLoad, KvTerms, LoadSummary, RequestLoad, RouteRequest,
+};
 use kvroute_index::{OverlapScores, ReplicaId};
 use rand::Rng;
 
@@ -61,12 +66,17 @@ pub(super) fn applies<'p>(
     pool.policy.kv_aware().filter(|k| k.decides_on_load())
 }
 
-/// One rank and its terms, costed.
-struct Costed<'a> {
-    worker: &'a std::sync::Arc<Worker>,
-    rank: usize,
-    candidate: Candidate<'a>,
-    cost: f64,
+/// One rank as the decision reads it, once, from its published atomics and its engine's
+/// gauges: both passes read these rows, a flat array, not the ranks.
+#[derive(Clone, Copy)]
+struct Row {
+    /// The rank's worker, by its index among the available ones, and the rank's index.
+    worker: u32,
+    rank: u32,
+    replica: ReplicaId,
+    summary: LoadSummary,
+    engine: EngineLoad,
+    speed: SpeedFactors,
 }
 
 /// The lean decision (see the module docs), or `None` when no worker of `pool` is available
@@ -78,26 +88,25 @@ pub(super) fn plan(
     prompt: &Tokens,
     started: Instant,
 ) -> Option<Plan> {
-    let available: Vec<&std::sync::Arc<Worker>> = pool
+    let available: Vec<&Arc<Worker>> = pool
         .workers
         .iter()
         .filter(|w| w.available(started))
         .collect();
-    let ranks = || {
-        (available.iter().copied()).flat_map(|w| {
-            w.ranks
-                .iter()
-                .enumerate()
-                .map(move |(r, rank)| (w, r, rank))
+    let mut rows = Vec::with_capacity(available.len());
+    let read = (available.iter().enumerate()).flat_map(|(i, w)| {
+        w.ranks.iter().enumerate().map(move |(r, rank)| Row {
+            worker: i as u32,
+            rank: r as u32,
+            replica: rank.replica,
+            summary: rank.load_summary(),
+            engine: rank.engine.load(started),
+            speed: rank.published_factors(),
         })
-    };
-    let cluster = policy.cluster_of(ranks().map(|(_, _, rank)| {
-        let blocks = rank.load_summary().decode_blocks;
-        (
-            rank.engine.load(started),
-            Some(rank.published_speed()),
-            blocks,
-        )
+    });
+    let cluster = policy.cluster_of(read.map(|row| {
+        rows.push(row);
+        (row.engine, row.speed, row.summary.decode_blocks)
     }));
     let (tokens, block_size) = (prompt.ids.as_slice(), kv.block_size);
     let scores = kv.overlaps(&prompt.hashes, started);
@@ -118,47 +127,54 @@ pub(super) fn plan(
         dry_run: false,
         now: started,
     };
+    let terms = PromptTerms::of(&request);
     let mut scan = Scan::default();
-    for (w, r, rank) in ranks() {
-        let counts = if held.may_hold(rank.replica) {
-            overlap(kv.counts(&scores, w, rank.replica)).capped(tokens.len(), block_size)
+    for (i, row) in rows.iter().enumerate() {
+        // Most ranks: absent from the index's answer, no active request in the prompt's
+        // first-block bucket. Their terms are their summary's, their rank not touched.
+        let worker = available[row.worker as usize];
+        let counts = if held.may_hold(row.replica) {
+            overlap(kv.counts(&scores, worker, row.replica)).capped(tokens.len(), block_size)
         } else {
             Default::default()
         };
         let apart = (counts.total() == 0)
-            .then(|| rank.load_summary().terms_apart(&request_blocks, 0.0))
+            .then(|| row.summary.terms_apart(&request_blocks, 0.0))
             .flatten();
         let from_lock = apart.is_none();
-        let terms = apart
-            .unwrap_or_else(|| rank.with_load(|load| load.kv_terms(counts, &request_blocks, 0.0)));
-        let candidate = Candidate {
-            worker: &w.id,
-            dp_rank: rank.dp_rank,
-            in_flight: rank.in_flight(),
-            kv: terms,
-            engine: rank.engine.load(started),
-            speed: Some(rank.published_speed()),
-            adapter: AdapterFit::None,
-        };
-        let cost = policy.cost_in(&candidate, &request, &cluster);
-        let costed = Costed {
-            worker: w,
-            rank: r,
-            candidate,
-            cost,
-        };
-        scan.offer(costed, from_lock);
+        let terms_of = apart.unwrap_or_else(|| {
+            let rank = &worker.ranks[row.rank as usize];
+            rank.with_load(|load| load.kv_terms(counts, &request_blocks, 0.0))
+        });
+        let cost = policy.priced(&terms, &cluster, &terms_of, &row.engine, &row.speed, 0.0);
+        scan.offer(i, terms_of, cost, from_lock);
     }
     let Scanned {
-        costed: locked,
+        costed,
         chosen,
         scored,
     } = scan.finish()?;
+    let choices: Vec<(Choice, f64)> = (costed.into_iter())
+        .map(|(i, terms, cost)| {
+            let row = &rows[i];
+            let worker = available[row.worker as usize];
+            let rank = row.rank as usize;
+            let choice = Choice {
+                worker: worker.clone(),
+                rank,
+                in_flight: worker.ranks[rank].in_flight(),
+                kv: terms,
+                engine: row.engine,
+                adapter: AdapterFit::None,
+            };
+            (choice, cost)
+        })
+        .collect();
     let saturation = cluster.saturation;
-    let predictions = (locked.iter())
+    let predictions = (choices.iter())
         .map(|(c, _)| predict(&candidate_of(c), &request, saturation))
         .collect();
-    let (choices, costs): (Vec<Choice>, Vec<f64>) = locked.into_iter().unzip();
+    let (choices, costs): (Vec<Choice>, Vec<f64>) = choices.into_iter().unzip();
     Some(Plan {
         policy: pool.policy.kind(),
         choices,
@@ -175,23 +191,30 @@ pub(super) fn plan(
     })
 }
 
-/// The costed ranks as they come: those costed from their locked load, and the cheapest,
-/// exact ties drawn uniformly (reservoir sampling).
+/// The ranks costed from their locked load that a plan shows as choices, the cheapest (a
+/// popular prefix may be held by a hundred ranks of a thousand: each shown costs its
+/// predicted latency, read under its latency model's lock, and the dashboard a row).
+const SHOWN: usize = 8;
+
+/// A costed row: its index, its terms, its cost.
+type Costed = (usize, KvTerms, f64);
+
+/// The costed rows as they come: the [`SHOWN`] cheapest of those costed from their rank's
+/// locked load, and the cheapest of all, exact ties drawn uniformly (reservoir sampling).
 #[derive(Default)]
-struct Scan<'a> {
-    locked: Vec<(Choice, f64)>,
-    best: Option<Costed<'a>>,
+struct Scan {
+    locked: Vec<Costed>,
+    best: Option<Costed>,
     ties: u32,
     scored: usize,
 }
 
-impl<'a> Scan<'a> {
-    fn offer(&mut self, costed: Costed<'a>, from_lock: bool) {
+impl Scan {
+    fn offer(&mut self, row: usize, terms: KvTerms, cost: f64, from_lock: bool) {
         self.scored += 1;
-        let cost = costed.cost;
         let take = match &self.best {
-            Some(b) if cost > b.cost => false,
-            Some(b) if cost == b.cost => {
+            Some(b) if cost > b.2 => false,
+            Some(b) if cost == b.2 => {
                 self.ties += 1;
                 rand::rng().random_range(0..self.ties) == 0
             }
@@ -201,24 +224,26 @@ impl<'a> Scan<'a> {
             }
         };
         if from_lock {
-            self.locked.push(choice(&costed));
+            // The cheapest SHOWN, in order of cost.
+            let at = self.locked.partition_point(|c| c.2 <= cost);
+            if at < SHOWN {
+                self.locked.truncate(SHOWN - 1);
+                self.locked.insert(at, (row, terms, cost));
+            }
         }
         if take {
-            self.best = Some(costed);
+            self.best = Some((row, terms, cost));
         }
     }
 
-    /// The choices (the locked ones and the winner), the winner's index among them, and
-    /// how many ranks were costed; `None` when none was.
+    /// The rows to show as choices (the cheapest locked ones and the winner), the winner's index
+    /// among them, and how many rows were costed; `None` when none was.
     fn finish(mut self) -> Option<Scanned> {
         let best = self.best?;
-        let winner = |(c, _): &(Choice, f64)| {
-            std::sync::Arc::ptr_eq(&c.worker, best.worker) && c.rank == best.rank
-        };
-        let chosen = match self.locked.iter().position(winner) {
+        let chosen = match self.locked.iter().position(|c| c.0 == best.0) {
             Some(i) => i,
             None => {
-                self.locked.push(choice(&best));
+                self.locked.push(best);
                 self.locked.len() - 1
             }
         };
@@ -232,7 +257,7 @@ impl<'a> Scan<'a> {
 
 /// What [`Scan::finish`] keeps.
 struct Scanned {
-    costed: Vec<(Choice, f64)>,
+    costed: Vec<Costed>,
     chosen: usize,
     scored: usize,
 }
@@ -255,19 +280,6 @@ impl Held {
         let b = replica.0 as usize % 256;
         self.0[b / 64] >> (b % 64) & 1 == 1
     }
-}
-
-/// The plan's choice of a costed rank, with its cost.
-fn choice(c: &Costed<'_>) -> (Choice, f64) {
-    let choice = Choice {
-        worker: c.worker.clone(),
-        rank: c.rank,
-        in_flight: c.candidate.in_flight,
-        kv: c.candidate.kv,
-        engine: c.candidate.engine,
-        adapter: AdapterFit::None,
-    };
-    (choice, c.cost)
 }
 
 /// The candidate of a choice, at its rank's published speed.

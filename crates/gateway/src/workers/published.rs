@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvroute_core::latency::FittedSpeed;
+use kvroute_core::latency::{FittedSpeed, SpeedFactors};
 use kvroute_core::LoadSummary;
 
 #[derive(Debug)]
@@ -70,20 +70,19 @@ impl Published {
         }
     }
 
-    /// The prior with the published factors and their observations: all that the
-    /// weighted and calibrated costs read of a speed
+    /// The published factors and their observations: all that the weighted and calibrated
+    /// costs read of a speed
     /// ([`KvAware::decides_on_load`](kvroute_core::policy::KvAware::decides_on_load)).
-    pub(crate) fn speed(&self) -> FittedSpeed {
+    pub(crate) fn factors(&self) -> SpeedFactors {
         let [prefill, decode, prefill_observations, decode_observations] = self
             .speed
             .each_ref()
             .map(|cell| cell.load(Ordering::Relaxed));
-        FittedSpeed {
+        SpeedFactors {
             prefill_factor: f64::from_bits(prefill),
             decode_factor: f64::from_bits(decode),
             prefill_observations,
             decode_observations,
-            ..*FittedSpeed::prior()
         }
     }
 }
@@ -95,7 +94,7 @@ mod tests {
     #[test]
     fn what_is_stored_is_read_back() {
         let p = Published::default();
-        assert_eq!(p.speed(), *FittedSpeed::prior());
+        assert_eq!(p.factors(), FittedSpeed::prior().factors());
         let s = LoadSummary {
             prefill_tokens: 1,
             decode_blocks: 2,
@@ -113,6 +112,6 @@ mod tests {
             ..*FittedSpeed::prior()
         };
         p.store_speed(&fitted);
-        assert_eq!(p.speed(), fitted);
+        assert_eq!(p.factors(), fitted.factors());
     }
 }

@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::eligibility::{BusyThresholds, RankPressure};
-use kvroute_core::latency::{DecodeFeatures, FittedSpeed, LatencyModel, PrefillFeatures};
+use kvroute_core::latency::{
+    DecodeFeatures, FittedSpeed, LatencyModel, PrefillFeatures, SpeedFactors,
+};
 use kvroute_core::{AdapterFit, LoadSummary, RankLoad, RecentAdapters, RequestLoad};
 use kvroute_index::ReplicaId;
 use kvroute_protocol::{ModelId, WorkerId};
@@ -64,10 +66,10 @@ impl Rank {
         self.published.load()
     }
 
-    /// Its speed factors as last published, on the prior (no lock; all that
-    /// `KvAware::decides_on_load` costs read of a speed).
-    pub fn published_speed(&self) -> FittedSpeed {
-        self.published.speed()
+    /// Its speed factors as last published (no lock; all that `KvAware::decides_on_load`
+    /// costs read of a speed).
+    pub fn published_factors(&self) -> SpeedFactors {
+        self.published.factors()
     }
 
     /// Whether `thresholds` call this rank overloaded now (updates the decode latch).

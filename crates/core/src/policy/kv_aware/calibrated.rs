@@ -2,6 +2,7 @@
 //! [`super`]'s docs): each rank's speed against the cluster's, its share of the cluster's KV,
 //! and the blocks beyond nine tenths of its KV.
 
+use crate::latency::SpeedFactors;
 use crate::{Candidate, EngineLoad};
 
 /// kvroute's weight of the KV-overflow term.
@@ -27,7 +28,7 @@ fn kv_in_use(engine: &EngineLoad, decode_blocks: u64, capacity: u64) -> f64 {
 
 /// The blocks an engine holding `decode_blocks` for the router would hold beyond
 /// [`KV_OVERFLOW_SHARE`] of its KV with `new_blocks` more (0 when its capacity is unknown).
-fn beyond_share(engine: &EngineLoad, decode_blocks: u64, new_blocks: u64) -> f64 {
+pub(super) fn beyond_share(engine: &EngineLoad, decode_blocks: u64, new_blocks: u64) -> f64 {
     match engine.num_gpu_blocks {
         Some(n) if n > 0 => {
             let held = kv_in_use(engine, decode_blocks, n);
@@ -35,12 +36,6 @@ fn beyond_share(engine: &EngineLoad, decode_blocks: u64, new_blocks: u64) -> f64
         }
         _ => 0.0,
     }
-}
-
-/// The blocks `c`'s engine would hold beyond [`KV_OVERFLOW_SHARE`] of its KV with the
-/// request's `new_blocks` (0 when its capacity is unknown).
-pub(super) fn overflow(c: &Candidate<'_>, new_blocks: u64) -> f64 {
-    beyond_share(&c.engine, c.kv.decode_blocks, new_blocks)
 }
 
 /// Whether an engine holds no more than [`KV_OVERFLOW_SHARE`] of its KV (or does not say how
@@ -62,10 +57,11 @@ pub(super) fn memory_priced(memory: f64, blocks: u64, new_blocks: u64, d: f64) -
     memory * (1.0 + (d - 1.0) * own)
 }
 
-/// A rank's speed factor counts after this many observations; before, the rank is priced
-/// at the cluster's mean (an engine the router has not seen work is not taken as slow or
-/// fast, which would keep it from ever being seen).
-pub const SPEED_EVIDENCE: u64 = 20;
+/// A rank's speed factor counts after this many observations (those that set it:
+/// [`FACTOR_WARMUP`](crate::latency::FACTOR_WARMUP)); before, the rank is priced at the
+/// cluster's mean (an engine the router has not seen work is not taken as slow or fast,
+/// which would keep it from ever being seen).
+pub const SPEED_EVIDENCE: u64 = crate::latency::FACTOR_WARMUP as u64;
 
 /// What each candidate's cost reads from all the candidates ([`KvAware::cluster`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -94,23 +90,26 @@ impl Cluster {
         }
     }
 
-    /// What one block of `c`'s memory term counts: the share of its engine's KV it takes,
+    /// What one block of the memory term counts on `engine`: the share of its KV it takes,
     /// against the mean engine's (1 where either is unknown).
-    pub fn memory_share(&self, c: &Candidate<'_>) -> f64 {
-        match c.engine.num_gpu_blocks {
+    pub fn share_of(&self, engine: &EngineLoad) -> f64 {
+        match engine.num_gpu_blocks {
             Some(n) if n > 0 && self.capacity > 0.0 => self.capacity / n as f64,
             _ => 1.0,
         }
     }
 
-    /// The prices of `c`'s prefill and decode work relative to the cluster's mean, with
-    /// differences within [`SPEED_NOISE`] taken as none and a rank without
-    /// [`SPEED_EVIDENCE`] at the mean.
+    /// The prices of `c`'s prefill and decode work relative to the cluster's mean
+    /// ([`Cluster::prices_of`] its speed, the prior's without one).
     pub fn prices(&self, c: &Candidate<'_>) -> (f64, f64) {
-        let s = c
-            .speed
-            .as_ref()
-            .unwrap_or(crate::latency::FittedSpeed::prior());
+        let prior = crate::latency::FittedSpeed::prior();
+        self.prices_of(&c.speed.as_ref().unwrap_or(prior).factors())
+    }
+
+    /// The prices of a rank's prefill and decode work at speed `s`, relative to the
+    /// cluster's mean, with differences within [`SPEED_NOISE`] taken as none and a rank
+    /// without [`SPEED_EVIDENCE`] at the mean.
+    pub fn prices_of(&self, s: &SpeedFactors) -> (f64, f64) {
         // exp(sign(l) * max(0, |l| - noise)) with l = ln(ratio), without a log or an exp: 1
         // inside the band, the ratio brought back by the band's edge outside it.
         let band = NOISE_BAND;

@@ -12,7 +12,7 @@ use prometheus_client::registry::Registry;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use super::LEAN_FROM_WORKERS;
+use super::{LEAN_FROM_WORKERS, SHOWN};
 use crate::engine_metrics::RankReading;
 use crate::kv::{KvState, WorkerSink};
 use crate::kv_events::EventSink;
@@ -173,6 +173,11 @@ fn the_lean_decision_is_the_full_decisions_cheapest() {
                 assert_eq!(full.choices[i].kv, chosen.kv);
                 assert_eq!(lean.ranks_scored, full.choices.len());
                 assert!(lean.choices.len() <= full.choices.len());
+                // At most the SHOWN cheapest of the locked ranks, in order, and the winner.
+                let costs = lean.costs.as_ref().unwrap();
+                assert!(costs.len() <= SHOWN + 1, "{costs:?}");
+                let shown = &costs[..costs.len().min(SHOWN)];
+                assert!(shown.is_sorted(), "{costs:?}");
                 leaner += usize::from(lean.choices.len() < full.choices.len() / 2);
             }
         }
