@@ -47,6 +47,7 @@ pub(super) enum Placement {
 }
 
 /// What the router sees of an arriving request.
+#[derive(Clone, Copy)]
 pub(super) struct Arrival<'a> {
     pub tokens: &'a [u32],
     pub hashes: &'a [BlockHash],
@@ -206,7 +207,18 @@ impl Router {
                 decode,
                 min_uncached_tokens,
             } => {
-                let (d, decode_load, features) = self.choose(decode, req, scores, engines, rng);
+                // Each half answers for its part of the latency, as the gateway's P/D plan
+                // has it: the prefill half for the first token, the decode half for the time
+                // per output token (a decode-only request too: placed on its TPOT target).
+                let only = |keep_ttft: bool| Arrival {
+                    slo: req.slo.map(|t| SloTargets {
+                        ttft_ms: t.ttft_ms.filter(|_| keep_ttft),
+                        tpot_ms: t.tpot_ms.filter(|_| !keep_ttft),
+                    }),
+                    ..*req
+                };
+                let (d, decode_load, features) =
+                    self.choose(decode, &only(false), scores, engines, rng);
                 let decode_load = self.answer(decode_load, req);
                 let held = scores.get(ReplicaId(d as u32)).total() as usize * self.block_size;
                 let uncached = (req.tokens.len() - held.min(req.tokens.len())) as u64;
@@ -218,7 +230,7 @@ impl Router {
                     };
                 }
                 let (p, prefill_load, prefill_features) =
-                    self.choose(prefill, req, scores, engines, rng);
+                    self.choose(prefill, &only(true), scores, engines, rng);
                 Placement::Split {
                     prefill: p,
                     prefill_load,
