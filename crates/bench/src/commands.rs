@@ -46,6 +46,8 @@ pub struct Setup {
     pub slo: Option<SloConfig>,
     /// Output-block tracking in the router, when on.
     pub output_blocks: Option<OutputTracking>,
+    /// [`SimConfig::sample_ranks`].
+    pub sample_ranks: usize,
 }
 
 impl Setup {
@@ -64,6 +66,7 @@ impl Setup {
             loras: self.loras,
             slo: self.slo.clone(),
             output_blocks: self.output_blocks,
+            sample_ranks: self.sample_ranks,
         }
     }
 }

@@ -317,6 +317,12 @@ struct ClusterArgs {
     max_num_seqs: usize,
     #[arg(long, default_value_t = 8192)]
     max_num_batched_tokens: usize,
+    /// A study of a sampled decision (issue 32; the router has no such option): kv_aware
+    /// chooses among the engines that hold some of the prompt (cached, or in their active
+    /// requests) and N others drawn at random, the cluster's terms taken over those (0: every
+    /// engine, as the router does).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    sample_ranks: usize,
     #[command(flatten)]
     workload: Workload,
     #[command(flatten)]
@@ -421,6 +427,7 @@ impl ClusterArgs {
             shapes,
             loras,
             slo: self.slo.config(),
+            sample_ranks: self.sample_ranks,
             output_blocks: match (
                 self.kv_aware.router_track_output_blocks,
                 self.kv_aware.agent_hints_osl,

@@ -94,6 +94,10 @@ pub struct SimConfig {
     pub slo: Option<SloConfig>,
     /// Output-block tracking in the router, when on (see the module docs).
     pub output_blocks: Option<OutputTracking>,
+    /// kv_aware chooses among the engines holding some of the prompt and this many others
+    /// drawn at random, when not 0 (`--sample-ranks`: a study of a sampled decision, which
+    /// the router does not make; see the `route` module).
+    pub sample_ranks: usize,
 }
 
 /// What the router counts of an answer's output (`--router-track-output-blocks`).

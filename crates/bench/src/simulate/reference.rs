@@ -297,6 +297,7 @@ mod tests {
             loras: 0,
             slo: None,
             output_blocks: None,
+            sample_ranks: 0,
         }
     }
 

@@ -103,6 +103,9 @@ pub(super) struct Router {
     num_gpu_blocks: Vec<u64>,
     /// Output-block tracking, when on.
     pub output_blocks: Option<OutputTracking>,
+    /// `SimConfig::sample_ranks`: kv_aware's candidates are the prompt's holders and this
+    /// many others drawn at random (0: every engine).
+    pub sample_ranks: usize,
 }
 
 impl Router {
@@ -146,6 +149,7 @@ impl Router {
             block_size,
             num_gpu_blocks,
             output_blocks: None,
+            sample_ranks: 0,
         }
     }
 
@@ -316,6 +320,11 @@ impl Router {
             .and_then(|t| by_headroom(pool, &candidates, &request, &t));
         let chosen = match by_headroom {
             Some(index) => index,
+            None if kv_aware && self.sample_ranks > 0 => {
+                let kept = sampled(&candidates, req.hashes.len(), self.sample_ranks, rng);
+                let sample: Vec<Candidate<'_>> = kept.iter().map(|&i| candidates[i]).collect();
+                (pool.policy.select(&sample, &request, rng)).map_or(kept[0], |d| kept[d.index])
+            }
             None => (pool.policy.select(&candidates, &request, rng)).map_or(0, |d| d.index),
         };
         let features = predict(&candidates[chosen], &request, 0.0).features;
@@ -329,6 +338,30 @@ impl Router {
         };
         (pool.engines.start + chosen, load, features)
     }
+}
+
+/// The candidates a sampled decision reads (`Router::sample_ranks`): every one that holds
+/// some of a prompt of `prompt_blocks` full blocks (device-cached, or held by its active
+/// requests: fewer new blocks than the prompt's), then `others` of the rest drawn uniformly
+/// at random (all of them when there are no more).
+pub(super) fn sampled(
+    candidates: &[Candidate<'_>],
+    prompt_blocks: usize,
+    others: usize,
+    rng: &mut dyn RngCore,
+) -> Vec<usize> {
+    let holds =
+        |c: &Candidate<'_>| c.kv.overlap.device > 0 || c.kv.new_blocks < prompt_blocks as u64;
+    let (mut kept, mut rest): (Vec<usize>, Vec<usize>) =
+        (0..candidates.len()).partition(|&i| holds(&candidates[i]));
+    // A partial Fisher-Yates shuffle: the first `others` of `rest` are a uniform sample.
+    let n = others.min(rest.len());
+    for j in 0..n {
+        let pick = j + (rng.next_u64() % (rest.len() - j) as u64) as usize;
+        rest.swap(j, pick);
+    }
+    kept.extend_from_slice(&rest[..n]);
+    kept
 }
 
 /// The choice by headroom against the request's `targets`, as the gateway makes it for a

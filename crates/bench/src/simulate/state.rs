@@ -134,6 +134,7 @@ impl<'a> State<'a> {
         let n = cfg.cluster.engines();
         let mut router = Router::new(&cfg.cluster, bs, cfg.shapes.capacities(n, &cfg.engine));
         router.output_blocks = cfg.output_blocks;
+        router.sample_ranks = cfg.sample_ranks;
         let engines = (0..n)
             .map(|i| {
                 EngineCore::new(EngineConfig {

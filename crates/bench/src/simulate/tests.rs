@@ -38,6 +38,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         loras: 0,
         slo: None,
         output_blocks: None,
+        sample_ranks: 0,
     }
 }
 
@@ -242,6 +243,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             loras: 0,
             slo: None,
             output_blocks: None,
+            sample_ranks: 0,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));
@@ -323,4 +325,74 @@ fn tracking_output_blocks_moves_kv_awares_choices_and_every_request_completes() 
     };
     let r = simulate(&trace, &pd);
     assert_eq!((r.requests, r.rejected), (120, 0));
+}
+
+#[test]
+fn a_sample_keeps_every_holder_and_draws_the_others_uniformly() {
+    use kvroute_core::{Candidate, Overlap};
+    use kvroute_protocol::WorkerId;
+    use rand::SeedableRng;
+    let ids: Vec<WorkerId> = (0..10).map(|i| WorkerId::new(format!("w{i}"))).collect();
+    // Of 10 engines and a prompt of 4 blocks: 2 cache some of it, 1 has it in flight.
+    let candidates: Vec<Candidate<'_>> = (ids.iter().enumerate())
+        .map(|(i, id)| {
+            let mut c = Candidate::new(id, 0);
+            c.kv.new_blocks = if i == 5 { 2 } else { 5 };
+            c.kv.overlap = Overlap {
+                device: u32::from(i == 1 || i == 7) * 3,
+                ..Overlap::default()
+            };
+            c
+        })
+        .collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+    let mut drawn = vec![0u32; 10];
+    for _ in 0..700 {
+        let kept = route::sampled(&candidates, 4, 2, &mut rng);
+        assert_eq!(&kept[..3], &[1, 5, 7], "{kept:?}");
+        assert_eq!(kept.len(), 5);
+        assert!(kept[3] != kept[3 + 1] && kept[3..].iter().all(|i| ![1, 5, 7].contains(i)));
+        for &i in &kept[3..] {
+            drawn[i] += 1;
+        }
+    }
+    // 1,400 draws over 7 engines: ~200 each.
+    for (i, &n) in drawn.iter().enumerate() {
+        if ![1, 5, 7].contains(&i) {
+            assert!((140..260).contains(&n), "{drawn:?}");
+        }
+    }
+    // More than the rest: all of them.
+    assert_eq!(route::sampled(&candidates, 4, 20, &mut rng).len(), 10);
+}
+
+#[test]
+fn a_sampled_decision_keeps_prefixes_on_their_engines() {
+    let sixteen = |sample_ranks, policy| SimConfig {
+        cluster: Cluster::Aggregated {
+            workers: 16,
+            policy,
+            policy_config: PolicyConfig::default(),
+        },
+        sample_ranks,
+        ..cfg(policy)
+    };
+    let exact = simulate(&small_trace(), &sixteen(0, PolicyKind::KvAware));
+    let sampled = simulate(&small_trace(), &sixteen(1, PolicyKind::KvAware));
+    let random = simulate(&small_trace(), &sixteen(0, PolicyKind::Random));
+    assert_eq!((sampled.requests, sampled.rejected), (120, 0));
+    // One other engine a decision beside the holders: the prefixes' hits are kept, where a
+    // choice blind to them loses most.
+    assert!(
+        sampled.hit_share >= exact.hit_share - 0.05,
+        "sampled {} exact {}",
+        sampled.hit_share,
+        exact.hit_share
+    );
+    assert!(
+        random.hit_share < exact.hit_share - 0.1,
+        "random {}",
+        random.hit_share
+    );
+    assert_ne!(sampled.requests_per_worker, exact.requests_per_worker);
 }
