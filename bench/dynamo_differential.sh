@@ -171,29 +171,7 @@ for cfg in defaults c2s4; do
   [ -s "$OUT/goodput-dynamo-$cfg.json" ] || "$PY" "$ROOT/bench/dynamo_goodput.py" \
     "$OUT/goodput-dynamo-$cfg.json" "$trace" "$WORKERS" "$BLOCKS" "$cfg" "${extra[@]}" "${dyn_p90[@]}"
 done
-python3 - "$OUT" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-rows = []
-kv_label = {"defaults": "kvroute kv_aware", "dynmodel": "kvroute kv_aware, Dynamo's model, defaults",
-            "dynmodel-c2s4": "kvroute kv_aware, Dynamo's model, credit 2 / scale 4"}
-for cfg, label in kv_label.items():
-    p = os.path.join(out, f"goodput-kvroute-{cfg}.json")
-    if os.path.exists(p):
-        for g in json.load(open(p)).get("policies", []):
-            name = label if g["policy"] == "kv_aware" else f"kvroute {g['policy']}"
-            rows.append((name, (g.get("pass") or {}).get("rate_scale"), (g.get("fail") or {}).get("rate_scale")))
-for cfg in ("defaults", "c2s4"):
-    label = cfg.replace("c2s4", "credit 2 / scale 4")
-    p = os.path.join(out, f"goodput-dynamo-{cfg}.json")
-    if os.path.exists(p):
-        d = json.load(open(p))
-        rows.append((f"Dynamo kv_router, {label}", d["pass_rate"], d["fail_rate"]))
-best = max((r[1] or 0 for r in rows if r[0].startswith("Dynamo")), default=0)
-print("\n| router | highest passing rate | lowest failing rate | vs Dynamo's best |")
-print("|---|---|---|---|")
-for name, lo, hi in rows:
-    ratio = f"{lo / best:.2f}x" if lo and best else "-"
-    f = lambda v: f"x{v:.3f}" if v else "-"
-    print(f"| {name} | {f(lo)} | {f(hi)} | {ratio} |")
-PY
+python3 "$ROOT/bench/goodput_table.py" "$OUT" goodput-dynamo "" \
+  "goodput-kvroute-defaults=kvroute kv_aware" \
+  "goodput-kvroute-dynmodel=kvroute kv_aware, Dynamo's model, defaults" \
+  "goodput-kvroute-dynmodel-c2s4=kvroute kv_aware, Dynamo's model, credit 2 / scale 4"

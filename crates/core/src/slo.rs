@@ -48,6 +48,23 @@ impl SloTargets {
     pub fn is_set(&self) -> bool {
         self.ttft_ms.is_some() || self.tpot_ms.is_some()
     }
+
+    /// The targets one half of a disaggregated request answers for: the prefill half for
+    /// the first token (its queue and its prefill; the KV transfer and the decode's first
+    /// step are not predicted), the decode half for the time per output token.
+    pub fn of_half(self, decode: bool) -> Self {
+        if decode {
+            Self {
+                ttft_ms: None,
+                ..self
+            }
+        } else {
+            Self {
+                tpot_ms: None,
+                ..self
+            }
+        }
+    }
 }
 
 /// Which target, as the metrics label it.
@@ -207,6 +224,18 @@ pub fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_half_keeps_its_own_target() {
+        let both = SloTargets {
+            ttft_ms: Some(500.0),
+            tpot_ms: Some(40.0),
+        };
+        assert_eq!(both.of_half(false).ttft_ms, Some(500.0));
+        assert_eq!(both.of_half(false).tpot_ms, None);
+        assert_eq!(both.of_half(true).ttft_ms, None);
+        assert_eq!(both.of_half(true).tpot_ms, Some(40.0));
+    }
 
     fn p(ttft_ms: f64, step_ms: f64) -> Predicted {
         Predicted { ttft_ms, step_ms }

@@ -211,18 +211,14 @@ impl Router {
                 decode,
                 min_uncached_tokens,
             } => {
-                // Each half answers for its part of the latency, as the gateway's P/D plan
-                // has it: the prefill half for the first token, the decode half for the time
-                // per output token (a decode-only request too: placed on its TPOT target).
-                let only = |keep_ttft: bool| Arrival {
-                    slo: req.slo.map(|t| SloTargets {
-                        ttft_ms: t.ttft_ms.filter(|_| keep_ttft),
-                        tpot_ms: t.tpot_ms.filter(|_| !keep_ttft),
-                    }),
+                // Each half answers for its part of the latency, as in the gateway's P/D
+                // plan (a decode-only request is placed on its decode targets).
+                let half = |decode: bool| Arrival {
+                    slo: req.slo.map(|t| t.of_half(decode)),
                     ..*req
                 };
                 let (d, decode_load, features) =
-                    self.choose(decode, &only(false), scores, engines, rng);
+                    self.choose(decode, &half(true), scores, engines, rng);
                 let decode_load = self.answer(decode_load, req);
                 let held = scores.get(ReplicaId(d as u32)).total() as usize * self.block_size;
                 let uncached = (req.tokens.len() - held.min(req.tokens.len())) as u64;
@@ -234,7 +230,7 @@ impl Router {
                     };
                 }
                 let (p, prefill_load, prefill_features) =
-                    self.choose(prefill, &only(true), scores, engines, rng);
+                    self.choose(prefill, &half(false), scores, engines, rng);
                 Placement::Split {
                     prefill: p,
                     prefill_load,

@@ -1139,7 +1139,7 @@ mod tests {
         for (c, factor) in tiers.iter().zip([0.5f64, 1.0, 2.0]) {
             let l = (factor / mean).ln();
             let expected = (l.signum() * (l.abs() - SPEED_NOISE).max(0.0)).exp();
-            let (p, d) = cluster.prices(c);
+            let (p, d) = cluster.prices_of(&c.speed.unwrap().factors());
             assert!((p - expected).abs() < 1e-12 && (d - expected).abs() < 1e-12);
         }
         assert_eq!(calibrated::NOISE_BAND, SPEED_NOISE.exp());
@@ -1151,7 +1151,10 @@ mod tests {
         ];
         let cluster = calibrated.cluster(&unseen);
         assert!((cluster.prefill_factor - 0.2).abs() < 1e-12);
-        assert_eq!(cluster.prices(&unseen[2]), (1.0, 1.0));
+        assert_eq!(
+            cluster.prices_of(&unseen[2].speed.unwrap().factors()),
+            (1.0, 1.0)
+        );
         assert_eq!(
             costs(&calibrated, &unseen),
             costs(&weighted, &unseen),

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use kvroute_core::eligibility::Hints;
 use kvroute_core::latency::PrefillFeatures;
-use kvroute_core::slo::{SloTargets, Verdict};
+use kvroute_core::slo::Verdict;
 use kvroute_core::{PolicyKind, RequestLoad};
 use kvroute_protocol::WorkerId;
 
@@ -183,20 +183,7 @@ fn half(
         };
         &kept
     };
-    // Each half answers for its part of the latency: the prefill half for the first token
-    // (its queue and its prefill: the KV transfer and the decode's first step are not
-    // predicted), the decode half for the time per output token.
-    let slo = if decode {
-        SloTargets {
-            ttft_ms: None,
-            ..hints.slo
-        }
-    } else {
-        SloTargets {
-            tpot_ms: None,
-            ..hints.slo
-        }
-    };
+    let slo = hints.slo.of_half(decode);
     let hints = &Hints {
         slo,
         ..hints.clone()

@@ -3,7 +3,7 @@
 //! and the blocks beyond nine tenths of its KV.
 
 use crate::latency::SpeedFactors;
-use crate::{Candidate, EngineLoad};
+use crate::EngineLoad;
 
 /// kvroute's weight of the KV-overflow term.
 pub const DEFAULT_KV_OVERFLOW_WEIGHT: f64 = 4.0;
@@ -97,13 +97,6 @@ impl Cluster {
             Some(n) if n > 0 && self.capacity > 0.0 => self.capacity / n as f64,
             _ => 1.0,
         }
-    }
-
-    /// The prices of `c`'s prefill and decode work relative to the cluster's mean
-    /// ([`Cluster::prices_of`] its speed, the prior's without one).
-    pub fn prices(&self, c: &Candidate<'_>) -> (f64, f64) {
-        let prior = crate::latency::FittedSpeed::prior();
-        self.prices_of(&c.speed.as_ref().unwrap_or(prior).factors())
     }
 
     /// The prices of a rank's prefill and decode work at speed `s`, relative to the
