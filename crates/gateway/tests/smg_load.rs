@@ -29,7 +29,7 @@ fn set(worker: &MockWorker, text: String) {
 }
 
 /// The dry-run decision: its status, chosen worker and candidates.
-async fn decision(router: &TestRouter) -> (u16, String, Vec<String>) {
+async fn decision(router: &TestRouter) -> (u16, String, Vec<Seen>) {
     let r = post(&router.url, "/debug/route", &[], BODY).await;
     if r.status != 200 {
         return (r.status.as_u16(), r.error_code(), Vec::new());
@@ -39,12 +39,33 @@ async fn decision(router: &TestRouter) -> (u16, String, Vec<String>) {
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| c["worker"].as_str().unwrap().to_owned())
+        .map(|c| Seen {
+            worker: c["worker"].as_str().unwrap().to_owned(),
+            waiting: c["engine"]["waiting"].as_f64(),
+            kv_usage: c["engine"]["kv_usage"].as_f64(),
+        })
         .collect();
     (200, v["worker"].as_str().unwrap().to_owned(), candidates)
 }
 
-async fn wait_candidates(router: &TestRouter, want: &[&str]) {
+/// A candidate of the dry-run decision, with the engine numbers the router read for it.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    worker: String,
+    waiting: Option<f64>,
+    kv_usage: Option<f64>,
+}
+
+/// A candidate `worker` whose engine was read as `waiting` requests and `kv_usage`.
+fn seen(worker: &MockWorker, waiting: u32, kv_usage: f64) -> Seen {
+    Seen {
+        worker: worker.url.clone(),
+        waiting: Some(waiting.into()),
+        kv_usage: Some(kv_usage),
+    }
+}
+
+async fn wait_candidates(router: &TestRouter, want: &[Seen]) {
     wait_until_async("the router to read the engines' load", || async {
         decision(router).await.2 == want
     })
@@ -52,13 +73,16 @@ async fn wait_candidates(router: &TestRouter, want: &[&str]) {
 }
 
 /// Where `n` requests went, each routed while the dry-run decision showed exactly the
-/// candidates `want` before and after it, and not retried. On a starved machine an engine's
-/// gauges can go stale (after 2 s without a scrape) and read as unknown, which makes an
-/// overloaded engine a candidate again until the next scrape; and a request whose worker failed
-/// before its first byte (a pooled connection the mock closed) is retried on the others, the
-/// overloaded included when no other is left. Such a request says nothing of the protection,
-/// so it is not counted and the test waits for fresh gauges again.
-async fn routed_among(router: &TestRouter, want: &[&str], n: usize) -> Vec<String> {
+/// candidates `want`, with the engine numbers of each, before and after it, and not retried.
+/// The numbers matter: when every worker is overloaded the decision keeps one (the least
+/// loaded, ties at random), so a candidate list alone can match by chance while an engine's
+/// new numbers are still unread. On a starved machine an engine's gauges can go stale (after
+/// 2 s without a scrape) and read as unknown, which makes an overloaded engine a candidate
+/// again until the next scrape; and a request whose worker failed before its first byte (a
+/// pooled connection the mock closed) is retried on the others, the overloaded included when
+/// no other is left. Such a request says nothing of the protection, so it is not counted and
+/// the test waits for fresh gauges again.
+async fn routed_among(router: &TestRouter, want: &[Seen], n: usize) -> Vec<String> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let retries = || async { metric_sum(&router.metrics().await, RETRIES, "") };
     let mut seen = Vec::new();
@@ -102,17 +126,17 @@ async fn overloaded_workers_are_passed_over_by_waiting_requests_and_kv_usage() {
     s.overload = SMG;
     let router = TestRouter::start(s).await;
     // 9 waiting >= 8: round robin would alternate, protection sends all to b.
-    let only_b = routed_among(&router, &[&b.url], 6).await;
+    let only_b = routed_among(&router, &[seen(&b, 0, 0.1)], 6).await;
     assert!(only_b.iter().all(|w| *w == b.url), "{only_b:?}");
     // Now b's cache is 85% full (>= 0.8) and a has drained.
     set(&a, engine(0, 0.1));
     set(&b, engine(0, 0.85));
-    let only_a = routed_among(&router, &[&a.url], 6).await;
+    let only_a = routed_among(&router, &[seen(&a, 0, 0.1)], 6).await;
     assert!(only_a.iter().all(|w| *w == a.url), "{only_a:?}");
     // Both under: round robin over both again.
     set(&b, engine(7, 0.79));
-    let seen = routed_among(&router, &[&a.url, &b.url], 6).await;
-    assert!(seen.contains(&a.url) && seen.contains(&b.url), "{seen:?}");
+    let both = routed_among(&router, &[seen(&a, 0, 0.1), seen(&b, 7, 0.79)], 6).await;
+    assert!(both.contains(&a.url) && both.contains(&b.url), "{both:?}");
     router.stop().await;
 }
 
@@ -133,7 +157,7 @@ async fn all_overloaded_goes_to_the_least_loaded_or_is_shed() {
     )
     .await;
     assert_eq!(stream.status(), 200);
-    let only_b = routed_among(&router, &[&b.url], 4).await;
+    let only_b = routed_among(&router, &[seen(&b, 0, 0.95)], 4).await;
     assert!(only_b.iter().all(|w| *w == b.url), "{only_b:?}");
     a.release.add_permits(1);
     drop(stream);
@@ -155,7 +179,7 @@ async fn all_overloaded_goes_to_the_least_loaded_or_is_shed() {
     assert_eq!(a.requests() + b.requests(), reached);
     // One recovers: it takes the traffic.
     set(&a, engine(1, 0.5));
-    let only_a = routed_among(&router, &[&a.url], 3).await;
+    let only_a = routed_among(&router, &[seen(&a, 1, 0.5)], 3).await;
     assert!(only_a.iter().all(|w| *w == a.url), "{only_a:?}");
     router.stop().await;
 }
