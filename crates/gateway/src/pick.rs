@@ -282,16 +282,14 @@ pub(crate) fn pick(
     let pool = if tried.is_empty() {
         pool
     } else {
-        untried = Pool {
-            model: pool.model.clone(),
-            workers: pool
-                .workers
-                .iter()
+        untried = Pool::new(
+            pool.model.clone(),
+            (pool.workers.iter())
                 .filter(|w| !tried.contains(&w.id))
                 .cloned()
                 .collect(),
-            policy: pool.policy.clone(),
-        };
+            pool.policy.clone(),
+        );
         &untried
     };
     let mut busy = state.busy.get(pool.model.as_str());

@@ -42,9 +42,11 @@ mod monitor;
 
 pub use monitor::Watched;
 mod published;
+mod sampling;
 mod table;
 mod worker;
 
+pub use sampling::{ActiveFirsts, Sampling, CLUSTER_REFRESH};
 pub use table::{Half, Pool, RankStatus, RoutingTable, WorkerStatus};
 pub(crate) use worker::LatencySample;
 pub use worker::{Rank, Worker};
@@ -66,6 +68,10 @@ pub struct WorkerSet {
     /// their tables in the other order (the older one, missing a worker, last).
     rebuilds: Mutex<()>,
     next_replica: AtomicU32,
+    /// `--router-sample-ranks`, and the active requests' first blocks its decisions read
+    /// (`None`: off).
+    sample_ranks: usize,
+    firsts: Option<Arc<ActiveFirsts>>,
     table: ArcSwap<RoutingTable>,
     policy: PolicyKind,
     policy_config: PolicyConfig,
@@ -90,6 +96,8 @@ impl WorkerSet {
             changes: Mutex::new(()),
             rebuilds: Mutex::new(()),
             next_replica: AtomicU32::new(0),
+            sample_ranks: settings.sample_ranks,
+            firsts: (settings.sample_ranks > 0).then(Arc::default),
             table: ArcSwap::from_pointee(RoutingTable::default()),
             policy: settings.policy,
             policy_config: settings.policy_config.clone(),
@@ -128,6 +136,7 @@ impl WorkerSet {
                     latency: Mutex::new(Default::default()),
                     recent_adapters: Mutex::default(),
                     published: Default::default(),
+                    firsts: self.firsts.clone(),
                 }
             })
             .collect();

@@ -1,7 +1,8 @@
 //! 64 simulated engines from one `kvroute-sim --engines 64` fleet behind one router: the
 //! CI-sized version of `bench/scale.sh`'s 256 engines. Every engine serves, the router hears
 //! the KV events of every engine that served, and `/debug/route` lists every candidate,
-//! while a request is decided on the lean path (`routing/lean.rs`).
+//! while a request is decided on the lean path (`routing/lean.rs`); then, sampling 8 ranks,
+//! a prompt goes back to the engine that holds it.
 
 mod support;
 
@@ -64,7 +65,7 @@ fn per_worker(metrics: &str, name: &str) -> BTreeMap<String, f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_engines_of_one_fleet_all_serve_and_publish_behind_one_router() {
     let (fleet, base) = fleet().await;
-    let specs = fleet
+    let specs: Vec<WorkerSpec> = fleet
         .urls()
         .into_iter()
         .enumerate()
@@ -75,7 +76,7 @@ async fn sixty_four_engines_of_one_fleet_all_serve_and_publish_behind_one_router
             ..WorkerSpec::url(url)
         })
         .collect();
-    let settings = kvroute_gateway::Settings::with_workers(specs).unwrap();
+    let settings = kvroute_gateway::Settings::with_workers(specs.clone()).unwrap();
     let r = TestRouter::start(settings).await;
     for (i, url) in fleet.urls().iter().enumerate() {
         joined(&r, url, &id(i)).await;
@@ -156,6 +157,32 @@ async fn sixty_four_engines_of_one_fleet_all_serve_and_publish_behind_one_router
             before[worker],
             events[worker]
         );
+    }
+    r.stop().await;
+
+    // A router sampling 8 ranks (`--router-sample-ranks 8`) on the same fleet: a prompt once
+    // served is sent back to the engine that holds it, its decision reading that engine and
+    // at most 8 others.
+    let mut settings = kvroute_gateway::Settings::with_workers(specs).unwrap();
+    settings.sample_ranks = 8;
+    let r = TestRouter::start(settings).await;
+    for (i, url) in fleet.urls().iter().enumerate() {
+        joined(&r, url, &id(i)).await;
+    }
+    let prompt = format!("sampled {}", text(320, 99));
+    let body = json!({"prompt": prompt, "max_tokens": 2}).to_string();
+    let first = r.complete(&[], &body).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let holder = first.worker().to_owned();
+    wait_overlap(&r, &prompt, &holder, |o| o.is_some_and(|b| b >= 20)).await;
+    for _ in 0..5 {
+        let again = r.complete(&[], &body).await;
+        assert_eq!(again.worker(), holder);
+        let (_, _, feed) = get_url(&format!("{}/dashboard/state", r.metrics_url)).await;
+        let feed: serde_json::Value = serde_json::from_slice(&feed).unwrap();
+        let newest = &feed["decisions"][0];
+        let read = newest["ranks_scored"].as_u64().unwrap();
+        assert!((2..=9).contains(&read), "{newest}");
     }
     r.stop().await;
     fleet.stop().await.unwrap();

@@ -328,7 +328,7 @@ fn tracking_output_blocks_moves_kv_awares_choices_and_every_request_completes() 
 }
 
 #[test]
-fn a_sample_keeps_every_holder_and_draws_the_others_uniformly() {
+fn a_sample_keeps_the_longest_holders_and_draws_the_others_uniformly() {
     use kvroute_core::{Candidate, Overlap};
     use kvroute_protocol::WorkerId;
     use rand::SeedableRng;
@@ -364,6 +364,13 @@ fn a_sample_keeps_every_holder_and_draws_the_others_uniformly() {
     }
     // More than the rest: all of them.
     assert_eq!(route::sampled(&candidates, 4, 20, &mut rng).len(), 10);
+    // One of each kind: the longest cached prefix (7's, now), the one in flight, one other.
+    let mut deeper = candidates.clone();
+    deeper[7].kv.overlap.device = 4;
+    for _ in 0..50 {
+        let kept = route::sampled(&deeper, 4, 1, &mut rng);
+        assert_eq!((&kept[..2], kept.len()), (&[5, 7][..], 3), "{kept:?}");
+    }
 }
 
 #[test]

@@ -240,12 +240,13 @@ pub struct Args {
     /// KV-event threads: >1 shards the index by replica, mirrored; queries never wait [default: 1].
     #[arg(long)]
     pub router_event_threads: Option<usize>,
-    /// Approximate mode: how long a routed prefix is assumed cached [default: 120]; whole
-    /// seconds, also written as Dynamo's float (`120.0`).
+    /// kv_aware in pools of 64+ workers: cost the prompt's holders and N other ranks drawn at random, not every rank (0: every rank) [default: 0].
+    #[arg(long)]
+    pub router_sample_ranks: Option<usize>,
+    /// Approximate mode: how long a routed prefix is assumed cached, whole seconds or Dynamo's float `120.0` [default: 120].
     #[arg(long, value_parser = parse_whole_secs)]
     pub router_ttl_secs: Option<u64>,
-    /// A model directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json, to
-    /// tokenise like the engines; without it, the fallback shared with kvroute-sim.
+    /// A model directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json, to tokenise like the engines; without it, the fallback shared with kvroute-sim.
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
     /// Bytes the tokenizer's prefix cache may hold; 0 turns it off [default: 268435456].
@@ -259,8 +260,7 @@ pub struct Args {
     #[arg(long)]
     #[serde(default)]
     pub tokenizer_cache_enable_l1: bool,
-    /// The step-time model of the embedded simulated engines (started when no worker is
-    /// given): kvroute's own, or Dynamo 1.6.1's mocker exactly [default: kvroute].
+    /// The step-time model of the embedded simulated engines (started when no worker is given): kvroute's own, or Dynamo 1.6.1's mocker exactly [default: kvroute].
     #[arg(long, value_enum)]
     pub timing_model: Option<TimingFamily>,
     /// A rank is busy with more active prefill tokens than this.

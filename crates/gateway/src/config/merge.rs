@@ -44,7 +44,7 @@ impl Args {
             router_decode_active_request_weight, router_kv_memory_cost, router_cost_model,
             router_prefill_interference_weight, router_kv_overflow_weight, router_temperature,
             router_host_cache_hit_weight, router_disk_cache_hit_weight, shared_cache_multiplier,
-            router_ttl_secs, router_max_indexed_blocks, router_event_threads, tokenizer,
+            router_ttl_secs, router_max_indexed_blocks, router_event_threads, router_sample_ranks, tokenizer,
             tokenizer_cache_l1_max_memory, active_prefill_tokens_threshold,
             active_prefill_tokens_threshold_frac, active_decode_blocks_threshold, admin_api_key,
             client_api_key, replica_sync, replica_sync_subject_prefix, replica_timeout_secs,

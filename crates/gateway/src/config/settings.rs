@@ -301,6 +301,9 @@ pub struct Settings {
     pub max_indexed_blocks: usize,
     /// `--router-event-threads`: >1 shards the KV index by replica (mirrored shards).
     pub event_threads: usize,
+    /// `--router-sample-ranks`: a lean kv_aware decision costs the prompt's holders and this
+    /// many other ranks drawn at random (0: every rank; see `routing/lean.rs`).
+    pub sample_ranks: usize,
     /// How often engine metrics are scraped (when the policy uses them).
     pub metrics_refresh: Duration,
     /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).

@@ -171,16 +171,14 @@ fn half(
     let pool = if excluded.is_empty() {
         pool
     } else {
-        kept = Pool {
-            model: pool.model.clone(),
-            workers: pool
-                .workers
-                .iter()
+        kept = Pool::new(
+            pool.model.clone(),
+            (pool.workers.iter())
                 .filter(|w| !excluded.contains(&w.id))
                 .cloned()
                 .collect(),
-            policy: pool.policy.clone(),
-        };
+            pool.policy.clone(),
+        );
         &kept
     };
     let slo = hints.slo.of_half(decode);

@@ -22,8 +22,17 @@
 //! takes the full path and shows every candidate. What it saves: at 1,024 workers, a
 //! locked read, a speed model's copy, a candidate and a predicted latency per rank
 //! (BENCHMARKS.md, "A kv_aware decision at 16, 256 and 1,024 workers").
+//!
+//! Both passes still read every rank. With `--router-sample-ranks N` (a pool's
+//! [`Sampling`]), the first pass reads only the ranks that hold some of the prompt (the
+//! index's answers, and the ranks running a request that starts with the prompt's first
+//! block: [`ActiveFirsts`](crate::workers::ActiveFirsts)) and `N` others drawn at random, and
+//! the cluster's terms are the pool's, summed over every rank at most every
+//! [`CLUSTER_REFRESH`](crate::workers::CLUSTER_REFRESH): a decision then costs the same at
+//! 16 workers and at 1,024. The choice is the cheapest of those read: a holder whenever the
+//! exact decision picks one, else the least loaded of a random `N` instead of the least
+//! loaded of all (BENCHMARKS.md, "A sampled decision in the router").
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_core::eligibility::{BusyThresholds, Hints};
@@ -34,12 +43,13 @@ use kvroute_core::{
     AdapterFit, Candidate, EngineLoad, KvTerms, LoadSummary, RequestLoad, RouteRequest,
 };
 use kvroute_index::{OverlapScores, ReplicaId};
+use rand::seq::SliceRandom;
 use rand::Rng;
 
 use super::{overlap, Choice, Limits, Plan};
 use crate::kv::KvState;
 use crate::prompts::Tokens;
-use crate::workers::{Pool, Worker};
+use crate::workers::{Pool, Sampling, Worker};
 
 /// Pools of this many workers or more take the lean path (smaller ones show every
 /// candidate on the dashboard, and cost little either way).
@@ -70,13 +80,85 @@ pub(super) fn applies<'p>(
 /// gauges: both passes read these rows, a flat array, not the ranks.
 #[derive(Clone, Copy)]
 struct Row {
-    /// The rank's worker, by its index among the available ones, and the rank's index.
+    /// The rank's worker, by its index in the pool, and the rank's index.
     worker: u32,
     rank: u32,
     replica: ReplicaId,
     summary: LoadSummary,
     engine: EngineLoad,
     speed: SpeedFactors,
+}
+
+impl Row {
+    fn read(worker: u32, rank: u32, w: &Worker, now: Instant) -> Self {
+        let r = &w.ranks[rank as usize];
+        Row {
+            worker,
+            rank,
+            replica: r.replica,
+            summary: r.load_summary(),
+            engine: r.engine.load(now),
+            speed: r.published_factors(),
+        }
+    }
+}
+
+/// The rows of a sampled decision (`--router-sample-ranks N`): the `N` available ranks the
+/// index reports holding the most of the prompt (ties at random), `N` of those running a
+/// request that starts with the prompt's first block, drawn at random, and `N` more drawn
+/// uniformly from the rest (fewer when draws keep finding ranks already taken or
+/// unavailable: at most four draws a rank). Every holder is read while there are at most `N`
+/// of each kind.
+fn sample_rows(
+    pool: &Pool,
+    sampling: &Sampling,
+    (events, approx): &(OverlapScores, OverlapScores),
+    prompt: &Tokens,
+    now: Instant,
+    rows: &mut Vec<Row>,
+) {
+    let n = sampling.others;
+    let mut rng = rand::rng();
+    let mut taken = vec![0u64; sampling.pairs.len().div_ceil(64)];
+    let mut take = |i: usize, rows: &mut Vec<Row>| {
+        if taken[i / 64] >> (i % 64) & 1 == 1 {
+            return false;
+        }
+        taken[i / 64] |= 1 << (i % 64);
+        let (w, r) = sampling.pairs[i];
+        let worker = &pool.workers[w as usize];
+        let available = worker.available(now);
+        if available {
+            rows.push(Row::read(w, r, worker, now));
+        }
+        available
+    };
+    // Cached: the longest prefixes first, a random order within a length.
+    let mut cached: Vec<(u32, u64, ReplicaId)> = (events.scores.iter().chain(&approx.scores))
+        .map(|(replica, counts)| (counts.total(), rng.random(), *replica))
+        .collect();
+    cached.sort_unstable_by_key(|&(depth, tie, _)| std::cmp::Reverse((depth, tie)));
+    let mut active = Vec::new();
+    if let Some(first) = prompt.hashes.first() {
+        sampling.firsts.ranks_of(first.0, &mut active);
+    }
+    active.shuffle(&mut rng);
+    for holders in [cached.into_iter().map(|(_, _, r)| r).collect(), active] {
+        let mut kept = 0;
+        for replica in holders {
+            if kept == n {
+                break;
+            }
+            if let Some(i) = sampling.position(replica) {
+                kept += usize::from(take(i, rows));
+            }
+        }
+    }
+    let (wanted, mut draws) = (rows.len() + n, 4 * n);
+    while rows.len() < wanted && draws > 0 {
+        draws -= 1;
+        take(rng.random_range(0..sampling.pairs.len()), rows);
+    }
 }
 
 /// The lean decision (see the module docs), or `None` when no worker of `pool` is available
@@ -88,28 +170,27 @@ pub(super) fn plan(
     prompt: &Tokens,
     started: Instant,
 ) -> Option<Plan> {
-    let available: Vec<&Arc<Worker>> = pool
-        .workers
-        .iter()
-        .filter(|w| w.available(started))
-        .collect();
-    let mut rows = Vec::with_capacity(available.len());
-    let read = (available.iter().enumerate()).flat_map(|(i, w)| {
-        w.ranks.iter().enumerate().map(move |(r, rank)| Row {
-            worker: i as u32,
-            rank: r as u32,
-            replica: rank.replica,
-            summary: rank.load_summary(),
-            engine: rank.engine.load(started),
-            speed: rank.published_factors(),
-        })
-    });
-    let cluster = policy.cluster_of(read.map(|row| {
-        rows.push(row);
-        (row.engine, row.speed, row.summary.decode_blocks)
-    }));
-    let (tokens, block_size) = (prompt.ids.as_slice(), kv.block_size);
     let scores = kv.overlaps(&prompt.hashes, started);
+    let mut rows = Vec::new();
+    let cluster = match pool.sampling.as_deref() {
+        Some(s) if s.others < s.pairs.len() => {
+            sample_rows(pool, s, &scores, prompt, started, &mut rows);
+            s.cluster(policy, &pool.workers, started)
+        }
+        _ => {
+            rows.reserve(pool.workers.len());
+            let read = (pool.workers.iter().enumerate())
+                .filter(|(_, w)| w.available(started))
+                .flat_map(|(i, w)| {
+                    (0..w.ranks.len()).map(move |r| Row::read(i as u32, r as u32, w, started))
+                });
+            policy.cluster_of(read.map(|row| {
+                rows.push(row);
+                (row.engine, row.speed, row.summary.decode_blocks)
+            }))
+        }
+    };
+    let (tokens, block_size) = (prompt.ids.as_slice(), kv.block_size);
     let held = Held::of(&scores);
     let request_blocks = RequestLoad::for_prompt(
         prompt.hashes.iter().map(|h| h.0).collect(),
@@ -132,7 +213,7 @@ pub(super) fn plan(
     for (i, row) in rows.iter().enumerate() {
         // Most ranks: absent from the index's answer, no active request in the prompt's
         // first-block bucket. Their terms are their summary's, their rank not touched.
-        let worker = available[row.worker as usize];
+        let worker = &pool.workers[row.worker as usize];
         let counts = if held.may_hold(row.replica) {
             overlap(kv.counts(&scores, worker, row.replica)).capped(tokens.len(), block_size)
         } else {
@@ -157,7 +238,7 @@ pub(super) fn plan(
     let choices: Vec<(Choice, f64)> = (costed.into_iter())
         .map(|(i, terms, cost)| {
             let row = &rows[i];
-            let worker = available[row.worker as usize];
+            let worker = &pool.workers[row.worker as usize];
             let rank = row.rank as usize;
             let choice = Choice {
                 worker: worker.clone(),

@@ -8,6 +8,7 @@ use kvroute_core::{build_policy, Policy};
 use kvroute_protocol::ModelId;
 use serde::Serialize;
 
+use super::sampling::Sampling;
 use super::{lock, Worker, WorkerSet};
 use crate::config::WorkerSource;
 use crate::error::GatewayError;
@@ -19,6 +20,21 @@ pub struct Pool {
     pub model: ModelId,
     pub workers: Vec<Arc<Worker>>,
     pub policy: Arc<dyn Policy>,
+    /// With `--router-sample-ranks`: what a sampled kv_aware decision reads (`None` for a
+    /// pool narrowed for one request, which every rank's decision costs).
+    pub sampling: Option<Arc<Sampling>>,
+}
+
+impl Pool {
+    /// A pool without sampling.
+    pub fn new(model: ModelId, workers: Vec<Arc<Worker>>, policy: Arc<dyn Policy>) -> Self {
+        Self {
+            model,
+            workers,
+            policy,
+            sampling: None,
+        }
+    }
 }
 
 /// One half of a disaggregated request.
@@ -150,6 +166,16 @@ pub struct RankStatus {
 
 impl WorkerSet {
     /// Publishes a new table from the workers as they are now, and the readiness with it.
+    /// A pool of the table, with sampling when it is on.
+    fn pool(&self, model: ModelId, workers: Vec<Arc<Worker>>, policy: Arc<dyn Policy>) -> Pool {
+        let sampling = (self.firsts.as_ref())
+            .map(|firsts| Arc::new(Sampling::new(&workers, self.sample_ranks, firsts.clone())));
+        Pool {
+            sampling,
+            ..Pool::new(model, workers, policy)
+        }
+    }
+
     pub(super) fn rebuild(&self) {
         let _one_at_a_time = lock(&self.rebuilds);
         let workers = self.workers.load_full();
@@ -176,11 +202,7 @@ impl WorkerSet {
                     .entry(model.clone())
                     .or_insert_with(|| build_policy(self.policy, &self.policy_config).into())
                     .clone();
-                let pool = Pool {
-                    model: model.clone(),
-                    workers,
-                    policy,
-                };
+                let pool = self.pool(model.clone(), workers, policy);
                 (model, pool)
             })
             .collect();
@@ -219,14 +241,7 @@ impl WorkerSet {
                         .entry((model.clone(), half))
                         .or_insert_with(|| build_policy(kind, config).into())
                         .clone();
-                    out.insert(
-                        model.clone(),
-                        Pool {
-                            model: model.clone(),
-                            workers: members,
-                            policy,
-                        },
-                    );
+                    out.insert(model.clone(), self.pool(model.clone(), members, policy));
                 }
             }
         }

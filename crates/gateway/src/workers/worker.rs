@@ -41,6 +41,8 @@ pub struct Rank {
     pub(super) recent_adapters: Mutex<RecentAdapters<String>>,
     /// Its load summary and speed factors, for reads without its locks.
     pub(super) published: super::published::Published,
+    /// With sampling on, where its requests' first blocks are told.
+    pub(super) firsts: Option<Arc<super::ActiveFirsts>>,
 }
 
 impl Rank {
@@ -118,6 +120,9 @@ impl Rank {
     pub(crate) fn start(&self, load: &RequestLoad) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.update(|l| l.start(load));
+        if let (Some(firsts), Some(&first)) = (&self.firsts, load.blocks.first()) {
+            firsts.started(first, self.replica);
+        }
     }
 
     pub(crate) fn first_token(&self, load: &RequestLoad) {
@@ -151,6 +156,9 @@ impl Rank {
     pub(crate) fn finish(&self, load: &RequestLoad, prefilling: bool) {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.update(|l| l.finish(load, prefilling));
+        if let (Some(firsts), Some(&first)) = (&self.firsts, load.blocks.first()) {
+            firsts.finished(first, self.replica);
+        }
     }
 }
 

@@ -42,7 +42,17 @@ fn tokens(group: u64, tail: u64, blocks: usize) -> Vec<u32> {
 
 /// A router's workers and KV state for `specs`, under kv_aware with `model`.
 fn router(specs: &[WorkerSpec], model: CostModel) -> (Arc<WorkerSet>, Arc<KvState>) {
+    sampled_router(specs, model, 0)
+}
+
+/// [`router`] with `--router-sample-ranks sample`.
+fn sampled_router(
+    specs: &[WorkerSpec],
+    model: CostModel,
+    sample: usize,
+) -> (Arc<WorkerSet>, Arc<KvState>) {
     let mut settings = Settings::with_workers(specs.to_vec()).unwrap();
+    settings.sample_ranks = sample;
     settings.policy = PolicyKind::KvAware;
     settings.policy_config.kv_aware.cost_model = model;
     let mut registry = Registry::default();
@@ -62,6 +72,11 @@ struct Cluster {
 /// `n` workers in random states: prompts of 8 groups in the index of some, requests in
 /// flight (some on the query's group), engine queues, and speeds taught to some ranks.
 fn cluster(n: usize, model: CostModel, seed: u64) -> Cluster {
+    sampled_cluster(n, model, seed, 0)
+}
+
+/// [`cluster`] with `--router-sample-ranks sample`.
+fn sampled_cluster(n: usize, model: CostModel, seed: u64, sample: usize) -> Cluster {
     let mut rng = SmallRng::seed_from_u64(seed);
     let specs: Vec<WorkerSpec> = (0..n)
         .map(|i| WorkerSpec {
@@ -72,7 +87,7 @@ fn cluster(n: usize, model: CostModel, seed: u64) -> Cluster {
             ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
         })
         .collect();
-    let (workers, kv) = router(&specs, model);
+    let (workers, kv) = sampled_router(&specs, model, sample);
     let now = Instant::now();
     let mut in_flight = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
@@ -214,4 +229,215 @@ fn ties_among_idle_ranks_are_drawn_at_random() {
         .collect();
     // 300 uniform draws from 64 miss about 0.6 of them; the first always winning gives 1.
     assert!(chosen.len() > 40, "{} distinct", chosen.len());
+}
+
+/// The ranks of a full plan that hold some of the prompt: in the index, or through an active
+/// request sharing its blocks (fewer new blocks than a rank that holds none).
+fn holders(full: &Plan) -> Vec<usize> {
+    let all_new = (full.choices.iter())
+        .map(|c| c.kv.new_blocks)
+        .max()
+        .unwrap();
+    (0..full.choices.len())
+        .filter(|&i| {
+            let kv = &full.choices[i].kv;
+            kv.overlap.total() > 0 || kv.new_blocks < all_new
+        })
+        .collect()
+}
+
+#[test]
+fn a_sampled_decision_reads_the_longest_holders_and_n_others() {
+    let (mut read, mut all) = (0, 0);
+    for seed in 0..8 {
+        for sample in [2, 8] {
+            let c = sampled_cluster(2 * LEAN_FROM_WORKERS, CostModel::Calibrated, seed, sample);
+            for q in 0..8 {
+                let query = c.kv.prompts.hashed(tokens(q, 99_999, 6 + q as usize));
+                let now = Instant::now();
+                let full = decide(&c, &query, true, now);
+                let sampled = decide(&c, &query, false, now);
+                let held = holders(&full);
+                let costs = full.costs.as_ref().unwrap();
+                let cost = sampled.costs.as_ref().unwrap()[sampled.chosen];
+                let what = format!("seed {seed} sample {sample} query {q}");
+                // At most `sample` of each kind: cached holders, active holders, others.
+                assert!(sampled.ranks_scored <= 3 * sample, "{what}");
+                assert!(sampled.ranks_scored >= held.len().min(sample), "{what}");
+                // No better than every rank read; as good when the cheapest rank holds the
+                // longest cached prefix and no more than `sample` ranks hold that long.
+                let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+                assert!(cost >= min, "{what}");
+                let depth = |i: usize| full.choices[i].kv.overlap.total();
+                let longest = (0..costs.len()).map(depth).max().unwrap();
+                let deepest = (0..costs.len()).filter(|&i| depth(i) == longest).count();
+                let best = (0..costs.len()).find(|&i| costs[i] == min).unwrap();
+                if longest > 0 && depth(best) == longest && deepest <= sample {
+                    assert_eq!(cost, min, "{what}");
+                }
+                // A rank costs the same whichever way it is read.
+                let chosen = sampled.choice();
+                if let Some(i) =
+                    (full.choices.iter()).position(|f| Arc::ptr_eq(&f.worker, &chosen.worker))
+                {
+                    assert_eq!(costs[i], cost, "{what}");
+                }
+                (read, all) = (read + sampled.ranks_scored, all + full.choices.len());
+            }
+        }
+    }
+    assert!(read < all / 4, "{read} ranks read of {all}");
+}
+
+#[test]
+fn a_sampled_decision_finds_a_prompt_held_only_by_an_active_request() {
+    let n = 2 * LEAN_FROM_WORKERS;
+    let specs: Vec<WorkerSpec> = (0..n)
+        .map(|i| WorkerSpec {
+            id: Some(format!("w{i}")),
+            model: Some("m".into()),
+            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
+        })
+        .collect();
+    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 1);
+    let prompt = |group, tail| kv.prompts.hashed(tokens(group, tail, 32));
+    let load = |p: &Tokens| {
+        let blocks = p.hashes.iter().map(|h| h.0).collect();
+        RequestLoad::for_prompt(blocks, p.ids.len(), 0, BLOCK)
+    };
+    // Every rank decodes a request of its own; w77's shares the query's first 16 blocks (it
+    // is in no engine's cache yet: no KV event came).
+    let mut in_flight = Vec::new();
+    for (i, s) in specs.iter().enumerate() {
+        let id = s.id.as_deref().unwrap();
+        workers.set_healthy(id, true);
+        let own = if i == 77 {
+            prompt(3, 1)
+        } else {
+            prompt(100 + i as u64, 2)
+        };
+        let mut request = InFlight::new(workers.get(id).unwrap(), 0, load(&own), None);
+        request.data_frame();
+        in_flight.push(request);
+    }
+    let c = Cluster {
+        kv: kv.clone(),
+        workers,
+        _in_flight: in_flight,
+    };
+    let query = prompt(3, 2);
+    let full = decide(&c, &query, true, Instant::now());
+    assert_eq!(
+        full.choice().worker.id.as_str(),
+        "w77",
+        "the exact decision"
+    );
+    for _ in 0..20 {
+        let sampled = decide(&c, &query, false, Instant::now());
+        assert_eq!(sampled.choice().worker.id.as_str(), "w77");
+        assert!(sampled.ranks_scored <= 2, "{}", sampled.ranks_scored);
+    }
+}
+
+#[test]
+fn active_firsts_count_each_ranks_requests_until_they_end() {
+    let specs: Vec<WorkerSpec> = (0..2)
+        .map(|i| WorkerSpec {
+            id: Some(format!("w{i}")),
+            model: Some("m".into()),
+            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
+        })
+        .collect();
+    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 4);
+    let [a, b] = ["w0", "w1"].map(|id| workers.get(id).unwrap());
+    let load = |group| {
+        let hashes = kv.prompts.hashed(tokens(group, 5, 4)).hashes;
+        RequestLoad::for_prompt(hashes.iter().map(|h| h.0).collect(), 4 * BLOCK, 0, BLOCK)
+    };
+    let first = load(1).blocks[0];
+    let firsts = workers
+        .table()
+        .resolve(Some("m"))
+        .unwrap()
+        .sampling
+        .clone()
+        .unwrap()
+        .firsts
+        .clone();
+    let ranks = || {
+        let mut out = Vec::new();
+        firsts.ranks_of(first, &mut out);
+        out.sort();
+        out
+    };
+    let one = InFlight::new(a.clone(), 0, load(1), None);
+    let two = InFlight::new(a.clone(), 0, load(1), None);
+    let three = InFlight::new(b.clone(), 0, load(1), None);
+    let other = InFlight::new(b.clone(), 0, load(2), None);
+    assert_eq!(ranks(), [a.ranks[0].replica, b.ranks[0].replica]);
+    drop(three);
+    drop(one);
+    assert_eq!(ranks(), [a.ranks[0].replica], "a still runs one");
+    drop(two);
+    assert_eq!(ranks(), []);
+    assert_eq!(firsts.len(), 1, "the other prompt's");
+    drop(other);
+    assert!(firsts.is_empty(), "nothing left behind");
+}
+
+#[test]
+fn a_sampled_decision_reads_the_longest_of_many_holders() {
+    let n = 2 * LEAN_FROM_WORKERS;
+    let specs: Vec<WorkerSpec> = (0..n)
+        .map(|i| WorkerSpec {
+            id: Some(format!("w{i}")),
+            model: Some("m".into()),
+            kv_events: Some(format!("tcp://127.0.0.1:{}", 20_000 + i)),
+            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
+        })
+        .collect();
+    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 4);
+    let ids = tokens(5, 1, 64);
+    // 40 idle ranks hold the query's first 32 blocks, w90 its first 48.
+    for (i, s) in specs.iter().enumerate() {
+        let id = s.id.as_deref().unwrap();
+        workers.set_healthy(id, true);
+        let blocks = match i {
+            90 => 48,
+            _ if i % 3 == 0 => 32,
+            _ => continue,
+        };
+        let engine: Vec<EngineHash> = (0..blocks as u64).map(|b| EngineHash(b + 1)).collect();
+        let stored = StoredBlocks {
+            parent: None,
+            engine_hashes: &engine,
+            token_ids: &ids[..blocks * BLOCK],
+            block_size: BLOCK,
+            tier: StorageTier::Device,
+            salt: 0,
+        };
+        WorkerSink::new(kv.clone(), workers.get(id).unwrap())
+            .stored(0, &stored)
+            .unwrap();
+    }
+    let c = Cluster {
+        kv: kv.clone(),
+        workers,
+        _in_flight: Vec::new(),
+    };
+    let query = kv.prompts.hashed(ids);
+    assert_eq!(
+        decide(&c, &query, true, Instant::now())
+            .choice()
+            .worker
+            .id
+            .as_str(),
+        "w90"
+    );
+    for _ in 0..20 {
+        let sampled = decide(&c, &query, false, Instant::now());
+        assert_eq!(sampled.choice().worker.id.as_str(), "w90");
+        // 4 of the 44 holders (w90 first) and 4 others.
+        assert!(sampled.ranks_scored <= 8, "{}", sampled.ranks_scored);
+    }
 }
