@@ -33,6 +33,7 @@
 //! exact decision picks one, else the least loaded of a random `N` instead of the least
 //! loaded of all (BENCHMARKS.md, "A sampled decision in the router").
 
+use std::cmp::Reverse;
 use std::time::Instant;
 
 use kvroute_core::eligibility::{BusyThresholds, Hints};
@@ -133,11 +134,16 @@ fn sample_rows(
         }
         available
     };
-    // Cached: the longest prefixes first, a random order within a length.
+    // Cached: the `n` longest prefixes first (a random order within a length: a key mixed
+    // from the replica and a draw of this decision), the rest after them in any order.
+    let seed: u64 = rng.random();
+    let tie = |r: ReplicaId| (u64::from(r.0) ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let mut cached: Vec<(u32, u64, ReplicaId)> = (events.scores.iter().chain(&approx.scores))
-        .map(|(replica, counts)| (counts.total(), rng.random(), *replica))
+        .map(|(replica, counts)| (counts.total(), tie(*replica), *replica))
         .collect();
-    cached.sort_unstable_by_key(|&(depth, tie, _)| std::cmp::Reverse((depth, tie)));
+    if cached.len() > n && n > 0 {
+        cached.select_nth_unstable_by_key(n - 1, |&(depth, tie, _)| Reverse((depth, tie)));
+    }
     let mut active = Vec::new();
     if let Some(first) = prompt.hashes.first() {
         sampling.firsts.ranks_of(first.0, &mut active);
