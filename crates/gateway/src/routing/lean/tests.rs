@@ -40,6 +40,18 @@ fn tokens(group: u64, tail: u64, blocks: usize) -> Vec<u32> {
         .collect()
 }
 
+/// `n` workers `w0..` serving model `m`, with KV events when `events` (else approximated).
+fn specs(n: usize, events: bool) -> Vec<WorkerSpec> {
+    (0..n)
+        .map(|i| WorkerSpec {
+            id: Some(format!("w{i}")),
+            model: Some("m".into()),
+            kv_events: events.then(|| format!("tcp://127.0.0.1:{}", 20_000 + i)),
+            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
+        })
+        .collect()
+}
+
 /// A router's workers and KV state for `specs`, under kv_aware with `model`.
 fn router(specs: &[WorkerSpec], model: CostModel) -> (Arc<WorkerSet>, Arc<KvState>) {
     sampled_router(specs, model, 0)
@@ -78,13 +90,10 @@ fn cluster(n: usize, model: CostModel, seed: u64) -> Cluster {
 /// [`cluster`] with `--router-sample-ranks sample`.
 fn sampled_cluster(n: usize, model: CostModel, seed: u64, sample: usize) -> Cluster {
     let mut rng = SmallRng::seed_from_u64(seed);
-    let specs: Vec<WorkerSpec> = (0..n)
-        .map(|i| WorkerSpec {
-            id: Some(format!("w{i}")),
-            model: Some("m".into()),
-            kv_events: Some(format!("tcp://127.0.0.1:{}", 20_000 + i)),
+    let specs: Vec<WorkerSpec> = (specs(n, true).into_iter().enumerate())
+        .map(|(i, spec)| WorkerSpec {
             num_gpu_blocks: Some(if i % 3 == 0 { 2_000 } else { 4_000 }),
-            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
+            ..spec
         })
         .collect();
     let (workers, kv) = sampled_router(&specs, model, sample);
@@ -205,13 +214,7 @@ fn the_lean_decision_is_the_full_decisions_cheapest() {
 
 #[test]
 fn ties_among_idle_ranks_are_drawn_at_random() {
-    let specs: Vec<WorkerSpec> = (0..LEAN_FROM_WORKERS)
-        .map(|i| WorkerSpec {
-            id: Some(format!("w{i}")),
-            model: Some("m".into()),
-            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
-        })
-        .collect();
+    let specs = specs(LEAN_FROM_WORKERS, false);
     let (workers, kv) = router(&specs, CostModel::Calibrated);
     for s in &specs {
         workers.set_healthy(s.id.as_deref().unwrap(), true);
@@ -292,13 +295,7 @@ fn a_sampled_decision_reads_the_longest_holders_and_n_others() {
 #[test]
 fn a_sampled_decision_finds_a_prompt_held_only_by_an_active_request() {
     let n = 2 * LEAN_FROM_WORKERS;
-    let specs: Vec<WorkerSpec> = (0..n)
-        .map(|i| WorkerSpec {
-            id: Some(format!("w{i}")),
-            model: Some("m".into()),
-            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
-        })
-        .collect();
+    let specs = specs(n, false);
     let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 1);
     let prompt = |group, tail| kv.prompts.hashed(tokens(group, tail, 32));
     let load = |p: &Tokens| {
@@ -341,13 +338,7 @@ fn a_sampled_decision_finds_a_prompt_held_only_by_an_active_request() {
 
 #[test]
 fn active_firsts_count_each_ranks_requests_until_they_end() {
-    let specs: Vec<WorkerSpec> = (0..2)
-        .map(|i| WorkerSpec {
-            id: Some(format!("w{i}")),
-            model: Some("m".into()),
-            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
-        })
-        .collect();
+    let specs = specs(2, false);
     let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 4);
     let [a, b] = ["w0", "w1"].map(|id| workers.get(id).unwrap());
     let load = |group| {
@@ -388,14 +379,7 @@ fn active_firsts_count_each_ranks_requests_until_they_end() {
 #[test]
 fn a_sampled_decision_reads_the_longest_of_many_holders() {
     let n = 2 * LEAN_FROM_WORKERS;
-    let specs: Vec<WorkerSpec> = (0..n)
-        .map(|i| WorkerSpec {
-            id: Some(format!("w{i}")),
-            model: Some("m".into()),
-            kv_events: Some(format!("tcp://127.0.0.1:{}", 20_000 + i)),
-            ..WorkerSpec::url(format!("http://127.0.0.1:{}", 10_000 + i))
-        })
-        .collect();
+    let specs = specs(n, true);
     let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 4);
     let ids = tokens(5, 1, 64);
     // 40 idle ranks hold the query's first 32 blocks, w90 its first 48.
