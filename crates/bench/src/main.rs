@@ -317,10 +317,10 @@ struct ClusterArgs {
     max_num_seqs: usize,
     #[arg(long, default_value_t = 8192)]
     max_num_batched_tokens: usize,
-    /// A study of a sampled decision (issue 32; the router has no such option): kv_aware
-    /// chooses among the engines that hold some of the prompt (cached, or in their active
-    /// requests) and N others drawn at random, the cluster's terms taken over those (0: every
-    /// engine, as the router does).
+    /// kv_aware decides as the router's `--router-sample-ranks N` does: among the N engines
+    /// holding the longest cached prefix of the prompt, N of those holding it in their active
+    /// requests and N others drawn at random, the cluster's terms over every engine (0: every
+    /// engine).
     #[arg(long, default_value_t = 0, value_name = "N")]
     sample_ranks: usize,
     #[command(flatten)]

@@ -94,9 +94,8 @@ pub struct SimConfig {
     pub slo: Option<SloConfig>,
     /// Output-block tracking in the router, when on (see the module docs).
     pub output_blocks: Option<OutputTracking>,
-    /// kv_aware chooses among the engines holding some of the prompt and this many others
-    /// drawn at random, when not 0 (`--sample-ranks`: a study of a sampled decision, which
-    /// the router does not make; see the `route` module).
+    /// kv_aware chooses as the router's `--router-sample-ranks` does, when not 0
+    /// (`--sample-ranks`; see the `route` module's `sampled`).
     pub sample_ranks: usize,
 }
 

@@ -103,8 +103,8 @@ pub(super) struct Router {
     num_gpu_blocks: Vec<u64>,
     /// Output-block tracking, when on.
     pub output_blocks: Option<OutputTracking>,
-    /// `SimConfig::sample_ranks`: kv_aware's candidates are the prompt's holders and this
-    /// many others drawn at random (0: every engine).
+    /// `SimConfig::sample_ranks`: kv_aware chooses among [`sampled`] candidates, with the
+    /// cluster's terms over every engine (0: every engine).
     pub sample_ranks: usize,
 }
 
@@ -314,12 +314,23 @@ impl Router {
         let by_headroom = req
             .slo
             .and_then(|t| by_headroom(pool, &candidates, &request, &t));
+        let sampling = (pool.policy.kv_aware()).filter(|k| kv_aware && k.decides_on_load());
         let chosen = match by_headroom {
             Some(index) => index,
-            None if kv_aware && self.sample_ranks > 0 => {
+            // The gateway samples on its lean path: a cost read from load alone.
+            None if self.sample_ranks > 0 && sampling.is_some() => {
+                let k = sampling.expect("checked");
                 let kept = sampled(&candidates, req.hashes.len(), self.sample_ranks, rng);
                 let sample: Vec<Candidate<'_>> = kept.iter().map(|&i| candidates[i]).collect();
-                (pool.policy.select(&sample, &request, rng)).map_or(kept[0], |d| kept[d.index])
+                // The cluster's terms over every engine, as the gateway's pool sums them.
+                let cluster = k.cluster(&candidates);
+                let costs: Vec<f64> = (sample.iter())
+                    .map(|c| k.cost_in(c, &request, &cluster))
+                    .collect();
+                let decision = pool
+                    .policy
+                    .select_costed(&sample, &request, Some(&costs), rng);
+                decision.map_or(kept[0], |d| kept[d.index])
             }
             None => (pool.policy.select(&candidates, &request, rng)).map_or(0, |d| d.index),
         };
