@@ -4,6 +4,7 @@ floor under which a figure against Dynamo's says nothing.
     noise_floor.py seeds BIN TRACE RATES [SEEDS] [-- ARGS...]
     noise_floor.py parity OUT...
     noise_floor.py medians BIN OUT TRACE RATES [SEEDS] [-- ARGS...]
+    noise_floor.py dynamo PYTHON BIN TRACE RATES [REPEATS]
 
 `seeds`: kvroute-bench simulate (BIN) replays TRACE at each rate of RATES ("1 2 3") on 8 engines
 of 16,384 blocks in Dynamo's engine model, kv_aware (with ARGS), under SEEDS router seeds (5 by
@@ -18,6 +19,13 @@ figure: smallest, median and largest ratio, and how many cells are more than 2% 
 `medians`: kv_aware's median over SEEDS router seeds of each figure (as `seeds` runs it) over
 the better of Dynamo's two runs in OUT (`dynamo-xR-{defaults,c2s4}.jsonl`) at each rate: one
 line a rate, with the worst ratio of the p50s and p90s and of the p99s.
+
+`dynamo`: Dynamo 1.6.1's replay (bench/dynamo_replay_requests.py under PYTHON, the Dynamo venv's)
+of TRACE at each rate, kv_router with its defaults and with credit 2 / scale 4, REPEATS times
+each (3 by default): it takes no seed, yet its runs differ (its ties fall as they may). Prints
+each configuration's spread over the repeats and its median, then kvroute's kv_aware (BIN,
+defaults) median over as many router seeds, over the better of Dynamo's two medians: the
+comparison with the run-to-run noise of both sides taken down alike.
 """
 import json
 import os
@@ -69,6 +77,31 @@ def medians(binary, out, trace, rates, n=5, *args):
               f"p99 worst {tail:.3f}")
 
 
+def dynamo(python, binary, trace, rates, repeats=3):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dynamo_replay_requests.py")
+    n = int(repeats)
+    for rate in rates.split():
+        medians = []
+        for cfg, extra in (("defaults", []), ("c2s4", ["--credit", "2", "--scale", "4"])):
+            runs = []
+            for _ in range(n):
+                line = subprocess.run([python, script, trace, "8", "kv_router", "--speed", rate] + extra,
+                                      capture_output=True, text=True, check=True).stdout
+                d = json.loads(line)
+                runs.append(d["ttft_ms"] + d["e2e_ms"])
+            spread = [max(r[i] for r in runs) / max(1e-9, min(r[i] for r in runs)) for i in range(6)]
+            medians.append([statistics.median(r[i] for r in runs) for i in range(6)])
+            print(f"x{rate} Dynamo {cfg}: median {[round(v, 1) for v in medians[-1]]}; spread over "
+                  f"{n} runs: " + ", ".join(f"{k} {v:.3f}" for k, v in zip(NAMES, spread)), flush=True)
+        runs = [figures(binary, trace, rate, seed, []) for seed in range(n)]
+        kv = [statistics.median(r[i] for r in runs) for i in range(6)]
+        best = [min(a, b) for a, b in zip(*medians)]
+        ratio = [a / b for a, b in zip(kv, best)]
+        print(f"x{rate} kvroute kv_aware median {kv} over Dynamo's better median: "
+              + ", ".join(f"{k} {r:.3f}" for k, r in zip(NAMES, ratio))
+              + f"; worst {max(ratio):.3f}", flush=True)
+
+
 def parity(*outs):
     ratios = []
     for out in outs:
@@ -99,4 +132,4 @@ if __name__ == "__main__":
     if "--" in rest:
         i = rest.index("--")
         rest = rest[:i] + rest[i + 1:]
-    {"seeds": seeds, "parity": parity, "medians": medians}[mode](*rest)
+    {"seeds": seeds, "parity": parity, "medians": medians, "dynamo": dynamo}[mode](*rest)
