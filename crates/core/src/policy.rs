@@ -40,8 +40,8 @@ use crate::{Candidate, Decision, RouteRequest};
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
 pub use kv_aware::{
-    Cluster, CostModel, KvAware, KvAwareConfig, MemoryCost, PromptTerms, SPEED_EVIDENCE,
-    SPEED_NOISE,
+    sample_ranks, Cluster, CostModel, KvAware, KvAwareConfig, MemoryCost, PromptTerms,
+    SPEED_EVIDENCE, SPEED_NOISE,
 };
 pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
 pub use llm_d::{LlmD, LlmDConfig, PrefixSource};

@@ -101,30 +101,21 @@ fn cluster(n: usize) -> Cluster {
         let worker = workers.get(spec.id.as_deref().unwrap()).unwrap();
         workers.set_healthy(spec.id.as_deref().unwrap(), true);
         let sink = WorkerSink::new(kv.clone(), worker.clone());
-        for p in 0..16u64 {
+        // 16 prompts: 8 under shared system prompts, 8 of its own; with `FIXED_HOLDERS`, the
+        // first 8 workers hold one more, the query's.
+        let fixed = (fixed_holders() && i < 8).then_some((FIXED_SYSTEM, 16));
+        let own = (0..16u64).map(|p| {
             let system = if p < 8 {
                 (i as u64 + p) % SYSTEMS as u64
             } else {
                 100_000 + i as u64
             };
+            (system, p)
+        });
+        for (system, p) in own.chain(fixed) {
             let ids = prompt(system, (i as u64) << 8 | p);
             let engine: Vec<EngineHash> = (0..64)
                 .map(|b| EngineHash((i as u64) << 32 | p << 16 | b))
-                .collect();
-            let stored = StoredBlocks {
-                parent: None,
-                engine_hashes: &engine,
-                token_ids: &ids,
-                block_size: BLOCK,
-                tier: StorageTier::Device,
-                salt: 0,
-            };
-            sink.stored(0, &stored).unwrap();
-        }
-        if fixed_holders() && i < 8 {
-            let ids = prompt(FIXED_SYSTEM, i as u64);
-            let engine: Vec<EngineHash> = (0..64)
-                .map(|b| EngineHash((i as u64) << 32 | 99 << 16 | b))
                 .collect();
             let stored = StoredBlocks {
                 parent: None,

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use kvroute_core::latency::{LatencyModel, PrefillFeatures};
 use kvroute_core::policy::predict::predict;
+use kvroute_core::policy::sample_ranks;
 use kvroute_core::slo::{Predicted, SloTargets};
 use kvroute_core::{
     build_policy, AdapterFit, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind,
@@ -347,12 +348,11 @@ impl Router {
     }
 }
 
-/// The candidates a sampled decision reads (`Router::sample_ranks`), as the gateway's
-/// `--router-sample-ranks` reads them (`routing/lean.rs`): of those that hold some of a prompt
-/// of `prompt_blocks` full blocks, the `others` with the longest cached prefix (ties at
-/// random) and `others` of those holding it only in their active requests (fewer new blocks
-/// than the prompt's), drawn at random; then `others` of the rest drawn uniformly (all of
-/// them when there are no more). The holders come first, in index order.
+/// The candidates a sampled decision reads (`Router::sample_ranks`), by the rule the gateway's
+/// `--router-sample-ranks` reads them ([`sample_ranks`]): of those that hold some of a prompt
+/// of `prompt_blocks` full blocks, the `others` with the longest cached prefix and `others` of
+/// those holding it only in their active requests (fewer new blocks than the prompt's), then
+/// `others` more drawn at random. In the order read.
 pub(super) fn sampled(
     candidates: &[Candidate<'_>],
     prompt_blocks: usize,
@@ -360,36 +360,25 @@ pub(super) fn sampled(
     rng: &mut dyn RngCore,
 ) -> Vec<usize> {
     let depth = |i: usize| candidates[i].kv.overlap.total();
-    let mut cached: Vec<(u32, u64, usize)> = (0..candidates.len())
+    let cached = (0..candidates.len())
         .filter(|&i| depth(i) > 0)
-        .map(|i| (depth(i), rng.next_u64(), i))
+        .map(|i| (depth(i), i))
         .collect();
-    cached.sort_unstable_by_key(|&(depth, tie, _)| std::cmp::Reverse((depth, tie)));
-    let mut active: Vec<usize> = (0..candidates.len())
+    let active = (0..candidates.len())
         .filter(|&i| depth(i) == 0 && candidates[i].kv.new_blocks < prompt_blocks as u64)
         .collect();
-    draw(&mut active, others, rng);
-    let mut kept: Vec<usize> = (cached.iter().take(others).map(|c| c.2))
-        .chain(active.iter().take(others).copied())
-        .collect();
-    kept.sort_unstable();
-    let mut rest: Vec<usize> = (0..candidates.len())
-        .filter(|i| kept.binary_search(i).is_err())
-        .collect();
-    let n = draw(&mut rest, others, rng);
-    kept.extend_from_slice(&rest[..n]);
+    let mut kept = Vec::new();
+    let mut seen = vec![false; candidates.len()];
+    let take = |i: usize| {
+        if seen[i] {
+            return false;
+        }
+        seen[i] = true;
+        kept.push(i);
+        true
+    };
+    sample_ranks(cached, active, candidates.len(), others, rng, take);
     kept
-}
-
-/// A partial Fisher-Yates shuffle: the first `n` of `items` (or all) become a uniform sample;
-/// returns how many.
-fn draw(items: &mut [usize], n: usize, rng: &mut dyn RngCore) -> usize {
-    let n = n.min(items.len());
-    for j in 0..n {
-        let pick = j + (rng.next_u64() % (items.len() - j) as u64) as usize;
-        items.swap(j, pick);
-    }
-    n
 }
 
 /// The choice by headroom against the request's `targets`, as the gateway makes it for a

@@ -349,14 +349,17 @@ fn a_sample_keeps_the_longest_holders_and_draws_the_others_uniformly() {
     let mut drawn = vec![0u32; 10];
     for _ in 0..700 {
         let kept = route::sampled(&candidates, 4, 2, &mut rng);
-        assert_eq!(&kept[..3], &[1, 5, 7], "{kept:?}");
-        assert_eq!(kept.len(), 5);
-        assert!(kept[3] != kept[3 + 1] && kept[3..].iter().all(|i| ![1, 5, 7].contains(i)));
+        let mut holders = kept[..3].to_vec();
+        holders.sort();
+        assert_eq!(holders, [1, 5, 7], "{kept:?}");
+        // Two others, unless eight draws keep finding engines already read.
+        assert!((4..=5).contains(&kept.len()), "{kept:?}");
+        assert!(kept[3..].iter().all(|i| ![1, 5, 7].contains(i)), "{kept:?}");
         for &i in &kept[3..] {
             drawn[i] += 1;
         }
     }
-    // 1,400 draws over 7 engines: ~200 each.
+    // ~1,400 draws over 7 engines: ~200 each.
     for (i, &n) in drawn.iter().enumerate() {
         if ![1, 5, 7].contains(&i) {
             assert!((140..260).contains(&n), "{drawn:?}");
@@ -369,7 +372,8 @@ fn a_sample_keeps_the_longest_holders_and_draws_the_others_uniformly() {
     deeper[7].kv.overlap.device = 4;
     for _ in 0..50 {
         let kept = route::sampled(&deeper, 4, 1, &mut rng);
-        assert_eq!((&kept[..2], kept.len()), (&[5, 7][..], 3), "{kept:?}");
+        assert_eq!(&kept[..2], [7, 5], "{kept:?}");
+        assert!((2..=3).contains(&kept.len()), "{kept:?}");
     }
 }
 

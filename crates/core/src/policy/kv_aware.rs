@@ -172,10 +172,12 @@ use crate::{Candidate, Decision, EngineLoad, RouteRequest};
 
 mod calibrated;
 mod priced;
+mod sample;
 
 use calibrated::has_kv_room;
 pub use calibrated::{Cluster, DEFAULT_KV_OVERFLOW_WEIGHT, SPEED_EVIDENCE, SPEED_NOISE};
 pub use priced::PromptTerms;
+pub use sample::sample_ranks;
 
 /// How the memory term counts KV blocks (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -24,27 +24,26 @@
 //! (BENCHMARKS.md, "A kv_aware decision at 16, 256 and 1,024 workers").
 //!
 //! Both passes still read every rank. With `--router-sample-ranks N` (a pool's
-//! [`Sampling`]), the first pass reads only the ranks that hold some of the prompt (the
-//! index's answers, and the ranks running a request that starts with the prompt's first
-//! block: [`ActiveFirsts`](crate::workers::ActiveFirsts)) and `N` others drawn at random, and
-//! the cluster's terms are the pool's, summed over every rank at most every
-//! [`CLUSTER_REFRESH`](crate::workers::CLUSTER_REFRESH): a decision then costs the same at
-//! 16 workers and at 1,024. The choice is the cheapest of those read: a holder whenever the
-//! exact decision picks one, else the least loaded of a random `N` instead of the least
-//! loaded of all (BENCHMARKS.md, "A sampled decision in the router").
+//! [`Sampling`]), the first pass reads only [`sample_rows`]: the `N` ranks the index reports
+//! holding the longest prefix of the prompt, `N` of the ranks running a request that starts
+//! with the prompt's first block ([`ActiveFirsts`](crate::workers::ActiveFirsts)) and `N`
+//! others drawn at random; the cluster's terms are the pool's, summed over every rank at most
+//! every [`CLUSTER_REFRESH`](crate::workers::CLUSTER_REFRESH). A decision then costs the same
+//! at 16 workers and at 1,024 for a prompt held by a fixed number of ranks (the index's answer
+//! still grows with its holders). The choice is the cheapest of those read: the exact one
+//! whenever the cheapest rank is among the longest holders read, else the least loaded of
+//! those read (BENCHMARKS.md, "A sampled decision in the router").
 
-use std::cmp::Reverse;
 use std::time::Instant;
 
 use kvroute_core::eligibility::{BusyThresholds, Hints};
 use kvroute_core::latency::SpeedFactors;
 use kvroute_core::policy::predict::predict;
-use kvroute_core::policy::{KvAware, PromptTerms};
+use kvroute_core::policy::{sample_ranks, KvAware, PromptTerms};
 use kvroute_core::{
     AdapterFit, Candidate, EngineLoad, KvTerms, LoadSummary, RequestLoad, RouteRequest,
 };
 use kvroute_index::{OverlapScores, ReplicaId};
-use rand::seq::SliceRandom;
 use rand::Rng;
 
 use super::{overlap, Choice, Limits, Plan};
@@ -104,12 +103,10 @@ impl Row {
     }
 }
 
-/// The rows of a sampled decision (`--router-sample-ranks N`): the `N` available ranks the
-/// index reports holding the most of the prompt (ties at random), `N` of those running a
-/// request that starts with the prompt's first block, drawn at random, and `N` more drawn
-/// uniformly from the rest (fewer when draws keep finding ranks already taken or
-/// unavailable: at most four draws a rank). Every holder is read while there are at most `N`
-/// of each kind.
+/// The rows of a sampled decision (`--router-sample-ranks N`): [`sample_ranks`] of the pool's
+/// ranks, the holders from the index's answers and from the pool's
+/// [`ActiveFirsts`](crate::workers::ActiveFirsts), a rank counting when its worker is
+/// available.
 fn sample_rows(
     pool: &Pool,
     sampling: &Sampling,
@@ -118,10 +115,19 @@ fn sample_rows(
     now: Instant,
     rows: &mut Vec<Row>,
 ) {
-    let n = sampling.others;
-    let mut rng = rand::rng();
+    let cached = (events.scores.iter().chain(&approx.scores))
+        .filter_map(|(replica, counts)| Some((counts.total(), sampling.position(*replica)?)))
+        .collect();
+    let mut active = Vec::new();
+    if let Some(first) = prompt.hashes.first() {
+        sampling.firsts.ranks_of(first.0, &mut active);
+    }
+    let active = active
+        .into_iter()
+        .filter_map(|r| sampling.position(r))
+        .collect();
     let mut taken = vec![0u64; sampling.pairs.len().div_ceil(64)];
-    let mut take = |i: usize, rows: &mut Vec<Row>| {
+    let take = |i: usize| {
         if taken[i / 64] >> (i % 64) & 1 == 1 {
             return false;
         }
@@ -134,37 +140,8 @@ fn sample_rows(
         }
         available
     };
-    // Cached: the `n` longest prefixes first (a random order within a length: a key mixed
-    // from the replica and a draw of this decision), the rest after them in any order.
-    let seed: u64 = rng.random();
-    let tie = |r: ReplicaId| (u64::from(r.0) ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let mut cached: Vec<(u32, u64, ReplicaId)> = (events.scores.iter().chain(&approx.scores))
-        .map(|(replica, counts)| (counts.total(), tie(*replica), *replica))
-        .collect();
-    if cached.len() > n && n > 0 {
-        cached.select_nth_unstable_by_key(n - 1, |&(depth, tie, _)| Reverse((depth, tie)));
-    }
-    let mut active = Vec::new();
-    if let Some(first) = prompt.hashes.first() {
-        sampling.firsts.ranks_of(first.0, &mut active);
-    }
-    active.shuffle(&mut rng);
-    for holders in [cached.into_iter().map(|(_, _, r)| r).collect(), active] {
-        let mut kept = 0;
-        for replica in holders {
-            if kept == n {
-                break;
-            }
-            if let Some(i) = sampling.position(replica) {
-                kept += usize::from(take(i, rows));
-            }
-        }
-    }
-    let (wanted, mut draws) = (rows.len() + n, 4 * n);
-    while rows.len() < wanted && draws > 0 {
-        draws -= 1;
-        take(rng.random_range(0..sampling.pairs.len()), rows);
-    }
+    let (total, n) = (sampling.pairs.len(), sampling.others);
+    sample_ranks(cached, active, total, n, &mut rand::rng(), take);
 }
 
 /// The lean decision (see the module docs), or `None` when no worker of `pool` is available

@@ -32,10 +32,7 @@ pub struct ActiveFirsts {
 }
 
 impl ActiveFirsts {
-    fn shard(
-        &self,
-        first: u64,
-    ) -> std::sync::MutexGuard<'_, IdentityMap<u64, Vec<(ReplicaId, u32)>>> {
+    fn shard(&self, first: u64) -> std::sync::MutexGuard<'_, Shard> {
         lock(&self.shards[(first >> 60) as usize % SHARDS])
     }
 

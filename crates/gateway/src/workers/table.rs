@@ -165,10 +165,10 @@ pub struct RankStatus {
 }
 
 impl WorkerSet {
-    /// Publishes a new table from the workers as they are now, and the readiness with it.
-    /// A pool of the table, with sampling when it is on.
+    /// A pool of the table, with sampling when it is on and the pool's policy is kv_aware.
     fn pool(&self, model: ModelId, workers: Vec<Arc<Worker>>, policy: Arc<dyn Policy>) -> Pool {
         let sampling = (self.firsts.as_ref())
+            .filter(|_| policy.kv_aware().is_some())
             .map(|firsts| Arc::new(Sampling::new(&workers, self.sample_ranks, firsts.clone())));
         Pool {
             sampling,
@@ -176,6 +176,7 @@ impl WorkerSet {
         }
     }
 
+    /// Publishes a new table from the workers as they are now, and the readiness with it.
     pub(super) fn rebuild(&self) {
         let _one_at_a_time = lock(&self.rebuilds);
         let workers = self.workers.load_full();
