@@ -8,7 +8,6 @@
 //! them: Dynamo's active blocks). Block hashes being chained, such a request starts with the
 //! prompt's first block, so the ranks to read are those [`ActiveFirsts`] lists for it.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -91,8 +90,9 @@ pub struct Sampling {
     pub others: usize,
     /// Every rank of the pool, as (worker, rank) indexes, in pool order.
     pub pairs: Vec<(u32, u32)>,
-    /// Each rank's index in `pairs`, by its replica.
-    positions: HashMap<ReplicaId, u32>,
+    /// Each rank's index in `pairs`, at its replica's id (replica ids are dense: a
+    /// [`WorkerSet`](super::WorkerSet) numbers its ranks from 0); `u32::MAX` for none.
+    positions: Vec<u32>,
     pub firsts: Arc<ActiveFirsts>,
     /// The cluster's terms over every available rank, and when they were summed.
     cluster: RwLock<Option<(Instant, Cluster)>>,
@@ -105,9 +105,16 @@ impl Sampling {
         let pairs: Vec<(u32, u32)> = (workers.iter().enumerate())
             .flat_map(|(w, worker)| (0..worker.ranks.len()).map(move |r| (w as u32, r as u32)))
             .collect();
-        let positions = (pairs.iter().enumerate())
-            .map(|(i, &(w, r))| (workers[w as usize].ranks[r as usize].replica, i as u32))
-            .collect();
+        let replica = |&(w, r): &(u32, u32)| workers[w as usize].ranks[r as usize].replica.0;
+        let size = pairs
+            .iter()
+            .map(replica)
+            .max()
+            .map_or(0, |m| m as usize + 1);
+        let mut positions = vec![u32::MAX; size];
+        for (i, pair) in pairs.iter().enumerate() {
+            positions[replica(pair) as usize] = i as u32;
+        }
         Self {
             others,
             pairs,
@@ -120,7 +127,8 @@ impl Sampling {
 
     /// The index in [`Self::pairs`] of the rank `replica`, if it is in the pool.
     pub fn position(&self, replica: ReplicaId) -> Option<usize> {
-        self.positions.get(&replica).map(|&i| i as usize)
+        let at = *self.positions.get(replica.0 as usize)?;
+        (at != u32::MAX).then_some(at as usize)
     }
 
     /// The cluster's terms as of at most [`CLUSTER_REFRESH`] ago, summed over the pool's
