@@ -89,6 +89,10 @@ struct KvAwareArgs {
     /// Dynamo's model) [default: 4].
     #[arg(long)]
     router_kv_overflow_weight: Option<f64>,
+    /// Weight of the request's own decode at each engine's learned speed (calibrated model;
+    /// 0: off) [default: 3000].
+    #[arg(long)]
+    router_own_decode_weight: Option<f64>,
     /// Weight of each active request [default: 0].
     #[arg(long)]
     router_decode_active_request_weight: Option<f64>,
@@ -145,6 +149,11 @@ impl KvAwareArgs {
                 "router-kv-overflow-weight",
                 self.router_kv_overflow_weight,
                 d.kv_overflow_weight,
+            )?,
+            own_decode_weight: weight(
+                "router-own-decode-weight",
+                self.router_own_decode_weight,
+                d.own_decode_weight,
             )?,
             cost_model: match self.router_cost_model {
                 Some(CostModelArg::Weighted) => CostModel::Weighted,

@@ -41,7 +41,7 @@ pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
 pub use kv_aware::{
     sample_ranks, Cluster, CostModel, KvAware, KvAwareConfig, MemoryCost, PromptTerms,
-    SPEED_EVIDENCE, SPEED_NOISE,
+    DEFAULT_OWN_DECODE_WEIGHT, SPEED_EVIDENCE, SPEED_NOISE,
 };
 pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
 pub use llm_d::{LlmD, LlmDConfig, PrefixSource};

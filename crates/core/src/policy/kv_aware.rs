@@ -124,6 +124,28 @@
 //! tiers it sends less of the work to the slow ranks, and a rank made slower at run time
 //! loses traffic as its factors rise.
 //!
+//! **Own decode** (`own_decode_weight`, 3,000; calibrated model only). The terms above weigh
+//! the work queued at a rank, not the request's own decode, a step a token for its whole
+//! answer and most of its end-to-end time: on a rank twice as slow to step, twice as long,
+//! and its slot held twice as long. The term adds
+//!
+//! ```text
+//! + own_decode_weight * (d' - 1)
+//! d' = d brought one more noise band (10%) toward 1, where p is beyond its band on the same
+//!      side of 1 as d; else d' = 1
+//! ```
+//!
+//! A faster rank is preferred by up to the weight's worth of blocks (3,000: 750 uncached
+//! prompt blocks at scale 4), so a fast rank with a long prefill queue still loses to an idle
+//! slow one. It is a constant, not the answer's expected length times a step: scaled with the
+//! answer (1,000 tokens on shared-prefix groups) it piled an overloaded cluster's long answers
+//! onto the fast ranks (TTFT p90 1.4-2.1x). Why both prices must agree: a decode factor also
+//! rises with a rank's load where the engine's steps outgrow the reference step (in Dynamo's
+//! engine model, identical engines at five times an agentic trace's rate read up to 2.2x
+//! apart while their prefill factors stayed within the band), and with the decode price alone
+//! the term moved those identical engines' TTFT p90 by up to 11%; on mixed GPUs both prices
+//! part (BENCHMARKS.md). The second band keeps small strays off a term this heavy.
+//!
 //! **KV overflow** (`kv_overflow_weight`, 4; 0 in Dynamo's model). An engine whose running
 //! requests need more KV than it has preempts one and recomputes it later, and one whose KV is
 //! full holds new requests in its queue until blocks free: those requests are a workload's TTFT
@@ -175,7 +197,9 @@ mod priced;
 mod sample;
 
 use calibrated::has_kv_room;
-pub use calibrated::{Cluster, DEFAULT_KV_OVERFLOW_WEIGHT, SPEED_EVIDENCE, SPEED_NOISE};
+pub use calibrated::{
+    Cluster, DEFAULT_KV_OVERFLOW_WEIGHT, DEFAULT_OWN_DECODE_WEIGHT, SPEED_EVIDENCE, SPEED_NOISE,
+};
 pub use priced::PromptTerms;
 pub use sample::sample_ranks;
 
@@ -253,6 +277,8 @@ pub struct KvAwareConfig {
     pub lora_load_cost: f64,
     /// Weight of the KV-overflow term (see the module docs; 0: off).
     pub kv_overflow_weight: f64,
+    /// Weight of the own-decode term of the calibrated model (see the module docs; 0: off).
+    pub own_decode_weight: f64,
     /// Whether the router's count of a rank's blocks holds its answers' blocks
     /// (`--router-track-output-blocks`): then the overflow term applies even where no
     /// candidate has room (see the module docs).
@@ -292,6 +318,9 @@ impl KvAwareConfig {
             // that Dynamo routes), so its model is unchanged, and adapters still count.
             lora_load_cost: DEFAULT_LORA_LOAD_COST,
             kv_overflow_weight: 0.0,
+            // A term of the calibrated model only: the weighted one (Dynamo's) prices every
+            // rank alike, so it is 0 there whatever its weight.
+            own_decode_weight: DEFAULT_OWN_DECODE_WEIGHT,
             answers_counted: false,
         }
     }
@@ -332,6 +361,8 @@ impl std::fmt::Debug for KvAware {
             )
             .field("cost_model", &k.cost_model)
             .field("lora_load_cost", &k.lora_load_cost)
+            .field("kv_overflow_weight", &k.kv_overflow_weight)
+            .field("own_decode_weight", &k.own_decode_weight)
             .finish()
     }
 }
@@ -890,7 +921,7 @@ mod tests {
     fn debug_names_every_parameter() {
         assert_eq!(
             format!("{:?}", dynamo()),
-            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0, cost_model: Weighted, lora_load_cost: 4096.0 }"
+            "KvAware { overlap_score_credit: 1.0, prefill_load_scale: 1.0, decode_active_request_weight: 0.0, temperature: 0.0, host_cache_hit_weight: 0.75, disk_cache_hit_weight: 0.25, shared_cache_multiplier: 0.0, memory_cost: Linear, prefill_interference_weight: 0.0, cost_model: Weighted, lora_load_cost: 4096.0, kv_overflow_weight: 0.0, own_decode_weight: 3000.0 }"
         );
     }
 
@@ -1092,8 +1123,10 @@ mod tests {
     #[test]
     fn calibrated_prices_each_rank_at_its_speed_against_the_clusters() {
         let ids = ids(3);
+        // The own-decode term apart (its own test, below).
         let calibrated = KvAware::new(KvAwareConfig {
             cost_model: CostModel::Calibrated,
+            own_decode_weight: 0.0,
             ..KvAwareConfig::default()
         });
         let weighted = KvAware::new(KvAwareConfig {
@@ -1177,6 +1210,100 @@ mod tests {
         let memory = (kv.decode_blocks + kv.new_blocks) as f64;
         assert!((c[0] - (w[0] - memory / 4.0)).abs() < 1e-9, "{c:?} {w:?}");
         assert!((c[1] - (w[1] + memory / 2.0)).abs() < 1e-9, "{c:?} {w:?}");
+    }
+
+    #[test]
+    fn the_own_decode_term_prefers_a_faster_rank_where_both_its_speeds_say_so() {
+        let ids = ids(3);
+        let model = |cost_model, own_decode_weight| {
+            KvAware::new(KvAwareConfig {
+                cost_model,
+                own_decode_weight,
+                ..KvAwareConfig::default()
+            })
+        };
+        let on = model(CostModel::Calibrated, DEFAULT_OWN_DECODE_WEIGHT);
+        let off = model(CostModel::Calibrated, 0.0);
+        let kv = KvTerms {
+            decode_blocks: 400,
+            new_blocks: 100,
+            active_requests: 4,
+            ..KvTerms::default()
+        };
+        let at = |i: usize, speed, prefill_tokens| Candidate {
+            speed,
+            ..cand(
+                &ids[i],
+                KvTerms {
+                    prefill_tokens,
+                    ..kv
+                },
+            )
+        };
+        let r = req(1600);
+        // The term alone: on - off, per rank.
+        let term = |c: &[Candidate<'_>]| -> Vec<f64> {
+            let (a, b) = (on.costs(c, &r).unwrap(), off.costs(c, &r).unwrap());
+            a.iter().zip(&b).map(|(a, b)| a - b).collect()
+        };
+        // Three tiers, both speeds apart: the weight times the decode price brought one more
+        // noise band toward 1, less 1.
+        let tiers = [
+            at(0, fitted(0.5, 0.5, 100), 0),
+            at(1, fitted(1.0, 1.0, 100), 0),
+            at(2, fitted(2.0, 2.0, 100), 0),
+        ];
+        let cluster = on.cluster(&tiers);
+        let t = term(&tiers);
+        let band = SPEED_NOISE.exp();
+        for (i, c) in tiers.iter().enumerate() {
+            let (_, d) = cluster.prices_of(&c.speed.unwrap().factors());
+            let expected = if d > band {
+                d / band - 1.0
+            } else if d * band < 1.0 {
+                d * band - 1.0
+            } else {
+                0.0
+            };
+            let expected = DEFAULT_OWN_DECODE_WEIGHT * expected;
+            assert!((t[i] - expected).abs() < 1e-6, "{i}: {t:?} {expected}");
+        }
+        assert!(t[0] < -1000.0 && t[2] > 1000.0, "{t:?}");
+        // The mean rank (1/1.17 of the mean factor: one band and a half) is inside the second.
+        assert_eq!(t[1], 0.0, "{t:?}");
+        // A fast rank with prefill queued: without the term the idle slow rank wins, with it
+        // the fast one, until its queue outweighs the term.
+        let pair = |queued| {
+            [
+                at(0, fitted(0.5, 0.5, 100), queued),
+                at(1, fitted(2.0, 2.0, 100), 0),
+            ]
+        };
+        let mut rng = SmallRng::seed_from_u64(0);
+        let choose = |p: &KvAware, c: &[Candidate<'_>], rng: &mut SmallRng| {
+            p.select(c, &r, rng).unwrap().index
+        };
+        assert_eq!(choose(&off, &pair(16_000), &mut rng), 1);
+        assert_eq!(choose(&on, &pair(16_000), &mut rng), 0);
+        assert_eq!(choose(&on, &pair(400_000), &mut rng), 1);
+        // A decode factor apart without the prefill factor (as load alone can make it), or
+        // the two on opposite sides: no term. Within the noise: none.
+        for speeds in [
+            [(1.0, 2.0), (1.0, 1.0), (1.0, 0.5)],
+            [(0.5, 2.0), (1.0, 1.0), (2.0, 0.5)],
+            [(1.0, 1.0), (1.08, 1.09), (0.93, 0.92)],
+        ] {
+            let c: Vec<_> = speeds
+                .iter()
+                .enumerate()
+                .map(|(i, &(p, d))| at(i, fitted(p, d, 100), 0))
+                .collect();
+            assert_eq!(term(&c), vec![0.0; 3], "{speeds:?}");
+        }
+        // The weighted model prices every rank alike: no term whatever its weight.
+        let weighted = model(CostModel::Weighted, DEFAULT_OWN_DECODE_WEIGHT);
+        let plain = model(CostModel::Weighted, 0.0);
+        assert_eq!(weighted.costs(&tiers, &r), plain.costs(&tiers, &r));
     }
 
     #[test]

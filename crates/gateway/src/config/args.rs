@@ -193,43 +193,10 @@ pub struct Args {
     /// The router's KV block size in tokens [default: 16].
     #[arg(aliases = ["kv-event-block-size", "kv-cache-block-size"], long)]
     pub block_size: Option<usize>,
-    /// kv_aware: credit per prefix block cached on the device [default: 2.0; Dynamo's: 1.0].
-    #[arg(long)]
-    pub router_kv_overlap_score_credit: Option<f64>,
-    /// kv_aware: weight of the prefill term [default: 4.0; Dynamo's: 1.0].
-    #[arg(long)]
-    pub router_prefill_load_scale: Option<f64>,
-    /// kv_aware: memory term in blocks: linear (Dynamo's) or by utilisation [default: linear].
-    #[arg(long, value_enum)]
-    pub router_kv_memory_cost: Option<MemoryCostArg>,
-    /// kv_aware: weighted (blocks), calibrated (blocks at learned speeds), predicted (ms) [calibrated].
-    #[arg(long, value_enum)]
-    pub router_cost_model: Option<CostModelArg>,
-    /// kv_aware: weight of uncached blocks times decoding requests (0: Dynamo's) [default: 0.25].
-    #[arg(long)]
-    pub router_prefill_interference_weight: Option<f64>,
-    /// kv_aware: weight of KV blocks beyond 90% of an engine's (0: Dynamo's) [default: 4].
-    #[arg(long)]
-    pub router_kv_overflow_weight: Option<f64>,
-    /// kv_aware: weight of each active request [default: 0].
-    #[arg(long)]
-    pub router_decode_active_request_weight: Option<f64>,
-    /// kv_aware: decode load counts streamed output blocks, decayed toward agent_hints.osl.
-    #[arg(alias = "track-output-blocks", long)]
-    #[serde(default)]
-    pub router_track_output_blocks: bool,
-    /// kv_aware: sample from a softmax over costs at this temperature; 0 picks the cheapest [default: 0].
-    #[arg(long)]
-    pub router_temperature: Option<f64>,
-    /// kv_aware: credit per prefix block cached in host memory [default: 0.75].
-    #[arg(alias = "kv-penalty-host", long)]
-    pub router_host_cache_hit_weight: Option<f64>,
-    /// kv_aware: credit per prefix block cached on disk [default: 0.25].
-    #[arg(alias = "kv-penalty-disk", long)]
-    pub router_disk_cache_hit_weight: Option<f64>,
-    /// kv_aware: credit per prefix block in a shared external cache [default: 0].
-    #[arg(alias = "kv-penalty-external", long)]
-    pub shared_cache_multiplier: Option<f64>,
+    /// kv_aware's cost model and weights: `--router-*`, `--shared-cache-multiplier`.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub kv_aware: super::kv_aware::KvAwareArgs,
     /// Ignore engines' KV events: approximate their caches from the router's own decisions.
     #[arg(alias = "no-kv-events", long)]
     #[serde(default)]

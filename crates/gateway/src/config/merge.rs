@@ -40,10 +40,6 @@ impl Args {
             least_load_default_throughput, least_load_mean_prefill_tokens,
             least_load_max_waiting_requests, worker_overload_waiting_requests,
             worker_overload_token_usage, metrics_refresh_ms, block_size,
-            router_kv_overlap_score_credit, router_prefill_load_scale,
-            router_decode_active_request_weight, router_kv_memory_cost, router_cost_model,
-            router_prefill_interference_weight, router_kv_overflow_weight, router_temperature,
-            router_host_cache_hit_weight, router_disk_cache_hit_weight, shared_cache_multiplier,
             router_ttl_secs, router_max_indexed_blocks, router_event_threads, router_sample_ranks, tokenizer,
             tokenizer_cache_l1_max_memory, active_prefill_tokens_threshold,
             active_prefill_tokens_threshold_frac, active_decode_blocks_threshold, admin_api_key,
@@ -68,7 +64,7 @@ impl Args {
         flag
             service_discovery, pd_disaggregation, llm_d_precise_prefix,
             worker_overload_protection, disable_worker_overload_protection,
-            worker_overload_shed, no_router_kv_events, router_track_output_blocks, tokenizer_cache_enable_l0,
+            worker_overload_shed, no_router_kv_events, tokenizer_cache_enable_l0,
             tokenizer_cache_enable_l1, disable_retries, disable_circuit_breaker, log_json,
             enable_trace, epp, trust_tenant_header, priority_scheduler_enabled,
             tenant_rate_limit_enabled;
@@ -80,6 +76,7 @@ impl Args {
             config: self.config,
             dump_config_to: self.dump_config_to,
             slo: self.slo.merge(file.slo),
+            kv_aware: self.kv_aware.merge(file.kv_aware),
             // Only in the file.
             workers: file.workers,
             policy_classes: file.policy_classes,

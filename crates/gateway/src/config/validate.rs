@@ -39,7 +39,7 @@ impl Args {
         };
         let host = self.host.take().unwrap_or_else(|| default_host.to_owned());
         let block_size = positive("block_size", self.block_size, 16)?;
-        let kv_aware = self.kv_aware_config()?;
+        let kv_aware = self.kv_aware.kv_aware_config()?;
         let cache_aware = self.cache_aware_config()?;
         let busy = self.busy_thresholds()?;
         let llm_d = self.llm_d_config(block_size)?;
@@ -81,7 +81,7 @@ impl Args {
                 self.otlp_sampling_ratio,
             )?,
             block_size,
-            track_output_blocks: self.router_track_output_blocks,
+            track_output_blocks: self.kv_aware.router_track_output_blocks,
             kv_events: if self.no_router_kv_events {
                 KvEventsMode::Approximate
             } else {

@@ -59,3 +59,30 @@ fn the_fitted_models_find_the_slow_engine_and_predicted_routes_around_it() {
     let w = &weighted.result.requests_per_worker;
     assert!(w[3] > per[3], "weighted {w:?}, predicted {per:?}");
 }
+
+#[test]
+fn the_own_decode_term_sends_the_slow_engine_less_than_the_calibrated_model_without_it() {
+    // Chats: each turn's prefix is cached where the chat began, which keeps a chat on the
+    // slow engine unless its own decode is priced.
+    let chats = crate::synthetic::Synthetic::MultiTurn(crate::synthetic::MultiTurn {
+        conversations: 60,
+        request_rate: 20.0,
+        ..Default::default()
+    })
+    .generate(512, 1);
+    let with = run(&chats, &slow_last(CostModel::Calibrated));
+    let mut off = slow_last(CostModel::Calibrated);
+    if let Cluster::Aggregated { policy_config, .. } = &mut off.cluster {
+        policy_config.kv_aware.own_decode_weight = 0.0;
+    }
+    let without = run(&chats, &off);
+    assert_eq!(with.result.requests, without.result.requests);
+    // The router learned the slow engine's speeds from its timings: slower at both.
+    let f = with.speeds[3].factors();
+    assert!(f.prefill_factor > 1.5 && f.decode_factor > 1.5, "{f:?}");
+    let (a, b) = (
+        &with.result.requests_per_worker,
+        &without.result.requests_per_worker,
+    );
+    assert!(a[3] < b[3], "with {a:?}, without {b:?}");
+}

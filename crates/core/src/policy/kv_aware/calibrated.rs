@@ -5,6 +5,8 @@
 use crate::latency::SpeedFactors;
 use crate::EngineLoad;
 
+/// kvroute's weight of the own-decode term (see "Own decode" in the module docs).
+pub const DEFAULT_OWN_DECODE_WEIGHT: f64 = 3000.0;
 /// kvroute's weight of the KV-overflow term.
 pub const DEFAULT_KV_OVERFLOW_WEIGHT: f64 = 4.0;
 /// The share of an engine's KV blocks beyond which the overflow term counts.
@@ -55,6 +57,24 @@ pub(super) fn memory_priced(memory: f64, blocks: u64, new_blocks: u64, d: f64) -
     // utilisation: either way the share of it that is the request's).
     let own = new_blocks.min(blocks) as f64 / blocks as f64;
     memory * (1.0 + (d - 1.0) * own)
+}
+
+/// The own-decode term's price less 1 for a rank of prefill price `p` and decode price `d`
+/// (see "Own decode" in the module docs): `d` brought one more [`SPEED_NOISE`] toward 1, where
+/// `p` is beyond its band on the same side; else 0.
+pub(super) fn own_decode_excess(p: f64, d: f64) -> f64 {
+    let excess = if d > NOISE_BAND {
+        d / NOISE_BAND - 1.0
+    } else if d * NOISE_BAND < 1.0 {
+        d * NOISE_BAND - 1.0
+    } else {
+        0.0
+    };
+    if (p - 1.0) * excess > 0.0 {
+        excess
+    } else {
+        0.0
+    }
 }
 
 /// A rank's speed factor counts after this many observations (those that set it:

@@ -2,7 +2,7 @@
 //! [`KvAware::cost_in`] and for a caller that scores a thousand ranks without building a
 //! candidate for each (the gateway's lean decision): both compute the same `f64`.
 
-use super::calibrated::{beyond_share, memory_priced};
+use super::calibrated::{beyond_share, memory_priced, own_decode_excess};
 use super::{Cluster, CostModel, KvAware, MemoryCost};
 use crate::latency::SpeedFactors;
 use crate::{EngineLoad, KvTerms, RouteRequest};
@@ -93,5 +93,6 @@ impl KvAware {
             + d * k.decode_active_request_weight * kv.active_requests as f64
             + k.lora_load_cost * adapter_loads
             + p * k.prefill_load_scale * overflow_weight * overflow
+            + k.own_decode_weight * own_decode_excess(p, d)
     }
 }
