@@ -3,17 +3,25 @@ TTFT p90 and E2E p90 as ratios to the best of round_robin, least_load, cache_awa
 kv_aware with the weighted cost model, per workload and seed, with their geometric means.
 
     heterogeneous_ratios.py BIN OUT [CLUSTERS] [-- ARGS...]
+    heterogeneous_ratios.py --diff OUT TAG_A TAG_B [CLUSTERS]
 
 BIN is the release folder (kvroute-bench in it); OUT keeps the other policies' runs (one
 simulate per cell, reused on the next call) and kv_aware's; CLUSTERS picks among (default "a b
 c"):
 - a: 8 engines at speeds 2,2,1,1,1,0.5,0.5,0.5 with 16,384 or 8,192 KV blocks (bench/heterogeneous.sh's);
 - b: 8 engines at 1.5,1.5,1,1,1,1,0.7,0.7 with 8,192-16,384 blocks;
-- c: 12 engines, one at 3x, nine at 1x, two at 0.5x, 16,384 blocks each.
+- c: 12 engines, one at 3x, nine at 1x, two at 0.5x, 16,384 blocks each;
+- same (never by default): 8 identical engines of 16,384 blocks in Dynamo's engine model, to
+  check with `--diff` that a change for mixed clusters leaves identical ones as they were.
 ARGS go to kv_aware's runs only (`--router-own-decode-weight 0` for the model without its
 own-decode term). The workloads: the Mooncake trace at x1 and x2, multi-turn chats (100 x 5 at 20
 and 40 requests/s), shared-prefix groups and agentic sessions, seeds 0-2 (the trace at x1 one
 seed). The router is told each engine's KV blocks, never its speed.
+
+Environment: SCALE multiplies every workload's request rate (SCALE=0.02: the same requests on a
+nearly idle cluster); TAG names kv_aware's runs in OUT (default: ARGS joined, or "default"), so
+that two builds' runs share OUT's other policies. `--diff OUT TAG_A TAG_B` prints, per cell and
+as geometric means per workload, kv_aware's TAG_B percentiles over its TAG_A ones.
 """
 import json
 import math
@@ -31,6 +39,7 @@ CLUSTERS = {
           "--num-gpu-blocks", "12288,12288,16384,8192,16384,8192,12288,12288"],
     "c": ["--workers", "12", "--worker-speed", "3,1,1,1,1,1,1,1,1,1,0.5,0.5",
           "--num-gpu-blocks", "16384"],
+    "same": ["--workers", "8", "--num-gpu-blocks", "16384", "--timing-model", "dynamo"],
 }
 MULTI = ["--synthetic", "multi-turn", "--conversations", "100", "--turns", "5", "--request-rate"]
 WORKLOADS = {
@@ -52,22 +61,61 @@ def simulate(bench, args, out):
         return json.load(f)["policies"]
 
 
+def with_scale(args, scale):
+    """`args` at `scale` times their request rate."""
+    if scale == 1.0:
+        return args
+    if "--rate-scale" in args:
+        i = args.index("--rate-scale") + 1
+        return args[:i] + [f"{float(args[i]) * scale:g}"] + args[i + 1:]
+    return args + ["--rate-scale", f"{scale:g}"]
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def diff(out, a, b, clusters):
+    """kv_aware's percentiles in the runs tagged `b` over those tagged `a`."""
+    metrics = [("ttft_ms", "p50"), ("ttft_ms", "p90"), ("ttft_ms", "p99"), ("e2e_ms", "p50"),
+               ("e2e_ms", "p90")]
+    names = " ".join(f"{m.split('_')[0].upper()} {q}" for m, q in metrics)
+    print(f"kv_aware {b} over {a}: {names}")
+    by_workload = {}
+    for c in clusters:
+        for w in WORKLOADS:
+            for s in (0, 1, 2):
+                paths = [f"{out}/{c}-{w}-{s}.{t}.json" for t in (a, b)]
+                if not all(os.path.exists(p) for p in paths):
+                    continue
+                pa, pb = (json.load(open(p))["policies"][0] for p in paths)
+                r = [pb[m][q] / pa[m][q] for m, q in metrics]
+                by_workload.setdefault(w, []).append(r)
+                print(f"{c} {w:9s} seed {s}  " + " ".join(f"{x:.3f}" for x in r))
+    for w, rs in by_workload.items():
+        print(f"{w:9s} geometric mean over {len(rs)} cells: "
+              + " ".join(f"{geomean([r[i] for r in rs]):.3f}" for i in range(len(metrics))))
+
+
 def main():
     argv = sys.argv[1:]
+    if argv[:1] == ["--diff"] and len(argv) >= 4:
+        return diff(argv[1], argv[2], argv[3], (argv[4] if len(argv) > 4 else "a b c").split())
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     if len(argv) < 2:
         sys.exit(__doc__)
     bench, out = os.path.join(argv[0], "kvroute-bench"), argv[1]
     clusters = (argv[2] if len(argv) > 2 else "a b c").split()
-    tag = "-".join(a.lstrip("-") for a in extra) or "default"
+    tag = os.environ.get("TAG") or "-".join(a.lstrip("-") for a in extra) or "default"
+    scale = float(os.environ.get("SCALE", "1"))
     os.makedirs(out, exist_ok=True)
     cells = [(c, w, s) for c in clusters for w in WORKLOADS for s in (0, 1, 2)
              if not (w == "trace-x1" and s > 0)]
 
     def cell(job):
         c, w, s = job
-        common = WORKLOADS[w] + CLUSTERS[c] + ["--seed", str(s)]
+        common = with_scale(WORKLOADS[w], scale) + CLUSTERS[c] + ["--seed", str(s)]
         others = simulate(bench, common + ["--policies", OTHERS, "--router-cost-model", "weighted"],
                           f"{out}/{c}-{w}-{s}.others.json")
         ours = simulate(bench, common + ["--policies", "kv_aware"] + extra,
@@ -86,7 +134,7 @@ def main():
               f"{p['ttft_ms']['p99']:.0f}  E2E {p['e2e_ms']['p50']:.0f}/{p['e2e_ms']['p90']:.0f}/"
               f"{p['e2e_ms']['p99']:.0f}  hit {100 * p['hit_share']:.1f}%  TTFT p90 {t:.2f}x  E2E p90 {e:.2f}x")
     for c, rs in ratios.items():
-        geo = [math.exp(sum(math.log(r[i]) for r in rs) / len(rs)) for i in (0, 1)]
+        geo = [geomean([r[i] for r in rs]) for i in (0, 1)]
         print(f"cluster {c}: geometric mean TTFT p90 {geo[0]:.3f}x, E2E p90 {geo[1]:.3f}x; "
               f"worst {max(r[0] for r in rs):.2f}x, {max(r[1] for r in rs):.2f}x; "
               f"TTFT p90 at most 0.85x in {sum(r[0] <= 0.85 for r in rs)} of {len(rs)} cells")

@@ -120,7 +120,10 @@
 //! reference step). Prices are relative to the candidates' mean, so the weights keep their
 //! balance, and differences within 10% (the factors' spread between identical engines) are
 //! taken as none, so that on identical engines the model is the weighted one. A rank with
-//! fewer than 20 observations is priced at the mean of those with more. On three speed
+//! fewer than 20 observations is priced at the mean of those with more while it is busy;
+//! while it is idle, and some rank is faster than the mean beyond the noise, at the fastest
+//! rank's prices, so that it gets tried (at the mean, an unseen fast engine could stay idle
+//! for ever beside the engine that served first and holds the prefixes). On three speed
 //! tiers it sends less of the work to the slow ranks, and a rank made slower at run time
 //! loses traffic as its factors rise.
 //!
@@ -400,6 +403,7 @@ impl KvAware {
         // One pass: a caller may read each rank's gauges from atomics as it goes.
         let (mut saturation, mut kv_room, mut seen) = (None::<f64>, self.config.answers_counted, 0);
         let (mut prefill, mut decode, mut capacity) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
+        let (mut prefill_best, mut decode_best) = (f64::INFINITY, f64::INFINITY);
         for (engine, s, blocks) in ranks {
             seen += 1;
             let queued = waiting(&engine);
@@ -407,9 +411,11 @@ impl KvAware {
             kv_room = kv_room || has_kv_room(&engine, blocks);
             if s.prefill_observations >= SPEED_EVIDENCE {
                 prefill = (prefill.0 + s.prefill_factor, prefill.1 + 1.0);
+                prefill_best = prefill_best.min(s.prefill_factor);
             }
             if s.decode_observations >= SPEED_EVIDENCE {
                 decode = (decode.0 + s.decode_factor, decode.1 + 1.0);
+                decode_best = decode_best.min(s.decode_factor);
             }
             if let Some(blocks) = engine.num_gpu_blocks.filter(|&n| n > 0) {
                 capacity = (capacity.0 + blocks as f64, capacity.1 + 1.0);
@@ -423,9 +429,12 @@ impl KvAware {
             return uniform;
         }
         let mean = |(sum, n): (f64, f64)| if n > 0.0 { sum / n } else { 1.0 };
+        let (prefill, decode) = (mean(prefill), mean(decode));
         Cluster {
-            prefill_factor: mean(prefill),
-            decode_factor: mean(decode),
+            prefill_factor: prefill,
+            decode_factor: decode,
+            prefill_best: prefill_best.min(prefill),
+            decode_best: decode_best.min(decode),
             capacity: if capacity.1 > 0.0 {
                 mean(capacity)
             } else {
@@ -1174,27 +1183,55 @@ mod tests {
         for (c, factor) in tiers.iter().zip([0.5f64, 1.0, 2.0]) {
             let l = (factor / mean).ln();
             let expected = (l.signum() * (l.abs() - SPEED_NOISE).max(0.0)).exp();
-            let (p, d) = cluster.prices_of(&c.speed.unwrap().factors());
+            let (p, d) = cluster.prices_of(&c.speed.unwrap().factors(), false);
             assert!((p - expected).abs() < 1e-12 && (d - expected).abs() < 1e-12);
         }
         assert_eq!(calibrated::NOISE_BAND, SPEED_NOISE.exp());
-        // A rank without evidence is priced at the mean of those with it, not at the prior.
+        // A rank without evidence is priced at the mean while it is busy; while it is idle,
+        // and some rank is faster than the mean beyond the noise, at the fastest rank's
+        // prices, so that it gets tried (at the mean it could sit idle for ever beside a fast
+        // rank holding the prefixes); never at the prior.
         let unseen = [
             at(0, fitted(0.2, 0.2, 100)),
-            at(1, fitted(0.2, 0.2, 100)),
+            at(1, fitted(0.4, 0.4, 100)),
             at(2, fitted(1.0, 1.0, SPEED_EVIDENCE - 1)),
         ];
         let cluster = calibrated.cluster(&unseen);
-        assert!((cluster.prefill_factor - 0.2).abs() < 1e-12);
-        assert_eq!(
-            cluster.prices_of(&unseen[2].speed.unwrap().factors()),
-            (1.0, 1.0)
-        );
-        assert_eq!(
-            costs(&calibrated, &unseen),
-            costs(&weighted, &unseen),
-            "the unseen rank is neither cheap nor dear"
-        );
+        assert!((cluster.prefill_factor - 0.3).abs() < 1e-12);
+        let prices = |c: &Candidate<'_>, idle| cluster.prices_of(&c.speed.unwrap().factors(), idle);
+        assert_eq!(prices(&unseen[2], false), (1.0, 1.0));
+        assert_eq!(prices(&unseen[2], true), prices(&unseen[0], true));
+        assert!(prices(&unseen[2], true).0 < 1.0 && prices(&unseen[1], true).0 > 1.0);
+        let idle_kv = KvTerms {
+            active_requests: 0,
+            prefilling_requests: 0,
+            ..kv
+        };
+        let rank = |i: usize, kv, speed| Candidate {
+            speed,
+            ..cand(&ids[i], kv)
+        };
+        let unseen_idle = [
+            rank(0, idle_kv, fitted(0.2, 0.2, 100)),
+            rank(1, idle_kv, fitted(0.4, 0.4, 100)),
+            rank(2, idle_kv, fitted(1.0, 1.0, SPEED_EVIDENCE - 1)),
+        ];
+        let c = costs(&calibrated, &unseen_idle);
+        assert!(c[2] == c[0] && c[2] < c[1], "{c:?}");
+        // Beside ranks alike within the noise, idle or not, it costs what the weighted model
+        // says.
+        for kv in [kv, idle_kv] {
+            let alike = [
+                rank(0, kv, fitted(1.0, 1.0, 100)),
+                rank(1, kv, fitted(1.08, 0.93, 100)),
+                rank(2, kv, fitted(0.2, 5.0, SPEED_EVIDENCE - 1)),
+            ];
+            assert_eq!(
+                costs(&calibrated, &alike),
+                costs(&weighted, &alike),
+                "the unseen rank is neither cheap nor dear"
+            );
+        }
         // The weighted and predicted models ignore the factors.
         assert_eq!(weighted.cluster(&tiers), Cluster::uniform(0.0));
         // A block of memory on an engine with half the KV counts as two on the other.
@@ -1257,7 +1294,7 @@ mod tests {
         let t = term(&tiers);
         let band = SPEED_NOISE.exp();
         for (i, c) in tiers.iter().enumerate() {
-            let (_, d) = cluster.prices_of(&c.speed.unwrap().factors());
+            let (_, d) = cluster.prices_of(&c.speed.unwrap().factors(), false);
             let expected = if d > band {
                 d / band - 1.0
             } else if d * band < 1.0 {

@@ -86,3 +86,34 @@ fn the_own_decode_term_sends_the_slow_engine_less_than_the_calibrated_model_with
     );
     assert!(a[3] < b[3], "with {a:?}, without {b:?}");
 }
+
+#[test]
+fn an_idle_cluster_tries_its_unseen_engines_and_finds_the_fast_ones() {
+    // Agent sessions at a fiftieth of their rate: engines are idle between steps. Without
+    // exploration the first engines to serve keep every agent type's prompt and the unseen
+    // ones, priced at the mean, are never tried: here the two fast engines served nothing.
+    let sessions = crate::synthetic::Synthetic::Agentic(crate::synthetic::Agentic {
+        sessions: 40,
+        ..Default::default()
+    })
+    .generate(512, 0);
+    let config = SimConfig {
+        rate_scale: 0.02,
+        seed: 0,
+        shapes: EngineShapes {
+            speed: vec![2.0, 2.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5],
+            num_gpu_blocks: vec![16384, 8192, 16384, 16384, 8192, 16384, 8192, 8192],
+        },
+        cluster: Cluster::Aggregated {
+            workers: 8,
+            policy: PolicyKind::KvAware,
+            policy_config: PolicyConfig::default(),
+        },
+        ..cfg(PolicyKind::KvAware)
+    };
+    let run = run(&sessions, &config);
+    assert_eq!(run.result.requests, sessions.len());
+    let per = &run.result.requests_per_worker;
+    let busiest = (0..per.len()).max_by_key(|&i| per[i]).unwrap();
+    assert!(busiest < 2, "a fast engine serves the most: {per:?}");
+}

@@ -79,8 +79,9 @@ pub(super) fn own_decode_excess(p: f64, d: f64) -> f64 {
 
 /// A rank's speed factor counts after this many observations (those that set it:
 /// [`FACTOR_WARMUP`](crate::latency::FACTOR_WARMUP)); before, the rank is priced at the
-/// cluster's mean (an engine the router has not seen work is not taken as slow or fast,
-/// which would keep it from ever being seen).
+/// cluster's mean, or, while it is idle, at its fastest rank's ([`Cluster::prices_of`]): an
+/// engine the router has not seen work is not taken as slow, which would keep it from ever
+/// being seen.
 pub const SPEED_EVIDENCE: u64 = crate::latency::FACTOR_WARMUP as u64;
 
 /// What each candidate's cost reads from all the candidates ([`KvAware::cluster`]).
@@ -92,6 +93,10 @@ pub struct Cluster {
     /// ([`FittedSpeed`](crate::latency::FittedSpeed)).
     pub prefill_factor: f64,
     pub decode_factor: f64,
+    /// The smallest prefill and decode factors among the candidates with evidence (the
+    /// mean's where none has): the price of a rank without evidence (see [`Self::prices_of`]).
+    pub prefill_best: f64,
+    pub decode_best: f64,
     /// The mean KV capacity in blocks of the candidates that report one (0: none does).
     pub capacity: f64,
     /// Whether some candidate has KV room ([`has_kv_room`]); without, the overflow term is 0.
@@ -105,6 +110,8 @@ impl Cluster {
             saturation,
             prefill_factor: 1.0,
             decode_factor: 1.0,
+            prefill_best: 1.0,
+            decode_best: 1.0,
             capacity: 0.0,
             kv_room: true,
         }
@@ -120,15 +127,24 @@ impl Cluster {
     }
 
     /// The prices of a rank's prefill and decode work at speed `s`, relative to the
-    /// cluster's mean, with differences within [`SPEED_NOISE`] taken as none and a rank
-    /// without [`SPEED_EVIDENCE`] at the mean.
-    pub fn prices_of(&self, s: &SpeedFactors) -> (f64, f64) {
+    /// cluster's mean, with differences within [`SPEED_NOISE`] taken as none. A rank without
+    /// [`SPEED_EVIDENCE`] is priced at the mean, or, while it is `idle` and some rank's
+    /// prefill is faster than the mean beyond the noise, at the fastest rank's prices (so that
+    /// it is tried: at the mean it could sit idle for ever beside a fast rank).
+    pub fn prices_of(&self, s: &SpeedFactors, idle: bool) -> (f64, f64) {
+        let band = NOISE_BAND;
+        let explore = idle && self.prefill_best * band < self.prefill_factor;
         // exp(sign(l) * max(0, |l| - noise)) with l = ln(ratio), without a log or an exp: 1
         // inside the band, the ratio brought back by the band's edge outside it.
-        let band = NOISE_BAND;
-        let price = |factor: f64, mean: f64, seen: u64| {
-            let ratio = factor / mean;
-            if seen < SPEED_EVIDENCE || !(ratio.is_finite() && ratio > 0.0) {
+        let price = |factor: f64, best: f64, mean: f64, seen: u64| {
+            let ratio = if seen >= SPEED_EVIDENCE {
+                factor / mean
+            } else if explore {
+                best / mean
+            } else {
+                1.0
+            };
+            if !(ratio.is_finite() && ratio > 0.0) {
                 1.0
             } else if ratio > band {
                 ratio / band
@@ -141,10 +157,16 @@ impl Cluster {
         (
             price(
                 s.prefill_factor,
+                self.prefill_best,
                 self.prefill_factor,
                 s.prefill_observations,
             ),
-            price(s.decode_factor, self.decode_factor, s.decode_observations),
+            price(
+                s.decode_factor,
+                self.decode_best,
+                self.decode_factor,
+                s.decode_observations,
+            ),
         )
     }
 }

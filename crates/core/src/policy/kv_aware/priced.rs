@@ -80,7 +80,7 @@ impl KvAware {
         // The calibrated model's prices of prefill and decode work and its KV share.
         let (p, d, share) = match k.cost_model {
             CostModel::Calibrated => {
-                let (p, d) = cluster.prices_of(speed);
+                let (p, d) = cluster.prices_of(speed, kv.active_requests == 0);
                 (p, d, cluster.share_of(engine))
             }
             _ => (1.0, 1.0, 1.0),
