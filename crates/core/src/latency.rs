@@ -89,7 +89,9 @@
 //! take hundreds of observations to reach a rank far from it, and on the way the ranks that
 //! served more would read further from the prior than the idle ones (measured: 256 engines
 //! twenty times faster than the prior, where the busier ranks read faster and took every
-//! new prefix).
+//! new prefix). Before that, from [`FACTOR_EARLY`] observations on, the factor reads the
+//! quantile of the observations so far: a first reading, which the calibrated cost uses only
+//! to stop trying an idle rank found slow (it counts from [`FACTOR_WARMUP`] on).
 //! The decode factor is a low quantile because an inter-token gap includes any prefill
 //! chunk that shares its step: the median of the gaps measures how much prefill a rank
 //! mixes in, its lower fifth the steps closest to pure decode. Why not the fits' own
@@ -131,6 +133,11 @@ const PREFILL_PRIOR: [f64; 4] = [25.0, 20.0, 10.0, 200.0];
 /// outside the noise band of the stepped one (see "Speed factors").
 pub const FACTOR_WARMUP: usize = 20;
 
+/// From this many observations on, before [`FACTOR_WARMUP`], a speed factor reads the
+/// quantile of the observations so far (a first reading, which the calibrated model uses to
+/// stop trying a rank found slow: [`Cluster::prices_of`](crate::policy::Cluster::prices_of)).
+pub const FACTOR_EARLY: usize = 4;
+
 /// An online quantile of `ln(x)`, as a factor (see "Speed factors").
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct LogQuantile {
@@ -170,10 +177,7 @@ impl LogQuantile {
                 // faster (slower) than the idle ones, whatever their speed. When the first
                 // observations' own quantile (nearest rank) is outside the noise band of the
                 // stepped factor, it starts from that quantile instead.
-                let mut logs = self.first;
-                logs.sort_unstable_by(f32::total_cmp);
-                let rank = (self.tau * FACTOR_WARMUP as f64).ceil().max(1.0) as usize - 1;
-                let quantile = f64::from(logs[rank]);
+                let quantile = self.first_quantile();
                 if (quantile - self.log).abs() > crate::policy::SPEED_NOISE {
                     self.log = quantile;
                 }
@@ -181,8 +185,25 @@ impl LogQuantile {
         }
     }
 
+    /// The quantile (nearest rank) of the logs of the observations seen so far, up to
+    /// [`FACTOR_WARMUP`].
+    fn first_quantile(&self) -> f64 {
+        let mut logs = self.first;
+        let logs = &mut logs[..usize::from(self.seen).max(1)];
+        logs.sort_unstable_by(f32::total_cmp);
+        let rank = (self.tau * logs.len() as f64).ceil().max(1.0) as usize - 1;
+        f64::from(logs[rank])
+    }
+
+    /// The stepped quantile, or, from [`FACTOR_EARLY`] observations until
+    /// [`FACTOR_WARMUP`], the quantile of those seen (the stepped one has barely left the
+    /// prior then).
     fn factor(&self) -> f64 {
-        self.log.exp()
+        if (FACTOR_EARLY..FACTOR_WARMUP).contains(&usize::from(self.seen)) {
+            self.first_quantile().exp()
+        } else {
+            self.log.exp()
+        }
     }
 }
 

@@ -356,3 +356,25 @@ fn a_ranks_factor_does_not_depend_on_how_much_it_served() {
         assert!(decode / d0 < band && d0 / decode < band, "{factors:?}");
     }
 }
+
+#[test]
+fn a_first_reading_counts_from_a_few_observations() {
+    let mut rng = SmallRng::seed_from_u64(11);
+    let mut m = LatencyModel::default();
+    let mut factors = Vec::new();
+    for _ in 0..FACTOR_WARMUP {
+        let f = features(&mut rng);
+        m.observe_ttft(&f, 3.0 * dot(&PREFILL_PRIOR, &f.x()));
+        factors.push(m.speed().prefill_factor);
+    }
+    // Before FACTOR_EARLY observations the factor is the stepped one, a few steps from 1;
+    // from then on, the quantile of what was seen: the rank is three times the prior.
+    for (i, f) in factors.iter().enumerate() {
+        let seen = i + 1;
+        if seen < FACTOR_EARLY {
+            assert!((f - 1.0).abs() < 0.1, "{seen}: {f}");
+        } else {
+            assert!((f / 3.0 - 1.0).abs() < 1e-6, "{seen}: {f}");
+        }
+    }
+}

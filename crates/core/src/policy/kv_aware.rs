@@ -123,7 +123,9 @@
 //! fewer than 20 observations is priced at the mean of those with more while it is busy;
 //! while it is idle, and some rank is faster than the mean beyond the noise, at the fastest
 //! rank's prices, so that it gets tried (at the mean, an unseen fast engine could stay idle
-//! for ever beside the engine that served first and holds the prefixes). On three speed
+//! for ever beside the engine that served first and holds the prefixes), until its first
+//! reading ([`FACTOR_EARLY`](crate::latency::FACTOR_EARLY) observations on) says it is
+//! slower. On three speed
 //! tiers it sends less of the work to the slow ranks, and a rank made slower at run time
 //! loses traffic as its factors rise.
 //!
@@ -1190,11 +1192,13 @@ mod tests {
         // A rank without evidence is priced at the mean while it is busy; while it is idle,
         // and some rank is faster than the mean beyond the noise, at the fastest rank's
         // prices, so that it gets tried (at the mean it could sit idle for ever beside a fast
-        // rank holding the prefixes); never at the prior.
+        // rank holding the prefixes), until a first reading says it is slower; never at the
+        // prior.
+        let early = crate::latency::FACTOR_EARLY as u64;
         let unseen = [
             at(0, fitted(0.2, 0.2, 100)),
             at(1, fitted(0.4, 0.4, 100)),
-            at(2, fitted(1.0, 1.0, SPEED_EVIDENCE - 1)),
+            at(2, fitted(1.0, 1.0, early - 1)),
         ];
         let cluster = calibrated.cluster(&unseen);
         assert!((cluster.prefill_factor - 0.3).abs() < 1e-12);
@@ -1202,6 +1206,14 @@ mod tests {
         assert_eq!(prices(&unseen[2], false), (1.0, 1.0));
         assert_eq!(prices(&unseen[2], true), prices(&unseen[0], true));
         assert!(prices(&unseen[2], true).0 < 1.0 && prices(&unseen[1], true).0 > 1.0);
+        // Its first reading counts where it is slower than the fastest, not where faster.
+        let reading = |p, n| cluster.prices_of(&fitted(p, p, n).unwrap().factors(), true);
+        let band = calibrated::NOISE_BAND;
+        let (p, d) = reading(1.0, early);
+        assert!((p - 1.0 / 0.3 / band).abs() < 1e-12 && p == d, "{p} {d}");
+        assert_eq!(reading(1.0, SPEED_EVIDENCE - 1), reading(1.0, early));
+        assert_eq!(reading(0.1, early), prices(&unseen[0], true));
+        assert_eq!(reading(1.0, early - 1), prices(&unseen[0], true));
         let idle_kv = KvTerms {
             active_requests: 0,
             prefilling_requests: 0,
@@ -1214,7 +1226,7 @@ mod tests {
         let unseen_idle = [
             rank(0, idle_kv, fitted(0.2, 0.2, 100)),
             rank(1, idle_kv, fitted(0.4, 0.4, 100)),
-            rank(2, idle_kv, fitted(1.0, 1.0, SPEED_EVIDENCE - 1)),
+            rank(2, idle_kv, fitted(1.0, 1.0, early - 1)),
         ];
         let c = costs(&calibrated, &unseen_idle);
         assert!(c[2] == c[0] && c[2] < c[1], "{c:?}");

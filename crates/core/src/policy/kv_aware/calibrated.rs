@@ -2,7 +2,7 @@
 //! [`super`]'s docs): each rank's speed against the cluster's, its share of the cluster's KV,
 //! and the blocks beyond nine tenths of its KV.
 
-use crate::latency::SpeedFactors;
+use crate::latency::{SpeedFactors, FACTOR_EARLY};
 use crate::EngineLoad;
 
 /// kvroute's weight of the own-decode term (see "Own decode" in the module docs).
@@ -130,7 +130,8 @@ impl Cluster {
     /// cluster's mean, with differences within [`SPEED_NOISE`] taken as none. A rank without
     /// [`SPEED_EVIDENCE`] is priced at the mean, or, while it is `idle` and some rank's
     /// prefill is faster than the mean beyond the noise, at the fastest rank's prices (so that
-    /// it is tried: at the mean it could sit idle for ever beside a fast rank).
+    /// it is tried: at the mean it could sit idle for ever beside a fast rank), or at its own
+    /// first reading ([`FACTOR_EARLY`] observations on) where that is slower.
     pub fn prices_of(&self, s: &SpeedFactors, idle: bool) -> (f64, f64) {
         let band = NOISE_BAND;
         let explore = idle && self.prefill_best * band < self.prefill_factor;
@@ -140,7 +141,13 @@ impl Cluster {
             let ratio = if seen >= SPEED_EVIDENCE {
                 factor / mean
             } else if explore {
-                best / mean
+                // The fastest rank's price, unless a first reading says this one is slower.
+                let own = if seen >= FACTOR_EARLY as u64 {
+                    factor
+                } else {
+                    best
+                };
+                own.max(best) / mean
             } else {
                 1.0
             };
