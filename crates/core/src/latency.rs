@@ -90,8 +90,9 @@
 //! served more would read further from the prior than the idle ones (measured: 256 engines
 //! twenty times faster than the prior, where the busier ranks read faster and took every
 //! new prefix). Before that, from [`FACTOR_EARLY`] observations on, the factor reads the
-//! quantile of the observations so far: a first reading, which the calibrated cost uses only
-//! to stop trying an idle rank found slow (it counts from [`FACTOR_WARMUP`] on).
+//! quantile of the observations so far: a first reading, which the calibrated cost uses to
+//! stop trying an idle rank found slow, and counts from
+//! [`SPEED_EVIDENCE`](crate::policy::SPEED_EVIDENCE) observations on.
 //! The decode factor is a low quantile because an inter-token gap includes any prefill
 //! chunk that shares its step: the median of the gaps measures how much prefill a rank
 //! mixes in, its lower fifth the steps closest to pure decode. Why not the fits' own

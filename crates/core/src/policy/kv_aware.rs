@@ -120,7 +120,7 @@
 //! reference step). Prices are relative to the candidates' mean, so the weights keep their
 //! balance, and differences within 10% (the factors' spread between identical engines) are
 //! taken as none, so that on identical engines the model is the weighted one. A rank with
-//! fewer than 20 observations is priced at the mean of those with more while it is busy;
+//! fewer than 10 observations is priced at the mean of those with more while it is busy;
 //! while it is idle, and some rank is faster than the mean beyond the noise, at the fastest
 //! rank's prices, so that it gets tried (at the mean, an unseen fast engine could stay idle
 //! for ever beside the engine that served first and holds the prefixes), until its first
