@@ -5,6 +5,10 @@ floor under which a figure against Dynamo's says nothing.
     noise_floor.py parity OUT...
     noise_floor.py medians BIN OUT TRACE RATES [SEEDS] [-- ARGS...]
     noise_floor.py dynamo PYTHON BIN TRACE RATES [REPEATS]
+    noise_floor.py builds BEFORE AFTER [RATES] [SEEDS]
+
+TRACE is a Mooncake JSONL file or a generated workload's name (agentic, multi-turn,
+shared-prefix: kvroute-bench's `--synthetic`, whose seed is then the router seed too).
 
 `seeds`: kvroute-bench simulate (BIN) replays TRACE at each rate of RATES ("1 2 3") on 8 engines
 of 16,384 blocks in Dynamo's engine model, kv_aware (with ARGS), under SEEDS router seeds (5 by
@@ -26,6 +30,11 @@ each (3 by default): it takes no seed, yet its runs differ (its ties fall as the
 each configuration's spread over the repeats and its median, then kvroute's kv_aware (BIN,
 defaults) median over as many router seeds, over the better of Dynamo's two medians: the
 comparison with the run-to-run noise of both sides taken down alike.
+
+`builds`: two builds of kvroute-bench (BEFORE, AFTER) on the three generated workloads at each
+rate of RATES ("1 2 3 4 5") under seeds 0 to SEEDS - 1 (3), in the same engine model: one line
+a cell, AFTER's six figures over BEFORE's, marked WORSE where a p50 or p90 is more than 2%
+higher: a change for mixed clusters checked against identical engines, cell by cell.
 """
 import json
 import os
@@ -36,9 +45,13 @@ import sys
 NAMES = ["TTFT p50", "TTFT p90", "TTFT p99", "E2E p50", "E2E p90", "E2E p99"]
 
 
+GENERATED = ("agentic", "multi-turn", "shared-prefix")
+
+
 def figures(binary, trace, rate, seed, args):
+    workload = ["--synthetic", trace] if trace in GENERATED else ["--trace", trace]
     out = subprocess.run(
-        [binary, "simulate", "--trace", trace, "--workers", "8", "--num-gpu-blocks", "16384",
+        [binary, "simulate"] + workload + ["--workers", "8", "--num-gpu-blocks", "16384",
          "--timing-model", "dynamo", "--rate-scale", str(rate), "--policies", "kv_aware",
          "--seed", str(seed)] + args,
         capture_output=True, text=True, check=True).stdout
@@ -102,6 +115,19 @@ def dynamo(python, binary, trace, rates, repeats=3):
               + f"; worst {max(ratio):.3f}", flush=True)
 
 
+def builds(before, after, rates="1 2 3 4 5", n=3):
+    """Two builds' kv_aware on the generated workloads, seed by seed (the seed draws the
+    workload too): the second's figures over the first's."""
+    for trace in GENERATED:
+        for rate in rates.split():
+            for seed in range(int(n)):
+                a, b = (figures(binary, trace, rate, seed, []) for binary in (before, after))
+                ratio = [y / x for x, y in zip(a, b)]
+                worse = max(ratio[i] for i in (0, 1, 3, 4)) > 1.02
+                print(f"{trace} x{rate} seed {seed} " + " ".join(f"{r:.3f}" for r in ratio)
+                      + ("  WORSE" if worse else ""), flush=True)
+
+
 def parity(*outs):
     ratios = []
     for out in outs:
@@ -132,4 +158,6 @@ if __name__ == "__main__":
     if "--" in rest:
         i = rest.index("--")
         rest = rest[:i] + rest[i + 1:]
-    {"seeds": seeds, "parity": parity, "medians": medians, "dynamo": dynamo}[mode](*rest)
+    modes = {"seeds": seeds, "parity": parity, "medians": medians, "dynamo": dynamo,
+             "builds": builds}
+    modes[mode](*rest)

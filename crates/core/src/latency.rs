@@ -147,6 +147,10 @@ struct LogQuantile {
     /// The logs of the first [`FACTOR_WARMUP`] observations (`seen` of them so far).
     first: [f32; FACTOR_WARMUP],
     seen: u8,
+    /// The quantile of those, kept as they come from [`FACTOR_EARLY`] on (the factor read
+    /// until [`FACTOR_WARMUP`]; computed here, not on every read: a decision reads each
+    /// candidate's factors).
+    reading: f64,
 }
 
 impl LogQuantile {
@@ -156,6 +160,7 @@ impl LogQuantile {
             tau,
             first: [0.0; FACTOR_WARMUP],
             seen: 0,
+            reading: 0.0,
         }
     }
 
@@ -170,6 +175,9 @@ impl LogQuantile {
         if seen < FACTOR_WARMUP {
             self.first[seen] = ratio.ln().clamp(-3.0, 3.0) as f32;
             self.seen += 1;
+            if seen + 1 >= FACTOR_EARLY {
+                self.reading = self.first_quantile();
+            }
             if seen + 1 == FACTOR_WARMUP {
                 // The factor starts to count now. Steps from the prior have moved it at most
                 // a few tenths; were the rank far from the prior, the factor would be on its
@@ -178,9 +186,8 @@ impl LogQuantile {
                 // faster (slower) than the idle ones, whatever their speed. When the first
                 // observations' own quantile (nearest rank) is outside the noise band of the
                 // stepped factor, it starts from that quantile instead.
-                let quantile = self.first_quantile();
-                if (quantile - self.log).abs() > crate::policy::SPEED_NOISE {
-                    self.log = quantile;
+                if (self.reading - self.log).abs() > crate::policy::SPEED_NOISE {
+                    self.log = self.reading;
                 }
             }
         }
@@ -190,7 +197,7 @@ impl LogQuantile {
     /// [`FACTOR_WARMUP`].
     fn first_quantile(&self) -> f64 {
         let mut logs = self.first;
-        let logs = &mut logs[..usize::from(self.seen).max(1)];
+        let logs = &mut logs[..usize::from(self.seen)];
         logs.sort_unstable_by(f32::total_cmp);
         let rank = (self.tau * logs.len() as f64).ceil().max(1.0) as usize - 1;
         f64::from(logs[rank])
@@ -201,7 +208,7 @@ impl LogQuantile {
     /// prior then).
     fn factor(&self) -> f64 {
         if (FACTOR_EARLY..FACTOR_WARMUP).contains(&usize::from(self.seen)) {
-            self.first_quantile().exp()
+            self.reading.exp()
         } else {
             self.log.exp()
         }

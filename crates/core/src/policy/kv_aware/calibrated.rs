@@ -144,12 +144,11 @@ impl Cluster {
                 factor / mean
             } else if explore {
                 // The fastest rank's price, unless a first reading says this one is slower.
-                let own = if seen >= FACTOR_EARLY as u64 {
-                    factor
+                if seen >= FACTOR_EARLY as u64 {
+                    factor.max(best) / mean
                 } else {
-                    best
-                };
-                own.max(best) / mean
+                    best / mean
+                }
             } else {
                 1.0
             };
