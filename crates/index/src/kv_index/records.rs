@@ -45,9 +45,13 @@ fn placeholder() -> Record {
     Record::new(Kind::One(BlockHash(0)), 0, 0)
 }
 
+fn held_in(arena: &[Vec<Held>], at: u32) -> &Held {
+    &arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
+}
+
 impl Records {
     fn held(&self, at: u32) -> &Held {
-        &self.arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
+        held_in(&self.arena, at)
     }
 
     fn held_mut(&mut self, at: u32) -> &mut Held {
@@ -102,12 +106,30 @@ impl Records {
         &mut self.held_mut(at).record
     }
 
-    /// Adds `hash` of `slot`, which must not be there yet.
-    pub(crate) fn insert(&mut self, slot: u32, hash: EngineHash, record: Record) {
+    /// Where `hash` of `slot` is: its arena position, or the empty index entry it would take
+    /// ([`Self::insert_at`], the slot's index unchanged meanwhile). Makes room for one more
+    /// record first, so that one probe serves the lookup and the insertion.
+    pub(crate) fn find_or_vacant(&mut self, slot: u32, hash: EngineHash) -> Result<u32, usize> {
         self.slots[slot as usize].reserve(MIN_ENTRIES);
-        let (i, found) =
-            self.slots[slot as usize].probe(tag(hash), |at| self.held(at).engine == hash);
-        debug_assert!(found.is_none(), "inserting a record already there");
+        let (arena, index) = (&self.arena, &self.slots[slot as usize]);
+        match index.probe(tag(hash), |at| held_in(arena, at).engine == hash) {
+            (_, Some(at)) => Ok(at),
+            (entry, None) => Err(entry),
+        }
+    }
+
+    /// Adds `hash` of `slot`, which must not be there yet.
+    #[cfg(test)]
+    pub(crate) fn insert(&mut self, slot: u32, hash: EngineHash, record: Record) {
+        let entry = self
+            .find_or_vacant(slot, hash)
+            .expect_err("inserting a record already there");
+        self.insert_at(slot, entry, hash, record);
+    }
+
+    /// Adds `hash` of `slot` at the empty index entry `entry` ([`Self::find_or_vacant`]'s
+    /// answer).
+    pub(crate) fn insert_at(&mut self, slot: u32, entry: usize, hash: EngineHash, record: Record) {
         let held = Held {
             engine: hash,
             record,
@@ -119,11 +141,13 @@ impl Records {
             }
             None => {
                 if self.used.is_multiple_of(CHUNK) {
-                    self.arena.push(Vec::new());
+                    // The first chunk grows by doubling (a small index stays small); later
+                    // ones are allocated whole, never copied.
+                    let capacity = if self.arena.is_empty() { 0 } else { CHUNK };
+                    self.arena.push(Vec::with_capacity(capacity));
                 }
                 let chunk = self.arena.last_mut().expect("a chunk with room");
                 if chunk.len() == chunk.capacity() {
-                    // Doubling up to the chunk's size (a small index stays small).
                     chunk.reserve_exact(chunk.len().clamp(64, CHUNK - chunk.len()));
                 }
                 chunk.push(held);
@@ -131,7 +155,7 @@ impl Records {
                 (self.used - 1) as u32
             }
         };
-        self.slots[slot as usize].set(i, tag(hash), at);
+        self.slots[slot as usize].set(entry, tag(hash), at);
     }
 
     /// The index entry and the arena position of `hash` of `slot`.

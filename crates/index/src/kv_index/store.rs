@@ -257,8 +257,8 @@ impl KvIndex {
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         let groups = self.slots.groups();
-        match self.records.find(slot, hash) {
-            Some(at) if self.records.at(at).kind.same_mapping(&kind) => {
+        match self.records.find_or_vacant(slot, hash) {
+            Ok(at) if self.records.at(at).kind.same_mapping(&kind) => {
                 let record = self.records.at_mut(at);
                 record.set_stamp(stamp);
                 if record.tiers() & (1 << tier) == 0 {
@@ -269,16 +269,29 @@ impl KvIndex {
                     }
                 }
             }
-            Some(_) => {
+            Ok(_) => {
                 self.remove_record(slot, hash);
-                self.insert(slot, hash, kind, tier, stamp);
+                let entry = self
+                    .records
+                    .find_or_vacant(slot, hash)
+                    .expect_err("just removed");
+                self.insert(slot, entry, hash, kind, tier, stamp);
             }
-            None => self.insert(slot, hash, kind, tier, stamp),
+            Err(entry) => self.insert(slot, entry, hash, kind, tier, stamp),
         }
         self.push_fifo(slot, hash, stamp);
     }
 
-    fn insert(&mut self, slot: u32, hash: EngineHash, kind: Kind, tier: usize, stamp: u64) {
+    /// Adds engine block `hash` of `slot` at the records' empty index entry `entry`.
+    fn insert(
+        &mut self,
+        slot: u32,
+        entry: usize,
+        hash: EngineHash,
+        kind: Kind,
+        tier: usize,
+        stamp: u64,
+    ) {
         let groups = self.slots.groups();
         for &block in kind.own() {
             self.table.inc(block, slot, tier, groups);
@@ -287,6 +300,6 @@ impl KvIndex {
         self.record_heap += kind.heap_bytes();
         self.tier_counts[slot as usize][tier] += 1;
         self.records
-            .insert(slot, hash, Record::new(kind, stamp, 1 << tier));
+            .insert_at(slot, entry, hash, Record::new(kind, stamp, 1 << tier));
     }
 }
