@@ -6,11 +6,17 @@
 //!   dense internal slots; more than 64 replicas use one table entry per group of 64). Its
 //!   entries are nodes of an arena in store order, so the blocks of a chain stored together
 //!   lie side by side: a query steps to the next node, and looks a block up only where the
-//!   chain was not stored in one piece, with the still-matching replicas as a mask.
+//!   chain was not stored in one piece, with the still-matching replicas as a mask. Only the
+//!   first node of each such run is in the table's hash index (a *head*); the others
+//!   (*tails*) are found as the successor of their parent's node, so storing a run of blocks
+//!   inserts one index entry, not one a block (rules in `kv_index/flat.rs`).
 //! - Per replica, an index from engine hash to a record of the router blocks the engine block
-//!   maps to and the tiers holding it (the records of all replicas in one arena, in store
-//!   order). Removal and `AllBlocksCleared` go through it, so clearing a replica costs time
-//!   proportional to what it holds.
+//!   maps to, their nodes where the engine's block size is the router's, and the tiers
+//!   holding it (the records of all replicas in one arena, in store order). Removal and
+//!   `AllBlocksCleared` go through it (to the node directly, no lookup), so clearing a replica
+//!   costs time proportional to what it holds. The first event whose block size differs
+//!   from the router's turns tails off for good (every node a head, looked up by key): those
+//!   records do not keep nodes.
 //! - An event's blocks are applied in passes: their hashes first, then the entries they will
 //!   touch are loaded together, so that their cache misses overlap, then the changes.
 //!
@@ -197,8 +203,8 @@ impl KvIndex {
         }
         record.set_tiers(record.tiers() & !(1 << tier));
         self.tier_counts[slot as usize][tier] -= 1;
-        for block in record.kind.covered() {
-            self.table.dec(block, slot, tier, groups);
+        for (block, at) in record.kind.covered_at() {
+            self.table.dec(block, at, slot, tier, groups);
         }
         if record.tiers() == 0 {
             let record = self.records.remove_entry(slot, entry);
@@ -303,8 +309,8 @@ impl KvIndexer for KvIndex {
             }
             for &hash in batch {
                 if let Some(record) = self.records.get(slot, hash) {
-                    for block in record.kind.covered() {
-                        self.table.touch(block, slot);
+                    for (block, at) in record.kind.covered_at() {
+                        self.table.touch(block, at, slot);
                     }
                 }
             }
@@ -327,8 +333,8 @@ impl KvIndexer for KvIndex {
         for record in taken {
             self.record_heap -= record.kind.heap_bytes();
             for tier in tier_bits(record.tiers()) {
-                for block in record.kind.covered() {
-                    self.table.dec(block, slot, tier, groups);
+                for (block, at) in record.kind.covered_at() {
+                    self.table.dec(block, at, slot, tier, groups);
                 }
             }
         }

@@ -6,11 +6,24 @@
 //!   checks the node after the last one matched ([`FlatMap::successor`]) before it looks the
 //!   block up;
 //! - `index`, a [`TagIndex`] whose tag is the key's upper half: only a tag match reads the
-//!   node.
+//!   node. It holds the *heads* only.
 //!
-//! About 32 bytes an entry all in all. Key 0 marks a free node, so a key of 0 is stored as
-//! [`ZERO_STANDIN`]: the two keys then share an entry, which is as likely as two blocks
-//! sharing a 64-bit hash.
+//! # Heads and tails
+//! A node inserted with the node of its key's parent block (the block before it in its chain)
+//! as `after`, where the node right after that one is free or not yet allocated, takes that
+//! place and is a *tail*: it is not in the index, and is found as the successor of its
+//! parent's node, which is how a query steps and how a store continues a chain. Every other
+//! node is a *head*, in the index. A block's parent being unique (its hash chains its parent's),
+//! a block is in the map iff the index holds it or it is the successor of its parent's node;
+//! [`FlatMap::insert`] therefore needs the parent's node to find a tail, and a key without a
+//! parent (a chain's first block) is always a head. When a node is removed, a tail after it
+//! becomes a head. Storing a run of blocks costs one index entry, not one a block, and the
+//! index stays small enough for the cache. [`FlatMap::heads_only`] turns tails off for good
+//! (every tail becomes a head), for callers that cannot name a block's parent node.
+//!
+//! About 16 bytes an entry plus 8 a head (at 3/4 load: ~11). Key 0 marks a free node, so a key
+//! of 0 is stored as [`ZERO_STANDIN`]: the two keys then share an entry, which is as likely as
+//! two blocks sharing a 64-bit hash.
 
 use super::tags::TagIndex;
 
@@ -26,13 +39,20 @@ struct Node {
 
 #[derive(Debug, Default)]
 pub(crate) struct FlatMap {
+    /// The heads.
     index: TagIndex,
     nodes: Vec<Node>,
-    /// Free nodes, the last freed last.
-    free: Vec<u32>,
+    /// The last freed node: free nodes are a doubly linked list through their values
+    /// ([`links`]), so that a free node taken as a tail leaves it at once.
+    free: Option<u32>,
+    /// Bit `at` set: node `at` is a tail.
+    tails: Vec<u64>,
+    live: usize,
+    heads_only: bool,
 }
 
 /// `key` as the map stores it (0 becomes [`ZERO_STANDIN`]).
+#[inline]
 pub(crate) fn stored(key: u64) -> u64 {
     if key == FREE {
         ZERO_STANDIN
@@ -41,22 +61,87 @@ pub(crate) fn stored(key: u64) -> u64 {
     }
 }
 
+#[inline]
 fn tag(key: u64) -> u32 {
     (key >> 32) as u32
 }
 
+/// A free node's value: the previous and next free nodes (`u32::MAX`: none).
+fn links(value: u64) -> (Option<u32>, Option<u32>) {
+    let some = |v: u32| (v != u32::MAX).then_some(v);
+    (some((value >> 32) as u32), some(value as u32))
+}
+
+fn link_value(prev: Option<u32>, next: Option<u32>) -> u64 {
+    u64::from(prev.unwrap_or(u32::MAX)) << 32 | u64::from(next.unwrap_or(u32::MAX))
+}
+
 impl FlatMap {
+    #[inline]
     pub(crate) fn len(&self) -> usize {
-        self.index.len()
+        self.live
     }
 
-    /// The node of `key`, if present.
+    #[inline]
+    fn is_tail(&self, at: usize) -> bool {
+        self.tails
+            .get(at / 64)
+            .is_some_and(|w| w >> (at % 64) & 1 == 1)
+    }
+
+    fn set_tail(&mut self, at: usize, tail: bool) {
+        if self.tails.len() <= at / 64 {
+            if !tail {
+                return;
+            }
+            self.tails.resize(at / 64 + 1, 0);
+        }
+        if tail {
+            self.tails[at / 64] |= 1 << (at % 64);
+        } else {
+            self.tails[at / 64] &= !(1 << (at % 64));
+        }
+    }
+
+    /// From now on every node is a head, the tails becoming heads now: for callers that look
+    /// blocks up by key alone.
+    pub(crate) fn heads_only(&mut self) {
+        if self.heads_only {
+            return;
+        }
+        self.heads_only = true;
+        for at in 0..self.nodes.len() {
+            if self.is_tail(at) {
+                self.promote(at);
+            }
+        }
+        self.tails = Vec::new();
+    }
+
+    /// Whether [`Self::heads_only`] was called.
+    pub(crate) fn is_heads_only(&self) -> bool {
+        self.heads_only
+    }
+
+    /// Makes tail `at` a head.
+    fn promote(&mut self, at: usize) {
+        self.set_tail(at, false);
+        self.index.reserve(MIN_ENTRIES);
+        let key = self.nodes[at].key;
+        let (entry, found) = self.index.probe(tag(key), |_| false);
+        debug_assert!(found.is_none());
+        self.index.set(entry, tag(key), at as u32);
+    }
+
+    /// The node of `key` if it is a head (every node is, after [`Self::heads_only`]).
+    #[inline]
     pub(crate) fn find(&self, key: u64) -> Option<usize> {
         self.locate(key).map(|(_, at)| at)
     }
 
-    /// The index entry and the node of `key`, if present.
-    pub(crate) fn locate(&self, key: u64) -> Option<(usize, usize)> {
+    /// The index entry and the node of `key`, if it is a head.
+    #[inline]
+    fn locate(&self, key: u64) -> Option<(usize, usize)> {
         let key = stored(key);
         let nodes = &self.nodes;
         let (entry, at) = self
@@ -66,19 +151,36 @@ impl FlatMap {
     }
 
     /// The node after `at`, if it holds `key`.
+    #[inline]
     pub(crate) fn successor(&self, at: usize, key: u64) -> Option<usize> {
         let next = self.nodes.get(at + 1)?;
         (next.key == stored(key)).then_some(at + 1)
     }
 
     /// The node of `key`, looked for after `at` first (see [`successor`](Self::successor)).
+    #[inline]
     pub(crate) fn find_after(&self, at: usize, key: u64) -> Option<usize> {
         self.successor(at, key).or_else(|| self.find(key))
     }
 
     /// Loads the index entry `key` probes first (see [`TagIndex::touch`]).
+    #[inline]
     pub(crate) fn touch(&self, key: u64) {
         self.index.touch(tag(stored(key)));
+    }
+
+    /// Loads node `at`.
+    #[inline]
+    pub(crate) fn touch_node(&self, at: usize) {
+        if let Some(node) = self.nodes.get(at) {
+            super::tags::prefetch(node);
+        }
+    }
+
+    /// The key of node `at`, as stored.
+    #[inline]
+    pub(crate) fn key(&self, at: usize) -> u64 {
+        self.nodes[at].key
     }
 
     /// The value of `key`, if present.
@@ -93,18 +195,28 @@ impl FlatMap {
     }
 
     /// The value of node `at` (a node stays where it is until removed).
+    #[inline]
     pub(crate) fn value(&self, at: usize) -> u64 {
         self.nodes[at].value
     }
 
+    #[inline]
     pub(crate) fn value_mut(&mut self, at: usize) -> &mut u64 {
         &mut self.nodes[at].value
     }
 
     /// The node of `key`, inserted with value 0 if absent, and whether it was inserted.
-    pub(crate) fn insert(&mut self, key: u64) -> (usize, bool) {
+    /// `after` is the node of `key`'s parent block (`None`: `key` has no parent, or the
+    /// caller looks blocks up by key alone and called [`Self::heads_only`]).
+    pub(crate) fn insert(&mut self, key: u64, after: Option<usize>) -> (usize, bool) {
+        let key = stored(key);
+        if let Some(next) = after.map(|p| p + 1) {
+            if self.nodes.get(next).is_some_and(|n| n.key == key) {
+                return (next, false);
+            }
+        }
         self.index.reserve(MIN_ENTRIES);
-        let (key, nodes) = (stored(key), &self.nodes);
+        let nodes = &self.nodes;
         let (entry, found) = self
             .index
             .probe(tag(key), |at| nodes[at as usize].key == key);
@@ -112,7 +224,21 @@ impl FlatMap {
             return (at as usize, false);
         }
         let node = Node { key, value: 0 };
-        let at = match self.free.pop() {
+        self.live += 1;
+        if let Some(next) = after.map(|p| p + 1).filter(|_| !self.heads_only) {
+            if next == self.nodes.len() {
+                self.nodes.push(node);
+                self.set_tail(next, true);
+                return (next, true);
+            }
+            if self.nodes[next].key == FREE {
+                self.unlink(next as u32);
+                self.nodes[next] = node;
+                self.set_tail(next, true);
+                return (next, true);
+            }
+        }
+        let at = match self.pop_free() {
             Some(at) => {
                 self.nodes[at as usize] = node;
                 at
@@ -126,20 +252,61 @@ impl FlatMap {
         (at as usize, true)
     }
 
-    /// Removes node `at` and its index entry.
-    #[cfg(test)]
-    pub(crate) fn remove_at(&mut self, at: usize) {
-        let key = self.nodes[at].key;
-        let (entry, _) = self.index.probe(tag(key), |a| a as usize == at);
-        self.remove_entry(entry);
+    /// A free node, the last freed first.
+    fn pop_free(&mut self) -> Option<u32> {
+        let at = self.free?;
+        self.unlink(at);
+        Some(at)
     }
 
-    /// Removes the node of index entry `entry` (as [`locate`](Self::locate) found it, the
-    /// map unchanged since) and the entry.
-    pub(crate) fn remove_entry(&mut self, entry: usize) {
-        let at = self.index.remove(entry);
-        self.nodes[at as usize] = Node::default();
-        self.free.push(at);
+    /// Takes free node `at` off the free list.
+    fn unlink(&mut self, at: u32) {
+        let (prev, next) = links(self.nodes[at as usize].value);
+        match prev {
+            Some(prev) => {
+                let (before, _) = links(self.nodes[prev as usize].value);
+                self.nodes[prev as usize].value = link_value(before, next);
+            }
+            None => self.free = next,
+        }
+        if let Some(next) = next {
+            let (_, after) = links(self.nodes[next as usize].value);
+            self.nodes[next as usize].value = link_value(prev, after);
+        }
+    }
+
+    /// Frees node `at`, first on the free list.
+    fn push_free(&mut self, at: u32) {
+        if let Some(head) = self.free {
+            let (_, after) = links(self.nodes[head as usize].value);
+            self.nodes[head as usize].value = link_value(Some(at), after);
+        }
+        self.nodes[at as usize] = Node {
+            key: FREE,
+            value: link_value(None, self.free),
+        };
+        self.free = Some(at);
+    }
+
+    /// Removes node `at` (a live one): its index entry if a head; a tail after it becomes a
+    /// head.
+    pub(crate) fn remove(&mut self, at: usize) {
+        let key = self.nodes[at].key;
+        debug_assert_ne!(key, FREE, "removing a free node");
+        if self.is_tail(at) {
+            self.set_tail(at, false);
+        } else {
+            let (entry, found) = self.index.probe(tag(key), |a| a as usize == at);
+            debug_assert!(found.is_some(), "a head is in the index");
+            if found.is_some() {
+                self.index.remove(entry);
+            }
+        }
+        self.live -= 1;
+        self.push_free(at as u32);
+        if self.is_tail(at + 1) {
+            self.promote(at + 1);
+        }
     }
 
     /// Every key, as stored (a key of 0 as [`ZERO_STANDIN`]).
@@ -156,7 +323,7 @@ impl FlatMap {
     pub(crate) fn memory_bytes(&self) -> usize {
         self.index.memory_bytes()
             + self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.free.capacity() * std::mem::size_of::<u32>()
+            + self.tails.capacity() * std::mem::size_of::<u64>()
     }
 }
 
@@ -168,6 +335,7 @@ mod tests {
     #[test]
     fn behaves_as_a_map_under_inserts_and_removals() {
         let mut flat = FlatMap::default();
+        flat.heads_only();
         let mut model: HashMap<u64, u64> = HashMap::new();
         let mut x = 0x1234_5678_9ABC_DEF1u64;
         for step in 0..20_000u64 {
@@ -178,11 +346,11 @@ mod tests {
             let key = (x % 3) << 32 | (x % 1500) << 20;
             if x.is_multiple_of(3) {
                 if let Some(at) = flat.find(key) {
-                    flat.remove_at(at);
+                    flat.remove(at);
                 }
                 model.remove(&key);
             } else {
-                let (at, inserted) = flat.insert(key);
+                let (at, inserted) = flat.insert(key, None);
                 assert_eq!(inserted, !model.contains_key(&key));
                 *flat.value_mut(at) += step;
                 *model.entry(key).or_insert(0) += step;
@@ -199,29 +367,111 @@ mod tests {
         assert!(flat.contains(*model.keys().next().unwrap()));
     }
 
+    /// Keys in a forest (key `k`'s parent is `parent[k]`), inserted with their parent's node,
+    /// removed in any order: every key present is found where a query or a store looks for
+    /// it (the successor of its parent's node, else the index), and no key is ever in two
+    /// nodes; the index holds the heads only.
+    #[test]
+    fn tails_are_found_after_their_parents_and_become_heads_when_orphaned() {
+        const KEYS: usize = 400;
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        // Chains of 1-12 keys hanging from earlier keys or from nothing.
+        let mut parent: Vec<Option<usize>> = Vec::with_capacity(KEYS);
+        while parent.len() < KEYS {
+            let len = (next() % 12 + 1) as usize;
+            let from = match next() % 3 {
+                0 => None,
+                _ if parent.is_empty() => None,
+                _ => Some((next() % parent.len() as u64) as usize),
+            };
+            for i in 0..len.min(KEYS - parent.len()) {
+                parent.push(if i == 0 { from } else { Some(parent.len() - 1) });
+            }
+        }
+        let key = |k: usize| 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(k as u64 + 1);
+        let mut flat = FlatMap::default();
+        let mut node: Vec<Option<usize>> = vec![None; KEYS];
+        let lookup = |flat: &FlatMap, node: &[Option<usize>], k: usize| match parent[k]
+            .and_then(|p| node[p])
+        {
+            Some(p) => flat.find_after(p, key(k)),
+            None => flat.find(key(k)),
+        };
+        for step in 0..30_000 {
+            let k = (next() % KEYS as u64) as usize;
+            if next() % 5 < 2 {
+                if let Some(at) = node[k].take() {
+                    flat.remove(at);
+                }
+            } else if parent[k].is_none_or(|p| node[p].is_some()) {
+                let after = parent[k].and_then(|p| node[p]);
+                let (at, created) = flat.insert(key(k), after);
+                assert_eq!(created, node[k].is_none(), "step {step}, key {k}");
+                if let Some(was) = node[k] {
+                    assert_eq!(at, was, "step {step}: key {k} found in another node");
+                }
+                node[k] = Some(at);
+            }
+            if step % 97 == 0 {
+                for k in 0..KEYS {
+                    assert_eq!(lookup(&flat, &node, k), node[k], "step {step}, key {k}");
+                }
+                assert_eq!(flat.len(), node.iter().flatten().count());
+                assert!(flat.index.len() <= flat.len());
+            }
+        }
+        // The chains stored in order from their roots are mostly tails.
+        assert!(
+            flat.index.len() < flat.len(),
+            "{} heads of {}",
+            flat.index.len(),
+            flat.len()
+        );
+        flat.heads_only();
+        assert_eq!(flat.index.len(), flat.len());
+        for (k, at) in node.iter().enumerate() {
+            assert_eq!(flat.find(key(k)), *at);
+        }
+    }
+
     #[test]
     fn a_chain_inserted_together_lies_side_by_side() {
         let mut flat = FlatMap::default();
         let keys: Vec<u64> = (1..=10)
             .map(|k| 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(k))
             .collect();
-        let first = flat.insert(keys[0]).0;
+        let first = flat.insert(keys[0], None).0;
         let mut at = first;
         for &key in &keys[1..] {
-            assert_eq!(flat.insert(key).0, at + 1);
+            assert_eq!(flat.insert(key, Some(at)).0, at + 1);
             assert_eq!(flat.successor(at, key), Some(at + 1));
             at = flat.find_after(at, key).unwrap();
         }
+        // One index entry for the chain: the rest are tails.
+        assert_eq!(flat.index.len(), 1);
         assert_eq!(flat.successor(first, keys[5]), None);
-        assert_eq!(flat.find_after(first, keys[5]), flat.find(keys[5]));
-        // Freed nodes are reused last freed first: a chain removed from its end and stored
-        // again lies side by side again.
-        for &key in keys[4..].iter().rev() {
-            let at = flat.find(key).unwrap();
-            flat.remove_at(at);
+        assert_eq!(flat.find(keys[5]), None);
+        // Freed nodes are reused: a chain removed from its end and stored again from the
+        // same parent lies side by side again, as tails.
+        for (i, &key) in keys.iter().enumerate().skip(4).rev() {
+            let at = first + i;
+            assert_eq!(flat.successor(at - 1, key), Some(at));
+            flat.remove(at);
             assert_eq!(flat.successor(at - 1, key), None);
         }
-        let at = flat.insert(keys[4] ^ 1).0;
-        assert_eq!(flat.insert(keys[5] ^ 1).0, at + 1);
+        let at = flat.insert(keys[4] ^ 1, Some(first + 3)).0;
+        assert_eq!(at, first + 4);
+        assert_eq!(flat.insert(keys[5] ^ 1, Some(at)).0, at + 1);
+        assert_eq!(flat.index.len(), 1);
+        // Removing a node in the middle makes the tail after it a head.
+        flat.remove(first + 2);
+        assert_eq!(flat.find(keys[3]), Some(first + 3));
+        assert_eq!(flat.index.len(), 2);
     }
 }

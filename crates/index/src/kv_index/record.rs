@@ -41,8 +41,9 @@ impl Record {
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
-    /// Engine block size equal to the router's: one router block.
-    One(BlockHash),
+    /// Engine block size equal to the router's: one router block, and its node in the block
+    /// table for the slot's group (where it stays while held; see `BlockTable::inc`).
+    One(BlockHash, u32),
     /// Engine block size `k` times the router's: `k` router blocks, in chain order (boxed
     /// twice to keep `Kind` at 16 bytes: this case is the rare one).
     Many(Box<Box<[BlockHash]>>),
@@ -143,6 +144,8 @@ impl Tail {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Basis {
     pub(crate) base: Option<BlockHash>,
+    /// `base`'s node in the block table, where the record knows it.
+    pub(crate) base_at: Option<u32>,
     pub(crate) filled: u32,
 }
 
@@ -150,7 +153,7 @@ impl Kind {
     /// The router blocks this engine block stores (a holding is counted for each).
     pub(crate) fn own(&self) -> &[BlockHash] {
         match self {
-            Kind::One(block) => std::slice::from_ref(block),
+            Kind::One(block, _) => std::slice::from_ref(block),
             Kind::Many(blocks) => blocks,
             Kind::Part(part) => part.own.as_slice(),
         }
@@ -165,9 +168,24 @@ impl Kind {
         self.own().iter().chain(members).copied()
     }
 
-    /// Whether `self` and `other` map the engine block the same way.
+    /// [`Self::covered`] with each block's node where the record knows it.
+    pub(crate) fn covered_at(&self) -> impl Iterator<Item = (BlockHash, Option<u32>)> + '_ {
+        let one = match self {
+            Kind::One(block, at) => Some((*block, Some(*at))),
+            _ => None,
+        };
+        let others = match self {
+            Kind::One(..) => None,
+            _ => Some(self.covered().map(|block| (block, None))),
+        };
+        one.into_iter().chain(others.into_iter().flatten())
+    }
+
+    /// Whether `self` and `other` map the engine block the same way (a block's node is not
+    /// part of the mapping).
     pub(crate) fn same_mapping(&self, other: &Kind) -> bool {
         match (self, other) {
+            (Kind::One(a, _), Kind::One(b, _)) => a == b,
             (Kind::Part(a), Kind::Part(b)) => {
                 a.parent == b.parent
                     && a.base == b.base
@@ -181,21 +199,25 @@ impl Kind {
 
     pub(crate) fn basis(&self) -> Basis {
         match self {
-            Kind::One(block) => Basis {
+            Kind::One(block, at) => Basis {
                 base: Some(*block),
+                base_at: Some(*at),
                 filled: 0,
             },
             Kind::Many(blocks) => Basis {
                 base: blocks.last().copied(),
+                base_at: None,
                 filled: 0,
             },
             Kind::Part(part) => match part.own {
                 Some(block) => Basis {
                     base: Some(block),
+                    base_at: None,
                     filled: 0,
                 },
                 None => Basis {
                     base: part.base,
+                    base_at: None,
                     filled: part.filled,
                 },
             },
@@ -205,7 +227,7 @@ impl Kind {
     /// Heap bytes behind this value.
     pub(crate) fn heap_bytes(&self) -> usize {
         match self {
-            Kind::One(_) => 0,
+            Kind::One(..) => 0,
             Kind::Many(blocks) => 16 + std::mem::size_of_val::<[BlockHash]>(blocks),
             Kind::Part(part) => {
                 std::mem::size_of::<Part>()

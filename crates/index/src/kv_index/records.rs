@@ -42,7 +42,7 @@ fn tag(hash: EngineHash) -> u32 {
 }
 
 fn placeholder() -> Record {
-    Record::new(Kind::One(BlockHash(0)), 0, 0)
+    Record::new(Kind::One(BlockHash(0), 0), 0, 0)
 }
 
 fn held_in(arena: &[Vec<Held>], at: u32) -> &Held {
@@ -233,7 +233,11 @@ mod tests {
                 record.set_stamp(stamp);
                 model.insert((slot, hash.0), stamp);
             } else {
-                records.insert(slot, hash, Record::new(Kind::One(BlockHash(1)), stamp, 1));
+                records.insert(
+                    slot,
+                    hash,
+                    Record::new(Kind::One(BlockHash(1), 0), stamp, 1),
+                );
                 model.insert((slot, hash.0), stamp);
             }
         }

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use super::record::{Basis, Kind, Part, Record, Tail};
+use super::table::Place;
 use super::{tier_index, KvIndex};
 use crate::hash::hash_into;
 use crate::{BlockHash, EngineHash, IndexError, ReplicaId, StoredBlocks};
@@ -51,16 +52,20 @@ impl KvIndex {
         if event.engine_hashes.is_empty() {
             return Ok(());
         }
+        if engine != router {
+            // Re-blocking records do not keep their blocks' nodes: look blocks up by key.
+            self.table.heads_only();
+        }
         let mut scratch = std::mem::take(&mut self.scratch);
         let result = self.resolve_parent(replica, event, &mut scratch);
-        let result = result.map(|base| {
+        let result = result.map(|(base, base_at)| {
             let slot = self.slots.get_or_insert(replica);
             self.records.ensure_slot(slot);
             if self.tier_counts.len() <= slot as usize {
                 self.tier_counts.resize(slot as usize + 1, [0; 4]);
             }
             if engine >= router {
-                self.store_whole(slot, event, base, &mut scratch);
+                self.store_whole(slot, event, base, base_at, &mut scratch);
             } else {
                 self.store_pieces(slot, event, base, &mut scratch);
             }
@@ -69,20 +74,20 @@ impl KvIndex {
         result
     }
 
-    /// Where the event's chain starts: the router block before it, and (in
-    /// `scratch.tokens`/`members`) the partial router block it continues, as the parent's
-    /// record holds it.
+    /// Where the event's chain starts: the router block before it and its node where the
+    /// parent's record knows it, and (in `scratch.tokens`/`members`) the partial router block
+    /// it continues, as the parent's record holds it.
     fn resolve_parent(
         &self,
         replica: ReplicaId,
         event: &StoredBlocks<'_>,
         scratch: &mut Scratch,
-    ) -> Result<Option<BlockHash>, IndexError> {
+    ) -> Result<(Option<BlockHash>, Option<u32>), IndexError> {
         scratch.tokens.clear();
         scratch.members.clear();
         scratch.before = None;
         let Some(parent) = event.parent else {
-            return Ok(None);
+            return Ok((None, None));
         };
         let slot = self
             .slots
@@ -92,9 +97,13 @@ impl KvIndex {
             .records
             .get(slot, parent)
             .ok_or(IndexError::UnknownParent(parent))?;
-        let Basis { base, filled } = record.kind.basis();
+        let Basis {
+            base,
+            base_at,
+            filled,
+        } = record.kind.basis();
         if filled == 0 {
-            return Ok(base);
+            return Ok((base, base_at));
         }
         if event.block_size >= self.block_size
             || !(filled as usize).is_multiple_of(event.block_size)
@@ -119,7 +128,7 @@ impl KvIndex {
             return Err(IndexError::UnknownParent(*gone));
         }
         scratch.before = part.tail.clone();
-        Ok(base)
+        Ok((base, None))
     }
 
     /// Engine block size a multiple of the router's. The records' index entries are brought
@@ -130,6 +139,7 @@ impl KvIndex {
         slot: u32,
         event: &StoredBlocks<'_>,
         base: Option<BlockHash>,
+        base_at: Option<u32>,
         scratch: &mut Scratch,
     ) {
         let per = event.block_size / self.block_size;
@@ -143,20 +153,22 @@ impl KvIndex {
             scratch.blocks.push(block);
             previous = Some(block);
         }
-        for &block in &scratch.blocks {
-            self.table.touch(block, slot);
+        if let Some(&first) = scratch.blocks.first() {
+            // The others are mostly tails, found after it (see `FlatMap`).
+            self.table.touch(first, None, slot);
         }
         let tier = tier_index(event.tier);
+        let mut after = base_at;
         for (&hash, blocks) in event
             .engine_hashes
             .iter()
             .zip(scratch.blocks.chunks_exact(per))
         {
             let kind = match blocks {
-                [block] => Kind::One(*block),
+                [block] => Kind::One(*block, u32::MAX),
                 _ => Kind::Many(Box::new(blocks.into())),
             };
-            self.upsert(slot, hash, kind, tier);
+            after = self.upsert(slot, hash, kind, tier, after);
         }
     }
 
@@ -204,7 +216,7 @@ impl KvIndex {
                         own: None,
                         members_of: Vec::new(),
                     };
-                    self.upsert(slot, hash, Kind::Part(Box::new(part)), tier);
+                    self.upsert(slot, hash, Kind::Part(Box::new(part)), tier, None);
                     parent = Some(hash);
                 }
             }
@@ -225,7 +237,7 @@ impl KvIndex {
                 own: Some(block),
                 members_of: Vec::new(),
             };
-            self.upsert(slot, hash, Kind::Part(Box::new(part)), tier);
+            self.upsert(slot, hash, Kind::Part(Box::new(part)), tier, None);
             for member in scratch.members.drain(..) {
                 self.add_member_of(slot, member, block);
             }
@@ -252,21 +264,42 @@ impl KvIndex {
         }
     }
 
-    /// Stores engine block `hash` of `slot` in `tier` with mapping `kind`.
-    fn upsert(&mut self, slot: u32, hash: EngineHash, kind: Kind, tier: usize) {
+    /// Stores engine block `hash` of `slot` in `tier` with mapping `kind`; `after` is the node
+    /// of the router block before it (see `BlockTable::inc`). Returns the node of its router
+    /// block where its record keeps it ([`Kind::One`]).
+    fn upsert(
+        &mut self,
+        slot: u32,
+        hash: EngineHash,
+        kind: Kind,
+        tier: usize,
+        after: Option<u32>,
+    ) -> Option<u32> {
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         let groups = self.slots.groups();
-        match self.records.find_or_vacant(slot, hash) {
+        let at = match self.records.find_or_vacant(slot, hash) {
             Ok(at) if self.records.at(at).kind.same_mapping(&kind) => {
                 let record = self.records.at_mut(at);
                 record.set_stamp(stamp);
                 if record.tiers() & (1 << tier) == 0 {
                     record.set_tiers(record.tiers() | 1 << tier);
                     self.tier_counts[slot as usize][tier] += 1;
-                    for &block in record.kind.own() {
-                        self.table.inc(block, slot, tier, groups);
+                    match &record.kind {
+                        Kind::One(block, at) => {
+                            self.table.inc(*block, Place::At(*at), slot, tier, groups);
+                        }
+                        kind => {
+                            for &block in kind.own() {
+                                self.table
+                                    .inc(block, Place::After(None), slot, tier, groups);
+                            }
+                        }
                     }
+                }
+                match record.kind {
+                    Kind::One(_, at) => Some(at),
+                    _ => None,
                 }
             }
             Ok(_) => {
@@ -275,31 +308,47 @@ impl KvIndex {
                     .records
                     .find_or_vacant(slot, hash)
                     .expect_err("just removed");
-                self.insert(slot, entry, hash, kind, tier, stamp);
+                self.insert(slot, entry, hash, kind, tier, stamp, after)
             }
-            Err(entry) => self.insert(slot, entry, hash, kind, tier, stamp),
-        }
+            Err(entry) => self.insert(slot, entry, hash, kind, tier, stamp, after),
+        };
         self.push_fifo(slot, hash, stamp);
+        at
     }
 
     /// Adds engine block `hash` of `slot` at the records' empty index entry `entry`.
+    #[allow(clippy::too_many_arguments)]
     fn insert(
         &mut self,
         slot: u32,
         entry: usize,
         hash: EngineHash,
-        kind: Kind,
+        mut kind: Kind,
         tier: usize,
         stamp: u64,
-    ) {
+        after: Option<u32>,
+    ) -> Option<u32> {
         let groups = self.slots.groups();
-        for &block in kind.own() {
-            self.table.inc(block, slot, tier, groups);
-        }
+        let at = match &mut kind {
+            Kind::One(block, at) => {
+                *at = self
+                    .table
+                    .inc(*block, Place::After(after), slot, tier, groups);
+                Some(*at)
+            }
+            _ => {
+                for &block in kind.own() {
+                    self.table
+                        .inc(block, Place::After(None), slot, tier, groups);
+                }
+                None
+            }
+        };
         self.engine_blocks += 1;
         self.record_heap += kind.heap_bytes();
         self.tier_counts[slot as usize][tier] += 1;
         self.records
             .insert_at(slot, entry, hash, Record::new(kind, stamp, 1 << tier));
+        at
     }
 }

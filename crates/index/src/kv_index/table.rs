@@ -1,8 +1,9 @@
 //! The block table: for each (router block, group of 64 slots), one holder mask per tier.
 //!
 //! A bit set in `tiers[t]` means the slot holds the block in tier `t` at least once. The
-//! device masks live in a [`FlatMap`] (an arena of 16-byte nodes in insertion order, found by
-//! an open-addressing index of 8-byte entries, about 32 bytes a block); the masks of the other
+//! device masks live in a [`FlatMap`] (an arena of 16-byte nodes in insertion order, the first
+//! node of each run stored together found by an open-addressing index of 8-byte entries, the
+//! others after their parent's node); the masks of the other
 //! tiers, rarer, in a side map, `lower`, consulted only when it is not empty. Counts above one
 //! (several engine blocks covering one router block) live in another side map, `extra`, which
 //! stays empty in the common one-to-one case.
@@ -20,6 +21,16 @@ use crate::{BlockHash, OverlapScores, TierCounts};
 
 /// Tier indices: device, host, disk, external.
 pub(crate) const TIERS: usize = 4;
+
+/// Where [`BlockTable::inc`] finds or puts a block's node.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Place {
+    /// After the node of the block's parent for the slot's group (see [`FlatMap`]'s heads and
+    /// tails); `None` for a chain's first block, or once [`BlockTable::heads_only`] was called.
+    After(Option<u32>),
+    /// At this node: the block's, which the slot already holds in another tier.
+    At(u32),
+}
 
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Holders {
@@ -63,11 +74,25 @@ impl BlockTable {
     }
 
     /// One more holding of `block` by `slot` in `tier`; `groups` is the number of slot groups.
-    pub(crate) fn inc(&mut self, block: BlockHash, slot: u32, tier: usize, groups: u32) {
+    /// Returns `block`'s node for `slot`'s group, which stays where it is while held.
+    pub(crate) fn inc(
+        &mut self,
+        block: BlockHash,
+        place: Place,
+        slot: u32,
+        tier: usize,
+        groups: u32,
+    ) -> u32 {
         let (group, bit) = split(slot);
         let key = group_key(block, group);
         self.count_groups(groups);
-        let (at, created) = self.map.insert(key);
+        let (at, created) = match place {
+            Place::After(after) => self.map.insert(key, after.map(|a| a as usize)),
+            Place::At(at) => {
+                debug_assert_eq!(self.map.key(at as usize), flat::stored(key));
+                (at as usize, false)
+            }
+        };
         let mask = if tier == 0 {
             self.map.value_mut(at)
         } else {
@@ -81,18 +106,36 @@ impl BlockTable {
         if created {
             self.group_gained(block);
         }
+        at as u32
     }
 
-    /// One holding fewer (saturating: nothing happens when the slot does not hold it).
-    pub(crate) fn dec(&mut self, block: BlockHash, slot: u32, tier: usize, groups: u32) {
+    /// One holding fewer (saturating: nothing happens when the slot does not hold it). `at`
+    /// is `block`'s node for `slot`'s group as [`Self::inc`] returned it, else (after
+    /// [`Self::heads_only`]) it is looked up.
+    pub(crate) fn dec(
+        &mut self,
+        block: BlockHash,
+        at: Option<u32>,
+        slot: u32,
+        tier: usize,
+        groups: u32,
+    ) {
         let (group, bit) = split(slot);
         let key = group_key(block, group);
-        let Some((entry, at)) = self.map.locate(key) else {
-            return;
+        let at = match at {
+            Some(at) => at as usize,
+            None => {
+                debug_assert!(self.map.is_heads_only(), "a tail is found by its parent");
+                match self.map.find(key) {
+                    Some(at) => at,
+                    None => return,
+                }
+            }
         };
+        debug_assert_eq!(self.map.key(at), flat::stored(key), "a held node stays");
         self.count_groups(groups);
         let held = if tier == 0 {
-            *self.map.value_mut(at)
+            self.map.value(at)
         } else {
             self.lower.get(&key).map_or(0, |lower| lower[tier - 1])
         };
@@ -118,10 +161,16 @@ impl BlockTable {
                 self.lower.remove(&key);
             }
         }
-        if !lower_left && !self.lower.contains_key(&key) && *self.map.value_mut(at) == 0 {
-            self.map.remove_entry(entry);
+        if !lower_left && !self.lower.contains_key(&key) && self.map.value(at) == 0 {
+            self.map.remove(at);
             self.group_lost(block);
         }
+    }
+
+    /// From now on blocks are looked up by key alone (see [`FlatMap::heads_only`]): for
+    /// engines whose block size differs from the router's, whose records do not keep nodes.
+    pub(crate) fn heads_only(&mut self) {
+        self.map.heads_only();
     }
 
     /// The holders of table key `key`, at node `at`.
@@ -137,9 +186,13 @@ impl BlockTable {
         holders
     }
 
-    /// Brings the table entry of `block` for `slot` into cache (see [`FlatMap::touch`]).
-    pub(crate) fn touch(&self, block: BlockHash, slot: u32) {
-        self.map.touch(group_key(block, split(slot).0));
+    /// Brings the table entry of `block` for `slot` into cache (see [`FlatMap::touch`]): its
+    /// node `at` where known, else its index entry.
+    pub(crate) fn touch(&self, block: BlockHash, at: Option<u32>, slot: u32) {
+        match at {
+            Some(at) => self.map.touch_node(at as usize),
+            None => self.map.touch(group_key(block, split(slot).0)),
+        }
     }
 
     /// Starts counting the groups holding each block once there are several (groups only grow).
