@@ -153,9 +153,9 @@ impl KvIndex {
             scratch.blocks.push(block);
             previous = Some(block);
         }
-        if let Some(&first) = scratch.blocks.first() {
-            // The others are mostly tails, found after it (see `FlatMap`).
-            self.table.touch(first, None, slot);
+        for &block in &scratch.blocks {
+            // Tails too: a block stored after its parent is first looked for among the heads.
+            self.table.touch(block, None, slot);
         }
         let tier = tier_index(event.tier);
         let mut after = base_at;
