@@ -47,7 +47,7 @@ pub struct Setup {
     /// Output-block tracking in the router, when on.
     pub output_blocks: Option<OutputTracking>,
     /// [`SimConfig::sample_ranks`].
-    pub sample_ranks: usize,
+    pub sample_ranks: Option<usize>,
 }
 
 impl Setup {

@@ -329,9 +329,9 @@ struct ClusterArgs {
     /// kv_aware decides as the router's `--router-sample-ranks N` does: among the N engines
     /// holding the longest cached prefix of the prompt, N of those holding it in their active
     /// requests and N others drawn at random, the cluster's terms over every engine (0: every
-    /// engine).
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    sample_ranks: usize,
+    /// engine) [default: as the router's, 64 with 256 engines or more, else every engine].
+    #[arg(long, value_name = "N")]
+    sample_ranks: Option<usize>,
     #[command(flatten)]
     workload: Workload,
     #[command(flatten)]

@@ -94,9 +94,10 @@ pub struct SimConfig {
     pub slo: Option<SloConfig>,
     /// Output-block tracking in the router, when on (see the module docs).
     pub output_blocks: Option<OutputTracking>,
-    /// kv_aware chooses as the router's `--router-sample-ranks` does, when not 0
-    /// (`--sample-ranks`; see the `route` module's `sampled`).
-    pub sample_ranks: usize,
+    /// kv_aware chooses as the router's `--router-sample-ranks` does (`--sample-ranks`; see
+    /// the `route` module's `sampled`): `None` as the router by default (64 from 256
+    /// engines), `Some(0)` every engine.
+    pub sample_ranks: Option<usize>,
 }
 
 /// What the router counts of an answer's output (`--router-track-output-blocks`).

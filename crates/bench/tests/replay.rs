@@ -230,7 +230,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             loras: 0,
             slo: None,
             output_blocks: None,
-            sample_ranks: 0,
+            sample_ranks: None,
         },
     );
     assert!(

@@ -40,8 +40,9 @@ use crate::{Candidate, Decision, RouteRequest};
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use hashing::{ConsistentHash, PrefixHash, RendezvousHash};
 pub use kv_aware::{
-    sample_ranks, Cluster, CostModel, KvAware, KvAwareConfig, MemoryCost, PromptTerms,
-    DEFAULT_OWN_DECODE_WEIGHT, SPEED_EVIDENCE, SPEED_NOISE,
+    sample_ranks, sample_size, Cluster, CostModel, KvAware, KvAwareConfig, MemoryCost, PromptTerms,
+    AUTO_SAMPLE_FROM_RANKS, AUTO_SAMPLE_RANKS, DEFAULT_OWN_DECODE_WEIGHT, SPEED_EVIDENCE,
+    SPEED_NOISE,
 };
 pub use least_load::{LeastLoad, LeastLoadConfig, Passthrough};
 pub use llm_d::{LlmD, LlmDConfig, PrefixSource};

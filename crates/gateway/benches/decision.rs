@@ -6,7 +6,8 @@
 //! cargo bench -p kvroute-gateway --bench decision -- --warm-up-time 1 --measurement-time 3
 //! COST_MODEL=weighted cargo bench -p kvroute-gateway --bench decision     # another cost model
 //! FULL=1 cargo bench -p kvroute-gateway --bench decision     # every candidate built (no lean path)
-//! SAMPLE=64 cargo bench -p kvroute-gateway --bench decision  # --router-sample-ranks 64
+//! SAMPLE=0 cargo bench -p kvroute-gateway --bench decision  # --router-sample-ranks 0: every rank
+//! SAMPLE=32 cargo bench -p kvroute-gateway --bench decision  # --router-sample-ranks 32
 //! FIXED_HOLDERS=1 cargo bench -p kvroute-gateway --bench decision  # the query held by 8 workers
 //! ```
 //!
@@ -27,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvroute_core::eligibility::Hints;
+use kvroute_core::policy::sample_size;
 use kvroute_core::RequestLoad;
 use kvroute_gateway::kv::{KvState, WorkerSink};
 use kvroute_gateway::kv_events::EventSink;
@@ -153,9 +155,11 @@ fn fixed_holders() -> bool {
     std::env::var_os("FIXED_HOLDERS").is_some()
 }
 
-/// `SAMPLE=N`: `--router-sample-ranks N` (0: off).
-fn sample() -> usize {
-    std::env::var("SAMPLE").map_or(0, |n| n.parse().expect("SAMPLE: a rank count"))
+/// `SAMPLE=N`: `--router-sample-ranks N` (0: off); unset, the default (64 from 256 ranks).
+fn sample() -> Option<usize> {
+    std::env::var("SAMPLE")
+        .ok()
+        .map(|n| n.parse().expect("SAMPLE: a rank count"))
 }
 
 fn decision(c: &mut Criterion) {
@@ -184,10 +188,11 @@ fn decision(c: &mut Criterion) {
         };
         // The query hits its system prompt's holders: 32 blocks.
         let p = plan(Instant::now());
-        let sampled = sample() > 0 && n >= 64 && !dry_run;
+        let size = sample_size(sample(), n);
+        let sampled = size > 0 && n >= 64 && !dry_run;
         if sampled {
             // The workers that hold the system prompt (at most N of them), and the sample.
-            assert!(p.ranks_scored <= 3 * sample(), "{}", p.ranks_scored);
+            assert!(p.ranks_scored <= 3 * size, "{}", p.ranks_scored);
         } else {
             assert_eq!(p.ranks_scored, n);
         }

@@ -69,8 +69,8 @@ pub struct WorkerSet {
     rebuilds: Mutex<()>,
     next_replica: AtomicU32,
     /// `--router-sample-ranks`, and the active requests' first blocks its decisions read
-    /// (`None`: off).
-    sample_ranks: usize,
+    /// (`None`: never sampled, `--router-sample-ranks 0`).
+    sample_ranks: Option<usize>,
     firsts: Option<Arc<ActiveFirsts>>,
     table: ArcSwap<RoutingTable>,
     policy: PolicyKind,
@@ -97,7 +97,7 @@ impl WorkerSet {
             rebuilds: Mutex::new(()),
             next_replica: AtomicU32::new(0),
             sample_ranks: settings.sample_ranks,
-            firsts: (settings.sample_ranks > 0).then(Arc::default),
+            firsts: (settings.sample_ranks != Some(0)).then(Arc::default),
             table: ArcSwap::from_pointee(RoutingTable::default()),
             policy: settings.policy,
             policy_config: settings.policy_config.clone(),

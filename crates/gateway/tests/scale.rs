@@ -164,7 +164,7 @@ async fn sixty_four_engines_of_one_fleet_all_serve_and_publish_behind_one_router
     // served is sent back to the engine that holds it, its decision reading that engine and
     // at most 8 others.
     let mut settings = kvroute_gateway::Settings::with_workers(specs).unwrap();
-    settings.sample_ranks = 8;
+    settings.sample_ranks = Some(8);
     let r = TestRouter::start(settings).await;
     for (i, url) in fleet.urls().iter().enumerate() {
         joined(&r, url, &id(i)).await;

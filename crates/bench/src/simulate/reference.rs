@@ -297,7 +297,7 @@ mod tests {
             loras: 0,
             slo: None,
             output_blocks: None,
-            sample_ranks: 0,
+            sample_ranks: None,
         }
     }
 

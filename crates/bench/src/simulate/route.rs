@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use kvroute_core::latency::{LatencyModel, PrefillFeatures};
 use kvroute_core::policy::predict::predict;
-use kvroute_core::policy::sample_ranks;
+use kvroute_core::policy::{sample_ranks, sample_size};
 use kvroute_core::slo::{Predicted, SloTargets};
 use kvroute_core::{
     build_policy, AdapterFit, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind,
@@ -105,8 +105,9 @@ pub(super) struct Router {
     /// Output-block tracking, when on.
     pub output_blocks: Option<OutputTracking>,
     /// `SimConfig::sample_ranks`: kv_aware chooses among [`sampled`] candidates, with the
-    /// cluster's terms over every engine (0: every engine).
-    pub sample_ranks: usize,
+    /// cluster's terms over every engine (`Some(0)`: every engine; `None`: as the router by
+    /// default, [`sample_size`]).
+    pub sample_ranks: Option<usize>,
 }
 
 impl Router {
@@ -150,7 +151,7 @@ impl Router {
             block_size,
             num_gpu_blocks,
             output_blocks: None,
-            sample_ranks: 0,
+            sample_ranks: None,
         }
     }
 
@@ -316,12 +317,13 @@ impl Router {
             .slo
             .and_then(|t| by_headroom(pool, &candidates, &request, &t));
         let sampling = (pool.policy.kv_aware()).filter(|k| kv_aware && k.decides_on_load());
+        let n = sample_size(self.sample_ranks, candidates.len());
         let chosen = match by_headroom {
             Some(index) => index,
             // The gateway samples on its lean path: a cost read from load alone.
-            None if self.sample_ranks > 0 && sampling.is_some() => {
+            None if n > 0 && sampling.is_some() => {
                 let k = sampling.expect("checked");
-                let kept = sampled(&candidates, req.hashes.len(), self.sample_ranks, rng);
+                let kept = sampled(&candidates, req.hashes.len(), n, rng);
                 let sample: Vec<Candidate<'_>> = kept.iter().map(|&i| candidates[i]).collect();
                 // The cluster's terms over every engine, as the gateway's pool sums them.
                 let cluster = k.cluster(&candidates);

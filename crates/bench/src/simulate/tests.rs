@@ -38,7 +38,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         loras: 0,
         slo: None,
         output_blocks: None,
-        sample_ranks: 0,
+        sample_ranks: None,
     }
 }
 
@@ -243,7 +243,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             loras: 0,
             slo: None,
             output_blocks: None,
-            sample_ranks: 0,
+            sample_ranks: None,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));
@@ -388,9 +388,9 @@ fn a_sampled_decision_keeps_prefixes_on_their_engines() {
         sample_ranks,
         ..cfg(policy)
     };
-    let exact = simulate(&small_trace(), &sixteen(0, PolicyKind::KvAware));
-    let sampled = simulate(&small_trace(), &sixteen(1, PolicyKind::KvAware));
-    let random = simulate(&small_trace(), &sixteen(0, PolicyKind::Random));
+    let exact = simulate(&small_trace(), &sixteen(Some(0), PolicyKind::KvAware));
+    let sampled = simulate(&small_trace(), &sixteen(Some(1), PolicyKind::KvAware));
+    let random = simulate(&small_trace(), &sixteen(Some(0), PolicyKind::Random));
     assert_eq!((sampled.requests, sampled.rejected), (120, 0));
     // One other engine a decision beside the holders: the prefixes' hits are kept, where a
     // choice blind to them loses most.

@@ -206,7 +206,7 @@ pub use calibrated::{
     Cluster, DEFAULT_KV_OVERFLOW_WEIGHT, DEFAULT_OWN_DECODE_WEIGHT, SPEED_EVIDENCE, SPEED_NOISE,
 };
 pub use priced::PromptTerms;
-pub use sample::sample_ranks;
+pub use sample::{sample_ranks, sample_size, AUTO_SAMPLE_FROM_RANKS, AUTO_SAMPLE_RANKS};
 
 /// How the memory term counts KV blocks (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

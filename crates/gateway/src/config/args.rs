@@ -207,7 +207,7 @@ pub struct Args {
     /// KV-event threads: >1 shards the index by replica, mirrored; queries never wait [default: 1].
     #[arg(long)]
     pub router_event_threads: Option<usize>,
-    /// kv_aware in pools of 64+ workers: cost the prompt's holders and N other ranks drawn at random, not every rank (0: every rank) [default: 0].
+    /// kv_aware in pools of 64+ workers: cost the prompt's holders and N other ranks drawn at random, not every rank (0: every rank) [default: 64 in pools of 256+ ranks, else every rank].
     #[arg(long)]
     pub router_sample_ranks: Option<usize>,
     /// Approximate mode: how long a routed prefix is assumed cached, whole seconds or Dynamo's float `120.0` [default: 120].

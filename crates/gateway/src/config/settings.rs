@@ -302,8 +302,9 @@ pub struct Settings {
     /// `--router-event-threads`: >1 shards the KV index by replica (mirrored shards).
     pub event_threads: usize,
     /// `--router-sample-ranks`: a lean kv_aware decision costs the prompt's holders and this
-    /// many other ranks drawn at random (0: every rank; see `routing/lean.rs`).
-    pub sample_ranks: usize,
+    /// many other ranks drawn at random (0: every rank; unset: 64 in pools of 256 ranks or
+    /// more, [`kvroute_core::policy::sample_size`]; see `routing/lean.rs`).
+    pub sample_ranks: Option<usize>,
     /// How often engine metrics are scraped (when the policy uses them).
     pub metrics_refresh: Duration,
     /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).

@@ -38,7 +38,10 @@ fn command_line_wins_over_file_and_defaults_apply() {
     assert_eq!(s.policy, PolicyKind::KvAware);
     assert_eq!(s.block_size, 16);
     assert_eq!(s.event_threads, 1, "one index behind a lock");
-    assert_eq!(s.sample_ranks, 0, "every rank costed");
+    assert_eq!(
+        s.sample_ranks, None,
+        "sampled in pools of 256 ranks or more"
+    );
     assert_eq!(s.kv_events, KvEventsMode::Events);
     assert_eq!(s.policy_config.kv_aware, KvAwareConfig::default());
     let s = Args::try_parse_from([
@@ -60,7 +63,7 @@ fn command_line_wins_over_file_and_defaults_apply() {
     assert_eq!(s.policy_config.kv_aware.temperature, 0.5);
     assert_eq!(s.block_size, 32);
     assert_eq!(s.event_threads, 4);
-    assert_eq!(s.sample_ranks, 48);
+    assert_eq!(s.sample_ranks, Some(48));
     let w = Args::from_text(
         "workers: [{url: 'http://a:1', kv_events: 'tcp://a:5557', dp_size: 2, dp_start_rank: 4}]",
     )

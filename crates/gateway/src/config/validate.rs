@@ -90,7 +90,7 @@ impl Args {
             router_ttl: Duration::from_secs(self.router_ttl_secs.unwrap_or(120)),
             max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
             event_threads: positive("router_event_threads", self.router_event_threads, 1)?,
-            sample_ranks: self.router_sample_ranks.unwrap_or(0),
+            sample_ranks: self.router_sample_ranks,
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
             busy,
             health_check_port: self.health_check_port,

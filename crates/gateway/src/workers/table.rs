@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use kvroute_core::policy::sample_size;
 use kvroute_core::{build_policy, Policy};
 use kvroute_protocol::ModelId;
 use serde::Serialize;
@@ -167,9 +168,11 @@ pub struct RankStatus {
 impl WorkerSet {
     /// A pool of the table, with sampling when it is on and the pool's policy is kv_aware.
     fn pool(&self, model: ModelId, workers: Vec<Arc<Worker>>, policy: Arc<dyn Policy>) -> Pool {
+        let ranks = workers.iter().map(|w| w.ranks.len()).sum();
+        let n = sample_size(self.sample_ranks, ranks);
         let sampling = (self.firsts.as_ref())
-            .filter(|_| policy.kv_aware().is_some())
-            .map(|firsts| Arc::new(Sampling::new(&workers, self.sample_ranks, firsts.clone())));
+            .filter(|_| policy.kv_aware().is_some() && n > 0)
+            .map(|firsts| Arc::new(Sampling::new(&workers, n, firsts.clone())));
         Pool {
             sampling,
             ..Pool::new(model, workers, policy)

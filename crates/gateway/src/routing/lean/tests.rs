@@ -54,14 +54,14 @@ fn specs(n: usize, events: bool) -> Vec<WorkerSpec> {
 
 /// A router's workers and KV state for `specs`, under kv_aware with `model`.
 fn router(specs: &[WorkerSpec], model: CostModel) -> (Arc<WorkerSet>, Arc<KvState>) {
-    sampled_router(specs, model, 0)
+    sampled_router(specs, model, Some(0))
 }
 
-/// [`router`] with `--router-sample-ranks sample`.
+/// [`router`] with `--router-sample-ranks sample` (`None`: the default).
 fn sampled_router(
     specs: &[WorkerSpec],
     model: CostModel,
-    sample: usize,
+    sample: Option<usize>,
 ) -> (Arc<WorkerSet>, Arc<KvState>) {
     let mut settings = Settings::with_workers(specs.to_vec()).unwrap();
     settings.sample_ranks = sample;
@@ -84,11 +84,11 @@ struct Cluster {
 /// `n` workers in random states: prompts of 8 groups in the index of some, requests in
 /// flight (some on the query's group), engine queues, and speeds taught to some ranks.
 fn cluster(n: usize, model: CostModel, seed: u64) -> Cluster {
-    sampled_cluster(n, model, seed, 0)
+    sampled_cluster(n, model, seed, Some(0))
 }
 
-/// [`cluster`] with `--router-sample-ranks sample`.
-fn sampled_cluster(n: usize, model: CostModel, seed: u64, sample: usize) -> Cluster {
+/// [`cluster`] with `--router-sample-ranks sample` (`None`: the default).
+fn sampled_cluster(n: usize, model: CostModel, seed: u64, sample: Option<usize>) -> Cluster {
     let mut rng = SmallRng::seed_from_u64(seed);
     let specs: Vec<WorkerSpec> = (specs(n, true).into_iter().enumerate())
         .map(|(i, spec)| WorkerSpec {
@@ -254,7 +254,12 @@ fn a_sampled_decision_reads_the_longest_holders_and_n_others() {
     let (mut read, mut all) = (0, 0);
     for seed in 0..8 {
         for sample in [2, 8] {
-            let c = sampled_cluster(2 * LEAN_FROM_WORKERS, CostModel::Calibrated, seed, sample);
+            let c = sampled_cluster(
+                2 * LEAN_FROM_WORKERS,
+                CostModel::Calibrated,
+                seed,
+                Some(sample),
+            );
             for q in 0..8 {
                 let query = c.kv.prompts.hashed(tokens(q, 99_999, 6 + q as usize));
                 let now = Instant::now();
@@ -296,7 +301,7 @@ fn a_sampled_decision_reads_the_longest_holders_and_n_others() {
 fn a_sampled_decision_finds_a_prompt_held_only_by_an_active_request() {
     let n = 2 * LEAN_FROM_WORKERS;
     let specs = specs(n, false);
-    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 1);
+    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, Some(1));
     let prompt = |group, tail| kv.prompts.hashed(tokens(group, tail, 32));
     let load = |p: &Tokens| {
         let blocks = p.hashes.iter().map(|h| h.0).collect();
@@ -339,7 +344,7 @@ fn a_sampled_decision_finds_a_prompt_held_only_by_an_active_request() {
 #[test]
 fn active_firsts_count_each_ranks_requests_until_they_end() {
     let specs = specs(2, false);
-    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 4);
+    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, Some(4));
     let [a, b] = ["w0", "w1"].map(|id| workers.get(id).unwrap());
     let load = |group| {
         let hashes = kv.prompts.hashed(tokens(group, 5, 4)).hashes;
@@ -380,7 +385,7 @@ fn active_firsts_count_each_ranks_requests_until_they_end() {
 fn a_sampled_decision_reads_the_longest_of_many_holders() {
     let n = 2 * LEAN_FROM_WORKERS;
     let specs = specs(n, true);
-    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, 4);
+    let (workers, kv) = sampled_router(&specs, CostModel::Calibrated, Some(4));
     let ids = tokens(5, 1, 64);
     // 40 idle ranks hold the query's first 32 blocks, w90 its first 48.
     for (i, s) in specs.iter().enumerate() {
@@ -424,4 +429,42 @@ fn a_sampled_decision_reads_the_longest_of_many_holders() {
         // 4 of the 44 holders (w90 first) and 4 others.
         assert!(sampled.ranks_scored <= 8, "{}", sampled.ranks_scored);
     }
+}
+
+#[test]
+fn pools_of_256_ranks_or_more_sample_by_default() {
+    use kvroute_core::policy::{AUTO_SAMPLE_FROM_RANKS, AUTO_SAMPLE_RANKS};
+    let cases = [
+        (AUTO_SAMPLE_FROM_RANKS - 1, None, None),
+        (AUTO_SAMPLE_FROM_RANKS, None, Some(AUTO_SAMPLE_RANKS)),
+        (AUTO_SAMPLE_FROM_RANKS, Some(0), None),
+        (16, Some(4), Some(4)),
+    ];
+    for (n, setting, expected) in cases {
+        let mut settings = Settings::with_workers(specs(n, true)).unwrap();
+        settings.sample_ranks = setting;
+        settings.policy = PolicyKind::KvAware;
+        let mut registry = Registry::default();
+        let workers = WorkerSet::new(&settings, &GatewayMetrics::register(&mut registry));
+        let table = workers.table();
+        let others = table
+            .resolve(Some("m"))
+            .unwrap()
+            .sampling
+            .as_ref()
+            .map(|s| s.others);
+        assert_eq!(
+            others, expected,
+            "{n} workers, --router-sample-ranks {setting:?}"
+        );
+    }
+    // A default decision at 256 workers reads the prompt's holders and a sample, not all.
+    let c = sampled_cluster(AUTO_SAMPLE_FROM_RANKS, CostModel::Calibrated, 1, None);
+    let query = c.kv.prompts.hashed(tokens(1, 5, 4));
+    let p = decide(&c, &query, false, Instant::now());
+    assert!(
+        p.ranks_scored <= 3 * AUTO_SAMPLE_RANKS && p.ranks_scored < AUTO_SAMPLE_FROM_RANKS,
+        "{} ranks read",
+        p.ranks_scored
+    );
 }
