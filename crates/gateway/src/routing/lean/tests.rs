@@ -462,8 +462,9 @@ fn pools_of_256_ranks_or_more_sample_by_default() {
     let c = sampled_cluster(AUTO_SAMPLE_FROM_RANKS, CostModel::Calibrated, 1, None);
     let query = c.kv.prompts.hashed(tokens(1, 5, 4));
     let p = decide(&c, &query, false, Instant::now());
+    // (3 x 64 = 192 of the 256.)
     assert!(
-        p.ranks_scored <= 3 * AUTO_SAMPLE_RANKS && p.ranks_scored < AUTO_SAMPLE_FROM_RANKS,
+        p.ranks_scored <= 3 * AUTO_SAMPLE_RANKS,
         "{} ranks read",
         p.ranks_scored
     );
