@@ -3,8 +3,9 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
-use super::{client, free_port, wait_until_async};
+use super::{client, free_port, holds_within};
 
 /// Envoy: `$ENVOY`, else the CI virtualenv's (`target/ci-tools/bin/envoy`), else `envoy`
 /// on the PATH.
@@ -91,7 +92,9 @@ impl Envoy {
             config,
         };
         let ready = format!("http://127.0.0.1:{admin}/ready");
-        wait_until_async("Envoy ready", || {
+        // A process start, not a timing: on a loaded CI machine (every test binary at once)
+        // Envoy took over 20 s to be ready once, so it gets a minute.
+        let ready = holds_within(Duration::from_secs(60), || {
             let request = http::Request::get(ready.as_str())
                 .body(http_body_util::Full::new(bytes::Bytes::new()))
                 .unwrap();
@@ -103,6 +106,12 @@ impl Envoy {
             }
         })
         .await;
+        let mut envoy = envoy;
+        assert!(
+            ready,
+            "timed out waiting for Envoy ready (exited: {:?})",
+            envoy.child.try_wait()
+        );
         envoy
     }
 }
