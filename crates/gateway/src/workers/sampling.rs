@@ -8,6 +8,7 @@
 //! them: Dynamo's active blocks). Block hashes being chained, such a request starts with the
 //! prompt's first block, so the ranks to read are those [`ActiveFirsts`] lists for it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -23,20 +24,38 @@ const SHARDS: usize = 16;
 type Shard = IdentityMap<u64, Vec<(ReplicaId, u32)>>;
 
 /// Per first block of the active requests, the ranks they run on with how many: every rank
-/// of a [`WorkerSet`](super::WorkerSet) with sampling on reports its requests' starts and ends.
+/// of a [`WorkerSet`](super::WorkerSet) with sampling on reports its requests' starts and ends,
+/// once a pool samples ([`Self::activate`]; sampling is on by default, but only pools of 256
+/// ranks or more sample, so a small fleet never pays a lock a request for it).
 #[derive(Debug, Default)]
 pub struct ActiveFirsts {
     /// Sharded by the hash's top bits (router block hashes are uniform).
     shards: [Mutex<Shard>; SHARDS],
+    /// Set for good when a pool first samples: requests already running are not counted, those
+    /// started since are (an earlier one's end may take one off a later one's count of the
+    /// same rank and first block: the map only says which ranks a decision reads).
+    active: AtomicBool,
 }
 
 impl ActiveFirsts {
+    /// From now on, starts and ends are counted.
+    pub fn activate(&self) {
+        self.active.store(true, Ordering::Relaxed);
+    }
+
+    fn is_active(&self) -> bool {
+        self.active.load(Ordering::Relaxed)
+    }
+
     fn shard(&self, first: u64) -> std::sync::MutexGuard<'_, Shard> {
         lock(&self.shards[(first >> 60) as usize % SHARDS])
     }
 
     /// A request whose first block is `first` started on `replica`.
     pub fn started(&self, first: u64, replica: ReplicaId) {
+        if !self.is_active() {
+            return;
+        }
         let mut shard = self.shard(first);
         let ranks = shard.entry(first).or_default();
         match ranks.iter_mut().find(|(r, _)| *r == replica) {
@@ -47,6 +66,9 @@ impl ActiveFirsts {
 
     /// A request whose first block is `first` ended on `replica` (one started there).
     pub fn finished(&self, first: u64, replica: ReplicaId) {
+        if !self.is_active() {
+            return;
+        }
         let mut shard = self.shard(first);
         let Some(ranks) = shard.get_mut(&first) else {
             return;
@@ -115,6 +137,7 @@ impl Sampling {
         for (i, pair) in pairs.iter().enumerate() {
             positions[replica(pair) as usize] = i as u32;
         }
+        firsts.activate();
         Self {
             others,
             pairs,
@@ -167,4 +190,24 @@ fn sum(policy: &KvAware, workers: &[Arc<Worker>], now: Instant) -> Cluster {
             summary.decode_blocks,
         )
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_is_counted_until_a_pool_samples() {
+        let firsts = ActiveFirsts::default();
+        firsts.started(7, ReplicaId(1));
+        assert!(firsts.is_empty(), "no pool samples: no lock a request");
+        firsts.finished(7, ReplicaId(1));
+        firsts.activate();
+        firsts.started(7, ReplicaId(1));
+        let mut ranks = Vec::new();
+        firsts.ranks_of(7, &mut ranks);
+        assert_eq!(ranks, [ReplicaId(1)]);
+        firsts.finished(7, ReplicaId(1));
+        assert!(firsts.is_empty());
+    }
 }

@@ -128,26 +128,20 @@ impl FlatMap {
         self.set_tail(at, false);
         self.index.reserve(MIN_ENTRIES);
         let key = self.nodes[at].key;
-        let (entry, found) = self.index.probe(tag(key), |_| false);
-        debug_assert!(found.is_none());
+        // Not in the index (a tail): the probe ends at the empty entry it takes.
+        let (entry, _) = self.index.probe(tag(key), |_| false);
         self.index.set(entry, tag(key), at as u32);
     }
 
     /// The node of `key` if it is a head (every node is, after [`Self::heads_only`]).
     #[inline]
     pub(crate) fn find(&self, key: u64) -> Option<usize> {
-        self.locate(key).map(|(_, at)| at)
-    }
-
-    /// The index entry and the node of `key`, if it is a head.
-    #[inline]
-    fn locate(&self, key: u64) -> Option<(usize, usize)> {
         let key = stored(key);
         let nodes = &self.nodes;
-        let (entry, at) = self
+        let (_, at) = self
             .index
             .find(tag(key), |at| nodes[at as usize].key == key)?;
-        Some((entry, at as usize))
+        Some(at as usize)
     }
 
     /// The node after `at`, if it holds `key`.

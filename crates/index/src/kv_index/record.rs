@@ -170,15 +170,11 @@ impl Kind {
 
     /// [`Self::covered`] with each block's node where the record knows it.
     pub(crate) fn covered_at(&self) -> impl Iterator<Item = (BlockHash, Option<u32>)> + '_ {
-        let one = match self {
-            Kind::One(block, at) => Some((*block, Some(*at))),
+        let at = match self {
+            Kind::One(_, at) => Some(*at),
             _ => None,
         };
-        let others = match self {
-            Kind::One(..) => None,
-            _ => Some(self.covered().map(|block| (block, None))),
-        };
-        one.into_iter().chain(others.into_iter().flatten())
+        self.covered().map(move |block| (block, at))
     }
 
     /// Whether `self` and `other` map the engine block the same way (a block's node is not

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::record::{Basis, Kind, Part, Record, Tail};
-use super::table::Place;
+use super::table::{BlockTable, Place};
 use super::{tier_index, KvIndex};
 use crate::hash::hash_into;
 use crate::{BlockHash, EngineHash, IndexError, ReplicaId, StoredBlocks};
@@ -285,17 +285,11 @@ impl KvIndex {
                 if record.tiers() & (1 << tier) == 0 {
                     record.set_tiers(record.tiers() | 1 << tier);
                     self.tier_counts[slot as usize][tier] += 1;
-                    match &record.kind {
-                        Kind::One(block, at) => {
-                            self.table.inc(*block, Place::At(*at), slot, tier, groups);
-                        }
-                        kind => {
-                            for &block in kind.own() {
-                                self.table
-                                    .inc(block, Place::After(None), slot, tier, groups);
-                            }
-                        }
-                    }
+                    let place = match record.kind {
+                        Kind::One(_, at) => Place::At(at),
+                        _ => Place::After(None),
+                    };
+                    hold(&mut self.table, &record.kind, place, slot, tier, groups);
                 }
                 match record.kind {
                     Kind::One(_, at) => Some(at),
@@ -329,26 +323,43 @@ impl KvIndex {
         after: Option<u32>,
     ) -> Option<u32> {
         let groups = self.slots.groups();
-        let at = match &mut kind {
-            Kind::One(block, at) => {
-                *at = self
-                    .table
-                    .inc(*block, Place::After(after), slot, tier, groups);
-                Some(*at)
-            }
-            _ => {
-                for &block in kind.own() {
-                    self.table
-                        .inc(block, Place::After(None), slot, tier, groups);
-                }
-                None
-            }
-        };
+        let at = hold(
+            &mut self.table,
+            &kind,
+            Place::After(after),
+            slot,
+            tier,
+            groups,
+        );
+        if let (Kind::One(_, node), Some(at)) = (&mut kind, at) {
+            *node = at;
+        }
         self.engine_blocks += 1;
         self.record_heap += kind.heap_bytes();
         self.tier_counts[slot as usize][tier] += 1;
         self.records
             .insert_at(slot, entry, hash, Record::new(kind, stamp, 1 << tier));
         at
+    }
+}
+
+/// One more holding by `slot` in `tier` of the router blocks `kind` stores; a [`Kind::One`]
+/// block at `one`, whose node it returns (the others are looked up by key: heads only).
+fn hold(
+    table: &mut BlockTable,
+    kind: &Kind,
+    one: Place,
+    slot: u32,
+    tier: usize,
+    groups: u32,
+) -> Option<u32> {
+    match kind {
+        Kind::One(block, _) => Some(table.inc(*block, one, slot, tier, groups)),
+        _ => {
+            for &block in kind.own() {
+                table.inc(block, Place::After(None), slot, tier, groups);
+            }
+            None
+        }
     }
 }
