@@ -8,7 +8,7 @@
 //! credit = overlap_score_credit * (device + pending)
 //!        + host_cache_hit_weight * host
 //!        + disk_cache_hit_weight * disk + shared_cache_multiplier * external
-//! cost   = prefill_load_scale * max(0, (P + ISL) / B - credit)
+//! cost   = prefill_load_scale * max(0, (P + ISL) / B - credit) - surplus
 //!        + prefill_load_scale * S * max(0, ISL / B - credit)
 //!        + memory(M)                       M = decode_blocks + min(new_blocks, ceil(ISL / B) - device)
 //!        + prefill_interference_weight * U * D
@@ -19,6 +19,9 @@
 //! pending = max(0, (ceil(ISL / B) - new_blocks) - (device + host + disk + external))
 //! U       = max(0, ceil(ISL / B) - (device + host + disk + external + pending))
 //! S       = min over the candidates of the engine's waiting requests (unknown: 0)
+//! surplus = min(prefill_load_scale * max(0, credit - (P + ISL) / B), decode_blocks) on a rank
+//!           with room (no requests waiting, KV under 90% with the request), with a credit
+//!           above 1, every candidate's speed seen; else 0 ("Surplus credit")
 //! ```
 //!
 //! where `device`, `host`, `disk`, `external` are the leading blocks of the prompt the
@@ -53,17 +56,8 @@
 //! multi-turn chats). Host, disk and external hits still allocate device blocks and are
 //! counted.
 //!
-//! **Memory by utilisation** (`memory_cost` utilisation, opt-in). Counted linearly, one long
-//! conversation still decoding on a rank (2,500 blocks of 16,384) outweighs a 160-block prefix
-//! hit there (worth 1,280 at credit 2 / scale 4), and an idle cluster sends the next turn to a
-//! cold rank. Weighting each
-//! block by the utilisation it brings the rank to (`M * M / C`) charges that rank 380 blocks
-//! instead, and a nearly full rank nearly all of them. On the Mooncake trace in Dynamo's
-//! engine model it gains a few percent at 1x and 5x the trace's rate; but a decode step reads
-//! every block in the batch however empty the engine is, and with room to spare it lets a
-//! burst of long streams on one prefix pile onto one rank while another idles. So linear is
-//! the default. Without the engine's block count (`num_gpu_blocks`, from its metrics or the
-//! worker's config) the term is linear either way.
+//! **Memory by utilisation** (`memory_cost` utilisation, opt-in): each block weighted by the
+//! utilisation it brings the rank to (why it is not the default: the `priced` module).
 //!
 //! **Prefill interference.** A chunked prefill runs in the same forward pass as the rank's
 //! decodes, and the step takes as long as both: each of the `D` requests decoding there
@@ -96,6 +90,12 @@
 //!   unknown. On llm-d's shared-prefix workload with 4 replicas (2.5x overloaded), these two
 //!   terms took the hit rate from 34% to 47% (`cache_aware`: 48%); without them groups were
 //!   spread over two or three ranks, each recomputing the system prompt.
+//!
+//! **Surplus credit.** Where a cached prefix is worth more than the whole prefill the rank would
+//! do for the request, the surplus comes off the cost, up to the blocks the rank's other
+//! requests hold, so that a long prefix holds its request against the rank's decode load; only
+//! where the rank has room, once every rank's speed is seen (the rules and why: the `priced`
+//! module).
 //!
 //! **Calibrated** (`--router-cost-model calibrated`, the default; `weighted` is the model
 //! above with every rank priced alike). The terms above count work in blocks,
@@ -406,6 +406,7 @@ impl KvAware {
         let (mut saturation, mut kv_room, mut seen) = (None::<f64>, self.config.answers_counted, 0);
         let (mut prefill, mut decode, mut capacity) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
         let (mut prefill_best, mut decode_best) = (f64::INFINITY, f64::INFINITY);
+        let mut settled = true;
         for (engine, s, blocks) in ranks {
             seen += 1;
             let queued = waiting(&engine);
@@ -414,6 +415,8 @@ impl KvAware {
             if s.prefill_observations >= SPEED_EVIDENCE {
                 prefill = (prefill.0 + s.prefill_factor, prefill.1 + 1.0);
                 prefill_best = prefill_best.min(s.prefill_factor);
+            } else {
+                settled = false;
             }
             if s.decode_observations >= SPEED_EVIDENCE {
                 decode = (decode.0 + s.decode_factor, decode.1 + 1.0);
@@ -435,6 +438,7 @@ impl KvAware {
         Cluster {
             prefill_factor: prefill,
             decode_factor: decode,
+            settled,
             prefill_best: prefill_best.min(prefill),
             decode_best: decode_best.min(decode),
             capacity: if capacity.1 > 0.0 {
@@ -971,6 +975,76 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_worth_more_than_the_prefill_holds_its_request_where_the_rank_has_room() {
+        // An agent session's next step, 464 blocks, 429 of them cached on a rank decoding
+        // eight other sessions (2,237 blocks), and an idle rank.
+        let ids = ids(2);
+        let p = KvAware::new(KvAwareConfig::default());
+        let r = req(464 * 16);
+        let home = KvTerms {
+            overlap: Overlap {
+                device: 429,
+                ..Overlap::default()
+            },
+            decode_blocks: 2237,
+            new_blocks: 81,
+            active_requests: 8,
+            ..KvTerms::default()
+        };
+        let idle = KvTerms {
+            new_blocks: 465,
+            ..KvTerms::default()
+        };
+        // Both ranks' speeds seen, alike.
+        let at = |id, kv, waiting: f64, blocks: u64| Candidate {
+            engine: EngineLoad {
+                waiting: Some(waiting),
+                num_gpu_blocks: Some(blocks),
+                ..EngineLoad::default()
+            },
+            speed: fitted(1.0, 1.0, 100),
+            ..cand(id, kv)
+        };
+        let mut rng = SmallRng::seed_from_u64(1);
+        // Its prefix's surplus credit (2 x 429 blocks against a 464-block prefill) outweighs
+        // the other sessions' memory: 4 * (464 - 858) + 2,272 + 70 = 766 against 2,320.
+        let c = [at(&ids[0], idle, 0.0, 16384), at(&ids[1], home, 0.0, 16384)];
+        let costs = p.costs(&c, &r).unwrap();
+        assert!((costs[1] - 766.0).abs() < 1e-9 && (costs[0] - 2320.0).abs() < 1e-9);
+        assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 1);
+        // None while a rank's speed is unseen (an idle unseen rank is priced to be tried).
+        let unseen = Candidate {
+            speed: None,
+            ..at(&ids[0], idle, 0.0, 16384)
+        };
+        let c = [unseen, at(&ids[1], home, 0.0, 16384)];
+        assert!((p.costs(&c, &r).unwrap()[1] - 2342.0).abs() < 1e-9);
+        // None on a rank with requests waiting: the prefill term stops at 0 (2,342).
+        let c = [at(&ids[0], idle, 0.0, 16384), at(&ids[1], home, 2.0, 16384)];
+        assert!((p.costs(&c, &r).unwrap()[1] - 2342.0).abs() < 1e-9);
+        assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 0);
+        // Nor on one the request would take beyond 90% of its KV (the overflow term counts).
+        let c = [at(&ids[0], idle, 0.0, 16384), at(&ids[1], home, 0.0, 2500)];
+        assert_eq!(p.select(&c, &r, &mut rng).unwrap().index, 0);
+        // Nor beyond the memory the rank's other requests hold: an idle rank's prefix earns
+        // no more than its prefill (35 blocks of memory, no surplus).
+        let quiet = KvTerms {
+            decode_blocks: 0,
+            active_requests: 0,
+            ..home
+        };
+        let c = [at(&ids[1], quiet, 0.0, 16384)];
+        assert!((p.costs(&c, &r).unwrap()[0] - 35.0).abs() < 1e-9);
+        // Nor with a credit of 1 (Dynamo's model), whatever the overlap.
+        let one = KvAware::new(KvAwareConfig {
+            overlap_score_credit: 1.0,
+            ..KvAwareConfig::default()
+        });
+        let c = [at(&ids[1], home, 0.0, 16384)];
+        assert!(one.costs(&c, &r).unwrap()[0] >= 2272.0);
+    }
+
+    #[test]
     fn memory_costs_by_utilisation_when_the_engine_size_is_known() {
         let ids = ids(2);
         let r = req(200 * 16);
@@ -995,8 +1069,9 @@ mod tests {
         });
         let w = sized(&ids[0], warm, Some(16384));
         let c = sized(&ids[1], cold, Some(16384));
-        // 2540 blocks at 2540 / 16384 utilisation, and 40 uncached blocks beside 1 decode.
-        let expected = 2540.0 * 2540.0 / 16384.0 + 0.25 * 40.0;
+        // 2540 blocks at 2540 / 16384 utilisation, 40 uncached blocks beside 1 decode, and
+        // the prefix's surplus credit (2 x 160 against a 200-block prefill).
+        let expected = 2540.0 * 2540.0 / 16384.0 + 0.25 * 40.0 + 4.0 * (200.0 - 320.0);
         assert!((p.cost(&w, &r, 0.0) - expected).abs() < 1e-9);
         assert!((p.cost(&c, &r, 0.0) - (4.0 * 200.0 + 200.0 * 200.0 / 16384.0)).abs() < 1e-9);
         let mut rng = SmallRng::seed_from_u64(0);
@@ -1007,7 +1082,7 @@ mod tests {
         assert_eq!(linear.select(&[c, w], &r, &mut rng).unwrap().index, 0);
         let unknown = [sized(&ids[1], cold, None), sized(&ids[0], warm, None)];
         assert_eq!(p.select(&unknown, &r, &mut rng).unwrap().index, 0);
-        assert!((p.cost(&unknown[1], &r, 0.0) - (2540.0 + 10.0)).abs() < 1e-9);
+        assert!((p.cost(&unknown[1], &r, 0.0) - (2540.0 + 10.0 - 480.0)).abs() < 1e-9);
         // A nearly full rank costs nearly all its blocks: the prefix no longer holds it.
         let full = KvTerms {
             decode_blocks: 15000,

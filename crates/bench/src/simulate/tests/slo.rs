@@ -28,10 +28,10 @@ fn targets_sent_to_the_router_meet_more_tight_ones_on_a_slow_engine() {
     let requests = |r: &SloResult| -> Vec<usize> { r.classes.iter().map(|c| c.requests).collect() };
     assert_eq!(requests(&b), requests(&s));
     assert_eq!(requests(&b).iter().sum::<usize>(), 120);
-    // Measured (deterministic): 50 of the tight class met blind, 56 routed on targets; every
-    // loose one met either way.
+    // Measured (deterministic): 54 of the 57 tight ones met blind (50 before the surplus
+    // credit kept more prefixes home), 56 routed on targets; every loose one met either way.
     let met = |r: &SloResult, c: usize| r.classes[c].met;
-    assert!(met(&s, 0) >= met(&b, 0) + 4, "blind {b:?}\nsent {s:?}");
+    assert!(met(&s, 0) >= met(&b, 0) + 2, "blind {b:?}\nsent {s:?}");
     assert_eq!(
         (met(&b, 1), met(&s, 1)),
         (b.classes[1].requests, s.classes[1].requests)

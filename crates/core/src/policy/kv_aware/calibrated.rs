@@ -103,6 +103,10 @@ pub struct Cluster {
     pub capacity: f64,
     /// Whether some candidate has KV room ([`has_kv_room`]); without, the overflow term is 0.
     pub kv_room: bool,
+    /// Whether every candidate has [`SPEED_EVIDENCE`] for its prefill factor (always under
+    /// the weighted model): the surplus credit counts only then (see "Surplus credit" in the
+    /// module docs).
+    pub settled: bool,
 }
 
 impl Cluster {
@@ -116,6 +120,7 @@ impl Cluster {
             decode_best: 1.0,
             capacity: 0.0,
             kv_room: true,
+            settled: true,
         }
     }
 

@@ -1,9 +1,44 @@
 //! The weighted and calibrated costs from a candidate's numbers ([`KvAware::priced`]), for
 //! [`KvAware::cost_in`] and for a caller that scores a thousand ranks without building a
 //! candidate for each (the gateway's lean decision): both compute the same `f64`.
+//!
+//! **Memory by utilisation** (`memory_cost` utilisation, opt-in). Counted linearly, one long
+//! conversation still decoding on a rank (2,500 blocks of 16,384) outweighs a 160-block prefix
+//! hit there (worth 1,280 at credit 2 / scale 4), and an idle cluster sends the next turn to a
+//! cold rank. Weighting each
+//! block by the utilisation it brings the rank to (`M * M / C`) charges that rank 380 blocks
+//! instead, and a nearly full rank nearly all of them. On the Mooncake trace in Dynamo's
+//! engine model it gains a few percent at 1x and 5x the trace's rate; but a decode step reads
+//! every block in the batch however empty the engine is, and with room to spare it lets a
+//! burst of long streams on one prefix pile onto one rank while another idles. So linear is
+//! the default. Without the engine's block count (`num_gpu_blocks`, from its metrics or the
+//! worker's config) the term is linear either way.
+//!
+//! **Surplus credit.** With a credit above 1 a long cached prefix can be worth more than the
+//! whole prefill the rank would do for the request, the queue ahead of it included
+//! (`credit > (P + ISL)/B`). That surplus is taken off the cost, up to the blocks the rank's other
+//! requests hold (`decode_blocks`): it holds the request on its prefix's rank against that
+//! rank's decode load, in proportion to the prefix, and no further. Clamped at 0, as it was,
+//! the surplus counted for nothing exactly where a prefix is longest: an agent session's next
+//! step, its 7,000-token context cached on a rank decoding eight other sessions (2,237 blocks),
+//! cost 2,345 there against 2,323 on an idle rank, which took it and prefilled the whole
+//! context again (23% of the steps of agent sessions on twelve mixed engines moved so, 5,500
+//! tokens each on average). The surplus counts only where the rank has room: no requests
+//! waiting (a queue is the wait the surplus would add to) and its KV under 90% with the request
+//! (the overflow term, in [`super`]'s docs, is 0); without the first, at five times an agentic workload's rate
+//! on identical engines in Dynamo's engine model, TTFT p99 rose up to 3.8x (4.6x without
+//! either). Under the calibrated model it also waits until every candidate has its speed
+//! evidence (`Cluster::settled`): before, a prefix held its requests against the idle unseen
+//! ranks the calibrated model prices at the fastest rank's speed so that they get tried, and on
+//! a quiet cluster the two fastest engines never served. Without the bound by `decode_blocks`
+//! it held sessions on idle slow ranks against the own-decode term: end-to-end 29%
+//! longer for agent sessions on a nearly idle mixed cluster. It is not priced by the rank's
+//! speed (the bound is, by the rank's KV share): it stands for a prefill saved elsewhere, not
+//! work done here. With a credit of 1 or less (Dynamo's model) there is none. Measured in
+//! BENCHMARKS.md ("Surplus credit").
 
 use super::calibrated::{beyond_share, memory_priced, own_decode_excess};
-use super::{Cluster, CostModel, KvAware, MemoryCost};
+use super::{waiting, Cluster, CostModel, KvAware, MemoryCost};
 use crate::latency::SpeedFactors;
 use crate::{EngineLoad, KvTerms, RouteRequest};
 
@@ -86,7 +121,21 @@ impl KvAware {
             _ => (1.0, 1.0, 1.0),
         };
         let overflow = beyond_share(engine, kv.decode_blocks, new_blocks);
-        p * k.prefill_load_scale * (prefill_blocks - credit).max(0.0)
+        // The prefill term, less a surplus credit on a rank with room, up to the memory its
+        // other requests hold (see "Surplus credit" in the module docs; not priced by speed).
+        let prefill = prefill_blocks - credit;
+        let prefill_term = if prefill >= 0.0 {
+            p * k.prefill_load_scale * prefill
+        } else if k.overlap_score_credit > 1.0
+            && cluster.settled
+            && overflow == 0.0
+            && waiting(engine) <= 0.0
+        {
+            (k.prefill_load_scale * prefill).max(-share * kv.decode_blocks as f64)
+        } else {
+            0.0
+        };
+        prefill_term
             + p * k.prefill_load_scale * cluster.saturation * (prompt - credit).max(0.0)
             + share * memory_priced(memory, kv.decode_blocks + new_blocks, new_blocks, d)
             + p * k.prefill_interference_weight * uncached * decoding
