@@ -333,11 +333,23 @@ async fn a_decode_half_killed_mid_stream_goes_on_from_a_new_pair() {
     let mut s = Settings::with_workers(vec![s0, s1, s2]).unwrap();
     s.retry.initial_backoff = Duration::from_millis(1);
     let r = TestRouter::start(s).await;
+    // Both halves healthy first: ready needs one healthy worker a pool, and a slowed engine's
+    // first probe can fail under a loaded test run (seen once: a 503 here).
+    wait_until_async("every worker healthy", || async {
+        let v = r.get_json("/workers").await;
+        let workers = v["workers"].as_array().cloned().unwrap_or_default();
+        workers.len() == 3 && workers.iter().all(|w| w["healthy"] == true)
+    })
+    .await;
     let body =
         json!({"model": "kvroute-sim", "prompt": text(200, 4), "max_tokens": 24, "stream": true})
             .to_string();
     let resp = open_stream(&r.url, "/v1/completions", &body).await;
-    assert_eq!(resp.status(), 200);
+    if resp.status() != 200 {
+        let status = resp.status();
+        let text = resp.into_body().collect().await.unwrap().to_bytes();
+        panic!("{status}: {}", String::from_utf8_lossy(&text));
+    }
     assert_eq!(
         resp.headers()["x-kvroute-prefill-worker"],
         p0.url().as_str()
