@@ -5,14 +5,13 @@
 //! **Memory by utilisation** (`memory_cost` utilisation, opt-in). Counted linearly, one long
 //! conversation still decoding on a rank (2,500 blocks of 16,384) outweighs a 160-block prefix
 //! hit there (worth 1,280 at credit 2 / scale 4), and an idle cluster sends the next turn to a
-//! cold rank. Weighting each
-//! block by the utilisation it brings the rank to (`M * M / C`) charges that rank 380 blocks
-//! instead, and a nearly full rank nearly all of them. On the Mooncake trace in Dynamo's
-//! engine model it gains a few percent at 1x and 5x the trace's rate; but a decode step reads
-//! every block in the batch however empty the engine is, and with room to spare it lets a
-//! burst of long streams on one prefix pile onto one rank while another idles. So linear is
-//! the default. Without the engine's block count (`num_gpu_blocks`, from its metrics or the
-//! worker's config) the term is linear either way.
+//! cold rank. Weighting each block by the utilisation it brings the rank to (`M * M / C`)
+//! charges that rank 380 blocks instead, and a nearly full rank nearly all of them. On the
+//! Mooncake trace in Dynamo's engine model it gains a few percent at 1x and 5x the trace's
+//! rate; but a decode step reads every block in the batch however empty the engine is, and with
+//! room to spare it lets a burst of long streams on one prefix pile onto one rank while another
+//! idles. So linear is the default. Without the engine's block count (`num_gpu_blocks`, from
+//! its metrics or the worker's config) the term is linear either way.
 //!
 //! **Surplus credit.** With a credit above 1 a long cached prefix can be worth more than the
 //! whole prefill the rank would do for the request, the queue ahead of it included
@@ -25,14 +24,14 @@
 //! context again (23% of the steps of agent sessions on twelve mixed engines moved so, 5,500
 //! tokens each on average). The surplus counts only where the rank has room: no requests
 //! waiting (a queue is the wait the surplus would add to) and its KV under 90% with the request
-//! (the overflow term, in [`super`]'s docs, is 0); without the first, at five times an agentic workload's rate
-//! on identical engines in Dynamo's engine model, TTFT p99 rose up to 3.8x (4.6x without
-//! either). Under the calibrated model it also waits until every candidate has its speed
-//! evidence (`Cluster::settled`): before, a prefix held its requests against the idle unseen
-//! ranks the calibrated model prices at the fastest rank's speed so that they get tried, and on
-//! a quiet cluster the two fastest engines never served. Without the bound by `decode_blocks`
-//! it held sessions on idle slow ranks against the own-decode term: end-to-end 29%
-//! longer for agent sessions on a nearly idle mixed cluster. It is not priced by the rank's
+//! (the overflow term, in [`super`]'s docs, is 0); without the first, at five times an agentic
+//! workload's rate on identical engines in Dynamo's engine model, TTFT p99 rose up to 3.8x
+//! (4.6x without either). Under the calibrated model it also waits until every candidate has
+//! its speed evidence (`Cluster::settled`): before, a prefix held its requests against the idle
+//! unseen ranks the calibrated model prices at the fastest rank's speed so that they get tried,
+//! and on a quiet cluster the two fastest engines never served. Without the bound by
+//! `decode_blocks` it held sessions on idle slow ranks against the own-decode term: end-to-end
+//! 29% longer for agent sessions on a nearly idle mixed cluster. It is not priced by the rank's
 //! speed (the bound is, by the rank's KV share): it stands for a prefill saved elsewhere, not
 //! work done here. With a credit of 1 or less (Dynamo's model) there is none. Measured in
 //! BENCHMARKS.md ("Surplus credit").
