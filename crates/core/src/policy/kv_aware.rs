@@ -19,9 +19,9 @@
 //! pending = max(0, (ceil(ISL / B) - new_blocks) - (device + host + disk + external))
 //! U       = max(0, ceil(ISL / B) - (device + host + disk + external + pending))
 //! S       = min over the candidates of the engine's waiting requests (unknown: 0)
-//! surplus = min(prefill_load_scale * max(0, credit - (P + ISL) / B), decode_blocks) on a rank
-//!           with room (no requests waiting, KV under 90% with the request), with a credit
-//!           above 1, every candidate's speed seen; else 0 ("Surplus credit")
+//! surplus = min(prefill_load_scale * max(0, credit - (P + ISL) / B), memory(decode_blocks))
+//!           on a rank with room (no requests waiting, KV under 90% with the request), with a
+//!           credit above 1, every candidate's speed seen; else 0 ("Surplus credit")
 //! ```
 //!
 //! where `device`, `host`, `disk`, `external` are the leading blocks of the prompt the
@@ -1070,8 +1070,10 @@ mod tests {
         let w = sized(&ids[0], warm, Some(16384));
         let c = sized(&ids[1], cold, Some(16384));
         // 2540 blocks at 2540 / 16384 utilisation, 40 uncached blocks beside 1 decode, and
-        // the prefix's surplus credit (2 x 160 against a 200-block prefill).
-        let expected = 2540.0 * 2540.0 / 16384.0 + 0.25 * 40.0 + 4.0 * (200.0 - 320.0);
+        // the prefix's surplus credit (2 x 160 against a 200-block prefill: 480), up to what
+        // the decoding conversation adds to the memory term (2500^2 / 16384).
+        let expected =
+            2540.0 * 2540.0 / 16384.0 + 0.25 * 40.0 - 480f64.min(2500.0 * 2500.0 / 16384.0);
         assert!((p.cost(&w, &r, 0.0) - expected).abs() < 1e-9);
         assert!((p.cost(&c, &r, 0.0) - (4.0 * 200.0 + 200.0 * 200.0 / 16384.0)).abs() < 1e-9);
         let mut rng = SmallRng::seed_from_u64(0);

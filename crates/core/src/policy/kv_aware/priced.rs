@@ -15,8 +15,9 @@
 //!
 //! **Surplus credit.** With a credit above 1 a long cached prefix can be worth more than the
 //! whole prefill the rank would do for the request, the queue ahead of it included
-//! (`credit > (P + ISL)/B`). That surplus is taken off the cost, up to the blocks the rank's other
-//! requests hold (`decode_blocks`): it holds the request on its prefix's rank against that
+//! (`credit > (P + ISL)/B`). That surplus is taken off the cost, up to what the rank's other
+//! requests add to the memory term (their `decode_blocks`, or under utilisation
+//! `decode_blocks^2 / C`): it holds the request on its prefix's rank against that
 //! rank's decode load, in proportion to the prefix, and no further. Clamped at 0, as it was,
 //! the surplus counted for nothing exactly where a prefix is longest: an agent session's next
 //! step, its 7,000-token context cached on a rank decoding eight other sessions (2,237 blocks),
@@ -95,13 +96,14 @@ impl KvAware {
         let new_blocks = kv
             .new_blocks
             .min(prompt_blocks.saturating_sub(u64::from(o.device)));
-        let memory = (kv.decode_blocks + new_blocks) as f64;
-        let memory = match (k.memory_cost, engine.num_gpu_blocks) {
+        // Blocks as the memory term counts them (linear, or by the utilisation they bring).
+        let counted = |blocks: u64| match (k.memory_cost, engine.num_gpu_blocks) {
             (MemoryCost::Utilisation, Some(capacity)) if capacity > 0 => {
-                memory * memory / capacity as f64
+                blocks as f64 * blocks as f64 / capacity as f64
             }
-            _ => memory,
+            _ => blocks as f64,
         };
+        let memory = counted(kv.decode_blocks + new_blocks);
         // The blocks this request's prefill computes, and the requests decoding beside it.
         let uncached = prompt_blocks.saturating_sub(u64::from(o.total()) + pending) as f64;
         let decoding = kv.active_requests.saturating_sub(kv.prefilling_requests) as f64;
@@ -120,8 +122,9 @@ impl KvAware {
             _ => (1.0, 1.0, 1.0),
         };
         let overflow = beyond_share(engine, kv.decode_blocks, new_blocks);
-        // The prefill term, less a surplus credit on a rank with room, up to the memory its
-        // other requests hold (see "Surplus credit" in the module docs; not priced by speed).
+        // The prefill term, less a surplus credit on a rank with room, up to what its other
+        // requests add to the memory term (see "Surplus credit" in the module docs; not priced
+        // by speed).
         let prefill = prefill_blocks - credit;
         let prefill_term = if prefill >= 0.0 {
             p * k.prefill_load_scale * prefill
@@ -130,7 +133,7 @@ impl KvAware {
             && overflow == 0.0
             && waiting(engine) <= 0.0
         {
-            (k.prefill_load_scale * prefill).max(-share * kv.decode_blocks as f64)
+            (k.prefill_load_scale * prefill).max(-share * counted(kv.decode_blocks))
         } else {
             0.0
         };
