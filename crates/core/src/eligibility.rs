@@ -10,7 +10,11 @@
 //! 3. **dp-rank bounds**: an unpinned worker expands into exactly its ranks;
 //! 4. **health** and **required taints** (`x-kvroute-required-taints`): a worker missing one
 //!    is out. Nothing left here is [`Ineligible::NoEndpoint`];
-//! 5. **overload** (the busy thresholds, per rank): overloaded ranks are out; a worker is out
+//! 5. **context length**: where the request's context is known (`Hints::context_tokens`),
+//!    an unpinned worker whose engine says it takes less (`max_model_len`) is out, unless
+//!    that leaves none: then every worker stays, and the engine answers with its own error
+//!    (the router's token count may differ from the engine's; nothing is refused here);
+//! 6. **overload** (the busy thresholds, per rank): overloaded ranks are out; a worker is out
 //!    only when all its ranks are. Compatible ranks that are all overloaded are
 //!    [`Ineligible::AllOverloaded`] — or [`Ineligible::PinnedOverloaded`] for a pin, which
 //!    is never rerouted.
@@ -27,6 +31,8 @@ pub struct WorkerView<'a> {
     pub overloaded: &'a [bool],
     pub healthy: bool,
     pub taints: &'a [String],
+    /// The longest context (prompt plus answer, in tokens) its engine takes, when known.
+    pub max_model_len: Option<u64>,
 }
 
 /// The routing hints of one request.
@@ -41,6 +47,9 @@ pub struct Hints {
     /// The request's latency targets (read by the choice, not by eligibility: see
     /// [`crate::slo`]).
     pub slo: crate::slo::SloTargets,
+    /// The context the request needs on an engine, in tokens (its prompt as the router
+    /// tokenised it, plus its `max_tokens`, at least 1): set by routing, not by a header.
+    pub context_tokens: Option<u64>,
 }
 
 impl Hints {
@@ -125,6 +134,12 @@ pub fn eligible(
     }
     if compatible.is_empty() {
         return Err(Ineligible::NoEndpoint);
+    }
+    if let (Some(need), None) = (hints.context_tokens, &hints.pinned_worker) {
+        let fits = |&(w, _): &(usize, usize)| workers[w].max_model_len.is_none_or(|n| need <= n);
+        if compatible.iter().any(fits) {
+            compatible.retain(fits);
+        }
     }
     let free: Vec<(usize, usize)> = compatible
         .iter()
@@ -212,6 +227,7 @@ mod tests {
             overloaded,
             healthy: true,
             taints,
+            max_model_len: None,
         }
     }
 
@@ -270,6 +286,54 @@ mod tests {
             ..Hints::default()
         };
         assert_eq!(eligible(&w, &h), Err(Ineligible::NoEndpoint));
+    }
+
+    #[test]
+    fn a_request_goes_where_its_context_fits_unless_it_fits_nowhere() {
+        let none: &[String] = &[];
+        let ranks = &[Some(0), Some(1)];
+        let single = &[None];
+        fn with(v: WorkerView<'_>, n: Option<u64>) -> WorkerView<'_> {
+            WorkerView {
+                max_model_len: n,
+                ..v
+            }
+        }
+        let w = [
+            with(view("small", single, &[false], none), Some(4096)),
+            with(view("large", ranks, &[false, false], none), Some(32768)),
+            with(view("unknown", single, &[false], none), None),
+        ];
+        let need = |n: u64| Hints {
+            context_tokens: Some(n),
+            ..Hints::default()
+        };
+        let all = vec![(0, 0), (1, 0), (1, 1), (2, 0)];
+        assert_eq!(eligible(&w, &Hints::default()).unwrap(), all);
+        // Exactly the context fits; one token more does not (an engine that does not say
+        // is never filtered out).
+        assert_eq!(eligible(&w, &need(4096)).unwrap(), all);
+        assert_eq!(
+            eligible(&w, &need(4097)).unwrap(),
+            vec![(1, 0), (1, 1), (2, 0)]
+        );
+        // Fits nowhere known: the unknown engine only; with it gone too, every worker stays.
+        assert_eq!(eligible(&w, &need(40_000)).unwrap(), vec![(2, 0)]);
+        assert_eq!(
+            eligible(&w[..2], &need(40_000)).unwrap(),
+            vec![(0, 0), (1, 0), (1, 1)]
+        );
+        // A pin is kept whatever it takes; overload still applies after the filter.
+        let pinned = Hints {
+            pinned_worker: Some("small".into()),
+            ..need(8192)
+        };
+        assert_eq!(eligible(&w, &pinned).unwrap(), vec![(0, 0)]);
+        let busy = [
+            w[0],
+            with(view("large", ranks, &[true, true], none), Some(32768)),
+        ];
+        assert_eq!(eligible(&busy, &need(8192)), Err(Ineligible::AllOverloaded));
     }
 
     #[test]

@@ -27,6 +27,7 @@ mod hints;
 mod lean;
 mod slo;
 
+use hints::with_routing_hints;
 pub use hints::{parse_hints, prefill_pin, session_key};
 pub use lean::LEAN_FROM_WORKERS;
 pub use slo::{slo_targets, TPOT_HEADERS, TTFT_HEADERS};
@@ -225,6 +226,7 @@ fn eligible_pairs(
                 overloaded: &overloaded[ranks],
                 healthy: w.available(started),
                 taints: &w.taints,
+                max_model_len: w.max_model_len(),
             }
         })
         .collect();
@@ -318,18 +320,8 @@ pub fn plan(
         (Some(a), Some(k)) => a.get(k, started),
         _ => None,
     };
-    let pinned_hints;
-    let hints = match (&bound, affinity.map(|a| a.mode)) {
-        (Some((worker, rank)), Some(AffinityMode::Hard)) if hints.pinned_worker.is_none() => {
-            pinned_hints = Hints {
-                pinned_worker: Some(worker.clone()),
-                pinned_rank: *rank,
-                ..hints.clone()
-            };
-            &pinned_hints
-        }
-        _ => hints,
-    };
+    let mode = affinity.map(|a| a.mode);
+    let hints = &with_routing_hints(hints, bound.as_ref(), mode, pool, tokens.len(), fields);
     let reads_index = pool.policy.reads_kv_index();
     let adapter = fields
         .model

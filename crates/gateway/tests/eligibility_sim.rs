@@ -178,3 +178,63 @@ async fn session_affinity_soft_and_hard() {
         stop.cancel();
     }
 }
+
+/// Engines of two context lengths (kvroute-sim's `max_model_len` in `/v1/models` is its KV
+/// capacity): a prompt longer than the small one takes goes to the large one under each
+/// policy that tokenises, and a prompt no engine takes gets the engine's own error.
+#[tokio::test]
+async fn a_long_prompt_goes_to_the_engine_whose_context_holds_it() {
+    for policy in [PolicyKind::LlmD, PolicyKind::KvAware] {
+        let shutdown = CancellationToken::new();
+        let mut specs = Vec::new();
+        // 16 and 1,024 blocks of 16 tokens: contexts of 256 and 16,384 tokens.
+        for (id, blocks) in [("small", "16"), ("large", "1024")] {
+            let url = serve_sim(&["--num-gpu-blocks", blocks], &shutdown).await;
+            specs.push(WorkerSpec {
+                id: Some(id.into()),
+                ..WorkerSpec::url(url)
+            });
+        }
+        let mut s = Settings::with_workers(specs).unwrap();
+        s.policy = policy;
+        let r = TestRouter::start(s).await;
+        r.wait_healthy("small").await;
+        r.wait_healthy("large").await;
+        let workers = r.get_json("/workers").await;
+        let contexts: Vec<_> = workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| (w["id"].clone(), w["max_model_len"].clone()))
+            .collect();
+        assert!(
+            contexts.contains(&(json!("small"), json!(256))),
+            "{workers}"
+        );
+        assert!(
+            contexts.contains(&(json!("large"), json!(16384))),
+            "{workers}"
+        );
+        // 300 tokens (and 4 to answer) fit only the large engine; without the filter, llm_d
+        // spreads these distinct prompts over both and the small engine refuses its share.
+        let long = |i: u64| json!({"prompt": text(300, 1000 + i), "max_tokens": 4}).to_string();
+        r.assert_routed(&[], (0..8).map(long), "large").await;
+        // Short prompts still go to either.
+        let short = |i: u64| json!({"prompt": text(40, 2000 + i), "max_tokens": 4}).to_string();
+        let counts = r.tally_routes("/v1/completions", (0..16).map(short)).await;
+        assert_eq!(counts.values().sum::<usize>(), 16, "{policy:?}: {counts:?}");
+        // The answer counts: 250 tokens of prompt fit the small engine alone, not with 10 more.
+        let body = json!({"prompt": text(250, 3000), "max_tokens": 10}).to_string();
+        assert_eq!(r.complete(&[], &body).await.worker(), "large", "{policy:?}");
+        // Beyond every engine: routed anyway, and the engine's own refusal comes back whole.
+        let huge = json!({"prompt": text(20_000, 4000), "max_tokens": 4}).to_string();
+        let reply = r.complete(&[], &huge).await;
+        assert_eq!(reply.status, 400, "{policy:?}");
+        let message = reply.json()["error"]["message"].to_string();
+        assert!(
+            message.contains("exceeds the KV cache capacity"),
+            "{message}"
+        );
+        shutdown.cancel();
+    }
+}

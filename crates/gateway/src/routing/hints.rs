@@ -8,13 +8,54 @@
 //! comes from `x-kvroute-dp-rank`, Dynamo's `x-dp-rank`, then `nvext.dp_rank`. The prefill
 //! half's pin: `x-kvroute-prefill-worker`, Dynamo's `x-prefill-instance-id`, then
 //! `nvext.prefill_worker_id`.
+//!
+//! One hint comes from the request's size, not a header: the context it needs on an engine
+//! ([`context_needed`]), which eligibility checks against each worker's `max_model_len`.
 
 use http::HeaderMap;
+use kvroute_core::affinity::AffinityMode;
 use kvroute_core::eligibility::Hints;
 use kvroute_protocol::RoutingFields;
 
 use crate::config::WorkerSpec;
 use crate::error::GatewayError;
+use crate::workers::Pool;
+
+/// `hints` with what routing adds: a hard session binding as a pin (unless the request pins
+/// one itself), and the context the request needs where some worker takes less.
+pub(super) fn with_routing_hints<'h>(
+    hints: &'h Hints,
+    bound: Option<&(String, Option<u32>)>,
+    mode: Option<AffinityMode>,
+    pool: &Pool,
+    prompt_tokens: usize,
+    fields: &RoutingFields<'_>,
+) -> std::borrow::Cow<'h, Hints> {
+    let mut hints = std::borrow::Cow::Borrowed(hints);
+    if let (Some((worker, rank)), Some(AffinityMode::Hard)) = (bound, mode) {
+        if hints.pinned_worker.is_none() {
+            let h = hints.to_mut();
+            (h.pinned_worker, h.pinned_rank) = (Some(worker.clone()), *rank);
+        }
+    }
+    if let Some(need) = context_needed(pool, prompt_tokens, fields) {
+        hints.to_mut().context_tokens = Some(need);
+    }
+    hints
+}
+
+/// The context (prompt tokens plus `max_tokens`, at least one) a request needs on an engine,
+/// where some worker of `pool` says it takes less: then eligibility prefers the workers it
+/// fits (`core::eligibility`). `None` for an untokenised request (the policy reads no
+/// tokens) and wherever every worker takes it.
+fn context_needed(pool: &Pool, prompt_tokens: usize, fields: &RoutingFields<'_>) -> Option<u64> {
+    let answer = fields
+        .max_completion_tokens
+        .or(fields.max_tokens)
+        .unwrap_or(0);
+    let need = (prompt_tokens as u64).saturating_add(answer.max(1));
+    (prompt_tokens > 0 && pool.smallest_context.is_some_and(|n| need > n)).then_some(need)
+}
 
 /// A request's session key: the first of `keys` (`--routing-key-headers`) present with a
 /// non-empty visible value, else the body's `user`.

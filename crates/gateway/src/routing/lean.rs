@@ -3,9 +3,10 @@
 //! A prompt's prefix is held by a few ranks of a thousand, in the index and among their
 //! active requests; every other rank's cost is a function of its load alone. So in a pool of
 //! [`LEAN_FROM_WORKERS`] workers or more, a plain request (no pin, allowed list, taints,
-//! latency targets, adapter, session binding, busy thresholds or overload protection: those
-//! take the full path, [`super::plan`]'s) is decided in two passes, neither taking a rank's
-//! lock nor building a candidate for a rank that holds none of the prompt:
+//! latency targets, adapter, session binding, busy thresholds, overload protection, or a
+//! context longer than some worker takes: those take the full path, [`super::plan`]'s) is
+//! decided in two passes, neither taking a rank's lock nor building a candidate for a rank
+//! that holds none of the prompt:
 //!
 //! 1. each rank's published [`LoadSummary`], engine gauges and speed factors are read once,
 //!    into a flat array of rows, and the cluster's terms ([`KvAware::cluster_of`]:
@@ -68,6 +69,7 @@ pub(super) fn applies<'p>(
         && hints.required_taints.is_empty()
         && hints.preferred_taints.is_empty()
         && !hints.slo.is_set()
+        && hints.context_tokens.is_none()
         && limits.busy == BusyThresholds::default()
         && !limits.overload.is_on();
     if dry_run || !plain || pool.workers.len() < LEAN_FROM_WORKERS {

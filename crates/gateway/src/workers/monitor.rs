@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use http::HeaderValue;
 
-use super::{lock, Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
+use super::{Worker, WorkerSet, PROBE_RETRY_MAX, PROBE_RETRY_MIN};
 use crate::health::{jittered, probe, random_phase, HealthCounter};
 use crate::http::HttpClient;
 
@@ -61,7 +61,7 @@ impl WorkerSet {
                 Ok(models) => {
                     tracing::info!(worker = %worker.id, models = ?models.iter().map(|m| m.0.as_str()).collect::<Vec<_>>(), "Worker ready");
                     if worker.configured_model.is_none() {
-                        *lock(&worker.models) = models;
+                        worker.set_models(models);
                     }
                     worker.probed.store(true, Ordering::Relaxed);
                     worker.set_last_error(None);

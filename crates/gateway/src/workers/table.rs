@@ -24,16 +24,21 @@ pub struct Pool {
     /// With `--router-sample-ranks`: what a sampled kv_aware decision reads (`None` for a
     /// pool narrowed for one request, which every rank's decision costs).
     pub sampling: Option<Arc<Sampling>>,
+    /// The shortest context a worker of the pool says it takes ([`Worker::max_model_len`];
+    /// `None` when none says): a request needing no more never has a worker filtered for it.
+    pub smallest_context: Option<u64>,
 }
 
 impl Pool {
     /// A pool without sampling.
     pub fn new(model: ModelId, workers: Vec<Arc<Worker>>, policy: Arc<dyn Policy>) -> Self {
+        let smallest_context = workers.iter().filter_map(|w| w.max_model_len()).min();
         Self {
             model,
             workers,
             policy,
             sampling: None,
+            smallest_context,
         }
     }
 }
@@ -140,6 +145,9 @@ pub struct WorkerStatus {
     pub id: String,
     pub url: String,
     pub models: Vec<String>,
+    /// The longest context its engine takes (the `max_model_len` its `/v1/models` lists).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<u64>,
     pub healthy: bool,
     /// The circuit breaker: closed, open or half_open.
     pub circuit: &'static str,

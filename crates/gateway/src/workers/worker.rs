@@ -194,6 +194,9 @@ pub struct Worker {
     pub(crate) spec: WorkerSpec,
     /// The `/v1/models` entries it serves, once probed.
     pub(super) models: Mutex<Vec<(ModelId, serde_json::Value)>>,
+    /// The largest `max_model_len` its `/v1/models` entries give (vLLM's, kvroute-sim's);
+    /// 0 while unknown. Kept as the entries change.
+    pub(super) context: AtomicU64,
     pub(super) probed: AtomicBool,
     /// Why its last probe or health check failed, until one passes (`GET /workers`).
     pub(super) last_error: Mutex<Option<String>>,
@@ -301,7 +304,10 @@ impl Worker {
         &self,
         models: Vec<(ModelId, serde_json::Value)>,
     ) -> (Vec<ModelId>, Vec<ModelId>) {
-        let key = |(m, card): &(ModelId, serde_json::Value)| (m.clone(), card["parent"].clone());
+        let key = |(m, card): &(ModelId, serde_json::Value)| {
+            let context = card["max_model_len"].clone();
+            (m.clone(), card["parent"].clone(), context)
+        };
         let mut current = lock(&self.models);
         let before: Vec<_> = current.iter().map(key).collect();
         let after: Vec<_> = models.iter().map(key).collect();
@@ -311,8 +317,22 @@ impl Worker {
             added.map(|k| k.0.clone()).collect(),
             dropped.map(|k| k.0.clone()).collect(),
         );
+        self.context.store(context_of(&models), Ordering::Relaxed);
         *current = models;
         (added, dropped)
+    }
+
+    /// Takes `models` as what it lists (its first probe).
+    pub(super) fn set_models(&self, models: Vec<(ModelId, serde_json::Value)>) {
+        self.context.store(context_of(&models), Ordering::Relaxed);
+        *lock(&self.models) = models;
+    }
+
+    /// The longest context (prompt plus answer, in tokens) its engine takes: the largest
+    /// `max_model_len` of its `/v1/models` entries; `None` while unknown (a configured model,
+    /// not yet probed, or an engine that does not say).
+    pub fn max_model_len(&self) -> Option<u64> {
+        Some(self.context.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     /// Whether `model` is a LoRA adapter here: its `/v1/models` entry names a `parent`.
@@ -329,6 +349,14 @@ impl Worker {
             None => lock(&self.models).iter().map(|(m, _)| m.clone()).collect(),
         }
     }
+}
+
+/// The largest `max_model_len` of `/v1/models` entries, 0 when none gives one.
+fn context_of(models: &[(ModelId, serde_json::Value)]) -> u64 {
+    let lens = models
+        .iter()
+        .filter_map(|(_, card)| card["max_model_len"].as_u64());
+    lens.max().unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -367,5 +395,22 @@ mod tests {
         assert_eq!((ids(added), ids(dropped)), (vec![], vec!["sql".to_owned()]));
         assert!(!w.serves_adapter("sql"));
         assert_eq!(ids(w.model_ids()), ["base"]);
+        // A context length that changes is a change (pools cache their shortest).
+        assert_eq!(w.max_model_len(), None);
+        let sized = |len: u64| {
+            let c = json!({"id": "base", "parent": null, "max_model_len": len});
+            (ModelId::new("base"), c)
+        };
+        let (added, _) = w.replace_models(vec![sized(4096)]);
+        assert_eq!(
+            (ids(added), w.max_model_len()),
+            (vec!["base".to_owned()], Some(4096))
+        );
+        let (added, dropped) = w.replace_models(vec![sized(4096)]);
+        assert!(added.is_empty() && dropped.is_empty());
+        let (added, _) = w.replace_models(vec![sized(8192), card("sql", Some("base"), 5)]);
+        assert_eq!((added.len(), w.max_model_len()), (2, Some(8192)));
+        w.set_models(vec![card("base", None, 6)]);
+        assert_eq!(w.max_model_len(), None);
     }
 }
