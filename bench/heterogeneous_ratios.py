@@ -6,8 +6,8 @@ kv_aware with the weighted cost model, per workload and seed, with their geometr
     heterogeneous_ratios.py --diff OUT TAG_A TAG_B [CLUSTERS]
 
 BIN is the release folder (kvroute-bench in it); OUT keeps the other policies' runs (one
-simulate per cell, reused on the next call) and kv_aware's; CLUSTERS picks among (default "a b
-c"):
+simulate per cell, reused on the next call with the same kvroute-bench binary) and
+kv_aware's; CLUSTERS picks among (default "a b c"):
 - a: 8 engines at speeds 2,2,1,1,1,0.5,0.5,0.5 with 16,384 or 8,192 KV blocks (bench/heterogeneous.sh's);
 - b: 8 engines at 1.5,1.5,1,1,1,1,0.7,0.7 with 8,192-16,384 blocks;
 - c: 12 engines, one at 3x, nine at 1x, two at 0.5x, 16,384 blocks each;
@@ -23,6 +23,7 @@ nearly idle cluster); TAG names kv_aware's runs in OUT (default: ARGS joined, or
 that two builds' runs share OUT's other policies. `--diff OUT TAG_A TAG_B` prints, per cell and
 as geometric means per workload, kv_aware's TAG_B percentiles over its TAG_A ones.
 """
+import hashlib
 import json
 import math
 import os
@@ -110,6 +111,10 @@ def main():
     tag = os.environ.get("TAG") or "-".join(a.lstrip("-") for a in extra) or "default"
     scale = float(os.environ.get("SCALE", "1"))
     os.makedirs(out, exist_ok=True)
+    # The other policies' runs are kept per build: a change to kv_aware can move its weighted
+    # model too (the surplus credit did), and eligibility moves every policy.
+    with open(bench, "rb") as f:
+        build = hashlib.sha256(f.read()).hexdigest()[:12]
     cells = [(c, w, s) for c in clusters for w in WORKLOADS for s in (0, 1, 2)
              if not (w == "trace-x1" and s > 0)]
 
@@ -117,7 +122,7 @@ def main():
         c, w, s = job
         common = with_scale(WORKLOADS[w], scale) + CLUSTERS[c] + ["--seed", str(s)]
         others = simulate(bench, common + ["--policies", OTHERS, "--router-cost-model", "weighted"],
-                          f"{out}/{c}-{w}-{s}.others.json")
+                          f"{out}/{c}-{w}-{s}.others-{build}.json")
         ours = simulate(bench, common + ["--policies", "kv_aware"] + extra,
                         f"{out}/{c}-{w}-{s}.{tag}.json")[0]
         best = {m: min(p[m]["p90"] for p in others) for m in ("ttft_ms", "e2e_ms")}

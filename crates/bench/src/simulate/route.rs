@@ -271,9 +271,8 @@ impl Router {
         let blocks = req.hashes.iter().map(|h| h.0).collect();
         let request_load = RequestLoad::for_prompt(blocks, req.tokens.len(), 0, bs);
         let kv_aware = pool.kind == PolicyKind::KvAware;
-        let candidates: Vec<Candidate<'_>> = pool
-            .engines
-            .clone()
+        let ids = fitting(pool, req, engines);
+        let candidates: Vec<Candidate<'_>> = (ids.iter().copied())
             .map(|e| {
                 let s = engines[e].stats();
                 let load = &self.loads[e];
@@ -346,7 +345,23 @@ impl Router {
                 .saturating_sub((device * bs) as u64),
             ..request_load
         };
-        (pool.engines.start + chosen, load, features)
+        (ids[chosen], load, features)
+    }
+}
+
+/// The engines of `pool` whose context takes `req` (its prompt plus its answer), as the
+/// gateway's eligibility keeps them under the policies that tokenise (kv_aware, llm_d):
+/// every engine when none does, or under the other policies.
+fn fitting(pool: &Pool, req: &Arrival<'_>, engines: &[EngineCore]) -> Vec<usize> {
+    let need = req.tokens.len() + (req.output_tokens as usize).max(1);
+    let tokenises = matches!(pool.kind, PolicyKind::KvAware | PolicyKind::LlmD);
+    let fits: Vec<usize> = (pool.engines.clone())
+        .filter(|&e| !tokenises || need <= engines[e].capacity_tokens())
+        .collect();
+    if fits.is_empty() {
+        pool.engines.clone().collect()
+    } else {
+        fits
     }
 }
 
