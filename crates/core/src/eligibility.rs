@@ -48,7 +48,7 @@ pub struct Hints {
     /// [`crate::slo`]).
     pub slo: crate::slo::SloTargets,
     /// The context the request needs on an engine, in tokens (its prompt as the router
-    /// tokenised it, plus its `max_tokens`, at least 1): set by routing, not by a header.
+    /// counted it, plus its `max_tokens`, at least 1): set by routing, not by a header.
     pub context_tokens: Option<u64>,
 }
 

@@ -112,7 +112,8 @@ pub(crate) async fn route_and_forward(
     // The plan's shape; a single request waits its turn in the router queue.
     let disaggregated = state.settings.pd.is_some() && PD_ROUTES.contains(&route);
     let tokenize_as = Shape::tokenize_as(disaggregated, state);
-    let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body).await;
+    let shortest = state.workers.table().shortest_context();
+    let tokens = routing::tokens_for(&state.kv, tokenize_as, routing_body, shortest).await;
     let count_only = route == "/v1/messages/count_tokens";
     let reserved = reserve(state, tenant, &fields, (routing_body, &tokens), count_only).await?;
     let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
@@ -379,7 +380,8 @@ fn resender(state: &Arc<AppState>, a: &Attempt<'_>, shape: Shape) -> migrate::Re
             let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
             let disaggregated = matches!(shape, Shape::Disaggregated);
             let tokenize_as = Shape::tokenize_as(disaggregated, &state);
-            let tokens = routing::tokens_for(&state.kv, tokenize_as, &body).await;
+            let shortest = state.workers.table().shortest_context();
+            let tokens = routing::tokens_for(&state.kv, tokenize_as, &body, shortest).await;
             let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
             let attempt = Attempt {
                 parts: &parts,

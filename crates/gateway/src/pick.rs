@@ -88,12 +88,12 @@ pub(crate) async fn reserve(
     let Some(limits) = &state.rate_limits else {
         return Ok(None);
     };
-    let prompt = match tokens.is_empty() {
+    let prompt = match tokens.count() {
         _ if count_only => 0,
-        true => routing::tokens_for(&state.kv, PolicyKind::KvAware, body)
+        0 => routing::tokens_for(&state.kv, PolicyKind::KvAware, body, None)
             .await
             .len(),
-        false => tokens.len(),
+        n => n,
     } as u64;
     let answer = match count_only {
         true => 0,

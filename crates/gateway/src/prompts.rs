@@ -24,15 +24,31 @@ use std::sync::Arc;
 pub struct Tokens {
     pub ids: Vec<u32>,
     pub hashes: Vec<BlockHash>,
+    /// Under a policy that reads no tokens, how many the prompt has, where counted (for the
+    /// context rule: see `routing::tokens_for`); 0 otherwise.
+    pub counted: usize,
 }
 
 impl Tokens {
+    /// Only the count of a prompt's tokens.
+    pub fn counted_only(n: usize) -> Self {
+        Self {
+            counted: n,
+            ..Self::default()
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.ids.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
+    }
+
+    /// The prompt's tokens, from its ids or its count (0 where neither was taken).
+    pub fn count(&self) -> usize {
+        self.ids.len().max(self.counted)
     }
 }
 
@@ -125,7 +141,11 @@ impl Prompts {
     /// Token ids given as such (no tokenising), hashed.
     pub fn hashed(&self, ids: Vec<u32>) -> Tokens {
         let hashes = kvroute_index::block_hashes(&ids, self.block_size, 0);
-        Tokens { ids, hashes }
+        Tokens {
+            ids,
+            hashes,
+            counted: 0,
+        }
     }
 
     fn counted(&self, encoded: Encoded) -> Tokens {
@@ -141,6 +161,7 @@ impl Prompts {
         Tokens {
             ids: encoded.ids,
             hashes: encoded.hashes.into_iter().map(BlockHash).collect(),
+            counted: 0,
         }
     }
 }

@@ -160,10 +160,23 @@ fn overlap(counts: TierCounts) -> Overlap {
 /// tokenizer is configured: a BPE pass over an 8k-token prompt takes milliseconds.
 const BLOCKING_TOKENIZE_BYTES: usize = 16 * 1024;
 
-/// The request's prompt tokens when `policy` uses them (else empty), off the async threads
-/// when the work is long.
-pub async fn tokens_for(kv: &Arc<KvState>, policy: PolicyKind, body: &bytes::Bytes) -> Tokens {
-    if !matches!(policy, PolicyKind::KvAware | PolicyKind::LlmD) {
+/// A body this many bytes shorter than a worker's context cannot need more than it: a token
+/// is at least one byte of the body's text, and this much covers what a chat template adds.
+const CONTEXT_MARGIN_BYTES: u64 = 256;
+
+/// The request's prompt tokens when `policy` uses them, off the async threads when the work
+/// is long. Under a policy that reads no tokens: none, only their count where the body could
+/// need more than `shortest_context` (the shortest context a worker takes, for eligibility's
+/// context rule), else nothing.
+pub async fn tokens_for(
+    kv: &Arc<KvState>,
+    policy: PolicyKind,
+    body: &bytes::Bytes,
+    shortest_context: Option<u64>,
+) -> Tokens {
+    let reads_tokens = matches!(policy, PolicyKind::KvAware | PolicyKind::LlmD);
+    let long = shortest_context.is_some_and(|n| body.len() as u64 + CONTEXT_MARGIN_BYTES > n);
+    if !(reads_tokens || long) {
         return Tokens::default();
     }
     let work = {
@@ -176,10 +189,14 @@ pub async fn tokens_for(kv: &Arc<KvState>, policy: PolicyKind, body: &bytes::Byt
                 .unwrap_or_default()
         }
     };
-    if kv.prompts.tokenizer.is_fallback() || body.len() < BLOCKING_TOKENIZE_BYTES {
+    let tokens = if kv.prompts.tokenizer.is_fallback() || body.len() < BLOCKING_TOKENIZE_BYTES {
         work()
     } else {
         tokio::task::spawn_blocking(work).await.unwrap_or_default()
+    };
+    match reads_tokens {
+        true => tokens,
+        false => Tokens::counted_only(tokens.len()),
     }
 }
 
@@ -321,7 +338,7 @@ pub fn plan(
         _ => None,
     };
     let mode = affinity.map(|a| a.mode);
-    let hints = &with_routing_hints(hints, bound.as_ref(), mode, pool, tokens.len(), fields);
+    let hints = &with_routing_hints(hints, bound.as_ref(), mode, pool, prompt.count(), fields);
     let reads_index = pool.policy.reads_kv_index();
     let adapter = fields
         .model
@@ -486,6 +503,7 @@ fn salted(prompt: &Tokens, adapter: &str, block_size: usize) -> Tokens {
     Tokens {
         ids: prompt.ids.clone(),
         hashes: kvroute_index::block_hashes(&prompt.ids, block_size, salt),
+        counted: prompt.counted,
     }
 }
 

@@ -180,11 +180,18 @@ async fn session_affinity_soft_and_hard() {
 }
 
 /// Engines of two context lengths (kvroute-sim's `max_model_len` in `/v1/models` is its KV
-/// capacity): a prompt longer than the small one takes goes to the large one under each
-/// policy that tokenises, and a prompt no engine takes gets the engine's own error.
+/// capacity): a prompt longer than the small one takes goes to the large one under every
+/// policy (those that read no tokens count them for a body this long), and a prompt no
+/// engine takes gets the engine's own error.
 #[tokio::test]
 async fn a_long_prompt_goes_to_the_engine_whose_context_holds_it() {
-    for policy in [PolicyKind::LlmD, PolicyKind::KvAware] {
+    let policies = [
+        PolicyKind::LlmD,
+        PolicyKind::KvAware,
+        PolicyKind::RoundRobin,
+        PolicyKind::CacheAware,
+    ];
+    for policy in policies {
         let shutdown = CancellationToken::new();
         let mut specs = Vec::new();
         // 16 and 1,024 blocks of 16 tokens: contexts of 256 and 16,384 tokens.
@@ -215,8 +222,9 @@ async fn a_long_prompt_goes_to_the_engine_whose_context_holds_it() {
             contexts.contains(&(json!("large"), json!(16384))),
             "{workers}"
         );
-        // 300 tokens (and 4 to answer) fit only the large engine; without the filter, llm_d
-        // spreads these distinct prompts over both and the small engine refuses its share.
+        // 300 tokens (and 4 to answer) fit only the large engine; without the filter, every
+        // policy here sends some of these distinct prompts to the small engine, which
+        // refuses them.
         let long = |i: u64| json!({"prompt": text(300, 1000 + i), "max_tokens": 4}).to_string();
         r.assert_routed(&[], (0..8).map(long), "large").await;
         // Short prompts still go to either.

@@ -350,13 +350,11 @@ impl Router {
 }
 
 /// The engines of `pool` whose context takes `req` (its prompt plus its answer), as the
-/// gateway's eligibility keeps them under the policies that tokenise (kv_aware, llm_d):
-/// every engine when none does, or under the other policies.
+/// gateway's eligibility keeps them: every engine when none does.
 fn fitting(pool: &Pool, req: &Arrival<'_>, engines: &[EngineCore]) -> Vec<usize> {
     let need = req.tokens.len() + (req.output_tokens as usize).max(1);
-    let tokenises = matches!(pool.kind, PolicyKind::KvAware | PolicyKind::LlmD);
     let fits: Vec<usize> = (pool.engines.clone())
-        .filter(|&e| !tokenises || need <= engines[e].capacity_tokens())
+        .filter(|&e| need <= engines[e].capacity_tokens())
         .collect();
     if fits.is_empty() {
         pool.engines.clone().collect()

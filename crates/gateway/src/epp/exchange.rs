@@ -327,7 +327,9 @@ impl Exchange {
             routing_body
         };
         let fields = RoutingFields::from_json(routing_body).map_err(GatewayError::InvalidJson)?;
-        let tokens = routing::tokens_for(&state.kv, state.settings.policy, routing_body).await;
+        let shortest = state.workers.table().shortest_context();
+        let tokens =
+            routing::tokens_for(&state.kv, state.settings.policy, routing_body, shortest).await;
         let mut hints = routing::parse_hints(&head.headers, &state.settings.workers, &fields)?;
         if let Some(subset) = &self.subset {
             restrict_to_subset(&state, &mut hints, subset)?;

@@ -46,8 +46,8 @@ pub(super) fn with_routing_hints<'h>(
 
 /// The context (prompt tokens plus `max_tokens`, at least one) a request needs on an engine,
 /// where some worker of `pool` says it takes less: then eligibility prefers the workers it
-/// fits (`core::eligibility`). `None` for an untokenised request (the policy reads no
-/// tokens) and wherever every worker takes it.
+/// fits (`core::eligibility`). `None` where the prompt's tokens were neither taken nor
+/// counted (`routing::tokens_for`) and wherever every worker takes it.
 fn context_needed(pool: &Pool, prompt_tokens: usize, fields: &RoutingFields<'_>) -> Option<u64> {
     let answer = fields
         .max_completion_tokens

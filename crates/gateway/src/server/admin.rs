@@ -25,7 +25,8 @@ pub(super) async fn debug_route(State(state): State<Arc<AppState>>, req: Request
         let (parts, body) = req.into_parts();
         let body = read_body(body, state.settings.max_payload_size, &parts.headers).await?;
         let fields = RoutingFields::from_json(&body).map_err(GatewayError::InvalidJson)?;
-        let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body).await;
+        let shortest = state.workers.table().shortest_context();
+        let tokens = routing::tokens_for(&state.kv, state.settings.policy, &body, shortest).await;
         let hints = routing::parse_hints(&parts.headers, &state.settings.workers, &fields)?;
         let table = state.workers.table();
         let pool = table.resolve(fields.model.as_deref())?;

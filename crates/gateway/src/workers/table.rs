@@ -137,6 +137,13 @@ impl RoutingTable {
     pub fn model_cards(&self) -> &[serde_json::Value] {
         &self.cards
     }
+
+    /// The shortest context a worker of any pool says it takes (`None`: none says).
+    pub fn shortest_context(&self) -> Option<u64> {
+        self.every_pool()
+            .filter_map(|(_, p)| p.smallest_context)
+            .min()
+    }
 }
 
 /// A worker as `GET /workers` shows it.
