@@ -246,3 +246,45 @@ async fn a_long_prompt_goes_to_the_engine_whose_context_holds_it() {
         shutdown.cancel();
     }
 }
+
+/// A hard session binding (which the router made) yields to a context its engine does not
+/// take: the session's long turn goes to the engine that takes it and stays bound there.
+#[tokio::test]
+async fn a_session_outgrowing_its_engine_moves_to_one_that_holds_it() {
+    let shutdown = CancellationToken::new();
+    let mut specs = Vec::new();
+    for (id, blocks) in [("small", "16"), ("large", "1024")] {
+        let url = serve_sim(&["--num-gpu-blocks", blocks], &shutdown).await;
+        specs.push(WorkerSpec {
+            id: Some(id.into()),
+            ..WorkerSpec::url(url)
+        });
+    }
+    let mut s = Settings::with_workers(specs).unwrap();
+    s.policy = PolicyKind::RoundRobin;
+    s.session_affinity = Some((AffinityMode::Hard, Duration::from_secs(600)));
+    let r = TestRouter::start(s).await;
+    r.wait_healthy("small").await;
+    r.wait_healthy("large").await;
+    let body = |tokens: usize, seed: u64| {
+        json!({"prompt": text(tokens, seed), "max_tokens": 4}).to_string()
+    };
+    // The first turn is bound to the small engine (its only allowed worker).
+    let first = [
+        ("x-session-id", "s1"),
+        ("x-kvroute-allowed-workers", "small"),
+    ];
+    r.assert_routed(&first, [body(40, 1)], "small").await;
+    let session = [("x-session-id", "s1")];
+    r.assert_routed(&session, [body(40, 2), body(60, 3)], "small")
+        .await;
+    // 300 tokens do not fit it: the turn goes to the large engine, and the session with it.
+    let reply = r.complete(&session, &body(300, 4)).await;
+    assert_eq!((reply.status.as_u16(), reply.worker()), (200, "large"));
+    r.assert_routed(&session, [body(40, 5), body(40, 6)], "large")
+        .await;
+    // A client's own pin is kept: the small engine answers with its refusal.
+    let pinned = [("x-kvroute-worker", "small")];
+    assert_eq!(r.complete(&pinned, &body(300, 7)).await.status, 400);
+    shutdown.cancel();
+}

@@ -22,7 +22,8 @@ use crate::error::GatewayError;
 use crate::workers::Pool;
 
 /// `hints` with what routing adds: a hard session binding as a pin (unless the request pins
-/// one itself), and the context the request needs where some worker takes less.
+/// one itself, or the bound worker does not take the request's context), and the context the
+/// request needs where some worker takes less.
 pub(super) fn with_routing_hints<'h>(
     hints: &'h Hints,
     bound: Option<&(String, Option<u32>)>,
@@ -32,14 +33,23 @@ pub(super) fn with_routing_hints<'h>(
     fields: &RoutingFields<'_>,
 ) -> std::borrow::Cow<'h, Hints> {
     let mut hints = std::borrow::Cow::Borrowed(hints);
+    let need = context_needed(pool, prompt_tokens, fields);
     if let (Some((worker, rank)), Some(AffinityMode::Hard)) = (bound, mode) {
-        if hints.pinned_worker.is_none() {
+        // A binding the router made yields to a context its worker does not take (the
+        // session is bound again where the request goes); a client's own pin never does.
+        let outgrown = need.is_some_and(|need| {
+            let bound = pool.workers.iter().find(|w| w.id.as_str() == worker);
+            bound
+                .and_then(|w| w.max_model_len())
+                .is_some_and(|n| need > n)
+        });
+        if hints.pinned_worker.is_none() && !outgrown {
             let h = hints.to_mut();
             (h.pinned_worker, h.pinned_rank) = (Some(worker.clone()), *rank);
         }
     }
-    if let Some(need) = context_needed(pool, prompt_tokens, fields) {
-        hints.to_mut().context_tokens = Some(need);
+    if need.is_some() {
+        hints.to_mut().context_tokens = need;
     }
     hints
 }
