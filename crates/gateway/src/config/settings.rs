@@ -71,6 +71,10 @@ pub struct WorkerSpec {
     /// The engine's KV blocks (vLLM does not always export them); else from its metrics.
     #[serde(default)]
     pub num_gpu_blocks: Option<u64>,
+    /// The longest context (prompt plus answer, in tokens) the engine takes; else the
+    /// `max_model_len` its `/v1/models` lists (not read for a worker with a `model`).
+    #[serde(default)]
+    pub max_model_len: Option<u64>,
     /// The engine's `--max-num-batched-tokens` (vLLM does not export it); without it the
     /// `-frac` prefill threshold skips this worker.
     #[serde(default)]
@@ -190,6 +194,7 @@ impl WorkerSpec {
             dp_size: None,
             dp_start_rank: None,
             num_gpu_blocks: None,
+            max_model_len: None,
             max_num_batched_tokens: None,
             taints: Vec::new(),
             role: WorkerRole::Both,

@@ -74,7 +74,7 @@ fn command_line_wins_over_file_and_defaults_apply() {
     assert_eq!(w.workers[0].kv_events.as_deref(), Some("tcp://a:5557"));
     assert_eq!(w.workers[0].role, WorkerRole::Both);
     let full = Args::from_text(
-        "workers:\n  - {id: a, url: 'http://a:1', model: m, taints: [gpu-h100, zone-a], role: decode, max_num_batched_tokens: 8192, num_gpu_blocks: 16384}\n  - {id: b, url: 'http://b:1', role: prefill, bootstrap_port: 8998}",
+        "workers:\n  - {id: a, url: 'http://a:1', model: m, taints: [gpu-h100, zone-a], role: decode, max_num_batched_tokens: 8192, num_gpu_blocks: 16384, max_model_len: 32768}\n  - {id: b, url: 'http://b:1', role: prefill, bootstrap_port: 8998}",
     )
     .unwrap()
     .into_settings()
@@ -95,6 +95,7 @@ fn command_line_wins_over_file_and_defaults_apply() {
         (a.role, a.max_num_batched_tokens, a.num_gpu_blocks),
         (WorkerRole::Decode, Some(8192), Some(16384))
     );
+    assert_eq!(a.max_model_len, Some(32768));
     assert_eq!(a.taints, ["gpu-h100", "zone-a"]);
     assert!(Args::from_text("workers: [{url: 'http://a:1', role: sideways}]").is_err());
     assert!(Args::from_text("router_temperature: -1")

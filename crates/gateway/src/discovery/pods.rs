@@ -141,6 +141,7 @@ pub fn serving_worker(pod: &Pod, port: u16, role: WorkerRole) -> Option<PodWorke
     spec.dp_start_rank = number("dp-start-rank", u32::MAX as u64 - 1024).map(|n| n as u32);
     spec.max_num_batched_tokens = number("max-num-batched-tokens", u64::MAX).filter(|n| *n > 0);
     spec.num_gpu_blocks = number("num-gpu-blocks", u64::MAX).filter(|n| *n > 0);
+    spec.max_model_len = number("max-model-len", u64::MAX).filter(|n| *n > 0);
     spec.model = get("model").filter(|m| !m.is_empty()).map(str::to_owned);
     if let Some(taints) = get("taints") {
         spec.taints = taints
@@ -270,6 +271,7 @@ mod tests {
                 ("kvroute.io/taints", "gpu-h100, zone-a"),
                 ("kvroute.io/max-num-batched-tokens", "8192"),
                 ("kvroute.io/num-gpu-blocks", "16384"),
+                ("kvroute.io/max-model-len", "32768"),
                 ("kvroute.io/role", "decode"),
                 ("kvroute.io/scheme", "https"),
                 ("kvroute.io/model", "llama"),
@@ -286,6 +288,7 @@ mod tests {
         assert_eq!(s.taints, ["gpu-h100", "zone-a"]);
         assert_eq!(s.max_num_batched_tokens, Some(8192));
         assert_eq!(s.num_gpu_blocks, Some(16384));
+        assert_eq!(s.max_model_len, Some(32768));
         assert_eq!(s.role, WorkerRole::Decode);
         assert_eq!(s.model.as_deref(), Some("llama"));
         assert_eq!(s.bootstrap_port, Some(8998));

@@ -328,11 +328,12 @@ impl Worker {
         *lock(&self.models) = models;
     }
 
-    /// The longest context (prompt plus answer, in tokens) its engine takes: the largest
-    /// `max_model_len` of its `/v1/models` entries; `None` while unknown (a configured model,
-    /// not yet probed, or an engine that does not say).
+    /// The longest context (prompt plus answer, in tokens) its engine takes: its config's
+    /// `max_model_len`, else the largest of its `/v1/models` entries; `None` while unknown
+    /// (a configured model without it, not yet probed, or an engine that does not say).
     pub fn max_model_len(&self) -> Option<u64> {
-        Some(self.context.load(Ordering::Relaxed)).filter(|&n| n > 0)
+        let listed = Some(self.context.load(Ordering::Relaxed)).filter(|&n| n > 0);
+        self.spec.max_model_len.or(listed)
     }
 
     /// Whether `model` is a LoRA adapter here: its `/v1/models` entry names a `parent`.
@@ -412,5 +413,15 @@ mod tests {
         assert_eq!((added.len(), w.max_model_len()), (2, Some(8192)));
         w.set_models(vec![card("base", None, 6)]);
         assert_eq!(w.max_model_len(), None);
+        // The config's value wins over what the engine lists.
+        let spec = WorkerSpec {
+            max_model_len: Some(2048),
+            ..WorkerSpec::url("http://w:2")
+        };
+        let settings = Settings::with_workers(vec![spec]).unwrap();
+        let w = WorkerSet::new(&settings, &metrics).workers()[0].clone();
+        assert_eq!(w.max_model_len(), Some(2048));
+        w.set_models(vec![sized(8192)]);
+        assert_eq!(w.max_model_len(), Some(2048));
     }
 }
