@@ -179,6 +179,26 @@ async fn session_affinity_soft_and_hard() {
     }
 }
 
+/// Kvroute-sim engines "small" and "large", of 16 and 1,024 blocks of 16 tokens (contexts of
+/// 256 and 16,384 tokens), both healthy, behind a router with `tweak`.
+async fn two_contexts(tweak: impl FnOnce(&mut Settings)) -> (TestRouter, CancellationToken) {
+    let shutdown = CancellationToken::new();
+    let mut specs = Vec::new();
+    for (id, blocks) in [("small", "16"), ("large", "1024")] {
+        let url = serve_sim(&["--num-gpu-blocks", blocks], &shutdown).await;
+        specs.push(WorkerSpec {
+            id: Some(id.into()),
+            ..WorkerSpec::url(url)
+        });
+    }
+    let mut s = Settings::with_workers(specs).unwrap();
+    tweak(&mut s);
+    let r = TestRouter::start(s).await;
+    r.wait_healthy("small").await;
+    r.wait_healthy("large").await;
+    (r, shutdown)
+}
+
 /// Engines of two context lengths (kvroute-sim's `max_model_len` in `/v1/models` is its KV
 /// capacity): a prompt longer than the small one takes goes to the large one under every
 /// policy (those that read no tokens count them for a body this long), and a prompt no
@@ -192,21 +212,7 @@ async fn a_long_prompt_goes_to_the_engine_whose_context_holds_it() {
         PolicyKind::CacheAware,
     ];
     for policy in policies {
-        let shutdown = CancellationToken::new();
-        let mut specs = Vec::new();
-        // 16 and 1,024 blocks of 16 tokens: contexts of 256 and 16,384 tokens.
-        for (id, blocks) in [("small", "16"), ("large", "1024")] {
-            let url = serve_sim(&["--num-gpu-blocks", blocks], &shutdown).await;
-            specs.push(WorkerSpec {
-                id: Some(id.into()),
-                ..WorkerSpec::url(url)
-            });
-        }
-        let mut s = Settings::with_workers(specs).unwrap();
-        s.policy = policy;
-        let r = TestRouter::start(s).await;
-        r.wait_healthy("small").await;
-        r.wait_healthy("large").await;
+        let (r, shutdown) = two_contexts(|s| s.policy = policy).await;
         let workers = r.get_json("/workers").await;
         let contexts: Vec<_> = workers["workers"]
             .as_array()
@@ -251,21 +257,11 @@ async fn a_long_prompt_goes_to_the_engine_whose_context_holds_it() {
 /// take: the session's long turn goes to the engine that takes it and stays bound there.
 #[tokio::test]
 async fn a_session_outgrowing_its_engine_moves_to_one_that_holds_it() {
-    let shutdown = CancellationToken::new();
-    let mut specs = Vec::new();
-    for (id, blocks) in [("small", "16"), ("large", "1024")] {
-        let url = serve_sim(&["--num-gpu-blocks", blocks], &shutdown).await;
-        specs.push(WorkerSpec {
-            id: Some(id.into()),
-            ..WorkerSpec::url(url)
-        });
-    }
-    let mut s = Settings::with_workers(specs).unwrap();
-    s.policy = PolicyKind::RoundRobin;
-    s.session_affinity = Some((AffinityMode::Hard, Duration::from_secs(600)));
-    let r = TestRouter::start(s).await;
-    r.wait_healthy("small").await;
-    r.wait_healthy("large").await;
+    let (r, shutdown) = two_contexts(|s| {
+        s.policy = PolicyKind::RoundRobin;
+        s.session_affinity = Some((AffinityMode::Hard, Duration::from_secs(600)));
+    })
+    .await;
     let body = |tokens: usize, seed: u64| {
         json!({"prompt": text(tokens, seed), "max_tokens": 4}).to_string()
     };

@@ -335,12 +335,9 @@ async fn a_decode_half_killed_mid_stream_goes_on_from_a_new_pair() {
     let r = TestRouter::start(s).await;
     // Both halves healthy first: ready needs one healthy worker a pool, and a slowed engine's
     // first probe can fail under a loaded test run (seen once: a 503 here).
-    wait_until_async("every worker healthy", || async {
-        let v = r.get_json("/workers").await;
-        let workers = v["workers"].as_array().cloned().unwrap_or_default();
-        workers.len() == 3 && workers.iter().all(|w| w["healthy"] == true)
-    })
-    .await;
+    for engine in [&p0, &d0, &d1] {
+        r.wait_healthy(engine.url().as_str()).await;
+    }
     let body =
         json!({"model": "kvroute-sim", "prompt": text(200, 4), "max_tokens": 24, "stream": true})
             .to_string();

@@ -64,7 +64,7 @@ fn context_needed(pool: &Pool, prompt_tokens: usize, fields: &RoutingFields<'_>)
         .or(fields.max_tokens)
         .unwrap_or(0);
     let need = (prompt_tokens as u64).saturating_add(answer.max(1));
-    (prompt_tokens > 0 && pool.smallest_context.is_some_and(|n| need > n)).then_some(need)
+    (prompt_tokens > 0 && pool.shortest_context.is_some_and(|n| need > n)).then_some(need)
 }
 
 /// A request's session key: the first of `keys` (`--routing-key-headers`) present with a

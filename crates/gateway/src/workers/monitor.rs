@@ -61,7 +61,7 @@ impl WorkerSet {
                 Ok(models) => {
                     tracing::info!(worker = %worker.id, models = ?models.iter().map(|m| m.0.as_str()).collect::<Vec<_>>(), "Worker ready");
                     if worker.configured_model.is_none() {
-                        worker.set_models(models);
+                        worker.replace_models(models);
                     }
                     worker.probed.store(true, Ordering::Relaxed);
                     worker.set_last_error(None);
@@ -141,9 +141,15 @@ impl WorkerSet {
     ) {
         match probe(client, &worker.url, "/v1/models", true, key, timeout).await {
             Ok(models) => {
-                let (added, dropped) = worker.replace_models(models);
+                let (added, dropped, context) = worker.replace_models(models);
                 if !(added.is_empty() && dropped.is_empty()) {
                     tracing::info!(worker = %worker.id, ?added, ?dropped, "Worker models changed");
+                }
+                if context {
+                    let max_model_len = worker.max_model_len();
+                    tracing::info!(worker = %worker.id, ?max_model_len, "Worker context changed");
+                }
+                if context || !(added.is_empty() && dropped.is_empty()) {
                     self.rebuild();
                 }
             }

@@ -26,19 +26,19 @@ pub struct Pool {
     pub sampling: Option<Arc<Sampling>>,
     /// The shortest context a worker of the pool says it takes ([`Worker::max_model_len`];
     /// `None` when none says): a request needing no more never has a worker filtered for it.
-    pub smallest_context: Option<u64>,
+    pub shortest_context: Option<u64>,
 }
 
 impl Pool {
     /// A pool without sampling.
     pub fn new(model: ModelId, workers: Vec<Arc<Worker>>, policy: Arc<dyn Policy>) -> Self {
-        let smallest_context = workers.iter().filter_map(|w| w.max_model_len()).min();
+        let shortest_context = workers.iter().filter_map(|w| w.max_model_len()).min();
         Self {
             model,
             workers,
             policy,
             sampling: None,
-            smallest_context,
+            shortest_context,
         }
     }
 }
@@ -63,6 +63,9 @@ pub struct RoutingTable {
     complete: bool,
     /// Whether there was no worker at all (discovery has found none yet).
     empty: bool,
+    /// The shortest context a worker says it takes (`None`: none says), for
+    /// [`Self::shortest_context`].
+    shortest_context: Option<u64>,
 }
 
 impl RoutingTable {
@@ -138,11 +141,10 @@ impl RoutingTable {
         &self.cards
     }
 
-    /// The shortest context a worker of any pool says it takes (`None`: none says).
+    /// The shortest context a worker says it takes (`None`: none says): a request's body
+    /// shorter than it need not be counted for the context rule (`routing::tokens_for`).
     pub fn shortest_context(&self) -> Option<u64> {
-        self.every_pool()
-            .filter_map(|(_, p)| p.smallest_context)
-            .min()
+        self.shortest_context
     }
 }
 
@@ -277,6 +279,7 @@ impl WorkerSet {
             cards: cards.into_values().collect(),
             complete,
             empty: workers.is_empty(),
+            shortest_context: workers.iter().filter_map(|w| w.max_model_len()).min(),
         }));
         let mut by_source = [0i64; WorkerSource::NAMES.len()];
         for w in workers.iter() {

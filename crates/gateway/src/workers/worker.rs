@@ -297,17 +297,15 @@ impl Worker {
         self.series.active.dec();
     }
 
-    /// Takes `models` as what it lists now (a re-read of its `/v1/models`); returns the
-    /// models (adapters included) it added and dropped, both empty when the ids and parents
-    /// are unchanged (the cards' other fields, such as `created`, may change at every read).
+    /// Takes `models` as what it lists now (its `/v1/models`); returns the models (adapters
+    /// included) it added and dropped, both empty when the ids and parents are unchanged (the
+    /// cards' other fields, such as `created`, may change at every read), and whether the
+    /// longest context they give changed (pools keep their shortest: a change rebuilds them).
     pub(super) fn replace_models(
         &self,
         models: Vec<(ModelId, serde_json::Value)>,
-    ) -> (Vec<ModelId>, Vec<ModelId>) {
-        let key = |(m, card): &(ModelId, serde_json::Value)| {
-            let context = card["max_model_len"].clone();
-            (m.clone(), card["parent"].clone(), context)
-        };
+    ) -> (Vec<ModelId>, Vec<ModelId>, bool) {
+        let key = |(m, card): &(ModelId, serde_json::Value)| (m.clone(), card["parent"].clone());
         let mut current = lock(&self.models);
         let before: Vec<_> = current.iter().map(key).collect();
         let after: Vec<_> = models.iter().map(key).collect();
@@ -317,15 +315,10 @@ impl Worker {
             added.map(|k| k.0.clone()).collect(),
             dropped.map(|k| k.0.clone()).collect(),
         );
-        self.context.store(context_of(&models), Ordering::Relaxed);
+        let context = context_of(&models);
+        let context_changed = self.context.swap(context, Ordering::Relaxed) != context;
         *current = models;
-        (added, dropped)
-    }
-
-    /// Takes `models` as what it lists (its first probe).
-    pub(super) fn set_models(&self, models: Vec<(ModelId, serde_json::Value)>) {
-        self.context.store(context_of(&models), Ordering::Relaxed);
-        *lock(&self.models) = models;
+        (added, dropped, context_changed)
     }
 
     /// The longest context (prompt plus answer, in tokens) its engine takes: its config's
@@ -380,38 +373,35 @@ mod tests {
             (ModelId::new(id), c)
         };
         let ids = |v: Vec<ModelId>| v.iter().map(|m| m.to_string()).collect::<Vec<_>>();
-        let (added, dropped) = w.replace_models(vec![card("base", None, 1)]);
+        let (added, dropped, _) = w.replace_models(vec![card("base", None, 1)]);
         assert_eq!(
             (ids(added), ids(dropped)),
             (vec!["base".to_owned()], vec![])
         );
         // vLLM stamps `created` at every read: not a change.
-        let (added, dropped) = w.replace_models(vec![card("base", None, 2)]);
-        assert!(added.is_empty() && dropped.is_empty());
-        let (added, _) =
+        let (added, dropped, context) = w.replace_models(vec![card("base", None, 2)]);
+        assert!(added.is_empty() && dropped.is_empty() && !context);
+        let (added, _, _) =
             w.replace_models(vec![card("base", None, 3), card("sql", Some("base"), 3)]);
         assert_eq!(ids(added), ["sql"]);
         assert!(w.serves_adapter("sql"));
-        let (added, dropped) = w.replace_models(vec![card("base", None, 4)]);
+        let (added, dropped, _) = w.replace_models(vec![card("base", None, 4)]);
         assert_eq!((ids(added), ids(dropped)), (vec![], vec!["sql".to_owned()]));
         assert!(!w.serves_adapter("sql"));
         assert_eq!(ids(w.model_ids()), ["base"]);
-        // A context length that changes is a change (pools cache their shortest).
+        // A context length that changes is reported apart from the models.
         assert_eq!(w.max_model_len(), None);
         let sized = |len: u64| {
             let c = json!({"id": "base", "parent": null, "max_model_len": len});
             (ModelId::new("base"), c)
         };
-        let (added, _) = w.replace_models(vec![sized(4096)]);
-        assert_eq!(
-            (ids(added), w.max_model_len()),
-            (vec!["base".to_owned()], Some(4096))
-        );
-        let (added, dropped) = w.replace_models(vec![sized(4096)]);
-        assert!(added.is_empty() && dropped.is_empty());
-        let (added, _) = w.replace_models(vec![sized(8192), card("sql", Some("base"), 5)]);
-        assert_eq!((added.len(), w.max_model_len()), (2, Some(8192)));
-        w.set_models(vec![card("base", None, 6)]);
+        assert_eq!(w.replace_models(vec![sized(4096)]), (vec![], vec![], true));
+        assert_eq!(w.max_model_len(), Some(4096));
+        assert_eq!(w.replace_models(vec![sized(4096)]), (vec![], vec![], false));
+        let (added, _, context) = w.replace_models(vec![sized(8192), card("sql", Some("base"), 5)]);
+        assert_eq!((ids(added), context), (vec!["sql".to_owned()], true));
+        assert_eq!(w.max_model_len(), Some(8192));
+        assert!(w.replace_models(vec![card("base", None, 6)]).2);
         assert_eq!(w.max_model_len(), None);
         // The config's value wins over what the engine lists.
         let spec = WorkerSpec {
@@ -421,7 +411,7 @@ mod tests {
         let settings = Settings::with_workers(vec![spec]).unwrap();
         let w = WorkerSet::new(&settings, &metrics).workers()[0].clone();
         assert_eq!(w.max_model_len(), Some(2048));
-        w.set_models(vec![sized(8192)]);
+        w.replace_models(vec![sized(8192)]);
         assert_eq!(w.max_model_len(), Some(2048));
     }
 }
