@@ -72,6 +72,14 @@ pub enum Ineligible {
     PinnedOverloaded,
 }
 
+/// Step 5's rule: keeps the items a request's context `fits`, unless it fits none, when
+/// every item stays (the engine then answers with its own error). Shared with the simulator.
+pub fn retain_fitting<T>(items: &mut Vec<T>, fits: impl Fn(&T) -> bool) {
+    if items.iter().any(&fits) {
+        items.retain(fits);
+    }
+}
+
 /// The eligible (worker index, rank index) pairs, in the order of `workers` and their ranks.
 pub fn eligible(
     workers: &[WorkerView<'_>],
@@ -137,9 +145,7 @@ pub fn eligible(
     }
     if let (Some(need), None) = (hints.context_tokens, &hints.pinned_worker) {
         let fits = |&(w, _): &(usize, usize)| workers[w].max_model_len.is_none_or(|n| need <= n);
-        if compatible.iter().any(fits) {
-            compatible.retain(fits);
-        }
+        retain_fitting(&mut compatible, fits);
     }
     let free: Vec<(usize, usize)> = compatible
         .iter()
