@@ -320,6 +320,11 @@ struct ClusterArgs {
     /// per engine (comma-separated). The router is not told them.
     #[arg(long, value_delimiter = ',', value_name = "X[,X...]")]
     worker_speed: Vec<f64>,
+    /// Tell the router each engine's `--worker-speed` (as speed factors with the evidence
+    /// they need, and prefill and decode fits at that speed) instead of letting it learn
+    /// them from the timings: how far learning the speeds is from knowing them.
+    #[arg(long)]
+    router_told_speeds: bool,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     #[arg(long, default_value_t = 256)]
@@ -379,6 +384,7 @@ impl ClusterArgs {
         };
         let shapes = EngineShapes {
             speed: self.worker_speed.clone(),
+            told: self.router_told_speeds,
             num_gpu_blocks: match self.num_gpu_blocks.as_slice() {
                 [_] => Vec::new(),
                 many => many.to_vec(),
@@ -779,6 +785,26 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_router_is_told_the_speeds_only_when_asked() {
+        let told = |args: &str| match Cli::try_parse_from(args.split_whitespace())
+            .unwrap()
+            .command
+        {
+            Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => {
+                cluster.setup("simulate").unwrap().shapes.told_speeds(2)
+            }
+            _ => panic!("not a simulation"),
+        };
+        let mixed =
+            "b simulate --synthetic shared-prefix --groups 2 --workers 2 --worker-speed 2,0.5";
+        assert_eq!(told(mixed), None);
+        assert_eq!(
+            told(&format!("{mixed} --router-told-speeds")),
+            Some(vec![2.0, 0.5])
+        );
     }
 
     #[test]

@@ -12,9 +12,10 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use kvroute_core::latency::{LatencyModel, PrefillFeatures};
+use kvroute_core::eligibility::retain_fitting;
+use kvroute_core::latency::{FittedSpeed, LatencyModel, PrefillFeatures};
 use kvroute_core::policy::predict::predict;
-use kvroute_core::policy::{sample_ranks, sample_size};
+use kvroute_core::policy::{sample_ranks, sample_size, SPEED_EVIDENCE};
 use kvroute_core::slo::{Predicted, SloTargets};
 use kvroute_core::{
     build_policy, AdapterFit, Candidate, EngineLoad, Overlap, Policy, PolicyConfig, PolicyKind,
@@ -108,6 +109,28 @@ pub(super) struct Router {
     /// cluster's terms over every engine (`Some(0)`: every engine; `None`: as the router by
     /// default, [`sample_size`]).
     pub sample_ranks: Option<usize>,
+    /// Each engine's speed when the router is told them (`EngineShapes::told_speeds`):
+    /// its candidates carry them in place of the fitted ones ([`told`]).
+    pub told_speeds: Option<Vec<f64>>,
+}
+
+/// A rank's fitted speed `learned` as the router would have it told its speed factor `s`
+/// (twice as fast: 2): its factors `1 / s` with the evidence they need to count, and its
+/// prefill and decode fits the prior's at that speed. Its output length and adapter load time
+/// stay learned. Factors count relative to the cluster's mean, so the engine model's own scale
+/// does not matter.
+fn told(learned: FittedSpeed, s: f64) -> FittedSpeed {
+    let prior = FittedSpeed::prior();
+    let evidence = |seen: u64| seen.max(SPEED_EVIDENCE);
+    FittedSpeed {
+        prefill: prior.prefill.map(|a| a / s),
+        decode: prior.decode / s,
+        prefill_factor: 1.0 / s,
+        decode_factor: 1.0 / s,
+        prefill_observations: evidence(learned.prefill_observations),
+        decode_observations: evidence(learned.decode_observations),
+        ..learned
+    }
 }
 
 impl Router {
@@ -152,6 +175,16 @@ impl Router {
             num_gpu_blocks,
             output_blocks: None,
             sample_ranks: None,
+            told_speeds: None,
+        }
+    }
+
+    /// Engine `e`'s speed as its candidates carry it: fitted, or told.
+    fn speed_of(&self, e: usize) -> FittedSpeed {
+        let learned = self.models[e].speed();
+        match self.told_speeds.as_ref().and_then(|s| s.get(e)) {
+            Some(&s) => told(learned, s),
+            None => learned,
         }
     }
 
@@ -297,7 +330,7 @@ impl Router {
                         kv_usage: Some(s.kv_usage),
                         num_gpu_blocks: Some(self.num_gpu_blocks[e]),
                     },
-                    speed: Some(self.models[e].speed()),
+                    speed: Some(self.speed_of(e)),
                     adapter: adapter_fit(req.lora, &engines[e], &self.recent[e]),
                 }
             })
@@ -353,14 +386,9 @@ impl Router {
 /// gateway's eligibility keeps them: every engine when none does.
 fn fitting(pool: &Pool, req: &Arrival<'_>, engines: &[EngineCore]) -> Vec<usize> {
     let need = req.tokens.len() + (req.output_tokens as usize).max(1);
-    let fits: Vec<usize> = (pool.engines.clone())
-        .filter(|&e| need <= engines[e].capacity_tokens())
-        .collect();
-    if fits.is_empty() {
-        pool.engines.clone().collect()
-    } else {
-        fits
-    }
+    let mut ids: Vec<usize> = pool.engines.clone().collect();
+    retain_fitting(&mut ids, |&e| need <= engines[e].capacity_tokens());
+    ids
 }
 
 /// The candidates a sampled decision reads (`Router::sample_ranks`), by the rule the gateway's

@@ -4,7 +4,8 @@
 //! Engine `i`'s step times are divided by `speed[i]` (on top of the timing model's
 //! `speedup`), and it has `num_gpu_blocks[i]` KV blocks. The router is told the capacities
 //! (as the gateway reads `vllm:cache_config_info`), never the speeds: a policy that uses
-//! speed must learn it from the timings it observes.
+//! speed must learn it from the timings it observes. With `--router-told-speeds` it is told
+//! them instead ([`EngineShapes::told`]): how far learning them is from knowing them.
 
 use kvroute_sim::engine::EngineConfig;
 
@@ -15,6 +16,9 @@ pub struct EngineShapes {
     pub speed: Vec<f64>,
     /// KV blocks per engine, or one count for all.
     pub num_gpu_blocks: Vec<usize>,
+    /// Whether the router is told each engine's speed instead of learning it
+    /// (`--router-told-speeds`; see [`Self::told_speeds`]).
+    pub told: bool,
 }
 
 /// A list whose length does not fit the cluster, or a value out of range.
@@ -81,6 +85,16 @@ impl EngineShapes {
         e
     }
 
+    /// What the router is told of each of `engines` engines' speed: its factor (1 where
+    /// `speed` gives none), or nothing when it learns them (`told` off).
+    pub fn told_speeds(&self, engines: usize) -> Option<Vec<f64>> {
+        self.told.then(|| {
+            (0..engines)
+                .map(|i| pick(&self.speed, i).unwrap_or(1.0))
+                .collect()
+        })
+    }
+
     /// The KV blocks of each of `engines` engines.
     pub fn capacities(&self, engines: usize, base: &EngineConfig) -> Vec<u64> {
         (0..engines)
@@ -118,11 +132,19 @@ mod tests {
         let s = EngineShapes {
             speed: vec![2.0],
             num_gpu_blocks: vec![100, 200, 300],
+            told: true,
         };
         assert_eq!(s.validate(3), Ok(()));
         assert_eq!(s.engine(1, &base).timing.speedup, 2.0);
         assert_eq!(s.engine(2, &base).num_gpu_blocks, 300);
         assert_eq!(s.capacities(3, &base), vec![100, 200, 300]);
+        assert_eq!(s.told_speeds(3), Some(vec![2.0, 2.0, 2.0]));
+        assert_eq!(EngineShapes::default().told_speeds(2), None);
+        let told = EngineShapes {
+            told: true,
+            ..Default::default()
+        };
+        assert_eq!(told.told_speeds(2), Some(vec![1.0, 1.0]));
         assert_eq!(
             EngineShapes::default().engine(5, &base).num_gpu_blocks,
             base.num_gpu_blocks

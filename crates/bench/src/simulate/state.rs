@@ -135,6 +135,7 @@ impl<'a> State<'a> {
         let mut router = Router::new(&cfg.cluster, bs, cfg.shapes.capacities(n, &cfg.engine));
         router.output_blocks = cfg.output_blocks;
         router.sample_ranks = cfg.sample_ranks;
+        router.told_speeds = cfg.shapes.told_speeds(n);
         let engines = (0..n)
             .map(|i| {
                 EngineCore::new(EngineConfig {

@@ -19,6 +19,7 @@ pub(super) fn slow_last(cost_model: CostModel) -> SimConfig {
         shapes: EngineShapes {
             speed: vec![1.0, 1.0, 1.0, 0.25],
             num_gpu_blocks: vec![2048, 2048, 1024, 1024],
+            told: false,
         },
         ..cfg(PolicyKind::KvAware)
     }
@@ -103,6 +104,7 @@ fn an_idle_cluster_tries_its_unseen_engines_and_finds_the_fast_ones() {
         shapes: EngineShapes {
             speed: vec![2.0, 2.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5],
             num_gpu_blocks: vec![16384, 8192, 16384, 16384, 8192, 16384, 8192, 8192],
+            told: false,
         },
         cluster: Cluster::Aggregated {
             workers: 8,
@@ -125,6 +127,7 @@ fn every_policy_sends_a_prompt_where_its_context_fits() {
         shapes: EngineShapes {
             speed: vec![1.0; 4],
             num_gpu_blocks: vec![64, 2048, 64, 2048],
+            told: false,
         },
         ..cfg(policy)
     };
@@ -140,4 +143,21 @@ fn every_policy_sends_a_prompt_where_its_context_fits() {
         let per = &r.requests_per_worker;
         assert_eq!((per[0], per[2], per[1] + per[3]), (0, 0, 120), "{policy:?}");
     }
+}
+
+#[test]
+fn a_router_told_the_speeds_sends_the_slow_engine_less_than_one_learning_them() {
+    // `--router-told-speeds`: the calibrated model knows that engine 3 is four times slower
+    // before it has timed anything there; learning it, the router first prices it at the mean.
+    let trace = small_trace();
+    let learned = run(&trace, &slow_last(CostModel::Calibrated));
+    let mut config = slow_last(CostModel::Calibrated);
+    config.shapes.told = true;
+    let told = run(&trace, &config);
+    assert_eq!(told.result.requests, learned.result.requests);
+    let (t, l) = (
+        &told.result.requests_per_worker,
+        &learned.result.requests_per_worker,
+    );
+    assert!(t[3] < l[3], "told {t:?}, learned {l:?}");
 }

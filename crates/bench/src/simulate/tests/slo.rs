@@ -51,6 +51,7 @@ fn pd_with_slo(prefill: PolicyKind, routing: SloRouting) -> SimConfig {
         shapes: crate::simulate::EngineShapes {
             speed: vec![1.0, 0.25, 1.0, 1.0],
             num_gpu_blocks: vec![2048; 4],
+            told: false,
         },
         ..with_slo(routing)
     }
