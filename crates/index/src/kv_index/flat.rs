@@ -21,13 +21,29 @@
 //! index stays small enough for the cache. [`FlatMap::heads_only`] turns tails off for good
 //! (every tail becomes a head), for callers that cannot name a block's parent node.
 //!
-//! About 16 bytes an entry plus 8 a head (at 3/4 load: ~11). Key 0 marks a free node, so a key
-//! of 0 is stored as [`ZERO_STANDIN`]: the two keys then share an entry, which is as likely as
-//! two blocks sharing a 64-bit hash.
+//! # Stores that need no lookup
+//! A head inserted with its parent's node (the node after that one being taken) is that
+//! node's *head child*: the map remembers its parent and marks the parent *branched*. A node
+//! removed while it has head children is not freed but kept as a *tombstone* (no key, never
+//! found) until its last head child goes, and a tail orphaned by a removal becomes a head
+//! child of the tombstone. So while there is no tombstone, every head stored after a parent
+//! is a head child of that parent's live node, and a key inserted after a node that is not
+//! branched is in the map only if it is that node's successor: [`FlatMap::insert`] then skips
+//! the index lookup (a store extending a chain into new blocks, the common case, makes one
+//! lookup an event, not one a block). Engines evicting a chain's newest blocks first leave no
+//! tombstone.
+//!
+//! About 16 bytes an entry plus 8 a head (at 3/4 load: ~11), and for a head child its
+//! parent and its parent's count (two small maps). Key 0 marks a free node and key 1 a
+//! tombstone, so keys 0 and 1 are stored as [`ZERO_STANDIN`]: those keys then share an entry,
+//! which is as likely as two blocks sharing a 64-bit hash.
 
 use super::tags::TagIndex;
+use crate::hasher::{map_bytes, MixMap};
 
 const FREE: u64 = 0;
+/// The key of a tombstone; stored keys equal to it share [`ZERO_STANDIN`] too.
+const TOMB: u64 = 1;
 const ZERO_STANDIN: u64 = 0x5BD1_E995_C6A4_A793;
 const MIN_ENTRIES: usize = 64;
 
@@ -47,6 +63,14 @@ pub(crate) struct FlatMap {
     free: Option<u32>,
     /// Bit `at` set: node `at` is a tail.
     tails: Vec<u64>,
+    /// Bit `at` set: node `at` has head children (counted in `children`).
+    branched: Vec<u64>,
+    /// Head child → its parent's node (a live node or a tombstone).
+    parent_of: MixMap<u32, u32>,
+    /// Node → its head children, where it has some.
+    children: MixMap<u32, u32>,
+    /// Tombstones: nodes removed while they had head children.
+    tombstones: usize,
     live: usize,
     heads_only: bool,
 }
@@ -54,11 +78,17 @@ pub(crate) struct FlatMap {
 /// `key` as the map stores it (0 becomes [`ZERO_STANDIN`]).
 #[inline]
 pub(crate) fn stored(key: u64) -> u64 {
-    if key == FREE {
+    if key == FREE || key == TOMB {
         ZERO_STANDIN
     } else {
         key
     }
+}
+
+/// Whether a node with `key` holds a key (is neither free nor a tombstone).
+#[inline]
+fn live(key: u64) -> bool {
+    key != FREE && key != TOMB
 }
 
 #[inline]
@@ -70,6 +100,24 @@ fn tag(key: u64) -> u32 {
 fn links(value: u64) -> (Option<u32>, Option<u32>) {
     let some = |v: u32| (v != u32::MAX).then_some(v);
     (some((value >> 32) as u32), some(value as u32))
+}
+
+fn bit(bits: &[u64], at: usize) -> bool {
+    bits.get(at / 64).is_some_and(|w| w >> (at % 64) & 1 == 1)
+}
+
+fn set_bit(bits: &mut Vec<u64>, at: usize, on: bool) {
+    if bits.len() <= at / 64 {
+        if !on {
+            return;
+        }
+        bits.resize(at / 64 + 1, 0);
+    }
+    if on {
+        bits[at / 64] |= 1 << (at % 64);
+    } else {
+        bits[at / 64] &= !(1 << (at % 64));
+    }
 }
 
 fn link_value(prev: Option<u32>, next: Option<u32>) -> u64 {
@@ -84,22 +132,51 @@ impl FlatMap {
 
     #[inline]
     fn is_tail(&self, at: usize) -> bool {
-        self.tails
-            .get(at / 64)
-            .is_some_and(|w| w >> (at % 64) & 1 == 1)
+        bit(&self.tails, at)
     }
 
     fn set_tail(&mut self, at: usize, tail: bool) {
-        if self.tails.len() <= at / 64 {
-            if !tail {
-                return;
+        set_bit(&mut self.tails, at, tail);
+    }
+
+    /// Whether a key inserted after node `parent` may be a head: the index must be searched
+    /// (see the module docs).
+    #[inline]
+    fn may_have_head_child(&self, parent: usize) -> bool {
+        self.heads_only || self.tombstones > 0 || bit(&self.branched, parent)
+    }
+
+    /// Whether a store must look its blocks up in the index even after a parent's node: the
+    /// map cannot tell a new block from a head stored before (tails off, or a tombstone).
+    #[inline]
+    pub(crate) fn looks_up_tails(&self) -> bool {
+        self.heads_only || self.tombstones > 0
+    }
+
+    /// Head `child` was inserted (or promoted) with `parent` the node of its parent.
+    fn adopt(&mut self, parent: u32, child: u32) {
+        self.parent_of.insert(child, parent);
+        *self.children.entry(parent).or_insert(0) += 1;
+        set_bit(&mut self.branched, parent as usize, true);
+    }
+
+    /// Head `child` is gone: one head child fewer for its parent, freed if a tombstone.
+    fn orphan(&mut self, child: u32) {
+        let Some(parent) = self.parent_of.remove(&child) else {
+            return;
+        };
+        let count = self
+            .children
+            .get_mut(&parent)
+            .expect("a parent counts its head children");
+        *count -= 1;
+        if *count == 0 {
+            self.children.remove(&parent);
+            set_bit(&mut self.branched, parent as usize, false);
+            if self.nodes[parent as usize].key == TOMB {
+                self.tombstones -= 1;
+                self.push_free(parent);
             }
-            self.tails.resize(at / 64 + 1, 0);
-        }
-        if tail {
-            self.tails[at / 64] |= 1 << (at % 64);
-        } else {
-            self.tails[at / 64] &= !(1 << (at % 64));
         }
     }
 
@@ -114,8 +191,15 @@ impl FlatMap {
             if self.is_tail(at) {
                 self.promote(at);
             }
+            if self.nodes[at].key == TOMB {
+                self.push_free(at as u32);
+            }
         }
         self.tails = Vec::new();
+        self.branched = Vec::new();
+        self.parent_of = MixMap::default();
+        self.children = MixMap::default();
+        self.tombstones = 0;
     }
 
     /// Whether [`Self::heads_only`] was called.
@@ -210,13 +294,18 @@ impl FlatMap {
             }
         }
         self.index.reserve(MIN_ENTRIES);
-        let nodes = &self.nodes;
-        let (entry, found) = self
-            .index
-            .probe(tag(key), |at| nodes[at as usize].key == key);
-        if let Some(at) = found {
-            return (at as usize, false);
-        }
+        let entry = if after.is_some_and(|p| !self.may_have_head_child(p)) {
+            None
+        } else {
+            let nodes = &self.nodes;
+            match self
+                .index
+                .probe(tag(key), |at| nodes[at as usize].key == key)
+            {
+                (_, Some(at)) => return (at as usize, false),
+                (entry, None) => Some(entry),
+            }
+        };
         let node = Node { key, value: 0 };
         self.live += 1;
         if let Some(next) = after.map(|p| p + 1).filter(|_| !self.heads_only) {
@@ -242,7 +331,12 @@ impl FlatMap {
                 (self.nodes.len() - 1) as u32
             }
         };
+        // Known absent: the probe ends at the empty entry it takes.
+        let entry = entry.unwrap_or_else(|| self.index.probe(tag(key), |_| false).0);
         self.index.set(entry, tag(key), at);
+        if let (Some(parent), false) = (after, self.heads_only) {
+            self.adopt(parent as u32, at);
+        }
         (at as usize, true)
     }
 
@@ -283,10 +377,11 @@ impl FlatMap {
     }
 
     /// Removes node `at` (a live one): its index entry if a head; a tail after it becomes a
-    /// head.
+    /// head (a head child of `at`). A node with head children stays as a tombstone until
+    /// they are gone.
     pub(crate) fn remove(&mut self, at: usize) {
         let key = self.nodes[at].key;
-        debug_assert_ne!(key, FREE, "removing a free node");
+        debug_assert!(key != FREE && key != TOMB, "removing a node not live");
         if self.is_tail(at) {
             self.set_tail(at, false);
         } else {
@@ -295,29 +390,45 @@ impl FlatMap {
             if found.is_some() {
                 self.index.remove(entry);
             }
+            if !self.heads_only {
+                self.orphan(at as u32);
+            }
         }
         self.live -= 1;
-        self.push_free(at as u32);
         if self.is_tail(at + 1) {
             self.promote(at + 1);
+            if !self.heads_only {
+                self.adopt(at as u32, at as u32 + 1);
+            }
+        }
+        if bit(&self.branched, at) {
+            self.nodes[at] = Node {
+                key: TOMB,
+                value: 0,
+            };
+            self.tombstones += 1;
+        } else {
+            self.push_free(at as u32);
         }
     }
 
     /// Every key, as stored (a key of 0 as [`ZERO_STANDIN`]).
     pub(crate) fn keys(&self) -> impl Iterator<Item = u64> + '_ {
-        self.nodes.iter().filter(|n| n.key != FREE).map(|n| n.key)
+        self.nodes.iter().filter(|n| live(n.key)).map(|n| n.key)
     }
 
     /// Every value (for tests).
     #[cfg(test)]
     pub(crate) fn values(&self) -> impl Iterator<Item = u64> + '_ {
-        self.nodes.iter().filter(|n| n.key != FREE).map(|n| n.value)
+        self.nodes.iter().filter(|n| live(n.key)).map(|n| n.value)
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
         self.index.memory_bytes()
             + self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.tails.capacity() * std::mem::size_of::<u64>()
+            + (self.tails.capacity() + self.branched.capacity()) * std::mem::size_of::<u64>()
+            + map_bytes::<u32, u32>(self.parent_of.capacity())
+            + map_bytes::<u32, u32>(self.children.capacity())
     }
 }
 
@@ -432,6 +543,41 @@ mod tests {
         for (k, at) in node.iter().enumerate() {
             assert_eq!(flat.find(key(k)), *at);
         }
+    }
+
+    #[test]
+    fn a_parent_removed_before_its_head_children_stays_a_tombstone_until_they_go() {
+        let key = |k: u64| 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(k);
+        let (a, b, c, x) = (key(1), key(2), key(3), key(4));
+        let mut flat = FlatMap::default();
+        let at_a = flat.insert(a, None).0;
+        assert_eq!(flat.insert(b, Some(at_a)), (at_a + 1, true));
+        flat.insert(c, None);
+        // x after a, whose successor is taken: a head child of a.
+        let (at_x, _) = flat.insert(x, Some(at_a));
+        assert_eq!(flat.index.len(), 3);
+        assert!(flat.may_have_head_child(at_a));
+        assert!(!flat.may_have_head_child(at_x));
+        // a goes first: b becomes a head, and a a tombstone (its head children live on).
+        flat.remove(at_a);
+        assert_eq!((flat.tombstones, flat.len()), (1, 3));
+        assert!(flat.looks_up_tails());
+        assert_eq!(flat.find(a), None);
+        // a stored again: x, stored after its new node, is found, not made twice.
+        let again = flat.insert(a, None).0;
+        assert_ne!(again, at_a);
+        assert_eq!(flat.insert(x, Some(again)), (at_x, false));
+        assert_eq!(flat.insert(b, Some(again)), (at_a + 1, false));
+        // Its head children gone, the tombstone is freed and reused.
+        flat.remove(at_x);
+        assert_eq!(flat.tombstones, 1);
+        flat.remove(at_a + 1);
+        assert_eq!(flat.tombstones, 0);
+        assert!(!flat.looks_up_tails());
+        let mut reused: Vec<usize> = (5..8).map(|k| flat.insert(key(k), None).0).collect();
+        reused.sort_unstable();
+        assert_eq!(reused, vec![at_a, at_a + 1, at_x]);
+        assert_eq!(flat.len(), 5);
     }
 
     #[test]

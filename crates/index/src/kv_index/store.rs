@@ -153,8 +153,13 @@ impl KvIndex {
             scratch.blocks.push(block);
             previous = Some(block);
         }
-        for &block in &scratch.blocks {
-            // Tails too: a block stored after its parent is first looked for among the heads.
+        // The blocks after the first are looked up only where the table cannot tell them new.
+        let looked_up = if self.table.looks_up_tails() {
+            usize::MAX
+        } else {
+            1
+        };
+        for &block in scratch.blocks.iter().take(looked_up) {
             self.table.touch(block, None, slot);
         }
         let tier = tier_index(event.tier);

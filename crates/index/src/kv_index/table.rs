@@ -173,6 +173,12 @@ impl BlockTable {
         self.map.heads_only();
     }
 
+    /// Whether a store must look up a block stored after its parent (see
+    /// [`FlatMap::looks_up_tails`]).
+    pub(crate) fn looks_up_tails(&self) -> bool {
+        self.map.looks_up_tails()
+    }
+
     /// The holders of table key `key`, at node `at`.
     fn holders(&self, at: usize, key: u64) -> Holders {
         let mut holders = Holders {
