@@ -9,7 +9,9 @@
 //!   chain was not stored in one piece, with the still-matching replicas as a mask. Only the
 //!   first node of each such run is in the table's hash index (a *head*); the others
 //!   (*tails*) are found as the successor of their parent's node, so storing a run of blocks
-//!   inserts one index entry, not one a block (rules in `kv_index/flat.rs`).
+//!   inserts one index entry, not one a block; and where the table can tell that a block
+//!   stored after its parent's node is new (no other chain branches there), it does not look
+//!   it up either (rules in `kv_index/flat.rs`).
 //! - Per replica, an index from engine hash to a record of the router blocks the engine block
 //!   maps to, their nodes where the engine's block size is the router's, and the tiers
 //!   holding it (the records of all replicas in one arena, in store order). Removal and
