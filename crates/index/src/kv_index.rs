@@ -194,6 +194,7 @@ impl KvIndex {
     }
 
     /// Removes `hash` from tier `tier` of `slot`; false when it was not held there.
+    #[inline]
     fn remove_tier(&mut self, slot: u32, hash: EngineHash, tier: usize) -> bool {
         let groups = self.slots.groups();
         let Some((entry, at)) = self.records.locate(slot, hash) else {

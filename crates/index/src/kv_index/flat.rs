@@ -379,6 +379,7 @@ impl FlatMap {
     /// Removes node `at` (a live one): its index entry if a head; a tail after it becomes a
     /// head (a head child of `at`). A node with head children stays as a tombstone until
     /// they are gone.
+    #[inline]
     pub(crate) fn remove(&mut self, at: usize) {
         let key = self.nodes[at].key;
         debug_assert!(key != FREE && key != TOMB, "removing a node not live");

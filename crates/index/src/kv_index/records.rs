@@ -159,6 +159,7 @@ impl Records {
     }
 
     /// The index entry and the arena position of `hash` of `slot`.
+    #[inline]
     pub(crate) fn locate(&self, slot: u32, hash: EngineHash) -> Option<(usize, u32)> {
         self.slots
             .get(slot as usize)?
@@ -174,6 +175,7 @@ impl Records {
 
     /// Removes the record of index entry `entry` of `slot` (as [`locate`](Self::locate) found
     /// it, the slot's index unchanged since), returning it.
+    #[inline]
     pub(crate) fn remove_entry(&mut self, slot: u32, entry: usize) -> Record {
         let at = self.slots[slot as usize].remove(entry);
         self.release(at)

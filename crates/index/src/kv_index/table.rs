@@ -112,6 +112,7 @@ impl BlockTable {
     /// One holding fewer (saturating: nothing happens when the slot does not hold it). `at`
     /// is `block`'s node for `slot`'s group as [`Self::inc`] returned it, else (after
     /// [`Self::heads_only`]) it is looked up.
+    #[inline]
     pub(crate) fn dec(
         &mut self,
         block: BlockHash,
