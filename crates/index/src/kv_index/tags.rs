@@ -72,16 +72,23 @@ impl TagIndex {
     #[inline]
     pub(crate) fn reserve(&mut self, min: usize) {
         if (self.len + 1) * 4 > self.entries.len() * 3 {
-            let size = (self.entries.len() * 2).max(min);
-            let old = std::mem::replace(&mut self.entries, vec![EMPTY; size]);
-            let mask = size - 1;
-            for entry in old.into_iter().filter(|e| e.at != NONE) {
-                let mut i = self.home(entry.tag);
-                while self.entries[i].at != NONE {
-                    i = (i + 1) & mask;
-                }
-                self.entries[i] = entry;
+            self.grow(min);
+        }
+    }
+
+    /// Doubles the entries (to `min` at least), out of line: the callers' paths stay short.
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self, min: usize) {
+        let size = (self.entries.len() * 2).max(min);
+        let old = std::mem::replace(&mut self.entries, vec![EMPTY; size]);
+        let mask = size - 1;
+        for entry in old.into_iter().filter(|e| e.at != NONE) {
+            let mut i = self.home(entry.tag);
+            while self.entries[i].at != NONE {
+                i = (i + 1) & mask;
             }
+            self.entries[i] = entry;
         }
     }
 
