@@ -350,3 +350,42 @@ fn distinct_blocks_are_counted_across_groups_of_replicas() {
     }
     assert_eq!((index.num_blocks(), entries.num_blocks()), (0, 0));
 }
+
+#[test]
+fn a_prefix_removed_before_its_continuations_is_stored_again_without_doubling_them() {
+    // Four replicas hold one prefix and a continuation each; the prefix goes first (its
+    // last node, with the continuations after it, stays as a tombstone and stores look every
+    // block up meanwhile), then another replica stores a chain again: the continuation's
+    // blocks are found, not made twice. Once every block goes, nothing is left and stores
+    // skip the lookup again.
+    let mut index = KvIndex::new(BS);
+    let shared = prompt(0, 8);
+    let chains: Vec<Vec<u32>> = (1..=4)
+        .map(|r| [shared.clone(), prompt(1000 * r, 6)].concat())
+        .collect();
+    for (r, tokens) in chains.iter().enumerate() {
+        store(&mut index, r as u32, tokens, BS, StorageTier::Device);
+    }
+    assert_eq!(index.num_blocks(), 8 + 4 * 6);
+    assert!(!index.table.looks_up_tails());
+    let hashes: Vec<Vec<EngineHash>> = chains.iter().map(|t| engine(t, BS)).collect();
+    for (r, h) in hashes.iter().enumerate() {
+        index.apply_removed(ReplicaId(r as u32), StorageTier::Device, &h[..8]);
+    }
+    assert_eq!(index.num_blocks(), 4 * 6);
+    assert!(index.table.looks_up_tails());
+    // A fifth replica stores the first chain: the prefix anew, the continuation found.
+    store(&mut index, 4, &chains[0], BS, StorageTier::Device);
+    assert_eq!(index.num_blocks(), 8 + 4 * 6);
+    assert_eq!(held(&index, 4, &chains[0]), 14);
+    for (r, h) in hashes.iter().enumerate() {
+        index.apply_removed(ReplicaId(r as u32), StorageTier::Device, &h[8..]);
+    }
+    assert_eq!(held(&index, 4, &chains[0]), 14);
+    index.apply_removed(ReplicaId(4), StorageTier::Device, &hashes[0]);
+    assert_eq!((index.num_blocks(), index.num_engine_blocks()), (0, 0));
+    assert!(!index.table.looks_up_tails());
+    assert_eq!(index.unknown_removals(), 0);
+    store(&mut index, 1, &chains[1], BS, StorageTier::Device);
+    assert_eq!(held(&index, 1, &chains[1]), 14);
+}
