@@ -75,7 +75,8 @@ pub(crate) struct FlatMap {
     heads_only: bool,
 }
 
-/// `key` as the map stores it (0 becomes [`ZERO_STANDIN`]).
+/// `key` as the map stores it (0 and 1, which mark free nodes and tombstones, become
+/// [`ZERO_STANDIN`]).
 #[inline]
 pub(crate) fn stored(key: u64) -> u64 {
     if key == FREE || key == TOMB {
