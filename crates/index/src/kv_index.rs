@@ -196,10 +196,16 @@ impl KvIndex {
     /// Removes `hash` from tier `tier` of `slot`; false when it was not held there.
     #[inline]
     fn remove_tier(&mut self, slot: u32, hash: EngineHash, tier: usize) -> bool {
+        match self.records.locate(slot, hash) {
+            Some((entry, at)) => self.remove_located(slot, entry, at, tier),
+            None => false,
+        }
+    }
+
+    /// [`Self::remove_tier`] for the record at arena position `at`, index entry `entry`.
+    #[inline]
+    fn remove_located(&mut self, slot: u32, entry: usize, at: u32, tier: usize) -> bool {
         let groups = self.slots.groups();
-        let Some((entry, at)) = self.records.locate(slot, hash) else {
-            return false;
-        };
         let record = self.records.at_mut(at);
         if record.tiers() & (1 << tier) == 0 {
             return false;
@@ -305,20 +311,27 @@ impl KvIndexer for KvIndex {
             return;
         };
         // In batches: the records, then the table entries they name, are brought into cache
-        // together (their misses overlap), then the blocks are removed.
+        // together (their misses overlap), then the blocks are removed, each where its lookup
+        // found it (checked: removing one record may shift another's index entry back).
+        let mut found = [None; 32];
         for batch in engine_hashes.chunks(32) {
             for &hash in batch {
                 self.records.touch(slot, hash);
             }
-            for &hash in batch {
-                if let Some(record) = self.records.get(slot, hash) {
-                    for (block, at) in record.kind.covered_at() {
-                        self.table.touch(block, at, slot);
+            for (&hash, found) in batch.iter().zip(&mut found) {
+                *found = self.records.locate(slot, hash);
+                if let Some((_, at)) = *found {
+                    for (block, node) in self.records.at(at).kind.covered_at() {
+                        self.table.touch(block, node, slot);
                     }
                 }
             }
-            for &hash in batch {
-                if !self.remove_tier(slot, hash, tier_index(tier)) {
+            for (&hash, found) in batch.iter().zip(&found) {
+                let located = found.and_then(|found| self.records.relocate(slot, hash, found));
+                let removed = located.is_some_and(|(entry, at)| {
+                    self.remove_located(slot, entry, at, tier_index(tier))
+                });
+                if !removed {
                     self.unknown_removals += 1;
                 }
             }

@@ -173,6 +173,23 @@ impl Records {
         Some(self.remove_entry(slot, entry))
     }
 
+    /// [`Self::locate`]'s answer `found` for `hash` of `slot`, checked: the same where its
+    /// entry still holds the record, else looked up again (a removal since may have shifted
+    /// the entry back, or removed the record).
+    #[inline]
+    pub(crate) fn relocate(
+        &self,
+        slot: u32,
+        hash: EngineHash,
+        found: (usize, u32),
+    ) -> Option<(usize, u32)> {
+        if self.slots[slot as usize].holds(found.0, found.1) {
+            Some(found)
+        } else {
+            self.locate(slot, hash)
+        }
+    }
+
     /// Removes the record of index entry `entry` of `slot` (as [`locate`](Self::locate) found
     /// it, the slot's index unchanged since), returning it.
     #[inline]

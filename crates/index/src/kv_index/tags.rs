@@ -99,6 +99,13 @@ impl TagIndex {
         self.len += 1;
     }
 
+    /// Whether entry `entry` still holds position `at` (as a probe found it, before later
+    /// removals may have shifted it back).
+    #[inline]
+    pub(crate) fn holds(&self, entry: usize, at: u32) -> bool {
+        self.entries.get(entry).is_some_and(|e| e.at == at)
+    }
+
     /// Removes entry `entry`, shifting back the entries probing past it; returns its node's
     /// position.
     #[inline]
