@@ -162,7 +162,7 @@ impl FlatMap {
     }
 
     /// Head `child` is gone: one head child fewer for its parent, freed if a tombstone.
-    fn orphan(&mut self, child: u32) {
+    fn child_gone(&mut self, child: u32) {
         let Some(parent) = self.parent_of.remove(&child) else {
             return;
         };
@@ -294,10 +294,11 @@ impl FlatMap {
                 return (next, false);
             }
         }
-        self.index.reserve(MIN_ENTRIES);
+        // The empty index entry a new head takes: found by the lookup, where there is one.
         let entry = if after.is_some_and(|p| !self.may_have_head_child(p)) {
             None
         } else {
+            self.index.reserve(MIN_ENTRIES);
             let nodes = &self.nodes;
             match self
                 .index
@@ -332,8 +333,11 @@ impl FlatMap {
                 (self.nodes.len() - 1) as u32
             }
         };
-        // Known absent: the probe ends at the empty entry it takes.
-        let entry = entry.unwrap_or_else(|| self.index.probe(tag(key), |_| false).0);
+        let entry = entry.unwrap_or_else(|| {
+            // Known absent: the probe ends at the empty entry it takes.
+            self.index.reserve(MIN_ENTRIES);
+            self.index.probe(tag(key), |_| false).0
+        });
         self.index.set(entry, tag(key), at);
         if let (Some(parent), false) = (after, self.heads_only) {
             self.adopt(parent as u32, at);
@@ -393,7 +397,7 @@ impl FlatMap {
                 self.index.remove(entry);
             }
             if !self.heads_only {
-                self.orphan(at as u32);
+                self.child_gone(at as u32);
             }
         }
         self.live -= 1;
