@@ -76,7 +76,7 @@ use crate::{
 };
 use record::tier_bits;
 use records::Records;
-use table::BlockTable;
+pub(crate) use table::{BlockTable, Change};
 
 /// The exact KV-block index; see the [module docs](self) for its rules.
 pub struct KvIndex {
@@ -155,6 +155,21 @@ impl KvIndex {
             max_blocks: Some(max_blocks),
             ..Self::new(block_size)
         }
+    }
+
+    /// Exchanges the index's block table with `table`: a mirrored shard keeps the tables its
+    /// readers see outside the index and lends one to it for each change (see
+    /// [`crate::sharded`]).
+    pub(crate) fn exchange_table(&mut self, table: &mut BlockTable) {
+        std::mem::swap(&mut self.table, table);
+    }
+
+    pub(crate) fn table_mut(&mut self) -> &mut BlockTable {
+        &mut self.table
+    }
+
+    pub(crate) fn slots(&self) -> &Slots {
+        &self.slots
     }
 
     /// Engine blocks remembered, all replicas together.

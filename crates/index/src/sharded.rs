@@ -2,13 +2,19 @@
 //! writer.
 //!
 //! # Layout
-//! Replica `r` lives in shard `r % N`, a [`KvIndex`] of its own, so writers of different
-//! shards never meet. Each shard is *mirrored* (the left-right scheme of `evmap`): two copies
-//! of its `KvIndex`, one that readers use and one that its writer changes.
+//! Replica `r` lives in shard `r % N`, so writers of different shards never meet. A shard has
+//! one writer side, a [`KvIndex`]'s records of its replicas (engine hash to router blocks and
+//! nodes, tier counts, the capacity bound's queue), which queries never read, and two copies
+//! of the one part queries read, the block table (with the replicas' slots): the left-right
+//! scheme of `evmap`, on the table alone.
 //! - A write takes the shard's writer lock, then the write lock of the copy readers do not
-//!   use; it first replays there the operations the other copy applied last time, then
-//!   applies its own, releases the copy and makes it the one readers use (an atomic store).
-//!   Its operation is kept, owned, for the next write to replay on the other copy.
+//!   use. It replays there the table changes the other copy received last time (a log of
+//!   `inc`/`dec` calls, each with the node it names), lends that copy's table to the index,
+//!   applies its event (hashing, records, and the table changes, logged), takes the table
+//!   back, copies the slots if they changed, releases the copy and makes it the one readers
+//!   use (an atomic store). The log is kept for the next write to replay on the other copy.
+//!   A replay is deterministic: the same changes in the same order on a table in the same
+//!   state assign the same nodes, so the records' nodes hold for both copies.
 //! - A read loads which copy is current and takes its read lock with `try_read`. That copy is
 //!   never write-locked, except when a writer flipped and took it between the load and the
 //!   `try_read`; then the read loads again and finds the other one. So a query never waits for
@@ -19,20 +25,22 @@
 //!   later query sees every change an earlier one saw.
 //!
 //! # Costs
-//! Every operation is applied twice and every block is held twice (two copies), and a block
-//! held by replicas of several shards once per shard: memory is `2 x` a [`KvIndex`]'s per
-//! shard. A query walks its prefix once per shard. A change is visible to queries when its
-//! write returns.
+//! The table's changes are applied twice and the table is held twice; the hashing and the
+//! records, most of an event's work, once. A block held by replicas of several shards is in
+//! each of those shards' tables. A query walks its prefix once per shard. A change is visible
+//! to queries when its write returns.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard, TryLockError};
 
+use crate::kv_index::{BlockTable, Change};
+use crate::slots::Slots;
 use crate::{
     BlockHash, EngineHash, IndexError, KvIndex, KvIndexer, OverlapScores, ReplicaId, StorageTier,
     StoredBlocks, TierCounts,
 };
 
-/// One event of one replica, owned (a mirrored shard replays it on its second copy).
+/// One event of one replica, owned (for callers that queue events before applying them).
 #[derive(Debug, Clone)]
 pub enum Op {
     Stored(Stored),
@@ -118,41 +126,81 @@ impl Op {
     }
 }
 
-/// One shard: two copies of its index, one for readers and one for its writer.
+/// What a shard's readers see: a copy of its block table and of its replicas' slots.
+#[derive(Debug)]
+struct View {
+    table: BlockTable,
+    slots: Slots,
+}
+
+/// The writer's side of a shard.
+#[derive(Debug)]
+struct Writer {
+    /// The shard's replicas' records; the copy being changed lends it its table per write.
+    index: KvIndex,
+    /// The table changes the copy readers use has applied and the other not yet.
+    behind: Vec<Change>,
+}
+
+/// One shard: its writer, and two copies of its block table, one for readers and one that
+/// the writer changes.
 #[derive(Debug)]
 struct Mirror {
-    copies: [RwLock<KvIndex>; 2],
-    /// The copy readers use; changed only under `behind`'s lock.
+    copies: [RwLock<View>; 2],
+    /// The copy readers use; changed only under `writer`'s lock.
     current: AtomicUsize,
-    /// The writer lock, holding what the copy readers use has applied and the other not yet.
-    behind: Mutex<Vec<Op>>,
+    writer: Mutex<Writer>,
+    /// The writer's heap bytes, tables apart, when last measured.
+    writer_bytes: AtomicUsize,
 }
 
 impl Mirror {
     fn new(make: impl Fn() -> KvIndex) -> Self {
+        // Each copy starts as an index's own empty table (configured as `make` configures it).
+        let view = |index: &mut KvIndex| {
+            let mut table = BlockTable::default();
+            index.exchange_table(&mut table);
+            RwLock::new(View {
+                table,
+                slots: Slots::default(),
+            })
+        };
+        let mut index = make();
         Self {
-            copies: [RwLock::new(make()), RwLock::new(make())],
+            copies: [view(&mut index), view(&mut make())],
             current: AtomicUsize::new(0),
-            behind: Mutex::new(Vec::new()),
+            writer: Mutex::new(Writer {
+                index,
+                behind: Vec::new(),
+            }),
+            writer_bytes: AtomicUsize::new(0),
         }
     }
 
-    fn write(&self, op: Op) -> Result<(), IndexError> {
-        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
+    /// Applies `change` to the shard's index, on the copy readers do not use, then makes that
+    /// copy theirs.
+    fn write<R>(&self, change: impl FnOnce(&mut KvIndex) -> R) -> R {
+        let mut writer = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let Writer { index, behind } = &mut *writer;
         let next = 1 - self.current.load(Ordering::Acquire);
         let mut copy = self.copies[next].write().unwrap_or_else(|e| e.into_inner());
-        for old in behind.drain(..) {
-            // Deterministic: it did the same on the other copy (an error changed nothing).
-            let _ = old.apply(&mut *copy);
+        // Deterministic: the same changes, in the same order, on a table in the same state as
+        // the one that made them.
+        copy.table.replay(behind);
+        index.exchange_table(&mut copy.table);
+        index.table_mut().log_into(std::mem::take(behind));
+        let result = change(index);
+        *behind = index.table_mut().take_log();
+        index.exchange_table(&mut copy.table);
+        if copy.slots.version() != index.slots().version() {
+            copy.slots.clone_from(index.slots());
         }
-        let result = op.apply(&mut *copy);
         drop(copy);
         self.current.store(next, Ordering::Release);
-        behind.push(op);
         result
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, KvIndex> {
+    fn read(&self) -> RwLockReadGuard<'_, View> {
         loop {
             let current = self.current.load(Ordering::Acquire);
             match self.copies[current].try_read() {
@@ -164,10 +212,18 @@ impl Mirror {
         }
     }
 
-    /// The current copy's heap bytes, twice: the other copy holds the same changes but the
-    /// last write's (read without waiting, as a query).
+    /// Heap bytes: the current copy twice (the other holds the same but the last write's
+    /// changes) and the writer's records, measured now if no write is under way, else as
+    /// last measured (never waits).
     fn memory_bytes(&self) -> usize {
-        2 * self.read().memory_bytes()
+        if let Ok(writer) = self.writer.try_lock() {
+            let bytes = writer.index.memory_bytes()
+                + writer.behind.capacity() * std::mem::size_of::<Change>();
+            self.writer_bytes.store(bytes, Ordering::Relaxed);
+        }
+        let view = self.read();
+        2 * (view.table.memory_bytes() + view.slots.memory_bytes())
+            + self.writer_bytes.load(Ordering::Relaxed)
     }
 }
 
@@ -209,36 +265,40 @@ impl ShardedKvIndex {
         replica.0 as usize % self.shards.len()
     }
 
+    fn shard(&self, replica: ReplicaId) -> &Mirror {
+        &self.shards[self.shard_of(replica)]
+    }
+
     /// Applies one event; on error nothing changed.
     pub fn apply(&self, op: Op) -> Result<(), IndexError> {
-        self.shards[self.shard_of(op.replica())].write(op)
+        self.shard(op.replica()).write(|index| op.apply(index))
     }
 
     pub fn stored(&self, replica: ReplicaId, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
-        self.apply(Op::Stored(Stored::new(replica, event)))
+        self.shard(replica)
+            .write(|index| index.apply_stored(replica, event))
     }
 
     pub fn removed(&self, replica: ReplicaId, tier: StorageTier, hashes: &[EngineHash]) {
-        let hashes = hashes.to_vec();
-        let _ = self.apply(Op::Removed {
-            replica,
-            tier,
-            hashes,
-        });
+        self.shard(replica)
+            .write(|index| index.apply_removed(replica, tier, hashes));
     }
 
     pub fn cleared(&self, replica: ReplicaId) {
-        let _ = self.apply(Op::Cleared(replica));
+        self.shard(replica)
+            .write(|index| index.clear_replica(replica));
     }
 
     /// As [`KvIndexer::find_matches`], over every shard.
     pub fn matches(&self, hashes: &[BlockHash]) -> OverlapScores {
         if let [shard] = self.shards.as_slice() {
-            return shard.read().find_matches(hashes);
+            let view = shard.read();
+            return view.table.find(hashes, &view.slots);
         }
         let mut scores = Vec::new();
         for shard in &self.shards {
-            scores.extend(shard.read().find_matches(hashes).scores);
+            let view = shard.read();
+            scores.extend(view.table.find(hashes, &view.slots).scores);
         }
         scores.sort_unstable_by_key(|(replica, _)| *replica);
         OverlapScores { scores }
@@ -246,17 +306,18 @@ impl ShardedKvIndex {
 
     /// Router blocks indexed, summed over shards (a block in two shards counts twice).
     pub fn blocks(&self) -> usize {
-        self.shards.iter().map(|s| s.read().num_blocks()).sum()
+        self.shards.iter().map(|s| s.read().table.distinct()).sum()
     }
 
-    /// The engine blocks `replica` holds per tier, as [`KvIndex::replica_blocks`].
+    /// The engine blocks `replica` holds per tier, as [`KvIndex::replica_blocks`] (the
+    /// writer's count: waits for a write under way in the replica's shard).
     pub fn replica_blocks(&self, replica: ReplicaId) -> TierCounts {
-        self.shards[self.shard_of(replica)]
-            .read()
-            .replica_blocks(replica)
+        let writer = self.shard(replica).writer.lock();
+        let writer = writer.unwrap_or_else(|e| e.into_inner());
+        writer.index.replica_blocks(replica)
     }
 
-    /// Heap bytes of both copies of every shard (each counted as twice the current copy).
+    /// Heap bytes of every shard: both copies of its table and its writer's records.
     pub fn heap_bytes(&self) -> usize {
         self.shards.iter().map(Mirror::memory_bytes).sum()
     }

@@ -8,11 +8,13 @@ use std::collections::BinaryHeap;
 use crate::hasher::{map_bytes, MixMap};
 use crate::{BlockHash, ReplicaId};
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Slots {
     by_id: MixMap<ReplicaId, u32>,
     ids: Vec<Option<ReplicaId>>,
     free: BinaryHeap<Reverse<u32>>,
+    /// Changes so far (a slot taken or freed), so that a copy can tell it is behind.
+    version: u64,
 }
 
 impl Slots {
@@ -33,6 +35,7 @@ impl Slots {
         };
         self.ids[slot as usize] = Some(id);
         self.by_id.insert(id, slot);
+        self.version += 1;
         slot
     }
 
@@ -41,7 +44,13 @@ impl Slots {
         let slot = self.by_id.remove(&id)?;
         self.ids[slot as usize] = None;
         self.free.push(Reverse(slot));
+        self.version += 1;
         Some(slot)
+    }
+
+    /// Changes so far: equal versions of one `Slots` and its clone mean equal contents.
+    pub(crate) fn version(&self) -> u64 {
+        self.version
     }
 
     /// The replica in `slot`. Panics on a free slot (a bit left set for it is a bug).

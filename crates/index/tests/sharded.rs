@@ -179,3 +179,28 @@ fn a_refused_event_changes_neither_copy() {
     assert!(index.matches(&router_hashes(&prompt, 0)).scores.is_empty());
     assert_eq!(index.blocks(), 0);
 }
+
+#[test]
+fn a_shard_keeps_its_records_once_and_its_table_twice() {
+    // The records (most of an index's bytes) live on the writer's side only; the two copies
+    // are of the block table. Two whole copies of a `KvIndex` would be twice its bytes.
+    let (sharded, mut single) = (ShardedKvIndex::new(BS, 1), KvIndex::new(BS));
+    for replica in 0..8 {
+        for op in events(replica) {
+            sharded.apply(op.clone()).expect("valid");
+            op.apply(&mut single).expect("valid");
+        }
+    }
+    for q in &queries() {
+        assert_eq!(sharded.matches(q), single.find_matches(q));
+    }
+    for replica in 0..8 {
+        let id = ReplicaId(replica);
+        assert_eq!(sharded.replica_blocks(id), single.replica_blocks(id));
+    }
+    let (two, one) = (sharded.heap_bytes(), single.memory_bytes());
+    assert!(
+        one < two && two < one * 8 / 5,
+        "sharded {two} bytes against one index's {one}"
+    );
+}

@@ -32,6 +32,28 @@ pub(crate) enum Place {
     At(u32),
 }
 
+/// A change to the table, as [`BlockTable::replay`] applies it again to a copy that has applied
+/// the same changes up to it (a mirrored shard's other copy): the copy then assigns the same
+/// nodes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Change {
+    Inc {
+        block: BlockHash,
+        place: Place,
+        slot: u32,
+        tier: u8,
+        groups: u32,
+    },
+    Dec {
+        block: BlockHash,
+        at: Option<u32>,
+        slot: u32,
+        tier: u8,
+        groups: u32,
+    },
+    HeadsOnly,
+}
+
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Holders {
     tiers: [u64; TIERS],
@@ -59,6 +81,8 @@ pub(crate) struct BlockTable {
     /// Count (block, group) entries instead of distinct blocks past one group (see
     /// [`KvIndex::counting_entries`](super::KvIndex::counting_entries)).
     entries_only: bool,
+    /// While set, every change is also appended here ([`Self::log_into`]).
+    log: Option<Vec<Change>>,
 }
 
 impl BlockTable {
@@ -75,7 +99,28 @@ impl BlockTable {
 
     /// One more holding of `block` by `slot` in `tier`; `groups` is the number of slot groups.
     /// Returns `block`'s node for `slot`'s group, which stays where it is while held.
+    #[inline]
     pub(crate) fn inc(
+        &mut self,
+        block: BlockHash,
+        place: Place,
+        slot: u32,
+        tier: usize,
+        groups: u32,
+    ) -> u32 {
+        if let Some(log) = &mut self.log {
+            log.push(Change::Inc {
+                block,
+                place,
+                slot,
+                tier: tier as u8,
+                groups,
+            });
+        }
+        self.inc_now(block, place, slot, tier, groups)
+    }
+
+    fn inc_now(
         &mut self,
         block: BlockHash,
         place: Place,
@@ -121,6 +166,20 @@ impl BlockTable {
         tier: usize,
         groups: u32,
     ) {
+        if let Some(log) = &mut self.log {
+            log.push(Change::Dec {
+                block,
+                at,
+                slot,
+                tier: tier as u8,
+                groups,
+            });
+        }
+        self.dec_now(block, at, slot, tier, groups);
+    }
+
+    #[inline]
+    fn dec_now(&mut self, block: BlockHash, at: Option<u32>, slot: u32, tier: usize, groups: u32) {
         let (group, bit) = split(slot);
         let key = group_key(block, group);
         let at = match at {
@@ -171,7 +230,48 @@ impl BlockTable {
     /// From now on blocks are looked up by key alone (see [`FlatMap::heads_only`]): for
     /// engines whose block size differs from the router's, whose records do not keep nodes.
     pub(crate) fn heads_only(&mut self) {
+        if let Some(log) = &mut self.log {
+            log.push(Change::HeadsOnly);
+        }
         self.map.heads_only();
+    }
+
+    /// From now on, appends every change to `log` (cleared first), until
+    /// [`Self::take_log`].
+    pub(crate) fn log_into(&mut self, mut log: Vec<Change>) {
+        log.clear();
+        self.log = Some(log);
+    }
+
+    /// Stops logging changes and returns those logged.
+    pub(crate) fn take_log(&mut self) -> Vec<Change> {
+        self.log.take().unwrap_or_default()
+    }
+
+    /// Applies `changes`, logged by a table in the state this one is in (not logged again).
+    pub(crate) fn replay(&mut self, changes: &[Change]) {
+        for change in changes {
+            match *change {
+                Change::Inc {
+                    block,
+                    place,
+                    slot,
+                    tier,
+                    groups,
+                } => {
+                    let at = self.inc_now(block, place, slot, tier as usize, groups);
+                    debug_assert!(!matches!(place, Place::At(p) if p != at));
+                }
+                Change::Dec {
+                    block,
+                    at,
+                    slot,
+                    tier,
+                    groups,
+                } => self.dec_now(block, at, slot, tier as usize, groups),
+                Change::HeadsOnly => self.map.heads_only(),
+            }
+        }
     }
 
     /// Whether a store must look up a block stored after its parent (see
