@@ -31,7 +31,7 @@
 //! to queries when its write returns.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, RwLock, RwLockReadGuard, TryLockError};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use crate::kv_index::{BlockTable, Change};
 use crate::slots::Slots;
@@ -39,6 +39,9 @@ use crate::{
     BlockHash, EngineHash, IndexError, KvIndex, KvIndexer, OverlapScores, ReplicaId, StorageTier,
     StoredBlocks, TierCounts,
 };
+
+/// Tries for a copy's write lock before sleeping on it (a query's length is a few hundred).
+const SPINS: usize = 512;
 
 /// One event of one replica, owned (for callers that queue events before applying them).
 #[derive(Debug, Clone)]
@@ -183,7 +186,7 @@ impl Mirror {
         let mut writer = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         let Writer { index, behind } = &mut *writer;
         let next = 1 - self.current.load(Ordering::Acquire);
-        let mut copy = self.copies[next].write().unwrap_or_else(|e| e.into_inner());
+        let mut copy = self.take_for_writing(next);
         // Deterministic: the same changes, in the same order, on a table in the same state as
         // the one that made them.
         copy.table.replay(behind);
@@ -198,6 +201,20 @@ impl Mirror {
         drop(copy);
         self.current.store(next, Ordering::Release);
         result
+    }
+
+    /// The write lock of copy `next`, which only queries that began before the last flip may
+    /// still hold, for a query's length: spun for before sleeping (a sleeping writer costs the
+    /// query that wakes it a system call).
+    fn take_for_writing(&self, next: usize) -> RwLockWriteGuard<'_, View> {
+        for _ in 0..SPINS {
+            match self.copies[next].try_write() {
+                Ok(guard) => return guard,
+                Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(TryLockError::WouldBlock) => std::hint::spin_loop(),
+            }
+        }
+        self.copies[next].write().unwrap_or_else(|e| e.into_inner())
     }
 
     fn read(&self) -> RwLockReadGuard<'_, View> {
