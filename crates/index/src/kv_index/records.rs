@@ -30,6 +30,9 @@ pub(crate) struct Records {
     /// Free arena positions, the last freed last.
     free: Vec<u32>,
     slots: Vec<TagIndex>,
+    /// Heap bytes of the slots' indexes, kept as they grow and go (summing them over the slots
+    /// took 0.2 µs at 1,024 replicas, and the router reads the size after every event).
+    index_bytes: usize,
 }
 
 /// The index tag of an engine hash: engine hashes come from engines (any values), so one
@@ -110,7 +113,7 @@ impl Records {
     /// ([`Self::insert_at`], the slot's index unchanged meanwhile). Makes room for one more
     /// record first, so that one probe serves the lookup and the insertion.
     pub(crate) fn find_or_vacant(&mut self, slot: u32, hash: EngineHash) -> Result<u32, usize> {
-        self.slots[slot as usize].reserve(MIN_ENTRIES);
+        self.index_bytes += self.slots[slot as usize].reserve(MIN_ENTRIES);
         let (arena, index) = (&self.arena, &self.slots[slot as usize]);
         match index.probe(tag(hash), |at| held_in(arena, at).engine == hash) {
             (_, Some(at)) => Ok(at),
@@ -209,6 +212,7 @@ impl Records {
             return Vec::new();
         };
         let index = std::mem::take(index);
+        self.index_bytes -= index.memory_bytes();
         index.positions().map(|at| self.release(at)).collect()
     }
 
@@ -224,7 +228,7 @@ impl Records {
             + self.arena.capacity() * std::mem::size_of::<Vec<Held>>()
             + self.free.capacity() * std::mem::size_of::<u32>()
             + self.slots.capacity() * std::mem::size_of::<TagIndex>()
-            + self.slots.iter().map(TagIndex::memory_bytes).sum::<usize>()
+            + self.index_bytes
     }
 }
 
@@ -271,10 +275,14 @@ mod tests {
                 assert!(records.contains(slot, EngineHash(*hash)));
             }
         }
+        let index_bytes = |r: &Records| r.slots.iter().map(TagIndex::memory_bytes).sum::<usize>();
+        assert!(records.index_bytes > 0);
+        assert_eq!(records.index_bytes, index_bytes(&records));
         let taken = records.take_slot(1);
         assert_eq!(taken.len(), model.keys().filter(|(s, _)| *s == 1).count());
         assert_eq!(records.len(1), 0);
         assert!(records.get(1, EngineHash(3)).is_none());
         assert_eq!(records.slots_in_use(), 2);
+        assert_eq!(records.index_bytes, index_bytes(&records));
     }
 }

@@ -69,17 +69,21 @@ impl TagIndex {
     }
 
     /// Room for one more entry: doubles at three quarters full, to `min` entries at least.
+    /// Returns the heap bytes that added (0 unless it grew).
     #[inline]
-    pub(crate) fn reserve(&mut self, min: usize) {
+    pub(crate) fn reserve(&mut self, min: usize) -> usize {
         if (self.len + 1) * 4 > self.entries.len() * 3 {
-            self.grow(min);
+            return self.grow(min);
         }
+        0
     }
 
     /// Doubles the entries (to `min` at least), out of line: the callers' paths stay short.
+    /// Returns the heap bytes that added.
     #[cold]
     #[inline(never)]
-    fn grow(&mut self, min: usize) {
+    fn grow(&mut self, min: usize) -> usize {
+        let before = self.memory_bytes();
         let size = (self.entries.len() * 2).max(min);
         let old = std::mem::replace(&mut self.entries, vec![EMPTY; size]);
         let mask = size - 1;
@@ -90,6 +94,7 @@ impl TagIndex {
             }
             self.entries[i] = entry;
         }
+        self.memory_bytes() - before
     }
 
     /// Fills the empty entry `entry` ([`Self::probe`]'s answer for `tag`) with node `at`.
