@@ -153,8 +153,10 @@ struct Mirror {
     /// The copy readers use; changed only under `writer`'s lock.
     current: AtomicUsize,
     writer: Mutex<Writer>,
-    /// The writer's heap bytes, tables apart, when last measured.
-    writer_bytes: AtomicUsize,
+    /// The shard's heap bytes (both copies and the writer's side) and distinct blocks, as
+    /// the last write left them: read without a lock after every event.
+    bytes: AtomicUsize,
+    blocks: AtomicUsize,
 }
 
 impl Mirror {
@@ -176,7 +178,8 @@ impl Mirror {
                 index,
                 behind: Vec::new(),
             }),
-            writer_bytes: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            blocks: AtomicUsize::new(0),
         }
     }
 
@@ -198,6 +201,11 @@ impl Mirror {
         if copy.slots.version() != index.slots().version() {
             copy.slots.clone_from(index.slots());
         }
+        let bytes = index.memory_bytes()
+            + behind.capacity() * std::mem::size_of::<Change>()
+            + 2 * (copy.table.memory_bytes() + copy.slots.memory_bytes());
+        self.bytes.store(bytes, Ordering::Relaxed);
+        self.blocks.store(copy.table.distinct(), Ordering::Relaxed);
         drop(copy);
         self.current.store(next, Ordering::Release);
         result
@@ -227,20 +235,6 @@ impl Mirror {
                 Err(TryLockError::WouldBlock) => std::hint::spin_loop(),
             }
         }
-    }
-
-    /// Heap bytes: the current copy twice (the other holds the same but the last write's
-    /// changes) and the writer's records, measured now if no write is under way, else as
-    /// last measured (never waits).
-    fn memory_bytes(&self) -> usize {
-        if let Ok(writer) = self.writer.try_lock() {
-            let bytes = writer.index.memory_bytes()
-                + writer.behind.capacity() * std::mem::size_of::<Change>();
-            self.writer_bytes.store(bytes, Ordering::Relaxed);
-        }
-        let view = self.read();
-        2 * (view.table.memory_bytes() + view.slots.memory_bytes())
-            + self.writer_bytes.load(Ordering::Relaxed)
     }
 }
 
@@ -323,7 +317,10 @@ impl ShardedKvIndex {
 
     /// Router blocks indexed, summed over shards (a block in two shards counts twice).
     pub fn blocks(&self) -> usize {
-        self.shards.iter().map(|s| s.read().table.distinct()).sum()
+        self.shards
+            .iter()
+            .map(|s| s.blocks.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// The engine blocks `replica` holds per tier, as [`KvIndex::replica_blocks`] (the
@@ -336,7 +333,10 @@ impl ShardedKvIndex {
 
     /// Heap bytes of every shard: both copies of its table and its writer's records.
     pub fn heap_bytes(&self) -> usize {
-        self.shards.iter().map(Mirror::memory_bytes).sum()
+        self.shards
+            .iter()
+            .map(|s| s.bytes.load(Ordering::Relaxed))
+            .sum()
     }
 }
 
