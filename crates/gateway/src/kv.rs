@@ -12,11 +12,12 @@ use std::time::Instant;
 
 use kvroute_index::{
     ApproxIndex, ApproxIndexer, BlockHash, EngineHash, IndexError, KvIndex, KvIndexer,
-    OverlapScores, ReplicaId, ShardedKvIndex, StorageTier, StoredBlocks, TierCounts,
+    OverlapScores, ReplicaEvents, ReplicaId, ShardedKvIndex, StorageTier, StoredBlocks, TierCounts,
 };
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::config::{KvEventsMode, Settings};
+use crate::kv_events::RankEvents;
 use crate::prompts::Prompts;
 use crate::workers::Worker;
 
@@ -142,6 +143,33 @@ impl KvState {
         self.report(size);
     }
 
+    /// A batch of one replica's events, which `apply` gives in order: applied under one write
+    /// of the event-fed index (queries see all of them or none), the size reported once.
+    pub fn batch(&self, replica: ReplicaId, apply: &mut dyn FnMut(&mut dyn RankEvents)) {
+        let mut cleared = false;
+        let mut each = |events: &mut ReplicaEvents<'_>| {
+            apply(&mut Applying {
+                events,
+                cleared: &mut cleared,
+            })
+        };
+        let size = match &self.index {
+            EventIndex::One(index) => {
+                let mut index = write(index);
+                each(&mut ReplicaEvents::new(&mut index, replica));
+                size(&*index)
+            }
+            EventIndex::Sharded(index) => {
+                index.batch(replica, each);
+                (index.blocks(), index.heap_bytes())
+            }
+        };
+        self.report(size);
+        if cleared {
+            lock(&self.approx).clear_replica(replica);
+        }
+    }
+
     /// Forgets what a replica holds, in both indexes.
     pub fn clear(&self, replica: ReplicaId) {
         let ((), size) = self.index.write(
@@ -256,6 +284,111 @@ impl crate::kv_events::EventSink for WorkerSink {
     fn cleared(&self, dp_rank: u32) {
         if let Some(replica) = self.replica(dp_rank) {
             self.kv.clear(replica);
+        }
+    }
+
+    fn batch(&self, dp_rank: u32, apply: &mut dyn FnMut(&mut dyn RankEvents)) {
+        match self.replica(dp_rank) {
+            Some(replica) => self.kv.batch(replica, apply),
+            None => apply(&mut Unserved),
+        }
+    }
+}
+
+/// A batch's events applied to one replica's index; a clear is noted, for the router's own
+/// index, once the batch is done.
+struct Applying<'e, 'i> {
+    events: &'e mut ReplicaEvents<'i>,
+    cleared: &'e mut bool,
+}
+
+impl RankEvents for Applying<'_, '_> {
+    fn stored(&mut self, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
+        self.events.stored(event)
+    }
+
+    fn removed(&mut self, tier: StorageTier, hashes: &[EngineHash]) {
+        self.events.removed(tier, hashes);
+    }
+
+    fn cleared(&mut self) {
+        self.events.cleared();
+        *self.cleared = true;
+    }
+}
+
+/// The events of a rank the worker does not serve (as the per-event methods: ignored).
+struct Unserved;
+
+impl RankEvents for Unserved {
+    fn stored(&mut self, _: &StoredBlocks<'_>) -> Result<(), IndexError> {
+        Ok(())
+    }
+
+    fn removed(&mut self, _: StorageTier, _: &[EngineHash]) {}
+
+    fn cleared(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_tokenizer::Tokenizer;
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+
+    const BLOCK: usize = 16;
+
+    fn state(event_threads: usize) -> KvState {
+        let mut settings = Settings::with_workers(Vec::new()).unwrap();
+        settings.block_size = BLOCK;
+        settings.event_threads = event_threads;
+        let mut registry = Registry::default();
+        let prompts = Prompts::new(Arc::new(Tokenizer::fallback()), BLOCK, 0, &mut registry);
+        KvState::new(&settings, prompts, (Gauge::default(), Gauge::default()))
+    }
+
+    #[test]
+    fn a_batch_applies_in_order_and_a_clear_in_it_reaches_the_routers_own_index() {
+        for threads in [1, 2] {
+            let kv = state(threads);
+            let (replica, other) = (ReplicaId(3), ReplicaId(4));
+            let tokens: Vec<u32> = (0..4 * BLOCK as u32).collect();
+            let hashes = kvroute_index::block_hashes(&tokens, BLOCK, 0);
+            let engine: Vec<EngineHash> = (1..=4).map(EngineHash).collect();
+            let stored = StoredBlocks {
+                parent: None,
+                engine_hashes: &engine,
+                token_ids: &tokens,
+                block_size: BLOCK,
+                tier: StorageTier::Device,
+                salt: 0,
+            };
+            let device = |kv: &KvState, r| {
+                let (events, approx) = kv.overlaps(&hashes, Instant::now());
+                (events.get(r).device, approx.get(r).device)
+            };
+            // In order: stored, then its last block removed; a refused event changes nothing.
+            let mut refused = false;
+            kv.batch(replica, &mut |events| {
+                let orphan = StoredBlocks {
+                    parent: Some(EngineHash(99)),
+                    ..stored
+                };
+                refused = events.stored(&orphan).is_err();
+                events.stored(&stored).unwrap();
+                events.removed(StorageTier::Device, &engine[3..]);
+            });
+            assert!(refused, "{threads} threads");
+            kv.stored(other, &stored).unwrap();
+            kv.record_routed(replica, &hashes, Instant::now());
+            assert_eq!(device(&kv, replica), (3, 4), "{threads} threads");
+            assert_eq!(kv.replica_blocks(replica).device, 3);
+            // A clear forgets the replica in both indexes, and no other replica.
+            kv.batch(replica, &mut |events| events.cleared());
+            assert_eq!(device(&kv, replica), (0, 0), "{threads} threads");
+            assert_eq!(device(&kv, other).0, 4, "{threads} threads");
+            assert_eq!(kv.index_size().0, 4, "{threads} threads");
         }
     }
 }

@@ -88,6 +88,42 @@ pub trait EventSink: Send + Sync {
     /// Everything rank `dp_rank` held is gone (the engine said so, or the subscriber lost
     /// track of it: a gap it could not replay, an engine restart).
     fn cleared(&self, dp_rank: u32);
+    /// The events of one published batch for rank `dp_rank`, which `apply` gives in order:
+    /// the gateway applies them under one write of its index (queries see all or none of
+    /// them). By default each is applied as it comes.
+    fn batch(&self, dp_rank: u32, apply: &mut dyn FnMut(&mut dyn RankEvents)) {
+        apply(&mut EachEvent {
+            sink: self,
+            dp_rank,
+        });
+    }
+}
+
+/// One rank's events within [`EventSink::batch`].
+pub trait RankEvents {
+    fn stored(&mut self, event: &StoredBlocks<'_>) -> Result<(), IndexError>;
+    fn removed(&mut self, tier: StorageTier, hashes: &[EngineHash]);
+    fn cleared(&mut self);
+}
+
+/// [`EventSink::batch`]'s default: each event to the sink's own methods.
+struct EachEvent<'a, S: ?Sized> {
+    sink: &'a S,
+    dp_rank: u32,
+}
+
+impl<S: EventSink + ?Sized> RankEvents for EachEvent<'_, S> {
+    fn stored(&mut self, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
+        self.sink.stored(self.dp_rank, event)
+    }
+
+    fn removed(&mut self, tier: StorageTier, hashes: &[EngineHash]) {
+        self.sink.removed(self.dp_rank, tier, hashes);
+    }
+
+    fn cleared(&mut self) {
+        self.sink.cleared(self.dp_rank);
+    }
 }
 
 /// Where and how to subscribe to one worker's KV events.

@@ -58,7 +58,7 @@ mod slots;
 pub use approx::ApproxIndex;
 pub use hash::{block_hash, block_hashes, ROOT_HASH_SEED};
 pub use kv_index::KvIndex;
-pub use sharded::ShardedKvIndex;
+pub use sharded::{ReplicaEvents, ShardedKvIndex};
 
 /// The router's hash of a block: chains every token of the prefix up to and including it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -129,6 +129,33 @@ impl Op {
     }
 }
 
+/// One replica's events applied to an index: a batch, under one write of it
+/// ([`ShardedKvIndex::batch`], or a caller's lock of one [`KvIndex`]).
+#[derive(Debug)]
+pub struct ReplicaEvents<'a> {
+    index: &'a mut KvIndex,
+    replica: ReplicaId,
+}
+
+impl<'a> ReplicaEvents<'a> {
+    pub fn new(index: &'a mut KvIndex, replica: ReplicaId) -> Self {
+        Self { index, replica }
+    }
+
+    /// As [`KvIndexer::apply_stored`]; on error nothing changed.
+    pub fn stored(&mut self, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
+        self.index.apply_stored(self.replica, event)
+    }
+
+    pub fn removed(&mut self, tier: StorageTier, hashes: &[EngineHash]) {
+        self.index.apply_removed(self.replica, tier, hashes);
+    }
+
+    pub fn cleared(&mut self) {
+        self.index.clear_replica(self.replica);
+    }
+}
+
 /// What a shard's readers see: a copy of its block table and of its replicas' slots.
 #[derive(Debug)]
 struct View {
@@ -298,6 +325,18 @@ impl ShardedKvIndex {
     pub fn cleared(&self, replica: ReplicaId) {
         self.shard(replica)
             .write(|index| index.clear_replica(replica));
+    }
+
+    /// Applies the events `apply` gives for `replica`, in order, under one write of its shard:
+    /// queries see all of them or none, and the shard flips once (an engine's step sends a
+    /// batch of events, an evicted block often one of them each).
+    pub fn batch<R>(
+        &self,
+        replica: ReplicaId,
+        apply: impl FnOnce(&mut ReplicaEvents<'_>) -> R,
+    ) -> R {
+        self.shard(replica)
+            .write(|index| apply(&mut ReplicaEvents::new(index, replica)))
     }
 
     /// As [`KvIndexer::find_matches`], over every shard.

@@ -204,3 +204,45 @@ fn a_shard_keeps_its_records_once_and_its_table_twice() {
         "sharded {two} bytes against one index's {one}"
     );
 }
+
+#[test]
+fn a_batch_is_seen_whole_or_not_at_all() {
+    // Each batch stores a chain and removes it again: a reader must never see the chain. Were
+    // the events written one by one, it would see it between the two writes.
+    let index = ShardedKvIndex::new(BS, 2);
+    let prompt = tokens(5, 8 * BS);
+    let query = router_hashes(&prompt, 0);
+    let hashes = support::engine_hashes(&prompt, BS, 0);
+    let whole = Event::new(&prompt, BS, 0..8, StorageTier::Device, 0);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let (index, query, done) = (&index, &query, &done);
+        let reader = scope.spawn(move || {
+            let mut reads = 0u64;
+            while !done.load(Ordering::Acquire) {
+                assert!(index.matches(query).scores.is_empty(), "a half batch seen");
+                reads += 1;
+            }
+            reads
+        });
+        for _ in 0..2_000 {
+            index.batch(ReplicaId(1), |events| {
+                events.stored(&whole.stored()).expect("valid");
+                events.removed(StorageTier::Device, &hashes);
+            });
+        }
+        done.store(true, Ordering::Release);
+        assert!(reader.join().expect("reader") > 0);
+    });
+    // A refused event in a batch changes nothing; the events after it still apply.
+    let orphan = Event::new(&prompt, BS, 2..4, StorageTier::Device, 0);
+    let refused = index.batch(ReplicaId(1), |events| {
+        let refused = events.stored(&orphan.stored()).is_err();
+        events.stored(&whole.stored()).expect("valid");
+        refused
+    });
+    assert!(refused);
+    assert_eq!(index.matches(&query).scores.len(), 1);
+    index.batch(ReplicaId(1), |events| events.cleared());
+    assert!(index.matches(&query).scores.is_empty());
+}

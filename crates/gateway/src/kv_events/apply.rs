@@ -11,7 +11,7 @@ use kvroute_protocol::kv_events::{decode_batch, BlockStored, KvEvent, KvEventBat
 
 use super::metrics::{EventKind, Status, WorkerCounters};
 use super::sequence::{read_frames, Sequence, Verdict};
-use super::EventSink;
+use super::{EventSink, RankEvents};
 
 /// Applies one worker's batches to the sink and counts the outcomes.
 pub(super) struct Applier {
@@ -46,25 +46,27 @@ impl Applier {
     /// the batch under `status`, and returns the rank used.
     pub(super) fn apply(&self, socket_rank: u32, batch: &KvEventBatch, status: Status) -> u32 {
         let rank = batch.dp_rank.unwrap_or(socket_rank);
-        for event in &batch.events {
-            match event {
-                KvEvent::BlockStored(stored) => self.stored(rank, stored),
-                KvEvent::BlockRemoved(removed) => {
-                    let hashes = EngineHash::all(&removed.block_hashes);
-                    self.sink.removed(rank, removed.tier(), &hashes);
-                    self.counters.inc(EventKind::Removed, Status::Ok);
-                }
-                KvEvent::AllBlocksCleared => {
-                    self.sink.cleared(rank);
-                    self.counters.inc(EventKind::Cleared, Status::Ok);
+        self.sink.batch(rank, &mut |sink| {
+            for event in &batch.events {
+                match event {
+                    KvEvent::BlockStored(stored) => self.stored(sink, rank, stored),
+                    KvEvent::BlockRemoved(removed) => {
+                        let hashes = EngineHash::all(&removed.block_hashes);
+                        sink.removed(removed.tier(), &hashes);
+                        self.counters.inc(EventKind::Removed, Status::Ok);
+                    }
+                    KvEvent::AllBlocksCleared => {
+                        sink.cleared();
+                        self.counters.inc(EventKind::Cleared, Status::Ok);
+                    }
                 }
             }
-        }
+        });
         self.counters.inc(EventKind::Batch, status);
         rank
     }
 
-    fn stored(&self, rank: u32, stored: &BlockStored) {
+    fn stored(&self, sink: &mut dyn RankEvents, rank: u32, stored: &BlockStored) {
         let block_size = stored.block_size as usize;
         let router = self.router_block_size;
         // One divides the other (and neither is 0).
@@ -74,7 +76,7 @@ impl Applier {
         }
         let mut hashes = Vec::new();
         let event = StoredBlocks::from_event(stored, &mut hashes);
-        let status = match self.sink.stored(rank, &event) {
+        let status = match sink.stored(&event) {
             Ok(()) => Status::Ok,
             Err(IndexError::BlockSizeMismatch { engine, .. }) => {
                 self.block_size_mismatch(engine);
