@@ -143,8 +143,7 @@ fn single_thread(replay: &Replay, queries: &Queries, block_size: usize) -> f64 {
 /// returns block events per second.
 fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize) -> f64 {
     let index = ShardedKvIndex::new(block_size, threads);
-    // Each writer's events, owned (the index keeps each one to replay on its shard's second
-    // copy), taken apart before the clock starts.
+    // Each writer's events, taken apart before the clock starts.
     let mut parts: Vec<Vec<Op>> = vec![Vec::new(); index.shards()];
     for op in &replay.ops {
         parts[index.shard_of(op.replica())].push(op.clone());

@@ -6,7 +6,7 @@
 
 mod support;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Barrier;
 
 use kvroute_index::sharded::{Op, Stored};
@@ -214,26 +214,37 @@ fn a_batch_is_seen_whole_or_not_at_all() {
     let query = router_hashes(&prompt, 0);
     let hashes = support::engine_hashes(&prompt, BS, 0);
     let whole = Event::new(&prompt, BS, 0..8, StorageTier::Device, 0);
-    let done = AtomicBool::new(false);
+    let (done, half, reads) = (
+        AtomicBool::new(false),
+        AtomicBool::new(false),
+        AtomicU64::new(0),
+    );
     std::thread::scope(|scope| {
-        let (index, query, done) = (&index, &query, &done);
-        let reader = scope.spawn(move || {
-            let mut reads = 0u64;
+        let (index, query) = (&index, &query);
+        let (done, half, reads) = (&done, &half, &reads);
+        scope.spawn(move || {
             while !done.load(Ordering::Acquire) {
-                assert!(index.matches(query).scores.is_empty(), "a half batch seen");
-                reads += 1;
+                if !index.matches(query).scores.is_empty() {
+                    half.store(true, Ordering::Release);
+                    break;
+                }
+                reads.fetch_add(1, Ordering::Relaxed);
             }
-            reads
         });
-        for _ in 0..2_000 {
+        // Writes until the reader has read a while alongside (however the threads run).
+        let mut batches = 0;
+        while (batches < 2_000 || reads.load(Ordering::Relaxed) < 1_000)
+            && !half.load(Ordering::Acquire)
+        {
             index.batch(ReplicaId(1), |events| {
                 events.stored(&whole.stored()).expect("valid");
                 events.removed(StorageTier::Device, &hashes);
             });
+            batches += 1;
         }
         done.store(true, Ordering::Release);
-        assert!(reader.join().expect("reader") > 0);
     });
+    assert!(!half.load(Ordering::Acquire), "a half batch seen");
     // A refused event in a batch changes nothing; the events after it still apply.
     let orphan = Event::new(&prompt, BS, 2..4, StorageTier::Device, 0);
     let refused = index.batch(ReplicaId(1), |events| {

@@ -108,15 +108,14 @@ impl BlockTable {
         tier: usize,
         groups: u32,
     ) -> u32 {
-        if let Some(log) = &mut self.log {
-            log.push(Change::Inc {
-                block,
-                place,
-                slot,
-                tier: tier as u8,
-                groups,
-            });
-        }
+        let tier8 = tier as u8;
+        self.logged(|| Change::Inc {
+            block,
+            place,
+            slot,
+            tier: tier8,
+            groups,
+        });
         self.inc_now(block, place, slot, tier, groups)
     }
 
@@ -166,15 +165,14 @@ impl BlockTable {
         tier: usize,
         groups: u32,
     ) {
-        if let Some(log) = &mut self.log {
-            log.push(Change::Dec {
-                block,
-                at,
-                slot,
-                tier: tier as u8,
-                groups,
-            });
-        }
+        let tier8 = tier as u8;
+        self.logged(|| Change::Dec {
+            block,
+            at,
+            slot,
+            tier: tier8,
+            groups,
+        });
         self.dec_now(block, at, slot, tier, groups);
     }
 
@@ -230,10 +228,16 @@ impl BlockTable {
     /// From now on blocks are looked up by key alone (see [`FlatMap::heads_only`]): for
     /// engines whose block size differs from the router's, whose records do not keep nodes.
     pub(crate) fn heads_only(&mut self) {
-        if let Some(log) = &mut self.log {
-            log.push(Change::HeadsOnly);
-        }
+        self.logged(|| Change::HeadsOnly);
         self.map.heads_only();
+    }
+
+    /// Appends `change` to the log while one is kept.
+    #[inline]
+    fn logged(&mut self, change: impl FnOnce() -> Change) {
+        if let Some(log) = &mut self.log {
+            log.push(change());
+        }
     }
 
     /// From now on, appends every change to `log` (cleared first), until
