@@ -127,19 +127,15 @@ impl KvState {
     }
 
     pub fn stored(&self, replica: ReplicaId, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
-        let (result, size) = self.index.write(
-            |one| one.apply_stored(replica, event),
-            |sharded| sharded.stored(replica, event),
-        );
+        let (result, size) = self.index.write(replica, |events| events.stored(event));
         self.report(size);
         result
     }
 
     pub fn removed(&self, replica: ReplicaId, tier: StorageTier, hashes: &[EngineHash]) {
-        let ((), size) = self.index.write(
-            |one| one.apply_removed(replica, tier, hashes),
-            |sharded| sharded.removed(replica, tier, hashes),
-        );
+        let ((), size) = self
+            .index
+            .write(replica, |events| events.removed(tier, hashes));
         self.report(size);
     }
 
@@ -147,23 +143,12 @@ impl KvState {
     /// of the event-fed index (queries see all of them or none), the size reported once.
     pub fn batch(&self, replica: ReplicaId, apply: &mut dyn FnMut(&mut dyn RankEvents)) {
         let mut cleared = false;
-        let mut each = |events: &mut ReplicaEvents<'_>| {
+        let ((), size) = self.index.write(replica, |events| {
             apply(&mut Applying {
                 events,
                 cleared: &mut cleared,
             })
-        };
-        let size = match &self.index {
-            EventIndex::One(index) => {
-                let mut index = write(index);
-                each(&mut ReplicaEvents::new(&mut index, replica));
-                size(&*index)
-            }
-            EventIndex::Sharded(index) => {
-                index.batch(replica, each);
-                (index.blocks(), index.heap_bytes())
-            }
-        };
+        });
         self.report(size);
         if cleared {
             lock(&self.approx).clear_replica(replica);
@@ -172,10 +157,7 @@ impl KvState {
 
     /// Forgets what a replica holds, in both indexes.
     pub fn clear(&self, replica: ReplicaId) {
-        let ((), size) = self.index.write(
-            |one| one.clear_replica(replica),
-            |sharded| sharded.cleared(replica),
-        );
+        let ((), size) = self.index.write(replica, |events| events.cleared());
         self.report(size);
         lock(&self.approx).clear_replica(replica);
     }
@@ -218,20 +200,24 @@ impl EventIndex {
         }
     }
 
-    /// Applies one change, `one` to the single index or `sharded` to the sharded one, and
-    /// returns the index's size after it (read under the same write lock for the single one).
+    /// Applies `apply`'s events for `replica` under one write (the single index's lock, or
+    /// one flip of the replica's shard), and returns the index's size after them (read under
+    /// the same write lock for the single one).
     fn write<R>(
         &self,
-        one: impl FnOnce(&mut KvIndex) -> R,
-        sharded: impl FnOnce(&ShardedKvIndex) -> R,
+        replica: ReplicaId,
+        apply: impl FnOnce(&mut ReplicaEvents<'_>) -> R,
     ) -> (R, (usize, usize)) {
         match self {
             Self::One(index) => {
                 let mut index = write(index);
-                let result = one(&mut index);
+                let result = apply(&mut ReplicaEvents::new(&mut index, replica));
                 (result, size(&*index))
             }
-            Self::Sharded(index) => (sharded(index), (index.blocks(), index.heap_bytes())),
+            Self::Sharded(index) => (
+                index.batch(replica, apply),
+                (index.blocks(), index.heap_bytes()),
+            ),
         }
     }
 

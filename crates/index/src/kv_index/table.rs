@@ -32,25 +32,35 @@ pub(crate) enum Place {
     At(u32),
 }
 
+/// One holding, as [`BlockTable::inc`] adds it and [`BlockTable::dec`] takes it: `block` by
+/// `slot` in `tier`, with `groups` slot groups at the time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Holding {
+    block: BlockHash,
+    slot: u32,
+    tier: u8,
+    groups: u32,
+}
+
+impl Holding {
+    fn new(block: BlockHash, slot: u32, tier: usize, groups: u32) -> Self {
+        let tier = tier as u8;
+        Self {
+            block,
+            slot,
+            tier,
+            groups,
+        }
+    }
+}
+
 /// A change to the table, as [`BlockTable::replay`] applies it again to a copy that has applied
 /// the same changes up to it (a mirrored shard's other copy): the copy then assigns the same
 /// nodes.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Change {
-    Inc {
-        block: BlockHash,
-        place: Place,
-        slot: u32,
-        tier: u8,
-        groups: u32,
-    },
-    Dec {
-        block: BlockHash,
-        at: Option<u32>,
-        slot: u32,
-        tier: u8,
-        groups: u32,
-    },
+    Inc(Holding, Place),
+    Dec(Holding, Option<u32>),
     HeadsOnly,
 }
 
@@ -108,25 +118,19 @@ impl BlockTable {
         tier: usize,
         groups: u32,
     ) -> u32 {
-        let tier8 = tier as u8;
-        self.logged(|| Change::Inc {
-            block,
-            place,
-            slot,
-            tier: tier8,
-            groups,
-        });
-        self.inc_now(block, place, slot, tier, groups)
+        let holding = Holding::new(block, slot, tier, groups);
+        self.logged(|| Change::Inc(holding, place));
+        self.inc_now(holding, place)
     }
 
-    fn inc_now(
-        &mut self,
-        block: BlockHash,
-        place: Place,
-        slot: u32,
-        tier: usize,
-        groups: u32,
-    ) -> u32 {
+    fn inc_now(&mut self, holding: Holding, place: Place) -> u32 {
+        let Holding {
+            block,
+            slot,
+            tier,
+            groups,
+        } = holding;
+        let tier = usize::from(tier);
         let (group, bit) = split(slot);
         let key = group_key(block, group);
         self.count_groups(groups);
@@ -165,19 +169,20 @@ impl BlockTable {
         tier: usize,
         groups: u32,
     ) {
-        let tier8 = tier as u8;
-        self.logged(|| Change::Dec {
-            block,
-            at,
-            slot,
-            tier: tier8,
-            groups,
-        });
-        self.dec_now(block, at, slot, tier, groups);
+        let holding = Holding::new(block, slot, tier, groups);
+        self.logged(|| Change::Dec(holding, at));
+        self.dec_now(holding, at);
     }
 
     #[inline]
-    fn dec_now(&mut self, block: BlockHash, at: Option<u32>, slot: u32, tier: usize, groups: u32) {
+    fn dec_now(&mut self, holding: Holding, at: Option<u32>) {
+        let Holding {
+            block,
+            slot,
+            tier,
+            groups,
+        } = holding;
+        let tier = usize::from(tier);
         let (group, bit) = split(slot);
         let key = group_key(block, group);
         let at = match at {
@@ -256,23 +261,10 @@ impl BlockTable {
     pub(crate) fn replay(&mut self, changes: &[Change]) {
         for change in changes {
             match *change {
-                Change::Inc {
-                    block,
-                    place,
-                    slot,
-                    tier,
-                    groups,
-                } => {
-                    let at = self.inc_now(block, place, slot, tier as usize, groups);
-                    debug_assert!(!matches!(place, Place::At(p) if p != at));
+                Change::Inc(holding, place) => {
+                    self.inc_now(holding, place);
                 }
-                Change::Dec {
-                    block,
-                    at,
-                    slot,
-                    tier,
-                    groups,
-                } => self.dec_now(block, at, slot, tier as usize, groups),
+                Change::Dec(holding, at) => self.dec_now(holding, at),
                 Change::HeadsOnly => self.map.heads_only(),
             }
         }

@@ -19,7 +19,7 @@ pub(super) fn slow_last(cost_model: CostModel) -> SimConfig {
         shapes: EngineShapes {
             speed: vec![1.0, 1.0, 1.0, 0.25],
             num_gpu_blocks: vec![2048, 2048, 1024, 1024],
-            told: false,
+            ..Default::default()
         },
         ..cfg(PolicyKind::KvAware)
     }
@@ -104,7 +104,7 @@ fn an_idle_cluster_tries_its_unseen_engines_and_finds_the_fast_ones() {
         shapes: EngineShapes {
             speed: vec![2.0, 2.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5],
             num_gpu_blocks: vec![16384, 8192, 16384, 16384, 8192, 16384, 8192, 8192],
-            told: false,
+            ..Default::default()
         },
         cluster: Cluster::Aggregated {
             workers: 8,
@@ -127,7 +127,7 @@ fn every_policy_sends_a_prompt_where_its_context_fits() {
         shapes: EngineShapes {
             speed: vec![1.0; 4],
             num_gpu_blocks: vec![64, 2048, 64, 2048],
-            told: false,
+            ..Default::default()
         },
         ..cfg(policy)
     };

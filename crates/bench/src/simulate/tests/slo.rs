@@ -51,7 +51,7 @@ fn pd_with_slo(prefill: PolicyKind, routing: SloRouting) -> SimConfig {
         shapes: crate::simulate::EngineShapes {
             speed: vec![1.0, 0.25, 1.0, 1.0],
             num_gpu_blocks: vec![2048; 4],
-            told: false,
+            ..Default::default()
         },
         ..with_slo(routing)
     }
