@@ -52,6 +52,11 @@ impl Holding {
             groups,
         }
     }
+
+    /// (block, slot, tier, groups), as `inc` and `dec` take them.
+    fn parts(self) -> (BlockHash, u32, usize, u32) {
+        (self.block, self.slot, usize::from(self.tier), self.groups)
+    }
 }
 
 /// A change to the table, as [`BlockTable::replay`] applies it again to a copy that has applied
@@ -124,13 +129,7 @@ impl BlockTable {
     }
 
     fn inc_now(&mut self, holding: Holding, place: Place) -> u32 {
-        let Holding {
-            block,
-            slot,
-            tier,
-            groups,
-        } = holding;
-        let tier = usize::from(tier);
+        let (block, slot, tier, groups) = holding.parts();
         let (group, bit) = split(slot);
         let key = group_key(block, group);
         self.count_groups(groups);
@@ -176,13 +175,7 @@ impl BlockTable {
 
     #[inline]
     fn dec_now(&mut self, holding: Holding, at: Option<u32>) {
-        let Holding {
-            block,
-            slot,
-            tier,
-            groups,
-        } = holding;
-        let tier = usize::from(tier);
+        let (block, slot, tier, groups) = holding.parts();
         let (group, bit) = split(slot);
         let key = group_key(block, group);
         let at = match at {
