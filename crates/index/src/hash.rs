@@ -31,7 +31,7 @@ pub fn block_hash(parent: Option<BlockHash>, salt: u64, tokens: &[u32]) -> Block
         parent,
         salt,
         tokens,
-        &mut Vec::with_capacity(16 + 4 * tokens.len()),
+        &mut Vec::new(),
     )
 }
 
