@@ -48,6 +48,9 @@ pub struct Setup {
     pub output_blocks: Option<OutputTracking>,
     /// [`SimConfig::sample_ranks`].
     pub sample_ranks: Option<usize>,
+    /// The TTFT oracle's cluster ([`SimConfig::ttft_oracle`]: kv_aware's load accounting), run
+    /// after the policies' when asked.
+    pub oracle: Option<Cluster>,
 }
 
 impl Setup {
@@ -67,7 +70,21 @@ impl Setup {
             slo: self.slo.clone(),
             output_blocks: self.output_blocks,
             sample_ranks: self.sample_ranks,
+            ttft_oracle: false,
         }
+    }
+
+    /// Every run: each policy's cluster, then the TTFT oracle's when asked.
+    pub fn runs(&self, rate_scale: f64) -> impl Iterator<Item = SimConfig> + '_ {
+        let policies = self
+            .clusters
+            .iter()
+            .map(move |c| self.config(c, rate_scale));
+        let oracle = self.oracle.iter().map(move |c| SimConfig {
+            ttft_oracle: true,
+            ..self.config(c, rate_scale)
+        });
+        policies.chain(oracle)
     }
 }
 
@@ -91,9 +108,9 @@ pub fn simulate_command(
     );
     println!("{}", report::simulate_header());
     let mut results = Vec::new();
-    for cluster in &setup.clusters {
+    for cfg in setup.runs(rate_scale) {
         let started = Instant::now();
-        let r = simulate(requests, &setup.config(cluster, rate_scale));
+        let r = simulate(requests, &cfg);
         println!(
             "{}",
             report::policy_row(&r, started.elapsed().as_secs_f64())
@@ -163,22 +180,16 @@ pub fn goodput_command(
         requests.len() as f64 / span_s.max(1e-3)
     );
     let mut results = Vec::new();
-    for cluster in &setup.clusters {
-        let policy = cluster.name();
+    for cfg in setup.runs(1.0) {
+        let policy = cfg.name();
         let mut last = Instant::now();
-        let g = goodput(
-            requests,
-            &setup.config(cluster, 1.0),
-            objective,
-            search,
-            |p, b| {
-                eprintln!(
-                    "{}",
-                    report::goodput_progress(&policy, p, b, last.elapsed().as_secs_f64())
-                );
-                last = Instant::now();
-            },
-        );
+        let g = goodput(requests, &cfg, objective, search, |p, b| {
+            eprintln!(
+                "{}",
+                report::goodput_progress(&policy, p, b, last.elapsed().as_secs_f64())
+            );
+            last = Instant::now();
+        });
         results.push(g);
     }
     println!("{}", report::goodput_table(&results));

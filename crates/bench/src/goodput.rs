@@ -311,7 +311,7 @@ pub fn goodput(
     let bracket = search.bracket;
     let at = |x: Option<f64>| x.and_then(|x| probes.iter().find(|p| p.rate_scale == x).cloned());
     Goodput {
-        policy: cfg.cluster.name(),
+        policy: cfg.name(),
         pass: at(bracket.pass),
         fail: at(bracket.fail),
         runs: bracket.runs.len(),

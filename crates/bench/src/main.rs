@@ -337,6 +337,12 @@ struct ClusterArgs {
     /// engine) [default: as the router's, 64 with 256 engines or more, else every engine].
     #[arg(long, value_name = "N")]
     sample_ranks: Option<usize>,
+    /// Also runs the TTFT oracle, after the policies: each request goes where a copy of its
+    /// engine, run ahead with the request added, answers its first token soonest (engines
+    /// that can take it; no later arrival seen). Not a policy but the bound of routing for
+    /// each request's own TTFT, named `ttft_oracle` in the results (aggregated clusters)
+    #[arg(long)]
+    ttft_oracle: bool,
     #[command(flatten)]
     workload: Workload,
     #[command(flatten)]
@@ -443,6 +449,11 @@ impl ClusterArgs {
             loras,
             slo: self.slo.config(),
             sample_ranks: self.sample_ranks,
+            oracle: (self.ttft_oracle && pd_cluster.is_none()).then(|| Cluster::Aggregated {
+                workers: self.workers,
+                policy: PolicyKind::KvAware,
+                policy_config: policy_config.clone(),
+            }),
             output_blocks: match (
                 self.kv_aware.router_track_output_blocks,
                 self.kv_aware.agent_hints_osl,
@@ -805,6 +816,29 @@ mod tests {
             told(&format!("{mixed} --router-told-speeds")),
             Some(vec![2.0, 0.5])
         );
+    }
+
+    #[test]
+    fn the_ttft_oracle_runs_after_the_policies_only_when_asked() {
+        let runs = |args: &str| match Cli::try_parse_from(args.split_whitespace())
+            .unwrap()
+            .command
+        {
+            Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => {
+                let setup = cluster.setup("simulate").unwrap();
+                setup.runs(1.0).map(|c| c.name()).collect::<Vec<_>>()
+            }
+            _ => panic!("not a simulation"),
+        };
+        let plain = "b simulate --synthetic shared-prefix --groups 2 --workers 2 --policies llm_d";
+        assert_eq!(runs(plain), ["llm_d"]);
+        assert_eq!(
+            runs(&format!("{plain},round_robin --ttft-oracle")),
+            ["llm_d", "round_robin", "ttft_oracle"]
+        );
+        let pd = "b simulate --synthetic shared-prefix --groups 2 --prefill-workers 1 \
+            --decode-workers 1 --ttft-oracle";
+        assert_eq!(runs(pd).len(), 1, "no oracle for a disaggregated cluster");
     }
 
     #[test]

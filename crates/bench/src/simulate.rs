@@ -98,6 +98,20 @@ pub struct SimConfig {
     /// the `route` module's `sampled`): `None` as the router by default (64 from 256
     /// engines), `Some(0)` every engine.
     pub sample_ranks: Option<usize>,
+    /// Each request goes where a copy of its engine, run ahead with it, answers its first
+    /// token soonest (`--ttft-oracle`; aggregated clusters; see the `state` module's
+    /// `oracle`): a bound, named `ttft_oracle` in the results.
+    pub ttft_oracle: bool,
+}
+
+impl SimConfig {
+    /// The name of its run: its cluster's, or `ttft_oracle`.
+    pub fn name(&self) -> String {
+        match self.ttft_oracle {
+            true => "ttft_oracle".to_owned(),
+            false => self.cluster.name(),
+        }
+    }
 }
 
 /// What the router counts of an answer's output (`--router-track-output-blocks`).

@@ -231,6 +231,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             slo: None,
             output_blocks: None,
             sample_ranks: None,
+            ttft_oracle: false,
         },
     );
     assert!(

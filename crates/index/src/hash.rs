@@ -27,12 +27,7 @@ pub fn block_hashes(tokens: &[u32], block_size: usize, salt: u64) -> Vec<BlockHa
 /// The hash of one block of `tokens` whose previous block hashed to `parent` (`None` for a
 /// sequence's first block): one step of [`block_hashes`].
 pub fn block_hash(parent: Option<BlockHash>, salt: u64, tokens: &[u32]) -> BlockHash {
-    hash_into(
-        parent,
-        salt,
-        tokens,
-        &mut Vec::new(),
-    )
+    hash_into(parent, salt, tokens, &mut Vec::new())
 }
 
 /// [`block_hash`] with a reusable scratch buffer.

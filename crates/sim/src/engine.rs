@@ -230,7 +230,7 @@ pub struct EngineStats {
 }
 
 /// One simulated engine (one data-parallel rank).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct EngineCore {
     config: EngineConfig,
     pool: BlockPool,

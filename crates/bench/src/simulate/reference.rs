@@ -298,6 +298,7 @@ mod tests {
             slo: None,
             output_blocks: None,
             sample_ranks: None,
+            ttft_oracle: false,
         }
     }
 

@@ -62,6 +62,9 @@ pub(super) struct Arrival<'a> {
     /// Its output length (its `max_tokens`): the `osl` hint under `OutputTracking::ExactOsl`.
     pub output_tokens: u32,
     pub now: Instant,
+    /// The engine the TTFT oracle chose (`SimConfig::ttft_oracle`): the policy's choice is
+    /// replaced by it, its load and features counted as the policy counts them.
+    pub oracle: Option<usize>,
 }
 
 /// A set of engines with its policy.
@@ -369,6 +372,9 @@ impl Router {
             }
             None => (pool.policy.select(&candidates, &request, rng)).map_or(0, |d| d.index),
         };
+        let chosen = (req.oracle)
+            .and_then(|e| ids.iter().position(|&i| i == e))
+            .unwrap_or(chosen);
         let features = predict(&candidates[chosen], &request, 0.0).features;
         let device = candidates[chosen].kv.overlap.device as usize;
         // Its device-cached blocks are not computed.

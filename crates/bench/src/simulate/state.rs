@@ -24,6 +24,7 @@ use crate::trace::{prompt_tokens, TraceRequest};
 
 mod events;
 mod levels;
+mod oracle;
 mod tenants;
 use events::apply_events;
 use levels::Levels;
@@ -394,8 +395,11 @@ impl<'a> State<'a> {
         } else {
             String::new()
         };
+        let oracle = (self.cfg.ttft_oracle && self.router.halves().is_none())
+            .then(|| self.soonest(&req, now));
         let placement = self.router.place(
             &Arrival {
+                oracle,
                 tokens: &req.tokens,
                 hashes: &req.hashes,
                 text: &text,
@@ -546,7 +550,7 @@ impl<'a> State<'a> {
             None => tally.answered_by,
         };
         let result = PolicyResult {
-            policy: self.cfg.cluster.name(),
+            policy: self.cfg.name(),
             requests: requests_per_worker.iter().sum(),
             rejected: tally.rejected,
             ttft_ms,

@@ -39,6 +39,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         slo: None,
         output_blocks: None,
         sample_ranks: None,
+        ttft_oracle: false,
     }
 }
 
@@ -244,6 +245,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             slo: None,
             output_blocks: None,
             sample_ranks: None,
+            ttft_oracle: false,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));

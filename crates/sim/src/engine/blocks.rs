@@ -17,7 +17,7 @@ pub type BlockId = u32;
 const NIL: u32 = u32::MAX;
 
 /// An intrusive doubly-linked LRU queue over block ids: O(1) push, pop and remove.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct FreeQueue {
     prev: Vec<u32>,
     next: Vec<u32>,
@@ -85,7 +85,7 @@ impl FreeQueue {
 }
 
 /// The KV blocks of one engine.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct BlockPool {
     ref_count: Vec<u32>,
     /// The cached full block a block holds, if any.

@@ -46,7 +46,7 @@ pub struct LoraState {
 }
 
 /// The device slots: resident adapters with the step that last used each.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct LoraSlots {
     resident: Vec<(LoraId, u64)>,
     steps: u64,

@@ -24,7 +24,7 @@ impl From<PromptKv> for PromptSource {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Sequence {
     pub(super) id: RequestId,
     /// Prompt, then generated tokens.

@@ -14,7 +14,7 @@ use super::sequence::PromptSource;
 use super::{EngineCore, Sequence};
 
 /// A request whose prompt KV is on its way.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Receiving {
     pub(super) seq: Sequence,
     /// When the transfer ends (engine time).

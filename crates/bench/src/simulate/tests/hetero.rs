@@ -161,3 +161,46 @@ fn a_router_told_the_speeds_sends_the_slow_engine_less_than_one_learning_them() 
     );
     assert!(t[3] < l[3], "told {t:?}, learned {l:?}");
 }
+
+/// `slow_last` at `rate_scale` with the TTFT oracle choosing, over the weighted model's
+/// accounting (which knows no speeds).
+fn oracle(rate_scale: f64) -> SimConfig {
+    SimConfig {
+        rate_scale,
+        ttft_oracle: true,
+        ..slow_last(CostModel::Weighted)
+    }
+}
+
+#[test]
+fn the_ttft_oracle_leaves_the_slow_engine_idle_on_an_idle_cluster() {
+    // A request every 4 s: each finds every engine idle, where the slow one's first token
+    // comes four times later. kv_aware alone spreads the prompts over the engines.
+    let run = run(&small_trace(), &oracle(0.01));
+    assert_eq!(run.result.policy, "ttft_oracle");
+    assert_eq!(run.result.requests, 120);
+    assert_eq!(run.result.requests_per_worker[3], 0, "{:?}", run.result);
+    let alone = super::run(
+        &small_trace(),
+        &SimConfig {
+            rate_scale: 0.01,
+            ..slow_last(CostModel::Weighted)
+        },
+    );
+    assert!(
+        alone.result.requests_per_worker[3] > 0,
+        "{:?}",
+        alone.result
+    );
+}
+
+#[test]
+fn the_ttft_oracle_sends_the_slow_engine_what_would_wait_longer_elsewhere() {
+    // Twenty times the trace's rate: the fast engines' queues make the slow one worth a request
+    // now and then, never its share.
+    let run = run(&small_trace(), &oracle(20.0));
+    assert_eq!(run.result.requests, 120);
+    let per = &run.result.requests_per_worker;
+    let fast_mean = (per[0] + per[1] + per[2]) as f64 / 3.0;
+    assert!(per[3] > 0 && (per[3] as f64) < 0.5 * fast_mean, "{per:?}");
+}
