@@ -15,6 +15,9 @@
 //!   itself, inside `apply_stored`); add it to Dynamo's build and churn rows for a like-for-like
 //!   comparison;
 //! - `KvIndex` (kvroute, one thread);
+//! - `Runs (probe)`: not an index kvroute ships, the design probe of `indexer_vs_dynamo::runs`
+//!   (runs of blocks, one thread; it leaves out tiers, re-blocking and the bound), to measure
+//!   that layout against the others;
 //! - `RadixTree` (Dynamo's single-threaded tree, `apply_event` / `find_matches`);
 //! - `PositionalIndexer` alone (`apply_event` with its worker-blocks map, on this thread);
 //! - `CRTC+TP1`, `CRTC+TP2`: `ConcurrentRadixTreeCompressed` in `ThreadPoolIndexer` with 1 and
@@ -39,6 +42,7 @@ use dynamo_kv_router::indexer::{
     RadixTree, SyncIndexer, ThreadPoolIndexer,
 };
 use dynamo_kv_router::protocols::{LocalBlockHash, RouterEvent};
+use indexer_vs_dynamo::runs::RunIndex;
 use indexer_vs_dynamo::{local_hashes, Converter};
 use kvroute_index::{BlockHash, KvIndex, KvIndexer, OverlapScores, ShardedKvIndex, StorageTier};
 
@@ -223,6 +227,34 @@ impl Subject for KvShards {
     }
 }
 
+/// The run-based design probe (`indexer_vs_dynamo::runs`), not an index kvroute ships.
+struct Runs(RunIndex);
+
+impl Subject for Runs {
+    fn name(&self) -> String {
+        "Runs (probe)".into()
+    }
+    fn apply(&mut self, events: Events<'_>) {
+        let stored = |index: &mut RunIndex, s: &workload::Stored| {
+            index.stored(s.replica.0, s.parent, &s.hashes, &s.tokens, BS);
+        };
+        match events {
+            Events::Build(load, _) => load.build.iter().for_each(|s| stored(&mut self.0, s)),
+            Events::Churn(load, _) => {
+                load.churn.iter().for_each(|s| stored(&mut self.0, s));
+                for (replica, hashes) in &load.churn_removed {
+                    self.0.removed(replica.0, hashes);
+                }
+            }
+        }
+    }
+    fn query(&self, kv: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
+        (self.0.find_matches(kv).iter().map(|m| m.1))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 struct Radix(RadixTree);
 
 impl Subject for Radix {
@@ -309,6 +341,7 @@ fn subjects() -> Vec<Box<dyn Fn() -> Box<dyn Subject>>> {
     vec![
         Box::new(|| Box::new(Kv(KvIndex::new(BS)))),
         Box::new(|| Box::new(Hashing)),
+        Box::new(|| Box::new(Runs(RunIndex::default()))),
         Box::new(|| Box::new(Radix(RadixTree::new()))),
         Box::new(|| {
             Box::new(Positional {

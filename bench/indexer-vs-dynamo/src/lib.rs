@@ -10,6 +10,8 @@
 
 use std::collections::HashMap;
 
+pub mod runs;
+
 use dynamo_kv_router::protocols::{
     compute_block_hash_for_seq, compute_next_seq_hash, compute_seq_hash_for_block,
     BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
