@@ -798,17 +798,22 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_router_is_told_the_speeds_only_when_asked() {
-        let told = |args: &str| match Cli::try_parse_from(args.split_whitespace())
+    /// The simulation `args` set up.
+    fn setup_of(args: &str) -> Setup {
+        match Cli::try_parse_from(args.split_whitespace())
             .unwrap()
             .command
         {
             Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => {
-                cluster.setup("simulate").unwrap().shapes.told_speeds(2)
+                cluster.setup("simulate").unwrap()
             }
             _ => panic!("not a simulation"),
-        };
+        }
+    }
+
+    #[test]
+    fn the_router_is_told_the_speeds_only_when_asked() {
+        let told = |args: &str| setup_of(args).shapes.told_speeds(2);
         let mixed =
             "b simulate --synthetic shared-prefix --groups 2 --workers 2 --worker-speed 2,0.5";
         assert_eq!(told(mixed), None);
@@ -820,15 +825,9 @@ mod tests {
 
     #[test]
     fn the_ttft_oracle_runs_after_the_policies_only_when_asked() {
-        let runs = |args: &str| match Cli::try_parse_from(args.split_whitespace())
-            .unwrap()
-            .command
-        {
-            Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => {
-                let setup = cluster.setup("simulate").unwrap();
-                setup.runs(1.0).map(|c| c.name()).collect::<Vec<_>>()
-            }
-            _ => panic!("not a simulation"),
+        let runs = |args: &str| {
+            let setup = setup_of(args);
+            setup.runs(1.0).map(|c| c.name()).collect::<Vec<_>>()
         };
         let plain = "b simulate --synthetic shared-prefix --groups 2 --workers 2 --policies llm_d";
         assert_eq!(runs(plain), ["llm_d"]);
