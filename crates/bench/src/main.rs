@@ -337,10 +337,11 @@ struct ClusterArgs {
     /// engine) [default: as the router's, 64 with 256 engines or more, else every engine].
     #[arg(long, value_name = "N")]
     sample_ranks: Option<usize>,
-    /// Also runs the TTFT oracle, after the policies: each request goes where a copy of its
-    /// engine, run ahead with the request added, answers its first token soonest (engines
-    /// that can take it; no later arrival seen). Not a policy but the bound of routing for
-    /// each request's own TTFT, named `ttft_oracle` in the results (aggregated clusters)
+    /// Also runs the TTFT oracle, after the policies: each request goes to the engine where
+    /// it costs the least first-token time (its own TTFT and the delay it adds to the first
+    /// tokens waiting there), found by running copies of the engines ahead with and without
+    /// it; no later arrival seen. A yardstick, not a policy, named `ttft_oracle` in the
+    /// results (aggregated clusters)
     #[arg(long)]
     ttft_oracle: bool,
     #[command(flatten)]

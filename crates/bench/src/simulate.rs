@@ -98,9 +98,9 @@ pub struct SimConfig {
     /// the `route` module's `sampled`): `None` as the router by default (64 from 256
     /// engines), `Some(0)` every engine.
     pub sample_ranks: Option<usize>,
-    /// Each request goes where a copy of its engine, run ahead with it, answers its first
-    /// token soonest (`--ttft-oracle`; aggregated clusters; see the `state` module's
-    /// `oracle`): a bound, named `ttft_oracle` in the results.
+    /// Each request goes to the engine where it costs the least first-token time, found by
+    /// running copies of the engines ahead (`--ttft-oracle`; aggregated clusters; see the
+    /// `state` module's `oracle`): a yardstick, named `ttft_oracle` in the results.
     pub ttft_oracle: bool,
 }
 

@@ -396,7 +396,7 @@ impl<'a> State<'a> {
             String::new()
         };
         let oracle = (self.cfg.ttft_oracle && self.router.halves().is_none())
-            .then(|| self.soonest(&req, now));
+            .then(|| self.oracle_choice(&req, now));
         let placement = self.router.place(
             &Arrival {
                 oracle,

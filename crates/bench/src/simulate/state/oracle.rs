@@ -20,7 +20,7 @@ const MAX_STEPS: usize = 1_000_000;
 impl State<'_> {
     /// The engine where `req`, sent at `now`, costs the least first-token time (the lowest
     /// index on a tie), among those whose context takes it (every engine when none does).
-    pub(super) fn soonest(&self, req: &Queued, now: Duration) -> usize {
+    pub(super) fn oracle_choice(&self, req: &Queued, now: Duration) -> usize {
         let need = req.tokens.len() + req.max_tokens.max(1);
         let mut ids: Vec<usize> = (0..self.engines.len()).collect();
         retain_fitting(&mut ids, |&e| need <= self.engines[e].capacity_tokens());
