@@ -1,8 +1,11 @@
 //! `kvroute-bench index`: replays a file of KV events ([`events`]) against the indexer and
 //! prints block events per second, query latency percentiles and memory per block, for one
 //! ingest thread (one [`KvIndex`]) and for N (a [`ShardedKvIndex`]: sharded by replica over
-//! mirrored shards, with hit queries timed while the writers run). It also writes such a file from the synthetic workload of
-//! `kvroute-index`'s `query_latency` example (`--write`).
+//! mirrored shards, each line's events under one write as the router applies an engine's
+//! message, with hit queries timed while the writers run). It also writes such a file from
+//! the synthetic workload of `kvroute-index`'s `query_latency` example (`--write`): one event
+//! a line, or as vLLM publishes them (`--vllm-batches`: a chain's stored events in one line, a
+//! removal as one `BlockRemoved` a block).
 
 use std::fs::File;
 use std::hint::black_box;
@@ -37,6 +40,11 @@ pub struct IndexArgs {
     /// With --write: distinct blocks the workload builds.
     #[arg(long, default_value_t = 1_000_000)]
     pub blocks: usize,
+    /// With --write: lines as vLLM publishes its events, each a batch: a chain's stored
+    /// events in one line, and its removal as one `BlockRemoved` a block (as vLLM evicts), in
+    /// one line [default: one event a line, a chain's removal one event]
+    #[arg(long, requires = "write")]
+    pub vllm_batches: bool,
     /// The router's block size.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -53,7 +61,7 @@ pub struct IndexArgs {
 impl IndexArgs {
     pub fn run(&self) -> anyhow::Result<()> {
         if let Some(path) = &self.write {
-            let lines = write_synthetic(path, self.blocks, self.seed)?;
+            let lines = write_synthetic(path, self.blocks, self.seed, self.vllm_batches)?;
             println!("wrote {lines} lines to {}", path.display());
             return Ok(());
         }
@@ -90,20 +98,37 @@ impl IndexArgs {
     }
 }
 
-/// Writes the synthetic workload as a replay file: one line per event; returns the lines.
-pub fn write_synthetic(path: &PathBuf, blocks: usize, seed: u64) -> anyhow::Result<usize> {
+/// Writes the synthetic workload as a replay file; returns the lines. One event a line, or
+/// with `vllm_batches` as vLLM publishes them: a replica's consecutive stored events (a chain)
+/// in one line, and each removal as one `BlockRemoved` a block, in one line.
+pub fn write_synthetic(
+    path: &PathBuf,
+    blocks: usize,
+    seed: u64,
+    vllm_batches: bool,
+) -> anyhow::Result<usize> {
     let load = workload::build(blocks, seed);
     let mut out =
         BufWriter::new(File::create(path).with_context(|| format!("{}", path.display()))?);
     let mut lines = 0;
-    for stored in load.build.iter().chain(&load.churn) {
-        let event = events::stored_event(stored.parent, &stored.hashes, &stored.tokens);
-        events::write_line(&mut out, u64::from(stored.replica.0), &[event])?;
+    let stored: Vec<&workload::Stored> = load.build.iter().chain(&load.churn).collect();
+    let groups: Vec<&[&workload::Stored]> = match vllm_batches {
+        true => stored.chunk_by(|a, b| a.replica == b.replica).collect(),
+        false => stored.chunks(1).collect(),
+    };
+    for group in groups {
+        let events: Vec<_> = (group.iter())
+            .map(|s| events::stored_event(s.parent, &s.hashes, &s.tokens))
+            .collect();
+        events::write_line(&mut out, u64::from(group[0].replica.0), &events)?;
         lines += 1;
     }
     for (replica, hashes) in &load.churn_removed {
-        let event = events::removed_event(hashes);
-        events::write_line(&mut out, u64::from(replica.0), &[event])?;
+        let events: Vec<_> = match vllm_batches {
+            true => hashes.chunks(1).map(events::removed_event).collect(),
+            false => vec![events::removed_event(hashes)],
+        };
+        events::write_line(&mut out, u64::from(replica.0), &events)?;
         lines += 1;
     }
     std::io::Write::flush(&mut out)?;
@@ -143,10 +168,11 @@ fn single_thread(replay: &Replay, queries: &Queries, block_size: usize) -> f64 {
 /// returns block events per second.
 fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize) -> f64 {
     let index = ShardedKvIndex::new(block_size, threads);
-    // Each writer's events, taken apart before the clock starts.
-    let mut parts: Vec<Vec<Op>> = vec![Vec::new(); index.shards()];
-    for op in &replay.ops {
-        parts[index.shard_of(op.replica())].push(op.clone());
+    // Each writer's lines, taken apart before the clock starts.
+    let mut parts: Vec<Vec<&[Op]>> = vec![Vec::new(); index.shards()];
+    for line in &replay.lines {
+        let ops = &replay.ops[line.clone()];
+        parts[index.shard_of(ops[0].replica())].push(ops);
     }
     let done = AtomicBool::new(false);
     let mut during = Vec::new();
@@ -158,9 +184,8 @@ fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize
                 let index = &index;
                 scope.spawn(move || {
                     part.into_iter()
-                        .map(|op| index.apply(op))
-                        .filter(Result::is_err)
-                        .count()
+                        .map(|ops| apply_line(index, ops))
+                        .sum::<usize>()
                 })
             })
             .collect();
@@ -200,6 +225,26 @@ fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize
         println!("  {kind:<4} {}", percentiles(times));
     }
     rate
+}
+
+/// Applies one line's events (one replica's) under one write of its shard, as the router
+/// applies a message of an engine's events; returns the events refused.
+fn apply_line(index: &ShardedKvIndex, ops: &[Op]) -> usize {
+    index.batch(ops[0].replica(), |events| {
+        (ops.iter())
+            .filter(|op| match op {
+                Op::Stored(s) => events.stored(&s.event()).is_err(),
+                Op::Removed { tier, hashes, .. } => {
+                    events.removed(*tier, hashes);
+                    false
+                }
+                Op::Cleared(_) => {
+                    events.cleared();
+                    false
+                }
+            })
+            .count()
+    })
 }
 
 fn rate(block_events: usize, elapsed: Duration) -> f64 {

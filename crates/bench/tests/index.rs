@@ -26,6 +26,7 @@ fn a_small_file_gives_the_matches_it_describes() {
     let replay = events::read(FILE.as_bytes()).unwrap();
     assert_eq!(replay.replicas, vec![(7, 0), (9, 1)]);
     assert_eq!(replay.ops.len(), 4);
+    assert_eq!(replay.lines, vec![0..1, 1..2, 2..3, 3..4]);
     assert_eq!(replay.block_events, 2 + 2 + 1 + 1);
     let mut index = KvIndex::new(16);
     assert_eq!(replay_into(&mut index, &replay), 0);
@@ -61,7 +62,7 @@ fn a_small_file_gives_the_matches_it_describes() {
 #[test]
 fn the_synthetic_file_replays_as_the_reference_model_says() {
     let path = std::env::temp_dir().join(format!("kvroute-index-{}.jsonl", std::process::id()));
-    let lines = write_synthetic(&path, 1, 3).unwrap();
+    let lines = write_synthetic(&path, 1, 3, false).unwrap();
     let replay = events::read(std::io::BufReader::new(std::fs::File::open(&path).unwrap()));
     std::fs::remove_file(&path).unwrap();
     let replay = replay.unwrap();
@@ -87,4 +88,48 @@ fn the_synthetic_file_replays_as_the_reference_model_says() {
         .miss
         .iter()
         .all(|q| index.find_matches(q).scores.is_empty()));
+}
+
+/// The synthetic file written at `seed`, as vLLM publishes its events or one event a line.
+fn synthetic(vllm_batches: bool) -> (usize, events::Replay) {
+    let path = std::env::temp_dir().join(format!(
+        "kvroute-index-{}-{vllm_batches}.jsonl",
+        std::process::id()
+    ));
+    let lines = write_synthetic(&path, 1, 3, vllm_batches).unwrap();
+    let replay = events::read(std::io::BufReader::new(std::fs::File::open(&path).unwrap()));
+    std::fs::remove_file(&path).unwrap();
+    (lines, replay.unwrap())
+}
+
+#[test]
+fn a_vllm_shaped_file_batches_a_chain_and_removes_a_block_an_event() {
+    let (plain_lines, plain) = synthetic(false);
+    let (lines, vllm) = synthetic(true);
+    assert_eq!(vllm.lines.len(), lines);
+    assert!(
+        lines < plain_lines,
+        "{lines} lines, {plain_lines} one event each"
+    );
+    assert_eq!(vllm.block_events, plain.block_events);
+    // Each line is one replica's; the removals name one block each.
+    for line in &vllm.lines {
+        let ops = &vllm.ops[line.clone()];
+        assert!(ops.iter().all(|op| op.replica() == ops[0].replica()));
+    }
+    let removals = vllm.ops.iter().filter_map(|op| match op {
+        events::Op::Removed { hashes, .. } => Some(hashes.len()),
+        _ => None,
+    });
+    assert!(removals.clone().count() > 0 && removals.into_iter().all(|n| n == 1));
+    assert!(vllm.lines.iter().any(|l| l.len() > 1));
+    // The same index either way.
+    let (mut a, mut b) = (KvIndex::new(16), KvIndex::new(16));
+    assert_eq!(replay_into(&mut a, &plain), 0);
+    assert_eq!(replay_into(&mut b, &vllm), 0);
+    assert_eq!(a.num_blocks(), b.num_blocks());
+    let drawn = queries::derive(&plain, 16, 64, 5);
+    for query in drawn.hit.iter().chain(&drawn.miss) {
+        assert_eq!(a.find_matches(query), b.find_matches(query));
+    }
 }

@@ -19,6 +19,9 @@ pub use kvroute_index::sharded::{Op, Stored};
 #[derive(Debug, Default)]
 pub struct Replay {
     pub ops: Vec<Op>,
+    /// Each line's operations (`ops[range]`, one replica's): a batch, as the router applies
+    /// one message of an engine's events.
+    pub lines: Vec<std::ops::Range<usize>>,
     /// `replicas[i]` is `ReplicaId(i)`'s (worker, dp_rank).
     pub replicas: Vec<(u64, u32)>,
     pub block_events: usize,
@@ -43,10 +46,14 @@ pub fn read(input: impl BufRead) -> anyhow::Result<Replay> {
             replay.replicas.push((worker, dp_rank));
         }
         let batch = decode(&value["events"]).with_context(|| format!("line {}", number + 1))?;
+        let first = replay.ops.len();
         for event in batch {
             let op = to_op(replica, event);
             replay.block_events += op.blocks();
             replay.ops.push(op);
+        }
+        if replay.ops.len() > first {
+            replay.lines.push(first..replay.ops.len());
         }
     }
     Ok(replay)
