@@ -5,7 +5,8 @@
 //! A node is a run of up to 64 router hashes that one event stored; a later event continuing a
 //! run at its end appends to it, one that leaves it mid-way hangs a branch at that offset, so
 //! no run is ever split and a block's place (node, offset) never changes. Each node keeps, per
-//! replica holding any of it, one bit per offset. Per replica, a map from engine hash to place.
+//! replica holding any of it, one bit per offset. Per replica, a map from engine hash to place,
+//! an event's hashes looked up all at once before its blocks are applied.
 //! A query walks the runs comparing hashes, one map lookup per branch taken, not per block;
 //! a replica's match is its leading held bits along the way. A node nobody holds and with no
 //! branch is freed, and its ancestors after it while the same holds.
@@ -163,6 +164,7 @@ impl RunIndex {
         let mut at = parent.map(|p| unplace(*self.places[r].get(&p.0).expect("a known parent")));
         let mut previous = at.map(|(n, o)| BlockHash(self.nodes[n as usize].hashes[o as usize]));
         self.places[r].reserve(engine_hashes.len());
+        self.touch(r, engine_hashes);
         let blocks = engine_hashes.iter().zip(tokens.chunks_exact(block_size));
         for (i, (engine, block)) in blocks.enumerate() {
             let hash = block_hash(previous, 0, block).0;
@@ -232,12 +234,23 @@ impl RunIndex {
         node.held += 1;
     }
 
+    /// Looks up every engine hash of an event before its blocks are applied one by one: the
+    /// lookups do not depend on each other, so their cache misses overlap, and the inserts or
+    /// removals after them find their slots in cache (churn 22.6-24.7 → 28.0-28.1 M block
+    /// events/s in a scratch loop, three runs each).
+    fn touch(&self, replica: usize, engine_hashes: &[EngineHash]) {
+        let places = &self.places[replica];
+        let seen = (engine_hashes.iter()).fold(0, |x, e| x ^ places.get(&e.0).map_or(0, |p| *p));
+        std::hint::black_box(seen);
+    }
+
     /// A `BlockRemoved` event of `replica`.
     pub fn removed(&mut self, replica: u32, engine_hashes: &[EngineHash]) {
         let r = replica as usize;
         if r >= self.places.len() {
             return;
         }
+        self.touch(r, engine_hashes);
         for e in engine_hashes {
             let Some(p) = self.places[r].remove(&e.0) else {
                 continue;
