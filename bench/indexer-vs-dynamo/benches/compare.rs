@@ -430,53 +430,43 @@ fn compare(c: &mut Criterion) {
 /// wake is caught up), so that the writers of every subject meet the same query load.
 fn alongside(load: &Workload, dynamo: &Dyn) {
     for pace in [None, Some(Duration::from_micros(20))] {
-        let kv = KvShards(ShardedKvIndex::new(BS, 2));
-        run_alongside(
-            "KvIndex x2",
-            pace,
-            load,
-            dynamo,
-            |e| kv.ingest(e),
-            |k, _| kv.query(k, &[]),
-        );
+        run_alongside(pace, load, dynamo, &KvShards(ShardedKvIndex::new(BS, 2)));
         let crtc = Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 2);
-        run_alongside(
-            "CRTC+TP2",
-            pace,
-            load,
-            dynamo,
-            |e| crtc.ingest(e),
-            |_, d| dyn_best(&crtc.pool.backend().find_matches(d, false)),
-        );
+        run_alongside(pace, load, dynamo, &crtc);
         let positional = Pool::new("Positional", PositionalIndexer::new(32), 2);
-        run_alongside(
-            "Positional+TP2",
-            pace,
-            load,
-            dynamo,
-            |e| positional.ingest(e),
-            |_, d| dyn_best(&positional.pool.backend().find_matches(d, false)),
-        );
+        run_alongside(pace, load, dynamo, &positional);
     }
 }
 
-fn run_alongside(
-    name: &str,
-    pace: Option<Duration>,
-    load: &Workload,
-    dynamo: &Dyn,
-    ingest: impl Fn(Events<'_>) + Sync,
-    query: impl Fn(&[BlockHash], &[LocalBlockHash]) -> u32,
-) {
+/// A subject whose events are applied through a shared reference, from another thread than
+/// its queries.
+trait Concurrent: Subject + Sync {
+    fn ingest(&self, events: Events<'_>);
+}
+
+impl Concurrent for KvShards {
+    fn ingest(&self, events: Events<'_>) {
+        KvShards::ingest(self, events);
+    }
+}
+
+impl<T: SyncIndexer> Concurrent for Pool<T> {
+    fn ingest(&self, events: Events<'_>) {
+        Pool::ingest(self, events);
+    }
+}
+
+fn run_alongside(pace: Option<Duration>, load: &Workload, dynamo: &Dyn, subject: &impl Concurrent) {
     const ROUNDS: usize = 100;
-    ingest(Events::Build(load, &dynamo.build));
+    let name = subject.name();
+    subject.ingest(Events::Build(load, &dynamo.build));
     let done = std::sync::atomic::AtomicBool::new(false);
     let mut times = Vec::new();
     let start = std::time::Instant::now();
     let elapsed = std::thread::scope(|scope| {
         let writer = scope.spawn(|| {
             for _ in 0..ROUNDS {
-                ingest(Events::Churn(load, &dynamo.churn));
+                subject.ingest(Events::Churn(load, &dynamo.churn));
             }
             let elapsed = start.elapsed();
             done.store(true, std::sync::atomic::Ordering::Release);
@@ -497,7 +487,7 @@ fn run_alongside(
             }
             i = (i + 389) % load.hit.len();
             let t = std::time::Instant::now();
-            black_box(query(&load.hit[i], &dynamo.hit[i]));
+            black_box(subject.query(&load.hit[i], &dynamo.hit[i]));
             times.push(t.elapsed());
         }
         writer.join().expect("writer")

@@ -231,19 +231,7 @@ fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize
 /// applies a message of an engine's events; returns the events refused.
 fn apply_line(index: &ShardedKvIndex, ops: &[Op]) -> usize {
     index.batch(ops[0].replica(), |events| {
-        (ops.iter())
-            .filter(|op| match op {
-                Op::Stored(s) => events.stored(&s.event()).is_err(),
-                Op::Removed { tier, hashes, .. } => {
-                    events.removed(*tier, hashes);
-                    false
-                }
-                Op::Cleared(_) => {
-                    events.cleared();
-                    false
-                }
-            })
-            .count()
+        ops.iter().filter(|op| events.apply(op).is_err()).count()
     })
 }
 

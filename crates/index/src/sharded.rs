@@ -154,6 +154,12 @@ impl<'a> ReplicaEvents<'a> {
     pub fn cleared(&mut self) {
         self.index.clear_replica(self.replica);
     }
+
+    /// An owned event of this replica (a queued one); on error nothing changed.
+    pub fn apply(&mut self, op: &Op) -> Result<(), IndexError> {
+        debug_assert_eq!(op.replica(), self.replica, "another replica's event");
+        op.apply(self.index)
+    }
 }
 
 /// What a shard's readers see: a copy of its block table and of its replicas' slots.

@@ -353,7 +353,9 @@ impl Router {
             .and_then(|t| by_headroom(pool, &candidates, &request, &t));
         let sampling = (pool.policy.kv_aware()).filter(|k| kv_aware && k.decides_on_load());
         let n = sample_size(self.sample_ranks, candidates.len());
-        let chosen = match by_headroom {
+        // The TTFT oracle's choice stands in for the policy's (which is then not asked).
+        let oracle = (req.oracle).and_then(|e| ids.iter().position(|&i| i == e));
+        let chosen = match oracle.or(by_headroom) {
             Some(index) => index,
             // The gateway samples on its lean path: a cost read from load alone.
             None if n > 0 && sampling.is_some() => {
@@ -372,9 +374,6 @@ impl Router {
             }
             None => (pool.policy.select(&candidates, &request, rng)).map_or(0, |d| d.index),
         };
-        let chosen = (req.oracle)
-            .and_then(|e| ids.iter().position(|&i| i == e))
-            .unwrap_or(chosen);
         let features = predict(&candidates[chosen], &request, 0.0).features;
         let device = candidates[chosen].kv.overlap.device as usize;
         // Its device-cached blocks are not computed.
