@@ -4,17 +4,17 @@
 //! # Layout
 //! Replica `r` lives in shard `r % N`, so writers of different shards never meet. A shard has
 //! one writer side, a [`KvIndex`]'s records of its replicas (engine hash to router blocks and
-//! nodes, tier counts, the capacity bound's queue), which queries never read, and two copies
+//! places, tier counts, the capacity bound's queue), which queries never read, and two copies
 //! of the one part queries read, the block table (with the replicas' slots): the left-right
 //! scheme of `evmap`, on the table alone.
 //! - A write takes the shard's writer lock, then the write lock of the copy readers do not
 //!   use. It replays there the table changes the other copy received last time (a log of
-//!   `inc`/`dec` calls, each with the node it names), lends that copy's table to the index,
+//!   `inc`/`dec` calls, each with the place it names), lends that copy's table to the index,
 //!   applies its event (hashing, records, and the table changes, logged), takes the table
 //!   back, copies the slots if they changed, releases the copy and makes it the one readers
 //!   use (an atomic store). The log is kept for the next write to replay on the other copy.
 //!   A replay is deterministic: the same changes in the same order on a table in the same
-//!   state assign the same nodes, so the records' nodes hold for both copies.
+//!   state assign the same places, so the records' places hold for both copies.
 //! - A read loads which copy is current and takes its read lock with `try_read`. That copy is
 //!   never write-locked, except when a writer flipped and took it between the load and the
 //!   `try_read`; then the read loads again and finds the other one. So a query never waits for

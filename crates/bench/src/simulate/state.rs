@@ -153,8 +153,7 @@ impl<'a> State<'a> {
             pending: (0..n).map(|_| None).collect(),
             ends: BinaryHeap::new(),
             wake: BTreeSet::new(),
-            // Nothing here reads the index's block count.
-            index: KvIndex::new(bs).counting_entries(),
+            index: KvIndex::new(bs),
             rng: SmallRng::seed_from_u64(cfg.seed),
             base: Instant::now(),
             live: HashMap::new(),

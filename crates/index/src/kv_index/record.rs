@@ -1,43 +1,9 @@
-//! What the index remembers of one engine block of one replica.
+//! How an engine block of one replica maps to router blocks ([`Kind`]; the record holding
+//! it is [`Record`](super::records::Record)).
 
 use std::sync::Arc;
 
 use crate::{BlockHash, EngineHash};
-
-/// One engine block of one replica: the router blocks it maps to, and the tiers holding it
-/// (24 bytes).
-#[derive(Debug)]
-pub(crate) struct Record {
-    pub(crate) kind: Kind,
-    /// `stamp << 4 | tiers`: when it was last stored (a global counter, for the capacity
-    /// bound), and bit `t` set when held in tier `t`.
-    meta: u64,
-}
-
-impl Record {
-    pub(crate) fn new(kind: Kind, stamp: u64, tiers: u8) -> Self {
-        Self {
-            kind,
-            meta: stamp << 4 | u64::from(tiers),
-        }
-    }
-
-    pub(crate) fn tiers(&self) -> u8 {
-        (self.meta & 0xF) as u8
-    }
-
-    pub(crate) fn set_tiers(&mut self, tiers: u8) {
-        self.meta = self.meta & !0xF | u64::from(tiers);
-    }
-
-    pub(crate) fn stamp(&self) -> u64 {
-        self.meta >> 4
-    }
-
-    pub(crate) fn set_stamp(&mut self, stamp: u64) {
-        self.meta = stamp << 4 | self.meta & 0xF;
-    }
-}
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Kind {

@@ -1,240 +1,301 @@
-//! Every replica's engine blocks: the [`Record`]s of all slots in one arena of 1 MiB chunks,
-//! in store order (a freed one reused last freed, first reused), and per slot a
-//! [`TagIndex`] of the engine hashes (tagged by a mix of the hash) to the records' positions.
-//! A record costs its 32 bytes in the arena and about 14 in its slot's index; a slot's index
-//! is small enough to stay in cache while its events are applied, and records stored
-//! together lie together.
+//! Every replica's engine blocks: per slot, a hash map from engine hash to a 16-byte
+//! [`Record`] held in the map's own entry (24 bytes with the key), so that finding a record
+//! is one probe of the map (its control bytes, then the entry) and nothing after it. A record
+//! of an engine block the router's size (the common case) is whole in its entry: its router
+//! block's node in the block table (the block's hash is that node's key), its tiers and its
+//! stamp. The rare mappings (an engine block of several router blocks, or a piece of one)
+//! keep their [`Kind`] in a side arena the entry points to.
+//!
+//! Before this layout a record lived in an arena of 32-byte records in store order, found
+//! through a per-slot open-addressing index of 8-byte tags: two dependent cache misses a
+//! lookup (the tag entry, then the record) where there is now one.
 
-use super::record::{Kind, Record};
-use super::tags::TagIndex;
-use crate::{BlockHash, EngineHash};
+use super::record::Kind;
+use super::record_map::RecordMap;
+use crate::EngineHash;
 
-const MIN_ENTRIES: usize = 16;
-/// Records per arena chunk (1 MiB).
-const CHUNK_BITS: u32 = 15;
-const CHUNK: usize = 1 << CHUNK_BITS;
+/// `Record::flags` bit set when the record's kind is in the side arena.
+const BOXED: u32 = 1 << 4;
 
-#[derive(Debug)]
-struct Held {
-    engine: EngineHash,
-    record: Record,
+/// One engine block of one replica (16 bytes): where its router blocks are, the tiers
+/// holding it, and when it was last stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub(crate) struct Record {
+    /// Not boxed: the node of its one router block in the block table for the slot's group
+    /// (which stays where it is while held). Boxed: its kind's position in the side arena.
+    at: u32,
+    /// Bits 0-3: the tiers holding it (bit `t` for tier `t`); [`BOXED`].
+    flags: u32,
+    /// When it was last stored (a global counter, for the capacity bound).
+    pub(super) stamp: u64,
 }
+
+impl Record {
+    /// A record with these flags and nothing else (a map's empty entry).
+    pub(super) const fn with_flags(flags: u32) -> Self {
+        Self {
+            at: 0,
+            flags,
+            stamp: 0,
+        }
+    }
+
+    pub(super) fn flags(&self) -> u32 {
+        self.flags
+    }
+
+    /// The record of an engine block the router's size, whose router block is at node `at`.
+    pub(crate) fn one(at: u32, stamp: u64, tiers: u8) -> Self {
+        Self {
+            at,
+            flags: u32::from(tiers),
+            stamp,
+        }
+    }
+
+    pub(crate) fn tiers(&self) -> u8 {
+        (self.flags & 0xF) as u8
+    }
+
+    pub(crate) fn set_tiers(&mut self, tiers: u8) {
+        self.flags = self.flags & !0xF | u32::from(tiers);
+    }
+
+    pub(crate) fn stamp(&self) -> u64 {
+        self.stamp
+    }
+
+    pub(crate) fn set_stamp(&mut self, stamp: u64) {
+        self.stamp = stamp;
+    }
+
+    /// The node of its one router block, when it maps to one block the router's size.
+    pub(crate) fn node(&self) -> Option<u32> {
+        (self.flags & BOXED == 0).then_some(self.at)
+    }
+
+    /// Its kind's position in the side arena, when it is not one block the router's size.
+    pub(crate) fn boxed(&self) -> Option<u32> {
+        (self.flags & BOXED != 0).then_some(self.at)
+    }
+}
+
+type SlotMap = RecordMap;
 
 #[derive(Debug, Default)]
 pub(crate) struct Records {
-    /// Chunks of `CHUNK` records: growing never copies, the slack is one chunk at most, and
-    /// no allocation is large enough to bypass the allocator's reuse of freed memory.
-    arena: Vec<Vec<Held>>,
-    /// Records in the arena, freed ones included.
-    used: usize,
-    /// Free arena positions, the last freed last.
+    slots: Vec<SlotMap>,
+    /// The kinds of boxed records; `None` where freed.
+    kinds: Vec<Option<Kind>>,
+    /// Freed positions of `kinds`, the last freed reused first.
     free: Vec<u32>,
-    slots: Vec<TagIndex>,
-    /// Heap bytes of the slots' indexes, kept as they grow and go (summing them over the slots
+    /// Heap bytes of the slots' maps, kept as they grow and go (summing them over the slots
     /// took 0.2 µs at 1,024 replicas, and the router reads the size after every event).
-    index_bytes: usize,
-}
-
-/// The index tag of an engine hash: engine hashes come from engines (any values), so one
-/// folded multiply spreads them first. Its low bits are the entry's home, so growth and
-/// removal move entries without reading their records.
-fn tag(hash: EngineHash) -> u32 {
-    let m = u128::from(hash.0 ^ 0x243F_6A88_85A3_08D3) * u128::from(0x9E37_79B9_7F4A_7C15u64);
-    let mixed = (m as u64) ^ ((m >> 64) as u64);
-    (mixed >> 32) as u32
-}
-
-fn placeholder() -> Record {
-    Record::new(Kind::One(BlockHash(0), 0), 0, 0)
-}
-
-fn held_in(arena: &[Vec<Held>], at: u32) -> &Held {
-    &arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
+    map_bytes: usize,
 }
 
 impl Records {
-    fn held(&self, at: u32) -> &Held {
-        held_in(&self.arena, at)
-    }
-
-    fn held_mut(&mut self, at: u32) -> &mut Held {
-        &mut self.arena[(at >> CHUNK_BITS) as usize][at as usize & (CHUNK - 1)]
-    }
-
     /// Makes room for slots up to `slot`.
     pub(crate) fn ensure_slot(&mut self, slot: u32) {
         if self.slots.len() <= slot as usize {
-            self.slots.resize_with(slot as usize + 1, TagIndex::default);
+            self.slots.resize_with(slot as usize + 1, SlotMap::default);
         }
     }
 
     /// Engine blocks of `slot`.
     #[cfg(test)]
     pub(crate) fn len(&self, slot: u32) -> usize {
-        self.slots.get(slot as usize).map_or(0, TagIndex::len)
+        self.slots.get(slot as usize).map_or(0, SlotMap::len)
     }
 
     /// Slots holding at least one engine block.
     pub(crate) fn slots_in_use(&self) -> usize {
-        self.slots.iter().filter(|index| index.len() > 0).count()
+        self.slots.iter().filter(|map| map.len() > 0).count()
     }
 
-    /// The arena position of `hash` of `slot`.
-    pub(crate) fn find(&self, slot: u32, hash: EngineHash) -> Option<u32> {
-        self.locate(slot, hash).map(|(_, at)| at)
-    }
-
-    /// Loads the index entry `hash` of `slot` probes first (see `FlatMap::touch`).
+    /// Looks `hash` of `slot` up and forgets the answer: done for all of an event's hashes
+    /// before any is applied, the lookups (independent) overlap their cache misses, and the
+    /// changes after them find their entries in cache.
+    #[inline]
     pub(crate) fn touch(&self, slot: u32, hash: EngineHash) {
-        self.slots[slot as usize].touch(tag(hash));
-    }
-
-    pub(crate) fn get(&self, slot: u32, hash: EngineHash) -> Option<&Record> {
-        self.find(slot, hash).map(|at| self.at(at))
-    }
-
-    pub(crate) fn get_mut(&mut self, slot: u32, hash: EngineHash) -> Option<&mut Record> {
-        self.find(slot, hash).map(|at| self.at_mut(at))
-    }
-
-    pub(crate) fn contains(&self, slot: u32, hash: EngineHash) -> bool {
-        self.find(slot, hash).is_some()
-    }
-
-    pub(crate) fn at(&self, at: u32) -> &Record {
-        &self.held(at).record
-    }
-
-    pub(crate) fn at_mut(&mut self, at: u32) -> &mut Record {
-        &mut self.held_mut(at).record
-    }
-
-    /// Where `hash` of `slot` is: its arena position, or the empty index entry it would take
-    /// ([`Self::insert_at`], the slot's index unchanged meanwhile). Makes room for one more
-    /// record first, so that one probe serves the lookup and the insertion.
-    pub(crate) fn find_or_vacant(&mut self, slot: u32, hash: EngineHash) -> Result<u32, usize> {
-        self.index_bytes += self.slots[slot as usize].reserve(MIN_ENTRIES);
-        let (arena, index) = (&self.arena, &self.slots[slot as usize]);
-        match index.probe(tag(hash), |at| held_in(arena, at).engine == hash) {
-            (_, Some(at)) => Ok(at),
-            (entry, None) => Err(entry),
+        if let Some(map) = self.slots.get(slot as usize) {
+            map.touch(hash.0);
         }
     }
 
-    /// Adds `hash` of `slot`, which must not be there yet.
-    #[cfg(test)]
-    pub(crate) fn insert(&mut self, slot: u32, hash: EngineHash, record: Record) {
-        let entry = self
-            .find_or_vacant(slot, hash)
-            .expect_err("inserting a record already there");
-        self.insert_at(slot, entry, hash, record);
+    /// Claims the entries of an event's engine hashes of `slot` that have none (see
+    /// [`RecordMap::claim`]): each must be stored next.
+    pub(crate) fn claim(&mut self, slot: u32, hashes: &[EngineHash]) {
+        let map = &mut self.slots[slot as usize];
+        self.map_bytes += map.reserve(hashes.len());
+        for hash in hashes {
+            map.claim(hash.0);
+        }
     }
 
-    /// Adds `hash` of `slot` at the empty index entry `entry` ([`Self::find_or_vacant`]'s
-    /// answer).
-    pub(crate) fn insert_at(&mut self, slot: u32, entry: usize, hash: EngineHash, record: Record) {
-        let held = Held {
-            engine: hash,
-            record,
-        };
-        let at = match self.free.pop() {
-            Some(at) => {
-                *self.held_mut(at) = held;
-                at
-            }
-            None => {
-                if self.used.is_multiple_of(CHUNK) {
-                    // The first chunk grows by doubling (a small index stays small); later
-                    // ones are allocated whole, never copied.
-                    let capacity = if self.arena.is_empty() { 0 } else { CHUNK };
-                    self.arena.push(Vec::with_capacity(capacity));
-                }
-                let chunk = self.arena.last_mut().expect("a chunk with room");
-                if chunk.len() == chunk.capacity() {
-                    chunk.reserve_exact(chunk.len().clamp(64, CHUNK - chunk.len()));
-                }
-                chunk.push(held);
-                self.used += 1;
-                (self.used - 1) as u32
-            }
-        };
-        self.slots[slot as usize].set(entry, tag(hash), at);
-    }
-
-    /// The index entry and the arena position of `hash` of `slot`.
+    /// The entry of `hash` of `slot`.
     #[inline]
-    pub(crate) fn locate(&self, slot: u32, hash: EngineHash) -> Option<(usize, u32)> {
-        self.slots
-            .get(slot as usize)?
-            .find(tag(hash), |at| self.held(at).engine == hash)
-    }
-
-    /// Removes `hash` of `slot`, returning its record.
-    #[cfg(test)]
-    pub(crate) fn remove(&mut self, slot: u32, hash: EngineHash) -> Option<Record> {
-        let (entry, _) = self.locate(slot, hash)?;
-        Some(self.remove_entry(slot, entry))
+    pub(crate) fn locate(&self, slot: u32, hash: EngineHash) -> Option<usize> {
+        self.slots.get(slot as usize)?.find(hash.0)
     }
 
     /// [`Self::locate`]'s answer `found` for `hash` of `slot`, checked: the same where its
     /// entry still holds the record, else looked up again (a removal since may have shifted
     /// the entry back, or removed the record).
     #[inline]
-    pub(crate) fn relocate(
-        &self,
-        slot: u32,
-        hash: EngineHash,
-        found: (usize, u32),
-    ) -> Option<(usize, u32)> {
-        if self.slots[slot as usize].holds(found.0, found.1) {
-            Some(found)
-        } else {
-            self.locate(slot, hash)
+    pub(crate) fn relocate(&self, slot: u32, hash: EngineHash, found: usize) -> Option<usize> {
+        match self.slots[slot as usize].holds(found, hash.0) {
+            true => Some(found),
+            false => self.locate(slot, hash),
         }
     }
 
-    /// Removes the record of index entry `entry` of `slot` (as [`locate`](Self::locate) found
-    /// it, the slot's index unchanged since), returning it.
+    /// The record in entry `entry` of `slot`.
     #[inline]
-    pub(crate) fn remove_entry(&mut self, slot: u32, entry: usize) -> Record {
-        let at = self.slots[slot as usize].remove(entry);
-        self.release(at)
+    pub(crate) fn at(&self, slot: u32, entry: usize) -> Record {
+        *self.slots[slot as usize].record(entry)
     }
 
-    fn release(&mut self, at: u32) -> Record {
+    /// Removes the record in entry `entry` of `slot`, returning it and, if boxed, its kind.
+    #[inline]
+    pub(crate) fn remove_at(&mut self, slot: u32, entry: usize) -> (Record, Option<Kind>) {
+        let record = self.slots[slot as usize].remove_at(entry);
+        (record, self.release(&record))
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, slot: u32, hash: EngineHash) -> Option<Record> {
+        let map = self.slots.get(slot as usize)?;
+        map.find(hash.0).map(|entry| *map.record(entry))
+    }
+
+    pub(crate) fn contains(&self, slot: u32, hash: EngineHash) -> bool {
+        self.get(slot, hash).is_some()
+    }
+
+    /// Replaces the record of `hash` of `slot`, which must be there.
+    #[inline]
+    pub(crate) fn set(&mut self, slot: u32, hash: EngineHash, record: Record) {
+        let map = &mut self.slots[slot as usize];
+        let entry = map.find(hash.0).expect("a record to replace");
+        *map.record_mut(entry) = record;
+    }
+
+    /// The kind of a boxed record.
+    pub(crate) fn kind(&self, record: &Record) -> Option<&Kind> {
+        let at = record.boxed()?;
+        self.kinds[at as usize].as_ref()
+    }
+
+    /// The kind of a boxed record, to change what is not part of its mapping.
+    pub(crate) fn kind_mut(&mut self, record: &Record) -> Option<&mut Kind> {
+        let at = record.boxed()?;
+        self.kinds[at as usize].as_mut()
+    }
+
+    /// The entry of `hash` of `slot`, or the empty one where it would go (the slot made room
+    /// for one more first, so that one probe serves the lookup and the insertion).
+    #[inline]
+    pub(crate) fn find_or_vacant(&mut self, slot: u32, hash: EngineHash) -> Result<usize, usize> {
+        self.slots[slot as usize].probe(hash.0)
+    }
+
+    /// The record in entry `entry` of `slot` ([`Self::find_or_vacant`]'s answer).
+    #[inline]
+    pub(crate) fn at_mut(&mut self, slot: u32, entry: usize) -> &mut Record {
+        self.slots[slot as usize].record_mut(entry)
+    }
+
+    /// Fills the empty entry `entry` of `slot` ([`Self::find_or_vacant`]'s answer for `hash`,
+    /// the slot unchanged since).
+    #[inline]
+    pub(crate) fn insert_at(&mut self, slot: u32, entry: usize, hash: EngineHash, record: Record) {
+        self.map_bytes += self.slots[slot as usize].insert_at(entry, hash.0, record);
+    }
+
+    /// A new record for `kind` (its node, for [`Kind::One`], is `node`), to insert.
+    pub(crate) fn new_record(&mut self, kind: Kind, node: u32, stamp: u64, tiers: u8) -> Record {
+        let (at, boxed) = match kind {
+            Kind::One(..) => (node, 0),
+            kind => {
+                let at = match self.free.pop() {
+                    Some(at) => {
+                        self.kinds[at as usize] = Some(kind);
+                        at
+                    }
+                    None => {
+                        self.kinds.push(Some(kind));
+                        (self.kinds.len() - 1) as u32
+                    }
+                };
+                (at, BOXED)
+            }
+        };
+        Record {
+            at,
+            flags: boxed | u32::from(tiers),
+            stamp,
+        }
+    }
+
+    /// Adds `hash` of `slot`, which must not be there yet.
+    pub(crate) fn insert(&mut self, slot: u32, hash: EngineHash, record: Record) {
+        let entry =
+            (self.find_or_vacant(slot, hash)).expect_err("inserting a record already there");
+        self.insert_at(slot, entry, hash, record);
+    }
+
+    /// Removes `hash` of `slot`, returning its record and, if boxed, its kind.
+    #[inline]
+    #[cfg(test)]
+    pub(crate) fn remove(&mut self, slot: u32, hash: EngineHash) -> Option<(Record, Option<Kind>)> {
+        let map = self.slots.get_mut(slot as usize)?;
+        let record = map.remove_at(map.find(hash.0)?);
+        Some((record, self.release(&record)))
+    }
+
+    fn release(&mut self, record: &Record) -> Option<Kind> {
+        let at = record.boxed()?;
         self.free.push(at);
-        std::mem::replace(&mut self.held_mut(at).record, placeholder())
+        self.kinds[at as usize].take()
     }
 
-    /// Removes every record of `slot`, returning them.
-    pub(crate) fn take_slot(&mut self, slot: u32) -> Vec<Record> {
-        let Some(index) = self.slots.get_mut(slot as usize) else {
+    /// Removes every record of `slot`, returning them (with the kinds of the boxed ones).
+    pub(crate) fn take_slot(&mut self, slot: u32) -> Vec<(Record, Option<Kind>)> {
+        let Some(map) = self.slots.get_mut(slot as usize) else {
             return Vec::new();
         };
-        let index = std::mem::take(index);
-        self.index_bytes -= index.memory_bytes();
-        index.positions().map(|at| self.release(at)).collect()
+        let map = std::mem::take(map);
+        self.map_bytes -= map.memory_bytes();
+        let records: Vec<Record> = map.records().copied().collect();
+        let kinds = records.iter().map(|record| self.release(record));
+        records
+            .iter()
+            .copied()
+            .zip(kinds.collect::<Vec<_>>())
+            .collect()
     }
 
     /// The records of `slot` (for tests).
     #[cfg(test)]
     pub(crate) fn values(&self, slot: u32) -> impl Iterator<Item = &Record> + '_ {
-        self.slots[slot as usize].positions().map(|at| self.at(at))
+        self.slots[slot as usize].records()
     }
 
-    /// Heap bytes of the arena and the indexes (not what the records point to).
+    /// Heap bytes of the maps and the side arena (not what the boxed kinds point to).
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.arena.iter().map(Vec::capacity).sum::<usize>() * std::mem::size_of::<Held>()
-            + self.arena.capacity() * std::mem::size_of::<Vec<Held>>()
+        self.map_bytes
+            + self.slots.capacity() * std::mem::size_of::<SlotMap>()
+            + self.kinds.capacity() * std::mem::size_of::<Option<Kind>>()
             + self.free.capacity() * std::mem::size_of::<u32>()
-            + self.slots.capacity() * std::mem::size_of::<TagIndex>()
-            + self.index_bytes
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::BlockHash;
     use std::collections::HashMap;
 
     #[test]
@@ -247,20 +308,27 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            // Small engine hashes, as some engines have, in three slots.
+            // Small engine hashes, as some engines have, in three slots; every fourth record
+            // boxed.
             let (slot, hash) = ((x % 3) as u32, EngineHash(x % 700));
             if x % 5 < 2 {
-                let removed = records.remove(slot, hash).map(|r| r.stamp());
+                let removed = records.remove(slot, hash);
+                if let Some((record, kind)) = &removed {
+                    assert_eq!(kind.is_some(), record.boxed().is_some());
+                }
+                let removed = removed.map(|(r, _)| r.stamp());
                 assert_eq!(removed, model.remove(&(slot, hash.0)));
-            } else if let Some(record) = records.get_mut(slot, hash) {
+            } else if let Some(mut record) = records.get(slot, hash) {
                 record.set_stamp(stamp);
+                records.set(slot, hash, record);
                 model.insert((slot, hash.0), stamp);
             } else {
-                records.insert(
-                    slot,
-                    hash,
-                    Record::new(Kind::One(BlockHash(1), 0), stamp, 1),
-                );
+                let kind = match x % 4 {
+                    0 => Kind::Many(Box::new(vec![BlockHash(1), BlockHash(2)].into())),
+                    _ => Kind::One(BlockHash(1), 0),
+                };
+                let record = records.new_record(kind, 7, stamp, 1);
+                records.insert(slot, hash, record);
                 model.insert((slot, hash.0), stamp);
             }
         }
@@ -268,21 +336,31 @@ mod tests {
             let mine = model.iter().filter(|((s, _), _)| *s == slot);
             assert_eq!(records.len(slot), mine.clone().count());
             for ((_, hash), stamp) in mine {
-                assert_eq!(
-                    records.get(slot, EngineHash(*hash)).unwrap().stamp(),
-                    *stamp
-                );
-                assert!(records.contains(slot, EngineHash(*hash)));
+                let record = records.get(slot, EngineHash(*hash)).unwrap();
+                assert_eq!(record.stamp(), *stamp);
+                match records.kind(&record) {
+                    Some(kind) => assert_eq!(kind.own().len(), 2),
+                    None => assert_eq!(record.node(), Some(7)),
+                }
             }
         }
-        let index_bytes = |r: &Records| r.slots.iter().map(TagIndex::memory_bytes).sum::<usize>();
-        assert!(records.index_bytes > 0);
-        assert_eq!(records.index_bytes, index_bytes(&records));
+        let boxed = |r: &Records| r.kinds.iter().filter(|k| k.is_some()).count();
+        let live = (0..3)
+            .flat_map(|s| records.values(s))
+            .filter(|r| r.boxed().is_some());
+        assert_eq!(boxed(&records), live.count());
+        let sizes = |r: &Records| r.slots.iter().map(SlotMap::memory_bytes).sum::<usize>();
+        assert!(records.map_bytes > 0);
+        assert_eq!(records.map_bytes, sizes(&records));
         let taken = records.take_slot(1);
         assert_eq!(taken.len(), model.keys().filter(|(s, _)| *s == 1).count());
         assert_eq!(records.len(1), 0);
         assert!(records.get(1, EngineHash(3)).is_none());
         assert_eq!(records.slots_in_use(), 2);
-        assert_eq!(records.index_bytes, index_bytes(&records));
+        assert_eq!(records.map_bytes, sizes(&records));
+        let live = (0..3)
+            .flat_map(|s| records.values(s))
+            .filter(|r| r.boxed().is_some());
+        assert_eq!(boxed(&records), live.count());
     }
 }

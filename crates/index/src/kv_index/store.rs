@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use super::record::{Basis, Kind, Part, Record, Tail};
+use super::record::{Basis, Kind, Part, Tail};
+use super::records::Record;
 use super::table::{BlockTable, Place};
 use super::{tier_index, KvIndex};
 use crate::hash::hash_into;
@@ -97,11 +98,20 @@ impl KvIndex {
             .records
             .get(slot, parent)
             .ok_or(IndexError::UnknownParent(parent))?;
+        let kind = self.records.kind(&record);
         let Basis {
             base,
             base_at,
             filled,
-        } = record.kind.basis();
+        } = match (record.node(), kind) {
+            (Some(at), _) => Basis {
+                base: Some(self.table.block_at(at)),
+                base_at: Some(at),
+                filled: 0,
+            },
+            (None, Some(kind)) => kind.basis(),
+            (None, None) => unreachable!("a boxed record has its kind"),
+        };
         if filled == 0 {
             return Ok((base, base_at));
         }
@@ -113,7 +123,7 @@ impl KvIndex {
                 router: self.block_size,
             });
         }
-        let Kind::Part(part) = &record.kind else {
+        let Some(Kind::Part(part)) = kind else {
             unreachable!("only a piece leaves a router block partial");
         };
         // Continue the partial router block as the parent's record saw it; each of its pieces
@@ -131,9 +141,10 @@ impl KvIndex {
         Ok((base, None))
     }
 
-    /// Engine block size a multiple of the router's. The records' index entries are brought
-    /// into cache while the router hashes are computed, then the table's entries, all
-    /// together (their cache misses overlap), then the blocks are stored.
+    /// Engine block size a multiple of the router's. The records' entries are claimed, then
+    /// the router hashes computed while those load, then the run the chain continues from is
+    /// brought in (every block's entry, where blocks are found by hash), then the blocks are
+    /// stored.
     fn store_whole(
         &mut self,
         slot: u32,
@@ -143,9 +154,7 @@ impl KvIndex {
         scratch: &mut Scratch,
     ) {
         let per = event.block_size / self.block_size;
-        for &hash in event.engine_hashes {
-            self.records.touch(slot, hash);
-        }
+        self.records.claim(slot, event.engine_hashes);
         let mut previous = base;
         scratch.blocks.clear();
         for tokens in event.token_ids.chunks_exact(self.block_size) {
@@ -153,15 +162,14 @@ impl KvIndex {
             scratch.blocks.push(block);
             previous = Some(block);
         }
-        // The blocks after the first are looked up only where the table cannot tell them new.
-        let looked_up = if self.table.looks_up_tails() {
-            usize::MAX
-        } else {
-            1
-        };
-        for &block in scratch.blocks.iter().take(looked_up) {
-            self.table.touch(block, None, slot);
+        if self.table.looks_up_tails() {
+            for &block in &scratch.blocks {
+                self.table.touch(block, None);
+            }
+        } else if let Some(&first) = scratch.blocks.first() {
+            self.table.touch(first, base_at);
         }
+        self.table.expect(scratch.blocks.len());
         let tier = tier_index(event.tier);
         let mut after = base_at;
         for (&hash, blocks) in event
@@ -256,10 +264,10 @@ impl KvIndex {
 
     /// Records that `block` was completed through the piece `member`.
     fn add_member_of(&mut self, slot: u32, member: EngineHash, block: BlockHash) {
-        let Some(record) = self.records.get_mut(slot, member) else {
+        let Some(record) = self.records.get(slot, member) else {
             return;
         };
-        if let Kind::Part(part) = &mut record.kind {
+        if let Some(Kind::Part(part)) = self.records.kind_mut(&record) {
             if !part.members_of.contains(&block) {
                 let before = part.members_of.capacity();
                 part.members_of.push(block);
@@ -282,68 +290,101 @@ impl KvIndex {
     ) -> Option<u32> {
         let stamp = self.next_stamp;
         self.next_stamp += 1;
-        let groups = self.slots.groups();
-        let at = match self.records.find_or_vacant(slot, hash) {
-            Ok(at) if self.records.at(at).kind.same_mapping(&kind) => {
-                let record = self.records.at_mut(at);
-                record.set_stamp(stamp);
-                if record.tiers() & (1 << tier) == 0 {
-                    record.set_tiers(record.tiers() | 1 << tier);
-                    self.tier_counts[slot as usize][tier] += 1;
-                    let place = match record.kind {
-                        Kind::One(_, at) => Place::At(at),
-                        _ => Place::After(None),
-                    };
-                    hold(&mut self.table, &record.kind, place, slot, tier, groups);
-                }
-                match record.kind {
-                    Kind::One(_, at) => Some(at),
-                    _ => None,
-                }
-            }
-            Ok(_) => {
-                self.remove_record(slot, hash);
-                let entry = self
-                    .records
-                    .find_or_vacant(slot, hash)
-                    .expect_err("just removed");
-                self.insert(slot, entry, hash, kind, tier, stamp, after)
-            }
-            Err(entry) => self.insert(slot, entry, hash, kind, tier, stamp, after),
+        let at = match kind {
+            Kind::One(block, _) => self.upsert_one(slot, hash, block, tier, stamp, after),
+            kind => self.upsert_boxed(slot, hash, kind, tier, stamp),
         };
         self.push_fifo(slot, hash, stamp);
         at
     }
 
-    /// Adds engine block `hash` of `slot` at the records' empty index entry `entry`.
-    #[allow(clippy::too_many_arguments)]
-    fn insert(
+    /// [`Self::upsert`] of a block the router's size: one probe of the slot's records finds
+    /// the record or the room for it.
+    #[inline]
+    fn upsert_one(
         &mut self,
         slot: u32,
-        entry: usize,
         hash: EngineHash,
-        mut kind: Kind,
+        block: BlockHash,
         tier: usize,
         stamp: u64,
         after: Option<u32>,
     ) -> Option<u32> {
-        let groups = self.slots.groups();
-        let at = hold(
-            &mut self.table,
-            &kind,
-            Place::After(after),
-            slot,
-            tier,
-            groups,
-        );
-        if let (Kind::One(_, node), Some(at)) = (&mut kind, at) {
-            *node = at;
+        let (table, counts) = (&mut self.table, &mut self.tier_counts[slot as usize]);
+        match self.records.find_or_vacant(slot, hash) {
+            Err(vacant) => {
+                let at = table.inc(block, Place::After(after), slot, tier);
+                (self.records).insert_at(slot, vacant, hash, Record::one(at, stamp, 1 << tier));
+                self.engine_blocks += 1;
+                counts[tier] += 1;
+                return Some(at);
+            }
+            Ok(entry) => {
+                let record = self.records.at_mut(slot, entry);
+                let at = record
+                    .node()
+                    .filter(|&at| table.block_at(at) == block);
+                if let Some(at) = at {
+                    record.set_stamp(stamp);
+                    if record.tiers() & (1 << tier) == 0 {
+                        record.set_tiers(record.tiers() | 1 << tier);
+                        counts[tier] += 1;
+                        table.inc(block, Place::At(at), slot, tier);
+                    }
+                    return Some(at);
+                }
+            }
         }
+        // Stored before with another mapping: replaced.
+        self.remove_record(slot, hash);
+        self.insert(slot, hash, Kind::One(block, 0), tier, stamp, after)
+    }
+
+    /// [`Self::upsert`] of a block mapped to several router blocks, or to a piece of one.
+    fn upsert_boxed(
+        &mut self,
+        slot: u32,
+        hash: EngineHash,
+        kind: Kind,
+        tier: usize,
+        stamp: u64,
+    ) -> Option<u32> {
+        let Some(mut record) = self.records.get(slot, hash) else {
+            return self.insert(slot, hash, kind, tier, stamp, None);
+        };
+        let same = (self.records.kind(&record)).is_some_and(|old| old.same_mapping(&kind));
+        if !same {
+            self.remove_record(slot, hash);
+            return self.insert(slot, hash, kind, tier, stamp, None);
+        }
+        record.set_stamp(stamp);
+        if record.tiers() & (1 << tier) == 0 {
+            record.set_tiers(record.tiers() | 1 << tier);
+            self.tier_counts[slot as usize][tier] += 1;
+            hold(&mut self.table, &kind, Place::After(None), slot, tier);
+        }
+        self.records.set(slot, hash, record);
+        None
+    }
+
+    /// Adds engine block `hash` of `slot`, which it does not hold.
+    fn insert(
+        &mut self,
+        slot: u32,
+        hash: EngineHash,
+        kind: Kind,
+        tier: usize,
+        stamp: u64,
+        after: Option<u32>,
+    ) -> Option<u32> {
+        let at = hold(&mut self.table, &kind, Place::After(after), slot, tier);
         self.engine_blocks += 1;
         self.record_heap += kind.heap_bytes();
         self.tier_counts[slot as usize][tier] += 1;
-        self.records
-            .insert_at(slot, entry, hash, Record::new(kind, stamp, 1 << tier));
+        let record = self
+            .records
+            .new_record(kind, at.unwrap_or(0), stamp, 1 << tier);
+        self.records.insert(slot, hash, record);
         at
     }
 }
@@ -356,13 +397,12 @@ fn hold(
     one: Place,
     slot: u32,
     tier: usize,
-    groups: u32,
 ) -> Option<u32> {
     match kind {
-        Kind::One(block, _) => Some(table.inc(*block, one, slot, tier, groups)),
+        Kind::One(block, _) => Some(table.inc(*block, one, slot, tier)),
         _ => {
             for &block in kind.own() {
-                table.inc(block, Place::After(None), slot, tier, groups);
+                table.inc(block, Place::After(None), slot, tier);
             }
             None
         }

@@ -1,67 +1,82 @@
-//! The block table: for each (router block, group of 64 slots), one holder mask per tier.
+//! The block table as runs of blocks: a radix tree over router block hashes whose nodes are
+//! runs of up to 64 blocks.
 //!
-//! A bit set in `tiers[t]` means the slot holds the block in tier `t` at least once. The
-//! device masks live in a [`FlatMap`] (an arena of 16-byte nodes in insertion order, the first
-//! node of each run stored together found by an open-addressing index of 8-byte entries, the
-//! others after their parent's node); the masks of the other
-//! tiers, rarer, in a side map, `lower`, consulted only when it is not empty. Counts above one
-//! (several engine blocks covering one router block) live in another side map, `extra`, which
-//! stays empty in the common one-to-one case.
+//! A run holds the hashes of blocks stored one after another. A block stored after the last
+//! block of a run (with room left) is appended to it; one stored after any other block, or
+//! after a full run, starts a new run hung from that block as a *branch*; a block with no
+//! parent starts a *root* run, found by its hash. No run is ever split or moved, so a block's
+//! *place* (its run and offset, `run << 6 | offset`) stays the same while the run lives, and
+//! the replicas' records keep it. Chained router hashes make a block's place unique: its hash
+//! names its whole prefix.
 //!
-//! The query walks the request's blocks in order with a mask of the replicas still matching:
-//! one step per block per group (the node after the last one matched, which is where a chain
-//! stored together lies, else a lookup), and the per-replica work happens only when a replica
-//! drops out or holds a block outside the device tier. Counts per tier follow from
-//! `device = matched - host - disk - external`.
+//! Per run, each (slot, tier) holding any of its blocks has one bit per offset (the first
+//! such holder inline, most runs having one), and `any` has the bits some holder sets. A run
+//! no one holds any block of and with no branch is freed, and its ancestors after it while
+//! the same holds; a freed run keeps its buffers for the next. Counts above one (a router block
+//! held through two engine blocks of one slot and tier) live in a side map, `extra`, empty in
+//! the common case.
+//!
+//! Engine blocks of another size than the router's (re-blocking) are stored without their
+//! parent's place. From the first such event on (`heads_only`), every block of a live run is
+//! also found by hash (`keyed`), as is the next block of a query where no branch has it.
+//!
+//! A query walks the runs comparing hashes, one branch lookup per run left, not one lookup a
+//! block, with the slots still matching; a slot's blocks in a run are its leading bits there.
 
-use super::flat::{self, FlatMap};
 use crate::hasher::{map_bytes, IdentityMap, MixMap};
-use crate::slots::{bits, group_key, split, Slots};
+use crate::slots::Slots;
 use crate::{BlockHash, OverlapScores, TierCounts};
 
-/// Tier indices: device, host, disk, external.
-pub(crate) const TIERS: usize = 4;
+/// Blocks a run holds at most (one bit each in a `u64`).
+const RUN: usize = 64;
+const NONE: u32 = u32::MAX;
+/// Places are `run << 6 | offset` in 32 bits: at most 2^26 runs.
+const MAX_RUNS: usize = 1 << 26;
+const BRANCH_BYTES: usize = std::mem::size_of::<(u32, u64, u32)>();
+const HOLDER_BYTES: usize = std::mem::size_of::<(u32, u64)>();
 
-/// Where [`BlockTable::inc`] finds or puts a block's node.
+fn place(run: u32, offset: u32) -> u32 {
+    run << 6 | offset
+}
+
+fn unplace(place: u32) -> (usize, u32) {
+    ((place >> 6) as usize, place & 63)
+}
+
+/// The bits of offsets `start..start + len`.
+fn window(start: u32, len: usize) -> u64 {
+    match len {
+        64 => u64::MAX,
+        len => ((1u64 << len) - 1) << start,
+    }
+}
+
+/// A holder's key in a run: its slot and tier, sorted by slot.
+fn holder(slot: u32, tier: usize) -> u32 {
+    slot << 2 | tier as u32
+}
+
+/// Where [`BlockTable::inc`] finds or puts a block.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Place {
-    /// After the node of the block's parent for the slot's group (see [`FlatMap`]'s heads and
-    /// tails); `None` for a chain's first block, or once [`BlockTable::heads_only`] was called.
+    /// After the place of the block's parent (`None`: a chain's first block, or a block whose
+    /// parent's place its record does not keep: re-blocking).
     After(Option<u32>),
-    /// At this node: the block's, which the slot already holds in another tier.
+    /// At this place: the block's, which the slot already holds in another tier.
     At(u32),
 }
 
-/// One holding, as [`BlockTable::inc`] adds it and [`BlockTable::dec`] takes it: `block` by
-/// `slot` in `tier`, with `groups` slot groups at the time.
+/// One holding, as [`BlockTable::inc`] adds it and [`BlockTable::dec`] takes it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Holding {
     block: BlockHash,
     slot: u32,
     tier: u8,
-    groups: u32,
-}
-
-impl Holding {
-    fn new(block: BlockHash, slot: u32, tier: usize, groups: u32) -> Self {
-        let tier = tier as u8;
-        Self {
-            block,
-            slot,
-            tier,
-            groups,
-        }
-    }
-
-    /// (block, slot, tier, groups), as `inc` and `dec` take them.
-    fn parts(self) -> (BlockHash, u32, usize, u32) {
-        (self.block, self.slot, usize::from(self.tier), self.groups)
-    }
 }
 
 /// A change to the table, as [`BlockTable::replay`] applies it again to a copy that has applied
 /// the same changes up to it (a mirrored shard's other copy): the copy then assigns the same
-/// nodes.
+/// places.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Change {
     Inc(Holding, Place),
@@ -69,165 +84,342 @@ pub(crate) enum Change {
     HeadsOnly,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct Holders {
-    tiers: [u64; TIERS],
+/// (holder key, a bit per offset), sorted by key; the first inline.
+#[derive(Debug)]
+struct Holders {
+    first: (u32, u64),
+    rest: Vec<(u32, u64)>,
+}
+
+impl Default for Holders {
+    fn default() -> Self {
+        Self {
+            first: (NONE, 0),
+            rest: Vec::new(),
+        }
+    }
 }
 
 impl Holders {
-    fn any(&self) -> u64 {
-        self.tiers[0] | self.tiers[1] | self.tiers[2] | self.tiers[3]
+    #[inline]
+    fn get_mut(&mut self, key: u32) -> Option<&mut u64> {
+        if self.first.0 == key {
+            return Some(&mut self.first.1);
+        }
+        if self.rest.is_empty() {
+            return None;
+        }
+        let i = (self.rest.binary_search_by_key(&key, |h| h.0)).ok()?;
+        Some(&mut self.rest[i].1)
+    }
+
+    fn insert(&mut self, key: u32, bits: u64) {
+        if self.first.0 == NONE {
+            self.first = (key, bits);
+        } else if key < self.first.0 {
+            let first = std::mem::replace(&mut self.first, (key, bits));
+            self.rest.insert(0, first);
+        } else {
+            let i = (self.rest.binary_search_by_key(&key, |h| h.0)).unwrap_or_else(|i| i);
+            self.rest.insert(i, (key, bits));
+        }
+    }
+
+    fn remove(&mut self, key: u32) {
+        if self.first.0 == key {
+            self.first = match self.rest.is_empty() {
+                true => (NONE, 0),
+                false => self.rest.remove(0),
+            };
+        } else if let Ok(i) = self.rest.binary_search_by_key(&key, |h| h.0) {
+            self.rest.remove(i);
+        }
+    }
+
+    #[inline]
+    fn iter(&self) -> impl Iterator<Item = &(u32, u64)> {
+        let first = std::iter::once(&self.first).filter(|h| h.0 != NONE);
+        first.chain(&self.rest)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Run {
+    hashes: Vec<u64>,
+    /// (the offset it leaves at, its first hash, its run).
+    branches: Vec<(u32, u64, u32)>,
+    holders: Holders,
+    /// Offsets some holder holds.
+    any: u64,
+    /// The run and offset it branches from (`NONE`: a root).
+    parent: u32,
+    at: u32,
+}
+
+impl Run {
+    #[inline]
+    fn branch(&self, at: u32, first: u64) -> Option<u32> {
+        let found = self.branches.iter().find(|b| b.0 == at && b.1 == first);
+        found.map(|b| b.2)
+    }
+
+    #[cfg(test)]
+    fn heap_bytes(&self) -> usize {
+        self.hashes.capacity() * 8
+            + self.branches.capacity() * BRANCH_BYTES
+            + self.holders.rest.capacity() * HOLDER_BYTES
     }
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct BlockTable {
-    /// Table key → device mask; an entry exists while some slot holds the key in some tier.
-    map: FlatMap,
-    /// Table key → host, disk and external masks, while one is not zero.
-    lower: IdentityMap<u64, [u64; 3]>,
-    /// (table key, slot, tier) → holdings beyond the first.
-    extra: MixMap<(u64, u32, u8), u32>,
-    /// With more than one group of slots: router block → the groups holding it, so that
-    /// `distinct` follows in one lookup (not one per group). Built when a second group appears
-    /// (every key then is group 0's, which is the block itself).
-    groups_of: Option<IdentityMap<u64, u32>>,
+    runs: Vec<Run>,
+    /// Freed runs, their buffers kept.
+    free: Vec<u32>,
+    /// A root run's first hash → the run.
+    roots: IdentityMap<u64, u32>,
+    /// Once re-blocking began: every block of a live run → its place.
+    keyed: Option<IdentityMap<u64, u32>>,
+    /// (place, slot, tier) → holdings beyond the first.
+    extra: MixMap<(u32, u32, u8), u32>,
+    /// Heap bytes behind the runs (their buffers), kept as they change.
+    run_heap: usize,
+    /// Blocks a store is about to add, to size a new run's buffer.
+    room: usize,
     distinct: usize,
-    /// Count (block, group) entries instead of distinct blocks past one group (see
-    /// [`KvIndex::counting_entries`](super::KvIndex::counting_entries)).
-    entries_only: bool,
     /// While set, every change is also appended here ([`Self::log_into`]).
     log: Option<Vec<Change>>,
 }
 
 impl BlockTable {
-    /// Distinct router blocks held by some slot (with `entries_only`, the entries).
+    /// Distinct router blocks held by some slot.
     pub(crate) fn distinct(&self) -> usize {
         self.distinct
     }
 
-    /// From now on, counts (block, group) entries (see the field).
-    pub(crate) fn count_entries_only(&mut self) {
-        self.entries_only = true;
-        self.groups_of = None;
+    /// The next store adds up to `blocks` blocks in a row: a run started for them gets room
+    /// for them (a hint; the table's contents do not depend on it).
+    pub(crate) fn expect(&mut self, blocks: usize) {
+        self.room = blocks;
     }
 
-    /// One more holding of `block` by `slot` in `tier`; `groups` is the number of slot groups.
-    /// Returns `block`'s node for `slot`'s group, which stays where it is while held.
+    /// One more holding of `block` by `slot` in `tier`. Returns `block`'s place, which stays
+    /// the same while the block is held.
     #[inline]
-    pub(crate) fn inc(
-        &mut self,
-        block: BlockHash,
-        place: Place,
-        slot: u32,
-        tier: usize,
-        groups: u32,
-    ) -> u32 {
-        let holding = Holding::new(block, slot, tier, groups);
+    pub(crate) fn inc(&mut self, block: BlockHash, place: Place, slot: u32, tier: usize) -> u32 {
+        let holding = Holding {
+            block,
+            slot,
+            tier: tier as u8,
+        };
         self.logged(|| Change::Inc(holding, place));
         self.inc_now(holding, place)
     }
 
-    fn inc_now(&mut self, holding: Holding, place: Place) -> u32 {
-        let (block, slot, tier, groups) = holding.parts();
-        let (group, bit) = split(slot);
-        let key = group_key(block, group);
-        self.count_groups(groups);
-        let (at, created) = match place {
-            Place::After(after) => self.map.insert(key, after.map(|a| a as usize)),
-            Place::At(at) => {
-                debug_assert_eq!(self.map.key(at as usize), flat::stored(key));
-                (at as usize, false)
+    fn inc_now(&mut self, holding: Holding, at: Place) -> u32 {
+        let Holding { block, slot, tier } = holding;
+        let p = match at {
+            Place::At(p) => p,
+            Place::After(after) => self.locate_or_add(block, after),
+        };
+        self.room = self.room.saturating_sub(1);
+        let (r, offset) = unplace(p);
+        let bit = 1u64 << offset;
+        let run = &mut self.runs[r];
+        debug_assert_eq!(run.hashes[offset as usize], block.0);
+        let key = holder(slot, usize::from(tier));
+        match run.holders.get_mut(key) {
+            Some(bits) if *bits & bit != 0 => {
+                *self.extra.entry((p, slot, tier)).or_insert(0) += 1;
+            }
+            Some(bits) => *bits |= bit,
+            None => {
+                let before = run.holders.rest.capacity();
+                run.holders.insert(key, bit);
+                self.run_heap += (run.holders.rest.capacity() - before) * HOLDER_BYTES;
+            }
+        }
+        if run.any & bit == 0 {
+            run.any |= bit;
+            self.distinct += 1;
+        }
+        p
+    }
+
+    /// The place of `block` stored after place `after`: found along the run, in a branch or
+    /// (re-blocking) by hash, else added.
+    #[inline]
+    fn locate_or_add(&mut self, block: BlockHash, after: Option<u32>) -> u32 {
+        if let Some(&p) = self.keyed.as_ref().and_then(|keyed| keyed.get(&block.0)) {
+            return p;
+        }
+        let Some(after) = after else {
+            if let Some(&r) = self.roots.get(&block.0) {
+                return place(r, 0);
+            }
+            let r = self.alloc(NONE, 0, block.0);
+            self.roots.insert(block.0, r);
+            return place(r, 0);
+        };
+        let (r, offset) = unplace(after);
+        let run = &self.runs[r];
+        let next = offset as usize + 1;
+        if run.hashes.get(next) == Some(&block.0) {
+            return place(r as u32, next as u32);
+        }
+        if let Some(b) = run.branch(offset, block.0) {
+            return place(b, 0);
+        }
+        if next == run.hashes.len() && next < RUN {
+            let hashes = &mut self.runs[r].hashes;
+            let before = hashes.capacity();
+            hashes.push(block.0);
+            self.run_heap += (hashes.capacity() - before) * 8;
+            let p = place(r as u32, next as u32);
+            if let Some(keyed) = &mut self.keyed {
+                keyed.insert(block.0, p);
+            }
+            return p;
+        }
+        let b = self.alloc(r as u32, offset, block.0);
+        let branches = &mut self.runs[r].branches;
+        let before = branches.capacity();
+        branches.push((offset, block.0, b));
+        self.run_heap += (branches.capacity() - before) * BRANCH_BYTES;
+        place(b, 0)
+    }
+
+    /// A run whose first block is `first`, branching from `parent` at `at`.
+    fn alloc(&mut self, parent: u32, at: u32, first: u64) -> u32 {
+        let room = self.room.clamp(1, RUN);
+        let r = match self.free.pop() {
+            Some(r) => r,
+            None => {
+                assert!(self.runs.len() < MAX_RUNS, "the block table is full (2^26 runs)");
+                self.runs.push(Run::default());
+                (self.runs.len() - 1) as u32
             }
         };
-        let mask = if tier == 0 {
-            self.map.value_mut(at)
-        } else {
-            &mut self.lower.entry(key).or_default()[tier - 1]
-        };
-        if *mask & bit == 0 {
-            *mask |= bit;
-        } else {
-            *self.extra.entry((key, slot, tier as u8)).or_insert(0) += 1;
+        let run = &mut self.runs[r as usize];
+        let before = run.hashes.capacity();
+        run.hashes.reserve(room);
+        run.hashes.push(first);
+        (run.parent, run.at) = (parent, at);
+        self.run_heap += (run.hashes.capacity() - before) * 8;
+        if let Some(keyed) = &mut self.keyed {
+            keyed.insert(first, place(r, 0));
         }
-        if created {
-            self.group_gained(block);
-        }
-        at as u32
+        r
     }
 
     /// One holding fewer (saturating: nothing happens when the slot does not hold it). `at`
-    /// is `block`'s node for `slot`'s group as [`Self::inc`] returned it, else (after
-    /// [`Self::heads_only`]) it is looked up.
+    /// is `block`'s place as [`Self::inc`] returned it, else it is looked up by hash.
     #[inline]
-    pub(crate) fn dec(
-        &mut self,
-        block: BlockHash,
-        at: Option<u32>,
-        slot: u32,
-        tier: usize,
-        groups: u32,
-    ) {
-        let holding = Holding::new(block, slot, tier, groups);
+    pub(crate) fn dec(&mut self, block: BlockHash, at: Option<u32>, slot: u32, tier: usize) {
+        let holding = Holding {
+            block,
+            slot,
+            tier: tier as u8,
+        };
         self.logged(|| Change::Dec(holding, at));
         self.dec_now(holding, at);
     }
 
     #[inline]
     fn dec_now(&mut self, holding: Holding, at: Option<u32>) {
-        let (block, slot, tier, groups) = holding.parts();
-        let (group, bit) = split(slot);
-        let key = group_key(block, group);
-        let at = match at {
-            Some(at) => at as usize,
-            None => {
-                debug_assert!(self.map.is_heads_only(), "a tail is found by its parent");
-                match self.map.find(key) {
-                    Some(at) => at,
-                    None => return,
-                }
-            }
+        let Holding { block, slot, tier } = holding;
+        let Some(p) = at.or_else(|| self.find_place(block)) else {
+            return;
         };
-        debug_assert_eq!(self.map.key(at), flat::stored(key), "a held node stays");
-        self.count_groups(groups);
-        let held = if tier == 0 {
-            self.map.value(at)
-        } else {
-            self.lower.get(&key).map_or(0, |lower| lower[tier - 1])
+        let (r, offset) = unplace(p);
+        let bit = 1u64 << offset;
+        let run = &mut self.runs[r];
+        debug_assert_eq!(run.hashes[offset as usize], block.0, "a held block stays");
+        let key = holder(slot, usize::from(tier));
+        let Some(bits) = run.holders.get_mut(key) else {
+            return;
         };
-        if held & bit == 0 {
+        if *bits & bit == 0 {
             return;
         }
         if !self.extra.is_empty() {
-            if let Some(more) = self.extra.get_mut(&(key, slot, tier as u8)) {
+            if let Some(more) = self.extra.get_mut(&(p, slot, tier)) {
                 *more -= 1;
                 if *more == 0 {
-                    self.extra.remove(&(key, slot, tier as u8));
+                    self.extra.remove(&(p, slot, tier));
                 }
                 return;
             }
         }
-        let mut lower_left = false;
-        if tier == 0 {
-            *self.map.value_mut(at) &= !bit;
-        } else if let Some(lower) = self.lower.get_mut(&key) {
-            lower[tier - 1] &= !bit;
-            lower_left = *lower != [0; 3];
-            if !lower_left {
-                self.lower.remove(&key);
-            }
+        *bits &= !bit;
+        if *bits == 0 {
+            run.holders.remove(key);
         }
-        if !lower_left && !self.lower.contains_key(&key) && self.map.value(at) == 0 {
-            self.map.remove(at);
-            self.group_lost(block);
+        if run.holders.iter().all(|h| h.1 & bit == 0) {
+            run.any &= !bit;
+            self.distinct -= 1;
+            self.collect(r);
         }
     }
 
-    /// From now on blocks are looked up by key alone (see [`FlatMap::heads_only`]): for
-    /// engines whose block size differs from the router's, whose records do not keep nodes.
+    /// The place of `block` by its hash alone (re-blocking; else a root's first block).
+    fn find_place(&self, block: BlockHash) -> Option<u32> {
+        match &self.keyed {
+            Some(keyed) => keyed.get(&block.0).copied(),
+            None => self.roots.get(&block.0).map(|&r| place(r, 0)),
+        }
+    }
+
+    /// Frees run `r`, then its ancestors, while no one holds them and no branch leaves them.
+    fn collect(&mut self, mut r: usize) {
+        loop {
+            let run = &mut self.runs[r];
+            if run.any != 0 || !run.branches.is_empty() {
+                return;
+            }
+            let (parent, at, first) = (run.parent, run.at, run.hashes[0]);
+            if let Some(keyed) = &mut self.keyed {
+                for hash in &run.hashes {
+                    keyed.remove(hash);
+                }
+            }
+            run.hashes.clear();
+            run.holders.first = (NONE, 0);
+            run.holders.rest.clear();
+            self.free.push(r as u32);
+            if parent == NONE {
+                if self.roots.get(&first) == Some(&(r as u32)) {
+                    self.roots.remove(&first);
+                }
+                return;
+            }
+            let branches = &mut self.runs[parent as usize].branches;
+            let i = (branches.iter())
+                .position(|&b| b == (at, first, r as u32))
+                .expect("a branch of its parent");
+            branches.swap_remove(i);
+            r = parent as usize;
+        }
+    }
+
+    /// From now on every block is also found by hash (see the module docs): for engines
+    /// whose block size differs from the router's, whose records do not keep places.
     pub(crate) fn heads_only(&mut self) {
         self.logged(|| Change::HeadsOnly);
-        self.map.heads_only();
+        self.key_every_block();
+    }
+
+    fn key_every_block(&mut self) {
+        if self.keyed.is_some() {
+            return;
+        }
+        let mut keyed = IdentityMap::default();
+        for (r, run) in self.runs.iter().enumerate() {
+            for (offset, &hash) in run.hashes.iter().enumerate() {
+                keyed.insert(hash, place(r as u32, offset as u32));
+            }
+        }
+        self.keyed = Some(keyed);
     }
 
     /// Appends `change` to the log while one is kept.
@@ -258,188 +450,252 @@ impl BlockTable {
                     self.inc_now(holding, place);
                 }
                 Change::Dec(holding, at) => self.dec_now(holding, at),
-                Change::HeadsOnly => self.map.heads_only(),
+                Change::HeadsOnly => self.key_every_block(),
             }
         }
     }
 
-    /// Whether a store must look up a block stored after its parent (see
-    /// [`FlatMap::looks_up_tails`]).
+    /// Whether blocks are also found by hash (re-blocking began).
     pub(crate) fn looks_up_tails(&self) -> bool {
-        self.map.looks_up_tails()
+        self.keyed.is_some()
     }
 
-    /// The holders of table key `key`, at node `at`.
-    fn holders(&self, at: usize, key: u64) -> Holders {
-        let mut holders = Holders {
-            tiers: [self.map.value(at), 0, 0, 0],
-        };
-        if !self.lower.is_empty() {
-            if let Some(lower) = self.lower.get(&key) {
-                holders.tiers[1..].copy_from_slice(lower);
-            }
-        }
-        holders
+    /// The router block at place `at` (a held block's).
+    #[inline]
+    pub(crate) fn block_at(&self, at: u32) -> BlockHash {
+        let (r, offset) = unplace(at);
+        BlockHash(self.runs[r].hashes[offset as usize])
     }
 
-    /// Brings the table entry of `block` for `slot` into cache (see [`FlatMap::touch`]): its
-    /// node `at` where known, else its index entry.
-    pub(crate) fn touch(&self, block: BlockHash, at: Option<u32>, slot: u32) {
+    /// Brings the run of place `at` into cache, or, with no place, what finding `block` by
+    /// hash reads.
+    pub(crate) fn touch(&self, block: BlockHash, at: Option<u32>) {
         match at {
-            Some(at) => self.map.touch_node(at as usize),
-            None => self.map.touch(group_key(block, split(slot).0)),
-        }
-    }
-
-    /// Starts counting the groups holding each block once there are several (groups only grow).
-    fn count_groups(&mut self, groups: u32) {
-        if groups > 1 && self.groups_of.is_none() && !self.entries_only {
-            let mut of = IdentityMap::default();
-            of.reserve(self.map.len());
-            of.extend(self.map.keys().map(|key| (key, 1)));
-            self.groups_of = Some(of);
-        }
-    }
-
-    /// A group's entry for `block` was created.
-    fn group_gained(&mut self, block: BlockHash) {
-        let first = match &mut self.groups_of {
-            None => true,
-            Some(of) => {
-                let held = of.entry(flat::stored(block.0)).or_insert(0);
-                *held += 1;
-                *held == 1
+            Some(at) => super::prefetch(&self.runs[unplace(at).0]),
+            None => {
+                std::hint::black_box(self.find_place(block));
             }
-        };
-        if first {
-            self.distinct += 1;
         }
     }
 
-    /// A group's entry for `block` was removed.
-    fn group_lost(&mut self, block: BlockHash) {
-        let last = match &mut self.groups_of {
-            None => true,
-            Some(of) => {
-                let key = flat::stored(block.0);
-                match of.get_mut(&key) {
-                    Some(held) if *held > 1 => {
-                        *held -= 1;
-                        false
-                    }
-                    _ => of.remove(&key).is_some(),
-                }
-            }
-        };
-        if last {
-            self.distinct -= 1;
-        }
-    }
-
-    /// Whether any bit of `slot` is set anywhere (for tests).
+    /// Whether any holding of `slot` is left (for tests).
     #[cfg(test)]
     pub(crate) fn any_bit_of(&self, slot: u32) -> bool {
-        let (_, bit) = split(slot);
-        self.map.values().any(|device| device & bit != 0)
-            || self
-                .lower
-                .values()
-                .any(|lower| (lower[0] | lower[1] | lower[2]) & bit != 0)
-            || self.extra.keys().any(|(_, s, _)| *s == slot)
+        let mut holders = self.runs.iter().flat_map(|run| run.holders.iter());
+        holders.any(|h| h.0 >> 2 == slot) || self.extra.keys().any(|k| k.1 == slot)
     }
 
     pub(crate) fn find(&self, hashes: &[BlockHash], slots: &Slots) -> OverlapScores {
         let mut scores = Vec::new();
-        let Some(&first) = hashes.first() else {
+        let Some(p) = hashes.first().and_then(|first| self.find_place(*first)) else {
             return OverlapScores { scores };
         };
-        for group in 0..slots.groups() {
-            let key = group_key(first, group);
-            if let Some(at) = self.map.find(key) {
-                self.walk_group(hashes, group, at, slots, &mut scores);
-            }
-        }
-        if slots.groups() > 1 || scores.len() > 1 {
+        let matched = self.walk(hashes, p);
+        scores.extend(matched.iter().map(|m| {
+            let [host, disk, external] = m.lower;
+            let counts = TierCounts {
+                device: m.count - host - disk - external,
+                host,
+                disk,
+                external,
+            };
+            (slots.id(m.slot), counts)
+        }));
+        if scores.len() > 1 {
             scores.sort_unstable_by_key(|(id, _)| *id);
         }
         OverlapScores { scores }
     }
 
-    fn walk_group(
-        &self,
-        hashes: &[BlockHash],
-        group: u32,
-        mut at: usize,
-        slots: &Slots,
-        scores: &mut Vec<(crate::ReplicaId, TierCounts)>,
-    ) {
-        // matched[b]: leading blocks of bit b; lower[b]: blocks counted host, disk, external.
-        // (Issuing the lookups of a window of blocks ahead of the walk was measured: no gain,
-        // the processor already overlaps the misses of consecutive iterations.)
-        let mut matched = [0u32; 64];
-        let mut lower = [[0u32; 3]; 64];
-        let mut current = self.holders(at, group_key(hashes[0], group));
-        let holders_of_first = current.any();
-        let mut active = holders_of_first;
-        let mut i = 0;
+    /// Per slot holding the first of `hashes` (whose place is `p`), how many leading blocks of
+    /// them it holds, and how many of those it holds in a lower tier only.
+    fn walk(&self, hashes: &[BlockHash], p: u32) -> Vec<Match> {
+        let mut matched: Vec<Match> = Vec::new();
+        let (mut r, mut start) = unplace(p);
+        let mut pos = 0;
         loop {
-            let any = current.any();
-            for b in bits(active & !any, 0) {
-                matched[b as usize] = i as u32;
-            }
-            active &= any;
-            if active == 0 {
-                break;
-            }
-            let below_device = active & !current.tiers[0];
-            for b in bits(below_device, 0) {
-                let mask = 1u64 << b;
-                let tier = if current.tiers[1] & mask != 0 {
-                    0
-                } else if current.tiers[2] & mask != 0 {
-                    1
-                } else {
-                    2
-                };
-                lower[b as usize][tier] += 1;
-            }
-            i += 1;
-            let next = hashes.get(i).and_then(|h| {
-                let key = group_key(*h, group);
-                self.map.find_after(at, key).map(|next| (next, key))
-            });
-            match next {
-                Some((next, key)) => {
-                    at = next;
-                    current = self.holders(at, key);
-                }
-                None => {
-                    for b in bits(active, 0) {
-                        matched[b as usize] = i as u32;
+            let run = &self.runs[r];
+            let along = (run.hashes[start as usize..].iter()).zip(&hashes[pos..]);
+            let len = along.take_while(|(a, b)| **a == b.0).count();
+            let window = window(start, len);
+            if pos == 0 {
+                let first = (run.holders.iter()).filter(|h| h.1 & 1 << start != 0);
+                for &(key, _) in first {
+                    if matched.last().is_none_or(|m| m.slot != key >> 2) {
+                        matched.push(Match::new(key >> 2));
                     }
-                    break;
                 }
             }
-        }
-        for b in bits(holders_of_first, 0) {
-            let [host, disk, external] = lower[b as usize];
-            let counts = TierCounts {
-                device: matched[b as usize] - host - disk - external,
-                host,
-                disk,
-                external,
-            };
-            scores.push((slots.id(group * 64 + b), counts));
+            let mut holders = run.holders.iter().peekable();
+            for m in matched.iter_mut().filter(|m| m.count as usize == pos) {
+                let mut tiers = [0u64; 4];
+                while let Some(&&(key, bits)) = holders.peek() {
+                    if key >> 2 > m.slot {
+                        break;
+                    }
+                    if key >> 2 == m.slot {
+                        tiers[(key & 3) as usize] = bits;
+                    }
+                    holders.next();
+                }
+                m.add(tiers, window, start, len);
+            }
+            pos += len;
+            if pos == hashes.len() || !matched.iter().any(|m| m.count as usize == pos) {
+                return matched;
+            }
+            let end = start + len as u32 - 1;
+            let next = (run.branch(end, hashes[pos].0).map(|b| place(b, 0)))
+                .or_else(|| self.keyed.as_ref()?.get(&hashes[pos].0).copied());
+            match next {
+                Some(p) => (r, start) = unplace(p),
+                None => return matched,
+            }
         }
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.map.memory_bytes()
-            + map_bytes::<u64, [u64; 3]>(self.lower.capacity())
-            + map_bytes::<(u64, u32, u8), u32>(self.extra.capacity())
-            + self
-                .groups_of
-                .as_ref()
-                .map_or(0, |of| map_bytes::<u64, u32>(of.capacity()))
+        self.runs.capacity() * std::mem::size_of::<Run>()
+            + self.run_heap
+            + self.free.capacity() * 4
+            + map_bytes::<u64, u32>(self.roots.capacity())
+            + (self.keyed.as_ref()).map_or(0, |k| map_bytes::<u64, u32>(k.capacity()))
+            + map_bytes::<(u32, u32, u8), u32>(self.extra.capacity())
+    }
+}
+
+/// A slot's match so far.
+#[derive(Debug)]
+struct Match {
+    slot: u32,
+    count: u32,
+    /// Blocks held in host, disk, external, and not in a tier above.
+    lower: [u32; 3],
+}
+
+impl Match {
+    fn new(slot: u32) -> Self {
+        Self {
+            slot,
+            count: 0,
+            lower: [0; 3],
+        }
+    }
+
+    /// Adds the slot's leading blocks of the run's `window` (`len` blocks from `start`), its
+    /// bits per tier there being `tiers`.
+    #[inline]
+    fn add(&mut self, tiers: [u64; 4], window: u64, start: u32, len: usize) {
+        let [device, host, disk, external] = tiers;
+        let any = (device | host | disk | external) & window;
+        let held = (any >> start).trailing_ones().min(len as u32);
+        if held == 0 {
+            return;
+        }
+        let mine = self::window(start, held as usize);
+        self.lower[0] += (host & !device & mine).count_ones();
+        self.lower[1] += (disk & !device & !host & mine).count_ones();
+        self.lower[2] += (external & !device & !host & !disk & mine).count_ones();
+        self.count += held;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ReplicaId;
+
+    /// A chain of `len` blocks from `start`, each after the one before (block `i`'s hash is
+    /// `i + 1`, so no hash is 0).
+    fn chain(table: &mut BlockTable, after: Option<u32>, blocks: &[u64], slot: u32) -> Vec<u32> {
+        let mut at = after;
+        (blocks.iter())
+            .map(|&b| {
+                let p = table.inc(BlockHash(b), Place::After(at), slot, 0);
+                at = Some(p);
+                p
+            })
+            .collect()
+    }
+
+    fn slots(n: u32) -> Slots {
+        let mut slots = Slots::default();
+        for r in 0..n {
+            slots.get_or_insert(ReplicaId(r));
+        }
+        slots
+    }
+
+    fn matched(table: &BlockTable, query: &[u64], slots: &Slots) -> Vec<(u32, u32)> {
+        let hashes: Vec<BlockHash> = query.iter().map(|&h| BlockHash(h)).collect();
+        let scores = table.find(&hashes, slots).scores;
+        scores.iter().map(|(r, c)| (r.0, c.total())).collect()
+    }
+
+    #[test]
+    fn a_chain_is_one_run_a_continuation_appends_and_a_fork_branches() {
+        let mut table = BlockTable::default();
+        let slots = slots(2);
+        let first = chain(&mut table, None, &[1, 2, 3, 4, 5], 0);
+        assert_eq!(first, (0..5).map(|o| place(0, o)).collect::<Vec<_>>());
+        // Continued from its last block: appended to the run.
+        let more = chain(&mut table, Some(first[4]), &[6, 7], 0);
+        assert_eq!(more, vec![place(0, 5), place(0, 6)]);
+        // Slot 1 forks after block 3: a branch, a second run.
+        let fork = chain(&mut table, Some(first[2]), &[30, 31], 1);
+        assert_eq!(fork, vec![place(1, 0), place(1, 1)]);
+        // Slot 1 also holds blocks 1-3, found where they are.
+        assert_eq!(chain(&mut table, None, &[1, 2, 3], 1), first[..3]);
+        assert_eq!(table.distinct(), 9);
+        let slots = &slots;
+        assert_eq!(matched(&table, &[1, 2, 3, 4, 5, 6, 7], slots), [(0, 7), (1, 3)]);
+        assert_eq!(matched(&table, &[1, 2, 3, 30, 31, 32], slots), [(0, 3), (1, 5)]);
+        assert_eq!(matched(&table, &[2, 3], slots), []);
+        // Slot 0 lets go of its blocks 1-2: its match ends before it starts; slot 1's holds.
+        for &p in &first[..2] {
+            table.dec(table.block_at(p), Some(p), 0, 0);
+        }
+        assert_eq!(matched(&table, &[1, 2, 3, 30], slots), [(1, 4)]);
+        assert_eq!(table.distinct(), 9);
+    }
+
+    #[test]
+    fn runs_no_one_holds_are_freed_and_reused() {
+        let mut table = BlockTable::default();
+        let slots = slots(1);
+        for round in 0..20u64 {
+            let blocks: Vec<u64> = (0..100).map(|i| 1 + round * 1000 + i).collect();
+            let places = chain(&mut table, None, &blocks, 0);
+            let fork = chain(&mut table, Some(places[10]), &[999_999 + round], 0);
+            assert_eq!(matched(&table, &blocks, &slots), [(0, 100)]);
+            assert_eq!(table.distinct(), 101);
+            // Newest first, as engines evict.
+            for &p in fork.iter().chain(places.iter().rev()) {
+                table.dec(table.block_at(p), Some(p), 0, 0);
+            }
+            assert_eq!((table.distinct(), table.roots.len()), (0, 0));
+            assert_eq!(table.free.len(), table.runs.len());
+        }
+        // 100 blocks in runs of 64, and one branch: three runs, reused every round.
+        assert_eq!(table.runs.len(), 3);
+        let heap: usize = table.runs.iter().map(Run::heap_bytes).sum();
+        assert_eq!(table.run_heap, heap);
+    }
+
+    #[test]
+    fn a_block_held_twice_by_one_slot_and_tier_is_held_until_both_go() {
+        let mut table = BlockTable::default();
+        let slots = slots(1);
+        let p = chain(&mut table, None, &[7], 0)[0];
+        assert_eq!(table.inc(BlockHash(7), Place::At(p), 0, 0), p);
+        assert_eq!(table.inc(BlockHash(7), Place::At(p), 0, 1), p);
+        table.dec(BlockHash(7), Some(p), 0, 0);
+        assert_eq!(matched(&table, &[7], &slots), [(0, 1)]);
+        table.dec(BlockHash(7), Some(p), 0, 0);
+        let scores = table.find(&[BlockHash(7)], &slots).scores;
+        assert_eq!((scores[0].1.device, scores[0].1.host), (0, 1));
+        table.dec(BlockHash(7), Some(p), 0, 1);
+        assert_eq!((table.distinct(), table.free.len()), (0, 1));
+        assert!(table.extra.is_empty());
     }
 }

@@ -132,7 +132,7 @@ fn storing_and_removing_in_rounds_reuses_nodes_and_records() {
     let shared = prompt(0, 4);
     store(&mut index, 0, &shared, BS, StorageTier::Device);
     let mut settled = 0;
-    for round in 0..50u32 {
+    for round in 0..100u32 {
         let replica = 1 + round % 5;
         let tokens = [shared.clone(), prompt(10_000 + round * 1000, 20)].concat();
         let hashes = engine(&tokens, BS);
@@ -155,11 +155,13 @@ fn storing_and_removing_in_rounds_reuses_nodes_and_records() {
         assert_eq!(held(&index, replica, &tokens), 0);
         assert_eq!(held(&index, 0, &tokens), 4);
         assert_eq!((index.num_blocks(), index.num_engine_blocks()), (4, 4));
-        // (Once every replica has had its slot.)
-        if round == 5 {
+        // (Once every replica's record map has settled: emptied and filled again, a map may
+        // double once or twice before its removed entries stop counting against its room;
+        // at this size by round 30.)
+        if round == 40 {
             settled = index.memory_bytes();
         }
-        if round > 5 {
+        if round > 40 {
             assert!(index.memory_bytes() <= settled, "round {round}");
         }
     }
@@ -291,14 +293,12 @@ fn kept_tier_counts_match_the_records_through_stores_removals_and_evictions() {
 }
 
 #[test]
-fn distinct_blocks_are_counted_across_groups_of_replicas() {
-    // 200 replicas: 4 groups of 64 slots, the second appearing with blocks already held. Each
-    // replica holds a prefix of one of 5 prompts; some are cleared, some stored again, and
-    // the count of distinct router blocks must equal the reference model's at every step.
+fn distinct_blocks_are_counted_across_many_replicas() {
+    // 200 replicas, each holding a prefix of one of 5 prompts; some are cleared, some stored
+    // again, and the count of distinct router blocks must equal the reference model's at
+    // every step.
     let mut index = KvIndex::new(BS);
     let mut reference = crate::reference::ReferenceIndex::new(BS);
-    // The same events into an index counting (block, group) entries: the same answers.
-    let mut entries = KvIndex::new(BS).counting_entries();
     let prompts: Vec<Vec<u32>> = (0..5).map(|p| prompt(p * 10_000, 12)).collect();
     let mut steps = 0;
     for round in 0..3u32 {
@@ -319,14 +319,10 @@ fn distinct_blocks_are_counted_across_groups_of_replicas() {
                 BS,
                 StorageTier::Device,
             );
-            let held = &tokens[..blocks * BS];
-            store(&mut entries, replica, held, BS, StorageTier::Device);
             if (replica + round) % 3 == 0 {
                 index.clear_replica(ReplicaId(replica / 2));
                 reference.clear_replica(ReplicaId(replica / 2));
-                entries.clear_replica(ReplicaId(replica / 2));
             }
-            assert!(entries.num_blocks() >= index.num_blocks());
             assert_eq!(
                 index.num_blocks(),
                 reference.num_blocks(),
@@ -338,26 +334,22 @@ fn distinct_blocks_are_counted_across_groups_of_replicas() {
     assert_eq!(steps, 600);
     for p in &prompts {
         let hashes = crate::block_hashes(p, BS, 0);
-        assert_eq!(entries.find_matches(&hashes), index.find_matches(&hashes));
+        assert_eq!(reference.find_matches(&hashes), index.find_matches(&hashes));
     }
-    // 60 distinct blocks, held from more than one group of 64 replicas: counted once each
-    // group.
+    // 60 distinct blocks, each held by many replicas: counted once.
     assert_eq!(index.num_blocks(), 60);
-    assert!(entries.num_blocks() > 60, "{}", entries.num_blocks());
     for replica in 0..200 {
         index.clear_replica(ReplicaId(replica));
-        entries.clear_replica(ReplicaId(replica));
     }
-    assert_eq!((index.num_blocks(), entries.num_blocks()), (0, 0));
+    assert_eq!(index.num_blocks(), 0);
 }
 
 #[test]
 fn a_prefix_removed_before_its_continuations_is_stored_again_without_doubling_them() {
-    // Four replicas hold one prefix and a continuation each; the prefix goes first (its
-    // last node, with the continuations after it, stays as a tombstone and stores look every
-    // block up meanwhile), then another replica stores a chain again: the continuation's
-    // blocks are found, not made twice. Once every block goes, nothing is left and stores
-    // skip the lookup again.
+    // Four replicas hold one prefix and a continuation each; the prefix goes first (its run,
+    // with the continuations branching from it, stays, held by no one), then another replica
+    // stores a chain again: the prefix's blocks and the continuation's are found where they
+    // were, not made twice. Once every block goes, nothing is left.
     let mut index = KvIndex::new(BS);
     let shared = prompt(0, 8);
     let chains: Vec<Vec<u32>> = (1..=4)
@@ -367,13 +359,11 @@ fn a_prefix_removed_before_its_continuations_is_stored_again_without_doubling_th
         store(&mut index, r as u32, tokens, BS, StorageTier::Device);
     }
     assert_eq!(index.num_blocks(), 8 + 4 * 6);
-    assert!(!index.table.looks_up_tails());
     let hashes: Vec<Vec<EngineHash>> = chains.iter().map(|t| engine(t, BS)).collect();
     for (r, h) in hashes.iter().enumerate() {
         index.apply_removed(ReplicaId(r as u32), StorageTier::Device, &h[..8]);
     }
     assert_eq!(index.num_blocks(), 4 * 6);
-    assert!(index.table.looks_up_tails());
     // A fifth replica stores the first chain: the prefix anew, the continuation found.
     store(&mut index, 4, &chains[0], BS, StorageTier::Device);
     assert_eq!(index.num_blocks(), 8 + 4 * 6);
@@ -384,7 +374,6 @@ fn a_prefix_removed_before_its_continuations_is_stored_again_without_doubling_th
     assert_eq!(held(&index, 4, &chains[0]), 14);
     index.apply_removed(ReplicaId(4), StorageTier::Device, &hashes[0]);
     assert_eq!((index.num_blocks(), index.num_engine_blocks()), (0, 0));
-    assert!(!index.table.looks_up_tails());
     assert_eq!(index.unknown_removals(), 0);
     store(&mut index, 1, &chains[1], BS, StorageTier::Device);
     assert_eq!(held(&index, 1, &chains[1]), 14);
