@@ -70,6 +70,7 @@ use crate::{
 use record::{tier_bits, Kind};
 use records::{Record, Records};
 pub(crate) use table::{BlockTable, Change};
+use table::Held;
 
 /// The exact KV-block index; see the [module docs](self) for its rules.
 pub struct KvIndex {
@@ -285,10 +286,10 @@ fn dec_blocks(
     tier: usize,
 ) {
     match (record.node(), kind) {
-        (Some(at), _) => table.dec(table.block_at(at), Some(at), slot, tier),
+        (Some(at), _) => table.dec(Held::At(at), slot, tier),
         (None, Some(kind)) => {
-            for (block, at) in kind.covered_at() {
-                table.dec(block, at, slot, tier);
+            for block in kind.covered() {
+                table.dec(Held::Hash(block), slot, tier);
             }
         }
         (None, None) => unreachable!("a boxed record has its kind"),

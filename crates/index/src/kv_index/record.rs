@@ -134,15 +134,6 @@ impl Kind {
         self.own().iter().chain(members).copied()
     }
 
-    /// [`Self::covered`] with each block's node where the record knows it.
-    pub(crate) fn covered_at(&self) -> impl Iterator<Item = (BlockHash, Option<u32>)> + '_ {
-        let at = match self {
-            Kind::One(_, at) => Some(*at),
-            _ => None,
-        };
-        self.covered().map(move |block| (block, at))
-    }
-
     /// Whether `self` and `other` map the engine block the same way (a block's node is not
     /// part of the mapping).
     pub(crate) fn same_mapping(&self, other: &Kind) -> bool {

@@ -3,11 +3,13 @@
 //!
 //! A run holds the hashes of blocks stored one after another. A block stored after the last
 //! block of a run (with room left) is appended to it; one stored after any other block, or
-//! after a full run, starts a new run hung from that block as a *branch*; a block with no
-//! parent starts a *root* run, found by its hash. No run is ever split or moved, so a block's
-//! *place* (its run and offset, `run << 6 | offset`) stays the same while the run lives, and
-//! the replicas' records keep it. Chained router hashes make a block's place unique: its hash
-//! names its whole prefix.
+//! after a full run, starts a new run, a *branch* of that run; a block with no parent starts
+//! a *root* run. No run is ever split or moved, so a block's *place* (its run and offset,
+//! `run << 6 | offset`) stays the same while the run lives, and the replicas' records keep
+//! it. Chained router hashes make a block's place unique (its hash names its whole prefix),
+//! so every run is found by its first hash in one map (`heads`): the branch holding a block
+//! after a given place is the run the block heads, and only a run with branches needs that
+//! lookup when a store or a query leaves it.
 //!
 //! Per run, each (slot, tier) holding any of its blocks has one bit per offset (the first
 //! such holder inline, most runs having one), and `any` has the bits some holder sets. A run
@@ -18,10 +20,10 @@
 //!
 //! Engine blocks of another size than the router's (re-blocking) are stored without their
 //! parent's place. From the first such event on (`heads_only`), every block of a live run is
-//! also found by hash (`keyed`), as is the next block of a query where no branch has it.
+//! also found by hash (`keyed`), and so is the next block of a query that leaves a run.
 //!
-//! A query walks the runs comparing hashes, one branch lookup per run left, not one lookup a
-//! block, with the slots still matching; a slot's blocks in a run are its leading bits there.
+//! A query walks the runs comparing hashes, one lookup per run left, not one a block, with the
+//! slots still matching; a slot's blocks in a run are its leading bits there.
 
 use crate::hasher::{map_bytes, IdentityMap, MixMap};
 use crate::slots::Slots;
@@ -32,7 +34,6 @@ const RUN: usize = 64;
 const NONE: u32 = u32::MAX;
 /// Places are `run << 6 | offset` in 32 bits: at most 2^26 runs.
 const MAX_RUNS: usize = 1 << 26;
-const BRANCH_BYTES: usize = std::mem::size_of::<(u32, u64, u32)>();
 const HOLDER_BYTES: usize = std::mem::size_of::<(u32, u64)>();
 
 fn place(run: u32, offset: u32) -> u32 {
@@ -80,8 +81,16 @@ pub(crate) struct Holding {
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Change {
     Inc(Holding, Place),
-    Dec(Holding, Option<u32>),
+    Dec(Held, u32, u8),
     HeadsOnly,
+}
+
+/// The block [`BlockTable::dec`] takes a holding of: at its place (as `inc` returned it), or
+/// found by its hash.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Held {
+    At(u32),
+    Hash(BlockHash),
 }
 
 /// (holder key, a bit per offset), sorted by key; the first inline.
@@ -146,28 +155,19 @@ impl Holders {
 #[derive(Debug, Default)]
 struct Run {
     hashes: Vec<u64>,
-    /// (the offset it leaves at, its first hash, its run).
-    branches: Vec<(u32, u64, u32)>,
+    /// Runs branching from this one.
+    children: u32,
     holders: Holders,
     /// Offsets some holder holds.
     any: u64,
-    /// The run and offset it branches from (`NONE`: a root).
+    /// The run it branches from (`NONE`: a root).
     parent: u32,
-    at: u32,
 }
 
 impl Run {
-    #[inline]
-    fn branch(&self, at: u32, first: u64) -> Option<u32> {
-        let found = self.branches.iter().find(|b| b.0 == at && b.1 == first);
-        found.map(|b| b.2)
-    }
-
     #[cfg(test)]
     fn heap_bytes(&self) -> usize {
-        self.hashes.capacity() * 8
-            + self.branches.capacity() * BRANCH_BYTES
-            + self.holders.rest.capacity() * HOLDER_BYTES
+        self.hashes.capacity() * 8 + self.holders.rest.capacity() * HOLDER_BYTES
     }
 }
 
@@ -176,8 +176,9 @@ pub(crate) struct BlockTable {
     runs: Vec<Run>,
     /// Freed runs, their buffers kept.
     free: Vec<u32>,
-    /// A root run's first hash → the run.
-    roots: IdentityMap<u64, u32>,
+    /// Every run's first hash → the run (a block's hash names its parent block, so the run a
+    /// block heads is the branch from its parent's place wherever that is).
+    heads: IdentityMap<u64, u32>,
     /// Once re-blocking began: every block of a live run → its place.
     keyed: Option<IdentityMap<u64, u32>>,
     /// (place, slot, tier) → holdings beyond the first.
@@ -246,20 +247,18 @@ impl BlockTable {
         p
     }
 
-    /// The place of `block` stored after place `after`: found along the run, in a branch or
-    /// (re-blocking) by hash, else added.
+    /// The place of `block` stored after place `after`: found along the run, as a run's head
+    /// or (re-blocking) by hash, else added.
     #[inline]
     fn locate_or_add(&mut self, block: BlockHash, after: Option<u32>) -> u32 {
         if let Some(&p) = self.keyed.as_ref().and_then(|keyed| keyed.get(&block.0)) {
             return p;
         }
         let Some(after) = after else {
-            if let Some(&r) = self.roots.get(&block.0) {
+            if let Some(&r) = self.heads.get(&block.0) {
                 return place(r, 0);
             }
-            let r = self.alloc(NONE, 0, block.0);
-            self.roots.insert(block.0, r);
-            return place(r, 0);
+            return place(self.alloc(NONE, block.0), 0);
         };
         let (r, offset) = unplace(after);
         let run = &self.runs[r];
@@ -267,8 +266,12 @@ impl BlockTable {
         if run.hashes.get(next) == Some(&block.0) {
             return place(r as u32, next as u32);
         }
-        if let Some(b) = run.branch(offset, block.0) {
-            return place(b, 0);
+        // Only a run with branches may have this block as one (as may any, once keyed, which
+        // the lookup above covered).
+        if run.children > 0 {
+            if let Some(&b) = self.heads.get(&block.0) {
+                return place(b, 0);
+            }
         }
         if next == run.hashes.len() && next < RUN {
             let hashes = &mut self.runs[r].hashes;
@@ -281,16 +284,12 @@ impl BlockTable {
             }
             return p;
         }
-        let b = self.alloc(r as u32, offset, block.0);
-        let branches = &mut self.runs[r].branches;
-        let before = branches.capacity();
-        branches.push((offset, block.0, b));
-        self.run_heap += (branches.capacity() - before) * BRANCH_BYTES;
-        place(b, 0)
+        self.runs[r].children += 1;
+        place(self.alloc(r as u32, block.0), 0)
     }
 
-    /// A run whose first block is `first`, branching from `parent` at `at`.
-    fn alloc(&mut self, parent: u32, at: u32, first: u64) -> u32 {
+    /// A run whose first block is `first`, branching from run `parent`.
+    fn alloc(&mut self, parent: u32, first: u64) -> u32 {
         let room = self.room.clamp(1, RUN);
         let r = match self.free.pop() {
             Some(r) => r,
@@ -304,37 +303,35 @@ impl BlockTable {
         let before = run.hashes.capacity();
         run.hashes.reserve(room);
         run.hashes.push(first);
-        (run.parent, run.at) = (parent, at);
+        run.parent = parent;
         self.run_heap += (run.hashes.capacity() - before) * 8;
+        self.heads.insert(first, r);
         if let Some(keyed) = &mut self.keyed {
             keyed.insert(first, place(r, 0));
         }
         r
     }
 
-    /// One holding fewer (saturating: nothing happens when the slot does not hold it). `at`
-    /// is `block`'s place as [`Self::inc`] returned it, else it is looked up by hash.
+    /// One holding fewer of block `held` by `slot` in `tier` (saturating: nothing happens when
+    /// the slot does not hold it).
     #[inline]
-    pub(crate) fn dec(&mut self, block: BlockHash, at: Option<u32>, slot: u32, tier: usize) {
-        let holding = Holding {
-            block,
-            slot,
-            tier: tier as u8,
-        };
-        self.logged(|| Change::Dec(holding, at));
-        self.dec_now(holding, at);
+    pub(crate) fn dec(&mut self, held: Held, slot: u32, tier: usize) {
+        self.logged(|| Change::Dec(held, slot, tier as u8));
+        self.dec_now(held, slot, tier as u8);
     }
 
     #[inline]
-    fn dec_now(&mut self, holding: Holding, at: Option<u32>) {
-        let Holding { block, slot, tier } = holding;
-        let Some(p) = at.or_else(|| self.find_place(block)) else {
-            return;
+    fn dec_now(&mut self, held: Held, slot: u32, tier: u8) {
+        let p = match held {
+            Held::At(p) => p,
+            Held::Hash(block) => match self.find_place(block) {
+                Some(p) => p,
+                None => return,
+            },
         };
         let (r, offset) = unplace(p);
         let bit = 1u64 << offset;
         let run = &mut self.runs[r];
-        debug_assert_eq!(run.hashes[offset as usize], block.0, "a held block stays");
         let key = holder(slot, usize::from(tier));
         let Some(bits) = run.holders.get_mut(key) else {
             return;
@@ -366,7 +363,7 @@ impl BlockTable {
     fn find_place(&self, block: BlockHash) -> Option<u32> {
         match &self.keyed {
             Some(keyed) => keyed.get(&block.0).copied(),
-            None => self.roots.get(&block.0).map(|&r| place(r, 0)),
+            None => self.heads.get(&block.0).map(|&r| place(r, 0)),
         }
     }
 
@@ -374,31 +371,25 @@ impl BlockTable {
     fn collect(&mut self, mut r: usize) {
         loop {
             let run = &mut self.runs[r];
-            if run.any != 0 || !run.branches.is_empty() {
+            if run.any != 0 || run.children > 0 {
                 return;
             }
-            let (parent, at, first) = (run.parent, run.at, run.hashes[0]);
+            let parent = run.parent;
             if let Some(keyed) = &mut self.keyed {
                 for hash in &run.hashes {
                     keyed.remove(hash);
                 }
             }
+            self.heads.remove(&run.hashes[0]);
             run.hashes.clear();
             run.holders.first = (NONE, 0);
             run.holders.rest.clear();
             self.free.push(r as u32);
             if parent == NONE {
-                if self.roots.get(&first) == Some(&(r as u32)) {
-                    self.roots.remove(&first);
-                }
                 return;
             }
-            let branches = &mut self.runs[parent as usize].branches;
-            let i = (branches.iter())
-                .position(|&b| b == (at, first, r as u32))
-                .expect("a branch of its parent");
-            branches.swap_remove(i);
             r = parent as usize;
+            self.runs[r].children -= 1;
         }
     }
 
@@ -449,7 +440,7 @@ impl BlockTable {
                 Change::Inc(holding, place) => {
                     self.inc_now(holding, place);
                 }
-                Change::Dec(holding, at) => self.dec_now(holding, at),
+                Change::Dec(held, slot, tier) => self.dec_now(held, slot, tier),
                 Change::HeadsOnly => self.key_every_block(),
             }
         }
@@ -544,9 +535,11 @@ impl BlockTable {
             if pos == hashes.len() || !matched.iter().any(|m| m.count as usize == pos) {
                 return matched;
             }
-            let end = start + len as u32 - 1;
-            let next = (run.branch(end, hashes[pos].0).map(|b| place(b, 0)))
-                .or_else(|| self.keyed.as_ref()?.get(&hashes[pos].0).copied());
+            let next = match &self.keyed {
+                Some(keyed) => keyed.get(&hashes[pos].0).copied(),
+                None if run.children > 0 => self.heads.get(&hashes[pos].0).map(|&b| place(b, 0)),
+                None => None,
+            };
             match next {
                 Some(p) => (r, start) = unplace(p),
                 None => return matched,
@@ -558,7 +551,7 @@ impl BlockTable {
         self.runs.capacity() * std::mem::size_of::<Run>()
             + self.run_heap
             + self.free.capacity() * 4
-            + map_bytes::<u64, u32>(self.roots.capacity())
+            + map_bytes::<u64, u32>(self.heads.capacity())
             + (self.keyed.as_ref()).map_or(0, |k| map_bytes::<u64, u32>(k.capacity()))
             + map_bytes::<(u32, u32, u8), u32>(self.extra.capacity())
     }
@@ -653,7 +646,7 @@ mod tests {
         assert_eq!(matched(&table, &[2, 3], slots), []);
         // Slot 0 lets go of its blocks 1-2: its match ends before it starts; slot 1's holds.
         for &p in &first[..2] {
-            table.dec(table.block_at(p), Some(p), 0, 0);
+            table.dec(Held::At(p), 0, 0);
         }
         assert_eq!(matched(&table, &[1, 2, 3, 30], slots), [(1, 4)]);
         assert_eq!(table.distinct(), 9);
@@ -671,9 +664,9 @@ mod tests {
             assert_eq!(table.distinct(), 101);
             // Newest first, as engines evict.
             for &p in fork.iter().chain(places.iter().rev()) {
-                table.dec(table.block_at(p), Some(p), 0, 0);
+                table.dec(Held::At(p), 0, 0);
             }
-            assert_eq!((table.distinct(), table.roots.len()), (0, 0));
+            assert_eq!((table.distinct(), table.heads.len()), (0, 0));
             assert_eq!(table.free.len(), table.runs.len());
         }
         // 100 blocks in runs of 64, and one branch: three runs, reused every round.
@@ -689,12 +682,12 @@ mod tests {
         let p = chain(&mut table, None, &[7], 0)[0];
         assert_eq!(table.inc(BlockHash(7), Place::At(p), 0, 0), p);
         assert_eq!(table.inc(BlockHash(7), Place::At(p), 0, 1), p);
-        table.dec(BlockHash(7), Some(p), 0, 0);
+        table.dec(Held::At(p), 0, 0);
         assert_eq!(matched(&table, &[7], &slots), [(0, 1)]);
-        table.dec(BlockHash(7), Some(p), 0, 0);
+        table.dec(Held::Hash(BlockHash(7)), 0, 0);
         let scores = table.find(&[BlockHash(7)], &slots).scores;
         assert_eq!((scores[0].1.device, scores[0].1.host), (0, 1));
-        table.dec(BlockHash(7), Some(p), 0, 1);
+        table.dec(Held::At(p), 0, 1);
         assert_eq!((table.distinct(), table.free.len()), (0, 1));
         assert!(table.extra.is_empty());
     }
