@@ -69,8 +69,8 @@ use crate::{
 };
 use record::{tier_bits, Kind};
 use records::{Record, Records};
-pub(crate) use table::{BlockTable, Change};
 use table::Held;
+pub(crate) use table::{BlockTable, Change};
 
 /// The exact KV-block index; see the [module docs](self) for its rules.
 pub struct KvIndex {
@@ -352,16 +352,10 @@ impl KvIndexer for KvIndex {
         // together (their misses overlap), then the blocks are removed.
         let mut found = [None; 32];
         for batch in engine_hashes.chunks(32) {
-            for &hash in batch {
-                self.records.touch(slot, hash);
-            }
             for (&hash, found) in batch.iter().zip(&mut found) {
                 *found = self.records.locate(slot, hash);
-                let node = found.and_then(|entry| self.records.at(slot, entry).node());
-                if let Some(at) = node {
-                    self.table.touch(BlockHash(0), Some(at));
-                }
             }
+
             for (&hash, found) in batch.iter().zip(&found) {
                 let located = found.and_then(|found| self.records.relocate(slot, hash, found));
                 let removed =

@@ -59,15 +59,27 @@ impl RecordMap {
     /// Claims an entry for `key` if it has none, for a record stored next (the entry written
     /// now, with the misses of an event's other claims, not later one by one). Every claimed
     /// entry must be filled ([`Self::insert_at`]) before any other use of the map.
+    /// Returns the entry, which stays `key`'s until the map grows (see [`Self::probe_at`]).
     #[inline]
-    pub(crate) fn claim(&mut self, key: u64) {
-        let entry = self.table.entry(mix(key), |e| e.key == key, |e| mix(e.key));
-        if let hashbrown::hash_table::Entry::Vacant(vacant) = entry {
-            vacant.insert(Entry {
-                key,
-                record: Record::with_flags(PENDING),
-            });
+    pub(crate) fn claim(&mut self, key: u64) -> usize {
+        match self.table.entry(mix(key), |e| e.key == key, |e| mix(e.key)) {
+            hashbrown::hash_table::Entry::Occupied(occupied) => occupied.bucket_index(),
+            hashbrown::hash_table::Entry::Vacant(vacant) => {
+                let record = Record::with_flags(PENDING);
+                vacant.insert(Entry { key, record }).bucket_index()
+            }
         }
+    }
+
+    /// [`Self::probe`]'s answer for `key` from `entry`, where `key` claimed it ([`Self::claim`])
+    /// and it still holds `key` (no growth moved it since); else `None`.
+    #[inline]
+    pub(crate) fn probe_at(&self, entry: usize, key: u64) -> Option<Result<usize, usize>> {
+        let found = self.table.get_bucket(entry).filter(|e| e.key == key)?;
+        Some(match found.record.flags() {
+            PENDING => Err(entry),
+            _ => Ok(entry),
+        })
     }
 
     #[inline]
@@ -107,11 +119,6 @@ impl RecordMap {
     pub(crate) fn remove_at(&mut self, entry: usize) -> Record {
         let occupied = self.table.get_bucket_entry(entry).expect("a live entry");
         occupied.remove().0.record
-    }
-
-    #[inline]
-    pub(crate) fn touch(&self, key: u64) {
-        std::hint::black_box(self.find(key));
     }
 
     pub(crate) fn records(&self) -> impl Iterator<Item = &Record> + '_ {

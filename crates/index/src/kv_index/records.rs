@@ -114,23 +114,28 @@ impl Records {
         self.slots.iter().filter(|map| map.len() > 0).count()
     }
 
-    /// Looks `hash` of `slot` up and forgets the answer: done for all of an event's hashes
-    /// before any is applied, the lookups (independent) overlap their cache misses, and the
-    /// changes after them find their entries in cache.
-    #[inline]
-    pub(crate) fn touch(&self, slot: u32, hash: EngineHash) {
-        if let Some(map) = self.slots.get(slot as usize) {
-            map.touch(hash.0);
-        }
-    }
-
     /// Claims the entries of an event's engine hashes of `slot` that have none (see
-    /// [`RecordMap::claim`]): each must be stored next.
-    pub(crate) fn claim(&mut self, slot: u32, hashes: &[EngineHash]) {
+    /// [`RecordMap::claim`]): each must be stored next. Writes each hash's entry to `entries`,
+    /// for [`Self::find_or_vacant_at`].
+    pub(crate) fn claim(&mut self, slot: u32, hashes: &[EngineHash], entries: &mut Vec<usize>) {
         let map = &mut self.slots[slot as usize];
         self.map_bytes += map.reserve(hashes.len());
-        for hash in hashes {
-            map.claim(hash.0);
+        entries.clear();
+        entries.extend(hashes.iter().map(|hash| map.claim(hash.0)));
+    }
+
+    /// [`Self::find_or_vacant`] where [`Self::claim`] gave `hash` entry `entry` (checked: a
+    /// growth since moves entries).
+    #[inline]
+    pub(crate) fn find_or_vacant_at(
+        &mut self,
+        slot: u32,
+        hash: EngineHash,
+        entry: usize,
+    ) -> Result<usize, usize> {
+        match self.slots[slot as usize].probe_at(entry, hash.0) {
+            Some(found) => found,
+            None => self.find_or_vacant(slot, hash),
         }
     }
 

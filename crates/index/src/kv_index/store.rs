@@ -15,6 +15,8 @@ pub(super) struct Scratch {
     bytes: Vec<u8>,
     /// Router blocks of the event being stored (whole engine blocks).
     blocks: Vec<BlockHash>,
+    /// The records' entries its engine blocks claimed.
+    entries: Vec<usize>,
     /// Tokens of the partial router block being filled.
     tokens: Vec<u32>,
     /// Engine blocks of the partial router block being filled, in order.
@@ -27,6 +29,7 @@ impl Scratch {
     pub(super) fn memory_bytes(&self) -> usize {
         self.bytes.capacity()
             + 8 * self.blocks.capacity()
+            + 8 * self.entries.capacity()
             + 4 * self.tokens.capacity()
             + 8 * self.members.capacity()
     }
@@ -154,7 +157,8 @@ impl KvIndex {
         scratch: &mut Scratch,
     ) {
         let per = event.block_size / self.block_size;
-        self.records.claim(slot, event.engine_hashes);
+        self.records
+            .claim(slot, event.engine_hashes, &mut scratch.entries);
         let mut previous = base;
         scratch.blocks.clear();
         for tokens in event.token_ids.chunks_exact(self.block_size) {
@@ -172,16 +176,15 @@ impl KvIndex {
         self.table.expect(scratch.blocks.len());
         let tier = tier_index(event.tier);
         let mut after = base_at;
-        for (&hash, blocks) in event
-            .engine_hashes
-            .iter()
-            .zip(scratch.blocks.chunks_exact(per))
+        let blocks = scratch.blocks.chunks_exact(per);
+        for ((&hash, blocks), &entry) in
+            event.engine_hashes.iter().zip(blocks).zip(&scratch.entries)
         {
             let kind = match blocks {
                 [block] => Kind::One(*block, u32::MAX),
                 _ => Kind::Many(Box::new(blocks.into())),
             };
-            after = self.upsert(slot, hash, kind, tier, after);
+            after = self.upsert(slot, hash, kind, tier, after, Some(entry));
         }
     }
 
@@ -229,7 +232,7 @@ impl KvIndex {
                         own: None,
                         members_of: Vec::new(),
                     };
-                    self.upsert(slot, hash, Kind::Part(Box::new(part)), tier, None);
+                    self.upsert(slot, hash, Kind::Part(Box::new(part)), tier, None, None);
                     parent = Some(hash);
                 }
             }
@@ -250,7 +253,7 @@ impl KvIndex {
                 own: Some(block),
                 members_of: Vec::new(),
             };
-            self.upsert(slot, hash, Kind::Part(Box::new(part)), tier, None);
+            self.upsert(slot, hash, Kind::Part(Box::new(part)), tier, None, None);
             for member in scratch.members.drain(..) {
                 self.add_member_of(slot, member, block);
             }
@@ -287,11 +290,15 @@ impl KvIndex {
         kind: Kind,
         tier: usize,
         after: Option<u32>,
+        claimed: Option<usize>,
     ) -> Option<u32> {
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         let at = match kind {
-            Kind::One(block, _) => self.upsert_one(slot, hash, block, tier, stamp, after),
+            Kind::One(block, _) => {
+                let place = (block, after);
+                self.upsert_one(slot, hash, place, tier, stamp, claimed)
+            }
             kind => self.upsert_boxed(slot, hash, kind, tier, stamp),
         };
         self.push_fifo(slot, hash, stamp);
@@ -305,13 +312,17 @@ impl KvIndex {
         &mut self,
         slot: u32,
         hash: EngineHash,
-        block: BlockHash,
+        (block, after): (BlockHash, Option<u32>),
         tier: usize,
         stamp: u64,
-        after: Option<u32>,
+        claimed: Option<usize>,
     ) -> Option<u32> {
         let (table, counts) = (&mut self.table, &mut self.tier_counts[slot as usize]);
-        match self.records.find_or_vacant(slot, hash) {
+        let found = match claimed {
+            Some(entry) => self.records.find_or_vacant_at(slot, hash, entry),
+            None => self.records.find_or_vacant(slot, hash),
+        };
+        match found {
             Err(vacant) => {
                 let at = table.inc(block, Place::After(after), slot, tier);
                 (self.records).insert_at(slot, vacant, hash, Record::one(at, stamp, 1 << tier));
@@ -321,9 +332,7 @@ impl KvIndex {
             }
             Ok(entry) => {
                 let record = self.records.at_mut(slot, entry);
-                let at = record
-                    .node()
-                    .filter(|&at| table.block_at(at) == block);
+                let at = record.node().filter(|&at| table.block_at(at) == block);
                 if let Some(at) = at {
                     record.set_stamp(stamp);
                     if record.tiers() & (1 << tier) == 0 {
@@ -391,13 +400,7 @@ impl KvIndex {
 
 /// One more holding by `slot` in `tier` of the router blocks `kind` stores; a [`Kind::One`]
 /// block at `one`, whose node it returns (the others are looked up by key: heads only).
-fn hold(
-    table: &mut BlockTable,
-    kind: &Kind,
-    one: Place,
-    slot: u32,
-    tier: usize,
-) -> Option<u32> {
+fn hold(table: &mut BlockTable, kind: &Kind, one: Place, slot: u32, tier: usize) -> Option<u32> {
     match kind {
         Kind::One(block, _) => Some(table.inc(*block, one, slot, tier)),
         _ => {

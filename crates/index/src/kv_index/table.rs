@@ -294,7 +294,10 @@ impl BlockTable {
         let r = match self.free.pop() {
             Some(r) => r,
             None => {
-                assert!(self.runs.len() < MAX_RUNS, "the block table is full (2^26 runs)");
+                assert!(
+                    self.runs.len() < MAX_RUNS,
+                    "the block table is full (2^26 runs)"
+                );
                 self.runs.push(Run::default());
                 (self.runs.len() - 1) as u32
             }
@@ -641,8 +644,14 @@ mod tests {
         assert_eq!(chain(&mut table, None, &[1, 2, 3], 1), first[..3]);
         assert_eq!(table.distinct(), 9);
         let slots = &slots;
-        assert_eq!(matched(&table, &[1, 2, 3, 4, 5, 6, 7], slots), [(0, 7), (1, 3)]);
-        assert_eq!(matched(&table, &[1, 2, 3, 30, 31, 32], slots), [(0, 3), (1, 5)]);
+        assert_eq!(
+            matched(&table, &[1, 2, 3, 4, 5, 6, 7], slots),
+            [(0, 7), (1, 3)]
+        );
+        assert_eq!(
+            matched(&table, &[1, 2, 3, 30, 31, 32], slots),
+            [(0, 3), (1, 5)]
+        );
         assert_eq!(matched(&table, &[2, 3], slots), []);
         // Slot 0 lets go of its blocks 1-2: its match ends before it starts; slot 1's holds.
         for &p in &first[..2] {
