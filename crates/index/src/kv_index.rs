@@ -89,6 +89,9 @@ pub struct KvIndex {
     max_blocks: Option<usize>,
     /// (slot, engine block, stamp) in store order, when bounded; stale entries are skipped.
     fifo: VecDeque<(u32, EngineHash, u64)>,
+    /// When bounded, the stamp at which the live records are renumbered next (see
+    /// [`records::STAMP_BITS`]).
+    renumber_at: u64,
     unknown_removals: u64,
     evicted: u64,
     scratch: store::Scratch,
@@ -123,6 +126,7 @@ impl KvIndex {
             next_stamp: 0,
             max_blocks: None,
             fifo: VecDeque::new(),
+            renumber_at: RENUMBER_EVERY,
             unknown_removals: 0,
             evicted: 0,
             scratch: store::Scratch::default(),
@@ -133,8 +137,12 @@ impl KvIndex {
     /// evicting the least recently stored beyond that (see the module docs).
     ///
     /// # Panics
-    /// If `block_size` is 0.
+    /// If `block_size` is 0, or `max_blocks` is over [`MAX_BOUND`].
     pub fn with_max_blocks(block_size: usize, max_blocks: usize) -> Self {
+        assert!(
+            max_blocks <= MAX_BOUND,
+            "a bound of at most 2^27 engine blocks, not {max_blocks}"
+        );
         Self {
             max_blocks: Some(max_blocks),
             ..Self::new(block_size)
@@ -245,7 +253,7 @@ impl KvIndex {
             let live = self
                 .records
                 .get(slot, hash)
-                .is_some_and(|record| record.stamp() == stamp);
+                .is_some_and(|record| record.stamped(stamp));
             if live {
                 self.remove_record(slot, hash);
                 self.evicted += 1;
@@ -264,9 +272,32 @@ impl KvIndex {
             self.fifo.retain(|(slot, hash, stamp)| {
                 records
                     .get(*slot, *hash)
-                    .is_some_and(|record| record.stamp() == *stamp)
+                    .is_some_and(|record| record.stamped(*stamp))
             });
         }
+        if self.next_stamp >= self.renumber_at {
+            self.renumber();
+        }
+    }
+
+    /// Gives the live records new stamps, in store order, from the next one on, and drops the
+    /// stale queue entries: then every live stamp lies within the bound (at most 2^27) of the
+    /// next, and within 2^27 + 2^26 until the next renumbering, under the 2^28 a record keeps.
+    #[cold]
+    fn renumber(&mut self) {
+        let (records, mut next) = (&mut self.records, self.next_stamp);
+        self.fifo.retain_mut(|(slot, hash, stamp)| {
+            let Some(mut record) = records.get(*slot, *hash).filter(|r| r.stamped(*stamp)) else {
+                return false;
+            };
+            record.set_stamp(next);
+            records.set(*slot, *hash, record);
+            *stamp = next;
+            next += 1;
+            true
+        });
+        self.next_stamp = next;
+        self.renumber_at = next + RENUMBER_EVERY;
     }
 
     #[cfg(test)]
@@ -274,6 +305,17 @@ impl KvIndex {
         !self.table.any_bit_of(slot)
     }
 }
+
+/// The most engine blocks [`KvIndex::with_max_blocks`] bounds: 2^27 (a record's stamp keeps
+/// 28 bits, see `records::STAMP_BITS`).
+pub const MAX_BOUND: usize = 1 << 27;
+
+/// Stores between two renumberings of the live records' stamps (bounded indexes only; often
+/// in tests, to exercise it).
+#[cfg(not(test))]
+const RENUMBER_EVERY: u64 = 1 << 26;
+#[cfg(test)]
+const RENUMBER_EVERY: u64 = 1000;
 
 /// One holding fewer, in `tier`, of every router block that `record` of `slot` covers
 /// (`kind`: its kind, if boxed).

@@ -201,7 +201,7 @@ pub struct Args {
     #[arg(alias = "no-kv-events", long)]
     #[serde(default)]
     pub no_router_kv_events: bool,
-    /// The most KV blocks the router indexes; the least recently stored go first [default: 4194304].
+    /// The most KV blocks the router indexes (at most 2^27); the least recently stored go first [default: 4194304].
     #[arg(long)]
     pub router_max_indexed_blocks: Option<usize>,
     /// KV-event threads: >1 shards the index by replica, mirrored; queries never wait [default: 1].

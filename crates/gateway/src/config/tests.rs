@@ -304,6 +304,27 @@ fn zero_is_refused_wherever_a_positive_number_is_needed() {
 }
 
 #[test]
+fn an_index_bound_over_2_pow_27_blocks_is_refused() {
+    let parse = |n: &str| {
+        Args::try_parse_from(["kvroute", "--router-max-indexed-blocks", n])
+            .unwrap()
+            .into_settings()
+    };
+    assert_eq!(parse("134217728").unwrap().max_indexed_blocks, 1 << 27);
+    let over = parse("134217729");
+    assert!(
+        matches!(
+            over,
+            Err(ConfigError::Invalid {
+                name: "router_max_indexed_blocks",
+                ..
+            })
+        ),
+        "{over:?}"
+    );
+}
+
+#[test]
 fn the_admission_queue_is_refused_with_disaggregation() {
     let r = Args::try_parse_from([
         "kvroute",

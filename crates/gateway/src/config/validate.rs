@@ -88,7 +88,7 @@ impl Args {
                 KvEventsMode::Events
             },
             router_ttl: Duration::from_secs(self.router_ttl_secs.unwrap_or(120)),
-            max_indexed_blocks: self.router_max_indexed_blocks.unwrap_or(1 << 22).max(1),
+            max_indexed_blocks: max_indexed_blocks(self.router_max_indexed_blocks)?,
             event_threads: positive("router_event_threads", self.router_event_threads, 1)?,
             sample_ranks: self.router_sample_ranks,
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
@@ -380,6 +380,17 @@ pub(super) fn weight(name: &'static str, v: Option<f64>, default: f64) -> Result
 
 /// Checks a worker base URL (`http[s]://host:port[/prefix]`) and drops a trailing slash.
 /// `v` (or `default` when unset), refusing zero.
+/// `--router-max-indexed-blocks`: 2^22 by default, at most the index's bound (2^27).
+fn max_indexed_blocks(v: Option<usize>) -> Result<usize, ConfigError> {
+    match v.unwrap_or(1 << 22).max(1) {
+        n if n > kvroute_index::kv_index::MAX_BOUND => Err(ConfigError::Invalid {
+            name: "router_max_indexed_blocks",
+            reason: "must be at most 134217728 (2^27)",
+        }),
+        n => Ok(n),
+    }
+}
+
 pub(super) fn positive<T: PartialEq + Default>(
     name: &'static str,
     v: Option<T>,

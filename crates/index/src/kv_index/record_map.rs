@@ -9,9 +9,6 @@ struct Entry {
     record: Record,
 }
 
-/// The flags of an entry claimed for a record about to be stored ([`RecordMap::claim`]).
-const PENDING: u32 = 1 << 5;
-
 /// [`RecordMap::probe`]'s answer for a key with no entry at all.
 const ABSENT: usize = usize::MAX;
 
@@ -38,7 +35,7 @@ impl RecordMap {
     #[inline]
     pub(crate) fn probe(&self, key: u64) -> Result<usize, usize> {
         match self.table.find_bucket_index(mix(key), |e| e.key == key) {
-            Some(i) if self.record(i).flags() == PENDING => Err(i),
+            Some(i) if self.record(i).is_pending() => Err(i),
             Some(i) => Ok(i),
             None => Err(ABSENT),
         }
@@ -65,7 +62,7 @@ impl RecordMap {
         match self.table.entry(mix(key), |e| e.key == key, |e| mix(e.key)) {
             hashbrown::hash_table::Entry::Occupied(occupied) => occupied.bucket_index(),
             hashbrown::hash_table::Entry::Vacant(vacant) => {
-                let record = Record::with_flags(PENDING);
+                let record = Record::PENDING;
                 vacant.insert(Entry { key, record }).bucket_index()
             }
         }
@@ -76,9 +73,9 @@ impl RecordMap {
     #[inline]
     pub(crate) fn probe_at(&self, entry: usize, key: u64) -> Option<Result<usize, usize>> {
         let found = self.table.get_bucket(entry).filter(|e| e.key == key)?;
-        Some(match found.record.flags() {
-            PENDING => Err(entry),
-            _ => Ok(entry),
+        Some(match found.record.is_pending() {
+            true => Err(entry),
+            false => Ok(entry),
         })
     }
 
@@ -179,6 +176,6 @@ mod tests {
             assert_eq!(map.record(entry).node(), Some(*at));
         }
         assert_eq!(map.records().count(), model.len());
-        assert_eq!(std::mem::size_of::<Entry>(), 24);
+        assert_eq!(std::mem::size_of::<Entry>(), 16);
     }
 }

@@ -5,7 +5,7 @@
 //! block of a run (with room left) is appended to it; one stored after any other block, or
 //! after a full run, starts a new run, a *branch* of that run; a block with no parent starts
 //! a *root* run. No run is ever split or moved, so a block's *place* (its run and offset,
-//! `run << 6 | offset`) stays the same while the run lives, and the replicas' records keep
+//! `run << 6 | offset`, under 2^31) stays the same while the run lives, and the replicas' records keep
 //! it. Chained router hashes make a block's place unique (its hash names its whole prefix),
 //! so every run is found by its first hash in one map (`heads`): the branch holding a block
 //! after a given place is the run the block heads, and only a run with branches needs that
@@ -32,8 +32,9 @@ use crate::{BlockHash, OverlapScores, TierCounts};
 /// Blocks a run holds at most (one bit each in a `u64`).
 const RUN: usize = 64;
 const NONE: u32 = u32::MAX;
-/// Places are `run << 6 | offset` in 32 bits: at most 2^26 runs.
-const MAX_RUNS: usize = 1 << 26;
+/// Places are `run << 6 | offset` under 2^31 (a record marks its other kind with the top
+/// bit): at most 2^25 runs (of up to 64 blocks each).
+const MAX_RUNS: usize = 1 << 25;
 const HOLDER_BYTES: usize = std::mem::size_of::<(u32, u64)>();
 
 fn place(run: u32, offset: u32) -> u32 {
@@ -296,7 +297,7 @@ impl BlockTable {
             None => {
                 assert!(
                     self.runs.len() < MAX_RUNS,
-                    "the block table is full (2^26 runs)"
+                    "the block table is full (2^25 runs)"
                 );
                 self.runs.push(Run::default());
                 (self.runs.len() - 1) as u32

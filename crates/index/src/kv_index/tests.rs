@@ -228,9 +228,10 @@ fn memory_estimate_is_close_to_the_tables() {
         );
     }
     let per_block = index.memory_bytes() / index.num_blocks();
-    // One table entry (16 bytes, at a load of 3/8 to 3/4) and one engine record (32 bytes +
-    // control, at hashbrown's load factor) a block.
-    assert!((49..200).contains(&per_block), "{per_block}");
+    // A block's hash in its run (8 bytes, the run's own fields shared by up to 64 blocks) and
+    // its record (16 bytes and a control byte, at hashbrown's load of 7/16 to 7/8): 26 to 47
+    // bytes; the bound is 100.
+    assert!((26..=50).contains(&per_block), "{per_block}");
 }
 
 #[test]
@@ -377,4 +378,53 @@ fn a_prefix_removed_before_its_continuations_is_stored_again_without_doubling_th
     assert_eq!(index.unknown_removals(), 0);
     store(&mut index, 1, &chains[1], BS, StorageTier::Device);
     assert_eq!(held(&index, 1, &chains[1]), 14);
+}
+
+#[test]
+fn the_bound_evicts_in_store_order_across_renumberings() {
+    // Single-block chains stored, stored again (becoming the most recent), removed, by 6
+    // replicas, under a bound of 50, over 20,000 steps (16,000 stores): a renumbering of the
+    // stamps every 1,000 stores (in tests). A model keeps each held block's last store time and evicts the
+    // oldest beyond the bound; the index holds exactly the model's blocks after every step.
+    use std::collections::HashMap;
+    let mut index = KvIndex::with_max_blocks(BS, 50);
+    let mut model: HashMap<(u32, u64), u64> = HashMap::new();
+    let mut x = 0x0123_4567_89AB_CDEFu64;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let (mut evicted, mut stores) = (0, 0);
+    for t in 0..20_000u64 {
+        let (replica, block) = (next(6) as u32, next(120) as u32);
+        let tokens = prompt(block * 1000, 1);
+        let hash = engine(&tokens, BS)[0];
+        if next(5) == 0 {
+            index.apply_removed(ReplicaId(replica), StorageTier::Device, &[hash]);
+            model.remove(&(replica, hash.0));
+        } else {
+            store(&mut index, replica, &tokens, BS, StorageTier::Device);
+            stores += 1;
+            model.insert((replica, hash.0), t);
+            while model.len() > 50 {
+                let oldest = *model.iter().min_by_key(|(_, t)| **t).unwrap().0;
+                model.remove(&oldest);
+                evicted += 1;
+            }
+        }
+        assert_eq!(index.num_engine_blocks(), model.len(), "step {t}");
+        for &(replica, hash) in model.keys() {
+            let slot = index.slots.get(ReplicaId(replica)).expect("a slot");
+            assert!(index.records.contains(slot, EngineHash(hash)), "step {t}");
+        }
+    }
+    assert_eq!(index.evicted_blocks(), evicted);
+    // Each renumbering gave the live records stamps after the stores': more than 15 of them.
+    assert!(
+        index.next_stamp > stores + 15 * 40,
+        "{} after {stores}",
+        index.next_stamp
+    );
 }
