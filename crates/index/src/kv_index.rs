@@ -6,7 +6,7 @@
 //!   *place* (run and offset) never moves while it is held; a query walks the runs comparing
 //!   hashes, with one lookup per branch taken, not per block, and a replica's blocks in a run
 //!   are its leading bits there (one 64-bit set per replica and tier holding the run).
-//! - Per replica, a hash map from engine hash to a 16-byte record in the map's own entry: the
+//! - Per replica, a hash map from engine hash to an 8-byte record in the map's own entry: the
 //!   router block's place where the engine's block size is the router's (the common case,
 //!   whole in the entry), else the position of its mapping in a side arena; and the tiers
 //!   holding it. Removal and `AllBlocksCleared` go through it (to the place directly, no
@@ -327,7 +327,7 @@ fn dec_blocks(
     slot: u32,
     tier: usize,
 ) {
-    match (record.node(), kind) {
+    match (record.place(), kind) {
         (Some(at), _) => table.dec(Held::At(at), slot, tier),
         (None, Some(kind)) => {
             for block in kind.covered() {

@@ -7,8 +7,8 @@ use crate::{BlockHash, EngineHash};
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
-    /// Engine block size equal to the router's: one router block, and its node in the block
-    /// table for the slot's group (where it stays while held; see `BlockTable::inc`).
+    /// Engine block size equal to the router's: one router block, and its place in the block
+    /// table (where it stays while held; see `BlockTable::inc`).
     One(BlockHash, u32),
     /// Engine block size `k` times the router's: `k` router blocks, in chain order (boxed
     /// twice to keep `Kind` at 16 bytes: this case is the rare one).
@@ -110,7 +110,7 @@ impl Tail {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Basis {
     pub(crate) base: Option<BlockHash>,
-    /// `base`'s node in the block table, where the record knows it.
+    /// `base`'s place in the block table, where the record knows it.
     pub(crate) base_at: Option<u32>,
     pub(crate) filled: u32,
 }
@@ -134,7 +134,7 @@ impl Kind {
         self.own().iter().chain(members).copied()
     }
 
-    /// Whether `self` and `other` map the engine block the same way (a block's node is not
+    /// Whether `self` and `other` map the engine block the same way (a block's place is not
     /// part of the mapping).
     pub(crate) fn same_mapping(&self, other: &Kind) -> bool {
         match (self, other) {

@@ -165,7 +165,7 @@ mod tests {
             }
             for _ in 0..next() % 6 {
                 let key = next() % 500;
-                let removed = map.find(key).map(|entry| map.remove_at(entry).node());
+                let removed = map.find(key).map(|entry| map.remove_at(entry).place());
                 assert_eq!(removed, model.remove(&key).map(Some));
             }
             assert_eq!(map.len(), model.len());
@@ -173,7 +173,7 @@ mod tests {
         for (key, at) in &model {
             let entry = map.find(*key).expect("every key found");
             assert!(map.holds(entry, *key));
-            assert_eq!(map.record(entry).node(), Some(*at));
+            assert_eq!(map.record(entry).place(), Some(*at));
         }
         assert_eq!(map.records().count(), model.len());
         assert_eq!(std::mem::size_of::<Entry>(), 16);

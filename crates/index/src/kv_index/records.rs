@@ -78,7 +78,7 @@ impl Record {
     }
 
     /// The place of its one router block, when it maps to one block the router's size.
-    pub(crate) fn node(&self) -> Option<u32> {
+    pub(crate) fn place(&self) -> Option<u32> {
         (self.at & BOXED == 0).then_some(self.at)
     }
 
@@ -226,10 +226,10 @@ impl Records {
         self.map_bytes += self.slots[slot as usize].insert_at(entry, hash.0, record);
     }
 
-    /// A new record for `kind` (its node, for [`Kind::One`], is `node`), to insert.
-    pub(crate) fn new_record(&mut self, kind: Kind, node: u32, stamp: u64, tiers: u8) -> Record {
+    /// A new record for `kind` (its place, for [`Kind::One`], is `place`), to insert.
+    pub(crate) fn new_record(&mut self, kind: Kind, place: u32, stamp: u64, tiers: u8) -> Record {
         let at = match kind {
-            Kind::One(..) => node,
+            Kind::One(..) => place,
             kind => {
                 let at = match self.free.pop() {
                     Some(at) => {
@@ -352,7 +352,7 @@ mod tests {
                 assert_eq!(record.stamp(), *stamp);
                 match records.kind(&record) {
                     Some(kind) => assert_eq!(kind.own().len(), 2),
-                    None => assert_eq!(record.node(), Some(7)),
+                    None => assert_eq!(record.place(), Some(7)),
                 }
             }
         }

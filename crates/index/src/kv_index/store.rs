@@ -57,7 +57,7 @@ impl KvIndex {
             return Ok(());
         }
         if engine != router {
-            // Re-blocking records do not keep their blocks' nodes: look blocks up by key.
+            // Re-blocking records do not keep their blocks' places: blocks found by hash.
             self.table.heads_only();
         }
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -78,7 +78,7 @@ impl KvIndex {
         result
     }
 
-    /// Where the event's chain starts: the router block before it and its node where the
+    /// Where the event's chain starts: the router block before it and its place where the
     /// parent's record knows it, and (in `scratch.tokens`/`members`) the partial router block
     /// it continues, as the parent's record holds it.
     fn resolve_parent(
@@ -106,7 +106,7 @@ impl KvIndex {
             base,
             base_at,
             filled,
-        } = match (record.node(), kind) {
+        } = match (record.place(), kind) {
             (Some(at), _) => Basis {
                 base: Some(self.table.block_at(at)),
                 base_at: Some(at),
@@ -280,8 +280,8 @@ impl KvIndex {
         }
     }
 
-    /// Stores engine block `hash` of `slot` in `tier` with mapping `kind`; `after` is the node
-    /// of the router block before it (see `BlockTable::inc`). Returns the node of its router
+    /// Stores engine block `hash` of `slot` in `tier` with mapping `kind`; `after` is the place
+    /// of the router block before it (see `BlockTable::inc`). Returns the place of its router
     /// block where its record keeps it ([`Kind::One`]).
     fn upsert(
         &mut self,
@@ -332,7 +332,7 @@ impl KvIndex {
             }
             Ok(entry) => {
                 let record = self.records.at_mut(slot, entry);
-                let at = record.node().filter(|&at| table.block_at(at) == block);
+                let at = record.place().filter(|&at| table.block_at(at) == block);
                 if let Some(at) = at {
                     record.set_stamp(stamp);
                     if record.tiers() & (1 << tier) == 0 {
@@ -399,7 +399,7 @@ impl KvIndex {
 }
 
 /// One more holding by `slot` in `tier` of the router blocks `kind` stores; a [`Kind::One`]
-/// block at `one`, whose node it returns (the others are looked up by key: heads only).
+/// block at `one`, whose place it returns (the others are found by hash: see `heads_only`).
 fn hold(table: &mut BlockTable, kind: &Kind, one: Place, slot: u32, tier: usize) -> Option<u32> {
     match kind {
         Kind::One(block, _) => Some(table.inc(*block, one, slot, tier)),
