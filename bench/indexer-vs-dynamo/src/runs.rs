@@ -1,6 +1,7 @@
 //! A design probe, not an index kvroute ships: the KV index as runs of blocks (a compressed
-//! radix tree over router block hashes), to measure what that layout gives before `KvIndex`
-//! is rebuilt on it (issue 32's one-core goal).
+//! radix tree over router block hashes), written to measure what that layout gives before
+//! `KvIndex` was rebuilt on it (stop 52; issue 32's one-core goal). It stays as the lean
+//! yardstick: the layout without the features below.
 //!
 //! A node is a run of up to 64 router hashes that one event stored; a later event continuing a
 //! run at its end appends to it, one that leaves it mid-way hangs a branch at that offset, so
