@@ -158,6 +158,9 @@ struct Run {
     hashes: Vec<u64>,
     /// Runs branching from this one.
     children: u32,
+    /// Its one branch while it has one (`NONE` when unknown: its first was freed while it
+    /// had two), so that a walk down a chain of runs skips the lookup in `heads`.
+    child: u32,
     holders: Holders,
     /// Offsets some holder holds.
     any: u64,
@@ -166,6 +169,13 @@ struct Run {
 }
 
 impl Run {
+    /// The run that `block` heads, where it is this run's only branch.
+    #[inline]
+    fn only_child(&self, runs: &[Run], block: u64) -> Option<u32> {
+        let child = (self.children == 1 && self.child != NONE).then_some(self.child)?;
+        (runs[child as usize].hashes.first() == Some(&block)).then_some(child)
+    }
+
     #[cfg(test)]
     fn heap_bytes(&self) -> usize {
         self.hashes.capacity() * 8 + self.holders.rest.capacity() * HOLDER_BYTES
@@ -270,7 +280,8 @@ impl BlockTable {
         // Only a run with branches may have this block as one (as may any, once keyed, which
         // the lookup above covered).
         if run.children > 0 {
-            if let Some(&b) = self.heads.get(&block.0) {
+            let found = run.only_child(&self.runs, block.0);
+            if let Some(b) = found.or_else(|| self.heads.get(&block.0).copied()) {
                 return place(b, 0);
             }
         }
@@ -285,8 +296,11 @@ impl BlockTable {
             }
             return p;
         }
-        self.runs[r].children += 1;
-        place(self.alloc(r as u32, block.0), 0)
+        let b = self.alloc(r as u32, block.0);
+        let run = &mut self.runs[r];
+        run.children += 1;
+        run.child = if run.children == 1 { b } else { run.child };
+        place(b, 0)
     }
 
     /// A run whose first block is `first`, branching from run `parent`.
@@ -392,8 +406,13 @@ impl BlockTable {
             if parent == NONE {
                 return;
             }
+            let freed = r as u32;
             r = parent as usize;
-            self.runs[r].children -= 1;
+            let parent = &mut self.runs[r];
+            parent.children -= 1;
+            if parent.child == freed {
+                parent.child = NONE;
+            }
         }
     }
 
@@ -541,7 +560,9 @@ impl BlockTable {
             }
             let next = match &self.keyed {
                 Some(keyed) => keyed.get(&hashes[pos].0).copied(),
-                None if run.children > 0 => self.heads.get(&hashes[pos].0).map(|&b| place(b, 0)),
+                None if run.children > 0 => (run.only_child(&self.runs, hashes[pos].0))
+                    .or_else(|| self.heads.get(&hashes[pos].0).copied())
+                    .map(|b| place(b, 0)),
                 None => None,
             };
             match next {
@@ -683,6 +704,35 @@ mod tests {
         assert_eq!(table.runs.len(), 3);
         let heap: usize = table.runs.iter().map(Run::heap_bytes).sum();
         assert_eq!(table.run_heap, heap);
+    }
+
+    #[test]
+    fn a_chain_of_runs_is_walked_through_each_run_s_only_branch() {
+        let mut table = BlockTable::default();
+        let slots = slots(1);
+        // 200 blocks: four runs, each the only branch of the one before.
+        let blocks: Vec<u64> = (1..=200).collect();
+        let places = chain(&mut table, None, &blocks, 0);
+        assert_eq!(table.runs[0].child, unplace(places[64]).0 as u32);
+        assert_eq!(matched(&table, &blocks, &slots), [(0, 200)]);
+        // A second branch of the first run, then the first branch freed: the run forgets it,
+        // and the chain stored again is found through `heads`.
+        let fork = chain(&mut table, Some(places[9]), &[1000], 0)[0];
+        for &p in places[64..].iter().rev() {
+            table.dec(Held::At(p), 0, 0);
+        }
+        assert_eq!((table.runs[0].children, table.runs[0].child), (1, NONE));
+        assert_eq!(matched(&table, &blocks, &slots), [(0, 64)]);
+        assert_eq!(
+            chain(&mut table, Some(places[63]), &blocks[64..], 0).len(),
+            136
+        );
+        assert_eq!(matched(&table, &blocks, &slots), [(0, 200)]);
+        assert_eq!(
+            matched(&table, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1000], &slots),
+            [(0, 11)]
+        );
+        assert_eq!(table.block_at(fork), BlockHash(1000));
     }
 
     #[test]
