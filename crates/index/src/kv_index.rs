@@ -52,7 +52,10 @@
 //! (each maps to at most `E/B` router blocks, so the router blocks are bounded too). When a
 //! store goes over, the least recently stored engine blocks are removed from every tier, as if
 //! their engines had evicted them, until the bound holds. This keeps memory bounded when
-//! removal events are lost; with a bound that is never reached, nothing is ever evicted.
+//! removal events are lost; with a bound that is never reached, nothing is ever evicted. The
+//! same eviction keeps the block table's runs under its limit (2^25 less a margin), which
+//! only an unusual order of removals (a chain's blocks before its continuation's, many
+//! times over) could otherwise reach within the bound.
 
 mod record;
 mod record_map;
@@ -246,7 +249,7 @@ impl KvIndex {
         let Some(max) = self.max_blocks else {
             return;
         };
-        while self.engine_blocks > max {
+        while self.engine_blocks > max || self.table.runs() > MAX_LIVE_RUNS {
             let Some((slot, hash, stamp)) = self.fifo.pop_front() else {
                 break;
             };
@@ -309,6 +312,14 @@ impl KvIndex {
 /// The most engine blocks [`KvIndex::with_max_blocks`] bounds: 2^27 (a record's stamp keeps
 /// 28 bits, see `records::STAMP_BITS`).
 pub const MAX_BOUND: usize = 1 << 27;
+
+/// Runs of the block table a bounded index keeps at most (evicting as for its bound): below
+/// the table's 2^25 by more than any event adds. Runs are at most the blocks held, except
+/// where a chain's blocks went before its continuation's (the runs between stay, empty).
+#[cfg(not(test))]
+const MAX_LIVE_RUNS: usize = (1 << 25) - (1 << 20);
+#[cfg(test)]
+const MAX_LIVE_RUNS: usize = 64;
 
 /// Stores between two renumberings of the live records' stamps (bounded indexes only; often
 /// in tests, to exercise it).

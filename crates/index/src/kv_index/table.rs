@@ -209,6 +209,11 @@ impl BlockTable {
         self.distinct
     }
 
+    /// Runs in use.
+    pub(crate) fn runs(&self) -> usize {
+        self.runs.len() - self.free.len()
+    }
+
     /// The next store adds up to `blocks` blocks in a row: a run started for them gets room
     /// for them (a hint; the table's contents do not depend on it).
     pub(crate) fn expect(&mut self, blocks: usize) {

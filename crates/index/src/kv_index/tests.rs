@@ -428,3 +428,24 @@ fn the_bound_evicts_in_store_order_across_renumberings() {
         index.next_stamp
     );
 }
+
+#[test]
+fn the_bound_keeps_the_table_s_runs_under_its_limit() {
+    // Forks: every chain shares a 2-block prefix and branches after it, so each costs a run
+    // of its own (64 at most in tests), while the block bound (10,000) is never reached. The
+    // least recently stored chains go, as for the block bound, and the newest stay whole.
+    let mut index = KvIndex::with_max_blocks(BS, 10_000);
+    let shared = prompt(0, 2);
+    for i in 0..300u32 {
+        let tokens = [shared.clone(), prompt(100_000 + i * 1000, 3)].concat();
+        store(&mut index, i % 4, &tokens, BS, StorageTier::Device);
+        assert!(
+            index.table.runs() <= 64,
+            "chain {i}: {} runs",
+            index.table.runs()
+        );
+        assert_eq!(held(&index, i % 4, &tokens), 5, "chain {i}");
+    }
+    assert!(index.evicted_blocks() > 0);
+    assert!(index.num_engine_blocks() < 10_000);
+}
