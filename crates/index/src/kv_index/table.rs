@@ -146,6 +146,13 @@ impl Holders {
         }
     }
 
+    /// Whether some holder has a bit of `bits`.
+    #[inline]
+    fn any_holds(&self, bits: u64) -> bool {
+        // (A free `first` has no bits.)
+        self.first.1 & bits != 0 || self.rest.iter().any(|h| h.1 & bits != 0)
+    }
+
     #[inline]
     fn iter(&self) -> impl Iterator<Item = &(u32, u64)> {
         let first = std::iter::once(&self.first).filter(|h| h.0 != NONE);
@@ -375,7 +382,7 @@ impl BlockTable {
         if *bits == 0 {
             run.holders.remove(key);
         }
-        if run.holders.iter().all(|h| h.1 & bit == 0) {
+        if !run.holders.any_holds(bit) {
             run.any &= !bit;
             self.distinct -= 1;
             self.collect(r);
