@@ -1,4 +1,10 @@
-//! A replica's records: hashbrown's `HashTable` of (engine hash, [`Record`]) entries.
+//! A replica's records: hashbrown's `HashTable` of 16-byte (engine hash, [`Record`]) entries,
+//! addressed by bucket position between a lookup and the change after it.
+//!
+//! A store first *claims* the entries of all of an event's engine hashes (an absent one is
+//! inserted as a pending record, which lookups treat as absent), so that the insertions'
+//! cache misses overlap; each block's store then fills its claimed entry in place. A
+//! position stays valid until the table grows, which a store checks (the key at the position).
 
 use super::records::Record;
 
