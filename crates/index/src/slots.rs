@@ -1,6 +1,7 @@
-//! Dense internal slots for replicas: slot `s` is bit `s % 64` of group `s / 64`, so the
-//! holders of a block are one 64-bit mask per group (one group up to 64 replicas). Freed
-//! slots are reused lowest first, which keeps groups few.
+//! Dense internal slots for replicas. `KvIndex`'s table keys its holders by slot; the
+//! approximate index takes slot `s` as bit `s % 64` of group `s / 64`, so that the holders
+//! of a block are one 64-bit mask per group (one group up to 64 replicas). Freed slots are
+//! reused lowest first, which keeps slots (and groups) few.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;

@@ -7,9 +7,9 @@ use crate::{BlockHash, EngineHash};
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
-    /// Engine block size equal to the router's: one router block, and its place in the block
-    /// table (where it stays while held; see `BlockTable::inc`).
-    One(BlockHash, u32),
+    /// Engine block size equal to the router's: one router block (its record keeps the
+    /// block's place in the table, where it stays while held; see `BlockTable::inc`).
+    One(BlockHash),
     /// Engine block size `k` times the router's: `k` router blocks, in chain order (boxed
     /// twice to keep `Kind` at 16 bytes: this case is the rare one).
     Many(Box<Box<[BlockHash]>>),
@@ -119,7 +119,7 @@ impl Kind {
     /// The router blocks this engine block stores (a holding is counted for each).
     pub(crate) fn own(&self) -> &[BlockHash] {
         match self {
-            Kind::One(block, _) => std::slice::from_ref(block),
+            Kind::One(block) => std::slice::from_ref(block),
             Kind::Many(blocks) => blocks,
             Kind::Part(part) => part.own.as_slice(),
         }
@@ -138,7 +138,7 @@ impl Kind {
     /// part of the mapping).
     pub(crate) fn same_mapping(&self, other: &Kind) -> bool {
         match (self, other) {
-            (Kind::One(a, _), Kind::One(b, _)) => a == b,
+            (Kind::One(a), Kind::One(b)) => a == b,
             (Kind::Part(a), Kind::Part(b)) => {
                 a.parent == b.parent
                     && a.base == b.base
@@ -152,9 +152,10 @@ impl Kind {
 
     pub(crate) fn basis(&self) -> Basis {
         match self {
-            Kind::One(block, at) => Basis {
+            // (Its record keeps its place: `KvIndex::resolve_parent` reads that.)
+            Kind::One(block) => Basis {
                 base: Some(*block),
-                base_at: Some(*at),
+                base_at: None,
                 filled: 0,
             },
             Kind::Many(blocks) => Basis {

@@ -153,8 +153,8 @@ impl Records {
     }
 
     /// [`Self::locate`]'s answer `found` for `hash` of `slot`, checked: the same where its
-    /// entry still holds the record, else looked up again (a removal since may have shifted
-    /// the entry back, or removed the record).
+    /// entry still holds the record, else looked up again (a removal since may have removed
+    /// it: the same hash twice in one batch).
     #[inline]
     pub(crate) fn relocate(&self, slot: u32, hash: EngineHash, found: usize) -> Option<usize> {
         match self.slots[slot as usize].holds(found, hash.0) {
@@ -206,8 +206,8 @@ impl Records {
         self.kinds[at as usize].as_mut()
     }
 
-    /// The entry of `hash` of `slot`, or the empty one where it would go (the slot made room
-    /// for one more first, so that one probe serves the lookup and the insertion).
+    /// The entry of `hash` of `slot`; else its claimed entry, or `ABSENT` (see
+    /// [`RecordMap::probe`]), for [`Self::insert_at`].
     #[inline]
     pub(crate) fn find_or_vacant(&mut self, slot: u32, hash: EngineHash) -> Result<usize, usize> {
         self.slots[slot as usize].probe(hash.0)
@@ -219,8 +219,8 @@ impl Records {
         self.slots[slot as usize].record_mut(entry)
     }
 
-    /// Fills the empty entry `entry` of `slot` ([`Self::find_or_vacant`]'s answer for `hash`,
-    /// the slot unchanged since).
+    /// Stores `record` for `hash` of `slot` where [`Self::find_or_vacant`] found none (`entry`
+    /// its answer, the slot unchanged since).
     #[inline]
     pub(crate) fn insert_at(&mut self, slot: u32, entry: usize, hash: EngineHash, record: Record) {
         self.map_bytes += self.slots[slot as usize].insert_at(entry, hash.0, record);
@@ -280,12 +280,8 @@ impl Records {
         };
         let map = std::mem::take(map);
         self.map_bytes -= map.memory_bytes();
-        let records: Vec<Record> = map.records().copied().collect();
-        let kinds = records.iter().map(|record| self.release(record));
-        records
-            .iter()
-            .copied()
-            .zip(kinds.collect::<Vec<_>>())
+        (map.records())
+            .map(|record| (*record, self.release(record)))
             .collect()
     }
 
@@ -337,7 +333,7 @@ mod tests {
             } else {
                 let kind = match x % 4 {
                     0 => Kind::Many(Box::new(vec![BlockHash(1), BlockHash(2)].into())),
-                    _ => Kind::One(BlockHash(1), 0),
+                    _ => Kind::One(BlockHash(1)),
                 };
                 let record = records.new_record(kind, 7, stamp, 1);
                 records.insert(slot, hash, record);

@@ -181,7 +181,7 @@ impl KvIndex {
             event.engine_hashes.iter().zip(blocks).zip(&scratch.entries)
         {
             let kind = match blocks {
-                [block] => Kind::One(*block, u32::MAX),
+                [block] => Kind::One(*block),
                 _ => Kind::Many(Box::new(blocks.into())),
             };
             after = self.upsert(slot, hash, kind, tier, after, Some(entry));
@@ -295,7 +295,7 @@ impl KvIndex {
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         let at = match kind {
-            Kind::One(block, _) => {
+            Kind::One(block) => {
                 let place = (block, after);
                 self.upsert_one(slot, hash, place, tier, stamp, claimed)
             }
@@ -346,7 +346,7 @@ impl KvIndex {
         }
         // Stored before with another mapping: replaced.
         self.remove_record(slot, hash);
-        self.insert(slot, hash, Kind::One(block, 0), tier, stamp, after)
+        self.insert(slot, hash, Kind::One(block), tier, stamp, after)
     }
 
     /// [`Self::upsert`] of a block mapped to several router blocks, or to a piece of one.
@@ -402,7 +402,7 @@ impl KvIndex {
 /// block at `one`, whose place it returns (the others are found by hash: see `heads_only`).
 fn hold(table: &mut BlockTable, kind: &Kind, one: Place, slot: u32, tier: usize) -> Option<u32> {
     match kind {
-        Kind::One(block, _) => Some(table.inc(*block, one, slot, tier)),
+        Kind::One(block) => Some(table.inc(*block, one, slot, tier)),
         _ => {
             for &block in kind.own() {
                 table.inc(block, Place::After(None), slot, tier);

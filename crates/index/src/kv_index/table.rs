@@ -5,8 +5,8 @@
 //! block of a run (with room left) is appended to it; one stored after any other block, or
 //! after a full run, starts a new run, a *branch* of that run; a block with no parent starts
 //! a *root* run. No run is ever split or moved, so a block's *place* (its run and offset,
-//! `run << 6 | offset`, under 2^31) stays the same while the run lives, and the replicas' records keep
-//! it. Chained router hashes make a block's place unique (its hash names its whole prefix),
+//! `run << 6 | offset`, under 2^31) stays the same while the run lives, and the replicas'
+//! records keep it. Chained router hashes make a block's place unique (its hash names its whole prefix),
 //! so every run is found by its first hash in one map (`heads`): the branch holding a block
 //! after a given place is the run the block heads, and only a run with branches needs that
 //! lookup when a store or a query leaves it.
@@ -68,7 +68,7 @@ pub(crate) enum Place {
     At(u32),
 }
 
-/// One holding, as [`BlockTable::inc`] adds it and [`BlockTable::dec`] takes it.
+/// One holding, as [`BlockTable::inc`] adds it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Holding {
     block: BlockHash,
@@ -431,8 +431,10 @@ impl BlockTable {
     /// From now on every block is also found by hash (see the module docs): for engines
     /// whose block size differs from the router's, whose records do not keep places.
     pub(crate) fn heads_only(&mut self) {
-        self.logged(|| Change::HeadsOnly);
-        self.key_every_block();
+        if self.keyed.is_none() {
+            self.logged(|| Change::HeadsOnly);
+            self.key_every_block();
+        }
     }
 
     fn key_every_block(&mut self) {
