@@ -207,28 +207,26 @@ impl KvIndex {
     #[inline]
     fn remove_tier(&mut self, slot: u32, hash: EngineHash, tier: usize) -> bool {
         match self.records.locate(slot, hash) {
-            Some(entry) => self.remove_located(slot, entry, tier),
+            Some(entry) => self.remove_located(slot, hash, entry, tier),
             None => false,
         }
     }
 
-    /// [`Self::remove_tier`] for the record in entry `entry` of `slot`.
+    /// [`Self::remove_tier`] for `hash`, which [`Records::locate`] found at `entry` with no
+    /// insertion since.
     #[inline]
-    fn remove_located(&mut self, slot: u32, entry: usize, tier: usize) -> bool {
-        let mut record = self.records.at(slot, entry);
-        if record.tiers() & (1 << tier) == 0 {
+    fn remove_located(&mut self, slot: u32, hash: EngineHash, entry: usize, tier: usize) -> bool {
+        let Some((record, gone)) = self.records.take_tier(slot, hash, entry, tier) else {
             return false;
-        }
+        };
         let kind = self.records.kind(&record);
         dec_blocks(&mut self.table, &record, kind, slot, tier);
         self.tier_counts[slot as usize][tier] -= 1;
-        record.set_tiers(record.tiers() & !(1 << tier));
-        if record.tiers() == 0 {
-            let (_, kind) = self.records.remove_at(slot, entry);
+        if gone {
             self.engine_blocks -= 1;
-            self.record_heap -= kind.map_or(0, |kind| kind.heap_bytes());
-        } else {
-            *self.records.at_mut(slot, entry) = record;
+            if let Some(kind) = self.records.release(&record) {
+                self.record_heap -= kind.heap_bytes();
+            }
         }
         true
     }
@@ -401,8 +399,8 @@ impl KvIndexer for KvIndex {
             self.unknown_removals += engine_hashes.len() as u64;
             return;
         };
-        // In batches: the records, then the table entries they name, are brought into cache
-        // together (their misses overlap), then the blocks are removed.
+        // In batches: the records' entries are looked up together (their misses overlap), then
+        // each block's record is taken in one access to its entry and the block removed.
         let mut found = [None; 32];
         for batch in engine_hashes.chunks(32) {
             for (&hash, found) in batch.iter().zip(&mut found) {
@@ -410,9 +408,9 @@ impl KvIndexer for KvIndex {
             }
 
             for (&hash, found) in batch.iter().zip(&found) {
-                let located = found.and_then(|found| self.records.relocate(slot, hash, found));
+                let tier = tier_index(tier);
                 let removed =
-                    located.is_some_and(|entry| self.remove_located(slot, entry, tier_index(tier)));
+                    found.is_some_and(|entry| self.remove_located(slot, hash, entry, tier));
                 if !removed {
                     self.unknown_removals += 1;
                 }

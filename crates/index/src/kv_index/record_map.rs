@@ -85,7 +85,7 @@ impl RecordMap {
         })
     }
 
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn holds(&self, entry: usize, key: u64) -> bool {
         self.table.get_bucket(entry).is_some_and(|e| e.key == key)
     }
@@ -118,7 +118,27 @@ impl RecordMap {
         self.table.allocation_size() - before
     }
 
+    /// Takes tier bit `bit` from `key`'s record at `entry`, removing the entry when no tier is
+    /// left, in one access: the record as it was, and whether it went. `None` where `entry`
+    /// no longer holds `key` (removed since: entries never move while nothing is inserted) or
+    /// its record lacks the tier.
     #[inline]
+    pub(crate) fn take_tier(&mut self, entry: usize, key: u64, bit: u8) -> Option<(Record, bool)> {
+        let mut occupied = self.table.get_bucket_entry(entry).ok()?;
+        let found = occupied.get_mut();
+        let record = found.record;
+        if found.key != key || record.tiers() & bit == 0 {
+            return None;
+        }
+        if record.tiers() == bit {
+            occupied.remove();
+            return Some((record, true));
+        }
+        found.record.set_tiers(record.tiers() & !bit);
+        Some((record, false))
+    }
+
+    #[cfg(test)]
     pub(crate) fn remove_at(&mut self, entry: usize) -> Record {
         let occupied = self.table.get_bucket_entry(entry).expect("a live entry");
         occupied.remove().0.record
@@ -139,8 +159,9 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    /// Random claims, stores, changes and removals of small keys (0 among them) against a
-    /// map: a claimed entry reads as absent until stored, and the map answers as the model.
+    /// Random claims, stores, changes, removals and tiers taken of small keys (0 among them)
+    /// against a map: a claimed entry reads as absent until stored, and the map answers as the
+    /// model.
     #[test]
     fn behaves_as_a_map_with_claims() {
         let mut map = RecordMap::default();
@@ -173,6 +194,25 @@ mod tests {
                 let key = next() % 500;
                 let removed = map.find(key).map(|entry| map.remove_at(entry).place());
                 assert_eq!(removed, model.remove(&key).map(Some));
+            }
+            // Tiers taken one at a time: the entry goes with its last tier.
+            for _ in 0..next() % 4 {
+                let key = next() % 500;
+                let Some(entry) = map.find(key) else {
+                    assert!(!model.contains_key(&key));
+                    continue;
+                };
+                *map.record_mut(entry) = Record::one(model[&key], 0, 0b101);
+                assert_eq!(map.take_tier(entry, key, 0b010), None);
+                assert_eq!(map.take_tier(entry, key ^ 1 << 40, 0b001), None);
+                let (before, gone) = map.take_tier(entry, key, 0b001).expect("held in tier 0");
+                assert_eq!((before.tiers(), gone), (0b101, false));
+                assert_eq!(map.record(entry).tiers(), 0b100);
+                let (_, gone) = map.take_tier(entry, key, 0b100).expect("held in tier 2");
+                assert!(gone);
+                assert_eq!(map.find(key), None);
+                assert_eq!(map.take_tier(entry, key, 0b100), None);
+                model.remove(&key);
             }
             assert_eq!(map.len(), model.len());
         }

@@ -152,28 +152,20 @@ impl Records {
         self.slots.get(slot as usize)?.find(hash.0)
     }
 
-    /// [`Self::locate`]'s answer `found` for `hash` of `slot`, checked: the same where its
-    /// entry still holds the record, else looked up again (a removal since may have removed
-    /// it: the same hash twice in one batch).
+    /// Takes tier `tier` from the record of `hash` of `slot`, which [`Self::locate`] found at
+    /// `entry` with no insertion since, removing the record when no tier is left: the record
+    /// as it was, and whether it went (its kind, if boxed, still in the arena until
+    /// [`Self::release`]). `None` where `slot` no longer holds it in `tier` (the same hash
+    /// removed twice in a batch).
     #[inline]
-    pub(crate) fn relocate(&self, slot: u32, hash: EngineHash, found: usize) -> Option<usize> {
-        match self.slots[slot as usize].holds(found, hash.0) {
-            true => Some(found),
-            false => self.locate(slot, hash),
-        }
-    }
-
-    /// The record in entry `entry` of `slot`.
-    #[inline]
-    pub(crate) fn at(&self, slot: u32, entry: usize) -> Record {
-        *self.slots[slot as usize].record(entry)
-    }
-
-    /// Removes the record in entry `entry` of `slot`, returning it and, if boxed, its kind.
-    #[inline]
-    pub(crate) fn remove_at(&mut self, slot: u32, entry: usize) -> (Record, Option<Kind>) {
-        let record = self.slots[slot as usize].remove_at(entry);
-        (record, self.release(&record))
+    pub(crate) fn take_tier(
+        &mut self,
+        slot: u32,
+        hash: EngineHash,
+        entry: usize,
+        tier: usize,
+    ) -> Option<(Record, bool)> {
+        self.slots[slot as usize].take_tier(entry, hash.0, 1 << tier)
     }
 
     #[inline]
@@ -267,7 +259,7 @@ impl Records {
         Some((record, self.release(&record)))
     }
 
-    fn release(&mut self, record: &Record) -> Option<Kind> {
+    pub(crate) fn release(&mut self, record: &Record) -> Option<Kind> {
         let at = record.boxed()?;
         self.free.push(at);
         self.kinds[at as usize].take()

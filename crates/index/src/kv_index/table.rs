@@ -385,7 +385,9 @@ impl BlockTable {
         if !run.holders.any_holds(bit) {
             run.any &= !bit;
             self.distinct -= 1;
-            self.collect(r);
+            if run.any == 0 && run.children == 0 {
+                self.collect(r);
+            }
         }
     }
 

@@ -213,6 +213,13 @@ fn unknown_removals_are_counted() {
         format!("{index:?}"),
         "KvIndex { block_size: 16, blocks: 1, engine_blocks: 1, max_blocks: None, .. }"
     );
+    // Named twice in one batch: removed once, the second unknown.
+    index.apply_removed(ReplicaId(0), StorageTier::Device, &[hashes[1], hashes[1]]);
+    assert_eq!(index.unknown_removals(), 6);
+    assert_eq!(
+        format!("{index:?}"),
+        "KvIndex { block_size: 16, blocks: 0, engine_blocks: 0, max_blocks: None, .. }"
+    );
 }
 
 #[test]
