@@ -26,12 +26,15 @@
 //! - `Positional+TP2`: the `PositionalIndexer` in `ThreadPoolIndexer` with 2 threads;
 //! - `KvIndex x2`: kvroute's `ShardedKvIndex`, sharded by replica over 2 threads, each shard
 //!   mirrored (its records once, two copies of its block table: queries read one while the
-//!   shard's writer changes the other, and never wait for it; queries read both shards).
+//!   shard's writer changes the other, and never wait for it; queries read both shards). Each
+//!   event is one write;
+//! - `KvIndex x2 batched`: the same, each run of consecutive events of one replica (here a
+//!   conversation's) one write, as the router applies an engine's message.
 //!
 //! Then, once each, not as criterion figures (`ALONGSIDE=0` skips them): `KvIndex x2`,
-//! `CRTC+TP2` and `Positional+TP2`, at full size, apply the churn events 100 times while this
-//! thread runs hit queries alongside, back to back and then one every 20 µs; `alongside:`
-//! lines give the rate and the queries' p50 / p99.
+//! `KvIndex x2 batched`, `CRTC+TP2` and `Positional+TP2`, at full size, apply the churn events
+//! 100 times while this thread runs hit queries alongside, back to back and then one every
+//! 20 µs; `alongside:` lines give the rate and the queries' p50 / p99.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -184,28 +187,51 @@ impl Subject for Kv {
     }
 }
 
-/// kvroute's `ShardedKvIndex` over N threads: shard `i`'s events applied by thread `i`.
-struct KvShards(ShardedKvIndex);
+/// kvroute's `ShardedKvIndex` over N threads: shard `i`'s events applied by thread `i`, each
+/// event one write, or (`batched`) each run of consecutive events of one replica one write, as
+/// the router applies an engine's message (a vLLM step's events: one write per message).
+struct KvShards {
+    index: ShardedKvIndex,
+    batched: bool,
+}
 
 impl KvShards {
+    fn new(shards: usize, batched: bool) -> Self {
+        Self {
+            index: ShardedKvIndex::new(BS, shards),
+            batched,
+        }
+    }
+
     fn ingest(&self, events: Events<'_>) {
-        let index = &self.0;
+        let index = &self.index;
+        let batched = self.batched;
         std::thread::scope(|scope| {
             for i in 0..index.shards() {
                 scope.spawn(move || {
                     let mine = |r: kvroute_index::ReplicaId| index.shard_of(r) == i;
-                    match events {
-                        Events::Build(load, _) => {
-                            for s in load.build.iter().filter(|s| mine(s.replica)) {
-                                index.stored(s.replica, &s.event()).expect("valid");
-                            }
+                    let store = |stored: &[workload::Stored]| {
+                        let runs = stored.chunk_by(|a, b| batched && a.replica == b.replica);
+                        for run in runs.filter(|run| mine(run[0].replica)) {
+                            index.batch(run[0].replica, |events| {
+                                for s in run {
+                                    events.stored(&s.event()).expect("valid");
+                                }
+                            });
                         }
+                    };
+                    match events {
+                        Events::Build(load, _) => store(&load.build),
                         Events::Churn(load, _) => {
-                            for s in load.churn.iter().filter(|s| mine(s.replica)) {
-                                index.stored(s.replica, &s.event()).expect("valid");
-                            }
-                            for (r, hashes) in load.churn_removed.iter().filter(|(r, _)| mine(*r)) {
-                                index.removed(*r, StorageTier::Device, hashes);
+                            store(&load.churn);
+                            let removed = &load.churn_removed;
+                            let runs = removed.chunk_by(|a, b| batched && a.0 == b.0);
+                            for run in runs.filter(|run| mine(run[0].0)) {
+                                index.batch(run[0].0, |events| {
+                                    for (_, hashes) in run {
+                                        events.removed(StorageTier::Device, hashes);
+                                    }
+                                });
                             }
                         }
                     }
@@ -217,13 +243,14 @@ impl KvShards {
 
 impl Subject for KvShards {
     fn name(&self) -> String {
-        format!("KvIndex x{}", self.0.shards())
+        let batched = if self.batched { " batched" } else { "" };
+        format!("KvIndex x{}{batched}", self.index.shards())
     }
     fn apply(&mut self, events: Events<'_>) {
         self.ingest(events);
     }
     fn query(&self, kv: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
-        best(&self.0.matches(kv))
+        best(&self.index.matches(kv))
     }
 }
 
@@ -352,7 +379,8 @@ fn subjects() -> Vec<Box<dyn Fn() -> Box<dyn Subject>>> {
         Box::new(|| Box::new(Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 1))),
         Box::new(|| Box::new(Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 2))),
         Box::new(|| Box::new(Pool::new("Positional", PositionalIndexer::new(32), 2))),
-        Box::new(|| Box::new(KvShards(ShardedKvIndex::new(BS, 2)))),
+        Box::new(|| Box::new(KvShards::new(2, false))),
+        Box::new(|| Box::new(KvShards::new(2, true))),
     ]
 }
 
@@ -430,7 +458,8 @@ fn compare(c: &mut Criterion) {
 /// wake is caught up), so that the writers of every subject meet the same query load.
 fn alongside(load: &Workload, dynamo: &Dyn) {
     for pace in [None, Some(Duration::from_micros(20))] {
-        run_alongside(pace, load, dynamo, &KvShards(ShardedKvIndex::new(BS, 2)));
+        run_alongside(pace, load, dynamo, &KvShards::new(2, false));
+        run_alongside(pace, load, dynamo, &KvShards::new(2, true));
         let crtc = Pool::new("CRTC", ConcurrentRadixTreeCompressed::new(), 2);
         run_alongside(pace, load, dynamo, &crtc);
         let positional = Pool::new("Positional", PositionalIndexer::new(32), 2);
