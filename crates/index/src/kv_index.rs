@@ -263,6 +263,7 @@ impl KvIndex {
     }
 
     /// Notes that `hash` of `slot` was stored with `stamp`.
+    #[inline]
     fn push_fifo(&mut self, slot: u32, hash: EngineHash, stamp: u64) {
         if self.max_blocks.is_none() {
             return;

@@ -85,6 +85,14 @@ impl RecordMap {
         })
     }
 
+    /// The record at `entry` where it holds `key` (claimed there: [`Self::claim`], no growth
+    /// since), pending or not.
+    #[inline]
+    pub(crate) fn claimed_mut(&mut self, entry: usize, key: u64) -> Option<&mut Record> {
+        let found = self.table.get_bucket_mut(entry).filter(|e| e.key == key)?;
+        Some(&mut found.record)
+    }
+
     #[cfg(test)]
     pub(crate) fn holds(&self, entry: usize, key: u64) -> bool {
         self.table.get_bucket(entry).is_some_and(|e| e.key == key)

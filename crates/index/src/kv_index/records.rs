@@ -146,6 +146,18 @@ impl Records {
         }
     }
 
+    /// The record of `hash` of `slot` in entry `entry`, where [`Self::claim`] gave it that
+    /// entry and no growth moved it since (pending until stored).
+    #[inline]
+    pub(crate) fn claimed_mut(
+        &mut self,
+        slot: u32,
+        hash: EngineHash,
+        entry: usize,
+    ) -> Option<&mut Record> {
+        self.slots[slot as usize].claimed_mut(entry, hash.0)
+    }
+
     /// The entry of `hash` of `slot`.
     #[inline]
     pub(crate) fn locate(&self, slot: u32, hash: EngineHash) -> Option<usize> {
