@@ -240,6 +240,7 @@ impl BlockTable {
         self.inc_now(holding, place)
     }
 
+    #[inline(always)]
     fn inc_now(&mut self, holding: Holding, at: Place) -> u32 {
         let Holding { block, slot, tier } = holding;
         let p = match at {
@@ -350,7 +351,7 @@ impl BlockTable {
         self.dec_now(held, slot, tier as u8);
     }
 
-    #[inline]
+    #[inline(always)]
     fn dec_now(&mut self, held: Held, slot: u32, tier: u8) {
         let p = match held {
             Held::At(p) => p,
