@@ -24,10 +24,11 @@
 //!   2 threads (its events are applied only by a pool thread's loop: `enqueue_event`, then
 //!   `flush`; queries run inline on the caller, as the pool does);
 //! - `Positional+TP2`: the `PositionalIndexer` in `ThreadPoolIndexer` with 2 threads;
-//! - `KvIndex x2`: kvroute's `ShardedKvIndex`, sharded by replica over 2 threads, each shard
-//!   mirrored (its records once, two copies of its block table: queries read one while the
-//!   shard's writer changes the other, and never wait for it; queries read both shards). Each
-//!   event is one write;
+//! - `KvIndex x2`: kvroute's `ShardedKvIndex`, sharded by replica over 2 ingest threads, each
+//!   shard mirrored (its records once, two copies of its block table: queries read one while
+//!   the shard's writer changes the other, and never wait for it; queries read both shards).
+//!   Each event is one write. The ingest threads live as long as the subject, as a pool's do,
+//!   and the caller hands them the events and waits for them, as for a pool's `flush`;
 //! - `KvIndex x2 batched`: the same, each run of consecutive events of one replica (here a
 //!   conversation's) one write, as the router applies an engine's message.
 //!
@@ -37,6 +38,7 @@
 //! 20 µs; `alongside:` lines give the rate and the queries' p50 / p99.
 
 use std::hint::black_box;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
@@ -94,7 +96,7 @@ fn convert(load: &Workload) -> Dyn {
 /// One indexer under test, at full size once built.
 trait Subject {
     fn name(&self) -> String;
-    fn apply(&mut self, events: Events<'_>);
+    fn apply(&mut self, events: Events<'static>);
     /// Blocks matched by the best replica (so the answer is used).
     fn query(&self, kv: &[BlockHash], dynamo: &[LocalBlockHash]) -> u32;
     /// Whether it answers queries (the hashing row does not).
@@ -112,7 +114,7 @@ impl Subject for Hashing {
     fn name(&self) -> String {
         "Dynamo tokens_hash".into()
     }
-    fn apply(&mut self, events: Events<'_>) {
+    fn apply(&mut self, events: Events<'static>) {
         let stored = match events {
             Events::Build(load, _) => &load.build,
             Events::Churn(load, _) => &load.churn,
@@ -179,7 +181,7 @@ impl Subject for Kv {
     fn name(&self) -> String {
         "KvIndex".into()
     }
-    fn apply(&mut self, events: Events<'_>) {
+    fn apply(&mut self, events: Events<'static>) {
         kv_apply(&mut self.0, events);
     }
     fn query(&self, kv: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
@@ -187,57 +189,81 @@ impl Subject for Kv {
     }
 }
 
-/// kvroute's `ShardedKvIndex` over N threads: shard `i`'s events applied by thread `i`, each
-/// event one write, or (`batched`) each run of consecutive events of one replica one write, as
-/// the router applies an engine's message (a vLLM step's events: one write per message).
+/// kvroute's `ShardedKvIndex` over N threads: shard `i`'s events applied by ingest thread `i`,
+/// each event one write, or (`batched`) each run of consecutive events of one replica one write,
+/// as the router applies an engine's message (a vLLM step's events: one write per message).
+/// The ingest threads live as long as the subject (as a pool's, and as the router's): `apply`
+/// hands them the events and waits for them (as a pool's `flush`).
 struct KvShards {
-    index: ShardedKvIndex,
+    index: Arc<ShardedKvIndex>,
     batched: bool,
+    jobs: Vec<mpsc::Sender<Events<'static>>>,
+    done: Mutex<mpsc::Receiver<()>>,
 }
 
 impl KvShards {
     fn new(shards: usize, batched: bool) -> Self {
+        let index = Arc::new(ShardedKvIndex::new(BS, shards));
+        let (finished, done) = mpsc::channel();
+        let jobs = (0..shards)
+            .map(|shard| {
+                let (job, events) = mpsc::channel::<Events<'static>>();
+                let (index, finished) = (Arc::clone(&index), finished.clone());
+                std::thread::spawn(move || {
+                    for events in events {
+                        apply_shard(&index, shard, events, batched);
+                        finished.send(()).expect("the subject waits");
+                    }
+                });
+                job
+            })
+            .collect();
         Self {
-            index: ShardedKvIndex::new(BS, shards),
+            index,
             batched,
+            jobs,
+            done: Mutex::new(done),
         }
     }
 
-    fn ingest(&self, events: Events<'_>) {
-        let index = &self.index;
-        let batched = self.batched;
-        std::thread::scope(|scope| {
-            for i in 0..index.shards() {
-                scope.spawn(move || {
-                    let mine = |r: kvroute_index::ReplicaId| index.shard_of(r) == i;
-                    let store = |stored: &[workload::Stored]| {
-                        let runs = stored.chunk_by(|a, b| batched && a.replica == b.replica);
-                        for run in runs.filter(|run| mine(run[0].replica)) {
-                            index.batch(run[0].replica, |events| {
-                                for s in run {
-                                    events.stored(&s.event()).expect("valid");
-                                }
-                            });
-                        }
-                    };
-                    match events {
-                        Events::Build(load, _) => store(&load.build),
-                        Events::Churn(load, _) => {
-                            store(&load.churn);
-                            let removed = &load.churn_removed;
-                            let runs = removed.chunk_by(|a, b| batched && a.0 == b.0);
-                            for run in runs.filter(|run| mine(run[0].0)) {
-                                index.batch(run[0].0, |events| {
-                                    for (_, hashes) in run {
-                                        events.removed(StorageTier::Device, hashes);
-                                    }
-                                });
-                            }
-                        }
+    fn ingest(&self, events: Events<'static>) {
+        let done = self.done.lock().expect("one ingest at a time");
+        for job in &self.jobs {
+            job.send(events).expect("ingest threads running");
+        }
+        for _ in &self.jobs {
+            done.recv().expect("ingest threads running");
+        }
+    }
+}
+
+/// Applies shard `shard`'s events of `events` (see [`KvShards`]).
+fn apply_shard(index: &ShardedKvIndex, shard: usize, events: Events<'_>, batched: bool) {
+    let mine = |r: kvroute_index::ReplicaId| index.shard_of(r) == shard;
+    let store = |stored: &[workload::Stored]| {
+        let runs = stored.chunk_by(|a, b| batched && a.replica == b.replica);
+        for run in runs.filter(|run| mine(run[0].replica)) {
+            index.batch(run[0].replica, |events| {
+                for s in run {
+                    events.stored(&s.event()).expect("valid");
+                }
+            });
+        }
+    };
+    match events {
+        Events::Build(load, _) => store(&load.build),
+        Events::Churn(load, _) => {
+            store(&load.churn);
+            let removed = &load.churn_removed;
+            let runs = removed.chunk_by(|a, b| batched && a.0 == b.0);
+            for run in runs.filter(|run| mine(run[0].0)) {
+                index.batch(run[0].0, |events| {
+                    for (_, hashes) in run {
+                        events.removed(StorageTier::Device, hashes);
                     }
                 });
             }
-        });
+        }
     }
 }
 
@@ -246,7 +272,7 @@ impl Subject for KvShards {
         let batched = if self.batched { " batched" } else { "" };
         format!("KvIndex x{}{batched}", self.index.shards())
     }
-    fn apply(&mut self, events: Events<'_>) {
+    fn apply(&mut self, events: Events<'static>) {
         self.ingest(events);
     }
     fn query(&self, kv: &[BlockHash], _: &[LocalBlockHash]) -> u32 {
@@ -261,7 +287,7 @@ impl Subject for Runs {
     fn name(&self) -> String {
         "Runs (probe)".into()
     }
-    fn apply(&mut self, events: Events<'_>) {
+    fn apply(&mut self, events: Events<'static>) {
         let stored = |index: &mut RunIndex, s: &workload::Stored| {
             index.stored(s.replica.0, s.parent, &s.hashes, &s.tokens, BS);
         };
@@ -288,7 +314,7 @@ impl Subject for Radix {
     fn name(&self) -> String {
         "RadixTree".into()
     }
-    fn apply(&mut self, events: Events<'_>) {
+    fn apply(&mut self, events: Events<'static>) {
         for e in dynamo_events(events) {
             self.0.apply_event(e.clone()).expect("valid");
         }
@@ -311,7 +337,7 @@ impl Subject for Positional {
     fn name(&self) -> String {
         "PositionalIndexer".into()
     }
-    fn apply(&mut self, events: Events<'_>) {
+    fn apply(&mut self, events: Events<'static>) {
         for e in dynamo_events(events) {
             self.index
                 .apply_event(&mut self.workers, e.clone(), None)
@@ -344,7 +370,7 @@ impl<T: SyncIndexer> Pool<T> {
 }
 
 impl<T: SyncIndexer> Pool<T> {
-    fn ingest(&self, events: Events<'_>) {
+    fn ingest(&self, events: Events<'static>) {
         for e in dynamo_events(events) {
             self.pool.enqueue_event(e.clone()).expect("pool running");
         }
@@ -356,7 +382,7 @@ impl<T: SyncIndexer> Subject for Pool<T> {
     fn name(&self) -> String {
         format!("{}+TP{}", self.name, self.threads)
     }
-    fn apply(&mut self, events: Events<'_>) {
+    fn apply(&mut self, events: Events<'static>) {
         self.ingest(events);
     }
     fn query(&self, _: &[BlockHash], dynamo: &[LocalBlockHash]) -> u32 {
@@ -389,8 +415,10 @@ fn compare(c: &mut Criterion) {
         .ok()
         .and_then(|b| b.parse().ok())
         .unwrap_or(1_000_000);
-    let load = workload::build(blocks, 7);
-    let dynamo = convert(&load);
+    // For the whole run: the ingest threads of `KvIndex x2` live as long as their subject, as
+    // a pool's do.
+    let load: &'static Workload = Box::leak(Box::new(workload::build(blocks, 7)));
+    let dynamo: &'static Dyn = Box::leak(Box::new(convert(load)));
     let churn_blocks = 2 * load.churn_blocks as u64;
     eprintln!(
         "workload: {} build block events, {churn_blocks} churn block events",
@@ -407,17 +435,17 @@ fn compare(c: &mut Criterion) {
             b.iter_batched(
                 &make,
                 |mut s| {
-                    s.apply(Events::Build(&load, &dynamo.build));
+                    s.apply(Events::Build(load, &dynamo.build));
                     s
                 },
                 BatchSize::PerIteration,
             )
         });
         let mut full = make();
-        full.apply(Events::Build(&load, &dynamo.build));
+        full.apply(Events::Build(load, &dynamo.build));
         group.throughput(Throughput::Elements(churn_blocks));
         group.bench_function("churn", |b| {
-            b.iter(|| full.apply(Events::Churn(&load, &dynamo.churn)))
+            b.iter(|| full.apply(Events::Churn(load, &dynamo.churn)))
         });
         group.throughput(Throughput::Elements(1));
         if !full.answers() {
@@ -447,7 +475,7 @@ fn compare(c: &mut Criterion) {
         group.finish();
     }
     if std::env::var("ALONGSIDE").map_or(true, |v| v != "0") {
-        alongside(&load, &dynamo);
+        alongside(load, dynamo);
     }
 }
 
@@ -456,7 +484,7 @@ fn compare(c: &mut Criterion) {
 /// queries' p50 / p99 while the writers run. First with the queries back to back, then paced at
 /// one every 20 µs (50,000 a second: a router answering that many requests is busy; a late
 /// wake is caught up), so that the writers of every subject meet the same query load.
-fn alongside(load: &Workload, dynamo: &Dyn) {
+fn alongside(load: &'static Workload, dynamo: &'static Dyn) {
     for pace in [None, Some(Duration::from_micros(20))] {
         run_alongside(pace, load, dynamo, &KvShards::new(2, false));
         run_alongside(pace, load, dynamo, &KvShards::new(2, true));
@@ -470,22 +498,27 @@ fn alongside(load: &Workload, dynamo: &Dyn) {
 /// A subject whose events are applied through a shared reference, from another thread than
 /// its queries.
 trait Concurrent: Subject + Sync {
-    fn ingest(&self, events: Events<'_>);
+    fn ingest(&self, events: Events<'static>);
 }
 
 impl Concurrent for KvShards {
-    fn ingest(&self, events: Events<'_>) {
+    fn ingest(&self, events: Events<'static>) {
         KvShards::ingest(self, events);
     }
 }
 
 impl<T: SyncIndexer> Concurrent for Pool<T> {
-    fn ingest(&self, events: Events<'_>) {
+    fn ingest(&self, events: Events<'static>) {
         Pool::ingest(self, events);
     }
 }
 
-fn run_alongside(pace: Option<Duration>, load: &Workload, dynamo: &Dyn, subject: &impl Concurrent) {
+fn run_alongside(
+    pace: Option<Duration>,
+    load: &'static Workload,
+    dynamo: &'static Dyn,
+    subject: &impl Concurrent,
+) {
     const ROUNDS: usize = 100;
     let name = subject.name();
     subject.ingest(Events::Build(load, &dynamo.build));

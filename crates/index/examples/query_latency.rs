@@ -163,33 +163,36 @@ fn main() {
 }
 
 /// `ShardedKvIndex` with `n` shards, shard `i`'s events applied by thread `i`: the build, then
-/// the churn at full size with hit queries running alongside on this thread.
+/// the churn at full size with hit queries running alongside on this thread. An ingest thread
+/// applies every round of its shard (started once, as the router's are).
 fn run_threads(n: usize, load: &workload::Workload) {
     let name = format!("KvIndex x{n} (sharded, mirrored)");
     let index = ShardedKvIndex::new(workload::BS, n);
-    let ingest = |churn: bool| {
+    let ingest = |churn: bool, rounds: usize| {
         std::thread::scope(|scope| {
             for shard in 0..n {
                 let index = &index;
                 scope.spawn(move || {
                     let mine = |r| index.shard_of(r) == shard;
                     let events = if churn { &load.churn } else { &load.build };
-                    for stored in events.iter().filter(|s| mine(s.replica)) {
-                        index
-                            .stored(stored.replica, &stored.event())
-                            .expect("valid");
-                    }
-                    for (replica, hashes) in
-                        load.churn_removed.iter().filter(|(r, _)| churn && mine(*r))
-                    {
-                        index.removed(*replica, StorageTier::Device, hashes);
+                    for _ in 0..rounds {
+                        for stored in events.iter().filter(|s| mine(s.replica)) {
+                            index
+                                .stored(stored.replica, &stored.event())
+                                .expect("valid");
+                        }
+                        for (replica, hashes) in
+                            load.churn_removed.iter().filter(|(r, _)| churn && mine(*r))
+                        {
+                            index.removed(*replica, StorageTier::Device, hashes);
+                        }
                     }
                 });
             }
         })
     };
     let start = Instant::now();
-    ingest(false);
+    ingest(false, 1);
     let build = start.elapsed();
     println!(
         "{name}: build {:.2?} = {:.2} M block events/s; {} shard blocks, {:.1} MiB (both copies)",
@@ -204,9 +207,7 @@ fn run_threads(n: usize, load: &workload::Workload) {
     let start = Instant::now();
     let churn = std::thread::scope(|scope| {
         let writer = scope.spawn(|| {
-            for _ in 0..ROUNDS {
-                ingest(true);
-            }
+            ingest(true, ROUNDS);
             let elapsed = start.elapsed();
             done.store(true, Ordering::Release);
             elapsed

@@ -81,8 +81,7 @@ impl KvIndex {
 
     /// Where the event's chain starts: the router block before it and its place where the
     /// parent's record knows it, and (in `scratch.tokens`/`members`) the partial router block
-    /// it continues, as the parent's record holds it.
-    /// `slot` is the replica's, if it has one.
+    /// it continues, as the parent's record holds it. `slot` is the replica's, if it has one.
     fn resolve_parent(
         &self,
         slot: Option<u32>,
