@@ -157,6 +157,9 @@ impl KvIndex {
         let per = event.block_size / self.block_size;
         self.records
             .claim(slot, event.engine_hashes, &mut scratch.entries);
+        if per == 1 && !self.table.looks_up_tails() {
+            return self.store_router_sized(slot, event, base, base_at, scratch);
+        }
         let mut previous = base;
         scratch.blocks.clear();
         for tokens in event.token_ids.chunks_exact(self.block_size) {
@@ -185,6 +188,40 @@ impl KvIndex {
                     self.upsert(slot, hash, kind, tier, after, Some(entry))
                 }
             };
+        }
+    }
+
+    /// [`Self::store_whole`] of engine blocks the router's size, found by place (the common
+    /// case): each block hashed, then stored, in one loop, so that a block's store runs while
+    /// the next block's hash, a chain of dependent steps, completes (a store is independent of
+    /// the next hash).
+    fn store_router_sized(
+        &mut self,
+        slot: u32,
+        event: &StoredBlocks<'_>,
+        base: Option<BlockHash>,
+        base_at: Option<u32>,
+        scratch: &mut Scratch,
+    ) {
+        let mut tokens = event.token_ids.chunks_exact(self.block_size);
+        let Some(first) = tokens.next() else {
+            return;
+        };
+        let mut block = hash_into(base, event.salt, first, &mut scratch.bytes);
+        self.table.touch(block, base_at);
+        self.table.expect(event.engine_hashes.len());
+        let tier = tier_index(event.tier);
+        let mut after = base_at;
+        // Each engine hash with its claimed entry and the tokens of the block after it.
+        let nexts = tokens.map(Some).chain(std::iter::once(None));
+        let blocks = (event.engine_hashes.iter())
+            .zip(&scratch.entries)
+            .zip(nexts);
+        for ((&hash, &entry), next) in blocks {
+            after = self.upsert_claimed(slot, hash, block, tier, after, entry);
+            if let Some(next) = next {
+                block = hash_into(Some(block), event.salt, next, &mut scratch.bytes);
+            }
         }
     }
 
