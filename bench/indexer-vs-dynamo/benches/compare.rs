@@ -38,6 +38,7 @@
 //! 20 µs; `alongside:` lines give the rate and the queries' p50 / p99.
 
 use std::hint::black_box;
+use std::panic::AssertUnwindSafe;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -198,7 +199,7 @@ struct KvShards {
     index: Arc<ShardedKvIndex>,
     batched: bool,
     jobs: Vec<mpsc::Sender<Events<'static>>>,
-    done: Mutex<mpsc::Receiver<()>>,
+    done: Mutex<mpsc::Receiver<bool>>,
 }
 
 impl KvShards {
@@ -211,8 +212,10 @@ impl KvShards {
                 let (index, finished) = (Arc::clone(&index), finished.clone());
                 std::thread::spawn(move || {
                     for events in events {
-                        apply_shard(&index, shard, events, batched);
-                        finished.send(()).expect("the subject waits");
+                        // A panic is reported to the waiting caller, not left to hang it.
+                        let apply = || apply_shard(&index, shard, events, batched);
+                        let applied = std::panic::catch_unwind(AssertUnwindSafe(apply));
+                        finished.send(applied.is_ok()).expect("the subject waits");
                     }
                 });
                 job
@@ -232,7 +235,8 @@ impl KvShards {
             job.send(events).expect("ingest threads running");
         }
         for _ in &self.jobs {
-            done.recv().expect("ingest threads running");
+            let applied = done.recv().expect("ingest threads running");
+            assert!(applied, "an ingest thread failed (see its panic above)");
         }
     }
 }
