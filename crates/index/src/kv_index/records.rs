@@ -97,6 +97,9 @@ pub(crate) struct Records {
     kinds: Vec<Option<Kind>>,
     /// Freed positions of `kinds`, the last freed reused first.
     free: Vec<u32>,
+    /// Per slot, whether its map was sized for its engine ([`Self::size_for`]) since the slot
+    /// was last taken.
+    sized: Vec<bool>,
     /// Heap bytes of the slots' maps, kept as they grow and go (summing them over the slots
     /// took 0.2 µs at 1,024 replicas, and the router reads the size after every event).
     map_bytes: usize,
@@ -107,6 +110,7 @@ impl Records {
     pub(crate) fn ensure_slot(&mut self, slot: u32) {
         if self.slots.len() <= slot as usize {
             self.slots.resize_with(slot as usize + 1, SlotMap::default);
+            self.sized.resize(slot as usize + 1, false);
         }
     }
 
@@ -119,6 +123,18 @@ impl Records {
     /// Slots holding at least one engine block.
     pub(crate) fn slots_in_use(&self) -> usize {
         self.slots.iter().filter(|map| map.len() > 0).count()
+    }
+
+    /// Whether `slot`'s map was sized for its engine since the slot was last taken.
+    pub(crate) fn sized(&self, slot: u32) -> bool {
+        self.sized.get(slot as usize).copied().unwrap_or(false)
+    }
+
+    /// Sizes `slot`'s map for `records` records in all (it never shrinks), and marks it sized.
+    pub(crate) fn size_for(&mut self, slot: u32, records: usize) {
+        let map = &mut self.slots[slot as usize];
+        self.map_bytes += map.reserve(records.saturating_sub(map.len()));
+        self.sized[slot as usize] = true;
     }
 
     /// Claims the entries of an event's engine hashes of `slot` that have none (see
@@ -284,6 +300,7 @@ impl Records {
         };
         let map = std::mem::take(map);
         self.map_bytes -= map.memory_bytes();
+        self.sized[slot as usize] = false;
         (map.records())
             .map(|record| (*record, self.release(record)))
             .collect()
@@ -301,6 +318,7 @@ impl Records {
             + self.slots.capacity() * std::mem::size_of::<SlotMap>()
             + self.kinds.capacity() * std::mem::size_of::<Option<Kind>>()
             + self.free.capacity() * std::mem::size_of::<u32>()
+            + self.sized.capacity()
     }
 }
 
