@@ -4,11 +4,8 @@
 //! and moves every entry then: the slowest events are those doublings, each taken under the
 //! index's write (the single index's lock: every query waits for it).
 //!
-//! With `--sized`, the replica's records are first sized for `BLOCKS` (as the router sizes
-//! them for its engine's capacity, `KvIndex::expect_blocks`), after its first event.
-//!
 //! ```text
-//! cargo run --release -p kvroute-index --example growth_pause [-- BLOCKS [--sized]]
+//! cargo run --release -p kvroute-index --example growth_pause [-- BLOCKS]
 //! ```
 
 use std::time::{Duration, Instant};
@@ -21,11 +18,10 @@ const BS: usize = 16;
 const PER_EVENT: usize = 16;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let blocks: usize = (args.iter().find(|a| !a.starts_with("--")))
+    let blocks: usize = std::env::args()
+        .nth(1)
         .map(|a| a.parse().expect("BLOCKS is a number"))
         .unwrap_or(1_000_000);
-    let sized = args.iter().any(|a| a == "--sized");
     let tokens: Vec<u32> = (0..(blocks * BS) as u32)
         .map(|i| i.wrapping_mul(2_654_435_761) % 128_000)
         .collect();
@@ -48,9 +44,6 @@ fn main() {
         index
             .apply_stored(ReplicaId(0), &event)
             .expect("a valid chain");
-        if sized && i == 0 {
-            index.expect_blocks(ReplicaId(0), blocks);
-        }
         times.push(start.elapsed());
     }
     let total: Duration = times.iter().sum();
@@ -61,8 +54,7 @@ fn main() {
     times.sort_unstable();
     let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
     println!(
-        "one replica{}, {blocks} blocks in {} events of {PER_EVENT}: mean {:.2?}, p99 {:.2?}, p99.9 {:.2?}, max {:.2?}; {slow} events over 100 µs",
-        if sized { " sized for them" } else { "" },
+        "one replica, {blocks} blocks in {} events of {PER_EVENT}: mean {:.2?}, p99 {:.2?}, p99.9 {:.2?}, max {:.2?}; {slow} events over 100 µs",
         times.len(),
         total / times.len() as u32,
         at(0.99),

@@ -193,26 +193,6 @@ impl KvIndex {
         }
     }
 
-    /// Sizes the records of `replica` for `blocks` engine blocks, its engine's capacity
-    /// (vLLM's `num_gpu_blocks`), once: a replica's records are one hash map, which otherwise
-    /// doubles as it fills and moves every entry within one event, under the index's write
-    /// (20 ms at a million blocks: `examples/growth_pause.rs`). Nothing for a replica the index
-    /// holds no block of, nor again until the replica is cleared. A bounded index sizes a
-    /// replica for at most its share of the bound among the replicas it holds blocks of; no
-    /// index for more than [`MAX_EXPECTED`].
-    pub fn expect_blocks(&mut self, replica: ReplicaId, blocks: usize) {
-        let Some(slot) = self.slots.get(replica) else {
-            return;
-        };
-        if self.records.sized(slot) {
-            return;
-        }
-        let live = self.records.slots_in_use().max(1);
-        let share = self.max_blocks.map_or(MAX_EXPECTED, |max| max / live);
-        self.records
-            .size_for(slot, blocks.min(share).min(MAX_EXPECTED));
-    }
-
     /// Engine hashes removed that the replica did not hold in that tier, since creation.
     pub fn unknown_removals(&self) -> u64 {
         self.unknown_removals
@@ -332,10 +312,6 @@ impl KvIndex {
 /// 28 bits, see `records::STAMP_BITS`).
 pub const MAX_BOUND: usize = 1 << 27;
 
-/// The most engine blocks [`KvIndex::expect_blocks`] sizes one replica's records for (a
-/// capacity above it is taken as this; the records still grow past it as they must).
-pub const MAX_EXPECTED: usize = 1 << 22;
-
 /// Runs of the block table a bounded index keeps at most (evicting as for its bound): below
 /// the table's 2^25 by more than any event adds. Runs are at most the blocks held, except
 /// where a chain's blocks went before its continuation's (the runs between stay, empty).
@@ -426,14 +402,12 @@ impl KvIndexer for KvIndex {
         };
         // In batches: the records' entries are looked up together (their misses overlap), then
         // each block's record is taken in one access to its entry and the block removed.
-        let mut found = [None; 32];
+        let (tier, mut found) = (tier_index(tier), [None; 32]);
         for batch in engine_hashes.chunks(32) {
             for (&hash, found) in batch.iter().zip(&mut found) {
                 *found = self.records.locate(slot, hash);
             }
-
             for (&hash, found) in batch.iter().zip(&found) {
-                let tier = tier_index(tier);
                 let removed =
                     found.is_some_and(|entry| self.remove_located(slot, hash, entry, tier));
                 if !removed {

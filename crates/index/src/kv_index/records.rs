@@ -48,7 +48,13 @@ impl Record {
 
     /// The record of an engine block the router's size, whose router block is at place `at`.
     pub(crate) fn one(at: u32, stamp: u64, tiers: u8) -> Self {
-        debug_assert!(at & BOXED == 0 && tiers != 0);
+        debug_assert!(at & BOXED == 0);
+        Self::new(at, stamp, tiers)
+    }
+
+    /// A record whose `at` is a place or a boxed position.
+    fn new(at: u32, stamp: u64, tiers: u8) -> Self {
+        debug_assert!(tiers != 0);
         let mut record = Self { at, meta: 0 };
         record.set_stamp(stamp);
         record.set_tiers(tiers);
@@ -97,9 +103,6 @@ pub(crate) struct Records {
     kinds: Vec<Option<Kind>>,
     /// Freed positions of `kinds`, the last freed reused first.
     free: Vec<u32>,
-    /// Per slot, whether its map was sized for its engine ([`Self::size_for`]) since the slot
-    /// was last taken.
-    sized: Vec<bool>,
     /// Heap bytes of the slots' maps, kept as they grow and go (summing them over the slots
     /// took 0.2 µs at 1,024 replicas, and the router reads the size after every event).
     map_bytes: usize,
@@ -110,7 +113,6 @@ impl Records {
     pub(crate) fn ensure_slot(&mut self, slot: u32) {
         if self.slots.len() <= slot as usize {
             self.slots.resize_with(slot as usize + 1, SlotMap::default);
-            self.sized.resize(slot as usize + 1, false);
         }
     }
 
@@ -123,18 +125,6 @@ impl Records {
     /// Slots holding at least one engine block.
     pub(crate) fn slots_in_use(&self) -> usize {
         self.slots.iter().filter(|map| map.len() > 0).count()
-    }
-
-    /// Whether `slot`'s map was sized for its engine since the slot was last taken.
-    pub(crate) fn sized(&self, slot: u32) -> bool {
-        self.sized.get(slot as usize).copied().unwrap_or(false)
-    }
-
-    /// Sizes `slot`'s map for `records` records in all (it never shrinks), and marks it sized.
-    pub(crate) fn size_for(&mut self, slot: u32, records: usize) {
-        let map = &mut self.slots[slot as usize];
-        self.map_bytes += map.reserve(records.saturating_sub(map.len()));
-        self.sized[slot as usize] = true;
     }
 
     /// Claims the entries of an event's engine hashes of `slot` that have none (see
@@ -265,10 +255,7 @@ impl Records {
                 at | BOXED
             }
         };
-        let mut record = Record { at, meta: 0 };
-        record.set_stamp(stamp);
-        record.set_tiers(tiers);
-        record
+        Record::new(at, stamp, tiers)
     }
 
     /// Adds `hash` of `slot`, which must not be there yet.
@@ -300,7 +287,6 @@ impl Records {
         };
         let map = std::mem::take(map);
         self.map_bytes -= map.memory_bytes();
-        self.sized[slot as usize] = false;
         (map.records())
             .map(|record| (*record, self.release(record)))
             .collect()
@@ -318,7 +304,6 @@ impl Records {
             + self.slots.capacity() * std::mem::size_of::<SlotMap>()
             + self.kinds.capacity() * std::mem::size_of::<Option<Kind>>()
             + self.free.capacity() * std::mem::size_of::<u32>()
-            + self.sized.capacity()
     }
 }
 

@@ -182,11 +182,8 @@ impl KvIndex {
             event.engine_hashes.iter().zip(blocks).zip(&scratch.entries)
         {
             after = match blocks {
-                [block] => self.upsert_claimed(slot, hash, *block, tier, after, entry),
-                _ => {
-                    let kind = Kind::Many(Box::new(blocks.into()));
-                    self.upsert(slot, hash, kind, tier, after, Some(entry))
-                }
+                [block] => self.upsert_claimed(slot, hash, (*block, after), tier, entry),
+                _ => self.upsert(slot, hash, Kind::Many(Box::new(blocks.into())), tier),
             };
         }
     }
@@ -218,7 +215,7 @@ impl KvIndex {
             .zip(&scratch.entries)
             .zip(nexts);
         for ((&hash, &entry), next) in blocks {
-            after = self.upsert_claimed(slot, hash, block, tier, after, entry);
+            after = self.upsert_claimed(slot, hash, (block, after), tier, entry);
             if let Some(next) = next {
                 block = hash_into(Some(block), event.salt, next, &mut scratch.bytes);
             }
@@ -269,7 +266,7 @@ impl KvIndex {
                         own: None,
                         members_of: Vec::new(),
                     };
-                    self.upsert(slot, hash, Kind::Part(Box::new(part)), tier, None, None);
+                    self.upsert(slot, hash, Kind::Part(Box::new(part)), tier);
                     parent = Some(hash);
                 }
             }
@@ -290,7 +287,7 @@ impl KvIndex {
                 own: Some(block),
                 members_of: Vec::new(),
             };
-            self.upsert(slot, hash, Kind::Part(Box::new(part)), tier, None, None);
+            self.upsert(slot, hash, Kind::Part(Box::new(part)), tier);
             for member in scratch.members.drain(..) {
                 self.add_member_of(slot, member, block);
             }
@@ -317,62 +314,52 @@ impl KvIndex {
         }
     }
 
-    /// Stores engine block `hash` of `slot` in `tier` with mapping `kind`; `after` is the place
-    /// of the router block before it (see `BlockTable::inc`). Returns the place of its router
-    /// block where its record keeps it ([`Kind::One`]).
-    fn upsert(
-        &mut self,
-        slot: u32,
-        hash: EngineHash,
-        kind: Kind,
-        tier: usize,
-        after: Option<u32>,
-        claimed: Option<usize>,
-    ) -> Option<u32> {
+    /// Stores engine block `hash` of `slot` in `tier` with mapping `kind`, one not of a single
+    /// router block (those go through [`Self::upsert_claimed`]). Returns `None` (such records
+    /// do not keep a place).
+    fn upsert(&mut self, slot: u32, hash: EngineHash, kind: Kind, tier: usize) -> Option<u32> {
+        debug_assert!(!matches!(kind, Kind::One(_)), "see upsert_claimed");
         let stamp = self.next_stamp;
         self.next_stamp += 1;
-        let at = match kind {
-            Kind::One(block) => {
-                let place = (block, after);
-                self.upsert_one(slot, hash, place, tier, stamp, claimed)
-            }
-            kind => self.upsert_boxed(slot, hash, kind, tier, stamp),
-        };
+        let at = self.upsert_boxed(slot, hash, kind, tier, stamp);
         self.push_fifo(slot, hash, stamp);
         at
     }
 
-    /// [`Self::upsert`] of a block the router's size whose entry the event claimed: in the
+    /// Stores router block `block` as engine block `hash` of `slot` in `tier`, whose records'
+    /// entry the event claimed (`entry`); `after` is the place of the router block before it
+    /// (see `BlockTable::inc`). Returns the block's place, which its record keeps. In the
     /// common case, a block new to the slot, one access to that entry and the table's change,
-    /// inline in the event's loop (a call of [`Self::upsert`] a block cost a quarter of a
-    /// stored block's instructions).
+    /// inline in the event's loop (a call a block cost a quarter of a stored block's
+    /// instructions).
     #[inline(always)]
     fn upsert_claimed(
         &mut self,
         slot: u32,
         hash: EngineHash,
-        block: BlockHash,
+        (block, after): (BlockHash, Option<u32>),
         tier: usize,
-        after: Option<u32>,
         entry: usize,
     ) -> Option<u32> {
-        let claimed = self.records.claimed_mut(slot, hash, entry);
-        let Some(record) = claimed.filter(|record| record.is_pending()) else {
-            return self.upsert(slot, hash, Kind::One(block), tier, after, Some(entry));
-        };
         let stamp = self.next_stamp;
         self.next_stamp += 1;
-        let at = self.table.inc(block, Place::After(after), slot, tier);
-        *record = Record::one(at, stamp, 1 << tier);
-        self.engine_blocks += 1;
-        self.tier_counts[slot as usize][tier] += 1;
+        let claimed = self.records.claimed_mut(slot, hash, entry);
+        let at = match claimed.filter(|record| record.is_pending()) {
+            Some(record) => {
+                let at = self.table.inc(block, Place::After(after), slot, tier);
+                *record = Record::one(at, stamp, 1 << tier);
+                self.engine_blocks += 1;
+                self.tier_counts[slot as usize][tier] += 1;
+                Some(at)
+            }
+            None => self.upsert_one(slot, hash, (block, after), tier, stamp, entry),
+        };
         self.push_fifo(slot, hash, stamp);
-        Some(at)
+        at
     }
 
-    /// [`Self::upsert`] of a block the router's size: one probe of the slot's records finds
-    /// the record or the room for it.
-    #[inline]
+    /// [`Self::upsert_claimed`] of a block held before (or whose claimed entry a change in the
+    /// event moved): one probe of the slot's records finds the record or the room for it.
     fn upsert_one(
         &mut self,
         slot: u32,
@@ -380,14 +367,10 @@ impl KvIndex {
         (block, after): (BlockHash, Option<u32>),
         tier: usize,
         stamp: u64,
-        claimed: Option<usize>,
+        entry: usize,
     ) -> Option<u32> {
         let (table, counts) = (&mut self.table, &mut self.tier_counts[slot as usize]);
-        let found = match claimed {
-            Some(entry) => self.records.find_or_vacant_at(slot, hash, entry),
-            None => self.records.find_or_vacant(slot, hash),
-        };
-        match found {
+        match self.records.find_or_vacant_at(slot, hash, entry) {
             Err(vacant) => {
                 let at = table.inc(block, Place::After(after), slot, tier);
                 (self.records).insert_at(slot, vacant, hash, Record::one(at, stamp, 1 << tier));

@@ -6,10 +6,10 @@
 //! after a full run, starts a new run, a *branch* of that run; a block with no parent starts
 //! a *root* run. No run is ever split or moved, so a block's *place* (its run and offset,
 //! `run << 6 | offset`, under 2^31) stays the same while the run lives, and the replicas'
-//! records keep it. Chained router hashes make a block's place unique (its hash names its whole prefix),
-//! so every run is found by its first hash in one map (`heads`): the branch holding a block
-//! after a given place is the run the block heads, and only a run with branches needs that
-//! lookup when a store or a query leaves it.
+//! records keep it. Chained router hashes make a block's place unique (its hash names its
+//! whole prefix), so every run is found by its first hash in one map (`heads`): the branch
+//! holding a block after a given place is the run the block heads, and only a run with
+//! branches needs that lookup when a store or a query leaves it.
 //!
 //! Per run, each (slot, tier) holding any of its blocks has one bit per offset (the first
 //! such holder inline, most runs having one), and `any` has the bits some holder sets. A run

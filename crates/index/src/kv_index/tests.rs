@@ -391,8 +391,9 @@ fn a_prefix_removed_before_its_continuations_is_stored_again_without_doubling_th
 fn the_bound_evicts_in_store_order_across_renumberings() {
     // Single-block chains stored, stored again (becoming the most recent), removed, by 6
     // replicas, under a bound of 50, over 20,000 steps (16,000 stores): a renumbering of the
-    // stamps every 1,000 stores (in tests). A model keeps each held block's last store time and evicts the
-    // oldest beyond the bound; the index holds exactly the model's blocks after every step.
+    // stamps every 1,000 stores (in tests). A model keeps each held block's last store time
+    // and evicts the oldest beyond the bound; the index holds exactly the model's blocks after
+    // every step.
     use std::collections::HashMap;
     let mut index = KvIndex::with_max_blocks(BS, 50);
     let mut model: HashMap<(u32, u64), u64> = HashMap::new();
@@ -455,65 +456,4 @@ fn the_bound_keeps_the_table_s_runs_under_its_limit() {
     }
     assert!(index.evicted_blocks() > 0);
     assert!(index.num_engine_blocks() < 10_000);
-}
-
-/// Stores the chain of `tokens` for `replica` in events of 16, after its first event (stored
-/// already).
-fn fill(index: &mut KvIndex, replica: u32, tokens: &[u32]) {
-    let hashes = engine(tokens, BS);
-    for (i, chunk) in hashes.chunks(16).enumerate().skip(1) {
-        let first = i * 16;
-        let event = StoredBlocks {
-            parent: Some(hashes[first - 1]),
-            engine_hashes: chunk,
-            token_ids: &tokens[first * BS..(first + chunk.len()) * BS],
-            block_size: BS,
-            tier: StorageTier::Device,
-            salt: 0,
-        };
-        index.apply_stored(ReplicaId(replica), &event).unwrap();
-    }
-}
-
-#[test]
-fn a_replica_sized_for_its_engine_does_not_grow_while_it_fills() {
-    let tokens = prompt(0, 4000);
-    let mut sized = KvIndex::new(BS);
-    let mut plain = KvIndex::new(BS);
-    for index in [&mut sized, &mut plain] {
-        store(index, 0, &tokens[..16 * BS], BS, StorageTier::Device);
-    }
-    // Nothing for a replica the index holds nothing of.
-    sized.expect_blocks(ReplicaId(9), 4000);
-    assert!(!sized.records.sized(1));
-    sized.expect_blocks(ReplicaId(0), 4000);
-    let before = sized.records.memory_bytes();
-    let small = plain.records.memory_bytes();
-    assert!(before > small + 4000 * 16, "{before} bytes against {small}");
-    fill(&mut sized, 0, &tokens);
-    fill(&mut plain, 0, &tokens);
-    assert_eq!(sized.records.memory_bytes(), before, "sized: no growth");
-    assert!(plain.records.memory_bytes() > small, "not sized: grew");
-    assert_eq!(held(&sized, 0, &tokens), 4000);
-    // Once: a larger capacity later changes nothing, until the replica is cleared.
-    sized.expect_blocks(ReplicaId(0), 100_000);
-    assert_eq!(sized.records.memory_bytes(), before);
-    sized.clear_replica(ReplicaId(0));
-    store(&mut sized, 0, &tokens[..16 * BS], BS, StorageTier::Device);
-    assert!(!sized.records.sized(0));
-    sized.expect_blocks(ReplicaId(0), 100_000);
-    assert!(sized.records.memory_bytes() > 100_000 * 16);
-}
-
-#[test]
-fn a_bounded_index_sizes_a_replica_for_its_share_of_the_bound() {
-    let mut index = KvIndex::with_max_blocks(BS, 1000);
-    store(&mut index, 0, &prompt(0, 1), BS, StorageTier::Device);
-    store(&mut index, 1, &prompt(1000, 1), BS, StorageTier::Device);
-    index.expect_blocks(ReplicaId(0), 1_000_000);
-    let bytes = index.records.memory_bytes();
-    // Two replicas held: 500 records at most, not a million.
-    assert!(bytes > 500 * 16, "{bytes} bytes");
-    assert!(bytes < 4 * 1024 * 16, "{bytes} bytes");
-    assert!(index.records.sized(0));
 }
