@@ -1,8 +1,13 @@
-//! How long one event can take while a replica's records grow: one replica stores a chain of
-//! `BLOCKS` blocks (1,000,000 by default) in events of 16, into an empty `KvIndex`, and the
-//! time of each event is taken. A replica's records are one hash map, which doubles when full
-//! and moves every entry then: the slowest events are those doublings, each taken under the
-//! index's write (the single index's lock: every query waits for it).
+//! How long one event can take while a replica's records grow, and then while they churn at
+//! full size. One replica stores a chain of `BLOCKS` blocks (1,000,000 by default) in events
+//! of 16, into an empty `KvIndex`; then, as many times again, it evicts 16 blocks from the
+//! chain's end and stores 16 new ones (a new prompt). The time of each event is taken.
+//!
+//! A replica's records are one hash map. hashbrown alone doubles a full map, and rehashes in
+//! place one that removals left full of tombstones, moving every entry inside one event under
+//! the index's write (the single index's lock: every query waits for it). The map resizes a
+//! step at a time from 8,192 buckets instead; what is left of a pause is allocating the new
+//! table and freeing the old one.
 //!
 //! ```text
 //! cargo run --release -p kvroute-index --example growth_pause [-- BLOCKS]
@@ -22,30 +27,90 @@ fn main() {
         .nth(1)
         .map(|a| a.parse().expect("BLOCKS is a number"))
         .unwrap_or(1_000_000);
-    let tokens: Vec<u32> = (0..(blocks * BS) as u32)
-        .map(|i| i.wrapping_mul(2_654_435_761) % 128_000)
-        .collect();
-    let hashes: Vec<EngineHash> = (block_hashes(&tokens, BS, 7).into_iter())
-        .map(|h| EngineHash(h.0))
-        .collect();
-    let mut index = KvIndex::new(BS);
+    let (tokens, hashes) = chain(blocks, 7);
+    let mut index = KvIndex::with_max_blocks(BS, 1 << 22);
     let mut times = Vec::with_capacity(blocks / PER_EVENT + 1);
     for (i, chunk) in hashes.chunks(PER_EVENT).enumerate() {
         let first = i * PER_EVENT;
-        let event = StoredBlocks {
-            parent: first.checked_sub(1).map(|p| hashes[p]),
-            engine_hashes: chunk,
-            token_ids: &tokens[first * BS..(first + chunk.len()) * BS],
-            block_size: BS,
-            tier: StorageTier::Device,
-            salt: 0,
-        };
+        let event = stored(
+            first.checked_sub(1).map(|p| hashes[p]),
+            chunk,
+            &tokens[first * BS..(first + chunk.len()) * BS],
+        );
         let start = Instant::now();
         index
             .apply_stored(ReplicaId(0), &event)
             .expect("a valid chain");
         times.push(start.elapsed());
     }
+    report(&format!("one replica growing to {blocks} blocks"), times);
+
+    // At full size: the chain's end evicted, new prompts stored, as many blocks as it holds.
+    let (new_tokens, new_hashes) = chain(blocks, 11);
+    let mut times = Vec::with_capacity(blocks / PER_EVENT + 1);
+    let mut end = hashes.len();
+    for (i, chunk) in new_hashes.chunks(PER_EVENT).enumerate() {
+        let first = i * PER_EVENT;
+        let evicted: Vec<EngineHash> = hashes[end.saturating_sub(PER_EVENT)..end]
+            .iter()
+            .rev()
+            .copied()
+            .collect();
+        end = end.saturating_sub(PER_EVENT);
+        // Each new prompt a chain of its own (its first block with no parent).
+        let event = stored(
+            None,
+            chunk,
+            &new_tokens[first * BS..(first + chunk.len()) * BS],
+        );
+        let start = Instant::now();
+        index.apply_removed(ReplicaId(0), StorageTier::Device, &evicted);
+        index
+            .apply_stored(ReplicaId(0), &event)
+            .expect("a valid chain");
+        times.push(start.elapsed());
+    }
+    report(
+        &format!("then churning at {blocks} blocks (16 evicted and 16 stored an event)"),
+        times,
+    );
+}
+
+/// `blocks` blocks of tokens drawn from `seed` (no two blocks alike), and their engine hashes
+/// (a chain).
+fn chain(blocks: usize, seed: u64) -> (Vec<u32>, Vec<EngineHash>) {
+    let tokens: Vec<u32> = (0..(blocks * BS) as u64)
+        .map(|i| (splitmix(seed << 40 | i) % 128_000) as u32)
+        .collect();
+    let hashes = (block_hashes(&tokens, BS, seed).into_iter())
+        .map(|h| EngineHash(h.0))
+        .collect();
+    (tokens, hashes)
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn stored<'a>(
+    parent: Option<EngineHash>,
+    hashes: &'a [EngineHash],
+    tokens: &'a [u32],
+) -> StoredBlocks<'a> {
+    StoredBlocks {
+        parent,
+        engine_hashes: hashes,
+        token_ids: tokens,
+        block_size: BS,
+        tier: StorageTier::Device,
+        salt: 0,
+    }
+}
+
+fn report(what: &str, mut times: Vec<Duration>) {
     let total: Duration = times.iter().sum();
     let slow = times
         .iter()
@@ -54,7 +119,7 @@ fn main() {
     times.sort_unstable();
     let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
     println!(
-        "one replica, {blocks} blocks in {} events of {PER_EVENT}: mean {:.2?}, p99 {:.2?}, p99.9 {:.2?}, max {:.2?}; {slow} events over 100 µs",
+        "{what}, {} events: mean {:.2?}, p99 {:.2?}, p99.9 {:.2?}, max {:.2?}; {slow} events over 100 µs",
         times.len(),
         total / times.len() as u32,
         at(0.99),

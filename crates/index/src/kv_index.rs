@@ -57,6 +57,8 @@
 //! only an unusual order of removals (a chain's blocks before its continuation's, many
 //! times over) could otherwise reach within the bound.
 
+mod chunked;
+mod gradual;
 mod record;
 mod record_map;
 mod records;

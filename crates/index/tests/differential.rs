@@ -314,3 +314,61 @@ fn approx_index_agrees_with_the_reference_on_random_streams() {
         }
     }
 }
+
+/// Past the sizes from which the index's maps resize a step at a time (8,192 buckets: a
+/// replica's records past 7,168 blocks, the runs past 7,168 first blocks): one replica stores
+/// 12,000 prompts of four blocks on two engines' worth of records, evicting old ones as it
+/// goes (tombstones, so resizes to the same size too), and every answer, asked while resizes
+/// are under way, agrees with the reference's.
+#[test]
+fn kv_index_agrees_with_the_reference_past_gradual_resizes() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut real = KvIndex::new(BS);
+    let mut sharded = ShardedKvIndex::new(BS, 2);
+    let mut reference = ReferenceIndex::new(BS);
+    let prompts: Vec<Vec<u32>> = (0..12_000u32)
+        .map(|p| (0..4 * BS as u32).map(|t| p * 1_000 + t).collect())
+        .collect();
+    let replica = |p: usize| ReplicaId(u32::from(p.is_multiple_of(5)));
+    for (p, tokens) in prompts.iter().enumerate() {
+        let event = Event::new(tokens, BS, 0..4, StorageTier::Device, 0);
+        for index in [
+            &mut real as &mut dyn KvIndexer,
+            &mut sharded,
+            &mut reference,
+        ] {
+            index
+                .apply_stored(replica(p), &event.stored())
+                .expect("a valid event");
+        }
+        // Evict a random older prompt's last blocks now and then.
+        if p > 100 && rng.random_bool(0.3) {
+            let old = rng.random_range(0..p);
+            let hashes = engine_hashes(&prompts[old], BS, 0);
+            let cut = rng.random_range(0..4);
+            for index in [
+                &mut real as &mut dyn KvIndexer,
+                &mut sharded,
+                &mut reference,
+            ] {
+                index.apply_removed(replica(old), StorageTier::Device, &hashes[cut..]);
+            }
+        }
+        if p % 7 == 0 {
+            let asked = &prompts[rng.random_range(0..=p)];
+            let query = router_hashes(asked, 0);
+            let expected = reference.find_matches(&query);
+            assert_eq!(real.find_matches(&query), expected, "prompt {p}");
+            assert_eq!(
+                sharded.find_matches(&query),
+                expected,
+                "prompt {p}, sharded"
+            );
+        }
+    }
+    assert_eq!(real.num_blocks(), reference.num_blocks());
+    for tokens in prompts.iter().step_by(97) {
+        let query = router_hashes(tokens, 0);
+        assert_eq!(real.find_matches(&query), reference.find_matches(&query));
+    }
+}

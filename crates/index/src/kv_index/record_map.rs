@@ -1,11 +1,14 @@
-//! A replica's records: hashbrown's `HashTable` of 16-byte (engine hash, [`Record`]) entries,
-//! addressed by bucket position between a lookup and the change after it.
+//! A replica's records: 16-byte (engine hash, [`Record`]) entries in a [`Gradual`] table
+//! (hashbrown's, resized a step at a time), addressed by position between a lookup and the
+//! change after it.
 //!
 //! A store first *claims* the entries of all of an event's engine hashes (an absent one is
 //! inserted as a pending record, which lookups treat as absent), so that the insertions'
 //! cache misses overlap; each block's store then fills its claimed entry in place. A
-//! position stays valid until the table grows, which a store checks (the key at the position).
+//! position stays valid until the next insertion, which may move entries; a store checks it
+//! (the key at the position).
 
+use super::gradual::{mix, Gradual, Hashed};
 use super::records::Record;
 
 #[derive(Debug, Clone, Copy)]
@@ -15,35 +18,41 @@ struct Entry {
     record: Record,
 }
 
+impl Hashed for Entry {
+    /// Engine hashes come from engines (any values, small ones too): mixed.
+    #[inline]
+    fn hash(&self) -> u64 {
+        mix(self.key)
+    }
+}
+
 /// [`RecordMap::probe`]'s answer for a key with no entry at all.
 const ABSENT: usize = usize::MAX;
 
 #[derive(Debug, Default)]
 pub(crate) struct RecordMap {
-    table: hashbrown::HashTable<Entry>,
-}
-
-/// Engine hashes come from engines (any values, small ones too): one folded multiply
-/// spreads them.
-#[inline]
-fn mix(key: u64) -> u64 {
-    let m = u128::from(key ^ 0x243F_6A88_85A3_08D3) * u128::from(0x9E37_79B9_7F4A_7C15u64);
-    (m as u64) ^ ((m >> 64) as u64)
+    table: Gradual<Entry>,
 }
 
 impl RecordMap {
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.table.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.table.is_empty()
     }
 
     /// The entry holding `key`'s record; else its claimed entry, or [`ABSENT`].
     #[inline]
     pub(crate) fn probe(&self, key: u64) -> Result<usize, usize> {
-        match self.table.find_bucket_index(mix(key), |e| e.key == key) {
-            Some(i) if self.record(i).is_pending() => Err(i),
-            Some(i) => Ok(i),
-            None => Err(ABSENT),
+        let Some(entry) = self.table.find(mix(key), |e| e.key == key) else {
+            return Err(ABSENT);
+        };
+        match self.record(entry).is_pending() {
+            true => Err(entry),
+            false => Ok(entry),
         }
     }
 
@@ -52,78 +61,58 @@ impl RecordMap {
         self.probe(key).ok()
     }
 
-    /// Makes room for `n` more entries; the heap bytes that added.
-    pub(crate) fn reserve(&mut self, n: usize) -> usize {
-        let before = self.table.allocation_size();
-        self.table.reserve(n, |e| mix(e.key));
-        self.table.allocation_size() - before
-    }
-
     /// Claims an entry for `key` if it has none, for a record stored next (the entry written
     /// now, with the misses of an event's other claims, not later one by one). Every claimed
     /// entry must be filled ([`Self::insert_at`]) before any other use of the map.
-    /// Returns the entry, which stays `key`'s until the map grows (see [`Self::probe_at`]).
+    /// Returns the entry, which stays `key`'s until the next insertion (see
+    /// [`Self::probe_at`]).
     #[inline]
     pub(crate) fn claim(&mut self, key: u64) -> usize {
-        match self.table.entry(mix(key), |e| e.key == key, |e| mix(e.key)) {
-            hashbrown::hash_table::Entry::Occupied(occupied) => occupied.bucket_index(),
-            hashbrown::hash_table::Entry::Vacant(vacant) => {
-                let record = Record::PENDING;
-                vacant.insert(Entry { key, record }).bucket_index()
-            }
-        }
+        let record = Record::PENDING;
+        (self.table).find_or_insert(mix(key), |e| e.key == key, || Entry { key, record })
     }
 
     /// [`Self::probe`]'s answer for `key` from `entry`, where `key` claimed it ([`Self::claim`])
-    /// and it still holds `key` (no growth moved it since); else `None`.
+    /// and it still holds `key` (no insertion moved it since); else `None`.
     #[inline]
     pub(crate) fn probe_at(&self, entry: usize, key: u64) -> Option<Result<usize, usize>> {
-        let found = self.table.get_bucket(entry).filter(|e| e.key == key)?;
+        let found = self.table.get(entry).filter(|e| e.key == key)?;
         Some(match found.record.is_pending() {
             true => Err(entry),
             false => Ok(entry),
         })
     }
 
-    /// The record at `entry` where it holds `key` (claimed there: [`Self::claim`], no growth
-    /// since), pending or not.
+    /// The record at `entry` where it holds `key` (claimed there: [`Self::claim`], no
+    /// insertion since), pending or not.
     #[inline]
     pub(crate) fn claimed_mut(&mut self, entry: usize, key: u64) -> Option<&mut Record> {
-        let found = self.table.get_bucket_mut(entry).filter(|e| e.key == key)?;
+        let found = self.table.get_mut(entry).filter(|e| e.key == key)?;
         Some(&mut found.record)
     }
 
     #[cfg(test)]
     pub(crate) fn holds(&self, entry: usize, key: u64) -> bool {
-        self.table.get_bucket(entry).is_some_and(|e| e.key == key)
+        self.table.get(entry).is_some_and(|e| e.key == key)
     }
 
     #[inline]
     pub(crate) fn record(&self, entry: usize) -> &Record {
-        &self.table.get_bucket(entry).expect("a live entry").record
+        &self.table.get(entry).expect("a live entry").record
     }
 
     #[inline]
     pub(crate) fn record_mut(&mut self, entry: usize) -> &mut Record {
-        &mut self
-            .table
-            .get_bucket_mut(entry)
-            .expect("a live entry")
-            .record
+        &mut self.table.get_mut(entry).expect("a live entry").record
     }
 
-    /// Stores `record` for `key` where [`Self::probe`] found no record (`entry` its answer);
-    /// the heap bytes that added.
+    /// Stores `record` for `key` where [`Self::probe`] found no record (`entry` its answer).
     #[inline]
-    pub(crate) fn insert_at(&mut self, entry: usize, key: u64, record: Record) -> usize {
-        if entry != ABSENT {
-            *self.record_mut(entry) = record;
-            return 0;
+    pub(crate) fn insert_at(&mut self, entry: usize, key: u64, record: Record) {
+        match entry {
+            ABSENT => self.table.insert_unique(Entry { key, record }),
+            entry => *self.record_mut(entry) = record,
         }
-        let before = self.table.allocation_size();
-        self.table
-            .insert_unique(mix(key), Entry { key, record }, |e| mix(e.key));
-        self.table.allocation_size() - before
     }
 
     /// Takes tier bit `bit` from `key`'s record at `entry`, removing the entry when no tier is
@@ -132,7 +121,7 @@ impl RecordMap {
     /// its record lacks the tier.
     #[inline]
     pub(crate) fn take_tier(&mut self, entry: usize, key: u64, bit: u8) -> Option<(Record, bool)> {
-        let mut occupied = self.table.get_bucket_entry(entry).ok()?;
+        let mut occupied = self.table.occupied(entry)?;
         let found = occupied.get_mut();
         let record = found.record;
         if found.key != key || record.tiers() & bit == 0 {
@@ -148,7 +137,7 @@ impl RecordMap {
 
     #[cfg(test)]
     pub(crate) fn remove_at(&mut self, entry: usize) -> Record {
-        let occupied = self.table.get_bucket_entry(entry).expect("a live entry");
+        let occupied = self.table.occupied(entry).expect("a live entry");
         occupied.remove().0.record
     }
 
@@ -156,9 +145,10 @@ impl RecordMap {
         self.table.iter().map(|e| &e.record)
     }
 
+    /// Heap bytes (both tables while resizing).
     #[inline]
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.table.allocation_size()
+        self.table.memory_bytes()
     }
 }
 
@@ -169,9 +159,23 @@ mod tests {
 
     /// Random claims, stores, changes, removals and tiers taken of small keys (0 among them)
     /// against a map: a claimed entry reads as absent until stored, and the map answers as the
-    /// model.
+    /// model. Tables here resize a step at a time from 16 buckets, three buckets a step: the
+    /// checks run while a resize is under way too.
     #[test]
     fn behaves_as_a_map_with_claims() {
+        for keys in [150, 2_000] {
+            let (map, resizing) = claims_against_a_model(keys);
+            assert!(
+                resizing >= 10,
+                "{keys} keys: checked while resizing {resizing} times"
+            );
+            assert!(map.table.buckets() > 16, "{keys} keys");
+        }
+    }
+
+    /// The map after the run, and how many times it was checked while resizing.
+    fn claims_against_a_model(range: u64) -> (RecordMap, usize) {
+        let mut resizing = 0;
         let mut map = RecordMap::default();
         let mut model: HashMap<u64, u32> = HashMap::new();
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
@@ -182,15 +186,15 @@ mod tests {
             x
         };
         for _ in 0..5_000 {
-            let keys: Vec<u64> = (0..1 + next() % 8).map(|_| next() % 500).collect();
-            map.reserve(keys.len());
-            for &key in &keys {
-                map.claim(key);
-            }
-            for &key in &keys {
+            let keys: Vec<u64> = (0..1 + next() % 8).map(|_| next() % range).collect();
+            let claimed: Vec<usize> = keys.iter().map(|&key| map.claim(key)).collect();
+            for (&key, &entry) in keys.iter().zip(&claimed) {
                 assert_eq!(map.find(key).is_some(), model.contains_key(&key));
                 let at = (next() % 1000) as u32;
-                match map.probe(key) {
+                // As a store: the claimed entry where a later claim moved nothing, else a lookup.
+                let found = map.probe_at(entry, key).unwrap_or_else(|| map.probe(key));
+                assert_eq!(found, map.probe(key), "claimed entry of {key}");
+                match found {
                     Ok(entry) => *map.record_mut(entry) = Record::one(at, 0, 1),
                     Err(entry) => {
                         map.insert_at(entry, key, Record::one(at, 0, 1));
@@ -199,13 +203,13 @@ mod tests {
                 model.insert(key, at);
             }
             for _ in 0..next() % 6 {
-                let key = next() % 500;
+                let key = next() % range;
                 let removed = map.find(key).map(|entry| map.remove_at(entry).place());
                 assert_eq!(removed, model.remove(&key).map(Some));
             }
             // Tiers taken one at a time: the entry goes with its last tier.
             for _ in 0..next() % 4 {
-                let key = next() % 500;
+                let key = next() % range;
                 let Some(entry) = map.find(key) else {
                     assert!(!model.contains_key(&key));
                     continue;
@@ -223,6 +227,7 @@ mod tests {
                 model.remove(&key);
             }
             assert_eq!(map.len(), model.len());
+            resizing += usize::from(map.table.resizing());
         }
         for (key, at) in &model {
             let entry = map.find(*key).expect("every key found");
@@ -231,5 +236,6 @@ mod tests {
         }
         assert_eq!(map.records().count(), model.len());
         assert_eq!(std::mem::size_of::<Entry>(), 16);
+        (map, resizing)
     }
 }

@@ -111,8 +111,10 @@ pub(crate) struct Records {
 impl Records {
     /// Makes room for slots up to `slot`.
     pub(crate) fn ensure_slot(&mut self, slot: u32) {
-        if self.slots.len() <= slot as usize {
-            self.slots.resize_with(slot as usize + 1, SlotMap::default);
+        while self.slots.len() <= slot as usize {
+            let map = SlotMap::default();
+            self.map_bytes += map.memory_bytes();
+            self.slots.push(map);
         }
     }
 
@@ -124,7 +126,7 @@ impl Records {
 
     /// Slots holding at least one engine block.
     pub(crate) fn slots_in_use(&self) -> usize {
-        self.slots.iter().filter(|map| map.len() > 0).count()
+        self.slots.iter().filter(|map| !map.is_empty()).count()
     }
 
     /// Claims the entries of an event's engine hashes of `slot` that have none (see
@@ -132,9 +134,10 @@ impl Records {
     /// for [`Self::find_or_vacant_at`].
     pub(crate) fn claim(&mut self, slot: u32, hashes: &[EngineHash], entries: &mut Vec<usize>) {
         let map = &mut self.slots[slot as usize];
-        self.map_bytes += map.reserve(hashes.len());
+        let before = map.memory_bytes();
         entries.clear();
         entries.extend(hashes.iter().map(|hash| map.claim(hash.0)));
+        self.map_bytes = self.map_bytes + map.memory_bytes() - before;
     }
 
     /// [`Self::find_or_vacant`] where [`Self::claim`] gave `hash` entry `entry` (checked: a
@@ -233,7 +236,10 @@ impl Records {
     /// its answer, the slot unchanged since).
     #[inline]
     pub(crate) fn insert_at(&mut self, slot: u32, entry: usize, hash: EngineHash, record: Record) {
-        self.map_bytes += self.slots[slot as usize].insert_at(entry, hash.0, record);
+        let map = &mut self.slots[slot as usize];
+        let before = map.memory_bytes();
+        map.insert_at(entry, hash.0, record);
+        self.map_bytes = self.map_bytes + map.memory_bytes() - before;
     }
 
     /// A new record for `kind` (its place, for [`Kind::One`], is `place`), to insert.
@@ -286,7 +292,8 @@ impl Records {
             return Vec::new();
         };
         let map = std::mem::take(map);
-        self.map_bytes -= map.memory_bytes();
+        self.map_bytes =
+            self.map_bytes + self.slots[slot as usize].memory_bytes() - map.memory_bytes();
         (map.records())
             .map(|record| (*record, self.release(record)))
             .collect()

@@ -25,7 +25,8 @@
 //! A query walks the runs comparing hashes, one lookup per run left, not one a block, with the
 //! slots still matching; a slot's blocks in a run are its leading bits there.
 
-use crate::hasher::{map_bytes, IdentityMap, MixMap};
+use super::chunked::Chunked;
+use super::gradual::{ExtraHoldings, HashIndex};
 use crate::slots::Slots;
 use crate::{BlockHash, OverlapScores, TierCounts};
 
@@ -178,7 +179,7 @@ struct Run {
 impl Run {
     /// The run that `block` heads, where it is this run's only branch.
     #[inline]
-    fn only_child(&self, runs: &[Run], block: u64) -> Option<u32> {
+    fn only_child(&self, runs: &Chunked<Run>, block: u64) -> Option<u32> {
         let child = (self.children == 1 && self.child != NONE).then_some(self.child)?;
         (runs[child as usize].hashes.first() == Some(&block)).then_some(child)
     }
@@ -191,16 +192,16 @@ impl Run {
 
 #[derive(Debug, Default)]
 pub(crate) struct BlockTable {
-    runs: Vec<Run>,
+    runs: Chunked<Run>,
     /// Freed runs, their buffers kept.
     free: Vec<u32>,
     /// Every run's first hash → the run (a block's hash names its parent block, so the run a
     /// block heads is the branch from its parent's place wherever that is).
-    heads: IdentityMap<u64, u32>,
+    heads: HashIndex,
     /// Once re-blocking began: every block of a live run → its place.
-    keyed: Option<IdentityMap<u64, u32>>,
+    keyed: Option<HashIndex>,
     /// (place, slot, tier) → holdings beyond the first.
-    extra: MixMap<(u32, u32, u8), u32>,
+    extra: ExtraHoldings,
     /// Heap bytes behind the runs (their buffers), kept as they change.
     run_heap: usize,
     /// Blocks a store is about to add, to size a new run's buffer.
@@ -229,7 +230,7 @@ impl BlockTable {
 
     /// One more holding of `block` by `slot` in `tier`. Returns `block`'s place, which stays
     /// the same while the block is held.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn inc(&mut self, block: BlockHash, place: Place, slot: u32, tier: usize) -> u32 {
         let holding = Holding {
             block,
@@ -255,7 +256,7 @@ impl BlockTable {
         let key = holder(slot, usize::from(tier));
         match run.holders.get_mut(key) {
             Some(bits) if *bits & bit != 0 => {
-                *self.extra.entry((p, slot, tier)).or_insert(0) += 1;
+                self.extra.add(p, slot, tier);
             }
             Some(bits) => *bits |= bit,
             None => {
@@ -275,11 +276,11 @@ impl BlockTable {
     /// or (re-blocking) by hash, else added.
     #[inline]
     fn locate_or_add(&mut self, block: BlockHash, after: Option<u32>) -> u32 {
-        if let Some(&p) = self.keyed.as_ref().and_then(|keyed| keyed.get(&block.0)) {
+        if let Some(p) = self.keyed.as_ref().and_then(|keyed| keyed.get(block.0)) {
             return p;
         }
         let Some(after) = after else {
-            if let Some(&r) = self.heads.get(&block.0) {
+            if let Some(r) = self.heads.get(block.0) {
                 return place(r, 0);
             }
             return place(self.alloc(NONE, block.0), 0);
@@ -294,7 +295,7 @@ impl BlockTable {
         // the lookup above covered).
         if run.children > 0 {
             let found = run.only_child(&self.runs, block.0);
-            if let Some(b) = found.or_else(|| self.heads.get(&block.0).copied()) {
+            if let Some(b) = found.or_else(|| self.heads.get(block.0)) {
                 return place(b, 0);
             }
         }
@@ -370,14 +371,8 @@ impl BlockTable {
         if *bits & bit == 0 {
             return;
         }
-        if !self.extra.is_empty() {
-            if let Some(more) = self.extra.get_mut(&(p, slot, tier)) {
-                *more -= 1;
-                if *more == 0 {
-                    self.extra.remove(&(p, slot, tier));
-                }
-                return;
-            }
+        if !self.extra.is_empty() && self.extra.take(p, slot, tier) {
+            return;
         }
         *bits &= !bit;
         if *bits == 0 {
@@ -395,8 +390,8 @@ impl BlockTable {
     /// The place of `block` by its hash alone (re-blocking; else a root's first block).
     fn find_place(&self, block: BlockHash) -> Option<u32> {
         match &self.keyed {
-            Some(keyed) => keyed.get(&block.0).copied(),
-            None => self.heads.get(&block.0).map(|&r| place(r, 0)),
+            Some(keyed) => keyed.get(block.0),
+            None => self.heads.get(block.0).map(|r| place(r, 0)),
         }
     }
 
@@ -410,10 +405,10 @@ impl BlockTable {
             let parent = run.parent;
             if let Some(keyed) = &mut self.keyed {
                 for hash in &run.hashes {
-                    keyed.remove(hash);
+                    keyed.remove(*hash);
                 }
             }
-            self.heads.remove(&run.hashes[0]);
+            self.heads.remove(run.hashes[0]);
             run.hashes.clear();
             run.holders.first = (NONE, 0);
             run.holders.rest.clear();
@@ -444,7 +439,7 @@ impl BlockTable {
         if self.keyed.is_some() {
             return;
         }
-        let mut keyed = IdentityMap::default();
+        let mut keyed = HashIndex::default();
         for (r, run) in self.runs.iter().enumerate() {
             for (offset, &hash) in run.hashes.iter().enumerate() {
                 keyed.insert(hash, place(r as u32, offset as u32));
@@ -509,11 +504,17 @@ impl BlockTable {
         }
     }
 
+    /// Whether no block is held more than once by a slot in a tier (for tests).
+    #[cfg(test)]
+    pub(crate) fn extra_is_empty(&self) -> bool {
+        self.extra.is_empty()
+    }
+
     /// Whether any holding of `slot` is left (for tests).
     #[cfg(test)]
     pub(crate) fn any_bit_of(&self, slot: u32) -> bool {
         let mut holders = self.runs.iter().flat_map(|run| run.holders.iter());
-        holders.any(|h| h.0 >> 2 == slot) || self.extra.keys().any(|k| k.1 == slot)
+        holders.any(|h| h.0 >> 2 == slot) || self.extra.holds_slot(slot)
     }
 
     pub(crate) fn find(&self, hashes: &[BlockHash], slots: &Slots) -> OverlapScores {
@@ -576,9 +577,9 @@ impl BlockTable {
                 return matched;
             }
             let next = match &self.keyed {
-                Some(keyed) => keyed.get(&hashes[pos].0).copied(),
+                Some(keyed) => keyed.get(hashes[pos].0),
                 None if run.children > 0 => (run.only_child(&self.runs, hashes[pos].0))
-                    .or_else(|| self.heads.get(&hashes[pos].0).copied())
+                    .or_else(|| self.heads.get(hashes[pos].0))
                     .map(|b| place(b, 0)),
                 None => None,
             };
@@ -590,12 +591,12 @@ impl BlockTable {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.runs.capacity() * std::mem::size_of::<Run>()
+        self.runs.memory_bytes()
             + self.run_heap
             + self.free.capacity() * 4
-            + map_bytes::<u64, u32>(self.heads.capacity())
-            + (self.keyed.as_ref()).map_or(0, |k| map_bytes::<u64, u32>(k.capacity()))
-            + map_bytes::<(u32, u32, u8), u32>(self.extra.capacity())
+            + self.heads.memory_bytes()
+            + (self.keyed.as_ref()).map_or(0, HashIndex::memory_bytes)
+            + self.extra.memory_bytes()
     }
 }
 

@@ -117,10 +117,7 @@ fn cleared_slots_hold_no_bits_and_are_reused() {
         (index.num_blocks(), index.engine_blocks, index.record_heap),
         (0, 0, 0)
     );
-    assert!(
-        index.table.memory_bytes() < 4096,
-        "the extra counts are gone"
-    );
+    assert!(index.table.extra_is_empty(), "the extra counts are gone");
 }
 
 #[test]
@@ -132,7 +129,7 @@ fn storing_and_removing_in_rounds_reuses_nodes_and_records() {
     let shared = prompt(0, 4);
     store(&mut index, 0, &shared, BS, StorageTier::Device);
     let mut settled = 0;
-    for round in 0..100u32 {
+    for round in 0..200u32 {
         let replica = 1 + round % 5;
         let tokens = [shared.clone(), prompt(10_000 + round * 1000, 20)].concat();
         let hashes = engine(&tokens, BS);
@@ -156,12 +153,12 @@ fn storing_and_removing_in_rounds_reuses_nodes_and_records() {
         assert_eq!(held(&index, 0, &tokens), 4);
         assert_eq!((index.num_blocks(), index.num_engine_blocks()), (4, 4));
         // (Once every replica's record map has settled: emptied and filled again, a map may
-        // double once or twice before its removed entries stop counting against its room;
-        // at this size by round 30.)
-        if round == 40 {
+        // double once or twice before its removed entries stop counting against its room,
+        // depending on when a claim finds it full; at this size by round 80.)
+        if round == 100 {
             settled = index.memory_bytes();
         }
-        if round > 40 {
+        if round > 100 {
             assert!(index.memory_bytes() <= settled, "round {round}");
         }
     }
