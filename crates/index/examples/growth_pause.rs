@@ -1,13 +1,13 @@
 //! How long one event can take while a replica's records grow, and then while they churn at
 //! full size. One replica stores a chain of `BLOCKS` blocks (1,000,000 by default) in events
-//! of 16, into an empty `KvIndex`; then, as many times again, it evicts 16 blocks from the
-//! chain's end and stores 16 new ones (a new prompt). The time of each event is taken.
+//! of 16 into an empty `KvIndex`, bounded as the router bounds it by default; then, for three
+//! times as many blocks, each event evicts 16 blocks (the chain's end first, then the oldest
+//! new prompts) and stores 16 new ones (a new prompt). The time of each event is taken.
 //!
-//! A replica's records are one hash map. hashbrown alone doubles a full map, and rehashes in
-//! place one that removals left full of tombstones, moving every entry inside one event under
-//! the index's write (the single index's lock: every query waits for it). The map resizes a
-//! step at a time from 8,192 buckets instead; what is left of a pause is allocating the new
-//! table and freeing the old one.
+//! The index's large maps (a replica's records, the runs by first hash) resize a step at a
+//! time from 8,192 buckets (hashbrown alone moved every entry inside one event, under the
+//! index's write: the single index's lock, which every query takes), and the queue of stores a
+//! bounded index evicts from is swept a few entries a store (it was swept at once).
 //!
 //! ```text
 //! cargo run --release -p kvroute-index --example growth_pause [-- BLOCKS]
@@ -45,18 +45,23 @@ fn main() {
     }
     report(&format!("one replica growing to {blocks} blocks"), times);
 
-    // At full size: the chain's end evicted, new prompts stored, as many blocks as it holds.
-    let (new_tokens, new_hashes) = chain(blocks, 11);
-    let mut times = Vec::with_capacity(blocks / PER_EVENT + 1);
+    // At full size: the chain's end evicted, then the oldest new prompts, 16 blocks an event,
+    // as 16 new blocks (a new prompt) are stored, for three times the blocks held.
+    let (new_tokens, new_hashes) = chain(3 * blocks, 11);
+    let mut times = Vec::with_capacity(3 * blocks / PER_EVENT + 1);
     let mut end = hashes.len();
+    let mut oldest_new = 0;
     for (i, chunk) in new_hashes.chunks(PER_EVENT).enumerate() {
         let first = i * PER_EVENT;
-        let evicted: Vec<EngineHash> = hashes[end.saturating_sub(PER_EVENT)..end]
-            .iter()
-            .rev()
-            .copied()
-            .collect();
-        end = end.saturating_sub(PER_EVENT);
+        let evicted: Vec<EngineHash> = if end > 0 {
+            let from = end.saturating_sub(PER_EVENT);
+            let tail = hashes[from..end].iter().rev().copied().collect();
+            end = from;
+            tail
+        } else {
+            oldest_new += PER_EVENT;
+            new_hashes[oldest_new - PER_EVENT..oldest_new].to_vec()
+        };
         // Each new prompt a chain of its own (its first block with no parent).
         let event = stored(
             None,

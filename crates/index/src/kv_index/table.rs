@@ -25,7 +25,6 @@
 //! A query walks the runs comparing hashes, one lookup per run left, not one a block, with the
 //! slots still matching; a slot's blocks in a run are its leading bits there.
 
-use super::chunked::Chunked;
 use super::gradual::{ExtraHoldings, HashIndex};
 use crate::slots::Slots;
 use crate::{BlockHash, OverlapScores, TierCounts};
@@ -179,7 +178,7 @@ struct Run {
 impl Run {
     /// The run that `block` heads, where it is this run's only branch.
     #[inline]
-    fn only_child(&self, runs: &Chunked<Run>, block: u64) -> Option<u32> {
+    fn only_child(&self, runs: &[Run], block: u64) -> Option<u32> {
         let child = (self.children == 1 && self.child != NONE).then_some(self.child)?;
         (runs[child as usize].hashes.first() == Some(&block)).then_some(child)
     }
@@ -192,7 +191,7 @@ impl Run {
 
 #[derive(Debug, Default)]
 pub(crate) struct BlockTable {
-    runs: Chunked<Run>,
+    runs: Vec<Run>,
     /// Freed runs, their buffers kept.
     free: Vec<u32>,
     /// Every run's first hash → the run (a block's hash names its parent block, so the run a
@@ -591,7 +590,7 @@ impl BlockTable {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.runs.memory_bytes()
+        self.runs.capacity() * std::mem::size_of::<Run>()
             + self.run_heap
             + self.free.capacity() * 4
             + self.heads.memory_bytes()
