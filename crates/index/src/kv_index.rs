@@ -254,7 +254,7 @@ impl KvIndex {
         let Some(max) = self.max_blocks else {
             return;
         };
-        // The event's share of the sweep, in one loop: its lookups' misses overlap.
+        // The event's share of the sweep, after its stores.
         let due = std::mem::take(&mut self.sweep_due);
         self.sweep_on(due);
         while self.engine_blocks > max || self.table.runs() > MAX_LIVE_RUNS {

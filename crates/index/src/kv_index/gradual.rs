@@ -1,10 +1,11 @@
-//! hashbrown tables that resize a step at a time, for the index's large maps (a replica's
-//! records, the runs by first hash), so that no write holds the index for long.
+//! hashbrown tables that resize a step at a time, for the index's maps that grow with what it
+//! holds (a replica's records, the runs by first hash, the extra holdings), so that no write
+//! holds the index for long.
 //!
 //! hashbrown alone resizes a full table inside one insertion: it doubles it, or rehashes it in
 //! place where removals left it full of tombstones, moving every entry. Under the index's
-//! write that is the single index's lock, which every routing decision takes: 20-30 ms at a
-//! million records. Here a full table of [`GRADUAL_FROM`] buckets or more is replaced by a new
+//! write that is the single index's lock, which every routing decision takes: about 20 ms for
+//! a replica's million records. Here a full table of [`GRADUAL_FROM`] buckets or more is replaced by a new
 //! one (twice the buckets, or as many where at most half of it is held), and each later
 //! insertion first copies the entries of the next [`STEP`] buckets of the old one. Until the
 //! last is copied, a key missing from the new table is looked up in the old one too, where a
@@ -19,10 +20,10 @@ use hashbrown::hash_table::OccupiedEntry;
 use hashbrown::HashTable;
 
 /// Marks a position in the old table (while resizing).
-pub(crate) const OLD: usize = 1 << 62;
+const OLD: usize = 1 << 62;
 
-/// Tables of fewer buckets resize at once (hashbrown's own resize, tens of microseconds at
-/// most: 8,192 buckets of 16 bytes).
+/// Tables of fewer buckets resize at once (hashbrown's own resize, under 100 µs: at most
+/// 3,584 entries of 16 bytes moved).
 #[cfg(not(test))]
 const GRADUAL_FROM: usize = 1 << 13;
 #[cfg(test)]

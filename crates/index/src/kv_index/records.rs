@@ -111,10 +111,8 @@ pub(crate) struct Records {
 impl Records {
     /// Makes room for slots up to `slot`.
     pub(crate) fn ensure_slot(&mut self, slot: u32) {
-        while self.slots.len() <= slot as usize {
-            let map = SlotMap::default();
-            self.map_bytes += map.memory_bytes();
-            self.slots.push(map);
+        if self.slots.len() <= slot as usize {
+            self.slots.resize_with(slot as usize + 1, SlotMap::default);
         }
     }
 
@@ -292,8 +290,7 @@ impl Records {
             return Vec::new();
         };
         let map = std::mem::take(map);
-        self.map_bytes =
-            self.map_bytes + self.slots[slot as usize].memory_bytes() - map.memory_bytes();
+        self.map_bytes -= map.memory_bytes();
         (map.records())
             .map(|record| (*record, self.release(record)))
             .collect()
