@@ -331,11 +331,15 @@ impl KvIndex {
     fn renumber(&mut self) {
         let (records, mut next) = (&mut self.records, self.next_stamp);
         self.fifo.retain_mut(|(slot, hash, stamp)| {
-            let Some(mut record) = records.get(*slot, *hash).filter(|r| r.stamped(*stamp)) else {
+            // One lookup an entry: the record changed where it was found.
+            let Some(entry) = records.locate(*slot, *hash) else {
                 return false;
             };
+            let record = records.at_mut(*slot, entry);
+            if !record.stamped(*stamp) {
+                return false;
+            }
             record.set_stamp(next);
-            records.set(*slot, *hash, record);
             *stamp = next;
             next += 1;
             true
