@@ -285,25 +285,34 @@ impl KvIndex {
             return;
         }
         self.fifo.push_back((slot, hash, stamp));
-        if self.sweep.is_some() {
-            self.sweep_due += SWEEP_STEP;
-        } else if self.fifo.len() > 2 * self.engine_blocks + SWEEP_SLACK {
-            self.sweep = Some(Sweep { read: 0, write: 0 });
-        }
-        if self.next_stamp >= self.renumber_at {
+        let renumber = self.next_stamp >= self.renumber_at;
+        let gradual = self
+            .max_blocks
+            .is_some_and(|max| max <= GRADUAL_RENUMBER_UP_TO);
+        if renumber && !gradual {
             self.sweep_on(usize::MAX);
             self.renumber();
+        } else if self.sweep.is_some() {
+            self.sweep_due += SWEEP_STEP;
+        } else if renumber {
+            // A renumbering sweep (see `GRADUAL_RENUMBER_UP_TO` for the window it keeps).
+            self.sweep = Some(Sweep::new(true));
+            self.renumber_at = self.next_stamp + RENUMBER_EVERY;
+        } else if self.fifo.len() > 2 * self.engine_blocks + SWEEP_SLACK {
+            self.sweep = Some(Sweep::new(false));
         }
     }
 
     /// Moves the sweep of the queue on by `entries` entries: a live one is kept (moved down
-    /// to the sweep's kept end), a stale one dropped. At the queue's end (stores' entries
-    /// included), the entries past the kept ones go, and the sweep is over.
+    /// to the sweep's kept end; renumbering, with the next stamp, its record's too), a stale
+    /// one dropped. At the queue's end (stores' entries included), the entries past the kept
+    /// ones go, and the sweep is over.
     fn sweep_on(&mut self, entries: usize) {
         let Self {
             sweep,
             fifo,
             records,
+            next_stamp,
             ..
         } = self;
         let Some(at) = sweep else {
@@ -315,12 +324,25 @@ impl KvIndex {
                 *sweep = None;
                 return;
             }
-            let entry @ (slot, hash, stamp) = fifo[at.read];
-            if records.get(slot, hash).is_some_and(|r| r.stamped(stamp)) {
-                fifo[at.write] = entry;
-                at.write += 1;
-            }
+            let (slot, hash, stamp) = fifo[at.read];
             at.read += 1;
+            let Some(entry) = records.locate(slot, hash) else {
+                continue;
+            };
+            let record = records.at_mut(slot, entry);
+            if !record.stamped(stamp) {
+                continue;
+            }
+            let stamp = match at.renumber {
+                true => {
+                    record.set_stamp(*next_stamp);
+                    *next_stamp += 1;
+                    *next_stamp - 1
+                }
+                false => stamp,
+            };
+            fifo[at.write] = (slot, hash, stamp);
+            at.write += 1;
         }
     }
 
@@ -372,6 +394,18 @@ const MAX_LIVE_RUNS: usize = 64;
 struct Sweep {
     read: usize,
     write: usize,
+    /// Whether the entries kept get new stamps.
+    renumber: bool,
+}
+
+impl Sweep {
+    fn new(renumber: bool) -> Self {
+        Self {
+            read: 0,
+            write: 0,
+            renumber,
+        }
+    }
 }
 
 /// Queue entries a store checks while a sweep is under way (a lookup of the records each, at
@@ -385,6 +419,21 @@ const SWEEP_STEP: usize = 4;
 const SWEEP_SLACK: usize = 1024;
 #[cfg(test)]
 const SWEEP_SLACK: usize = 8;
+
+/// The largest bound whose renumberings sweep the queue a few entries a store, like its
+/// compactions; a larger bound renumbers at once (70 ms at a million blocks).
+///
+/// A record keeps its stamp modulo 2^28, so every stamp in the queue and in the records must
+/// lie within 2^28 of each other. Once a renumbering sweep is over, they all lie at or after
+/// the stamp it began at, S. The next begins [`RENUMBER_EVERY`] stamps after S, or once a
+/// compaction under way is over (at most its queue of 2.7 times the bound, a third of it in
+/// stores), and lasts its queue in stores (a third of it) and the bound in new stamps. With a
+/// bound B, the stamps then span at most 2^26 + 0.9B + 0.9B + B, under 2^27 for B = 2^24,
+/// and each sweep is over before the next is due (2.8B < 2^26).
+#[cfg(not(test))]
+const GRADUAL_RENUMBER_UP_TO: usize = 1 << 24;
+#[cfg(test)]
+const GRADUAL_RENUMBER_UP_TO: usize = 100;
 
 /// Stores between two renumberings of the live records' stamps (bounded indexes only; often
 /// in tests, to exercise it).

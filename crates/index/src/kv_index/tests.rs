@@ -390,9 +390,9 @@ fn a_prefix_removed_before_its_continuations_is_stored_again_without_doubling_th
 fn the_bound_evicts_in_store_order_across_renumberings() {
     // Single-block chains stored, stored again (becoming the most recent), removed, by 6
     // replicas, under a bound of 50, over 20,000 steps (16,000 stores): a renumbering of the
-    // stamps every 1,000 stores (in tests). A model keeps each held block's last store time
-    // and evicts the oldest beyond the bound; the index holds exactly the model's blocks after
-    // every step.
+    // stamps every 1,000 stores (in tests), a sweep of the queue a few entries a store (a bound
+    // of 100 at most, in tests). A model keeps each held block's last store time and evicts
+    // the oldest beyond the bound; the index holds exactly the model's blocks after every step.
     use std::collections::HashMap;
     let mut index = KvIndex::with_max_blocks(BS, 50);
     let mut model: HashMap<(u32, u64), u64> = HashMap::new();
@@ -403,8 +403,9 @@ fn the_bound_evicts_in_store_order_across_renumberings() {
         x ^= x << 17;
         x % n
     };
-    let (mut evicted, mut stores) = (0, 0);
+    let (mut evicted, mut stores, mut renumbering) = (0, 0, 0);
     for t in 0..20_000u64 {
+        renumbering += usize::from(index.sweep.is_some_and(|s| s.renumber));
         let (replica, block) = (next(6) as u32, next(120) as u32);
         let tokens = prompt(block * 1000, 1);
         let hash = engine(&tokens, BS)[0];
@@ -428,6 +429,7 @@ fn the_bound_evicts_in_store_order_across_renumberings() {
         }
     }
     assert_eq!(index.evicted_blocks(), evicted);
+    assert!(renumbering > 100, "renumbering in {renumbering} steps");
     // Each renumbering gave the live records stamps after the stores': more than 15 of them.
     assert!(
         index.next_stamp > stores + 15 * 40,
@@ -463,7 +465,7 @@ fn the_queue_of_stores_is_swept_a_few_entries_a_store() {
     // again and again (each store leaving the last one's queue entries stale), their ends
     // removed now and then, under a bound of 450 of their 480 blocks: the queue is swept while
     // stores go on, stays within a third of where a sweep begins, and the blocks evicted are
-    // still the least recently stored (a model's).
+    // still the least recently stored (a model's), across renumberings at once.
     use std::collections::HashMap;
     let mut index = KvIndex::with_max_blocks(BS, 450);
     let mut model: HashMap<(u32, u64), u64> = HashMap::new();
@@ -496,6 +498,8 @@ fn the_queue_of_stores_is_swept_a_few_entries_a_store() {
             }
         }
         sweeping += usize::from(index.sweep.is_some());
+        // Over the bound renumberings sweep at (100, in tests): they renumber at once.
+        assert!(!index.sweep.is_some_and(|s| s.renumber), "step {t}");
         // A sweep begins past twice the blocks held (at most 450) and 8 more, and ends
         // before the queue grows by a third (an event's 8 entries aside).
         let most = (2 * 450 + SWEEP_SLACK) * 4 / 3 + 8;
