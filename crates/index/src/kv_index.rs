@@ -56,6 +56,13 @@
 //! same eviction keeps the block table's runs under its limit (2^25 less a margin), which
 //! only an unusual order of removals (a chain's blocks before its continuation's, many
 //! times over) could otherwise reach within the bound.
+//!
+//! # No event holds the index for long
+//! The maps that grow with what the index holds resize a step at a time (`kv_index/gradual.rs`),
+//! and the bounded index's queue of stores is compacted and renumbered by sweeps of a few
+//! entries a store, not at once: at a million blocks no event takes more than about 2 ms (a
+//! new table's allocation), where a map's doubling took 20 ms, the queue's compaction 51 ms and
+//! its renumbering 87 ms (BENCHMARKS, "No event holds the index for long").
 
 mod gradual;
 mod record;

@@ -5,13 +5,13 @@
 //! hashbrown alone resizes a full table inside one insertion: it doubles it, or rehashes it in
 //! place where removals left it full of tombstones, moving every entry. Under the index's
 //! write that is the single index's lock, which every routing decision takes: about 20 ms for
-//! a replica's million records. Here a full table of [`GRADUAL_FROM`] buckets or more is replaced by a new
-//! one (twice the buckets, or as many where at most half of it is held), and each later
-//! insertion first copies the entries of the next [`STEP`] buckets of the old one. Until the
-//! last is copied, a key missing from the new table is looked up in the old one too, where a
-//! bucket already copied is dead (copies are not removed, which would cost a control byte's
-//! write each). The new table is sized so that it never fills before the old one is copied:
-//! it takes at most the old one's entries and an insertion a step.
+//! a replica's million records. Here a full table of [`GRADUAL_FROM`] buckets or more is
+//! replaced by a new one (twice the buckets, or as many where at most half of it is held), and
+//! each later insertion first copies the entries of the next [`STEP`] buckets of the old one.
+//! Until the last is copied, a key missing from the new table is looked up in the old one too,
+//! where a bucket already copied is dead (copies are not removed, which would cost a control
+//! byte's write each). The new table is sized so that it never fills before the old one is
+//! copied: it takes at most the old one's entries and an insertion a step.
 //!
 //! Entries are addressed by *position*: the bucket, with [`OLD`] set for the old table's. A
 //! position stays valid until the next insertion, which may copy its entry away.
