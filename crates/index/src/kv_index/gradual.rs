@@ -349,6 +349,21 @@ impl Hashed for Extra {
     }
 }
 
+impl Extra {
+    /// The entry of (place, slot, tier) with no count, and a test for it.
+    fn key(place: u32, slot: u32, tier: u8) -> (Self, impl Fn(&Self) -> bool) {
+        let key = Self {
+            place,
+            slot,
+            tier,
+            count: 0,
+        };
+        (key, move |e: &Self| {
+            (e.place, e.slot, e.tier) == (place, slot, tier)
+        })
+    }
+}
+
 impl ExtraHoldings {
     pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
@@ -356,26 +371,14 @@ impl ExtraHoldings {
 
     /// One more holding beyond the first.
     pub(crate) fn add(&mut self, place: u32, slot: u32, tier: u8) {
-        let new = Extra {
-            place,
-            slot,
-            tier,
-            count: 0,
-        };
-        let same = |e: &Extra| (e.place, e.slot, e.tier) == (place, slot, tier);
+        let (new, same) = Extra::key(place, slot, tier);
         let at = self.0.find_or_insert(new.hash(), same, || new);
         self.0.get_mut(at).expect("just found").count += 1;
     }
 
     /// One holding beyond the first fewer, where there is one.
     pub(crate) fn take(&mut self, place: u32, slot: u32, tier: u8) -> bool {
-        let key = Extra {
-            place,
-            slot,
-            tier,
-            count: 0,
-        };
-        let same = |e: &Extra| (e.place, e.slot, e.tier) == (place, slot, tier);
+        let (key, same) = Extra::key(place, slot, tier);
         let Some(at) = self.0.find(key.hash(), same) else {
             return false;
         };
