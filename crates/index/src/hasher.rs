@@ -1,7 +1,7 @@
 //! The index's maps: router block hashes by identity, other keys mixed (see
 //! [`kvroute_protocol::hashers`]), and their heap size.
 
-pub(crate) use kvroute_protocol::hashers::{IdentityMap, MixMap};
+pub(crate) use kvroute_protocol::hashers::{fold as mix, IdentityMap, MixMap};
 
 /// Heap bytes of a hash map of `capacity` (hashbrown: power-of-two buckets at 7/8 load, one
 /// control byte per bucket plus a group's worth).

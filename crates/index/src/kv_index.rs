@@ -102,8 +102,6 @@ pub struct KvIndex {
     fifo: VecDeque<(u32, EngineHash, u64)>,
     /// A pass over `fifo` dropping its stale entries, a few a store, while one is under way.
     sweep: Option<Sweep>,
-    /// Entries the sweep checks at the end of the event, [`SWEEP_STEP`] for each store.
-    sweep_due: usize,
     /// When bounded, the stamp at which the live records are renumbered next (see
     /// [`records::STAMP_BITS`]).
     renumber_at: u64,
@@ -142,7 +140,6 @@ impl KvIndex {
             max_blocks: None,
             fifo: VecDeque::new(),
             sweep: None,
-            sweep_due: 0,
             renumber_at: RENUMBER_EVERY,
             unknown_removals: 0,
             evicted: 0,
@@ -261,9 +258,6 @@ impl KvIndex {
         let Some(max) = self.max_blocks else {
             return;
         };
-        // The event's share of the sweep, after its stores.
-        let due = std::mem::take(&mut self.sweep_due);
-        self.sweep_on(due);
         while self.engine_blocks > max || self.table.runs() > MAX_LIVE_RUNS {
             let Some((slot, hash, stamp)) = self.fifo.pop_front() else {
                 break;
@@ -293,14 +287,19 @@ impl KvIndex {
         }
         self.fifo.push_back((slot, hash, stamp));
         let renumber = self.next_stamp >= self.renumber_at;
-        let gradual = self
-            .max_blocks
-            .is_some_and(|max| max <= GRADUAL_RENUMBER_UP_TO);
-        if renumber && !gradual {
+        if renumber
+            && self
+                .max_blocks
+                .is_some_and(|max| max > GRADUAL_RENUMBER_UP_TO)
+        {
+            // At once (see `GRADUAL_RENUMBER_UP_TO`): the sweep under way, then a renumbering
+            // one, each to the queue's end.
             self.sweep_on(usize::MAX);
-            self.renumber();
+            self.sweep = Some(Sweep::new(true));
+            self.sweep_on(usize::MAX);
+            self.renumber_at = self.next_stamp + RENUMBER_EVERY;
         } else if self.sweep.is_some() {
-            self.sweep_due += SWEEP_STEP;
+            self.sweep_on(SWEEP_STEP);
         } else if renumber {
             // A renumbering sweep (see `GRADUAL_RENUMBER_UP_TO` for the window it keeps).
             self.sweep = Some(Sweep::new(true));
@@ -353,30 +352,6 @@ impl KvIndex {
         }
     }
 
-    /// Gives the live records new stamps, in store order, from the next one on, and drops the
-    /// stale queue entries: then every live stamp lies within the bound (at most 2^27) of the
-    /// next, and within 2^27 + 2^26 until the next renumbering, under the 2^28 a record keeps.
-    #[cold]
-    fn renumber(&mut self) {
-        let (records, mut next) = (&mut self.records, self.next_stamp);
-        self.fifo.retain_mut(|(slot, hash, stamp)| {
-            // One lookup an entry: the record changed where it was found.
-            let Some(entry) = records.locate(*slot, *hash) else {
-                return false;
-            };
-            let record = records.at_mut(*slot, entry);
-            if !record.stamped(*stamp) {
-                return false;
-            }
-            record.set_stamp(next);
-            *stamp = next;
-            next += 1;
-            true
-        });
-        self.next_stamp = next;
-        self.renumber_at = next + RENUMBER_EVERY;
-    }
-
     #[cfg(test)]
     fn slot_is_clean(&self, slot: u32) -> bool {
         !self.table.any_bit_of(slot)
@@ -415,8 +390,8 @@ impl Sweep {
     }
 }
 
-/// Queue entries a store checks while a sweep is under way (a lookup of the records each, at
-/// the end of its event), so that the queue is swept before it grows by a third. Sweeping it
+/// Queue entries a store checks while a sweep is under way (a lookup of the records each),
+/// so that the queue is swept before it grows by a third. Sweeping it
 /// at once, as it passed twice the blocks held, took 51-65 ms at a million blocks, under the
 /// index's write.
 const SWEEP_STEP: usize = 4;
@@ -428,7 +403,9 @@ const SWEEP_SLACK: usize = 1024;
 const SWEEP_SLACK: usize = 8;
 
 /// The largest bound whose renumberings sweep the queue a few entries a store, like its
-/// compactions; a larger bound renumbers at once (70 ms at a million blocks).
+/// compactions; a larger bound renumbers at once (70 ms at a million blocks): then every live
+/// stamp lies within the bound (at most 2^27) of the next, and within 2^27 + 2^26 until the
+/// next renumbering.
 ///
 /// A record keeps its stamp modulo 2^28, so every stamp in the queue and in the records must
 /// lie within 2^28 of each other. Once a renumbering sweep is over, they all lie at or after

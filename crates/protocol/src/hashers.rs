@@ -29,7 +29,9 @@ pub struct MixHasher(u64);
 
 const K: u64 = 0x9E37_79B9_7F4A_7C15;
 
-fn fold(x: u64) -> u64 {
+/// One folded multiply: spreads a word of any value (small ones too) over all 64 bits.
+#[inline]
+pub fn fold(x: u64) -> u64 {
     let m = u128::from(x ^ 0x243F_6A88_85A3_08D3) * u128::from(K);
     (m as u64) ^ ((m >> 64) as u64)
 }

@@ -19,6 +19,8 @@
 use hashbrown::hash_table::OccupiedEntry;
 use hashbrown::HashTable;
 
+use crate::hasher::mix;
+
 /// Marks a position in the old table (while resizing).
 const OLD: usize = 1 << 62;
 
@@ -34,13 +36,6 @@ const GRADUAL_FROM: usize = 1 << 4;
 const STEP: usize = 64;
 #[cfg(test)]
 const STEP: usize = 3;
-
-/// Spreads a key of any values (small ones too): one folded multiply.
-#[inline]
-pub(crate) fn mix(key: u64) -> u64 {
-    let m = u128::from(key ^ 0x243F_6A88_85A3_08D3) * u128::from(0x9E37_79B9_7F4A_7C15u64);
-    (m as u64) ^ ((m >> 64) as u64)
-}
 
 /// An entry that knows its hash.
 pub(crate) trait Hashed: Copy {
@@ -96,15 +91,6 @@ impl<T: Hashed> Gradual<T> {
             return Some(i);
         }
         self.find_old(hash, eq).map(|i| i | OLD)
-    }
-
-    /// The entry `eq` picks among those hashed to `hash`.
-    #[inline]
-    pub(crate) fn find_ref(&self, hash: u64, mut eq: impl FnMut(&T) -> bool) -> Option<&T> {
-        if let Some(found) = self.table.find(hash, &mut eq) {
-            return Some(found);
-        }
-        self.old.get_bucket(self.find_old(hash, eq)?)
     }
 
     /// The old table's live bucket of the entry `eq` picks (while resizing).
@@ -306,7 +292,8 @@ impl Hashed for ByHash {
 impl HashIndex {
     #[inline]
     pub(crate) fn get(&self, hash: u64) -> Option<u32> {
-        (self.0.find_ref(hash, |e| e.hash == hash)).map(|e| e.value)
+        let at = self.0.find(hash, |e| e.hash == hash)?;
+        self.0.get(at).map(|e| e.value)
     }
 
     /// Sets `hash`'s value.

@@ -8,8 +8,9 @@
 //! position stays valid until the next insertion, which may move entries; a store checks it
 //! (the key at the position).
 
-use super::gradual::{mix, Gradual, Hashed};
+use super::gradual::{Gradual, Hashed};
 use super::records::Record;
+use crate::hasher::mix;
 
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]

@@ -139,7 +139,7 @@ impl Records {
     }
 
     /// [`Self::find_or_vacant`] where [`Self::claim`] gave `hash` entry `entry` (checked: a
-    /// growth since moves entries).
+    /// later insertion may move entries).
     #[inline]
     pub(crate) fn find_or_vacant_at(
         &mut self,
@@ -154,7 +154,7 @@ impl Records {
     }
 
     /// The record of `hash` of `slot` in entry `entry`, where [`Self::claim`] gave it that
-    /// entry and no growth moved it since (pending until stored).
+    /// entry and no insertion moved it since (pending until stored).
     #[inline]
     pub(crate) fn claimed_mut(
         &mut self,

@@ -396,13 +396,7 @@ fn the_bound_evicts_in_store_order_across_renumberings() {
     use std::collections::HashMap;
     let mut index = KvIndex::with_max_blocks(BS, 50);
     let mut model: HashMap<(u32, u64), u64> = HashMap::new();
-    let mut x = 0x0123_4567_89AB_CDEFu64;
-    let mut next = move |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
+    let mut next = below(0x0123_4567_89AB_CDEF);
     let (mut evicted, mut stores, mut renumbering) = (0, 0, 0);
     for t in 0..20_000u64 {
         renumbering += usize::from(index.sweep.is_some_and(|s| s.renumber));
@@ -469,13 +463,7 @@ fn the_queue_of_stores_is_swept_a_few_entries_a_store() {
     use std::collections::HashMap;
     let mut index = KvIndex::with_max_blocks(BS, 450);
     let mut model: HashMap<(u32, u64), u64> = HashMap::new();
-    let mut x = 0x0F1E_2D3C_4B5A_6978u64;
-    let mut next = move |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
+    let mut next = below(0x0F1E_2D3C_4B5A_6978);
     let mut sweeping = 0;
     for t in 0..6_000u64 {
         let (replica, chain) = (next(6) as u32, next(10) as u32);
@@ -516,4 +504,15 @@ fn the_queue_of_stores_is_swept_a_few_entries_a_store() {
     }
     assert!(index.evicted_blocks() > 0);
     assert!(sweeping > 1_000, "sweeping in {sweeping} steps");
+}
+
+/// A xorshift stream from `seed`: each call a number below its argument.
+fn below(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut x = seed;
+    move |n| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    }
 }
