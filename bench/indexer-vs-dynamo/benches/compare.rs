@@ -35,7 +35,10 @@
 //! Then, once each, not as criterion figures (`ALONGSIDE=0` skips them): `KvIndex x2`,
 //! `KvIndex x2 batched`, `CRTC+TP2` and `Positional+TP2`, at full size, apply the churn events
 //! 100 times while this thread runs hit queries alongside, back to back and then one every
-//! 20 µs; `alongside:` lines give the rate and the queries' p50 / p99.
+//! 20 µs; `alongside:` lines give the rate and the queries' p50 / p99. Three busy threads on a
+//! 2-core machine share it as the scheduler decides, and the split moves between runs; so each
+//! line also gives the CPU time the writers and the queries had (Linux's per-thread
+//! `schedstat`) and the rates per CPU-second, which do not depend on the split.
 
 use std::hint::black_box;
 use std::panic::AssertUnwindSafe;
@@ -528,15 +531,20 @@ fn run_alongside(
     subject.ingest(Events::Build(load, &dynamo.build));
     let done = std::sync::atomic::AtomicBool::new(false);
     let mut times = Vec::new();
+    let (process, this) = (process_cpu(), thread_cpu());
     let start = std::time::Instant::now();
-    let elapsed = std::thread::scope(|scope| {
+    let (elapsed, feeder) = std::thread::scope(|scope| {
         let writer = scope.spawn(|| {
+            let cpu = thread_cpu();
             for _ in 0..ROUNDS {
                 subject.ingest(Events::Churn(load, &dynamo.churn));
             }
             let elapsed = start.elapsed();
             done.store(true, std::sync::atomic::Ordering::Release);
-            elapsed
+            (
+                elapsed,
+                thread_cpu().zip(cpu).map(|(after, before)| after - before),
+            )
         });
         let mut i = 0;
         let paced = std::time::Instant::now();
@@ -558,6 +566,14 @@ fn run_alongside(
         }
         writer.join().expect("writer")
     });
+    // The writers' CPU: the threads alive before and after (the ingest threads) but this
+    // one, and the thread that fed them their events (a pool's producer clones and sends
+    // every event; kvroute's hands each shard thread the whole round), which has exited.
+    let cpu = process_cpu()
+        .zip(process)
+        .zip(thread_cpu().zip(this))
+        .zip(feeder)
+        .map(|(((p1, p0), (t1, t0)), feeder)| (p1 - p0 - (t1 - t0) + feeder, t1 - t0));
     if times.is_empty() {
         return;
     }
@@ -567,14 +583,44 @@ fn run_alongside(
         Some(pace) => format!("alongside, a query every {pace:?}"),
         None => "alongside".to_string(),
     };
+    let events = (ROUNDS * 2 * load.churn_blocks) as f64;
+    let per_cpu = cpu.map_or(String::new(), |(writers, queries)| {
+        format!(
+            "; CPU: writers {writers:.2} s ({:.2} M block events per CPU-second), queries \
+             {queries:.2} s ({:.0} per CPU-second)",
+            events / writers / 1e6,
+            times.len() as f64 / queries
+        )
+    });
     eprintln!(
-        "{label}: {name}: churn at full size {:.2} M block events/s with {} hit queries alongside ({:.0}/s): p50 {:.2?} p99 {:.2?}",
-        (ROUNDS * 2 * load.churn_blocks) as f64 / elapsed.as_secs_f64() / 1e6,
+        "{label}: {name}: churn at full size {:.2} M block events/s with {} hit queries alongside ({:.0}/s): p50 {:.2?} p99 {:.2?}{per_cpu}",
+        events / elapsed.as_secs_f64() / 1e6,
         times.len(),
         times.len() as f64 / elapsed.as_secs_f64(),
         at(0.5),
         at(0.99)
     );
+}
+
+/// Seconds of CPU the kernel has given this process's threads alive now (Linux; `None`
+/// elsewhere). Every subject's threads live as long as it does.
+fn process_cpu() -> Option<f64> {
+    let tasks = std::fs::read_dir("/proc/self/task").ok()?;
+    tasks
+        .map(|task| cpu_seconds(&task.ok()?.path().join("schedstat")))
+        .sum()
+}
+
+/// Seconds of CPU the kernel has given this thread (Linux; `None` elsewhere).
+fn thread_cpu() -> Option<f64> {
+    cpu_seconds(std::path::Path::new("/proc/thread-self/schedstat"))
+}
+
+/// The first field of a `schedstat` file: nanoseconds on a CPU.
+fn cpu_seconds(schedstat: &std::path::Path) -> Option<f64> {
+    let text = std::fs::read_to_string(schedstat).ok()?;
+    let nanos: u64 = text.split_whitespace().next()?.parse().ok()?;
+    Some(nanos as f64 / 1e9)
 }
 
 criterion_group!(benches, compare);
