@@ -65,19 +65,19 @@
 //! its renumbering 87 ms (BENCHMARKS, "No event holds the index for long").
 
 mod gradual;
+mod queue;
 mod record;
 mod record_map;
 mod records;
 mod store;
 mod table;
 
-use std::collections::VecDeque;
-
 use crate::slots::Slots;
 use crate::{
     BlockHash, EngineHash, IndexError, KvIndexer, OverlapScores, ReplicaId, StorageTier,
     StoredBlocks, TierCounts,
 };
+use queue::{Queue, Sweeping};
 use record::{tier_bits, Kind};
 use records::{Record, Records};
 use table::Held;
@@ -98,13 +98,8 @@ pub struct KvIndex {
     record_heap: usize,
     next_stamp: u64,
     max_blocks: Option<usize>,
-    /// (slot, engine block, stamp) in store order, when bounded; stale entries are skipped.
-    fifo: VecDeque<(u32, EngineHash, u64)>,
-    /// A pass over `fifo` dropping its stale entries, a few a store, while one is under way.
-    sweep: Option<Sweep>,
-    /// When bounded, the stamp at which the live records are renumbered next (see
-    /// [`records::STAMP_BITS`]).
-    renumber_at: u64,
+    /// When bounded, the engine blocks in the order they were last stored.
+    queue: Queue,
     unknown_removals: u64,
     evicted: u64,
     scratch: store::Scratch,
@@ -138,9 +133,7 @@ impl KvIndex {
             record_heap: 0,
             next_stamp: 0,
             max_blocks: None,
-            fifo: VecDeque::new(),
-            sweep: None,
-            renumber_at: RENUMBER_EVERY,
+            queue: Queue::default(),
             unknown_removals: 0,
             evicted: 0,
             scratch: store::Scratch::default(),
@@ -159,6 +152,7 @@ impl KvIndex {
         );
         Self {
             max_blocks: Some(max_blocks),
+            queue: Queue::new(max_blocks),
             ..Self::new(block_size)
         }
     }
@@ -234,6 +228,7 @@ impl KvIndex {
         dec_blocks(&mut self.table, &record, kind, slot, tier);
         self.tier_counts[slot as usize][tier] -= 1;
         if gone {
+            self.queue.retire(record.stamp(), self.next_stamp);
             self.engine_blocks -= 1;
             if let Some(kind) = self.records.release(&record) {
                 self.record_heap -= kind.heap_bytes();
@@ -259,97 +254,28 @@ impl KvIndex {
             return;
         };
         while self.engine_blocks > max || self.table.runs() > MAX_LIVE_RUNS {
-            let Some((slot, hash, stamp)) = self.fifo.pop_front() else {
+            let Some((slot, hash)) = self.queue.pop_live(self.next_stamp) else {
                 break;
             };
-            if let Some(sweep) = &mut self.sweep {
-                // The queue's positions moved down by one (the front was kept, dropped or not
-                // swept yet).
-                sweep.read = sweep.read.saturating_sub(1);
-                sweep.write = sweep.write.saturating_sub(1);
-            }
-            let live = self
-                .records
-                .get(slot, hash)
-                .is_some_and(|record| record.stamped(stamp));
-            if live {
-                self.remove_record(slot, hash);
-                self.evicted += 1;
-            }
+            debug_assert!(self.records.contains(slot, hash), "a live entry's record");
+            self.remove_record(slot, hash);
+            self.evicted += 1;
         }
     }
 
-    /// Notes that `hash` of `slot` was stored with `stamp`.
+    /// Notes that `hash` of `slot` was stored with `stamp`, which its record now has.
     #[inline]
     fn push_fifo(&mut self, slot: u32, hash: EngineHash, stamp: u64) {
-        if self.max_blocks.is_none() {
-            return;
-        }
-        self.fifo.push_back((slot, hash, stamp));
-        let renumber = self.next_stamp >= self.renumber_at;
-        if renumber
-            && self
-                .max_blocks
-                .is_some_and(|max| max > GRADUAL_RENUMBER_UP_TO)
-        {
-            // At once (see `GRADUAL_RENUMBER_UP_TO`): the sweep under way, then a renumbering
-            // one, each to the queue's end.
-            self.sweep_on(usize::MAX);
-            self.sweep = Some(Sweep::new(true));
-            self.sweep_on(usize::MAX);
-            self.renumber_at = self.next_stamp + RENUMBER_EVERY;
-        } else if self.sweep.is_some() {
-            self.sweep_on(SWEEP_STEP);
-        } else if renumber {
-            // A renumbering sweep (see `GRADUAL_RENUMBER_UP_TO` for the window it keeps).
-            self.sweep = Some(Sweep::new(true));
-            self.renumber_at = self.next_stamp + RENUMBER_EVERY;
-        } else if self.fifo.len() > 2 * self.engine_blocks + SWEEP_SLACK {
-            self.sweep = Some(Sweep::new(false));
-        }
-    }
-
-    /// Moves the sweep of the queue on by `entries` entries: a live one is kept (moved down
-    /// to the sweep's kept end; renumbering, with the next stamp, its record's too), a stale
-    /// one dropped. At the queue's end (stores' entries included), the entries past the kept
-    /// ones go, and the sweep is over.
-    fn sweep_on(&mut self, entries: usize) {
-        let Self {
-            sweep,
-            fifo,
-            records,
-            next_stamp,
-            ..
-        } = self;
-        let Some(at) = sweep else {
+        let Some(bound) = self.max_blocks else {
             return;
         };
-        for _ in 0..entries {
-            if at.read == fifo.len() {
-                fifo.truncate(at.write);
-                *sweep = None;
-                return;
-            }
-            let (slot, hash, stamp) = fifo[at.read];
-            at.read += 1;
-            let Some(entry) = records.locate(slot, hash) else {
-                continue;
-            };
-            let record = records.at_mut(slot, entry);
-            if !record.stamped(stamp) {
-                continue;
-            }
-            let stamp = match at.renumber {
-                true => {
-                    record.set_stamp(*next_stamp);
-                    *next_stamp += 1;
-                    *next_stamp - 1
-                }
-                false => stamp,
-            };
-            fifo[at.write] = (slot, hash, stamp);
-            at.write += 1;
-        }
+        let index = Sweeping {
+            records: &mut self.records,
+            next_stamp: &mut self.next_stamp,
+            engine_blocks: self.engine_blocks,
+            bound,
+        };
+        self.queue.push(slot, hash, stamp, index);
     }
 
     #[cfg(test)]
@@ -369,62 +295,6 @@ pub const MAX_BOUND: usize = 1 << 27;
 const MAX_LIVE_RUNS: usize = (1 << 25) - (1 << 20);
 #[cfg(test)]
 const MAX_LIVE_RUNS: usize = 64;
-
-/// A sweep of the queue of stores in store order (see [`KvIndex::sweep_on`]): entries before
-/// `write` are kept, those from `write` to `read` dropped, those from `read` on not seen yet.
-#[derive(Debug, Clone, Copy)]
-struct Sweep {
-    read: usize,
-    write: usize,
-    /// Whether the entries kept get new stamps.
-    renumber: bool,
-}
-
-impl Sweep {
-    fn new(renumber: bool) -> Self {
-        Self {
-            read: 0,
-            write: 0,
-            renumber,
-        }
-    }
-}
-
-/// Queue entries a store checks while a sweep is under way (a lookup of the records each),
-/// so that the queue is swept before it grows by a third. Sweeping it
-/// at once, as it passed twice the blocks held, took 51-65 ms at a million blocks, under the
-/// index's write.
-const SWEEP_STEP: usize = 4;
-
-/// A sweep begins when the queue holds more than twice the blocks held, and this many more.
-#[cfg(not(test))]
-const SWEEP_SLACK: usize = 1024;
-#[cfg(test)]
-const SWEEP_SLACK: usize = 8;
-
-/// The largest bound whose renumberings sweep the queue a few entries a store, like its
-/// compactions; a larger bound renumbers at once (70 ms at a million blocks): then every live
-/// stamp lies within the bound (at most 2^27) of the next, and within 2^27 + 2^26 until the
-/// next renumbering.
-///
-/// A record keeps its stamp modulo 2^28, so every stamp in the queue and in the records must
-/// lie within 2^28 of each other. Once a renumbering sweep is over, they all lie at or after
-/// the stamp it began at, S. The next begins [`RENUMBER_EVERY`] stamps after S, or once a
-/// compaction under way is over (at most its queue of 2.7 times the bound, a third of it in
-/// stores), and lasts its queue in stores (a third of it) and the bound in new stamps. With a
-/// bound B, the stamps then span at most 2^26 + 0.9B + 0.9B + B, under 2^27 for B = 2^24,
-/// and each sweep is over before the next is due (2.8B < 2^26).
-#[cfg(not(test))]
-const GRADUAL_RENUMBER_UP_TO: usize = 1 << 24;
-#[cfg(test)]
-const GRADUAL_RENUMBER_UP_TO: usize = 100;
-
-/// Stores between two renumberings of the live records' stamps (bounded indexes only; often
-/// in tests, to exercise it).
-#[cfg(not(test))]
-const RENUMBER_EVERY: u64 = 1 << 26;
-#[cfg(test)]
-const RENUMBER_EVERY: u64 = 1000;
 
 /// One holding fewer, in `tier`, of every router block that `record` of `slot` covers
 /// (`kind`: its kind, if boxed).
@@ -524,6 +394,7 @@ impl KvIndexer for KvIndex {
         self.tier_counts[slot as usize] = [0; 4];
         self.engine_blocks -= taken.len();
         for (record, kind) in taken {
+            self.queue.retire(record.stamp(), self.next_stamp);
             self.record_heap -= kind.as_ref().map_or(0, Kind::heap_bytes);
             for tier in tier_bits(record.tiers()) {
                 dec_blocks(&mut self.table, &record, kind.as_ref(), slot, tier);
@@ -545,7 +416,7 @@ impl KvIndexer for KvIndex {
             + self.slots.memory_bytes()
             + self.records.memory_bytes()
             + self.record_heap
-            + self.fifo.capacity() * std::mem::size_of::<(u32, EngineHash, u64)>()
+            + self.queue.memory_bytes()
             + self.scratch.memory_bytes()
     }
 }

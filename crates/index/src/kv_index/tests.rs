@@ -1,5 +1,6 @@
 //! Tests of what only `KvIndex` has: the capacity bound, counters, slot bookkeeping.
 
+use super::queue::SWEEP_SLACK;
 use super::*;
 use crate::{block_hashes, ReplicaId};
 
@@ -90,7 +91,7 @@ fn the_bound_keeps_memory_flat_under_unbounded_traffic() {
     );
     // At most a third past where a sweep begins (four entries swept a store), an event's
     // entries aside.
-    assert!(index.fifo.len() <= (2 * 2000 + SWEEP_SLACK) * 4 / 3 + 25);
+    assert!(index.queue.len() <= (2 * 2000 + SWEEP_SLACK) * 4 / 3 + 25);
 }
 
 #[test]
@@ -397,9 +398,10 @@ fn the_bound_evicts_in_store_order_across_renumberings() {
     let mut index = KvIndex::with_max_blocks(BS, 50);
     let mut model: HashMap<(u32, u64), u64> = HashMap::new();
     let mut next = below(0x0123_4567_89AB_CDEF);
-    let (mut evicted, mut stores, mut renumbering) = (0, 0, 0);
+    let (mut evicted, mut stores, mut renumbering, mut covered) = (0, 0, 0, 0);
     for t in 0..20_000u64 {
-        renumbering += usize::from(index.sweep.is_some_and(|s| s.renumber));
+        renumbering += usize::from(index.queue.sweeping() == Some(true));
+        covered = covered.max(index.queue.stamps_covered());
         let (replica, block) = (next(6) as u32, next(120) as u32);
         let tokens = prompt(block * 1000, 1);
         let hash = engine(&tokens, BS)[0];
@@ -424,6 +426,9 @@ fn the_bound_evicts_in_store_order_across_renumberings() {
     }
     assert_eq!(index.evicted_blocks(), evicted);
     assert!(renumbering > 100, "renumbering in {renumbering} steps");
+    // The queue's bits cover the stamps since the last renumbering began (and a word), not
+    // every stamp ever given.
+    assert!(covered <= 1_000 + 50 + 64, "{covered} stamps covered");
     // Each renumbering gave the live records stamps after the stores': more than 15 of them.
     assert!(
         index.next_stamp > stores + 15 * 40,
@@ -485,16 +490,16 @@ fn the_queue_of_stores_is_swept_a_few_entries_a_store() {
                 model.remove(&oldest);
             }
         }
-        sweeping += usize::from(index.sweep.is_some());
+        sweeping += usize::from(index.queue.sweeping().is_some());
         // Over the bound renumberings sweep at (100, in tests): they renumber at once.
-        assert!(!index.sweep.is_some_and(|s| s.renumber), "step {t}");
+        assert_ne!(index.queue.sweeping(), Some(true), "step {t}");
         // A sweep begins past twice the blocks held (at most 450) and 8 more, and ends
         // before the queue grows by a third (an event's 8 entries aside).
         let most = (2 * 450 + SWEEP_SLACK) * 4 / 3 + 8;
         assert!(
-            index.fifo.len() <= most,
+            index.queue.len() <= most,
             "step {t}: {} queued",
-            index.fifo.len()
+            index.queue.len()
         );
         assert_eq!(index.num_engine_blocks(), model.len(), "step {t}");
         for &(replica, hash) in model.keys() {
