@@ -14,7 +14,9 @@
 //!   computes from the tokens before its indexer sees an event (KvIndex hashes the tokens
 //!   itself, inside `apply_stored`); add it to Dynamo's build and churn rows for a like-for-like
 //!   comparison;
-//! - `KvIndex` (kvroute, one thread);
+//! - `KvIndex` (kvroute, one thread), and `KvIndex bounded`, as the router builds it by
+//!   default (at most 2^22 engine blocks, the least recently stored evicted first: a queue of
+//!   stores beside the index);
 //! - `Runs (probe)`: not an index kvroute ships, the design probe of `indexer_vs_dynamo::runs`
 //!   (runs of blocks, one thread; it leaves out tiers, re-blocking and the bound), to measure
 //!   that layout against the others;
@@ -179,11 +181,25 @@ fn dyn_best(scores: &dynamo_kv_router::protocols::OverlapScores) -> u32 {
     scores.scores.values().copied().max().unwrap_or(0)
 }
 
-struct Kv(KvIndex);
+/// kvroute's `KvIndex` unbounded, or (`bounded`) as the router builds it by default: at most
+/// 2^22 engine blocks (`--router-max-indexed-blocks`), with its queue of stores.
+struct Kv(KvIndex, bool);
+
+impl Kv {
+    fn new(bounded: bool) -> Self {
+        match bounded {
+            true => Self(KvIndex::with_max_blocks(BS, 1 << 22), true),
+            false => Self(KvIndex::new(BS), false),
+        }
+    }
+}
 
 impl Subject for Kv {
     fn name(&self) -> String {
-        "KvIndex".into()
+        match self.1 {
+            true => "KvIndex bounded".into(),
+            false => "KvIndex".into(),
+        }
     }
     fn apply(&mut self, events: Events<'static>) {
         kv_apply(&mut self.0, events);
@@ -399,7 +415,8 @@ impl<T: SyncIndexer> Subject for Pool<T> {
 
 fn subjects() -> Vec<Box<dyn Fn() -> Box<dyn Subject>>> {
     vec![
-        Box::new(|| Box::new(Kv(KvIndex::new(BS)))),
+        Box::new(|| Box::new(Kv::new(false))),
+        Box::new(|| Box::new(Kv::new(true))),
         Box::new(|| Box::new(Hashing)),
         Box::new(|| Box::new(Runs(RunIndex::default()))),
         Box::new(|| Box::new(Radix(RadixTree::new()))),

@@ -1,5 +1,6 @@
 //! Per-query latency percentiles (p50, p90, p99) of `find_matches`, events per second and
-//! memory per block, for `KvIndex` and the reference model on the same workload (see
+//! memory per block, for `KvIndex` (unbounded, then bounded as the router builds it by
+//! default) and the reference model on the same workload (see
 //! `benches/support/workload.rs`), in one run; then `ShardedKvIndex` on N ingest threads
 //! (`--threads N,M`, 2 by default, 0 for none): build and churn with hit queries timed
 //! alongside on this thread.
@@ -147,6 +148,10 @@ fn main() {
         start.elapsed()
     );
     run("KvIndex", KvIndex::new(workload::BS), &load);
+    // As the router builds it by default (`--router-max-indexed-blocks`): bounded at 2^22
+    // engine blocks, with its queue of stores.
+    let bounded = KvIndex::with_max_blocks(workload::BS, 1 << 22);
+    run("KvIndex bounded", bounded, &load);
     if with_reference {
         run("reference", ReferenceIndex::new(workload::BS), &load);
     }
