@@ -55,7 +55,8 @@
 //! removal events are lost; with a bound that is never reached, nothing is ever evicted. The
 //! same eviction keeps the block table's runs under its limit (2^25 less a margin), which
 //! only an unusual order of removals (a chain's blocks before its continuation's, many
-//! times over) could otherwise reach within the bound.
+//! times over) could otherwise reach within the bound. The order of stores is a queue beside
+//! the records (`kv_index/queue.rs`), which knows its live entries by a bit per stamp.
 //!
 //! # No event holds the index for long
 //! The maps that grow with what the index holds resize a step at a time (`kv_index/gradual.rs`),

@@ -355,3 +355,88 @@ const RENUMBER_MAX: u64 = 1 << 26;
 const RENUMBER_MIN: u64 = 1000;
 #[cfg(test)]
 const RENUMBER_MAX: u64 = 1000;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stamp_is_found_whole_from_its_low_bits() {
+        let mask32 = u64::from(u32::MAX);
+        let mask28 = (1 << STAMP_BITS) - 1;
+        for next in [
+            1u64,
+            2,
+            1 << 28,
+            (1 << 28) + 5,
+            (1 << 32) + 5,
+            (7 << 32) + 123,
+        ] {
+            // Every stamp up to 2^28 below the next (the window the queue keeps).
+            for back in [1u64, 2, 1000, (1 << 27) + 3, 1 << 28] {
+                let Some(stamp) = next.checked_sub(back) else {
+                    continue;
+                };
+                let entry = Entry {
+                    slot: 0,
+                    stamp: stamp as u32,
+                    hash: EngineHash(0),
+                };
+                assert_eq!(entry.stamp(next), stamp, "{stamp} before {next}");
+                assert_eq!(
+                    before(next, stamp & mask28, mask28),
+                    stamp,
+                    "{stamp}, 28 bits"
+                );
+                assert_eq!(
+                    before(next, stamp & mask32, mask32),
+                    stamp,
+                    "{stamp}, 32 bits"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_bits_behave_as_a_set_of_stamps() {
+        // Stamps set in order, some cleared, the oldest words forgotten once clear: a model
+        // set answers the same.
+        let mut stamps = Stamps::default();
+        let mut model = std::collections::BTreeSet::new();
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut stamp = 1_000u64;
+        for step in 0..20_000 {
+            match next(10) {
+                0..=5 => {
+                    stamp += 1 + next(3);
+                    stamps.set(stamp);
+                    model.insert(stamp);
+                }
+                6..=8 => {
+                    let old = stamp.saturating_sub(next(3_000));
+                    stamps.clear(old);
+                    model.remove(&old);
+                }
+                _ => {
+                    let oldest = model.first().copied().unwrap_or(u64::MAX);
+                    stamps.forget_before(oldest);
+                    assert!(stamps.base <= oldest, "step {step}");
+                }
+            }
+            for probe in [stamp, stamp.saturating_sub(next(5_000)), stamp + 1] {
+                assert_eq!(stamps.test(probe), model.contains(&probe), "step {step}");
+            }
+        }
+        // Forgetting keeps the bits to the live stamps' span, a word aside.
+        let oldest = *model.first().expect("live stamps");
+        stamps.forget_before(oldest);
+        assert!(stamps.base + 64 > oldest);
+        assert!((stamps.words.len() as u64) * 64 <= stamp - stamps.base + 64);
+    }
+}

@@ -19,10 +19,10 @@ use crate::EngineHash;
 /// 2^31: see the block table).
 const BOXED: u32 = 1 << 31;
 
-/// Bits of a record's stamp: the global store counter modulo 2^28. The capacity bound compares
-/// stamps of live records, which [`KvIndex`](super::KvIndex) keeps within 2^27 of each other
-/// (it renumbers them every 2^26 stores, and bounds at most 2^27 engine blocks), so equal
-/// stamps modulo 2^28 are equal stamps.
+/// Bits of a record's stamp: the global store counter modulo 2^28. The bounded index's queue
+/// of stores keeps the stamps of live records within 2^27 of each other and of the next (it
+/// renumbers them every four times the bound stores, at most 2^26, and bounds at most 2^27
+/// engine blocks; see `queue.rs`), so a stamp modulo 2^28 is a whole one.
 pub(crate) const STAMP_BITS: u32 = 28;
 
 /// One engine block of one replica (8 bytes): where its router blocks are, the tiers holding
