@@ -324,16 +324,22 @@ fn dec_blocks(
 /// churn, `examples/query_latency`, 2026-12-04).
 #[inline]
 pub(crate) fn prefetch<T>(value: &T) {
+    prefetch_at(value as *const T);
+}
+
+/// [`prefetch`] of an address that need not hold a `T` (nothing is read from it).
+#[inline]
+pub(crate) fn prefetch_at<T>(at: *const T) {
     #[cfg(target_arch = "x86_64")]
     #[allow(unsafe_code)]
     // SAFETY: `_mm_prefetch` only hints the cache (it needs SSE, which every x86-64 has); it
     // reads nothing the program sees and cannot fault, whatever the address.
     unsafe {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>((value as *const T).cast());
+        _mm_prefetch::<_MM_HINT_T0>(at.cast());
     }
     #[cfg(not(target_arch = "x86_64"))]
-    std::hint::black_box(value);
+    std::hint::black_box(at);
 }
 
 pub(crate) fn tier_index(tier: StorageTier) -> usize {

@@ -24,10 +24,8 @@ use crate::EngineHash;
 /// See the [module docs](self).
 #[derive(Debug, Default)]
 pub(super) struct Queue {
-    /// Engine blocks in store order: those from `head` on (during a sweep, those from `head`
-    /// to the sweep's `write` and from its `read` on).
-    entries: Vec<Entry>,
-    head: usize,
+    /// Engine blocks in store order.
+    entries: VecDeque<Entry>,
     /// The stamps some record has now.
     live: Stamps,
     /// A pass over `entries` dropping the stale ones, a few a store, while one is under way.
@@ -40,7 +38,7 @@ pub(super) struct Queue {
 impl Queue {
     /// The queue of an index bounded at `bound` engine blocks.
     pub(super) fn new(bound: usize) -> Self {
-        let renumber_every = (4 * bound as u64).clamp(RENUMBER_MIN, RENUMBER_MAX);
+        let renumber_every = (16 * bound as u64).clamp(RENUMBER_MIN, RENUMBER_MAX);
         Self {
             renumber_at: renumber_every,
             renumber_every,
@@ -58,41 +56,30 @@ impl Queue {
             stamp: stamp as u32,
             hash,
         };
-        // The queue's next lines into cache ahead of their stores (a line holds 4 entries).
-        if let Some(ahead) = self.entries.spare_capacity_mut().get(AHEAD) {
-            super::prefetch(ahead);
+        // The queue's next lines into cache ahead of their stores (a line holds 4 entries; the
+        // address is past the buffer's end where the queue wraps there, once a lap).
+        if let Some(last) = self.entries.back() {
+            super::prefetch_at((last as *const Entry).wrapping_add(AHEAD));
         }
-        self.entries.push(entry);
+        self.entries.push_back(entry);
         self.live.set(stamp);
         let renumber = *index.next_stamp >= self.renumber_at;
         if renumber && index.bound > GRADUAL_RENUMBER_UP_TO {
             // At once (see `GRADUAL_RENUMBER_UP_TO`): the sweep under way, then a renumbering
             // one, each to the queue's end.
             self.sweep_on(usize::MAX, index.records, index.next_stamp);
-            self.begin_sweep(true);
+            self.sweep = Some(Sweep::new(true));
             self.sweep_on(usize::MAX, index.records, index.next_stamp);
             self.renumber_at = *index.next_stamp + self.renumber_every;
         } else if self.sweep.is_some() {
             self.sweep_on(SWEEP_STEP, index.records, index.next_stamp);
         } else if renumber {
             // A renumbering sweep (see `GRADUAL_RENUMBER_UP_TO` for the window it keeps).
-            self.begin_sweep(true);
+            self.sweep = Some(Sweep::new(true));
             self.renumber_at = *index.next_stamp + self.renumber_every;
         } else if self.entries.len() > 2 * index.engine_blocks + SWEEP_SLACK {
-            // (Entries popped before `head` count: a sweep reclaims their room too.)
-            self.begin_sweep(false);
+            self.sweep = Some(Sweep::new(false));
         }
-    }
-
-    /// Begins a sweep from the front, which keeps the live entries from the vector's start.
-    fn begin_sweep(&mut self, renumber: bool) {
-        self.sweep = Some(Sweep {
-            read: self.head,
-            write: 0,
-            renumber,
-            oldest: u64::MAX,
-        });
-        self.head = 0;
     }
 
     /// Notes that the record whose stamp is `stamp` (modulo 2^28, as a record keeps it) took
@@ -111,23 +98,13 @@ impl Queue {
     /// it: its record is to be evicted (retiring its stamp).
     pub(super) fn pop_live(&mut self, next_stamp: u64) -> Option<(u32, EngineHash)> {
         loop {
-            let front = match &mut self.sweep {
-                // The front is the first entry kept, or with none kept yet, the first not swept.
-                Some(sweep) if self.head == sweep.write => {
-                    sweep.read += 1;
-                    sweep.read - 1
-                }
-                _ => {
-                    self.head += 1;
-                    self.head - 1
-                }
-            };
-            let Some(&entry) = self.entries.get(front) else {
-                // Empty: a sweep under way is over.
-                self.entries.clear();
-                (self.head, self.sweep) = (0, None);
-                return None;
-            };
+            let entry = self.entries.pop_front()?;
+            if let Some(sweep) = &mut self.sweep {
+                // The queue's positions moved down by one (the front was kept, dropped or not
+                // swept yet).
+                sweep.read = sweep.read.saturating_sub(1);
+                sweep.write = sweep.write.saturating_sub(1);
+            }
             if self.live.test(entry.stamp(next_stamp)) {
                 return Some((entry.slot, entry.hash));
             }
@@ -143,7 +120,11 @@ impl Queue {
             return;
         };
         for _ in 0..entries {
+            // The entries it reads and the room it writes them to, ahead.
             if let Some(ahead) = self.entries.get(at.read + AHEAD) {
+                super::prefetch(ahead);
+            }
+            if let Some(ahead) = self.entries.get(at.write + AHEAD) {
                 super::prefetch(ahead);
             }
             if at.read == self.entries.len() {
@@ -200,10 +181,7 @@ impl Queue {
     /// Entries queued, stale ones included.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
-        match self.sweep {
-            Some(sweep) => sweep.write - self.head + self.entries.len() - sweep.read,
-            None => self.entries.len() - self.head,
-        }
+        self.entries.len()
     }
 
     /// While a sweep is under way, whether it renumbers.
@@ -302,6 +280,17 @@ impl Stamps {
     }
 }
 
+impl Sweep {
+    fn new(renumber: bool) -> Self {
+        Self {
+            read: 0,
+            write: 0,
+            renumber,
+            oldest: u64::MAX,
+        }
+    }
+}
+
 /// A sweep of the queue in store order (see [`Queue::sweep_on`]): entries before `write` are
 /// kept, those from `write` to `read` dropped, those from `read` on not seen yet.
 #[derive(Debug, Clone, Copy)]
@@ -335,7 +324,7 @@ pub(super) const SWEEP_SLACK: usize = 8;
 ///
 /// A record keeps its stamp modulo 2^28, so every stamp in the queue and in the records must
 /// lie within 2^28 of each other and of the next. Once a renumbering sweep is over, they all
-/// lie at or after the stamp it began at, S. The next begins `E` stamps after S (`E`, four
+/// lie at or after the stamp it began at, S. The next begins `E` stamps after S (`E`, 16
 /// times the bound B within 2^16..2^26), or once a compaction under way is over (at most its
 /// queue of 2.7B, a third of it in stores), and lasts its queue in stores (a third of it) and
 /// the bound in new stamps. The stamps then span at most E + 0.9B + 0.9B + B, under 2^27 for
@@ -345,8 +334,10 @@ const GRADUAL_RENUMBER_UP_TO: usize = 1 << 24;
 #[cfg(test)]
 const GRADUAL_RENUMBER_UP_TO: usize = 100;
 
-/// Stores between two renumberings: four times the bound, within these (in tests, often, to
-/// exercise them).
+/// Stores between two renumberings: 16 times the bound, within these (in tests, often, to
+/// exercise them). A renumbering looks up every live record (a cache miss each), so at a full
+/// index it costs a lookup every 16 stores; the bits cover up to `E` + 2.8B stamps (9.4 MiB at
+/// the router's default bound of 2^22, 2.4 bytes a block of it).
 #[cfg(not(test))]
 const RENUMBER_MIN: u64 = 1 << 16;
 #[cfg(not(test))]

@@ -21,7 +21,7 @@ const BOXED: u32 = 1 << 31;
 
 /// Bits of a record's stamp: the global store counter modulo 2^28. The bounded index's queue
 /// of stores keeps the stamps of live records within 2^27 of each other and of the next (it
-/// renumbers them every four times the bound stores, at most 2^26, and bounds at most 2^27
+/// renumbers them every 16 times the bound stores, at most 2^26, and bounds at most 2^27
 /// engine blocks; see `queue.rs`), so a stamp modulo 2^28 is a whole one.
 pub(crate) const STAMP_BITS: u32 = 28;
 

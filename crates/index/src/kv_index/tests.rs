@@ -426,9 +426,11 @@ fn the_bound_evicts_in_store_order_across_renumberings() {
     }
     assert_eq!(index.evicted_blocks(), evicted);
     assert!(renumbering > 100, "renumbering in {renumbering} steps");
-    // The queue's bits cover the stamps since the last renumbering began (and a word), not
-    // every stamp ever given.
-    assert!(covered <= 1_000 + 50 + 64, "{covered} stamps covered");
+    // The queue's bits cover the stamps since the last renumbering began, not every stamp
+    // ever given (17,152 without forgetting): at most its interval (1,000 in tests), the
+    // stamps its sweep gives and the stores meanwhile (under three times the bound), and a
+    // word at each end.
+    assert!(covered <= 1_000 + 3 * 50 + 128, "{covered} stamps covered");
     // Each renumbering gave the live records stamps after the stores': more than 15 of them.
     assert!(
         index.next_stamp > stores + 15 * 40,
