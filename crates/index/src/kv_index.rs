@@ -99,8 +99,9 @@ pub struct KvIndex {
     record_heap: usize,
     next_stamp: u64,
     max_blocks: Option<usize>,
-    /// When bounded, the engine blocks in the order they were last stored.
-    queue: Queue,
+    /// When bounded, the engine blocks in the order they were last stored (boxed: an unbounded
+    /// index keeps its hot fields on fewer lines).
+    queue: Option<Box<Queue>>,
     unknown_removals: u64,
     evicted: u64,
     scratch: store::Scratch,
@@ -134,7 +135,7 @@ impl KvIndex {
             record_heap: 0,
             next_stamp: 0,
             max_blocks: None,
-            queue: Queue::default(),
+            queue: None,
             unknown_removals: 0,
             evicted: 0,
             scratch: store::Scratch::default(),
@@ -153,7 +154,7 @@ impl KvIndex {
         );
         Self {
             max_blocks: Some(max_blocks),
-            queue: Queue::new(max_blocks),
+            queue: Some(Box::new(Queue::new(max_blocks))),
             ..Self::new(block_size)
         }
     }
@@ -229,7 +230,7 @@ impl KvIndex {
         dec_blocks(&mut self.table, &record, kind, slot, tier);
         self.tier_counts[slot as usize][tier] -= 1;
         if gone {
-            self.queue.retire(record.stamp(), self.next_stamp);
+            retire(&mut self.queue, record.stamp(), self.next_stamp);
             self.engine_blocks -= 1;
             if let Some(kind) = self.records.release(&record) {
                 self.record_heap -= kind.heap_bytes();
@@ -255,7 +256,8 @@ impl KvIndex {
             return;
         };
         while self.engine_blocks > max || self.table.runs() > MAX_LIVE_RUNS {
-            let Some((slot, hash)) = self.queue.pop_live(self.next_stamp) else {
+            let queue = self.queue.as_deref_mut();
+            let Some((slot, hash)) = queue.and_then(|q| q.pop_live(self.next_stamp)) else {
                 break;
             };
             debug_assert!(self.records.contains(slot, hash), "a live entry's record");
@@ -267,7 +269,7 @@ impl KvIndex {
     /// Notes that `hash` of `slot` was stored with `stamp`, which its record now has.
     #[inline]
     fn push_fifo(&mut self, slot: u32, hash: EngineHash, stamp: u64) {
-        let Some(bound) = self.max_blocks else {
+        let (Some(bound), Some(queue)) = (self.max_blocks, self.queue.as_deref_mut()) else {
             return;
         };
         let index = Sweeping {
@@ -276,12 +278,21 @@ impl KvIndex {
             engine_blocks: self.engine_blocks,
             bound,
         };
-        self.queue.push(slot, hash, stamp, index);
+        queue.push(slot, hash, stamp, index);
     }
 
     #[cfg(test)]
     fn slot_is_clean(&self, slot: u32) -> bool {
         !self.table.any_bit_of(slot)
+    }
+}
+
+/// Notes that the record stamped `stamp` took another stamp or went, where the index is bounded
+/// (see [`Queue::retire`]).
+#[inline]
+fn retire(queue: &mut Option<Box<Queue>>, stamp: u64, next_stamp: u64) {
+    if let Some(queue) = queue {
+        queue.retire(stamp, next_stamp);
     }
 }
 
@@ -401,7 +412,7 @@ impl KvIndexer for KvIndex {
         self.tier_counts[slot as usize] = [0; 4];
         self.engine_blocks -= taken.len();
         for (record, kind) in taken {
-            self.queue.retire(record.stamp(), self.next_stamp);
+            retire(&mut self.queue, record.stamp(), self.next_stamp);
             self.record_heap -= kind.as_ref().map_or(0, Kind::heap_bytes);
             for tier in tier_bits(record.tiers()) {
                 dec_blocks(&mut self.table, &record, kind.as_ref(), slot, tier);
@@ -423,7 +434,7 @@ impl KvIndexer for KvIndex {
             + self.slots.memory_bytes()
             + self.records.memory_bytes()
             + self.record_heap
-            + self.queue.memory_bytes()
+            + self.queue.as_ref().map_or(0, |queue| queue.memory_bytes())
             + self.scratch.memory_bytes()
     }
 }

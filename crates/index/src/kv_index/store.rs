@@ -382,7 +382,7 @@ impl KvIndex {
                 let record = self.records.at_mut(slot, entry);
                 let at = record.place().filter(|&at| table.block_at(at) == block);
                 if let Some(at) = at {
-                    self.queue.retire(record.stamp(), stamp);
+                    super::retire(&mut self.queue, record.stamp(), stamp);
                     record.set_stamp(stamp);
                     if record.tiers() & (1 << tier) == 0 {
                         record.set_tiers(record.tiers() | 1 << tier);
@@ -415,7 +415,7 @@ impl KvIndex {
             self.remove_record(slot, hash);
             return self.insert(slot, hash, kind, tier, stamp, None);
         }
-        self.queue.retire(record.stamp(), stamp);
+        super::retire(&mut self.queue, record.stamp(), stamp);
         record.set_stamp(stamp);
         if record.tiers() & (1 << tier) == 0 {
             record.set_tiers(record.tiers() | 1 << tier);
