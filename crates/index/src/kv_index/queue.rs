@@ -95,7 +95,7 @@ impl Queue {
     }
 
     /// Takes the least recently stored live entry off the queue, and the stale ones before
-    /// it: its record is to be evicted (retiring its stamp).
+    /// it: its record is to be evicted.
     pub(super) fn pop_live(&mut self, next_stamp: u64) -> Option<(u32, EngineHash)> {
         loop {
             let entry = self.entries.pop_front()?;
@@ -105,7 +105,11 @@ impl Queue {
                 sweep.read = sweep.read.saturating_sub(1);
                 sweep.write = sweep.write.saturating_sub(1);
             }
-            if self.live.test(entry.stamp(next_stamp)) {
+            let stamp = entry.stamp(next_stamp);
+            if self.live.test(stamp) {
+                // Cleared here too, so that no bit outlives its entry even if the record were
+                // missing (the index's removal then retires it again, a no-op).
+                self.live.clear(stamp);
                 return Some((entry.slot, entry.hash));
             }
         }
