@@ -35,6 +35,13 @@ macro_rules! kv_suite {
         mod sharded_mirrored {
             $(#[test] fn $name() { super::$name(|bs| kvroute_index::ShardedKvIndex::new(bs, 1)); })*
         }
+        // Bounded, as the router builds it (the bound never reached here); one shard, since
+        // the suite counts distinct blocks and shards count a shared block once each.
+        mod sharded_bounded {
+            $(#[test] fn $name() {
+                super::$name(|bs| kvroute_index::ShardedKvIndex::with_max_blocks(bs, 1, 1 << 20));
+            })*
+        }
         mod reference {
             $(#[test] fn $name() { super::$name(kvroute_index::reference::ReferenceIndex::new); })*
         }
