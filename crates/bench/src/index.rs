@@ -5,7 +5,8 @@
 //! message, with hit queries timed while the writers run). It also writes such a file from
 //! the synthetic workload of `kvroute-index`'s `query_latency` example (`--write`): one event
 //! a line, or as vLLM publishes them (`--vllm-batches`: a chain's stored events in one line, a
-//! removal as one `BlockRemoved` a block).
+//! removal as one `BlockRemoved` a block). `--max-indexed-blocks N` bounds the index as the
+//! router bounds it by default.
 
 use std::fs::File;
 use std::hint::black_box;
@@ -51,6 +52,11 @@ pub struct IndexArgs {
     /// Ingest thread counts to measure, each on a fresh index.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
+    /// Bound the index to this many engine blocks, as the router's
+    /// `--router-max-indexed-blocks` does (its default is 4194304), evicting the least
+    /// recently stored; unbounded if absent, as Dynamo's trees are.
+    #[arg(long, value_name = "N", value_parser = parse_bound)]
+    pub max_indexed_blocks: Option<usize>,
     /// Hit and miss queries drawn from the file.
     #[arg(long, default_value_t = 1024)]
     pub queries: usize,
@@ -83,10 +89,11 @@ impl IndexArgs {
         );
         let mut single = 0.0;
         for &threads in &self.threads {
+            let bound = self.max_indexed_blocks;
             let rate = if threads <= 1 {
-                single_thread(&replay, &queries, self.block_size)
+                single_thread(&replay, &queries, new_index(self.block_size, bound))
             } else {
-                sharded(&replay, &queries, self.block_size, threads)
+                sharded(&replay, &queries, self.block_size, threads, bound)
             };
             if threads <= 1 {
                 single = rate;
@@ -144,15 +151,35 @@ pub fn replay_into<I: KvIndexer>(index: &mut I, replay: &Replay) -> usize {
         .count()
 }
 
+/// `--max-indexed-blocks`: from 1 to the index's most, 2^27.
+fn parse_bound(value: &str) -> Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(n) if (1..=kvroute_index::kv_index::MAX_BOUND).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "{value:?}: a count of engine blocks from 1 to {}",
+            kvroute_index::kv_index::MAX_BOUND
+        )),
+    }
+}
+
+/// A `KvIndex` for `block_size`, bounded at `bound` engine blocks if given (at most
+/// `kvroute_index::kv_index::MAX_BOUND`).
+pub fn new_index(block_size: usize, bound: Option<usize>) -> KvIndex {
+    match bound {
+        Some(bound) => KvIndex::with_max_blocks(block_size, bound),
+        None => KvIndex::new(block_size),
+    }
+}
+
 /// One thread, one `KvIndex`; returns block events per second.
-fn single_thread(replay: &Replay, queries: &Queries, block_size: usize) -> f64 {
-    let mut index = KvIndex::new(block_size);
+fn single_thread(replay: &Replay, queries: &Queries, mut index: KvIndex) -> f64 {
     let start = Instant::now();
     let refused = replay_into(&mut index, replay);
     let rate = rate(replay.block_events, start.elapsed());
     println!(
-        "1 thread: {:.2} M block events/s ({refused} refused); {} blocks, {:.1} bytes/block ({:.1} MiB)",
+        "1 thread: {:.2} M block events/s ({refused} refused, {} evicted); {} blocks, {:.1} bytes/block ({:.1} MiB)",
         rate / 1e6,
+        index.evicted_blocks(),
         index.num_blocks(),
         index.memory_bytes() as f64 / index.num_blocks().max(1) as f64,
         index.memory_bytes() as f64 / (1 << 20) as f64,
@@ -164,10 +191,20 @@ fn single_thread(replay: &Replay, queries: &Queries, block_size: usize) -> f64 {
     rate
 }
 
-/// `threads` ingest threads over as many shards, hit queries timed alongside on this thread;
-/// returns block events per second.
-fn sharded(replay: &Replay, queries: &Queries, block_size: usize, threads: usize) -> f64 {
-    let index = ShardedKvIndex::new(block_size, threads);
+/// `threads` ingest threads over as many shards (bounded at `bound` engine blocks in all, if
+/// given), hit queries timed alongside on this thread; returns block events per second.
+fn sharded(
+    replay: &Replay,
+    queries: &Queries,
+    block_size: usize,
+    threads: usize,
+    bound: Option<usize>,
+) -> f64 {
+    let index = match bound {
+        // Split between the shards, as the router splits it.
+        Some(bound) => ShardedKvIndex::with_max_blocks(block_size, threads, bound),
+        None => ShardedKvIndex::new(block_size, threads),
+    };
     // Each writer's lines, taken apart before the clock starts.
     let mut parts: Vec<Vec<&[Op]>> = vec![Vec::new(); index.shards()];
     for line in &replay.lines {

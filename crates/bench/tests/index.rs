@@ -1,7 +1,7 @@
 //! `kvroute-bench index`: a replay file is read through the router's KV-event decoder and
 //! applied to the index, and the queries drawn from it match what the file says.
 
-use kvroute_bench::index::{events, queries, replay_into, write_synthetic};
+use kvroute_bench::index::{events, new_index, queries, replay_into, write_synthetic};
 use kvroute_index::reference::ReferenceIndex;
 use kvroute_index::{block_hashes, KvIndex, KvIndexer, ReplicaId, TierCounts};
 
@@ -57,6 +57,40 @@ fn a_small_file_gives_the_matches_it_describes() {
         .miss
         .iter()
         .all(|q| index.find_matches(q).scores.is_empty()));
+}
+
+#[test]
+fn a_bound_evicts_the_least_recently_stored_as_the_router_does() {
+    // Bounded at 2 engine blocks: worker 9's store evicts worker 7's two blocks, so worker 7's
+    // third block, whose parent went, is refused; worker 9 then removes B and keeps A.
+    let replay = events::read(FILE.as_bytes()).unwrap();
+    let mut index = new_index(16, Some(2));
+    assert_eq!(replay_into(&mut index, &replay), 1);
+    assert_eq!(index.evicted_blocks(), 2);
+    assert_eq!(index.num_engine_blocks(), 1);
+    let tokens: Vec<u32> = (0..48).collect();
+    let scores = index.find_matches(&block_hashes(&tokens, 16, 0));
+    assert_eq!(scores.scores, vec![(ReplicaId(1), device(1))]);
+    // Unbounded, nothing goes.
+    let mut index = new_index(16, None);
+    assert_eq!(replay_into(&mut index, &replay), 0);
+    assert_eq!(index.evicted_blocks(), 0);
+}
+
+#[test]
+fn a_bound_outside_the_index_s_range_is_refused_by_name() {
+    for bound in ["0", "134217729", "lots"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+            .args(["index", "no-such-file.jsonl", "--max-indexed-blocks", bound])
+            .output()
+            .expect("the binary runs");
+        assert!(!out.status.success(), "{bound} accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("--max-indexed-blocks") && stderr.contains("from 1 to 134217728"),
+            "{bound}: {stderr}"
+        );
+    }
 }
 
 #[test]
