@@ -98,9 +98,8 @@ pub struct KvIndex {
     /// Heap bytes behind the records (multi-block and piece records).
     record_heap: usize,
     next_stamp: u64,
-    max_blocks: Option<usize>,
-    /// When bounded, the engine blocks in the order they were last stored (boxed: an unbounded
-    /// index keeps its hot fields on fewer lines).
+    /// When bounded, its bound and the engine blocks in the order they were last stored
+    /// (boxed: an unbounded index keeps its hot fields on fewer lines).
     queue: Option<Box<Queue>>,
     unknown_removals: u64,
     evicted: u64,
@@ -113,7 +112,10 @@ impl std::fmt::Debug for KvIndex {
             .field("block_size", &self.block_size)
             .field("blocks", &self.table.distinct())
             .field("engine_blocks", &self.engine_blocks)
-            .field("max_blocks", &self.max_blocks)
+            .field(
+                "max_blocks",
+                &self.queue.as_ref().map(|queue| queue.bound()),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -134,7 +136,6 @@ impl KvIndex {
             engine_blocks: 0,
             record_heap: 0,
             next_stamp: 0,
-            max_blocks: None,
             queue: None,
             unknown_removals: 0,
             evicted: 0,
@@ -153,7 +154,6 @@ impl KvIndex {
             "a bound of at most 2^27 engine blocks, not {max_blocks}"
         );
         Self {
-            max_blocks: Some(max_blocks),
             queue: Some(Box::new(Queue::new(max_blocks))),
             ..Self::new(block_size)
         }
@@ -252,7 +252,7 @@ impl KvIndex {
 
     /// Evicts least recently stored engine blocks until the bound holds.
     fn enforce_bound(&mut self) {
-        let Some(max) = self.max_blocks else {
+        let Some(max) = self.queue.as_ref().map(|queue| queue.bound()) else {
             return;
         };
         while self.engine_blocks > max || self.table.runs() > MAX_LIVE_RUNS {
@@ -266,17 +266,17 @@ impl KvIndex {
         }
     }
 
-    /// Notes that `hash` of `slot` was stored with `stamp`, which its record now has.
+    /// Notes that `hash` of `slot` was stored with `stamp`, which its record now has (bounded
+    /// indexes: see `kv_index/queue.rs`).
     #[inline]
-    fn push_fifo(&mut self, slot: u32, hash: EngineHash, stamp: u64) {
-        let (Some(bound), Some(queue)) = (self.max_blocks, self.queue.as_deref_mut()) else {
+    fn enqueue(&mut self, slot: u32, hash: EngineHash, stamp: u64) {
+        let Some(queue) = self.queue.as_deref_mut() else {
             return;
         };
         let index = Sweeping {
             records: &mut self.records,
             next_stamp: &mut self.next_stamp,
             engine_blocks: self.engine_blocks,
-            bound,
         };
         queue.push(slot, hash, stamp, index);
     }

@@ -225,3 +225,22 @@ pub trait ApproxIndexer: Send + Sync {
     /// Distinct blocks held by some replica (expired entries included until `expire`).
     fn num_blocks(&self) -> usize;
 }
+
+/// A xorshift stream from `seed` (not 0), for the unit tests: each call the next number.
+#[cfg(test)]
+pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
+/// [`xorshift`], each call a number below its argument.
+#[cfg(test)]
+pub(crate) fn below(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut next = xorshift(seed);
+    move |n| next() % n
+}

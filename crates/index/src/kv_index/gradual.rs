@@ -400,12 +400,10 @@ mod tests {
         for range in [300u64, 3_000] {
             let mut map = HashIndex::default();
             let mut model: HashMap<u64, u32> = HashMap::new();
-            let mut x = 0x9E37_79B9_7F4A_7C15u64;
+            let mut next = crate::xorshift(0x9E37_79B9_7F4A_7C15);
             let mut resizing = 0;
             for round in 0..20_000u32 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = next();
                 // Keys spread over the hash's top bits and low bits both.
                 let key = (x % range).rotate_right(7) | (x % range);
                 if x.is_multiple_of(3) {

@@ -30,6 +30,8 @@ pub(super) struct Queue {
     live: Stamps,
     /// A pass over `entries` dropping the stale ones, a few a store, while one is under way.
     sweep: Option<Sweep>,
+    /// The most engine blocks the index keeps.
+    bound: usize,
     /// The stamp at which the live records are renumbered next.
     renumber_at: u64,
     renumber_every: u64,
@@ -40,10 +42,16 @@ impl Queue {
     pub(super) fn new(bound: usize) -> Self {
         let renumber_every = (16 * bound as u64).clamp(RENUMBER_MIN, RENUMBER_MAX);
         Self {
+            bound,
             renumber_at: renumber_every,
             renumber_every,
             ..Self::default()
         }
+    }
+
+    /// The most engine blocks the index keeps.
+    pub(super) fn bound(&self) -> usize {
+        self.bound
     }
 
     /// Notes that `hash` of `slot` was stored with stamp `stamp`, which its record now has
@@ -64,7 +72,7 @@ impl Queue {
         self.entries.push_back(entry);
         self.live.set(stamp);
         let renumber = *index.next_stamp >= self.renumber_at;
-        if renumber && index.bound > GRADUAL_RENUMBER_UP_TO {
+        if renumber && self.bound > GRADUAL_RENUMBER_UP_TO {
             // At once (see `GRADUAL_RENUMBER_UP_TO`): the sweep under way, then a renumbering
             // one, each to the queue's end.
             self.sweep_on(usize::MAX, index.records, index.next_stamp);
@@ -232,7 +240,6 @@ pub(super) struct Sweeping<'a> {
     pub(super) records: &'a mut Records,
     pub(super) next_stamp: &'a mut u64,
     pub(super) engine_blocks: usize,
-    pub(super) bound: usize,
 }
 
 /// A bit per stamp from `base` (a multiple of 64) on.
@@ -398,13 +405,7 @@ mod tests {
         // set answers the same.
         let mut stamps = Stamps::default();
         let mut model = std::collections::BTreeSet::new();
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = crate::below(0x2545_F491_4F6C_DD1D);
         let mut stamp = 1_000u64;
         for step in 0..20_000 {
             match next(10) {

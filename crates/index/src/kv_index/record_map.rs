@@ -179,13 +179,7 @@ mod tests {
         let mut resizing = 0;
         let mut map = RecordMap::default();
         let mut model: HashMap<u64, u32> = HashMap::new();
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = crate::xorshift(0x9E37_79B9_7F4A_7C15);
         for _ in 0..5_000 {
             let keys: Vec<u64> = (0..1 + next() % 8).map(|_| next() % range).collect();
             let claimed: Vec<usize> = keys.iter().map(|&key| map.claim(key)).collect();

@@ -322,11 +322,9 @@ mod tests {
         let mut records = Records::default();
         records.ensure_slot(2);
         let mut model: HashMap<(u32, u64), u64> = HashMap::new();
-        let mut x = 0x1234_5678_9ABC_DEF1u64;
+        let mut next = crate::xorshift(0x1234_5678_9ABC_DEF1);
         for stamp in 0..20_000u64 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = next();
             // Small engine hashes, as some engines have, in three slots; every fourth record
             // boxed.
             let (slot, hash) = ((x % 3) as u32, EngineHash(x % 700));

@@ -322,7 +322,7 @@ impl KvIndex {
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         let at = self.upsert_boxed(slot, hash, kind, tier, stamp);
-        self.push_fifo(slot, hash, stamp);
+        self.enqueue(slot, hash, stamp);
         at
     }
 
@@ -354,7 +354,7 @@ impl KvIndex {
             }
             None => self.upsert_one(slot, hash, (block, after), tier, stamp, entry),
         };
-        self.push_fifo(slot, hash, stamp);
+        self.enqueue(slot, hash, stamp);
         at
     }
 

@@ -2,7 +2,7 @@
 
 use super::queue::SWEEP_SLACK;
 use super::*;
-use crate::{block_hashes, ReplicaId};
+use crate::{below, block_hashes, ReplicaId};
 
 const BS: usize = 16;
 
@@ -515,15 +515,4 @@ fn the_queue_of_stores_is_swept_a_few_entries_a_store() {
     }
     assert!(index.evicted_blocks() > 0);
     assert!(sweeping > 1_000, "sweeping in {sweeping} steps");
-}
-
-/// A xorshift stream from `seed`: each call a number below its argument.
-fn below(seed: u64) -> impl FnMut(u64) -> u64 {
-    let mut x = seed;
-    move |n| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    }
 }
