@@ -85,19 +85,12 @@ fn main() {
 /// (a chain).
 fn chain(blocks: usize, seed: u64) -> (Vec<u32>, Vec<EngineHash>) {
     let tokens: Vec<u32> = (0..(blocks * BS) as u64)
-        .map(|i| (splitmix(seed << 40 | i) % 128_000) as u32)
+        .map(|i| (kvroute_protocol::mix64(seed, i) % 128_000) as u32)
         .collect();
     let hashes = (block_hashes(&tokens, BS, seed).into_iter())
         .map(|h| EngineHash(h.0))
         .collect();
     (tokens, hashes)
-}
-
-fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 fn stored<'a>(

@@ -1,6 +1,6 @@
 //! Tests of what only `KvIndex` has: the capacity bound, counters, slot bookkeeping.
 
-use super::queue::SWEEP_SLACK;
+use super::queue::{Queue, SWEEP_SLACK};
 use super::*;
 use crate::{below, block_hashes, ReplicaId};
 
@@ -91,7 +91,7 @@ fn the_bound_keeps_memory_flat_under_unbounded_traffic() {
     );
     // At most a third past where a sweep begins (four entries swept a store), an event's
     // entries aside.
-    assert!(index.queue.as_ref().expect("bounded").len() <= (2 * 2000 + SWEEP_SLACK) * 4 / 3 + 25);
+    assert!(queue(&index).len() <= (2 * 2000 + SWEEP_SLACK) * 4 / 3 + 25);
 }
 
 #[test]
@@ -400,8 +400,8 @@ fn the_bound_evicts_in_store_order_across_renumberings() {
     let mut next = below(0x0123_4567_89AB_CDEF);
     let (mut evicted, mut stores, mut renumbering, mut covered) = (0, 0, 0, 0);
     for t in 0..20_000u64 {
-        renumbering += usize::from(index.queue.as_ref().expect("bounded").sweeping() == Some(true));
-        covered = covered.max(index.queue.as_ref().expect("bounded").stamps_covered());
+        renumbering += usize::from(queue(&index).sweeping() == Some(true));
+        covered = covered.max(queue(&index).stamps_covered());
         let (replica, block) = (next(6) as u32, next(120) as u32);
         let tokens = prompt(block * 1000, 1);
         let hash = engine(&tokens, BS)[0];
@@ -492,20 +492,16 @@ fn the_queue_of_stores_is_swept_a_few_entries_a_store() {
                 model.remove(&oldest);
             }
         }
-        sweeping += usize::from(index.queue.as_ref().expect("bounded").sweeping().is_some());
+        sweeping += usize::from(queue(&index).sweeping().is_some());
         // Over the bound renumberings sweep at (100, in tests): they renumber at once.
-        assert_ne!(
-            index.queue.as_ref().expect("bounded").sweeping(),
-            Some(true),
-            "step {t}"
-        );
+        assert_ne!(queue(&index).sweeping(), Some(true), "step {t}");
         // A sweep begins past twice the blocks held (at most 450) and 8 more, and ends
         // before the queue grows by a third (an event's 8 entries aside).
         let most = (2 * 450 + SWEEP_SLACK) * 4 / 3 + 8;
         assert!(
-            index.queue.as_ref().expect("bounded").len() <= most,
+            queue(&index).len() <= most,
             "step {t}: {} queued",
-            index.queue.as_ref().expect("bounded").len()
+            queue(&index).len()
         );
         assert_eq!(index.num_engine_blocks(), model.len(), "step {t}");
         for &(replica, hash) in model.keys() {
@@ -515,4 +511,9 @@ fn the_queue_of_stores_is_swept_a_few_entries_a_store() {
     }
     assert!(index.evicted_blocks() > 0);
     assert!(sweeping > 1_000, "sweeping in {sweeping} steps");
+}
+
+/// A bounded index's queue of stores.
+fn queue(index: &KvIndex) -> &Queue {
+    index.queue.as_deref().expect("a bounded index")
 }
