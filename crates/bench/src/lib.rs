@@ -9,9 +9,11 @@
 //! the cluster's capacity would hold) and SLO goodput ([`goodput`]: the highest rate at which
 //! a simulated cluster meets a latency objective, by bisection); the tables printed ([`report`]) and the commands that print them ([`commands`]); runs at
 //! several loads gathered for the TTFT-against-load figure ([`sweep`]); KV-event replay
-//! against the indexer ([`index`]).
+//! against the indexer ([`index`]); KV events published as a fleet of engines publishes them,
+//! for a router to absorb ([`firehose`]).
 
 pub mod commands;
+pub mod firehose;
 pub mod goodput;
 pub mod index;
 pub mod plot;

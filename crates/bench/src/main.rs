@@ -474,6 +474,9 @@ enum Command {
     Replay(ReplayArgs),
     /// KV events from a file replayed against the indexer: events/s, query latency, memory.
     Index(kvroute_bench::index::IndexArgs),
+    /// KV events published as N engines publish them (ZMQ, vLLM's wire format) at a set rate,
+    /// for a router to absorb (bench/firehose.sh).
+    Firehose(kvroute_bench::firehose::FirehoseArgs),
     /// A trace or a synthetic workload through the real routing core and N simulated engines,
     /// in virtual time.
     Simulate {
@@ -525,6 +528,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Replay(args) => args.run()?,
         Command::Index(args) => args.run()?,
+        Command::Firehose(args) => args.run()?,
         Command::Simulate {
             cluster,
             rate_scale,
@@ -849,7 +853,10 @@ mod tests {
                 .command
             {
                 Command::Simulate { cluster, .. } | Command::Goodput { cluster, .. } => cluster,
-                Command::Replay(_) | Command::Index(_) | Command::PlotLoad { .. } => {
+                Command::Replay(_)
+                | Command::Index(_)
+                | Command::Firehose(_)
+                | Command::PlotLoad { .. } => {
                     panic!("not a simulation")
                 }
             };

@@ -60,12 +60,13 @@
 //! Malformed input, however truncated or corrupted, returns an error and never panics.
 
 mod decode;
+mod direct;
 mod encode;
 mod error;
 #[cfg(test)]
 mod tests;
 
-pub use decode::decode_batch;
+pub use decode::{decode_batch, decode_batch_via_tree};
 pub use encode::{encode_batch, Encoding};
 pub use error::{KvEventError, Location};
 

@@ -813,3 +813,81 @@ fn extra_keys_strs_that_are_not_utf8_stay_strs_through_a_round_trip() {
         }
     }
 }
+
+/// Whether the direct reader answered for `payload`; where it did, the tree read the same.
+fn direct_answers_as_the_tree(payload: &[u8]) -> bool {
+    let Some(direct) = super::direct::decode(payload) else {
+        return false;
+    };
+    let tree = decode_batch_via_tree(payload).expect("the tree reads it too");
+    // `ts` by its bits: a corrupted one may be a NaN.
+    assert_eq!(direct.ts.to_bits(), tree.ts.to_bits(), "{payload:x?}");
+    assert_eq!(
+        (&direct.events, direct.dp_rank),
+        (&tree.events, tree.dp_rank)
+    );
+    true
+}
+
+/// The direct reader answers for the batches engines send, in every form the tree reads, and
+/// where it answers (over the sweep's truncated and corrupted payloads too), it reads what the
+/// tree reads; only a non-nil `extra_keys` entry is left to the tree.
+#[test]
+fn the_direct_reader_reads_what_the_tree_reads() {
+    let mut plain = sample_batch();
+    for event in &mut plain.events {
+        if let KvEvent::BlockStored(stored) = event {
+            stored.extra_keys = stored.extra_keys.take().map(|k| vec![None; k.len()]);
+        }
+    }
+    let answered = [
+        encode_batch(&plain, Encoding::Map),
+        encode_batch(&plain, Encoding::Array),
+        vllm_032_payload(),
+        // The shorter arrays of older vLLM, and a map-form batch with unknown keys.
+        msgpack(&Value::Array(vec![
+            Value::from(1),
+            Value::Array(vec![Value::Array(vec![
+                "BlockStored".into(),
+                ints(&[-7i64, 8]),
+                Value::Nil,
+                ints(&[1u32, 2, 3, 4]),
+                2.into(),
+            ])]),
+        ])),
+        msgpack(&map(vec![
+            (
+                "zz",
+                Value::Array(vec![Value::Map(vec![(1.into(), Value::Nil)])]),
+            ),
+            ("events", Value::Array(vec![])),
+            ("ts", Value::F32(2.5)),
+            ("data_parallel_rank", Value::Nil),
+            ("ts", "ignored: the first one counts".into()),
+        ])),
+    ];
+    for payload in &answered {
+        assert!(direct_answers_as_the_tree(payload), "{payload:x?}");
+    }
+    assert!(super::direct::decode(&encode_batch(&sample_batch(), Encoding::Array)).is_none());
+    let mut rng = XorShift(0x2545_F491_4F6C_DD1D);
+    let mut answers = 0;
+    for payload in &answered {
+        for len in 0..payload.len() {
+            assert!(
+                !direct_answers_as_the_tree(&payload[..len]),
+                "prefix of {len}"
+            );
+        }
+        for _ in 0..5_000 {
+            let mut corrupted = payload.clone();
+            for _ in 0..=rng.below(3) {
+                let at = rng.below(corrupted.len());
+                corrupted[at] = rng.next() as u8;
+            }
+            answers += usize::from(direct_answers_as_the_tree(&corrupted));
+        }
+    }
+    // Many corruptions leave a readable batch (a token changed, a hash), and those it reads.
+    assert!(answers > 1_000, "{answers}");
+}

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Does one router keep up with the KV events of a thousand engines? ENGINES kvroute-sim engines
+# (one process) serve its health checks, and `kvroute-bench firehose` publishes their KV events
+# (ZMQ, vLLM's wire format, one PUB socket an engine, each engine's cache churning at full
+# size) at each RATE of block events a second, the fleet together, for DURATION seconds; a
+# fresh router with its defaults (one index, bounded at 2^22 blocks) subscribes to all of
+# them. For each rate: what the firehose sent, what the router applied
+# (`kvroute_kv_events_total`) and lost (sequence gaps: a PUB socket drops what its subscriber
+# does not take), the router's CPU while it ran, and the index's size.
+# With QUERIES=1, kv_aware requests (kvroute-bench replay, CONCURRENCY at a time) run through
+# the router meanwhile, and the line adds the decision time's p50 / p99.
+#   bench/firehose.sh          # ENGINES=1024 RATES="1000000 2000000 4000000" DURATION=10
+#   ENGINES=256 RATES=500000 QUERIES=1 bench/firehose.sh
+#   KVROUTE=/path/to/an/older/kvroute bench/firehose.sh   # another router build, for A/B
+set -u
+# shellcheck source=lib.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib.sh"
+ENGINES=${ENGINES:-1024}; RATES=${RATES:-1000000 2000000 4000000}; DURATION=${DURATION:-10}
+QUERIES=${QUERIES:-0}; CONCURRENCY=${CONCURRENCY:-8}; WARMUP=${WARMUP:-10}
+PORT=21000; EVENTS=24000; API=20980; PROM=20990
+[ -n "${NO_BUILD:-}" ] || build -p kvroute-sim -p kvroute-gateway -p kvroute-bench
+KVROUTE=${KVROUTE:-$BIN/kvroute}
+
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+report() { # metrics file, firehose output, router pid, CPU ticks, seconds
+  python3 - "$@" "$(getconf CLK_TCK)" <<'EOF'
+import re, sys
+path, fire, pid, ticks, secs, hz = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+count, buckets, blocks = {}, [], 0
+for line in open(path):
+    m = re.match(r'kvroute_kv_events_total\{([^}]*)\} (\S+)', line)
+    if m:
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        key = (labels.get("event"), labels.get("status"))
+        count[key] = count.get(key, 0) + float(m.group(2))
+    m = re.match(r'kvroute_routing_seconds_bucket\{le="([^"]+)"\} (\S+)', line)
+    if m:
+        buckets.append((float(m.group(1)), float(m.group(2))))
+    m = re.match(r'kvroute_kv_index_blocks (\S+)', line)
+    if m:
+        blocks = float(m.group(1))
+f = re.search(r'(\d+) messages, (\d+) events, (\d+) block events in ([\d.]+) s: ([\d.]+) M block events/s', open(fire).read())
+messages, events, block_events, took, rate = int(f[1]), int(f[2]), int(f[3]), float(f[4]), float(f[5])
+applied = sum(v for (e, s), v in count.items() if e in ("stored", "removed") and s == "ok")
+failed = sum(v for (e, s), v in count.items() if e in ("stored", "removed") and s != "ok")
+batches = count.get(("batch", "ok"), 0)
+gaps = count.get(("batch", "gap"), 0) + count.get(("batch", "restart"), 0)
+status = dict(l.split(":", 1) for l in open(f"/proc/{pid}/status") if ":" in l)
+rss = int(status["VmRSS"].split()[0]) / 1024
+cores = ticks / hz / secs
+total = buckets[-1][1] if buckets else 0
+def quantile(q):
+    for le, c in buckets:
+        if c >= q * total:
+            return "inf" if le == float("inf") else f"<={le * 1e6:.0f}us"
+    return "-"
+decisions = f"; {total:.0f} decisions, p50 {quantile(0.5)} p99 {quantile(0.99)}" if total else ""
+print(f"sent {rate:.3f} M block events/s ({messages} messages, {events} events in {took:.1f} s); "
+      f"router applied {applied / max(events, 1):.4f} of the events ({failed:.0f} refused), "
+      f"{batches / max(messages, 1):.4f} of the messages, {gaps:.0f} gaps; "
+      f"CPU {cores:.2f} cores, {ticks / hz * 1e6 / max(block_events, 1) * 1000:.0f} ns a block event; "
+      f"index {blocks / 1e6:.2f} M blocks, RSS {rss:.0f} MiB{decisions}")
+EOF
+}
+
+echo "=== $(date -u +%FT%TZ) ENGINES=$ENGINES RATES=\"$RATES\" DURATION=$DURATION QUERIES=$QUERIES nproc=$(nproc)"
+"$BIN/kvroute-sim" --engines "$ENGINES" --port $PORT --log-level warn > "$LOGS/sims.log" 2>&1 & sims+=($!)
+wait_sims "$ENGINES" $PORT || exit 1
+workers_yaml "$ENGINES" $PORT $EVENTS | sed 's/}$/, model: kvroute-sim}/' > "$LOGS/kvroute.yaml"
+for rate in $RATES; do
+  # The firehose binds first and waits WARMUP seconds, while the router starts and connects.
+  "$BIN/kvroute-bench" firehose --engines "$ENGINES" --endpoint "tcp://127.0.0.1:$EVENTS" \
+    --rate "$rate" --duration-secs "$DURATION" --warmup-secs "$WARMUP" > "$LOGS/firehose-$rate.txt" 2>&1 &
+  fire=$!; pids+=($fire); started=$SECONDS
+  "$KVROUTE" --port $API --prometheus-port $PROM --config "$LOGS/kvroute.yaml" --policy kv_aware \
+    --log-level warn > "$LOGS/kvroute-$rate.log" 2>&1 & router=$!; pids+=($router)
+  wait_ready "http://127.0.0.1:$API/readiness" || exit 1
+  sleep $((WARMUP - (SECONDS - started)))
+  before=$(cpu_ticks $router); t0=$(date +%s.%N)
+  if [ "$QUERIES" = 1 ]; then
+    "$BIN/kvroute-bench" replay --synthetic shared-prefix --groups 600 --prompts-per-group 4 \
+      --system-prompt-len 512 --question-len 64 --output-len 16 --request-rate 5000 \
+      --hash-block-size 16 --max-requests 1000000 --url "http://127.0.0.1:$API" \
+      --max-concurrency "$CONCURRENCY" --model kvroute-sim > "$LOGS/replay-$rate.txt" 2>&1 & replay=$!
+  fi
+  wait $fire
+  [ "$QUERIES" = 1 ] && stop $replay
+  t1=$(date +%s.%N)
+  curl -s "http://127.0.0.1:$PROM/metrics" > "$LOGS/metrics-$rate.txt"
+  printf '%9s/s: ' "$rate"
+  report "$LOGS/metrics-$rate.txt" "$LOGS/firehose-$rate.txt" $router \
+    $(($(cpu_ticks $router) - before)) "$(echo "$t1 - $t0" | bc)" || cat "$LOGS/firehose-$rate.txt"
+  stop $router
+done
