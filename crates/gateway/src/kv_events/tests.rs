@@ -339,3 +339,43 @@ fn a_gap_with_a_replay_socket_is_replayed_or_cleared() {
     assert_eq!(sink.take(), ["cleared 0"]);
     assert_eq!(count(&registry, "batch", "gap"), 1);
 }
+
+fn removed(hashes: &[u64], medium: Option<&str>) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: hashes.iter().map(|&h| BlockHashValue::U64(h)).collect(),
+        medium: medium.map(str::to_owned),
+    })
+}
+
+/// vLLM sends each evicted block as a `BlockRemoved` of its own: consecutive ones of a tier
+/// reach the index as one removal, in order, a store or a clear between them keeping its
+/// place, and each is still counted as an event.
+#[test]
+fn consecutive_removals_of_a_tier_are_applied_together_in_order() {
+    let (sink, applier, registry) = setup();
+    let events = vec![
+        removed(&[1], None),
+        removed(&[2, 3], Some("GPU")),
+        stored(9, None, 16),
+        removed(&[9], None),
+        removed(&[4], Some("CPU")),
+        removed(&[5], Some("CPU")),
+        KvEvent::AllBlocksCleared,
+        removed(&[6], None),
+    ];
+    applier.apply(0, &batch(events, None), Status::Ok);
+    assert_eq!(
+        sink.take(),
+        [
+            "removed 0 Device [1, 2, 3]",
+            "stored 0 None [9] 16/16 Device 0",
+            "removed 0 Device [9]",
+            "removed 0 Host [4, 5]",
+            "cleared 0",
+            "removed 0 Device [6]",
+        ]
+    );
+    assert_eq!(count(&registry, "removed", "ok"), 6);
+    assert_eq!(count(&registry, "stored", "ok"), 1);
+    assert_eq!(count(&registry, "cleared", "ok"), 1);
+}
