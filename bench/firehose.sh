@@ -12,6 +12,7 @@
 #   bench/firehose.sh          # ENGINES=1024 RATES="1000000 2000000 4000000" DURATION=10
 #   ENGINES=256 RATES=500000 QUERIES=1 bench/firehose.sh
 #   KVROUTE=/path/to/an/older/kvroute bench/firehose.sh   # another router build, for A/B
+#   ROUTER_ARGS="--metrics-refresh-ms 500" bench/firehose.sh   # more flags for the router
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
@@ -57,7 +58,9 @@ def quantile(q):
             return "inf" if le == float("inf") else f"<={le * 1e6:.0f}us"
     return "-"
 decisions = f"; {total:.0f} decisions, p50 {quantile(0.5)} p99 {quantile(0.99)}" if total else ""
-verdict = "keeps up" if applied >= events and gaps == 0 and failed == 0 else "FALLS BEHIND"
+# A message lost at the end of an engine's stream shows no gap (no later seq): counted apart.
+verdict = ("keeps up" if applied >= events else "keeps up but for streams' last messages") \
+    if gaps == 0 and failed == 0 else "FALLS BEHIND"
 print(f"{verdict}: sent {rate:.3f} M block events/s ({messages} messages, {events} events in {took:.1f} s); "
       f"router applied {applied / max(events, 1):.4f} of the events ({failed:.0f} refused), "
       f"{batches / max(messages, 1):.4f} of the messages, {gaps:.0f} gaps; "
@@ -67,7 +70,7 @@ print(f"{verdict}: sent {rate:.3f} M block events/s ({messages} messages, {event
 EOF
 }
 
-echo "=== $(date -u +%FT%TZ) ENGINES=$ENGINES RATES=\"$RATES\" DURATION=$DURATION QUERIES=$QUERIES nproc=$(nproc)"
+echo "=== $(date -u +%FT%TZ) ENGINES=$ENGINES RATES=\"$RATES\" DURATION=$DURATION QUERIES=$QUERIES ROUTER_ARGS=\"${ROUTER_ARGS:-}\" nproc=$(nproc)"
 "$BIN/kvroute-sim" --engines "$ENGINES" --port $PORT --log-level warn > "$LOGS/sims.log" 2>&1 & sims+=($!)
 wait_sims "$ENGINES" $PORT || exit 1
 workers_yaml "$ENGINES" $PORT $EVENTS | sed 's/}$/, model: kvroute-sim}/' > "$LOGS/kvroute.yaml"
@@ -76,8 +79,9 @@ for rate in $RATES; do
   "$BIN/kvroute-bench" firehose --engines "$ENGINES" --endpoint "tcp://127.0.0.1:$EVENTS" \
     --rate "$rate" --duration-secs "$DURATION" --warmup-secs "$WARMUP" > "$LOGS/firehose-$rate.txt" 2>&1 &
   fire=$!; pids+=($fire); started=$SECONDS
+  # shellcheck disable=SC2086
   "$KVROUTE" --port $API --prometheus-port $PROM --config "$LOGS/kvroute.yaml" --policy kv_aware \
-    --log-level warn > "$LOGS/kvroute-$rate.log" 2>&1 & router=$!; pids+=($router)
+    --log-level warn ${ROUTER_ARGS:-} > "$LOGS/kvroute-$rate.log" 2>&1 & router=$!; pids+=($router)
   wait_ready "http://127.0.0.1:$API/readiness" || exit 1
   # The router's CPU before the events: its health probes and metric scrapes, over 3 s.
   sleep $((WARMUP - 3 - (SECONDS - started)))

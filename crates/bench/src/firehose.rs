@@ -277,8 +277,9 @@ impl FirehoseArgs {
         sent.elapsed = start.elapsed();
         let due = (self.rate as f64 * sent.elapsed.as_secs_f64()) as u64;
         sent.behind = due.saturating_sub(sent.block_events);
-        // What the sockets still queue goes out before they close.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // What the sockets still queue goes out before they close (a subscriber behind by
+        // more loses the rest, unseen: no later message shows the gap).
+        tokio::time::sleep(Duration::from_secs(2)).await;
         for socket in sockets {
             let _ = socket.close().await;
         }

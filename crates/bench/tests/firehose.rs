@@ -1,4 +1,4 @@
-//! `kvroute-bench firehose` through the router's own KV-event subscriber: every message a
+//! `kvroute-bench firehose` through the router's own KV-event subscriber: every block event a
 //! firehose engine publishes arrives, in order and without a gap, every event applies to the
 //! index without an error, and each engine's replica ends with the blocks its cache holds.
 
@@ -17,14 +17,16 @@ use tokio_util::sync::CancellationToken;
 struct Replica {
     index: Arc<Mutex<KvIndex>>,
     replica: ReplicaId,
-    events: AtomicU64,
+    /// Blocks stored and removed (the subscriber hands on consecutive removals together).
+    block_events: AtomicU64,
     refused: AtomicU64,
     cleared: AtomicU64,
 }
 
 impl EventSink for Replica {
     fn stored(&self, _: u32, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
-        self.events.fetch_add(1, Ordering::Relaxed);
+        let blocks = event.engine_hashes.len() as u64;
+        self.block_events.fetch_add(blocks, Ordering::Relaxed);
         let result = self.index.lock().unwrap().apply_stored(self.replica, event);
         if result.is_err() {
             self.refused.fetch_add(1, Ordering::Relaxed);
@@ -33,7 +35,8 @@ impl EventSink for Replica {
     }
 
     fn removed(&self, _: u32, tier: StorageTier, hashes: &[EngineHash]) {
-        self.events.fetch_add(1, Ordering::Relaxed);
+        let blocks = hashes.len() as u64;
+        self.block_events.fetch_add(blocks, Ordering::Relaxed);
         (self.index.lock().unwrap()).apply_removed(self.replica, tier, hashes);
     }
 
@@ -76,7 +79,7 @@ async fn every_event_published_reaches_the_router_s_subscriber_and_applies() {
         let replica = Arc::new(Replica {
             index: index.clone(),
             replica: ReplicaId(i as u32),
-            events: AtomicU64::new(0),
+            block_events: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             cleared: AtomicU64::new(0),
         });
@@ -102,17 +105,17 @@ async fn every_event_published_reaches_the_router_s_subscriber_and_applies() {
     let arrived = || {
         replicas
             .iter()
-            .map(|r| r.events.load(Ordering::Relaxed))
+            .map(|r| r.block_events.load(Ordering::Relaxed))
             .sum::<u64>()
     };
     for _ in 0..100 {
-        if arrived() >= sent.events {
+        if arrived() >= sent.block_events {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     shutdown.cancel();
-    assert_eq!(arrived(), sent.events, "{sent:?}");
+    assert_eq!(arrived(), sent.block_events, "{sent:?}");
     for replica in &replicas {
         assert_eq!(
             replica.refused.load(Ordering::Relaxed),
