@@ -667,6 +667,16 @@ impl XorShift {
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }
+
+    /// `payload` with 1 to `most` + 1 of its bytes set at random.
+    fn corrupt(&mut self, payload: &[u8], most: usize) -> Vec<u8> {
+        let mut corrupted = payload.to_vec();
+        for _ in 0..=self.below(most) {
+            let at = self.below(corrupted.len());
+            corrupted[at] = self.next() as u8;
+        }
+        corrupted
+    }
 }
 
 #[test]
@@ -687,11 +697,7 @@ fn truncated_or_corrupted_payloads_never_panic() {
             );
         }
         for _ in 0..5_000 {
-            let mut corrupted = payload.clone();
-            for _ in 0..=rng.below(4) {
-                let at = rng.below(corrupted.len());
-                corrupted[at] = rng.next() as u8;
-            }
+            let corrupted = rng.corrupt(payload, 4);
             let cut = match rng.below(4) {
                 0 => rng.below(corrupted.len()),
                 _ => corrupted.len(),
@@ -880,12 +886,7 @@ fn the_direct_reader_reads_what_the_tree_reads() {
             );
         }
         for _ in 0..5_000 {
-            let mut corrupted = payload.clone();
-            for _ in 0..=rng.below(3) {
-                let at = rng.below(corrupted.len());
-                corrupted[at] = rng.next() as u8;
-            }
-            answers += usize::from(direct_answers_as_the_tree(&corrupted));
+            answers += usize::from(direct_answers_as_the_tree(&rng.corrupt(payload, 3)));
         }
     }
     // Many corruptions leave a readable batch (a token changed, a hash), and those it reads.
