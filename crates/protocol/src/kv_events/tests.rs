@@ -668,7 +668,7 @@ impl XorShift {
         (self.next() % n as u64) as usize
     }
 
-    /// `payload` with 1 to `most` + 1 of its bytes set at random.
+    /// `payload` with 1 to `most` of its bytes set at random.
     fn corrupt(&mut self, payload: &[u8], most: usize) -> Vec<u8> {
         let mut corrupted = payload.to_vec();
         for _ in 0..=self.below(most) {
