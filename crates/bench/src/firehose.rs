@@ -235,6 +235,16 @@ impl FirehoseArgs {
     pub async fn publish(&self) -> anyhow::Result<Sent> {
         self.shape.check()?;
         anyhow::ensure!(self.engines > 0, "--engines must be at least 1");
+        anyhow::ensure!(
+            self.duration_secs.is_finite() && self.duration_secs > 0.0,
+            "--duration-secs must be a positive number of seconds, not {}",
+            self.duration_secs
+        );
+        anyhow::ensure!(
+            self.warmup_secs.is_finite() && self.warmup_secs >= 0.0,
+            "--warmup-secs must be 0 or more seconds, not {}",
+            self.warmup_secs
+        );
         let mut sockets = Vec::with_capacity(self.engines);
         for i in 0..self.engines {
             let endpoint = kvroute_sim::server::rank_endpoint(&self.endpoint, i)

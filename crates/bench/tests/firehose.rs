@@ -137,3 +137,27 @@ async fn every_event_published_reaches_the_router_s_subscriber_and_applies() {
         );
     }
 }
+
+#[test]
+fn bad_flags_are_refused_by_name_before_anything_is_bound() {
+    let cases = [
+        ("--engine-blocks", "10", "--engine-blocks 10 cannot hold"),
+        ("--engines", "0", "--engines must be at least 1"),
+        (
+            "--duration-secs",
+            "-1",
+            "--duration-secs must be a positive",
+        ),
+        ("--warmup-secs", "NaN", "--warmup-secs must be 0 or more"),
+    ];
+    for (flag, value, says) in cases {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+            .args(["firehose", "--endpoint", "tcp://127.0.0.1:9"])
+            .arg(format!("{flag}={value}"))
+            .output()
+            .expect("the binary runs");
+        assert!(!out.status.success(), "{flag} {value} accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(says), "{flag} {value}: {stderr}");
+    }
+}

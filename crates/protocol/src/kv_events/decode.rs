@@ -30,8 +30,8 @@ pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, KvEventError> {
     }
 }
 
-/// [`decode_batch`] through the tree whatever the payload: the same answer, 3-5x slower on
-/// what engines send (the baseline of `kvroute-bench`'s `decode_cost` example).
+/// [`decode_batch`] through the tree whatever the payload: the same answer, 2.6-4.3x slower
+/// on what engines send (the baseline of `kvroute-bench`'s `decode_cost` example).
 pub fn decode_batch_via_tree(payload: &[u8]) -> Result<KvEventBatch, KvEventError> {
     let mut rest = payload;
     let value = rmpv::decode::read_value_ref_with_max_depth(&mut rest, MAX_DEPTH)
