@@ -165,9 +165,9 @@ pub fn parse(body: &str) -> Result<EngineReadings, ParseError> {
     let mut sample = Sample::default();
     let mut declares_lora = false;
     for (i, line) in body.lines().enumerate() {
-        let line = line.trim_start_matches([' ', '\t', '\r']);
+        let line = skip_blanks(line);
         if let Some(comment) = line.strip_prefix('#') {
-            declares_lora |= declares(comment, "vllm:lora_requests_info");
+            declares_lora = declares_lora || declares(comment, "vllm:lora_requests_info");
             continue;
         }
         if line.is_empty() {
@@ -191,8 +191,28 @@ pub fn parse(body: &str) -> Result<EngineReadings, ParseError> {
 
 /// Whether a comment line (after its `#`) is the `HELP` or `TYPE` line of family `name`.
 fn declares(comment: &str, name: &str) -> bool {
-    let mut words = comment.split_ascii_whitespace();
-    matches!(words.next(), Some("HELP" | "TYPE")) && words.next() == Some(name)
+    let words = comment.trim_start_matches(|c: char| c.is_ascii_whitespace());
+    let Some(rest) = words
+        .strip_prefix("HELP")
+        .or_else(|| words.strip_prefix("TYPE"))
+    else {
+        return false;
+    };
+    let after = rest.trim_start_matches(|c: char| c.is_ascii_whitespace());
+    // The keyword ends at a blank, and the name at a blank or the line's end.
+    after.len() < rest.len()
+        && after
+            .strip_prefix(name)
+            .is_some_and(|end| end.is_empty() || end.starts_with(|c: char| c.is_ascii_whitespace()))
+}
+
+/// `s` past its leading blanks (spaces, tabs, carriage returns).
+fn skip_blanks(s: &str) -> &str {
+    let n = s
+        .bytes()
+        .take_while(|b| matches!(b, b' ' | b'\t' | b'\r'))
+        .count();
+    &s[n..]
 }
 
 /// One sample line, borrowed from the body (label values are owned only when escaped).
@@ -215,9 +235,7 @@ impl<'a> Sample<'a> {
     fn parse(&mut self, line: &'a str) -> Result<(), &'static str> {
         self.labels.clear();
         let mut c = Cursor { rest: line };
-        self.name = c
-            .take_while(|b, first| is_name_byte(b, first, true))
-            .ok_or("expected a metric name")?;
+        self.name = c.name(METRIC_NAME).ok_or("expected a metric name")?;
         c.skip_blanks();
         if c.eat(b'{') {
             self.parse_labels(&mut c)?;
@@ -248,9 +266,7 @@ impl<'a> Sample<'a> {
             if c.eat(b'}') {
                 return Ok(());
             }
-            let name = c
-                .take_while(|b, first| is_name_byte(b, first, false))
-                .ok_or("expected a label name")?;
+            let name = c.name(LABEL_NAME).ok_or("expected a label name")?;
             c.skip_blanks();
             if !c.eat(b'=') {
                 return Err("expected '=' after a label name");
@@ -270,12 +286,41 @@ impl<'a> Sample<'a> {
     }
 }
 
-fn is_name_byte(b: u8, first: bool, colon: bool) -> bool {
-    b.is_ascii_alphabetic() || b == b'_' || (colon && b == b':') || (!first && b.is_ascii_digit())
-}
+/// A name's bytes by class: a letter or `_` (anywhere), `:` (metric names only), a digit
+/// (not first).
+const LETTER: u8 = 1;
+const COLON: u8 = 2;
+const DIGIT: u8 = 4;
+const METRIC_NAME: u8 = LETTER | COLON;
+const LABEL_NAME: u8 = LETTER;
+
+/// Each byte's class (one table load a byte: names are most of a body's bytes).
+static CLASS: [u8; 256] = {
+    let mut class = [0; 256];
+    let mut b = 0;
+    while b < 256 {
+        let byte = b as u8;
+        class[b] = if byte.is_ascii_alphabetic() || byte == b'_' {
+            LETTER
+        } else if byte == b':' {
+            COLON
+        } else if byte.is_ascii_digit() {
+            DIGIT
+        } else {
+            0
+        };
+        b += 1;
+    }
+    class
+};
 
 fn parse_float(s: &str) -> Option<f64> {
-    // Rust's parser reads `NaN`, `+Inf`, `-Inf` and `Infinity` in any case, as Go's does.
+    // Most values are whole (`3`, `140.0`): read exactly as an integer (below 2^53), the rest
+    // by Rust's parser, which reads `NaN`, `+Inf`, `-Inf` and `Infinity` in any case, as Go's.
+    let whole = s.strip_suffix(".0").unwrap_or(s);
+    if (1..=15).contains(&whole.len()) && whole.bytes().all(|b| b.is_ascii_digit()) {
+        return whole.parse::<u64>().ok().map(|n| n as f64);
+    }
     s.parse::<f64>().ok()
 }
 
@@ -295,27 +340,36 @@ impl<'a> Cursor<'a> {
     }
 
     fn skip_blanks(&mut self) {
-        self.rest = self.rest.trim_start_matches([' ', '\t', '\r']);
+        self.rest = skip_blanks(self.rest);
     }
 
-    /// The longest non-empty prefix of ASCII bytes accepted by `ok(byte, is_first)`.
-    fn take_while(&mut self, ok: impl Fn(u8, bool) -> bool) -> Option<&'a str> {
-        let n = self
-            .rest
-            .bytes()
-            .enumerate()
-            .take_while(|&(i, b)| ok(b, i == 0))
+    /// The longest name of bytes of the classes `first` (digits may follow), if any.
+    fn name(&mut self, first: u8) -> Option<&'a str> {
+        let bytes = self.rest.as_bytes();
+        if bytes
+            .first()
+            .is_none_or(|&b| CLASS[usize::from(b)] & first == 0)
+        {
+            return None;
+        }
+        let rest = first | DIGIT;
+        let n = 1 + bytes[1..]
+            .iter()
+            .take_while(|&&b| CLASS[usize::from(b)] & rest != 0)
             .count();
-        (n > 0).then(|| {
-            let (head, tail) = self.rest.split_at(n);
-            self.rest = tail;
-            head
-        })
+        let (head, tail) = self.rest.split_at(n);
+        self.rest = tail;
+        Some(head)
     }
 
     /// The next run of non-blank characters.
     fn token(&mut self) -> Option<&'a str> {
-        let n = self.rest.find([' ', '\t', '\r']).unwrap_or(self.rest.len());
+        let blank = |b: &u8| matches!(b, b' ' | b'\t' | b'\r');
+        let n = self
+            .rest
+            .bytes()
+            .position(|b| blank(&b))
+            .unwrap_or(self.rest.len());
         (n > 0).then(|| {
             let (head, tail) = self.rest.split_at(n);
             self.rest = tail;
