@@ -1,7 +1,8 @@
 //! The direct reader: a batch read straight from the payload's bytes, with no tree of values
-//! and no allocation besides the batch's own. Each record (the batch, each event) is walked
-//! once to find its fields' bytes (by position in the array form, by name in the map form,
-//! the first of a repeated name), then each field is read into its type.
+//! and no allocation besides the batch's own. A positional record (the batch array engines
+//! send, a positional event) is read in place, in one walk; a map (vLLM 0.32's tagged
+//! events, a map batch) is walked once to find its fields' bytes (the first of a repeated
+//! name), then each field is read into its type.
 //!
 //! It answers for well-formed batches of the schema and nothing else: on any error, a
 //! non-nil `extra_keys` entry (an arbitrary value, which the batch keeps as an
@@ -37,7 +38,12 @@ pub(super) fn decode(payload: &[u8]) -> Option<KvEventBatch> {
             }
         }
         _ => {
-            let [ts, events, rank] = reader.record(&["ts", "events", "data_parallel_rank"])?;
+            let Head::Map(n) = reader.head()? else {
+                return None;
+            };
+            let mut fields = [None; 3];
+            reader.named(n, &["ts", "events", "data_parallel_rank"], &mut fields)?;
+            let [ts, events, rank] = fields;
             KvEventBatch {
                 ts: field(ts?)?.f64()?,
                 events: field(events?)?.events()?,
@@ -244,26 +250,8 @@ impl<'a> Reader<'a> {
         Some(&start[..start.len() - self.bytes.len()])
     }
 
-    /// A record's fields' bytes, in the order of `names`: by position in an array, by name in
-    /// a map (the first of a repeated name); elements past them and other names skipped.
-    fn record<const N: usize>(&mut self, names: &[&str; N]) -> Option<[Option<&'a [u8]>; N]> {
-        let mut fields = [None; N];
-        match self.head()? {
-            Head::Array(n) => {
-                for position in 0..n {
-                    let value = self.raw()?;
-                    if let Some(slot) = fields.get_mut(position) {
-                        *slot = Some(value);
-                    }
-                }
-            }
-            Head::Map(n) => self.named(n, names, &mut fields)?,
-            _ => return None,
-        }
-        Some(fields)
-    }
-
-    /// `n` key-value pairs into the fields of `names`.
+    /// `n` key-value pairs into the fields of `names`: the first value of each name, other
+    /// names skipped.
     fn named<const N: usize>(
         &mut self,
         n: usize,
