@@ -131,34 +131,76 @@ impl Op {
 
 /// One replica's events applied to an index: a batch, under one write of it
 /// ([`ShardedKvIndex::batch`], or a caller's lock of one [`KvIndex`]).
+///
+/// Consecutive removals of one tier reach the index as one: an engine sends each evicted block
+/// as an event of its own (vLLM does), and the index looks the blocks of one removal up
+/// together, so that their cache misses overlap. They are applied before any other event of
+/// the batch, and when it ends (as this is dropped), in order.
 #[derive(Debug)]
 pub struct ReplicaEvents<'a> {
     index: &'a mut KvIndex,
     replica: ReplicaId,
+    /// Removals not applied yet, of one tier.
+    removing: Option<(StorageTier, Vec<EngineHash>)>,
 }
 
 impl<'a> ReplicaEvents<'a> {
     pub fn new(index: &'a mut KvIndex, replica: ReplicaId) -> Self {
-        Self { index, replica }
+        Self {
+            index,
+            replica,
+            removing: None,
+        }
     }
 
     /// As [`KvIndexer::apply_stored`]; on error nothing changed.
     pub fn stored(&mut self, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
+        self.remove();
         self.index.apply_stored(self.replica, event)
     }
 
     pub fn removed(&mut self, tier: StorageTier, hashes: &[EngineHash]) {
-        self.index.apply_removed(self.replica, tier, hashes);
+        match &mut self.removing {
+            Some((pending, blocks)) if *pending == tier => blocks.extend_from_slice(hashes),
+            _ => {
+                self.remove();
+                self.removing = Some((tier, hashes.to_vec()));
+            }
+        }
     }
 
     pub fn cleared(&mut self) {
+        self.remove();
         self.index.clear_replica(self.replica);
     }
 
     /// An owned event of this replica (a queued one); on error nothing changed.
     pub fn apply(&mut self, op: &Op) -> Result<(), IndexError> {
         debug_assert_eq!(op.replica(), self.replica, "another replica's event");
-        op.apply(self.index)
+        match op {
+            Op::Stored(stored) => self.stored(&stored.event()),
+            Op::Removed { tier, hashes, .. } => {
+                self.removed(*tier, hashes);
+                Ok(())
+            }
+            Op::Cleared(_) => {
+                self.cleared();
+                Ok(())
+            }
+        }
+    }
+
+    /// Applies the removals gathered so far.
+    fn remove(&mut self) {
+        if let Some((tier, hashes)) = self.removing.take() {
+            self.index.apply_removed(self.replica, tier, &hashes);
+        }
+    }
+}
+
+impl Drop for ReplicaEvents<'_> {
+    fn drop(&mut self) {
+        self.remove();
     }
 }
 

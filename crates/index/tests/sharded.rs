@@ -257,3 +257,55 @@ fn a_batch_is_seen_whole_or_not_at_all() {
     index.batch(ReplicaId(1), |events| events.cleared());
     assert!(index.matches(&query).scores.is_empty());
 }
+
+/// Removals a block an event, as vLLM sends them, gathered within a batch: a block removed
+/// then stored again (so the removal must be applied before the store) and a tier changed
+/// midway end where the same events applied one by one end, through a shard's batch and
+/// through a batch of one locked `KvIndex`.
+#[test]
+fn removals_gathered_in_a_batch_end_where_single_events_end() {
+    let prompt = tokens(9, 6 * BS);
+    let hashes = support::engine_hashes(&prompt, BS, 0);
+    let whole = Event::new(&prompt, BS, 0..6, StorageTier::Device, 0);
+    let last = Event::new(&prompt, BS, 5..6, StorageTier::Device, 0);
+    let on_host = Event::new(&prompt, BS, 0..6, StorageTier::Host, 0);
+    let (me, other) = (ReplicaId(0), ReplicaId(1));
+    let one = |h: usize| std::slice::from_ref(&hashes[h]);
+    let batch = |events: &mut kvroute_index::ReplicaEvents<'_>| {
+        events.stored(&whole.stored()).unwrap();
+        events.stored(&on_host.stored()).unwrap();
+        events.removed(StorageTier::Device, one(5));
+        events.stored(&last.stored()).unwrap();
+        events.removed(StorageTier::Device, one(4));
+        events.removed(StorageTier::Host, one(5));
+        events.removed(StorageTier::Device, one(3));
+    };
+    // The same events, each alone.
+    let mut expected = KvIndex::new(BS);
+    let index = &mut expected;
+    whole.apply(index, me).unwrap();
+    on_host.apply(index, me).unwrap();
+    index.apply_removed(me, StorageTier::Device, one(5));
+    last.apply(index, me).unwrap();
+    index.apply_removed(me, StorageTier::Device, one(4));
+    index.apply_removed(me, StorageTier::Host, one(5));
+    index.apply_removed(me, StorageTier::Device, one(3));
+    whole.apply(index, other).unwrap();
+    let sharded = ShardedKvIndex::new(BS, 2);
+    sharded.batch(me, batch);
+    sharded.stored(other, &whole.stored()).unwrap();
+    let mut single = KvIndex::new(BS);
+    batch(&mut kvroute_index::ReplicaEvents::new(&mut single, me));
+    whole.apply(&mut single, other).unwrap();
+    let query = router_hashes(&prompt, 0);
+    let want = expected.find_matches(&query);
+    // The device holds blocks 0-2 and 5 again, the host blocks 0-4.
+    let held = expected.replica_blocks(me);
+    assert_eq!((held.device, held.host), (4, 5), "{want:?}");
+    assert_eq!(sharded.matches(&query), want);
+    assert_eq!(single.find_matches(&query), want);
+    for id in [me, other] {
+        assert_eq!(sharded.replica_blocks(id), expected.replica_blocks(id));
+        assert_eq!(single.replica_blocks(id), expected.replica_blocks(id));
+    }
+}

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvroute_index::{EngineHash, IndexError, StorageTier, StoredBlocks};
+use kvroute_index::{EngineHash, IndexError, StoredBlocks};
 use kvroute_protocol::kv_events::{decode_batch, BlockStored, KvEvent, KvEventBatch, KvEventError};
 
 use super::metrics::{EventKind, Status, WorkerCounters};
@@ -47,46 +47,23 @@ impl Applier {
     pub(super) fn apply(&self, socket_rank: u32, batch: &KvEventBatch, status: Status) -> u32 {
         let rank = batch.dp_rank.unwrap_or(socket_rank);
         self.sink.batch(rank, &mut |sink| {
-            let mut removals = Removals::default();
             for event in &batch.events {
                 match event {
+                    KvEvent::BlockStored(stored) => self.stored(sink, rank, stored),
                     KvEvent::BlockRemoved(removed) => {
-                        let tier = removed.tier();
-                        if removals.tier != Some(tier) {
-                            self.remove(sink, &mut removals);
-                            removals.tier = Some(tier);
-                        }
-                        let hashes = removed.block_hashes.iter();
-                        removals
-                            .hashes
-                            .extend(hashes.map(|h| EngineHash(h.to_u64())));
-                        removals.events += 1;
-                    }
-                    KvEvent::BlockStored(stored) => {
-                        self.remove(sink, &mut removals);
-                        self.stored(sink, rank, stored);
+                        let hashes = EngineHash::all(&removed.block_hashes);
+                        sink.removed(removed.tier(), &hashes);
+                        self.counters.inc(EventKind::Removed, Status::Ok);
                     }
                     KvEvent::AllBlocksCleared => {
-                        self.remove(sink, &mut removals);
                         sink.cleared();
                         self.counters.inc(EventKind::Cleared, Status::Ok);
                     }
                 }
             }
-            self.remove(sink, &mut removals);
         });
         self.counters.inc(EventKind::Batch, status);
         rank
-    }
-
-    /// Applies the removals gathered so far, as one call of the sink.
-    fn remove(&self, sink: &mut dyn RankEvents, removals: &mut Removals) {
-        if let (Some(tier), 1..) = (removals.tier, removals.events) {
-            sink.removed(tier, &removals.hashes);
-            (self.counters).add(EventKind::Removed, Status::Ok, removals.events);
-        }
-        removals.hashes.clear();
-        removals.events = 0;
     }
 
     fn stored(&self, sink: &mut dyn RankEvents, rank: u32, stored: &BlockStored) {
@@ -146,17 +123,6 @@ impl Applier {
         );
         self.counters.inc(EventKind::Batch, Status::Malformed);
     }
-}
-
-/// Consecutive `BlockRemoved` events of one tier, applied together: vLLM sends each evicted
-/// block as an event of its own, and the index looks up the blocks of one call together, so
-/// that their cache misses overlap (the router's largest single cost at 1,024 engines).
-#[derive(Default)]
-struct Removals {
-    tier: Option<StorageTier>,
-    hashes: Vec<EngineHash>,
-    /// Events gathered, each counted once.
-    events: u64,
 }
 
 /// What the socket must do after a message.

@@ -117,10 +117,6 @@ pub(super) struct WorkerCounters {
 
 impl WorkerCounters {
     pub(super) fn inc(&self, event: EventKind, status: Status) {
-        self.add(event, status, 1);
-    }
-
-    pub(super) fn add(&self, event: EventKind, status: Status, n: u64) {
         self.cells[event as usize * Status::ALL + status as usize]
             .get_or_init(|| {
                 let labels = KvEventLabels {
@@ -130,6 +126,6 @@ impl WorkerCounters {
                 };
                 self.family.get_or_create(&labels).clone()
             })
-            .inc_by(n);
+            .inc();
     }
 }
