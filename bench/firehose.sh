@@ -25,19 +25,17 @@ KVROUTE=${KVROUTE:-$BIN/kvroute}
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 report() { # metrics file, firehose output, router pid, CPU ticks, seconds, idle ticks in 3 s
-  python3 - "$@" "$(getconf CLK_TCK)" <<'EOF'
+  PYTHONPATH="$ROOT/bench" python3 - "$@" "$(getconf CLK_TCK)" <<'EOF'
 import re, sys
+from prom import decisions, status
 path, fire, pid, ticks, secs, idle, hz = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
-count, buckets, blocks = {}, [], 0
+count, blocks = {}, 0
 for line in open(path):
     m = re.match(r'kvroute_kv_events_total\{([^}]*)\} (\S+)', line)
     if m:
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         key = (labels.get("event"), labels.get("status"))
         count[key] = count.get(key, 0) + float(m.group(2))
-    m = re.match(r'kvroute_routing_seconds_bucket\{le="([^"]+)"\} (\S+)', line)
-    if m:
-        buckets.append((float(m.group(1)), float(m.group(2))))
     m = re.match(r'kvroute_kv_index_blocks (\S+)', line)
     if m:
         blocks = float(m.group(1))
@@ -45,28 +43,21 @@ f = re.search(r'(\d+) messages, (\d+) events, (\d+) block events in ([\d.]+) s: 
 messages, events, block_events, took, rate = int(f[1]), int(f[2]), int(f[3]), float(f[4]), float(f[5])
 applied = sum(v for (e, s), v in count.items() if e in ("stored", "removed") and s == "ok")
 failed = sum(v for (e, s), v in count.items() if e in ("stored", "removed") and s != "ok")
-batches = count.get(("batch", "ok"), 0)
 gaps = count.get(("batch", "gap"), 0) + count.get(("batch", "restart"), 0)
-status = dict(l.split(":", 1) for l in open(f"/proc/{pid}/status") if ":" in l)
-rss = int(status["VmRSS"].split()[0]) / 1024
+rss = int(status(pid)["VmRSS"].split()[0]) / 1024
 cores, idle = ticks / hz / secs, idle / hz / 3
 events_cpu = max(ticks / hz - idle * secs, 0)
-total = buckets[-1][1] if buckets else 0
-def quantile(q):
-    for le, c in buckets:
-        if c >= q * total:
-            return "inf" if le == float("inf") else f"<={le * 1e6:.0f}us"
-    return "-"
-decisions = f"; {total:.0f} decisions, p50 {quantile(0.5)} p99 {quantile(0.99)}" if total else ""
+total, quantile = decisions(path)
+decided = f"; {total:.0f} decisions, p50 {quantile(0.5)} p99 {quantile(0.99)}" if total else ""
 # A message lost at the end of an engine's stream shows no gap (no later seq): counted apart.
 verdict = ("keeps up" if applied >= events else "keeps up but for streams' last messages") \
     if gaps == 0 and failed == 0 else "FALLS BEHIND"
 print(f"{verdict}: sent {rate:.3f} M block events/s ({messages} messages, {events} events in {took:.1f} s); "
       f"router applied {applied / max(events, 1):.4f} of the events ({failed:.0f} refused), "
-      f"{batches / max(messages, 1):.4f} of the messages, {gaps:.0f} gaps; "
+      f"{gaps:.0f} gaps; "
       f"CPU {cores:.2f} cores (idle {idle:.2f}: probes, scrapes), "
       f"{events_cpu * 1e9 / max(block_events, 1):.0f} ns a block event above idle; "
-      f"index {blocks / 1e6:.2f} M blocks, RSS {rss:.0f} MiB{decisions}")
+      f"index {blocks / 1e6:.2f} M blocks, RSS {rss:.0f} MiB{decided}")
 EOF
 }
 
@@ -75,7 +66,7 @@ echo "=== $(date -u +%FT%TZ) ENGINES=$ENGINES RATES=\"$RATES\" DURATION=$DURATIO
 wait_sims "$ENGINES" $PORT || exit 1
 workers_yaml "$ENGINES" $PORT $EVENTS | sed 's/}$/, model: kvroute-sim}/' > "$LOGS/kvroute.yaml"
 for rate in $RATES; do
-  # The firehose binds first and waits WARMUP seconds, while the router starts and connects.
+  # The firehose binds first and sends primers for WARMUP seconds, while the router starts.
   "$BIN/kvroute-bench" firehose --engines "$ENGINES" --endpoint "tcp://127.0.0.1:$EVENTS" \
     --rate "$rate" --duration-secs "$DURATION" --warmup-secs "$WARMUP" > "$LOGS/firehose-$rate.txt" 2>&1 &
   fire=$!; pids+=($fire); started=$SECONDS

@@ -28,30 +28,23 @@ cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # Decision time, RSS, CPU per request and KV events per engine, from the router's metrics.
 report() { # label, metrics URL, pid, CPU ticks used, requests
   curl -s "$2/metrics" > "$LOGS/$1.metrics"
-  python3 - "$LOGS/$1.metrics" "$1" "$3" "$4" "$5" "$(getconf CLK_TCK)" <<'EOF'
+  PYTHONPATH="$ROOT/bench" python3 - "$LOGS/$1.metrics" "$1" "$3" "$4" "$5" "$(getconf CLK_TCK)" <<'EOF'
 import re, sys
+from prom import decisions, status
 path, label, pid, ticks, n, hz = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-buckets, served, events = [], {}, {}
+served, events = {}, {}
 for line in open(path):
-    m = re.match(r'kvroute_routing_seconds_bucket\{le="([^"]+)"\} (\S+)', line)
-    if m:
-        buckets.append((float(m.group(1)), float(m.group(2))))
     m = re.match(r'kvroute_processed_requests_total\{worker="([^"]+)"\} (\S+)', line)
     if m:
         served[m.group(1)] = float(m.group(2))
     m = re.match(r'kvroute_kv_events_total\{worker="([^"]+)"[^}]*\} (\S+)', line)
     if m:
         events[m.group(1)] = events.get(m.group(1), 0) + float(m.group(2))
-total = buckets[-1][1] if buckets else 0
-def quantile(q):
-    for le, c in buckets:
-        if c >= q * total:
-            return "inf" if le == float("inf") else f"<={le * 1e6:.0f}us"
-    return "-"
-status = dict(l.split(":", 1) for l in open(f"/proc/{pid}/status") if ":" in l)
-rss = int(status["VmRSS"].split()[0]) / 1024
-hwm = int(status["VmHWM"].split()[0]) / 1024
-threads = int(status["Threads"])
+total, quantile = decisions(path)
+proc = status(pid)
+rss = int(proc["VmRSS"].split()[0]) / 1024
+hwm = int(proc["VmHWM"].split()[0]) / 1024
+threads = int(proc["Threads"])
 did = [w for w, c in served.items() if c > 0]
 heard = [w for w in did if events.get(w, 0) > 0]
 print(f"{label:>12}: decisions {total:.0f}, p50 {quantile(0.5)}, p99 {quantile(0.99)}; "

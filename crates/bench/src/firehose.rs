@@ -13,6 +13,8 @@
 //! subscriber cannot take (ZMQ's rule), so a router that does not keep up sees gaps in the
 //! sequence numbers (`kvroute_kv_events_total{event="batch",status="gap"}`).
 //!
+//! Until the stream starts, each engine sends an empty batch every 10 ms (a primer): a
+//! subscriber that joins takes its first sequence number from one and misses nothing after.
 //! It prints what it sent: messages, events and block events, at what rate, and how far
 //! behind its schedule it fell (on a machine it shares with the router, its own pace is
 //! bounded too). `bench/firehose.sh` puts a router with that many workers in front of it.
@@ -47,8 +49,9 @@ pub struct FirehoseArgs {
     /// How long to publish, once the subscribers had `--warmup-secs` to connect.
     #[arg(long, default_value_t = 10.0)]
     pub duration_secs: f64,
-    /// How long to wait after binding before publishing (ZMQ drops what a PUB socket sends
-    /// before a subscriber joined).
+    /// How long to send primers before the stream (empty batches, every 10 ms: a PUB socket
+    /// drops what it sends before a subscriber joined, and one that joins in time takes its
+    /// first sequence number from a primer).
     #[arg(long, default_value_t = 3.0)]
     pub warmup_secs: f64,
     #[command(flatten)]
@@ -212,7 +215,16 @@ impl FirehoseArgs {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let sent = runtime.block_on(self.publish())?;
+        let sent = runtime.block_on(async {
+            let mut firehose = self.bind().await?;
+            let warmup = tokio::time::sleep(Duration::from_secs_f64(self.warmup_secs));
+            let sent = firehose.publish(warmup).await?;
+            // What the sockets still queue goes out before they close (a subscriber behind
+            // by more loses the rest, unseen: no later message shows the gap).
+            tokio::time::sleep(LINGER).await;
+            firehose.close().await;
+            anyhow::Ok(sent)
+        })?;
         let secs = sent.elapsed.as_secs_f64().max(1e-9);
         println!(
             "firehose: {} engines, {} messages, {} events, {} block events in {:.2} s: \
@@ -230,9 +242,8 @@ impl FirehoseArgs {
         Ok(())
     }
 
-    /// Binds every engine's socket, waits `--warmup-secs`, then publishes on schedule for
-    /// `--duration-secs`, an engine's step at a time, engine after engine.
-    pub async fn publish(&self) -> anyhow::Result<Sent> {
+    /// Checks the flags and binds every engine's socket.
+    pub async fn bind(&self) -> anyhow::Result<Firehose> {
         self.shape.check()?;
         anyhow::ensure!(self.engines > 0, "--engines must be at least 1");
         anyhow::ensure!(
@@ -256,44 +267,116 @@ impl FirehoseArgs {
                 .with_context(|| format!("cannot bind {endpoint}"))?;
             sockets.push(socket);
         }
-        let mut engines: Vec<Engine> = (0..self.engines)
-            .map(|i| Engine::new(i, &self.shape, self.seed))
-            .collect();
-        tokio::time::sleep(Duration::from_secs_f64(self.warmup_secs)).await;
-        let (topic, mut seqs) = (Bytes::from_static(b""), vec![0u64; self.engines]);
+        Ok(Firehose {
+            engines: (0..self.engines)
+                .map(|i| Engine::new(i, &self.shape, self.seed))
+                .collect(),
+            sockets,
+            seqs: vec![0; self.engines],
+            args: self.clone(),
+        })
+    }
+}
+
+/// How long the sockets stay open after the last message.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// How often each engine sends an empty batch until the stream starts.
+const PRIMER_EVERY: Duration = Duration::from_millis(10);
+
+/// The engines, their sockets bound ([`FirehoseArgs::bind`]).
+pub struct Firehose {
+    args: FirehoseArgs,
+    engines: Vec<Engine>,
+    sockets: Vec<zeromq::PubSocket>,
+    seqs: Vec<u64>,
+}
+
+impl Firehose {
+    /// Until `ready`, sends an empty batch on every socket every [`PRIMER_EVERY`]: a PUB
+    /// socket drops what it sends before a subscriber's subscription arrives, so a subscriber
+    /// takes its first sequence number from a primer and misses nothing of the stream. Then
+    /// publishes on schedule for `--duration-secs`, an engine's step at a time, engine after
+    /// engine.
+    pub async fn publish(
+        &mut self,
+        ready: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<Sent> {
+        let primer = encode_batch(
+            &KvEventBatch {
+                ts: 0.0,
+                events: Vec::new(),
+                dp_rank: Some(0),
+            },
+            Encoding::Array,
+        );
+        let mut primers = tokio::time::interval(PRIMER_EVERY);
+        tokio::pin!(ready);
+        loop {
+            tokio::select! {
+                () = &mut ready => break,
+                _ = primers.tick() => {
+                    for engine in 0..self.engines.len() {
+                        self.send(engine, primer.clone()).await?;
+                    }
+                }
+            }
+        }
+        let (rate, shape) = (self.args.rate as f64, self.args.shape);
         let mut sent = Sent::default();
-        let (start, duration) = (Instant::now(), Duration::from_secs_f64(self.duration_secs));
+        let duration = Duration::from_secs_f64(self.args.duration_secs);
+        let start = Instant::now();
         let mut next = 0;
         while start.elapsed() < duration {
-            let due = (self.rate as f64 * start.elapsed().as_secs_f64()) as u64;
+            let due = (rate * start.elapsed().as_secs_f64()) as u64;
             if sent.block_events >= due {
+                // Ahead of the schedule: its pace, not a wait for anything.
                 tokio::time::sleep(Duration::from_millis(1)).await;
                 continue;
             }
-            let (batch, blocks) = engines[next].step(&self.shape);
-            let frames = vec![
-                topic.clone(),
-                Bytes::copy_from_slice(&encode_seq(seqs[next])),
-                Bytes::from(encode_batch(&batch, Encoding::Array)),
-            ];
-            let message = ZmqMessage::try_from(frames).expect("three frames");
-            sockets[next].send(message).await.context("publishing")?;
-            seqs[next] += 1;
+            let (batch, blocks) = self.engines[next].step(&shape);
+            self.send(next, encode_batch(&batch, Encoding::Array))
+                .await?;
             sent.messages += 1;
             sent.events += batch.events.len() as u64;
             sent.block_events += blocks as u64;
-            next = (next + 1) % self.engines;
+            next = (next + 1) % self.engines.len();
         }
         sent.elapsed = start.elapsed();
-        let due = (self.rate as f64 * sent.elapsed.as_secs_f64()) as u64;
+        let due = (rate * sent.elapsed.as_secs_f64()) as u64;
         sent.behind = due.saturating_sub(sent.block_events);
-        // What the sockets still queue goes out before they close (a subscriber behind by
-        // more loses the rest, unseen: no later message shows the gap).
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        for socket in sockets {
+        Ok(sent)
+    }
+
+    /// `payload` as engine `engine`'s next message.
+    async fn send(&mut self, engine: usize, payload: Vec<u8>) -> anyhow::Result<()> {
+        let frames = vec![
+            Bytes::from_static(b""),
+            Bytes::copy_from_slice(&encode_seq(self.seqs[engine])),
+            Bytes::from(payload),
+        ];
+        let message = ZmqMessage::try_from(frames).expect("three frames");
+        self.sockets[engine]
+            .send(message)
+            .await
+            .context("publishing")?;
+        self.seqs[engine] += 1;
+        Ok(())
+    }
+
+    pub async fn close(self) {
+        for socket in self.sockets {
             let _ = socket.close().await;
         }
-        Ok(sent)
+    }
+}
+
+impl std::fmt::Debug for Firehose {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Firehose")
+            .field("args", &self.args)
+            .field("seqs", &self.seqs)
+            .finish_non_exhaustive()
     }
 }
 

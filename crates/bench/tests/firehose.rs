@@ -2,22 +2,35 @@
 //! firehose engine publishes arrives, in order and without a gap, every event applies to the
 //! index without an error, and each engine's replica ends with the blocks its cache holds.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvroute_bench::firehose::{FirehoseArgs, Shape};
-use kvroute_gateway::kv_events::{EventSink, KvEventMetrics, KvEventSubscriber, SubscriberConfig};
+use kvroute_gateway::kv_events::{
+    EventSink, KvEventMetrics, KvEventSubscriber, RankEvents, SubscriberConfig,
+};
 use kvroute_index::{
     EngineHash, IndexError, KvIndex, KvIndexer, ReplicaId, StorageTier, StoredBlocks,
 };
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-/// One engine's replica in a shared index, with what reached it.
+/// What every replica shares: the index, and who is waiting for what arrives.
+struct Shared {
+    index: Mutex<KvIndex>,
+    /// Replicas that have received a batch (a primer, at first).
+    joined: AtomicUsize,
+    /// Woken at every batch.
+    arrived: Notify,
+}
+
+/// One engine's replica in the shared index, with what reached it.
 struct Replica {
-    index: Arc<Mutex<KvIndex>>,
+    shared: Arc<Shared>,
     replica: ReplicaId,
-    /// Blocks stored and removed (the subscriber hands on consecutive removals together).
+    batches: AtomicU64,
+    /// Blocks stored and removed.
     block_events: AtomicU64,
     refused: AtomicU64,
     cleared: AtomicU64,
@@ -27,7 +40,8 @@ impl EventSink for Replica {
     fn stored(&self, _: u32, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
         let blocks = event.engine_hashes.len() as u64;
         self.block_events.fetch_add(blocks, Ordering::Relaxed);
-        let result = self.index.lock().unwrap().apply_stored(self.replica, event);
+        let mut index = self.shared.index.lock().unwrap();
+        let result = index.apply_stored(self.replica, event);
         if result.is_err() {
             self.refused.fetch_add(1, Ordering::Relaxed);
         }
@@ -37,12 +51,55 @@ impl EventSink for Replica {
     fn removed(&self, _: u32, tier: StorageTier, hashes: &[EngineHash]) {
         let blocks = hashes.len() as u64;
         self.block_events.fetch_add(blocks, Ordering::Relaxed);
-        (self.index.lock().unwrap()).apply_removed(self.replica, tier, hashes);
+        let mut index = self.shared.index.lock().unwrap();
+        index.apply_removed(self.replica, tier, hashes);
     }
 
     fn cleared(&self, _: u32) {
         self.cleared.fetch_add(1, Ordering::Relaxed);
-        self.index.lock().unwrap().clear_replica(self.replica);
+        self.shared
+            .index
+            .lock()
+            .unwrap()
+            .clear_replica(self.replica);
+    }
+
+    fn batch(&self, rank: u32, apply: &mut dyn FnMut(&mut dyn RankEvents)) {
+        apply(&mut Each(self, rank));
+        if self.batches.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.shared.joined.fetch_add(1, Ordering::Relaxed);
+        }
+        self.shared.arrived.notify_one();
+    }
+}
+
+/// A batch's events, each to the replica's own methods.
+struct Each<'a>(&'a Replica, u32);
+
+impl RankEvents for Each<'_> {
+    fn stored(&mut self, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
+        self.0.stored(self.1, event)
+    }
+    fn removed(&mut self, tier: StorageTier, hashes: &[EngineHash]) {
+        self.0.removed(self.1, tier, hashes);
+    }
+    fn cleared(&mut self) {
+        self.0.cleared(self.1);
+    }
+}
+
+impl Shared {
+    /// Until `done()`, woken at each batch (a permit kept between checks is not lost); a
+    /// minute at most, however slow the machine.
+    async fn until(&self, done: impl Fn() -> bool) {
+        let wait = async {
+            while !done() {
+                self.arrived.notified().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), wait)
+            .await
+            .expect("within a minute");
     }
 }
 
@@ -58,27 +115,29 @@ async fn every_event_published_reaches_the_router_s_subscriber_and_applies() {
     };
     // A port range of this process's own, away from other tests'.
     let port = 31_000 + (std::process::id() % 500) as usize * 8;
-    let endpoint = format!("tcp://127.0.0.1:{port}");
     let args = FirehoseArgs {
         engines: ENGINES,
-        endpoint: endpoint.clone(),
+        endpoint: format!("tcp://127.0.0.1:{port}"),
         rate: 40_000,
         duration_secs: 1.0,
-        warmup_secs: 1.5,
+        warmup_secs: 0.0,
         shape,
         seed: 3,
     };
-    let index = Arc::new(Mutex::new(KvIndex::new(16)));
+    let mut firehose = args.bind().await.unwrap();
+    let shared = Arc::new(Shared {
+        index: Mutex::new(KvIndex::new(16)),
+        joined: AtomicUsize::new(0),
+        arrived: Notify::new(),
+    });
     let metrics = KvEventMetrics::default();
     let shutdown = CancellationToken::new();
-    let publishing = tokio::spawn(async move { args.publish().await });
-    // The sockets bind at once; the subscribers connect during the warmup.
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let mut replicas = Vec::new();
     for i in 0..ENGINES {
         let replica = Arc::new(Replica {
-            index: index.clone(),
+            shared: shared.clone(),
             replica: ReplicaId(i as u32),
+            batches: AtomicU64::new(0),
             block_events: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             cleared: AtomicU64::new(0),
@@ -96,7 +155,9 @@ async fn every_event_published_reaches_the_router_s_subscriber_and_applies() {
         tokio::spawn(subscriber.run(shutdown.clone()));
         replicas.push(replica);
     }
-    let sent = publishing.await.unwrap().unwrap();
+    // The stream starts once every subscriber has taken a primer.
+    let joined = shared.until(|| shared.joined.load(Ordering::Relaxed) == ENGINES);
+    let sent = firehose.publish(joined).await.unwrap();
     // Two full caches' worth and more: the engines churned at full size.
     assert!(
         sent.block_events > 4 * (ENGINES * shape.engine_blocks) as u64,
@@ -108,13 +169,9 @@ async fn every_event_published_reaches_the_router_s_subscriber_and_applies() {
             .map(|r| r.block_events.load(Ordering::Relaxed))
             .sum::<u64>()
     };
-    for _ in 0..100 {
-        if arrived() >= sent.block_events {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    shared.until(|| arrived() >= sent.block_events).await;
     shutdown.cancel();
+    firehose.close().await;
     assert_eq!(arrived(), sent.block_events, "{sent:?}");
     for replica in &replicas {
         assert_eq!(
@@ -128,7 +185,9 @@ async fn every_event_published_reaches_the_router_s_subscriber_and_applies() {
             "a gap in the sequence"
         );
         // Full: within one step's store of the cache's size.
-        let held = index.lock().unwrap().replica_blocks(replica.replica).device as usize;
+        let held = (shared.index.lock().unwrap())
+            .replica_blocks(replica.replica)
+            .device as usize;
         let step = shape.prefix_blocks + shape.suffix_blocks;
         assert!(
             held <= shape.engine_blocks && held + step > shape.engine_blocks,
