@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use kvroute_sim::engine::EngineConfig;
@@ -48,6 +48,8 @@ pub struct Setup {
     pub output_blocks: Option<OutputTracking>,
     /// [`SimConfig::sample_ranks`].
     pub sample_ranks: Option<usize>,
+    /// [`SimConfig::metrics_refresh`].
+    pub metrics_refresh: Option<Duration>,
     /// The TTFT oracle's cluster ([`SimConfig::ttft_oracle`]: kv_aware's load accounting), run
     /// after the policies' when asked.
     pub oracle: Option<Cluster>,
@@ -71,6 +73,7 @@ impl Setup {
             output_blocks: self.output_blocks,
             sample_ranks: self.sample_ranks,
             ttft_oracle: false,
+            metrics_refresh: self.metrics_refresh,
         }
     }
 

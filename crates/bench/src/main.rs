@@ -2,6 +2,7 @@
 //! here, the work is the library's.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use kvroute_bench::commands::{self, Setup};
@@ -337,6 +338,12 @@ struct ClusterArgs {
     /// engine) [default: as the router's, 64 with 256 engines or more, else every engine].
     #[arg(long, value_name = "N")]
     sample_ranks: Option<usize>,
+    /// The router reads the engines' gauges (waiting and running requests, KV usage,
+    /// adapters) as its scrapes of their `/metrics` every MS milliseconds last showed them,
+    /// each engine at its own phase, as the gateway's `--metrics-refresh-ms` does (0: as they
+    /// are at each decision) [default: 0]
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    metrics_refresh_ms: u64,
     /// Also runs the TTFT oracle, after the policies: each request goes to the engine where
     /// it costs the least first-token time (its own TTFT and the delay it adds to the first
     /// tokens waiting there), found by running copies of the engines ahead with and without
@@ -450,6 +457,8 @@ impl ClusterArgs {
             loras,
             slo: self.slo.config(),
             sample_ranks: self.sample_ranks,
+            metrics_refresh: (self.metrics_refresh_ms > 0)
+                .then(|| Duration::from_millis(self.metrics_refresh_ms)),
             oracle: (self.ttft_oracle && pd_cluster.is_none()).then(|| Cluster::Aggregated {
                 workers: self.workers,
                 policy: PolicyKind::KvAware,

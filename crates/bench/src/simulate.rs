@@ -47,6 +47,7 @@ mod queue;
 pub mod reference;
 mod result;
 mod route;
+mod scrapes;
 mod shapes;
 mod slo;
 mod state;
@@ -102,6 +103,10 @@ pub struct SimConfig {
     /// running copies of the engines ahead (`--ttft-oracle`; aggregated clusters; see the
     /// `state` module's `oracle`): a yardstick, named `ttft_oracle` in the results.
     pub ttft_oracle: bool,
+    /// The router reads the engines' gauges (waiting, running, KV usage, adapters) as its
+    /// scrapes of their `/metrics` every this long last showed them (`--metrics-refresh-ms`;
+    /// see the `scrapes` module); `None`: as they are at each decision.
+    pub metrics_refresh: Option<Duration>,
 }
 
 impl SimConfig {

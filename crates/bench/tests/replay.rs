@@ -232,6 +232,7 @@ async fn a_small_trace_replays_through_kvroute_with_cache_hits() {
             output_blocks: None,
             sample_ranks: None,
             ttft_oracle: false,
+            metrics_refresh: None,
         },
     );
     assert!(

@@ -32,6 +32,8 @@ pub(crate) struct AppState {
     pub(crate) settings: Settings,
     pub(crate) kv: Arc<KvState>,
     pub(crate) kv_event_metrics: KvEventMetrics,
+    /// The pace of the workers' `/metrics` scrapes (`--metrics-scrapes-per-sec`).
+    pub(crate) scrape_pace: Arc<crate::engine_metrics::ScrapePace>,
     pub(crate) workers: Arc<WorkerSet>,
     pub(crate) client: HttpClient,
     pub(crate) metrics: GatewayMetrics,
@@ -97,6 +99,11 @@ impl AppState {
             ),
         ));
         let kv_event_metrics = KvEventMetrics::register(registry);
+        let scrape_pace = crate::engine_metrics::ScrapePace::new(
+            settings.metrics_refresh,
+            settings.metrics_scrapes_per_sec,
+        );
+        scrape_pace.register(registry);
         Self {
             queue: settings.queue.as_ref().map(|q| {
                 Arc::new(
@@ -140,6 +147,7 @@ impl AppState {
             settings,
             kv,
             kv_event_metrics,
+            scrape_pace,
             workers,
             client,
             metrics,

@@ -7,7 +7,8 @@
 //! sooner than one interval after the previous one started, each bounded by a timeout. The
 //! first scrape is at once; the second comes one interval plus a random phase of it later
 //! ([`crate::health::phase`]), so a thousand workers added together are scraped spread over
-//! the interval, not in one burst.
+//! the interval, not in one burst. In a large fleet the interval stretches, so that all the
+//! workers' scrapes together stay under `--metrics-scrapes-per-sec` ([`ScrapePace`]).
 //! The body is parsed ([`parse()`]: vLLM's and SGLang's gauge names, per data-parallel rank)
 //! and each rank's reading is stored, with its time, in that rank's [`EngineGauges`], which
 //! requests read lock-free through [`EngineGauges::load`]. A failed scrape (connection
@@ -26,6 +27,7 @@
 //! started by the server and stopped by its shutdown token.
 
 mod gauges;
+mod pace;
 mod parse;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,7 +37,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
-use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::BoxError;
@@ -43,6 +44,7 @@ use crate::health::random_phase;
 use crate::http::HttpClient;
 
 pub use gauges::{EngineGauges, STALE_AFTER};
+pub use pace::{ScrapePace, Scraping, MAX_STRETCH};
 pub use parse::{parse, EngineReadings, LoraReading, ParseError, RankReading};
 
 /// The largest `/metrics` body read (vLLM's is tens of kilobytes).
@@ -113,6 +115,8 @@ pub struct EngineMetricsScraper {
     uri: Uri,
     ranks: Vec<(Option<u32>, Arc<EngineGauges>)>,
     timing: ScrapeTiming,
+    /// The fleet's pace, when the interval follows it (else `timing.interval`).
+    pace: Option<Arc<ScrapePace>>,
     stats: Arc<ScrapeStats>,
 }
 
@@ -134,8 +138,26 @@ impl EngineMetricsScraper {
             uri,
             ranks,
             timing,
+            pace: None,
             stats: Arc::default(),
         })
+    }
+
+    /// The same, its interval taken from `pace` before each scrape (see [`ScrapePace`]).
+    pub fn paced(self, pace: Arc<ScrapePace>) -> Self {
+        Self {
+            pace: Some(pace),
+            ..self
+        }
+    }
+
+    /// The interval before the next scrape.
+    fn interval(&self) -> Duration {
+        let interval = self
+            .pace
+            .as_ref()
+            .map_or(self.timing.interval, |p| p.interval());
+        interval.max(Duration::from_millis(1))
     }
 
     /// The scraper's counters (shared: they keep counting while [`run`](Self::run) runs).
@@ -145,20 +167,22 @@ impl EngineMetricsScraper {
 
     /// Scrapes until `shutdown` is cancelled.
     pub async fn run(self, client: HttpClient, shutdown: CancellationToken) {
-        let interval = self.timing.interval.max(Duration::from_millis(1));
-        let mut ticks = tokio::time::interval(interval);
-        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let _counted = self.pace.as_ref().map(ScrapePace::join);
+        let mut next = tokio::time::Instant::now();
         let mut first = true;
         loop {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => return,
-                _ = ticks.tick() => {}
+                () = tokio::time::sleep_until(next) => {}
             }
+            // The next scrape starts one interval (as the pace has it now) after this one
+            // started, or at once if this one takes longer. After the first, scraped at
+            // once, each worker keeps its own phase of the interval.
+            let interval = self.interval();
+            next = tokio::time::Instant::now() + interval;
             if std::mem::take(&mut first) {
-                // Scraped at once; from then on at this worker's phase of the interval.
-                let at = tokio::time::Instant::now() + interval + random_phase(interval);
-                ticks.reset_at(at);
+                next += random_phase(interval);
             }
             let result = tokio::select! {
                 biased;

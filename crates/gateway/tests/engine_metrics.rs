@@ -15,7 +15,8 @@ use axum::routing::get;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_gateway::engine_metrics::{
-    EngineGauges, EngineMetricsScraper, ScrapeError, ScrapeStats, ScrapeTiming, STALE_AFTER,
+    EngineGauges, EngineMetricsScraper, ScrapeError, ScrapePace, ScrapeStats, ScrapeTiming,
+    STALE_AFTER,
 };
 use kvroute_gateway::http::build_client;
 use kvroute_sim::{SimArgs, SimServer};
@@ -347,6 +348,36 @@ async fn scrapes_never_overlap_nor_come_faster_than_the_interval() {
     wait_until("three scrapes", || count.load(Ordering::SeqCst) >= 3).await;
     assert!(started.elapsed() >= Duration::from_millis(400));
     run.stop().await;
+}
+
+#[tokio::test]
+async fn a_paced_scraper_takes_its_interval_from_the_fleet_and_leaves_it_when_stopped() {
+    let arrivals = Arc::new(Mutex::new(Vec::<Instant>::new()));
+    let a = arrivals.clone();
+    let server = Server::metrics(move || {
+        a.lock().unwrap().push(Instant::now());
+        async { (http::StatusCode::OK, GOOD.to_owned()) }
+    })
+    .await;
+    // A fleet of three other scrapers, under 10 scrapes a second: with this one, four, each
+    // every 400 ms, where the 10 ms refresh alone would scrape 40 times as often.
+    let pace = ScrapePace::new(FAST.interval, std::num::NonZeroU32::new(10));
+    let others: Vec<_> = (0..3).map(|_| pace.join()).collect();
+    let (g, ranks) = one_rank();
+    let scraper = EngineMetricsScraper::new("w", &server.url, ranks, FAST).unwrap();
+    let run = Running::start(scraper.paced(pace.clone()));
+    wait_until("a reading", || g.last_reading().is_some()).await;
+    assert_eq!(pace.interval(), Duration::from_millis(400));
+    wait_until("three scrapes", || arrivals.lock().unwrap().len() >= 3).await;
+    run.stop().await;
+    for pair in arrivals.lock().unwrap().windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(gap >= Duration::from_millis(400), "{gap:?}");
+    }
+    // Stopped, it no longer counts; the fleet gone, the interval is the refresh again.
+    assert_eq!(pace.interval(), Duration::from_millis(300));
+    drop(others);
+    assert_eq!(pace.interval(), FAST.interval);
 }
 
 #[tokio::test]

@@ -90,7 +90,11 @@ async fn sixty_four_engines_of_one_fleet_all_serve_and_publish_behind_one_router
         .map(|c| c["worker"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(candidates, (0..ENGINES).map(id).collect(), "{debug}");
-    let before = per_worker(&r.metrics().await, "kvroute_kv_events_total");
+    let m = r.metrics().await;
+    let before = per_worker(&m, "kvroute_kv_events_total");
+    // 64 engines under the default 2,000 scrapes a second: each every 50 ms as asked.
+    let interval = metric_sum(&m, "kvroute_engine_metrics_interval_seconds", "");
+    assert_eq!(interval, 0.05);
 
     // Bursts of 64 distinct prompts, each answered slowly: an engine already answering one
     // costs kv_aware more than an idle one, so a burst spreads over the engines. On a loaded
@@ -163,12 +167,21 @@ async fn sixty_four_engines_of_one_fleet_all_serve_and_publish_behind_one_router
     // A router sampling 8 ranks (`--router-sample-ranks 8`) on the same fleet: a prompt once
     // served is sent back to the engine that holds it, its decision reading that engine and
     // at most 8 others.
+    // Its scrapes kept under 100 a second (`--metrics-scrapes-per-sec 100`): each engine's
+    // stretched to every 640 ms.
     let mut settings = kvroute_gateway::Settings::with_workers(specs).unwrap();
     settings.sample_ranks = Some(8);
+    settings.metrics_scrapes_per_sec = std::num::NonZeroU32::new(100);
     let r = TestRouter::start(settings).await;
     for (i, url) in fleet.urls().iter().enumerate() {
         joined(&r, url, &id(i)).await;
     }
+    let interval = metric_sum(
+        &r.metrics().await,
+        "kvroute_engine_metrics_interval_seconds",
+        "",
+    );
+    assert_eq!(interval, 0.64);
     let prompt = format!("sampled {}", text(320, 99));
     let body = json!({"prompt": prompt, "max_tokens": 2}).to_string();
     let first = r.complete(&[], &body).await;

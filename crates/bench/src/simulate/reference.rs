@@ -299,6 +299,7 @@ mod tests {
             output_blocks: None,
             sample_ranks: None,
             ttft_oracle: false,
+            metrics_refresh: None,
         }
     }
 

@@ -9,6 +9,7 @@
 //! prompt (`max_tokens` 1); when that ends the request goes to the decode engine, whose load
 //! counts its blocks but no prefill tokens.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -23,9 +24,10 @@ use kvroute_core::{
 };
 use kvroute_index::{BlockHash, OverlapScores, ReplicaId};
 use kvroute_protocol::WorkerId;
-use kvroute_sim::engine::{EngineCore, LoraId};
+use kvroute_sim::engine::{EngineCore, LoraId, LoraState};
 use rand::RngCore;
 
+use super::scrapes::View;
 use super::{Cluster, OutputTracking};
 
 /// Where an arriving request goes.
@@ -232,7 +234,7 @@ impl Router {
         &self,
         req: &Arrival<'_>,
         scores: &OverlapScores,
-        engines: &[EngineCore],
+        engines: &View<'_>,
         rng: &mut dyn RngCore,
     ) -> Placement {
         match &self.mode {
@@ -300,17 +302,17 @@ impl Router {
         pool: &Pool,
         req: &Arrival<'_>,
         scores: &OverlapScores,
-        engines: &[EngineCore],
+        engines: &View<'_>,
         rng: &mut dyn RngCore,
     ) -> (usize, RequestLoad, PrefillFeatures) {
         let bs = self.block_size;
         let blocks = req.hashes.iter().map(|h| h.0).collect();
         let request_load = RequestLoad::for_prompt(blocks, req.tokens.len(), 0, bs);
         let kv_aware = pool.kind == PolicyKind::KvAware;
-        let ids = fitting(pool, req, engines);
+        let ids = fitting(pool, req, engines.engines);
         let candidates: Vec<Candidate<'_>> = (ids.iter().copied())
             .map(|e| {
-                let s = engines[e].stats();
+                let seen = engines.load(e);
                 let load = &self.loads[e];
                 // The engines' caches are their devices; capped as the gateway caps them.
                 let overlap = if kv_aware {
@@ -328,13 +330,13 @@ impl Router {
                     in_flight: load.active_requests(),
                     kv: load.kv_terms(overlap, &request_load, 0.0),
                     engine: EngineLoad {
-                        waiting: Some(s.waiting as f64),
-                        running: Some(s.running as f64),
-                        kv_usage: Some(s.kv_usage),
+                        waiting: seen.map(|(waiting, _, _)| waiting as f64),
+                        running: seen.map(|(_, running, _)| running as f64),
+                        kv_usage: seen.map(|(_, _, kv_usage)| kv_usage),
                         num_gpu_blocks: Some(self.num_gpu_blocks[e]),
                     },
                     speed: Some(self.speed_of(e)),
-                    adapter: adapter_fit(req.lora, &engines[e], &self.recent[e]),
+                    adapter: adapter_fit(req.lora, || engines.lora(e), &self.recent[e]),
                 }
             })
             .collect();
@@ -449,16 +451,19 @@ fn by_headroom(
     kvroute_core::slo::choose(targets, &predicted, costs.as_deref()).map(|c| c.index)
 }
 
-/// Where `lora` stands on `engine`, from what its `vllm:lora_requests_info` shows.
-fn adapter_fit(
+/// Where `lora` stands on an engine, from what its `vllm:lora_requests_info` shows (`state`;
+/// `None` when stale: as the gateway, no fit).
+fn adapter_fit<'a>(
     lora: Option<LoraId>,
-    engine: &EngineCore,
+    state: impl FnOnce() -> Option<Cow<'a, LoraState>>,
     recent: &RecentAdapters<LoraId>,
 ) -> AdapterFit {
     let Some(id) = lora else {
         return AdapterFit::None;
     };
-    let s = engine.lora_state();
+    let Some(s) = state() else {
+        return AdapterFit::None;
+    };
     AdapterFit::of(
         &id,
         &s.running,

@@ -18,6 +18,7 @@ use rand::SeedableRng;
 use super::queue::{Queued, RouterQueue};
 use super::result::{percentiles, PdResult, PolicyResult};
 use super::route::{Arrival, Placement, Router};
+use super::scrapes::Scrapes;
 use super::slo::SloTally;
 use super::{Cluster, Run, SimConfig};
 use crate::trace::{prompt_tokens, TraceRequest};
@@ -114,6 +115,8 @@ pub(super) struct State<'a> {
     /// just ended. With P/D every engine is looked at instead (transfers land on idle ones).
     wake: BTreeSet<usize>,
     index: KvIndex,
+    /// The engines' gauges as the router's scrapes read them.
+    scrapes: Scrapes,
     rng: SmallRng,
     base: Instant,
     /// Keyed by engine: a split request has the same id on both of its engines.
@@ -154,6 +157,7 @@ impl<'a> State<'a> {
             ends: BinaryHeap::new(),
             wake: BTreeSet::new(),
             index: KvIndex::new(bs),
+            scrapes: Scrapes::new(cfg.metrics_refresh, n, cfg.seed),
             rng: SmallRng::seed_from_u64(cfg.seed),
             base: Instant::now(),
             live: HashMap::new(),
@@ -274,7 +278,7 @@ impl<'a> State<'a> {
                         self.router.models[e].observe_ttft(&l.features, ttft);
                         self.router.loads[e].first_token(&l.load);
                         self.router.loads[e].finish(&l.load, false);
-                        self.send_to_decode(l);
+                        self.send_to_decode(l, end);
                     }
                 }
             }
@@ -282,7 +286,7 @@ impl<'a> State<'a> {
     }
 
     /// A split request's prefill `l` ended: the request goes to its decode engine.
-    fn send_to_decode(&mut self, l: Live) {
+    fn send_to_decode(&mut self, l: Live, now: Duration) {
         let Role::Prefill {
             decode,
             decode_load,
@@ -292,6 +296,7 @@ impl<'a> State<'a> {
             unreachable!("a prefill");
         };
         let id = request.id;
+        self.scrapes.catch_up(decode, &self.engines[decode], now);
         if self.engines[decode]
             .add_request_from(request, PromptKv::Transfer)
             .is_err()
@@ -396,6 +401,7 @@ impl<'a> State<'a> {
         };
         let oracle = (self.cfg.ttft_oracle && self.router.halves().is_none())
             .then(|| self.oracle_choice(&req, now));
+        self.scrapes.catch_up_all(&self.engines, now);
         let placement = self.router.place(
             &Arrival {
                 oracle,
@@ -408,7 +414,7 @@ impl<'a> State<'a> {
                 now: self.base + now,
             },
             &scores,
-            &self.engines,
+            &self.scrapes.view(&self.engines, now),
             &mut self.rng,
         );
         self.routed.push((req.id, now));
@@ -440,6 +446,7 @@ impl<'a> State<'a> {
                     computes_prompt: true,
                 };
                 self.wake.insert(engine);
+                self.scrapes.catch_up(engine, &self.engines[engine], now);
                 if self.engines[engine].add_request(request).is_err() {
                     self.tally.rejected += 1;
                     return self.levels.end(req.id);
@@ -461,6 +468,7 @@ impl<'a> State<'a> {
                     max_tokens: 1,
                     ..request.clone()
                 };
+                self.scrapes.catch_up(prefill, &self.engines[prefill], now);
                 if self.engines[prefill].add_request(prefill_request).is_err() {
                     self.tally.rejected += 1;
                     return self.levels.end(req.id);
@@ -504,6 +512,7 @@ impl<'a> State<'a> {
         for e in every {
             let (slot, engine) = (&mut self.pending[e], &mut self.engines[e]);
             if slot.is_none() && engine.has_work() {
+                self.scrapes.catch_up(e, engine, now);
                 let out = engine.step(now);
                 if out.is_idle() {
                     apply_events(&mut self.index, ReplicaId(e as u32), &out.events, bs);

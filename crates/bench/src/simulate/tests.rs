@@ -40,6 +40,7 @@ fn cfg(policy: PolicyKind) -> SimConfig {
         output_blocks: None,
         sample_ranks: None,
         ttft_oracle: false,
+        metrics_refresh: None,
     }
 }
 
@@ -246,6 +247,7 @@ fn the_dynamo_timing_model_reproduces_dynamos_replay_of_a_tiny_trace() {
             output_blocks: None,
             sample_ranks: None,
             ttft_oracle: false,
+            metrics_refresh: None,
         },
     );
     assert_eq!((r.requests, r.rejected), (240, 0));

@@ -190,6 +190,12 @@ pub struct Args {
     /// How often each engine's /metrics is read, when the policy uses engine metrics [default: 50].
     #[arg(long)]
     pub metrics_refresh_ms: Option<u64>,
+    /// The most scrapes of the workers' /metrics a second, all workers together: in a larger
+    /// fleet each worker's interval stretches from --metrics-refresh-ms (up to 1 s) to keep
+    /// under it; 0: no limit [default: 2000; no limit under llm_d and least_load, which
+    /// decide on the engines' queues].
+    #[arg(long)]
+    pub metrics_scrapes_per_sec: Option<u32>,
     /// The router's KV block size in tokens [default: 16].
     #[arg(aliases = ["kv-event-block-size", "kv-cache-block-size"], long)]
     pub block_size: Option<usize>,

@@ -39,7 +39,7 @@ impl Args {
             llm_d_queue_weight, llm_d_kv_weight, llm_d_lora_weight, least_load_kv_pressure_weight,
             least_load_default_throughput, least_load_mean_prefill_tokens,
             least_load_max_waiting_requests, worker_overload_waiting_requests,
-            worker_overload_token_usage, metrics_refresh_ms, block_size,
+            worker_overload_token_usage, metrics_refresh_ms, metrics_scrapes_per_sec, block_size,
             router_ttl_secs, router_max_indexed_blocks, router_event_threads, router_sample_ranks, tokenizer,
             tokenizer_cache_l1_max_memory, active_prefill_tokens_threshold,
             active_prefill_tokens_threshold_frac, active_decode_blocks_threshold, admin_api_key,

@@ -312,6 +312,10 @@ pub struct Settings {
     pub sample_ranks: Option<usize>,
     /// How often engine metrics are scraped (when the policy uses them).
     pub metrics_refresh: Duration,
+    /// The most scrapes a second of the whole fleet's `/metrics` (`--metrics-scrapes-per-sec`):
+    /// each worker's interval stretches from `metrics_refresh` to keep under it; `None`: no
+    /// limit.
+    pub metrics_scrapes_per_sec: Option<std::num::NonZeroU32>,
     /// The busy thresholds every model starts with (`POST /busy_threshold` changes them).
     pub busy: BusyThresholds,
     /// `--health-check-port`: a listener of its own for /health, /liveness and /readiness.

@@ -650,3 +650,28 @@ fn kv_aware_defaults_are_kvroutes_and_dynamos_model_is_five_flags_away() {
     ));
     assert!(Args::from_text("router_kv_memory_cost: cubic").is_err());
 }
+
+#[test]
+fn the_fleets_scrapes_have_a_budget_unless_a_policy_decides_on_the_engines_queues() {
+    let budget = |argv: &[&str]| {
+        let argv = [&["kvroute"][..], argv].concat();
+        let s = Args::try_parse_from(argv).unwrap().into_settings().unwrap();
+        s.metrics_scrapes_per_sec.map(|n| n.get())
+    };
+    assert_eq!(budget(&[]), Some(2_000));
+    assert_eq!(budget(&["--metrics-scrapes-per-sec", "500"]), Some(500));
+    assert_eq!(budget(&["--metrics-scrapes-per-sec", "0"]), None);
+    for policy in ["llm_d", "least_load"] {
+        assert_eq!(budget(&["--policy", policy]), None, "{policy}");
+        let given = ["--policy", policy, "--metrics-scrapes-per-sec", "100"];
+        assert_eq!(budget(&given), Some(100), "{policy}");
+    }
+    let pd = ["--pd-disaggregation", "--decode-policy", "llm_d"];
+    assert_eq!(budget(&pd), None);
+    assert_eq!(budget(&["--pd-disaggregation"]), Some(2_000));
+    let file = Args::from_text("metrics_scrapes_per_sec: 300\n").unwrap();
+    assert_eq!(
+        (file.into_settings().unwrap().metrics_scrapes_per_sec).map(|n| n.get()),
+        Some(300)
+    );
+}

@@ -1,5 +1,6 @@
 //! Defaults and validation: `Args` into `Settings`, once, at start.
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use kvroute_core::affinity::AffinityMode;
@@ -58,6 +59,12 @@ impl Args {
         super::epp::refuse_pd(epp.as_ref(), pd_on)?;
         super::epp::refuse_engine_priority(epp.as_ref(), self.engine_priority)?;
         let pd = self.pd_settings(pd_on, &workers, &policy_config)?;
+        let policy = self.policy.unwrap_or(PolicyKind::KvAware);
+        let pd_policies = pd
+            .iter()
+            .flat_map(|pd| [pd.prefill_policy, pd.decode_policy]);
+        let scrapes_per_sec =
+            scrape_budget(self.metrics_scrapes_per_sec, pd_policies.chain([policy]));
         Ok(Settings {
             metrics_compat: super::MetricsCompat::new(
                 &self.metrics_compat,
@@ -68,7 +75,7 @@ impl Args {
             port: self.port.unwrap_or(30000),
             prometheus_port,
             workers,
-            policy: self.policy.unwrap_or(PolicyKind::KvAware),
+            policy,
             policy_config,
             max_payload_size,
             request_timeout: Duration::from_secs(request_timeout_secs),
@@ -92,6 +99,7 @@ impl Args {
             event_threads: positive("router_event_threads", self.router_event_threads, 1)?,
             sample_ranks: self.router_sample_ranks,
             metrics_refresh: Duration::from_millis(self.metrics_refresh_ms.unwrap_or(50).max(1)),
+            metrics_scrapes_per_sec: scrapes_per_sec,
             busy,
             health_check_port: self.health_check_port,
             overload: self.overload_protection()?,
@@ -549,3 +557,21 @@ impl Args {
         }))
     }
 }
+
+/// The fleet's scrapes a second (`--metrics-scrapes-per-sec`, see
+/// `engine_metrics::ScrapePace`): 0 for none; unset, [`DEFAULT_SCRAPES_PER_SEC`] unless a
+/// policy in force decides on the engines' scraped queues (`llm_d`, `least_load`), whose
+/// choices go stale with their readings (BENCHMARKS.md: "Scrapes at a thousand engines").
+fn scrape_budget(
+    given: Option<u32>,
+    mut policies: impl Iterator<Item = PolicyKind>,
+) -> Option<NonZeroU32> {
+    match given {
+        Some(n) => NonZeroU32::new(n),
+        None if policies.any(|p| matches!(p, PolicyKind::LlmD | PolicyKind::LeastLoad)) => None,
+        None => NonZeroU32::new(DEFAULT_SCRAPES_PER_SEC),
+    }
+}
+
+/// See [`scrape_budget`]: 1,024 workers are each scraped every 512 ms.
+pub const DEFAULT_SCRAPES_PER_SEC: u32 = 2_000;

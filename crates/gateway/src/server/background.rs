@@ -55,6 +55,7 @@ pub(super) fn start_worker(state: &Arc<AppState>, worker: Arc<Worker>) {
         };
         match worker.metrics_scraper(timing) {
             Ok(scraper) => {
+                let scraper = scraper.paced(state.scrape_pace.clone());
                 let run = scraper.run(state.client.clone(), worker.tasks.clone());
                 state.tasks.spawn(run);
             }

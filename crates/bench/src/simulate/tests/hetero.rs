@@ -168,6 +168,7 @@ fn oracle(rate_scale: f64) -> SimConfig {
     SimConfig {
         rate_scale,
         ttft_oracle: true,
+        metrics_refresh: None,
         ..slow_last(CostModel::Weighted)
     }
 }
