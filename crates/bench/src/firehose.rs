@@ -141,7 +141,7 @@ impl Engine {
             events.extend(suffix.iter().rev().map(|&hash| {
                 KvEvent::BlockRemoved(BlockRemoved {
                     block_hashes: vec![BlockHashValue::U64(hash)],
-                    medium: Some("GPU".to_owned()),
+                    medium: Some("GPU".into()),
                 })
             }));
         }
@@ -192,7 +192,7 @@ fn stored_event(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, shape: &S
         token_ids: tokens,
         block_size: shape.block_size as u32,
         lora_id: None,
-        medium: Some("GPU".to_owned()),
+        medium: Some("GPU".into()),
         lora_name: None,
         extra_keys: None,
     })

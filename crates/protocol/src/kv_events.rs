@@ -70,6 +70,8 @@ pub use decode::{decode_batch, decode_batch_via_tree};
 pub use encode::{encode_batch, Encoding};
 pub use error::{KvEventError, Location};
 
+use std::borrow::Cow;
+
 use crate::hash::stable_hash;
 
 /// One payload: the events an engine published together, in order.
@@ -107,8 +109,9 @@ pub struct BlockStored {
     pub block_size: u32,
     /// The LoRA adapter's numeric id, if any.
     pub lora_id: Option<i64>,
-    /// The storage tier's name as the engine spells it; see [`BlockStored::tier`].
-    pub medium: Option<String>,
+    /// The storage tier's name as the engine spells it; see [`BlockStored::tier`]. Borrowed
+    /// for vLLM's usual names (`"GPU"`, `"CPU"`), so that a batch allocates none for them.
+    pub medium: Option<Cow<'static, str>>,
     /// The LoRA adapter's name, if any.
     pub lora_name: Option<String>,
     /// Per block, the extra values vLLM mixed into its hash (multimodal hashes, cache salt),
@@ -129,7 +132,7 @@ pub struct BlockRemoved {
     /// The engine's hashes of the evicted blocks.
     pub block_hashes: Vec<BlockHashValue>,
     /// The storage tier's name as the engine spells it; see [`BlockRemoved::tier`].
-    pub medium: Option<String>,
+    pub medium: Option<Cow<'static, str>>,
 }
 
 impl BlockRemoved {
@@ -162,6 +165,15 @@ impl BlockHashValue {
 impl From<u64> for BlockHashValue {
     fn from(hash: u64) -> Self {
         Self::U64(hash)
+    }
+}
+
+/// An event's `medium` as read: vLLM's usual names borrowed, any other copied.
+fn medium(name: &str) -> Cow<'static, str> {
+    match name {
+        "GPU" => Cow::Borrowed("GPU"),
+        "CPU" => Cow::Borrowed("CPU"),
+        other => Cow::Owned(other.to_owned()),
     }
 }
 

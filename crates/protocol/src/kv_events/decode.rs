@@ -7,6 +7,8 @@
 //! position in the array form and by name in the map form, so every record's schema is
 //! written once for both forms.
 
+use std::borrow::Cow;
+
 use rmpv::{Integer, Value, ValueRef};
 
 use super::error::{KvEventError, Location};
@@ -119,7 +121,7 @@ fn block_stored(fields: Fields<'_, '_>) -> Result<BlockStored, KvEventError> {
         token_ids: fields.require(2, "token_ids")?.token_ids()?,
         block_size: fields.require(3, "block_size")?.u32()?,
         lora_id: fields.get(4, "lora_id").map(Field::i64).transpose()?,
-        medium: fields.get(5, "medium").map(Field::string).transpose()?,
+        medium: fields.get(5, "medium").map(Field::medium).transpose()?,
         lora_name: fields.get(6, "lora_name").map(Field::string).transpose()?,
         extra_keys: fields
             .get(7, "extra_keys")
@@ -132,7 +134,7 @@ fn block_stored(fields: Fields<'_, '_>) -> Result<BlockStored, KvEventError> {
 fn block_removed(fields: Fields<'_, '_>) -> Result<BlockRemoved, KvEventError> {
     Ok(BlockRemoved {
         block_hashes: fields.require(0, "block_hashes")?.block_hashes()?,
-        medium: fields.get(1, "medium").map(Field::string).transpose()?,
+        medium: fields.get(1, "medium").map(Field::medium).transpose()?,
     })
 }
 
@@ -258,6 +260,14 @@ impl<'v, 'a> Field<'v, 'a> {
             ValueRef::String(s) => s
                 .as_str()
                 .map(str::to_owned)
+                .ok_or_else(|| self.wrong_type("a UTF-8 string", "a string that is not UTF-8")),
+            other => Err(self.wrong_type("a string", type_name(other))),
+        }
+    }
+
+    fn medium(self) -> Result<Cow<'static, str>, KvEventError> {
+        match self.value {
+            ValueRef::String(s) => (s.as_str().map(super::medium))
                 .ok_or_else(|| self.wrong_type("a UTF-8 string", "a string that is not UTF-8")),
             other => Err(self.wrong_type("a string", type_name(other))),
         }

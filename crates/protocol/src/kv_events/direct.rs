@@ -10,6 +10,8 @@
 //! and [`super::decode_batch`] reads the payload through the tree, which says what is wrong.
 //! Where it answers, it answers as the tree does (a test holds the two to it).
 
+use std::borrow::Cow;
+
 use super::{BlockHashValue, BlockRemoved, BlockStored, KvEvent, KvEventBatch};
 
 /// How deep an unknown field's values may nest before the payload is left to the tree.
@@ -317,7 +319,7 @@ impl<'a> Reader<'a> {
                         2 => stored.token_ids = self.tokens()?,
                         3 => stored.block_size = self.u32()?,
                         4 => stored.lora_id = self.optional(Reader::i64)?,
-                        5 => stored.medium = self.optional(Reader::string)?,
+                        5 => stored.medium = self.optional(Reader::medium)?,
                         6 => stored.lora_name = self.optional(Reader::string)?,
                         7 => stored.extra_keys = self.optional(Reader::no_extra_keys)?,
                         _ => self.skip(MAX_SKIP_DEPTH)?,
@@ -336,7 +338,7 @@ impl<'a> Reader<'a> {
                 for position in 0..rest {
                     match position {
                         0 => removed.block_hashes = self.hashes()?,
-                        1 => removed.medium = self.optional(Reader::string)?,
+                        1 => removed.medium = self.optional(Reader::medium)?,
                         _ => self.skip(MAX_SKIP_DEPTH)?,
                     }
                 }
@@ -365,13 +367,13 @@ impl<'a> Reader<'a> {
                 token_ids: field(tokens?)?.tokens()?,
                 block_size: field(block_size?)?.u32()?,
                 lora_id: optional(lora_id, Reader::i64)?,
-                medium: optional(medium, Reader::string)?,
+                medium: optional(medium, Reader::medium)?,
                 lora_name: optional(lora_name, Reader::string)?,
                 extra_keys: optional(extra, Reader::no_extra_keys)?,
             })),
             Head::Str(b"BlockRemoved") => Some(KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: field(hashes?)?.hashes()?,
-                medium: optional(medium, Reader::string)?,
+                medium: optional(medium, Reader::medium)?,
             })),
             Head::Str(b"AllBlocksCleared") => Some(KvEvent::AllBlocksCleared),
             _ => None,
@@ -435,6 +437,13 @@ impl<'a> Reader<'a> {
     fn string(&mut self) -> Option<String> {
         match self.head()? {
             Head::Str(s) => std::str::from_utf8(s).ok().map(str::to_owned),
+            _ => None,
+        }
+    }
+
+    fn medium(&mut self) -> Option<Cow<'static, str>> {
+        match self.head()? {
+            Head::Str(s) => std::str::from_utf8(s).ok().map(super::medium),
             _ => None,
         }
     }

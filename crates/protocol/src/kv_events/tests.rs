@@ -139,6 +139,42 @@ fn every_event_kind_round_trips_in_both_encodings() {
 }
 
 /// Reads back what the encoder wrote as a generic msgpack value.
+#[test]
+fn vllms_usual_media_are_read_without_a_copy_and_any_other_name_as_sent() {
+    let mut batch = sample_batch();
+    let KvEvent::BlockRemoved(removed) = &mut batch.events[3] else {
+        unreachable!("the fourth event is a removal");
+    };
+    removed.medium = Some("LMCACHE_REMOTE".into());
+    // No extra keys, so that the direct reader reads the batch (it leaves those to the tree).
+    let KvEvent::BlockStored(stored) = &mut batch.events[0] else {
+        unreachable!("the first event is a store");
+    };
+    stored.extra_keys = None;
+    let borrowed = |m: &Option<Cow<'static, str>>| matches!(m, Some(Cow::Borrowed(_)));
+    for encoding in [Encoding::Array, Encoding::Map] {
+        let payload = encode_batch(&batch, encoding);
+        for decoded in [decode_batch(&payload), decode_batch_via_tree(&payload)] {
+            let decoded = decoded.unwrap();
+            assert_eq!(decoded, batch, "{encoding:?}");
+            let media: Vec<_> = (decoded.events.iter())
+                .filter_map(|e| match e {
+                    KvEvent::BlockStored(s) => Some(&s.medium),
+                    KvEvent::BlockRemoved(r) => Some(&r.medium),
+                    KvEvent::AllBlocksCleared => None,
+                })
+                .collect();
+            // GPU, none, CPU, LMCACHE_REMOTE.
+            let kinds: Vec<_> = media.iter().map(|m| (m.is_some(), borrowed(m))).collect();
+            assert_eq!(
+                kinds,
+                [(true, true), (false, false), (true, true), (true, false)]
+            );
+            assert_eq!(media[3].as_deref(), Some("LMCACHE_REMOTE"));
+        }
+    }
+}
+
 fn encoded_events(batch: &KvEventBatch, encoding: Encoding) -> Vec<Value> {
     let bytes = encode_batch(batch, encoding);
     let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();

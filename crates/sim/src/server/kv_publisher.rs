@@ -64,14 +64,14 @@ pub fn to_batch(
                 token_ids: token_ids.clone(),
                 block_size: block_size as u32,
                 lora_id: lora.map(|l| i64::from(l.0)),
-                medium: Some("GPU".to_owned()),
+                medium: Some("GPU".into()),
                 lora_name: lora.and_then(lora_name),
                 // vLLM 0.32 sends one (empty) entry per block.
                 extra_keys: Some(vec![None; hashes.len()]),
             }),
             CacheEvent::Removed { hash } => KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![BlockHashValue::U64(*hash)],
-                medium: Some("GPU".to_owned()),
+                medium: Some("GPU".into()),
             }),
             CacheEvent::Cleared => KvEvent::AllBlocksCleared,
         })
