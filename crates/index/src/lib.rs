@@ -73,6 +73,15 @@ impl EngineHash {
     pub fn all(hashes: &[kvroute_protocol::kv_events::BlockHashValue]) -> Vec<EngineHash> {
         hashes.iter().map(|h| EngineHash(h.to_u64())).collect()
     }
+
+    /// [`EngineHash::all`] into `out`, cleared first: one buffer for many events.
+    pub fn all_into(
+        hashes: &[kvroute_protocol::kv_events::BlockHashValue],
+        out: &mut Vec<EngineHash>,
+    ) {
+        out.clear();
+        out.extend(hashes.iter().map(|h| EngineHash(h.to_u64())));
+    }
 }
 
 /// One (worker, dp_rank), by a dense id the caller assigns.
@@ -140,13 +149,14 @@ pub struct StoredBlocks<'a> {
 
 impl<'a> StoredBlocks<'a> {
     /// An engine's `BlockStored` event as the index reads it, its block hashes converted into
-    /// `hashes` (which the result borrows). The LoRA name is the salt; per-block
-    /// `extra_keys` are not folded in yet.
+    /// `hashes` (which the result borrows; cleared first, so that a caller can reuse one
+    /// buffer for every event). The LoRA name is the salt; per-block `extra_keys` are not
+    /// folded in yet.
     pub fn from_event(
         stored: &'a kvroute_protocol::kv_events::BlockStored,
         hashes: &'a mut Vec<EngineHash>,
     ) -> Self {
-        *hashes = EngineHash::all(&stored.block_hashes);
+        EngineHash::all_into(&stored.block_hashes, hashes);
         Self {
             parent: stored
                 .parent_block_hash

@@ -47,11 +47,13 @@ impl Applier {
     pub(super) fn apply(&self, socket_rank: u32, batch: &KvEventBatch, status: Status) -> u32 {
         let rank = batch.dp_rank.unwrap_or(socket_rank);
         self.sink.batch(rank, &mut |sink| {
+            // Each event's engine hashes, in one buffer for the batch.
+            let mut hashes = Vec::new();
             for event in &batch.events {
                 match event {
-                    KvEvent::BlockStored(stored) => self.stored(sink, rank, stored),
+                    KvEvent::BlockStored(stored) => self.stored(sink, rank, stored, &mut hashes),
                     KvEvent::BlockRemoved(removed) => {
-                        let hashes = EngineHash::all(&removed.block_hashes);
+                        EngineHash::all_into(&removed.block_hashes, &mut hashes);
                         sink.removed(removed.tier(), &hashes);
                         self.counters.inc(EventKind::Removed, Status::Ok);
                     }
@@ -66,7 +68,13 @@ impl Applier {
         rank
     }
 
-    fn stored(&self, sink: &mut dyn RankEvents, rank: u32, stored: &BlockStored) {
+    fn stored(
+        &self,
+        sink: &mut dyn RankEvents,
+        rank: u32,
+        stored: &BlockStored,
+        hashes: &mut Vec<EngineHash>,
+    ) {
         let block_size = stored.block_size as usize;
         let router = self.router_block_size;
         // One divides the other (and neither is 0).
@@ -74,8 +82,7 @@ impl Applier {
             self.block_size_mismatch(block_size);
             return;
         }
-        let mut hashes = Vec::new();
-        let event = StoredBlocks::from_event(stored, &mut hashes);
+        let event = StoredBlocks::from_event(stored, hashes);
         let status = match sink.stored(&event) {
             Ok(()) => Status::Ok,
             Err(IndexError::BlockSizeMismatch { engine, .. }) => {
