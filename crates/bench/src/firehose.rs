@@ -140,7 +140,7 @@ impl Engine {
             blocks += suffix.len();
             events.extend(suffix.iter().rev().map(|&hash| {
                 KvEvent::BlockRemoved(BlockRemoved {
-                    block_hashes: vec![BlockHashValue::U64(hash)],
+                    block_hashes: [BlockHashValue::U64(hash)].into_iter().collect(),
                     medium: Some("GPU".into()),
                 })
             }));

@@ -72,6 +72,8 @@ pub use error::{KvEventError, Location};
 
 use std::borrow::Cow;
 
+use smallvec::SmallVec;
+
 use crate::hash::stable_hash;
 
 /// One payload: the events an engine published together, in order.
@@ -100,7 +102,7 @@ pub enum KvEvent {
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockStored {
     /// The engine's hashes of the stored blocks, in sequence order.
-    pub block_hashes: Vec<BlockHashValue>,
+    pub block_hashes: BlockHashes,
     /// The engine's hash of the block before the first one; `None` at a sequence's start.
     pub parent_block_hash: Option<BlockHashValue>,
     /// The tokens of all the stored blocks, `block_size` per block.
@@ -130,7 +132,7 @@ impl BlockStored {
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockRemoved {
     /// The engine's hashes of the evicted blocks.
-    pub block_hashes: Vec<BlockHashValue>,
+    pub block_hashes: BlockHashes,
     /// The storage tier's name as the engine spells it; see [`BlockRemoved::tier`].
     pub medium: Option<Cow<'static, str>>,
 }
@@ -141,6 +143,11 @@ impl BlockRemoved {
         StorageTier::from_medium(self.medium.as_deref())
     }
 }
+
+/// An event's block hashes: held inline when there is one, as in most of vLLM's events (an
+/// eviction is an event a block, and so is a block filled while decoding), so that reading
+/// one allocates nothing. `vec![..].into()` or `collect()` makes one.
+pub type BlockHashes = SmallVec<[BlockHashValue; 1]>;
 
 /// An engine's hash of one KV block, as sent on the wire.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -80,7 +80,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, token_ids: Vec<u32>, block_size: 
 fn removed(hashes: &[u64], medium: Option<&str>) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: hashes.iter().map(|&h| BlockHashValue::U64(h)).collect(),
-        medium: medium.map(str::to_owned),
+        medium: medium.map(|m| m.to_owned().into()),
     })
 }
 
@@ -121,7 +121,7 @@ fn encoded_batches() -> Vec<(&'static str, KvEventBatch)> {
     );
     let lora_mm = batch(
         vec![KvEvent::BlockStored(BlockStored {
-            block_hashes: vec![BlockHashValue::U64(u64::MAX), BlockHashValue::U64(1 << 63)],
+            block_hashes: vec![BlockHashValue::U64(u64::MAX), BlockHashValue::U64(1 << 63)].into(),
             parent_block_hash: None,
             token_ids: tokens(5000, 32),
             block_size: 16,
@@ -141,7 +141,7 @@ fn encoded_batches() -> Vec<(&'static str, KvEventBatch)> {
     let bytes_hashes = batch(
         vec![
             KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![BlockHashValue::Bytes(vec![0xAB; 32])],
+                block_hashes: vec![BlockHashValue::Bytes(vec![0xAB; 32])].into(),
                 parent_block_hash: Some(BlockHashValue::Bytes(vec![0xCD; 32])),
                 token_ids: tokens(0, 16),
                 block_size: 16,
@@ -151,7 +151,7 @@ fn encoded_batches() -> Vec<(&'static str, KvEventBatch)> {
                 extra_keys: None,
             }),
             KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![BlockHashValue::Bytes(vec![0xAB; 32])],
+                block_hashes: vec![BlockHashValue::Bytes(vec![0xAB; 32])].into(),
                 medium: Some("LMCache".into()),
             }),
         ],

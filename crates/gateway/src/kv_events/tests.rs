@@ -51,7 +51,7 @@ impl Recorder {
 
 fn stored(hash: u64, parent: Option<u64>, block_size: u32) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
-        block_hashes: vec![BlockHashValue::U64(hash)],
+        block_hashes: [BlockHashValue::U64(hash)].into_iter().collect(),
         parent_block_hash: parent.map(BlockHashValue::U64),
         token_ids: (0..block_size).collect(),
         block_size,
@@ -219,7 +219,7 @@ fn a_replay_must_cover_the_gap_exactly() {
 fn events_reach_the_sink_converted_and_counted() {
     let (sink, applier, registry) = setup();
     let lora = KvEvent::BlockStored(BlockStored {
-        block_hashes: vec![BlockHashValue::Bytes(vec![7; 32])],
+        block_hashes: [BlockHashValue::Bytes(vec![7; 32])].into_iter().collect(),
         parent_block_hash: Some(BlockHashValue::U64(3)),
         token_ids: (0..16).collect(),
         block_size: 16,
@@ -229,7 +229,7 @@ fn events_reach_the_sink_converted_and_counted() {
         extra_keys: None,
     });
     let removed = KvEvent::BlockRemoved(BlockRemoved {
-        block_hashes: vec![BlockHashValue::U64(9)],
+        block_hashes: [BlockHashValue::U64(9)].into_iter().collect(),
         medium: Some("DISK".into()),
     });
     let events = vec![stored(1, None, 8), lora, removed, KvEvent::AllBlocksCleared];

@@ -269,7 +269,7 @@ impl Publisher {
 
 pub fn removed(hash: u64) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
-        block_hashes: vec![BlockHashValue::U64(hash)],
+        block_hashes: [BlockHashValue::U64(hash)].into_iter().collect(),
         medium: None,
     })
 }

@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use rmpv::{Integer, Value, ValueRef};
 
 use super::error::{KvEventError, Location};
-use super::{BlockHashValue, BlockRemoved, BlockStored, KvEvent, KvEventBatch};
+use super::{BlockHashValue, BlockHashes, BlockRemoved, BlockStored, KvEvent, KvEventBatch};
 
 /// The recursion limit handed to rmpv, which spends one unit per container and one or two per
 /// string, so this allows about 40 levels of nesting: ample for the schema (five levels, plus
@@ -277,7 +277,7 @@ impl<'v, 'a> Field<'v, 'a> {
         self.hash_of(self.value)
     }
 
-    fn block_hashes(self) -> Result<Vec<BlockHashValue>, KvEventError> {
+    fn block_hashes(self) -> Result<BlockHashes, KvEventError> {
         self.array()?.iter().map(|v| self.hash_of(v)).collect()
     }
 

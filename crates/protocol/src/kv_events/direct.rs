@@ -12,7 +12,7 @@
 
 use std::borrow::Cow;
 
-use super::{BlockHashValue, BlockRemoved, BlockStored, KvEvent, KvEventBatch};
+use super::{BlockHashValue, BlockHashes, BlockRemoved, BlockStored, KvEvent, KvEventBatch};
 
 /// How deep an unknown field's values may nest before the payload is left to the tree.
 const MAX_SKIP_DEPTH: usize = 16;
@@ -299,7 +299,7 @@ impl<'a> Reader<'a> {
         let event = match tag {
             b"BlockStored" => {
                 let mut stored = BlockStored {
-                    block_hashes: Vec::new(),
+                    block_hashes: BlockHashes::new(),
                     parent_block_hash: None,
                     token_ids: Vec::new(),
                     block_size: 0,
@@ -329,7 +329,7 @@ impl<'a> Reader<'a> {
             }
             b"BlockRemoved" => {
                 let mut removed = BlockRemoved {
-                    block_hashes: Vec::new(),
+                    block_hashes: BlockHashes::new(),
                     medium: None,
                 };
                 if rest < 1 {
@@ -458,9 +458,9 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn hashes(&mut self) -> Option<Vec<BlockHashValue>> {
+    fn hashes(&mut self) -> Option<BlockHashes> {
         let n = self.array()?;
-        let mut hashes = Vec::with_capacity(n.min(self.bytes.len()));
+        let mut hashes = BlockHashes::with_capacity(n.min(self.bytes.len()));
         for _ in 0..n {
             hashes.push(self.hash()?);
         }

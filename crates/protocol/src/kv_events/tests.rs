@@ -3,6 +3,7 @@
 //! over truncated and corrupted payloads.
 
 use rmpv::Value;
+use smallvec::smallvec;
 
 use super::*;
 use crate::stable_hash;
@@ -36,7 +37,7 @@ fn sample_batch() -> KvEventBatch {
         ts: 1_717_171_717.25,
         events: vec![
             KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![BlockHashValue::U64(1), BlockHashValue::U64(u64::MAX)],
+                block_hashes: smallvec![BlockHashValue::U64(1), BlockHashValue::U64(u64::MAX)],
                 parent_block_hash: Some(BlockHashValue::U64(42)),
                 token_ids: (0..8).chain([u32::MAX]).collect(),
                 block_size: 4,
@@ -53,7 +54,7 @@ fn sample_batch() -> KvEventBatch {
                 ]),
             }),
             KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![BlockHashValue::Bytes(hash32(0xAB))],
+                block_hashes: smallvec![BlockHashValue::Bytes(hash32(0xAB))],
                 parent_block_hash: Some(BlockHashValue::Bytes(hash32(0xCD))),
                 token_ids: vec![1, 2, 3, 4],
                 block_size: 4,
@@ -63,11 +64,14 @@ fn sample_batch() -> KvEventBatch {
                 extra_keys: None,
             }),
             KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![BlockHashValue::U64(1), BlockHashValue::Bytes(hash32(0xAB))],
+                block_hashes: smallvec![
+                    BlockHashValue::U64(1),
+                    BlockHashValue::Bytes(hash32(0xAB))
+                ],
                 medium: Some("CPU".into()),
             }),
             KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![],
+                block_hashes: smallvec![],
                 medium: None,
             }),
             KvEvent::AllBlocksCleared,
@@ -175,6 +179,35 @@ fn vllms_usual_media_are_read_without_a_copy_and_any_other_name_as_sent() {
     }
 }
 
+#[test]
+fn an_events_one_block_hash_is_read_inline_and_more_are_not() {
+    let one = |hashes: BlockHashes| {
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes,
+            medium: None,
+        })
+    };
+    let batch = KvEventBatch {
+        ts: 1.0,
+        events: vec![one(smallvec![7.into()]), one(smallvec![8.into(), 9.into()])],
+        dp_rank: None,
+    };
+    for encoding in [Encoding::Array, Encoding::Map] {
+        let payload = encode_batch(&batch, encoding);
+        for decoded in [decode_batch(&payload), decode_batch_via_tree(&payload)] {
+            let decoded = decoded.unwrap();
+            assert_eq!(decoded, batch);
+            let spilled: Vec<bool> = (decoded.events.iter())
+                .map(|e| match e {
+                    KvEvent::BlockRemoved(r) => r.block_hashes.spilled(),
+                    _ => unreachable!("removals only"),
+                })
+                .collect();
+            assert_eq!(spilled, [false, true], "{encoding:?}");
+        }
+    }
+}
+
 fn encoded_events(batch: &KvEventBatch, encoding: Encoding) -> Vec<Value> {
     let bytes = encode_batch(batch, encoding);
     let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
@@ -263,7 +296,7 @@ fn decodes_vllm_032_map_events_in_an_array_batch() {
         batch.events,
         vec![
             KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![123.into(), 456.into()],
+                block_hashes: smallvec![123.into(), 456.into()],
                 parent_block_hash: None,
                 token_ids: (100..164).collect(),
                 block_size: 32,
@@ -273,7 +306,7 @@ fn decodes_vllm_032_map_events_in_an_array_batch() {
                 extra_keys: Some(vec![None, None]),
             }),
             KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![123.into()],
+                block_hashes: smallvec![123.into()],
                 medium: Some("GPU".into()),
             }),
             KvEvent::AllBlocksCleared,
@@ -365,7 +398,7 @@ fn decodes_the_shorter_arrays_of_older_vllm() {
         batch.events,
         vec![
             KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![1.into(), 2.into()],
+                block_hashes: smallvec![1.into(), 2.into()],
                 parent_block_hash: None,
                 token_ids: vec![1, 2, 3, 4],
                 block_size: 2,
@@ -375,7 +408,7 @@ fn decodes_the_shorter_arrays_of_older_vllm() {
                 extra_keys: None,
             }),
             KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![1.into()],
+                block_hashes: smallvec![1.into()],
                 medium: None,
             }),
         ]
@@ -402,7 +435,7 @@ fn decodes_32_byte_hashes_as_bin_or_str() {
         panic!("not a BlockStored")
     };
     assert_eq!(
-        stored.block_hashes,
+        stored.block_hashes[..],
         [
             BlockHashValue::Bytes(hash32(0x11)),
             BlockHashValue::Bytes(text.as_bytes().to_vec())
@@ -455,14 +488,14 @@ fn negative_int_hashes_are_read_as_their_u64_bits() {
         panic!("not a BlockStored")
     };
     assert_eq!(
-        stored.block_hashes,
+        stored.block_hashes[..],
         [u64::MAX.into(), (1u64 << 63).into(), (u64::MAX - 1).into()]
     );
     assert_eq!(stored.parent_block_hash, Some((-7i64 as u64).into()));
     let KvEvent::BlockRemoved(removed) = &batch.events[1] else {
         panic!("not a BlockRemoved")
     };
-    assert_eq!(removed.block_hashes, [u64::MAX.into(), 5.into()]);
+    assert_eq!(removed.block_hashes[..], [u64::MAX.into(), 5.into()]);
 }
 
 #[test]
@@ -508,7 +541,7 @@ fn unknown_fields_and_trailing_elements_are_ignored() {
     let KvEvent::BlockRemoved(removed) = &batch.events[0] else {
         panic!("not a BlockRemoved")
     };
-    assert_eq!(removed.block_hashes, [5.into()]);
+    assert_eq!(removed.block_hashes[..], [5.into()]);
     assert_eq!(removed.tier(), StorageTier::Host);
     assert!(matches!(batch.events[1], KvEvent::BlockStored(_)));
     assert_eq!(batch.events[3], KvEvent::AllBlocksCleared);

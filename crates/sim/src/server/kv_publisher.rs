@@ -70,7 +70,7 @@ pub fn to_batch(
                 extra_keys: Some(vec![None; hashes.len()]),
             }),
             CacheEvent::Removed { hash } => KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![BlockHashValue::U64(*hash)],
+                block_hashes: [BlockHashValue::U64(*hash)].into_iter().collect(),
                 medium: Some("GPU".into()),
             }),
             CacheEvent::Cleared => KvEvent::AllBlocksCleared,
