@@ -13,6 +13,7 @@
 #   ENGINES=256 RATES=500000 QUERIES=1 bench/firehose.sh
 #   KVROUTE=/path/to/an/older/kvroute bench/firehose.sh   # another router build, for A/B
 #   ROUTER_ARGS="--metrics-refresh-ms 500" bench/firehose.sh   # more flags for the router
+#   ROUTER_CPUS=0 OTHER_CPUS=1 bench/firehose.sh   # the router on a core of its own (taskset)
 set -u
 # shellcheck source=lib.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib.sh"
@@ -21,6 +22,13 @@ QUERIES=${QUERIES:-0}; CONCURRENCY=${CONCURRENCY:-8}; WARMUP=${WARMUP:-10}
 PORT=21000; EVENTS=24000; API=20980; PROM=20990
 [ -n "${NO_BUILD:-}" ] || build -p kvroute-sim -p kvroute-gateway -p kvroute-bench
 KVROUTE=${KVROUTE:-$BIN/kvroute}
+# With ROUTER_CPUS, the router runs on those CPUs and everything else on OTHER_CPUS. Called in
+# the background only: it execs, so that $! is the program's own pid.
+pin() {
+  local cpus=$1; shift
+  if [ -n "$cpus" ]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
+}
+ROUTER_CPUS=${ROUTER_CPUS:-}; OTHER_CPUS=${OTHER_CPUS:-}
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
@@ -61,17 +69,18 @@ print(f"{verdict}: sent {rate:.3f} M block events/s ({messages} messages, {event
 EOF
 }
 
-echo "=== $(date -u +%FT%TZ) ENGINES=$ENGINES RATES=\"$RATES\" DURATION=$DURATION QUERIES=$QUERIES ROUTER_ARGS=\"${ROUTER_ARGS:-}\" nproc=$(nproc)"
-"$BIN/kvroute-sim" --engines "$ENGINES" --port $PORT --log-level warn > "$LOGS/sims.log" 2>&1 & sims+=($!)
+echo "=== $(date -u +%FT%TZ) ENGINES=$ENGINES RATES=\"$RATES\" DURATION=$DURATION QUERIES=$QUERIES ROUTER_ARGS=\"${ROUTER_ARGS:-}\" ROUTER_CPUS=$ROUTER_CPUS OTHER_CPUS=$OTHER_CPUS nproc=$(nproc)"
+pin "$OTHER_CPUS" "$BIN/kvroute-sim" --engines "$ENGINES" --port $PORT --log-level warn \
+  > "$LOGS/sims.log" 2>&1 & sims+=($!)
 wait_sims "$ENGINES" $PORT || exit 1
 workers_yaml "$ENGINES" $PORT $EVENTS | sed 's/}$/, model: kvroute-sim}/' > "$LOGS/kvroute.yaml"
 for rate in $RATES; do
   # The firehose binds first and sends primers for WARMUP seconds, while the router starts.
-  "$BIN/kvroute-bench" firehose --engines "$ENGINES" --endpoint "tcp://127.0.0.1:$EVENTS" \
+  pin "$OTHER_CPUS" "$BIN/kvroute-bench" firehose --engines "$ENGINES" --endpoint "tcp://127.0.0.1:$EVENTS" \
     --rate "$rate" --duration-secs "$DURATION" --warmup-secs "$WARMUP" > "$LOGS/firehose-$rate.txt" 2>&1 &
   fire=$!; pids+=($fire); started=$SECONDS
   # shellcheck disable=SC2086
-  "$KVROUTE" --port $API --prometheus-port $PROM --config "$LOGS/kvroute.yaml" --policy kv_aware \
+  pin "$ROUTER_CPUS" "$KVROUTE" --port $API --prometheus-port $PROM --config "$LOGS/kvroute.yaml" --policy kv_aware \
     --log-level warn ${ROUTER_ARGS:-} > "$LOGS/kvroute-$rate.log" 2>&1 & router=$!; pids+=($router)
   wait_ready "http://127.0.0.1:$API/readiness" || exit 1
   # The router's CPU before the events: its health probes and metric scrapes, over 3 s.
@@ -79,7 +88,7 @@ for rate in $RATES; do
   idle=$(cpu_ticks $router); sleep 3; idle=$(($(cpu_ticks $router) - idle))
   before=$(cpu_ticks $router); t0=$(date +%s.%N)
   if [ "$QUERIES" = 1 ]; then
-    "$BIN/kvroute-bench" replay --synthetic shared-prefix --groups 600 --prompts-per-group 4 \
+    pin "$OTHER_CPUS" "$BIN/kvroute-bench" replay --synthetic shared-prefix --groups 600 --prompts-per-group 4 \
       --system-prompt-len 512 --question-len 64 --output-len 16 --request-rate 5000 \
       --hash-block-size 16 --max-requests 1000000 --url "http://127.0.0.1:$API" \
       --max-concurrency "$CONCURRENCY" --model kvroute-sim > "$LOGS/replay-$rate.txt" 2>&1 & replay=$!
