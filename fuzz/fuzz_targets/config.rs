@@ -19,6 +19,7 @@ use clap::Parser;
 use kvroute_gateway::engine_metrics::ScrapeTiming;
 use kvroute_gateway::kv::{KvState, WorkerSink};
 use kvroute_gateway::kv_events::{KvEventMetrics, KvEventSubscriber};
+use kvroute_gateway::prompts::Prompts;
 use kvroute_gateway::{Args, Gateway, Settings, WorkerSpec};
 use kvroute_tokenizer::Tokenizer;
 use libfuzzer_sys::fuzz_target;
@@ -102,11 +103,14 @@ fn check(s: &Settings) {
     for w in &s.workers {
         let id = w.id.as_deref().expect("ids are filled in");
         assert!(ids.insert(id), "duplicate id {id}");
-        // The scheme is case-insensitive (RFC 3986): `HTTP://` is accepted and kept as given.
+        // The scheme, http or https, is case-insensitive (RFC 3986): `HTTP://` is accepted
+        // and kept as given.
+        let scheme = w
+            .url
+            .split_once("://")
+            .map(|(scheme, _)| scheme.to_ascii_lowercase());
         assert!(
-            w.url
-                .get(..7)
-                .is_some_and(|s| s.eq_ignore_ascii_case("http://")),
+            matches!(scheme.as_deref(), Some("http" | "https")),
             "{}",
             w.url
         );
@@ -125,9 +129,15 @@ fn build(settings: Settings) {
     let mut registry = Registry::default();
     let gateway = Gateway::new(settings.clone(), &mut registry);
     let _ = gateway.policy_description();
+    let prompts = Prompts::new(
+        Arc::new(Tokenizer::fallback()),
+        settings.block_size,
+        settings.tokenizer_cache_bytes,
+        &mut registry,
+    );
     let kv = Arc::new(KvState::new(
         &settings,
-        Arc::new(Tokenizer::fallback()),
+        prompts,
         (Gauge::default(), Gauge::default()),
     ));
     let kv_event_metrics = KvEventMetrics::register(&mut registry);

@@ -22,12 +22,12 @@ use std::time::{Duration, Instant};
 use axum::response::IntoResponse;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use kvroute_core::affinity::{Affinity, AffinityMode};
-use kvroute_core::eligibility::BusyThresholds;
 use kvroute_core::PolicyKind;
 use kvroute_gateway::error::GatewayError;
 use kvroute_gateway::kv::KvState;
 use kvroute_gateway::metrics::GatewayMetrics;
-use kvroute_gateway::routing::{parse_hints, plan, prompt_tokens, session_key};
+use kvroute_gateway::prompts::Prompts;
+use kvroute_gateway::routing::{parse_hints, plan, prompt_tokens, session_key, Limits};
 use kvroute_gateway::workers::WorkerSet;
 use kvroute_gateway::{Settings, WorkerSpec};
 use kvroute_index::{block_hashes, EngineHash, ReplicaId, StorageTier, StoredBlocks};
@@ -46,8 +46,12 @@ const CACHED_PREFIX: &str =
     "system: You are a helpful assistant. Answer briefly and cite sources.\n";
 
 struct Fixture {
-    fallback: Tokenizer,
-    llama: Tokenizer,
+    fallback: Prompts,
+    llama: Prompts,
+    /// The workers, as the hints read them.
+    specs: Vec<WorkerSpec>,
+    /// The headers a session key is read from (the default `--routing-key-headers`).
+    keys: Vec<HeaderName>,
     kv: KvState,
     /// One worker set per policy, in `PolicyKind::ALL` order.
     sets: Vec<WorkerSet>,
@@ -104,9 +108,13 @@ fn fixture() -> &'static Fixture {
                 set
             })
             .collect();
+        let prompts = |tokenizer: Tokenizer| {
+            let tokenizer = Arc::new(tokenizer);
+            Prompts::new(tokenizer, settings.block_size, 0, &mut Registry::default())
+        };
         let kv = KvState::new(
             &settings,
-            Arc::new(Tokenizer::fallback()),
+            prompts(Tokenizer::fallback()),
             (Gauge::default(), Gauge::default()),
         );
         let tokens = fallback::encode(CACHED_PREFIX);
@@ -138,10 +146,13 @@ fn fixture() -> &'static Fixture {
             affinity.bind("s-c", "c", Some(5), now);
             affinity.bind("s-gone", "gone", Some(9), now);
         }
+        let llama =
+            Tokenizer::load(std::path::Path::new(TINY_LLAMA)).expect("testdata/tiny-llama loads");
         Fixture {
-            fallback: Tokenizer::fallback(),
-            llama: Tokenizer::load(std::path::Path::new(TINY_LLAMA))
-                .expect("testdata/tiny-llama loads"),
+            fallback: prompts(Tokenizer::fallback()),
+            llama: prompts(llama),
+            keys: settings.routing_key_headers.clone(),
+            specs,
             kv,
             sets,
             hard,
@@ -209,7 +220,16 @@ fuzz_target!(|data: &[u8]| {
         _ => None,
     };
 
-    let hints = match parse_hints(&headers) {
+    let fields = match RoutingFields::from_json(body) {
+        Ok(fields) => fields,
+        Err(error) => {
+            verbose!("body: {error}");
+            assert_eq!(into_status(GatewayError::InvalidJson(error)), 400);
+            return;
+        }
+    };
+    let _ = fields.routing_text();
+    let hints = match parse_hints(&headers, &fixture.specs, &fields) {
         Ok(hints) => {
             let names = hints
                 .allowed_workers
@@ -246,16 +266,8 @@ fuzz_target!(|data: &[u8]| {
         }
     };
 
-    let fields = match RoutingFields::from_json(body) {
-        Ok(fields) => fields,
-        Err(error) => {
-            verbose!("body: {error}");
-            assert_eq!(into_status(GatewayError::InvalidJson(error)), 400);
-            return;
-        }
-    };
-    let _ = fields.routing_text();
-    if let Some(key) = session_key(&headers, &fields) {
+    let session = session_key(&fixture.keys, &headers, &fields);
+    if let Some(key) = session {
         assert!(!key.is_empty(), "empty session key");
     }
 
@@ -263,12 +275,12 @@ fuzz_target!(|data: &[u8]| {
     let llama = prompt_tokens(&fixture.llama, body, &fields);
     verbose!(
         "tokens: {} (fallback), {:?} (tiny-llama)",
-        tokens.len(),
-        llama.as_ref().map(Vec::len)
+        tokens.ids.len(),
+        llama.as_ref().map(|t| t.ids.len())
     );
     let block_size = fixture.kv.block_size;
-    let hashes = block_hashes(&tokens, block_size, 0);
-    assert_eq!(hashes.len(), tokens.len() / block_size);
+    let hashes = block_hashes(&tokens.ids, block_size, 0);
+    assert_eq!(hashes.len(), tokens.ids.len() / block_size);
 
     let Some(hints) = hints else {
         return;
@@ -290,9 +302,9 @@ fuzz_target!(|data: &[u8]| {
     match plan(
         &fixture.kv,
         pool,
-        &headers,
+        session,
         &hints,
-        &BusyThresholds::default(),
+        &Limits::default(),
         affinity,
         &fields,
         &tokens,
