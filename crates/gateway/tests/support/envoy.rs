@@ -47,7 +47,6 @@ impl Envoy {
             std::fs::read_to_string(root.join("deploy/envoy").join(file))
                 .unwrap_or_else(|e| panic!("deploy/envoy/{file}: {e}")),
         );
-        let (listen, admin) = (free_port(), free_port());
         let endpoint = |port: u16| {
             format!(
                 "              - endpoint:\n                  address:\n                    socket_address: {{ address: 127.0.0.1, port_value: {port} }}\n"
@@ -59,10 +58,28 @@ impl Envoy {
             "{file} names the picker at 127.0.0.1:9002"
         );
         let all: String = epp_ports.iter().map(|p| endpoint(*p)).collect();
-        let text = text
-            .replace(&one, &all)
-            .replace("port_value: 8081", &format!("port_value: {listen}"))
-            .replace("port_value: 9901", &format!("port_value: {admin}"));
+        let text = text.replace(&one, &all);
+        // A free port can be taken by another test between its pick and Envoy's bind, and
+        // Envoy then exits: it starts again on other ports.
+        for attempt in 1..=5 {
+            let (listen, admin) = (free_port(), free_port());
+            let text = text
+                .replace("port_value: 8081", &format!("port_value: {listen}"))
+                .replace("port_value: 9901", &format!("port_value: {admin}"));
+            let mut envoy = Self::spawn(&text, listen);
+            match envoy.ready(admin).await {
+                Ok(()) => return envoy,
+                Err(Some(status)) if attempt < 5 => {
+                    eprintln!("Envoy exited before it was ready ({status}); again on other ports");
+                }
+                Err(exited) => panic!("timed out waiting for Envoy ready (exited: {exited:?})"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
+    }
+
+    /// Envoy on `text`, its inference listener on `listen`.
+    fn spawn(text: &str, listen: u16) -> Envoy {
         let config = std::env::temp_dir().join(format!("kvroute-envoy-{listen}.yaml"));
         std::fs::write(&config, text).unwrap();
         let binary = envoy_binary();
@@ -86,33 +103,39 @@ impl Envoy {
                     binary.display()
                 )
             });
-        let envoy = Envoy {
+        Envoy {
             child,
             url: format!("http://127.0.0.1:{listen}"),
             config,
-        };
+        }
+    }
+
+    /// Waits until Envoy's admin port on `admin` says it is ready: `Err` with its exit status
+    /// if it exited first, `Err(None)` if a minute passed.
+    async fn ready(&mut self, admin: u16) -> Result<(), Option<std::process::ExitStatus>> {
         let ready = format!("http://127.0.0.1:{admin}/ready");
+        let child = &mut self.child;
         // A process start, not a timing: on a loaded CI machine (every test binary at once)
         // Envoy took over 20 s to be ready once, so it gets a minute.
-        let ready = holds_within(Duration::from_secs(60), || {
+        let settled = holds_within(Duration::from_secs(60), || {
+            let exited = child.try_wait().ok().flatten().is_some();
             let request = http::Request::get(ready.as_str())
                 .body(http_body_util::Full::new(bytes::Bytes::new()))
                 .unwrap();
             async move {
-                client()
-                    .request(request)
-                    .await
-                    .is_ok_and(|r| r.status().is_success())
+                exited
+                    || client()
+                        .request(request)
+                        .await
+                        .is_ok_and(|r| r.status().is_success())
             }
         })
         .await;
-        let mut envoy = envoy;
-        assert!(
-            ready,
-            "timed out waiting for Envoy ready (exited: {:?})",
-            envoy.child.try_wait()
-        );
-        envoy
+        match self.child.try_wait().ok().flatten() {
+            Some(status) => Err(Some(status)),
+            None if settled => Ok(()),
+            None => Err(None),
+        }
     }
 }
 
