@@ -1,11 +1,15 @@
-//! Encoding: the batch is laid out as an [`rmpv::ValueRef`] tree that borrows from it, then
-//! written out in one pass.
+//! Encoding: the batch written straight out as msgpack, field by field; the
+//! [`rmpv::ValueRef`] tree it was written through before is kept for the tests, which hold the
+//! two to the same bytes.
 
+#[cfg(test)]
 use std::iter;
 
 use rmpv::ValueRef;
 
-use super::{BlockHashValue, BlockStored, KvEvent, KvEventBatch};
+#[cfg(test)]
+use super::BlockStored;
+use super::{BlockHashValue, KvEvent, KvEventBatch};
 
 /// How [`encode_batch`] lays out events. The batch itself is always the array
 /// `[ts, [event, ...], data_parallel_rank]`.
@@ -25,8 +29,138 @@ pub enum Encoding {
 ///
 /// Block hashes are written as msgpack unsigned ints ([`BlockHashValue::U64`]) or bins
 /// ([`BlockHashValue::Bytes`]); `ts` as a float64. [`decode_batch`](super::decode_batch)
-/// reads the result back to an equal batch.
+/// reads the result back to an equal batch. Written straight out, field by field, in the
+/// shortest forms, byte for byte what writing the batch's [`rmpv::ValueRef`] tree gives (a
+/// test holds the two to it); only `extra_keys` values go through the tree writer.
 pub fn encode_batch(batch: &KvEventBatch, encoding: Encoding) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + 16 * batch.events.len());
+    rmp::encode::write_array_len(&mut out, 3).expect(VEC_WRITE);
+    rmp::encode::write_f64(&mut out, batch.ts).expect(VEC_WRITE);
+    rmp::encode::write_array_len(&mut out, batch.events.len() as u32).expect(VEC_WRITE);
+    for event in &batch.events {
+        write_event(&mut out, event, encoding);
+    }
+    match batch.dp_rank {
+        Some(rank) => write_uint(&mut out, rank.into()),
+        None => write_nil(&mut out),
+    }
+    out
+}
+
+/// One event: its tag, then its fields in wire order (named in the map form).
+fn write_event(out: &mut Vec<u8>, event: &KvEvent, encoding: Encoding) {
+    let (kind, len) = match event {
+        KvEvent::BlockStored(stored) => {
+            let extra = stored.extra_keys.is_some() || encoding == Encoding::Array;
+            ("BlockStored", 8 + u32::from(extra))
+        }
+        KvEvent::BlockRemoved(_) => ("BlockRemoved", 3),
+        KvEvent::AllBlocksCleared => ("AllBlocksCleared", 1),
+    };
+    let field = |out: &mut Vec<u8>, name: &str| {
+        if encoding == Encoding::Map {
+            write_str(out, name);
+        }
+    };
+    match encoding {
+        Encoding::Map => rmp::encode::write_map_len(out, len),
+        Encoding::Array => rmp::encode::write_array_len(out, len),
+    }
+    .expect(VEC_WRITE);
+    field(out, "type");
+    write_str(out, kind);
+    match event {
+        KvEvent::BlockStored(stored) => {
+            field(out, "block_hashes");
+            write_hashes(out, &stored.block_hashes);
+            field(out, "parent_block_hash");
+            match &stored.parent_block_hash {
+                Some(parent) => write_hash(out, parent),
+                None => write_nil(out),
+            }
+            field(out, "token_ids");
+            rmp::encode::write_array_len(out, stored.token_ids.len() as u32).expect(VEC_WRITE);
+            for &token in &stored.token_ids {
+                write_uint(out, token.into());
+            }
+            field(out, "block_size");
+            write_uint(out, stored.block_size.into());
+            field(out, "lora_id");
+            match stored.lora_id {
+                Some(id) if id >= 0 => write_uint(out, id as u64),
+                Some(id) => {
+                    rmp::encode::write_sint(out, id).expect(VEC_WRITE);
+                }
+                None => write_nil(out),
+            }
+            field(out, "medium");
+            write_optional_str(out, stored.medium.as_deref());
+            field(out, "lora_name");
+            write_optional_str(out, stored.lora_name.as_deref());
+            match &stored.extra_keys {
+                Some(keys) => {
+                    field(out, "extra_keys");
+                    rmp::encode::write_array_len(out, keys.len() as u32).expect(VEC_WRITE);
+                    for key in keys {
+                        match key {
+                            Some(value) => write_value(out, &value.as_ref()),
+                            None => write_nil(out),
+                        }
+                    }
+                }
+                None if encoding == Encoding::Array => write_nil(out),
+                None => {}
+            }
+        }
+        KvEvent::BlockRemoved(removed) => {
+            field(out, "block_hashes");
+            write_hashes(out, &removed.block_hashes);
+            field(out, "medium");
+            write_optional_str(out, removed.medium.as_deref());
+        }
+        KvEvent::AllBlocksCleared => {}
+    }
+}
+
+fn write_hashes(out: &mut Vec<u8>, hashes: &[BlockHashValue]) {
+    rmp::encode::write_array_len(out, hashes.len() as u32).expect(VEC_WRITE);
+    for hash in hashes {
+        write_hash(out, hash);
+    }
+}
+
+fn write_hash(out: &mut Vec<u8>, hash: &BlockHashValue) {
+    match hash {
+        BlockHashValue::U64(hash) => write_uint(out, *hash),
+        BlockHashValue::Bytes(bytes) => {
+            rmp::encode::write_bin(out, bytes).expect(VEC_WRITE);
+        }
+    }
+}
+
+fn write_uint(out: &mut Vec<u8>, n: u64) {
+    rmp::encode::write_uint(out, n).expect(VEC_WRITE);
+}
+
+fn write_nil(out: &mut Vec<u8>) {
+    rmp::encode::write_nil(out).expect(VEC_WRITE);
+}
+
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    rmp::encode::write_str(out, s).expect(VEC_WRITE);
+}
+
+fn write_optional_str(out: &mut Vec<u8>, s: Option<&str>) {
+    match s {
+        Some(s) => write_str(out, s),
+        None => write_nil(out),
+    }
+}
+
+/// [`encode_batch`] through a [`rmpv::ValueRef`] tree of the batch, as it was written before:
+/// the yardstick of its tests.
+#[cfg(test)]
+pub(super) fn encode_batch_via_tree(batch: &KvEventBatch, encoding: Encoding) -> Vec<u8> {
     let value = ValueRef::Array(vec![
         ValueRef::F64(batch.ts),
         ValueRef::Array(
@@ -70,6 +204,7 @@ fn write_value(out: &mut Vec<u8>, value: &ValueRef<'_>) {
     }
 }
 
+#[cfg(test)]
 fn event_value(event: &KvEvent, encoding: Encoding) -> ValueRef<'_> {
     let (kind, fields) = match event {
         KvEvent::BlockStored(stored) => ("BlockStored", block_stored_fields(stored, encoding)),
@@ -97,6 +232,7 @@ fn event_value(event: &KvEvent, encoding: Encoding) -> ValueRef<'_> {
     }
 }
 
+#[cfg(test)]
 /// The fields in wire order, named for the map form.
 fn block_stored_fields(
     stored: &BlockStored,
@@ -145,6 +281,7 @@ fn block_stored_fields(
     fields
 }
 
+#[cfg(test)]
 fn hash(hash: &BlockHashValue) -> ValueRef<'_> {
     match hash {
         BlockHashValue::U64(hash) => ValueRef::from(*hash),
@@ -152,10 +289,12 @@ fn hash(hash: &BlockHashValue) -> ValueRef<'_> {
     }
 }
 
+#[cfg(test)]
 fn hashes(hashes: &[BlockHashValue]) -> ValueRef<'_> {
     ValueRef::Array(hashes.iter().map(hash).collect())
 }
 
+#[cfg(test)]
 fn optional_str(s: Option<&str>) -> ValueRef<'_> {
     s.map_or(ValueRef::Nil, ValueRef::from)
 }
