@@ -30,7 +30,6 @@ pin() {
 }
 ROUTER_CPUS=${ROUTER_CPUS:-}; OTHER_CPUS=${OTHER_CPUS:-}
 
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 report() { # metrics file, firehose output, router pid, CPU ticks, seconds, idle ticks in 3 s
   PYTHONPATH="$ROOT/bench" python3 - "$@" "$(getconf CLK_TCK)" <<'EOF'

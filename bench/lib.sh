@@ -45,6 +45,9 @@ wait_ready() {
   echo "NOT READY $url" >&2; return 1
 }
 
+# A process's CPU so far (user and system), in clock ticks (getconf CLK_TCK a second).
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
 metric_sum() { curl -s "$1/metrics" | grep "^$2" | awk '{s += $NF} END {print s + 0}'; }
 
 workers_yaml() {

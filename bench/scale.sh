@@ -23,8 +23,6 @@ PORT=21000; EVENTS=24000; API=20980; PROM=20990; NATS=20970
 WORKLOAD=(--synthetic shared-prefix --groups "$PREFIXES" --prompts-per-group 4 --system-prompt-len 512
   --question-len 64 --output-len 16 --request-rate 5000 --hash-block-size 16 --max-requests "$N")
 
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-
 # Decision time, RSS, CPU per request and KV events per engine, from the router's metrics.
 report() { # label, metrics URL, pid, CPU ticks used, requests
   curl -s "$2/metrics" > "$LOGS/$1.metrics"

@@ -31,8 +31,7 @@ for run in $(seq 1 "$RUNS"); do
       > "$LOGS/kvroute-scrapes.log" 2>&1 & router=$!; pids+=($router)
     wait_ready "http://127.0.0.1:$API/readiness" || exit 1
     sleep "$SETTLE"
-    t0=$(awk '{print $14 + $15}' "/proc/$router/stat"); sleep "$SECS"
-    t1=$(awk '{print $14 + $15}' "/proc/$router/stat")
+    t0=$(cpu_ticks $router); sleep "$SECS"; t1=$(cpu_ticks $router)
     interval=$(metric_sum "http://127.0.0.1:$PROM" kvroute_engine_metrics_interval_seconds)
     printf 'run %s, %-32s scrape interval %5.3f s (%6.0f scrapes/s): router CPU %.3f cores\n' \
       "$run" "${flags:-defaults}" "$interval" "$(echo "$ENGINES / $interval" | bc -l)" \

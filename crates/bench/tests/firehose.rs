@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kvroute_bench::firehose::{FirehoseArgs, Shape};
 use kvroute_gateway::kv_events::{
-    EventSink, KvEventMetrics, KvEventSubscriber, RankEvents, SubscriberConfig,
+    EachEvent, EventSink, KvEventMetrics, KvEventSubscriber, RankEvents, SubscriberConfig,
 };
 use kvroute_index::{
     EngineHash, IndexError, KvIndex, KvIndexer, ReplicaId, StorageTier, StoredBlocks,
@@ -65,26 +65,11 @@ impl EventSink for Replica {
     }
 
     fn batch(&self, rank: u32, apply: &mut dyn FnMut(&mut dyn RankEvents)) {
-        apply(&mut Each(self, rank));
+        apply(&mut EachEvent::new(self, rank));
         if self.batches.fetch_add(1, Ordering::Relaxed) == 0 {
             self.shared.joined.fetch_add(1, Ordering::Relaxed);
         }
         self.shared.arrived.notify_one();
-    }
-}
-
-/// A batch's events, each to the replica's own methods.
-struct Each<'a>(&'a Replica, u32);
-
-impl RankEvents for Each<'_> {
-    fn stored(&mut self, event: &StoredBlocks<'_>) -> Result<(), IndexError> {
-        self.0.stored(self.1, event)
-    }
-    fn removed(&mut self, tier: StorageTier, hashes: &[EngineHash]) {
-        self.0.removed(self.1, tier, hashes);
-    }
-    fn cleared(&mut self) {
-        self.0.cleared(self.1);
     }
 }
 

@@ -92,10 +92,7 @@ pub trait EventSink: Send + Sync {
     /// the gateway applies them under one write of its index (queries see all or none of
     /// them). By default each is applied as it comes.
     fn batch(&self, dp_rank: u32, apply: &mut dyn FnMut(&mut dyn RankEvents)) {
-        apply(&mut EachEvent {
-            sink: self,
-            dp_rank,
-        });
+        apply(&mut EachEvent::new(self, dp_rank));
     }
 }
 
@@ -106,10 +103,26 @@ pub trait RankEvents {
     fn cleared(&mut self);
 }
 
-/// [`EventSink::batch`]'s default: each event to the sink's own methods.
-struct EachEvent<'a, S: ?Sized> {
+/// [`EventSink::batch`]'s default: each event to the sink's own methods (a sink that
+/// overrides `batch` to do more around the events can still apply them through it).
+pub struct EachEvent<'a, S: ?Sized> {
     sink: &'a S,
     dp_rank: u32,
+}
+
+impl<S: ?Sized> std::fmt::Debug for EachEvent<'_, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EachEvent")
+            .field("dp_rank", &self.dp_rank)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a, S: ?Sized> EachEvent<'a, S> {
+    /// Rank `dp_rank`'s events, each to `sink`'s own methods.
+    pub fn new(sink: &'a S, dp_rank: u32) -> Self {
+        Self { sink, dp_rank }
+    }
 }
 
 impl<S: EventSink + ?Sized> RankEvents for EachEvent<'_, S> {

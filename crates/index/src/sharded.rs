@@ -140,8 +140,9 @@ impl Op {
 pub struct ReplicaEvents<'a> {
     index: &'a mut KvIndex,
     replica: ReplicaId,
-    /// Removals not applied yet, of one tier.
-    removing: Option<(StorageTier, Vec<EngineHash>)>,
+    /// Removals not applied yet, all of `removing_tier` (the buffer is kept for the batch).
+    removing: Vec<EngineHash>,
+    removing_tier: StorageTier,
 }
 
 impl<'a> ReplicaEvents<'a> {
@@ -149,7 +150,8 @@ impl<'a> ReplicaEvents<'a> {
         Self {
             index,
             replica,
-            removing: None,
+            removing: Vec::new(),
+            removing_tier: StorageTier::Device,
         }
     }
 
@@ -160,13 +162,11 @@ impl<'a> ReplicaEvents<'a> {
     }
 
     pub fn removed(&mut self, tier: StorageTier, hashes: &[EngineHash]) {
-        match &mut self.removing {
-            Some((pending, blocks)) if *pending == tier => blocks.extend_from_slice(hashes),
-            _ => {
-                self.remove();
-                self.removing = Some((tier, hashes.to_vec()));
-            }
+        if tier != self.removing_tier {
+            self.remove();
+            self.removing_tier = tier;
         }
+        self.removing.extend_from_slice(hashes);
     }
 
     pub fn cleared(&mut self) {
@@ -192,8 +192,9 @@ impl<'a> ReplicaEvents<'a> {
 
     /// Applies the removals gathered so far.
     fn remove(&mut self) {
-        if let Some((tier, hashes)) = self.removing.take() {
-            self.index.apply_removed(self.replica, tier, &hashes);
+        if !self.removing.is_empty() {
+            (self.index).apply_removed(self.replica, self.removing_tier, &self.removing);
+            self.removing.clear();
         }
     }
 }

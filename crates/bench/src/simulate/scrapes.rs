@@ -66,22 +66,16 @@ impl Scrapes {
     /// the engines as they are).
     pub fn new(interval: Option<Duration>, engines: usize, seed: u64) -> Self {
         let interval = interval.filter(|i| !i.is_zero());
+        // No state at all without scrapes.
+        let scraped = interval.map_or(0, |_| engines);
         let mut rng = SmallRng::seed_from_u64(seed ^ 0x5c4a_9e5f);
-        let next = match interval {
-            Some(i) => (0..engines)
-                .map(|_| i.mul_f64(rng.random::<f64>()))
-                .collect(),
-            None => Vec::new(),
-        };
+        let phase = interval.unwrap_or_default();
         Self {
             interval,
-            next,
+            next: (0..scraped).map(|_| phase.mul_f64(rng.random())).collect(),
             // Before the first scrape, the gauges of an idle engine (the gateway's first
             // scrape comes at once, on an engine that has served nothing yet).
-            seen: vec![
-                (Duration::ZERO, Gauges::default());
-                if interval.is_some() { engines } else { 0 }
-            ],
+            seen: vec![(Duration::ZERO, Gauges::default()); scraped],
         }
     }
 

@@ -206,12 +206,14 @@ fn declares(comment: &str, name: &str) -> bool {
             .is_some_and(|end| end.is_empty() || end.starts_with(|c: char| c.is_ascii_whitespace()))
 }
 
-/// `s` past its leading blanks (spaces, tabs, carriage returns).
+/// A blank between a line's parts: a space, a tab, a carriage return.
+fn is_blank(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\r')
+}
+
+/// `s` past its leading blanks.
 fn skip_blanks(s: &str) -> &str {
-    let n = s
-        .bytes()
-        .take_while(|b| matches!(b, b' ' | b'\t' | b'\r'))
-        .count();
+    let n = s.bytes().take_while(|&b| is_blank(b)).count();
     &s[n..]
 }
 
@@ -364,12 +366,7 @@ impl<'a> Cursor<'a> {
 
     /// The next run of non-blank characters.
     fn token(&mut self) -> Option<&'a str> {
-        let blank = |b: &u8| matches!(b, b' ' | b'\t' | b'\r');
-        let n = self
-            .rest
-            .bytes()
-            .position(|b| blank(&b))
-            .unwrap_or(self.rest.len());
+        let n = (self.rest.bytes().position(is_blank)).unwrap_or(self.rest.len());
         (n > 0).then(|| {
             let (head, tail) = self.rest.split_at(n);
             self.rest = tail;

@@ -255,22 +255,21 @@ impl<'v, 'a> Field<'v, 'a> {
         n.as_i64().ok_or_else(|| self.out_of_range(n, "i64"))
     }
 
-    fn string(self) -> Result<String, KvEventError> {
+    /// A UTF-8 str, borrowed from the payload.
+    fn str(self) -> Result<&'v str, KvEventError> {
         match self.value {
-            ValueRef::String(s) => s
-                .as_str()
-                .map(str::to_owned)
+            ValueRef::String(s) => (s.as_str())
                 .ok_or_else(|| self.wrong_type("a UTF-8 string", "a string that is not UTF-8")),
             other => Err(self.wrong_type("a string", type_name(other))),
         }
     }
 
+    fn string(self) -> Result<String, KvEventError> {
+        self.str().map(str::to_owned)
+    }
+
     fn medium(self) -> Result<Cow<'static, str>, KvEventError> {
-        match self.value {
-            ValueRef::String(s) => (s.as_str().map(super::medium))
-                .ok_or_else(|| self.wrong_type("a UTF-8 string", "a string that is not UTF-8")),
-            other => Err(self.wrong_type("a string", type_name(other))),
-        }
+        self.str().map(super::medium)
     }
 
     fn block_hash(self) -> Result<BlockHashValue, KvEventError> {

@@ -434,18 +434,20 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn string(&mut self) -> Option<String> {
+    /// A UTF-8 str, borrowed from the payload.
+    fn str(&mut self) -> Option<&'a str> {
         match self.head()? {
-            Head::Str(s) => std::str::from_utf8(s).ok().map(str::to_owned),
+            Head::Str(s) => std::str::from_utf8(s).ok(),
             _ => None,
         }
     }
 
+    fn string(&mut self) -> Option<String> {
+        self.str().map(str::to_owned)
+    }
+
     fn medium(&mut self) -> Option<Cow<'static, str>> {
-        match self.head()? {
-            Head::Str(s) => std::str::from_utf8(s).ok().map(super::medium),
-            _ => None,
-        }
+        self.str().map(super::medium)
     }
 
     /// An int (a negative one as its two's-complement bits) or a byte string (bin or str).
