@@ -391,9 +391,8 @@ impl KvIndexer for KvIndex {
         // each block's record is taken in one access to its entry and the block removed.
         let (tier, mut found) = (tier_index(tier), [None; 32]);
         for batch in engine_hashes.chunks(32) {
-            for (&hash, found) in batch.iter().zip(&mut found) {
-                *found = self.records.locate(slot, hash);
-            }
+            self.records
+                .locate_all(slot, batch, &mut found[..batch.len()]);
             for (&hash, found) in batch.iter().zip(&found) {
                 let removed =
                     found.is_some_and(|entry| self.remove_located(slot, hash, entry, tier));

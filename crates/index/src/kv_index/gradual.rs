@@ -51,6 +51,9 @@ pub(crate) struct Gradual<T> {
     cursor: usize,
     copied: usize,
     resizing: bool,
+    /// Where `table`'s entries lie, once an insertion showed it; `None` again when a resize
+    /// may move them ([`Self::lines`]).
+    lines: Option<Lines<T>>,
 }
 
 impl<T> Default for Gradual<T> {
@@ -61,6 +64,7 @@ impl<T> Default for Gradual<T> {
             cursor: 0,
             copied: 0,
             resizing: false,
+            lines: None,
         }
     }
 }
@@ -176,10 +180,16 @@ impl<T: Hashed> Gradual<T> {
                 return i | OLD;
             }
         }
-        match self.table.entry(hash, eq, T::hash) {
-            hashbrown::hash_table::Entry::Occupied(occupied) => occupied.bucket_index(),
-            hashbrown::hash_table::Entry::Vacant(vacant) => vacant.insert(make()).bucket_index(),
+        let buckets = self.table.num_buckets();
+        let occupied = match self.table.entry(hash, eq, T::hash) {
+            hashbrown::hash_table::Entry::Occupied(occupied) => occupied,
+            hashbrown::hash_table::Entry::Vacant(vacant) => vacant.insert(make()),
+        };
+        let bucket = occupied.bucket_index();
+        if self.lines.is_none() {
+            self.lines = Some(Lines::new(occupied.get(), bucket, buckets));
         }
+        bucket
     }
 
     /// Inserts `value`, whose key must not be there yet.
@@ -203,6 +213,13 @@ impl<T: Hashed> Gradual<T> {
         (self.table.iter()).chain(old.filter_map(|i| self.old.get_bucket(i)))
     }
 
+    /// Where the current table's entries lie, to prefetch the buckets of hashes before they
+    /// are probed: known once an insertion into the current table showed it.
+    #[inline]
+    pub(crate) fn lines(&self) -> Option<Lines<T>> {
+        self.lines
+    }
+
     /// Heap bytes (both tables while resizing).
     #[inline]
     pub(crate) fn memory_bytes(&self) -> usize {
@@ -221,6 +238,8 @@ impl<T: Hashed> Gradual<T> {
     #[cold]
     #[inline(never)]
     fn make_room(&mut self) {
+        // Whatever moves `table` happens here.
+        self.lines = None;
         self.step(STEP);
         if self.table.len() < self.table.capacity() {
             return;
@@ -268,6 +287,46 @@ impl<T: Hashed> Gradual<T> {
             self.old = HashTable::new();
             (self.cursor, self.copied, self.resizing) = (0, 0, false);
         }
+    }
+}
+
+/// The cache lines a hash's first probe reads in one hashbrown table: its bucket's entry and
+/// the group of control bytes from it. hashbrown keeps bucket `i`'s entry at `end - (i + 1) *
+/// size_of::<T>()` and its control byte at `end + i`, and starts a probe at bucket `hash &
+/// (buckets - 1)`; `end` is worked out from an entry whose bucket is known. Only addresses,
+/// for prefetch instructions: were that layout to change, a hint would go to the wrong line
+/// and cost no more than a wasted hint (a test checks the layout).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lines<T> {
+    end: usize,
+    mask: usize,
+    entries: std::marker::PhantomData<T>,
+}
+
+impl<T> Lines<T> {
+    fn new(entry: &T, bucket: usize, buckets: usize) -> Self {
+        let size = std::mem::size_of::<T>();
+        let end = (entry as *const T as usize).wrapping_add((bucket + 1) * size);
+        Self {
+            end,
+            mask: buckets.wrapping_sub(1),
+            entries: std::marker::PhantomData,
+        }
+    }
+
+    /// Where the entry of bucket `bucket` would lie.
+    #[inline]
+    fn entry_at(&self, bucket: usize) -> usize {
+        let size = std::mem::size_of::<T>();
+        self.end.wrapping_sub((bucket + 1) * size)
+    }
+
+    /// Prefetches the first bucket `hash` probes: its entry and its control bytes.
+    #[inline]
+    pub(crate) fn prefetch(&self, hash: u64) {
+        let bucket = hash as usize & self.mask;
+        super::prefetch_at(self.entry_at(bucket) as *const u8);
+        super::prefetch_at(self.end.wrapping_add(bucket) as *const u8);
     }
 }
 
@@ -427,6 +486,34 @@ mod tests {
             assert!(resizing > 100, "{range} keys: resizing {resizing} times");
             assert!(map.0.buckets() > GRADUAL_FROM, "{range} keys");
         }
+    }
+
+    /// The prefetched lines are where hashbrown keeps the entries, through resizes: each
+    /// entry of the current table lies where [`Lines`] says its bucket's entry does (the
+    /// control bytes cannot be seen from outside; a wrong guess there costs a wasted hint).
+    #[test]
+    fn the_lines_are_where_the_entries_are() {
+        let mut map = HashIndex::default();
+        let mut keys = Vec::new();
+        let (mut checked, mut next) = (0, crate::xorshift(0x2545_F491_4F6C_DD1D));
+        for round in 0..3_000u32 {
+            let key = next();
+            map.insert(key, round);
+            keys.push(key);
+            let lines = map.0.lines().expect("known after an insertion");
+            for &key in keys.iter().rev().take(8) {
+                let at = map.0.find(key, |e| e.hash == key).expect("inserted");
+                if at & OLD == 0 {
+                    let entry = map.0.get(at).expect("live");
+                    assert_eq!(lines.entry_at(at), entry as *const ByHash as usize);
+                    checked += 1;
+                }
+            }
+        }
+        assert!(
+            map.0.buckets() > GRADUAL_FROM && checked > 10_000,
+            "{checked}"
+        );
     }
 
     /// A full table resizes to as many buckets where removals left it at most half held, so

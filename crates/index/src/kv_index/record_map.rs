@@ -11,6 +11,7 @@
 use super::gradual::{Gradual, Hashed};
 use super::records::Record;
 use crate::hasher::mix;
+use crate::EngineHash;
 
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]
@@ -144,6 +145,18 @@ impl RecordMap {
 
     pub(crate) fn records(&self) -> impl Iterator<Item = &Record> + '_ {
         self.table.iter().map(|e| &e.record)
+    }
+
+    /// Prefetches the lines of the first probe of each of `keys`, where an insertion showed
+    /// where the table lies: their cache misses then overlap, where probing one key after
+    /// another waits on each in turn.
+    #[inline]
+    pub(crate) fn prefetch(&self, keys: &[EngineHash]) {
+        if let Some(lines) = self.table.lines() {
+            for key in keys {
+                lines.prefetch(mix(key.0));
+            }
+        }
     }
 
     /// Heap bytes (both tables while resizing).

@@ -134,6 +134,7 @@ impl Records {
         let map = &mut self.slots[slot as usize];
         let before = map.memory_bytes();
         entries.clear();
+        map.prefetch(hashes);
         entries.extend(hashes.iter().map(|hash| map.claim(hash.0)));
         self.map_bytes = self.map_bytes + map.memory_bytes() - before;
     }
@@ -169,6 +170,19 @@ impl Records {
     #[inline]
     pub(crate) fn locate(&self, slot: u32, hash: EngineHash) -> Option<usize> {
         self.slots.get(slot as usize)?.find(hash.0)
+    }
+
+    /// [`Self::locate`] of each of `hashes` into `found` (as long), their probes' lines
+    /// prefetched first.
+    #[inline]
+    pub(crate) fn locate_all(&self, slot: u32, hashes: &[EngineHash], found: &mut [Option<usize>]) {
+        let Some(map) = self.slots.get(slot as usize) else {
+            return found.fill(None);
+        };
+        map.prefetch(hashes);
+        for (hash, found) in hashes.iter().zip(found) {
+            *found = map.find(hash.0);
+        }
     }
 
     /// Takes tier `tier` from the record of `hash` of `slot`, which [`Self::locate`] found at
