@@ -7,6 +7,9 @@ use super::records::Record;
 use super::table::{BlockTable, Place};
 use super::{tier_index, KvIndex};
 use crate::hash::hash_into;
+
+/// Lines of an event's tokens prefetched before its blocks are stored (64 bytes each).
+const TOKEN_LINES: usize = 16;
 use crate::{BlockHash, EngineHash, IndexError, ReplicaId, StoredBlocks};
 
 /// Buffers reused across events.
@@ -59,6 +62,11 @@ impl KvIndex {
         if engine != router {
             // Re-blocking records do not keep their blocks' places: blocks found by hash.
             self.table.heads_only();
+        }
+        // The tokens are read to hash them once the parent and the records are found: their
+        // lines asked for now arrive meanwhile.
+        for line in event.token_ids.chunks(16).take(TOKEN_LINES) {
+            super::prefetch(&line[0]);
         }
         let mut scratch = std::mem::take(&mut self.scratch);
         let known = self.slots.get(replica);
