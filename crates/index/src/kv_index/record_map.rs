@@ -151,7 +151,7 @@ impl RecordMap {
     /// where the table lies: their cache misses then overlap, where probing one key after
     /// another waits on each in turn.
     #[inline]
-    pub(crate) fn prefetch(&self, keys: &[EngineHash]) {
+    pub(crate) fn prefetch<'k>(&self, keys: impl Iterator<Item = &'k EngineHash>) {
         if let Some(lines) = self.table.lines() {
             for key in keys {
                 lines.prefetch(mix(key.0));

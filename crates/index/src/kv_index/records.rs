@@ -134,7 +134,6 @@ impl Records {
         let map = &mut self.slots[slot as usize];
         let before = map.memory_bytes();
         entries.clear();
-        map.prefetch(hashes);
         entries.extend(hashes.iter().map(|hash| map.claim(hash.0)));
         self.map_bytes = self.map_bytes + map.memory_bytes() - before;
     }
@@ -172,6 +171,15 @@ impl Records {
         self.slots.get(slot as usize)?.find(hash.0)
     }
 
+    /// Prefetches the lines of the first probes of `hashes` in `slot`'s map (see
+    /// [`RecordMap::prefetch`]).
+    #[inline]
+    pub(crate) fn prefetch<'h>(&self, slot: u32, hashes: impl Iterator<Item = &'h EngineHash>) {
+        if let Some(map) = self.slots.get(slot as usize) {
+            map.prefetch(hashes);
+        }
+    }
+
     /// [`Self::locate`] of each of `hashes` into `found` (as long), their probes' lines
     /// prefetched first.
     #[inline]
@@ -179,7 +187,7 @@ impl Records {
         let Some(map) = self.slots.get(slot as usize) else {
             return found.fill(None);
         };
-        map.prefetch(hashes);
+        map.prefetch(hashes.iter());
         for (hash, found) in hashes.iter().zip(found) {
             *found = map.find(hash.0);
         }

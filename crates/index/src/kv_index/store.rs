@@ -63,13 +63,17 @@ impl KvIndex {
             // Re-blocking records do not keep their blocks' places: blocks found by hash.
             self.table.heads_only();
         }
-        // The tokens are read to hash them once the parent and the records are found: their
-        // lines asked for now arrive meanwhile.
+        // The parent's record, the blocks' records and the tokens are asked for at once, so
+        // that their cache misses overlap: the tokens are hashed once the others are found.
+        let known = self.slots.get(replica);
+        if let Some(slot) = known {
+            let parent = event.parent.as_slice();
+            (self.records).prefetch(slot, parent.iter().chain(event.engine_hashes));
+        }
         for line in event.token_ids.chunks(16).take(TOKEN_LINES) {
             super::prefetch(&line[0]);
         }
         let mut scratch = std::mem::take(&mut self.scratch);
-        let known = self.slots.get(replica);
         let result = self.resolve_parent(known, event, &mut scratch);
         let result = result.map(|(base, base_at)| {
             let slot = known.unwrap_or_else(|| self.slots.get_or_insert(replica));
