@@ -14,7 +14,10 @@
 //!   event whose block size differs from the router's, the table also finds every block by
 //!   hash (those records keep no places).
 //! - An event's blocks are applied in passes: its records' entries claimed first (their
-//!   cache misses overlap), then its router hashes computed, then the changes.
+//!   cache misses overlap), then its router hashes computed, then the changes. Before them,
+//!   the lines the event will read are asked for at once with prefetch instructions: its
+//!   parent's and blocks' records (the map knows where its table lies since its last
+//!   insertion) and its tokens. A batch of removals prefetches its records the same way.
 //!
 //! # Mapping engine blocks to router blocks (re-blocking)
 //! Let `B` be the router's block size and `E` the event's. The chain of router hashes of a
