@@ -7,10 +7,12 @@ use super::records::Record;
 use super::table::{BlockTable, Place};
 use super::{tier_index, KvIndex};
 use crate::hash::hash_into;
-
-/// Lines of an event's tokens prefetched before its blocks are stored (64 bytes each).
-const TOKEN_LINES: usize = 16;
 use crate::{BlockHash, EngineHash, IndexError, ReplicaId, StoredBlocks};
+
+/// Lines of an event's tokens prefetched before its blocks are stored.
+const TOKEN_LINES: usize = 16;
+/// Tokens a 64-byte cache line holds.
+const TOKENS_A_LINE: usize = 64 / std::mem::size_of::<u32>();
 
 /// Buffers reused across events.
 #[derive(Debug, Default)]
@@ -70,7 +72,7 @@ impl KvIndex {
             let parent = event.parent.as_slice();
             (self.records).prefetch(slot, parent.iter().chain(event.engine_hashes));
         }
-        for line in event.token_ids.chunks(16).take(TOKEN_LINES) {
+        for line in event.token_ids.chunks(TOKENS_A_LINE).take(TOKEN_LINES) {
             super::prefetch(&line[0]);
         }
         let mut scratch = std::mem::take(&mut self.scratch);
