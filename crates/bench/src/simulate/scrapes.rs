@@ -8,9 +8,10 @@
 //! and a decision reads the last scrape's gauges. A reading older than the gateway's
 //! `STALE_AFTER` reads as unknown, as there. Each scrape is taken lazily and exactly: an
 //! engine's gauges change only when the simulation changes the engine (a request added, a
-//! step started), so [`Scrapes::catch_up`], called before each such change and before each
-//! decision, reads the engine as it stood at every scrape due since the last change. The
-//! network time of a scrape is not modelled.
+//! step started), so [`Scrapes::catch_up`], called before each such change, reads the engine
+//! as it stood at every scrape due since the last change; a decision reads an engine with a
+//! scrape due since its last change as it is (nothing changed it since), and any other as
+//! its last caught-up scrape read it. The network time of a scrape is not modelled.
 
 use std::borrow::Cow;
 use std::time::Duration;
@@ -85,27 +86,21 @@ impl Scrapes {
         let Some(interval) = self.interval else {
             return;
         };
+        if let Some(last) = self.last_due(e, interval, now) {
+            self.seen[e] = (last, Gauges::of(engine));
+            self.next[e] = last + interval;
+        }
+    }
+
+    /// Engine `e`'s last scrape due by `now` since it was last caught up, if one is.
+    fn last_due(&self, e: usize, interval: Duration, now: Duration) -> Option<Duration> {
         let next = self.next[e];
-        if next > now {
-            return;
-        }
-        // The last scrape due: `next + k * interval` <= `now` < the one after.
-        let k = ((now - next).as_nanos() / interval.as_nanos()) as u32;
-        let last = next + interval * k;
-        self.seen[e] = (last, Gauges::of(engine));
-        self.next[e] = last + interval;
+        // `next + k * interval` <= `now` < the one after.
+        let k = ((now.checked_sub(next)?).as_nanos() / interval.as_nanos()) as u32;
+        Some(next + interval * k)
     }
 
-    /// [`Self::catch_up`] for every engine in `engines`.
-    pub fn catch_up_all(&mut self, engines: &[EngineCore], now: Duration) {
-        if self.interval.is_some() {
-            for (e, engine) in engines.iter().enumerate() {
-                self.catch_up(e, engine, now);
-            }
-        }
-    }
-
-    /// The engines as a decision at `at` sees them (each caught up first).
+    /// The engines as a decision at `at` sees them.
     pub fn view<'a>(&'a self, engines: &'a [EngineCore], at: Duration) -> View<'a> {
         View {
             engines,
@@ -114,10 +109,26 @@ impl Scrapes {
         }
     }
 
-    fn fresh(&self, e: usize, now: Duration) -> Option<&Gauges> {
-        let (at, gauges) = &self.seen[e];
-        (now.saturating_sub(*at) <= STALE_AFTER).then_some(gauges)
+    /// What a decision at `now` reads of engine `e`: `None` where stale.
+    fn reading(&self, e: usize, now: Duration) -> Option<Reading<'_>> {
+        let Some(interval) = self.interval else {
+            return Some(Reading::Live);
+        };
+        // A scrape due since the last change read the engine as it is now.
+        let (at, reading) = match self.last_due(e, interval, now) {
+            Some(last) => (last, Reading::Live),
+            None => (self.seen[e].0, Reading::Scraped(&self.seen[e].1)),
+        };
+        (now.saturating_sub(at) <= STALE_AFTER).then_some(reading)
     }
+}
+
+/// An engine's gauges as a decision reads them.
+enum Reading<'a> {
+    /// As the engine stands.
+    Live,
+    /// As a scrape before its last change read it.
+    Scraped(&'a Gauges),
 }
 
 /// The engines as one decision sees them: their configurations as they are, their gauges as
@@ -132,17 +143,17 @@ impl View<'_> {
     /// Engine `e`'s waiting and running requests and KV usage; `None` where stale.
     pub fn load(&self, e: usize) -> Option<(usize, usize, f64)> {
         let of = |g: &Gauges| (g.waiting, g.running, g.kv_usage);
-        match self.scrapes.interval {
-            None => Some(of(&Gauges::of_load(&self.engines[e]))),
-            Some(_) => self.scrapes.fresh(e, self.at).map(of),
+        match self.scrapes.reading(e, self.at)? {
+            Reading::Live => Some(of(&Gauges::of_load(&self.engines[e]))),
+            Reading::Scraped(gauges) => Some(of(gauges)),
         }
     }
 
     /// Engine `e`'s adapters; `None` where stale.
     pub fn lora(&self, e: usize) -> Option<Cow<'_, LoraState>> {
-        match self.scrapes.interval {
-            None => Some(Cow::Owned(self.engines[e].lora_state())),
-            Some(_) => (self.scrapes.fresh(e, self.at)).map(|g| Cow::Borrowed(&g.lora)),
+        match self.scrapes.reading(e, self.at)? {
+            Reading::Live => Some(Cow::Owned(self.engines[e].lora_state())),
+            Reading::Scraped(gauges) => Some(Cow::Borrowed(&gauges.lora)),
         }
     }
 }
@@ -174,8 +185,7 @@ mod tests {
         engine[0].add_request(request(id)).unwrap();
     }
 
-    fn waiting(scrapes: &mut Scrapes, engine: &[EngineCore], at: Duration) -> Option<usize> {
-        scrapes.catch_up_all(engine, at);
+    fn waiting(scrapes: &Scrapes, engine: &[EngineCore], at: Duration) -> Option<usize> {
         scrapes
             .view(engine, at)
             .load(0)
@@ -194,17 +204,19 @@ mod tests {
         // Two requests before the first scrape, one after it: the scrape saw two.
         add(&mut scrapes, &mut engine, 1, phase - phase.min(ms(1)));
         add(&mut scrapes, &mut engine, 2, phase.saturating_sub(ms(1)));
-        assert_eq!(waiting(&mut scrapes, &engine, phase), Some(2));
+        assert_eq!(waiting(&scrapes, &engine, phase), Some(2));
         add(&mut scrapes, &mut engine, 3, phase + ms(10));
-        assert_eq!(waiting(&mut scrapes, &engine, phase + ms(99)), Some(2));
-        // Three scrapes are due by +350 ms with no change between: the last reads three.
-        assert_eq!(waiting(&mut scrapes, &engine, phase + ms(350)), Some(3));
+        assert_eq!(waiting(&scrapes, &engine, phase + ms(99)), Some(2));
+        // Three scrapes are due by +350 ms with no change between: the last reads three, and
+        // is the one the next change keeps.
+        assert_eq!(waiting(&scrapes, &engine, phase + ms(350)), Some(3));
+        scrapes.catch_up(0, &engine[0], phase + ms(350));
         assert_eq!(scrapes.seen[0].0, phase + ms(300));
         assert_eq!(scrapes.next[0], phase + ms(400));
         // Without scrapes, every decision reads the engine as it is.
         let mut live = Scrapes::new(None, 1, 7);
         add(&mut live, &mut engine, 4, phase + ms(351));
-        assert_eq!(waiting(&mut live, &engine, phase + ms(351)), Some(4));
+        assert_eq!(waiting(&live, &engine, phase + ms(351)), Some(4));
     }
 
     #[test]
@@ -215,10 +227,10 @@ mod tests {
         let mut scrapes = Scrapes::new(Some(ms(5_000)), 1, 3);
         let phase = scrapes.next[0];
         add(&mut scrapes, &mut engine, 1, Duration::ZERO);
-        assert_eq!(waiting(&mut scrapes, &engine, phase), Some(1));
-        assert_eq!(waiting(&mut scrapes, &engine, phase + STALE_AFTER), Some(1));
+        assert_eq!(waiting(&scrapes, &engine, phase), Some(1));
+        assert_eq!(waiting(&scrapes, &engine, phase + STALE_AFTER), Some(1));
         assert_eq!(
-            waiting(&mut scrapes, &engine, phase + STALE_AFTER + ms(1)),
+            waiting(&scrapes, &engine, phase + STALE_AFTER + ms(1)),
             None
         );
         let view = scrapes.view(&engine, phase + STALE_AFTER + ms(1));

@@ -401,7 +401,6 @@ impl<'a> State<'a> {
         };
         let oracle = (self.cfg.ttft_oracle && self.router.halves().is_none())
             .then(|| self.oracle_choice(&req, now));
-        self.scrapes.catch_up_all(&self.engines, now);
         let placement = self.router.place(
             &Arrival {
                 oracle,

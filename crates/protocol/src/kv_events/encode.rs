@@ -2,13 +2,8 @@
 //! [`rmpv::ValueRef`] tree it was written through before is kept for the tests, which hold the
 //! two to the same bytes.
 
-#[cfg(test)]
-use std::iter;
-
 use rmpv::ValueRef;
 
-#[cfg(test)]
-use super::BlockStored;
 use super::{BlockHashValue, KvEvent, KvEventBatch};
 
 /// How [`encode_batch`] lays out events. The batch itself is always the array
@@ -157,26 +152,6 @@ fn write_optional_str(out: &mut Vec<u8>, s: Option<&str>) {
     }
 }
 
-/// [`encode_batch`] through a [`rmpv::ValueRef`] tree of the batch, as it was written before:
-/// the yardstick of its tests.
-#[cfg(test)]
-pub(super) fn encode_batch_via_tree(batch: &KvEventBatch, encoding: Encoding) -> Vec<u8> {
-    let value = ValueRef::Array(vec![
-        ValueRef::F64(batch.ts),
-        ValueRef::Array(
-            batch
-                .events
-                .iter()
-                .map(|event| event_value(event, encoding))
-                .collect(),
-        ),
-        batch.dp_rank.map_or(ValueRef::Nil, ValueRef::from),
-    ]);
-    let mut payload = Vec::new();
-    write_value(&mut payload, &value);
-    payload
-}
-
 const VEC_WRITE: &str = "writing msgpack into a Vec cannot fail";
 
 /// Writes `value` as msgpack, as [`rmpv::encode::write_value_ref`] does except for a str that
@@ -204,99 +179,128 @@ fn write_value(out: &mut Vec<u8>, value: &ValueRef<'_>) {
     }
 }
 
+/// The batch as a [`rmpv::ValueRef`] tree, written out: how [`encode_batch`] wrote it before it
+/// wrote the batch straight out, kept as the yardstick of its tests.
 #[cfg(test)]
-fn event_value(event: &KvEvent, encoding: Encoding) -> ValueRef<'_> {
-    let (kind, fields) = match event {
-        KvEvent::BlockStored(stored) => ("BlockStored", block_stored_fields(stored, encoding)),
-        KvEvent::BlockRemoved(removed) => (
-            "BlockRemoved",
-            vec![
-                ("block_hashes", hashes(&removed.block_hashes)),
-                ("medium", optional_str(removed.medium.as_deref())),
-            ],
-        ),
-        KvEvent::AllBlocksCleared => ("AllBlocksCleared", Vec::new()),
-    };
-    match encoding {
-        Encoding::Map => ValueRef::Map(
-            iter::once(("type", ValueRef::from(kind)))
-                .chain(fields)
-                .map(|(name, value)| (ValueRef::from(name), value))
-                .collect(),
-        ),
-        Encoding::Array => ValueRef::Array(
-            iter::once(ValueRef::from(kind))
-                .chain(fields.into_iter().map(|(_, value)| value))
-                .collect(),
-        ),
-    }
-}
+pub(super) mod tree {
+    use std::iter;
 
-#[cfg(test)]
-/// The fields in wire order, named for the map form.
-fn block_stored_fields(
-    stored: &BlockStored,
-    encoding: Encoding,
-) -> Vec<(&'static str, ValueRef<'_>)> {
-    let mut fields = vec![
-        ("block_hashes", hashes(&stored.block_hashes)),
-        (
-            "parent_block_hash",
-            stored
-                .parent_block_hash
-                .as_ref()
-                .map_or(ValueRef::Nil, hash),
-        ),
-        (
-            "token_ids",
+    use rmpv::ValueRef;
+
+    use super::{write_value, BlockHashValue, Encoding, KvEvent, KvEventBatch};
+    use crate::kv_events::BlockStored;
+
+    /// [`encode_batch`] through a [`rmpv::ValueRef`] tree of the batch, as it was written before:
+    /// the yardstick of its tests.
+    pub(in crate::kv_events) fn encode_batch_via_tree(
+        batch: &KvEventBatch,
+        encoding: Encoding,
+    ) -> Vec<u8> {
+        let value = ValueRef::Array(vec![
+            ValueRef::F64(batch.ts),
             ValueRef::Array(
-                stored
-                    .token_ids
+                batch
+                    .events
                     .iter()
-                    .copied()
-                    .map(ValueRef::from)
+                    .map(|event| event_value(event, encoding))
                     .collect(),
             ),
-        ),
-        ("block_size", ValueRef::from(stored.block_size)),
-        (
-            "lora_id",
-            stored.lora_id.map_or(ValueRef::Nil, ValueRef::from),
-        ),
-        ("medium", optional_str(stored.medium.as_deref())),
-        ("lora_name", optional_str(stored.lora_name.as_deref())),
-    ];
-    let extra_keys = stored.extra_keys.as_ref().map(|keys| {
-        ValueRef::Array(
-            keys.iter()
-                .map(|key| key.as_ref().map_or(ValueRef::Nil, rmpv::Value::as_ref))
-                .collect(),
-        )
-    });
-    match (extra_keys, encoding) {
-        (Some(keys), _) => fields.push(("extra_keys", keys)),
-        (None, Encoding::Array) => fields.push(("extra_keys", ValueRef::Nil)),
-        (None, Encoding::Map) => {}
+            batch.dp_rank.map_or(ValueRef::Nil, ValueRef::from),
+        ]);
+        let mut payload = Vec::new();
+        write_value(&mut payload, &value);
+        payload
     }
-    fields
-}
 
-#[cfg(test)]
-fn hash(hash: &BlockHashValue) -> ValueRef<'_> {
-    match hash {
-        BlockHashValue::U64(hash) => ValueRef::from(*hash),
-        BlockHashValue::Bytes(bytes) => ValueRef::Binary(bytes),
+    fn event_value(event: &KvEvent, encoding: Encoding) -> ValueRef<'_> {
+        let (kind, fields) = match event {
+            KvEvent::BlockStored(stored) => ("BlockStored", block_stored_fields(stored, encoding)),
+            KvEvent::BlockRemoved(removed) => (
+                "BlockRemoved",
+                vec![
+                    ("block_hashes", hashes(&removed.block_hashes)),
+                    ("medium", optional_str(removed.medium.as_deref())),
+                ],
+            ),
+            KvEvent::AllBlocksCleared => ("AllBlocksCleared", Vec::new()),
+        };
+        match encoding {
+            Encoding::Map => ValueRef::Map(
+                iter::once(("type", ValueRef::from(kind)))
+                    .chain(fields)
+                    .map(|(name, value)| (ValueRef::from(name), value))
+                    .collect(),
+            ),
+            Encoding::Array => ValueRef::Array(
+                iter::once(ValueRef::from(kind))
+                    .chain(fields.into_iter().map(|(_, value)| value))
+                    .collect(),
+            ),
+        }
     }
-}
 
-#[cfg(test)]
-fn hashes(hashes: &[BlockHashValue]) -> ValueRef<'_> {
-    ValueRef::Array(hashes.iter().map(hash).collect())
-}
+    /// The fields in wire order, named for the map form.
+    fn block_stored_fields(
+        stored: &BlockStored,
+        encoding: Encoding,
+    ) -> Vec<(&'static str, ValueRef<'_>)> {
+        let mut fields = vec![
+            ("block_hashes", hashes(&stored.block_hashes)),
+            (
+                "parent_block_hash",
+                stored
+                    .parent_block_hash
+                    .as_ref()
+                    .map_or(ValueRef::Nil, hash),
+            ),
+            (
+                "token_ids",
+                ValueRef::Array(
+                    stored
+                        .token_ids
+                        .iter()
+                        .copied()
+                        .map(ValueRef::from)
+                        .collect(),
+                ),
+            ),
+            ("block_size", ValueRef::from(stored.block_size)),
+            (
+                "lora_id",
+                stored.lora_id.map_or(ValueRef::Nil, ValueRef::from),
+            ),
+            ("medium", optional_str(stored.medium.as_deref())),
+            ("lora_name", optional_str(stored.lora_name.as_deref())),
+        ];
+        let extra_keys = stored.extra_keys.as_ref().map(|keys| {
+            ValueRef::Array(
+                keys.iter()
+                    .map(|key| key.as_ref().map_or(ValueRef::Nil, rmpv::Value::as_ref))
+                    .collect(),
+            )
+        });
+        match (extra_keys, encoding) {
+            (Some(keys), _) => fields.push(("extra_keys", keys)),
+            (None, Encoding::Array) => fields.push(("extra_keys", ValueRef::Nil)),
+            (None, Encoding::Map) => {}
+        }
+        fields
+    }
 
-#[cfg(test)]
-fn optional_str(s: Option<&str>) -> ValueRef<'_> {
-    s.map_or(ValueRef::Nil, ValueRef::from)
+    fn hash(hash: &BlockHashValue) -> ValueRef<'_> {
+        match hash {
+            BlockHashValue::U64(hash) => ValueRef::from(*hash),
+            BlockHashValue::Bytes(bytes) => ValueRef::Binary(bytes),
+        }
+    }
+
+    fn hashes(hashes: &[BlockHashValue]) -> ValueRef<'_> {
+        ValueRef::Array(hashes.iter().map(hash).collect())
+    }
+
+    fn optional_str(s: Option<&str>) -> ValueRef<'_> {
+        s.map_or(ValueRef::Nil, ValueRef::from)
+    }
 }
 
 #[cfg(test)]

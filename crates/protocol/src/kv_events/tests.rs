@@ -1020,7 +1020,7 @@ fn the_direct_writer_writes_what_the_tree_writes() {
             let ours = encode_batch(batch, encoding);
             assert_eq!(
                 ours,
-                encode::encode_batch_via_tree(batch, encoding),
+                encode::tree::encode_batch_via_tree(batch, encoding),
                 "{batch:?}"
             );
         }
